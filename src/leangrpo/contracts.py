@@ -1,0 +1,206 @@
+"""The typed records that flow between roles.
+
+One place for the shapes every role agrees on, so that a rollout engine, the reward pool,
+the packer, the scorer and the loss can be written and tested apart:
+
+    Prompt ──engine──► Completion ──rewards──► RolloutSample ──packing──► PackedBatch
+                                                                            │ scorer
+                                                  LossOutputs ◄──loss── LossInputs
+
+Tensor shapes are given in the comments: N = real tokens in a packed row, S = sequences
+in it, T = completion tokens in it (the only positions that get log-probs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # torch stays out of modules that only need the records' shapes
+    from collections.abc import Iterable
+
+    from torch import Tensor
+
+FinishReason = Literal["stop", "length", "error"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How an engine samples; the trainer applies the same transformation to its log-probs."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = no top-k filter
+    top_p: float = 1.0  # 1.0 = no nucleus filter
+    min_p: float = 0.0  # 0.0 = no min-p filter
+    max_new_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass
+class Prompt:
+    """One prompt as the data role hands it out: rendered text, token ids, extra columns."""
+
+    uid: int  # stable index of the row in its dataset (used for re-rolls and resume)
+    text: str  # after the chat template, exactly what is tokenised
+    ids: list[int]
+    columns: dict[str, Any] = field(default_factory=dict)  # passed to reward functions
+
+
+@dataclass
+class Completion:
+    """One generation from an engine."""
+
+    ids: list[int]
+    text: str
+    logprobs: list[float]  # behaviour log-prob of each token in ids, after temperature+filters
+    finish_reason: FinishReason
+    version: int  # policy version of the weights that generated it
+
+
+@dataclass
+class RolloutSample:
+    """A prompt, one of its G completions, its rewards and its advantage."""
+
+    group_id: int  # the G samples of one prompt share it
+    prompt: Prompt
+    completion: Completion
+    rewards: dict[str, float | None] = field(default_factory=dict)  # per function; None = unscored
+    reward: float | None = None  # weighted sum; None when any weighted function gave None
+    advantage: float = 0.0
+    replayed: bool = False  # came from the replay buffer, not from fresh generation
+
+    @property
+    def version(self) -> int:
+        return self.completion.version
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt.ids) + len(self.completion.ids)
+
+
+@dataclass
+class RolloutBatch:
+    """One generation batch: groups of G consecutive samples sharing a group_id."""
+
+    samples: list[RolloutSample]
+    group_size: int
+    metrics: dict[str, float] = field(default_factory=dict)  # generation/reward metrics
+
+    def groups(self) -> list[list[RolloutSample]]:
+        g = self.group_size
+        return [self.samples[i : i + g] for i in range(0, len(self.samples), g)]
+
+
+@dataclass
+class PackedBatch:
+    """Sequences laid end to end in one row of real tokens; the only batch layout we use.
+
+    `completion_index[t]` is the position whose final hidden state predicts completion token
+    `targets[t]` (the position just before it), so log-probs are taken only there.
+    """
+
+    input_ids: Tensor  # (1, N) int64
+    position_ids: Tensor  # (1, N) int64, restarting at 0 for each sequence
+    cu_seqlens: Tensor  # (S + 1,) int32, sequence boundaries in the row
+    max_seqlen: int
+    completion_index: Tensor  # (T,) int64, positions in [0, N)
+    targets: Tensor  # (T,) int64, completion token ids
+    token_seq: Tensor  # (T,) int64, sequence index in [0, S) of each completion token
+    completion_lens: Tensor  # (S,) int64, completion tokens per sequence
+    sample_index: Tensor  # (S,) int64, index of each sequence in its RolloutBatch
+    advantages: Tensor  # (S,) float32
+    truncated: Tensor  # (S,) bool, finish_reason == "length"
+    behaviour_logprobs: Tensor  # (T,) float32, from the engine
+    old_logprobs: Tensor | None = None  # (T,) float32, trainer's no-grad pass (decoupled IS)
+    ref_logprobs: Tensor | None = None  # (T,) float32, reference policy (beta > 0)
+    versions: Tensor | None = None  # (S,) int64, policy version that generated each sequence
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.cu_seqlens.numel() - 1)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return int(self.targets.numel())
+
+    def to(self, device: Any) -> PackedBatch:
+        import torch
+
+        moved = {
+            name: (value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value)
+            for name, value in self.__dict__.items()
+        }
+        return PackedBatch(**moved)
+
+
+@dataclass(frozen=True)
+class LossNormalisers:
+    """Global counts that make a token-level loss exact under any micro-batching.
+
+    They are counted over the whole optimizer step (all micro-batches, and all ranks where
+    the name says global) before the first micro-batch runs.
+    """
+
+    sequences: int  # sequences in this optimizer step on this rank
+    tokens: int  # completion tokens (unmasked) in this optimizer step on this rank
+    global_tokens: int  # completion tokens in the optimizer step, summed over ranks
+    world_size: int = 1
+    max_completion_length: int = 1
+
+
+@dataclass
+class LossInputs:
+    """Per-token tensors on the packed layout of one micro-batch; never padding."""
+
+    logprobs: Tensor  # (T,) current policy, carries grad
+    old_logprobs: Tensor  # (T,) denominator of the ratio (trainer's old or the behaviour's)
+    advantages: Tensor  # (T,) per token (each sequence's advantage repeated)
+    mask: Tensor  # (T,) float32, 1 = token counts in the loss
+    token_seq: Tensor  # (T,) int64, sequence index in [0, num_sequences)
+    num_sequences: int  # S of this micro-batch
+    ref_logprobs: Tensor | None = None  # (T,) reference policy, needed when beta > 0
+    is_weights: Tensor | None = None  # (T,) detached off-policy correction weights
+    entropy: Tensor | None = None  # (T,) per-token entropy, for metrics/masking
+
+
+@dataclass
+class LossOutputs:
+    loss: Tensor  # scalar; already divided by the global normalisers: just call backward()
+    metrics: dict[str, Tensor]  # sums over this micro-batch; see loss.METRIC_COUNTS
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the pipeline needs of a generator (hf in-process, vLLM colocated or server).
+
+    An engine holds one policy version at a time; `generate` refuses a request tagged with
+    a version it does not hold, so a sample's version is never a guess.
+    """
+
+    @property
+    def version(self) -> int: ...
+
+    def generate(
+        self, prompts: list[Prompt], params: SamplingParams, n: int, version: int
+    ) -> list[list[Completion]]:
+        """n completions per prompt, in prompt order."""
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Load full weights (or LoRA adapter tensors, by their peft names) as `version`."""
+        ...
+
+    def load_adapter(self, path: str, version: int) -> None:
+        """Load a LoRA adapter saved by peft at `path` as `version`."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class EngineVersionError(RuntimeError):
+    """A generation request named a policy version the engine does not hold."""
