@@ -1,0 +1,39 @@
+# The two commands of the README: `make demo` (train the bundled demo) and `make test`.
+# Both create .venv on first use and install what they need; nothing else is assumed.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-main test-vllm setup setup-vllm lint clean
+
+setup: $(STAMP)
+
+# torch==2.13.0 first and explicitly: on machines with the CPU wheel on disk pip takes it
+# instead of pulling a multi-GB CUDA build; on a GPU machine it is the regular CUDA wheel.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev,tensorboard]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/leangrpo train examples/demo.yaml
+
+test: test-main test-vllm
+
+test-main: $(STAMP)
+	bash scripts/run_tests.sh $(BIN)/pytest -q
+
+setup-vllm:
+	bash scripts/setup_vllm_venv.sh
+
+test-vllm: setup-vllm
+	bash scripts/run_tests.sh .venv-vllm/bin/pytest -q -m vllm tests/rollout/test_vllm.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks scripts
+
+clean:
+	rm -rf $(VENV) .venv-vllm runs

@@ -1,0 +1,5 @@
+import sys
+
+from leangrpo.cli import main
+
+sys.exit(main())

@@ -1,0 +1,83 @@
+"""`leangrpo train | plan | report | serve`: thin entry points, heavy imports deferred.
+
+Errors that are the user's to fix (config, data, reward functions) print one sentence and
+exit with status 2; everything else keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="leangrpo", description="Memory-lean, asynchronous GRPO training."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, text in [("train", "train a policy with GRPO"),
+                       ("plan", "estimate the memory a config needs, without loading the model")]:
+        p = sub.add_parser(name, help=text, description=text)
+        p.add_argument("config", help="YAML config file")
+        p.add_argument("--set", dest="overrides", action="append", default=[],
+                       metavar="KEY=VALUE", help="override a config value, e.g. train.learning_rate=1e-5")
+        if name == "plan":
+            p.add_argument("--tokens", type=int, default=None,
+                           help="tokens per micro-batch to plan for (default: train.micro_batch_tokens)")
+    rep = sub.add_parser("report", help="summarise a run directory (and plot it if matplotlib is installed)")
+    rep.add_argument("run_dir")
+    sub.add_parser("serve", help="start a vLLM server with leangrpo's weight-sync extension",
+                   add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        from leangrpo.rollout.vllm import serve_main
+
+        return serve_main(argv[1:])
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return _dispatch(args)
+    except KeyboardInterrupt:
+        print("leangrpo: interrupted; the last complete checkpoint is intact", file=sys.stderr)
+        return 130
+    except Exception as exc:  # user errors: one sentence, no traceback
+        if _is_user_error(exc):
+            print(f"leangrpo: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+def _dispatch(args) -> int:
+    if args.command == "train":
+        from leangrpo.config import load_config
+        from leangrpo.trainer import train
+
+        final = train(load_config(args.config, args.overrides))
+        print({k: round(v, 4) for k, v in final.items()})
+        return 0
+    if args.command == "plan":
+        from leangrpo.config import load_config
+        from leangrpo.planner import plan_memory, render_plan
+
+        cfg = load_config(args.config, args.overrides)
+        print(render_plan(plan_memory(cfg, tokens=args.tokens)))
+        return 0
+    from leangrpo.report import report
+
+    print(report(args.run_dir))
+    return 0
+
+
+def _is_user_error(exc: Exception) -> bool:
+    from leangrpo.errors import USER_ERRORS
+
+    return isinstance(exc, USER_ERRORS)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

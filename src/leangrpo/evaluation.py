@@ -1,0 +1,62 @@
+"""Evaluation on held-out prompts: generate, score with the same reward functions, average.
+
+Greedy by default (`eval.temperature = 0`), so the curve moves only when the policy does.
+Rewards that fail are counted and left out of the mean, as in training.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+import numpy as np
+
+from leangrpo.contracts import Prompt, RolloutSample, SamplingParams
+
+
+class Evaluator:
+    def __init__(self, engine, rewards, prompts: list[Prompt], cfg, *, engine_lock: threading.Lock,
+                 reward_lock: threading.Lock, shared_weights: bool):
+        self.engine = engine
+        self.rewards = rewards
+        limit = cfg.eval.num_prompts
+        self.prompts = prompts[:limit] if limit else prompts
+        self.n = cfg.eval.num_generations
+        self.params = SamplingParams(
+            temperature=cfg.eval.temperature, top_k=cfg.rollout.top_k, min_p=cfg.rollout.min_p,
+            max_new_tokens=cfg.rollout.max_new_tokens, stop=tuple(cfg.rollout.stop),
+            seed=cfg.run.seed + 7919,
+        )
+        self.engine_lock = engine_lock
+        self.reward_lock = reward_lock
+        self.shared_weights = shared_weights
+
+    def run(self, version: int, step: int) -> dict[str, float]:
+        if not self.prompts:
+            return {}
+        with self.engine_lock:
+            if self.shared_weights:  # same weights object as the trainer: only the tag moves
+                self.engine.update_weights((), version)
+            groups = self.engine.generate(self.prompts, replace(self.params), self.n,
+                                          self.engine.version)
+            evaluated_version = self.engine.version
+        samples = [RolloutSample(group_id=i, prompt=p, completion=c)
+                   for i, (p, cs) in enumerate(zip(self.prompts, groups)) for c in cs]
+        with self.reward_lock:
+            self.rewards.score(samples)
+        return eval_metrics(samples, evaluated_version)
+
+
+def eval_metrics(samples: list[RolloutSample], version: int) -> dict[str, float]:
+    scored = [s.reward for s in samples if s.reward is not None]
+    metrics = {
+        "eval/reward": float(np.mean(scored)) if scored else float("nan"),
+        "eval/failures": float(len(samples) - len(scored)),
+        "eval/completion_length": float(np.mean([len(s.completion.ids) for s in samples])),
+        "eval/version": float(version),
+    }
+    names = {name for s in samples for name in s.rewards}
+    for name in sorted(names):
+        values = [s.rewards[name] for s in samples if s.rewards.get(name) is not None]
+        metrics[f"eval/reward/{name}"] = float(np.mean(values)) if values else float("nan")
+    return metrics

@@ -1,0 +1,192 @@
+"""The policy: loading, LoRA, gradient checkpointing, and the packed scoring forward.
+
+Scoring never builds logits for prompt tokens: the backbone runs once over the packed row
+(real tokens only), the final hidden states are gathered at the T positions that predict
+completion tokens, and the chunked lm_head turns those (T, H) rows into log-probs without
+ever holding a (T, V) tensor. Reference log-probs come from the same forward with LoRA
+adapters disabled, or from a frozen copy when training all weights with beta > 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from leangrpo.attention import enable_packed_attention, packed_model_kwargs
+from leangrpo.contracts import PackedBatch, SamplingParams
+from leangrpo.logprobs import token_logprobs
+from leangrpo.offload import ActivationOffloader, enable_gradient_checkpointing
+
+log = logging.getLogger("leangrpo")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Policy:
+    """The trained model and what scoring needs to know about it."""
+
+    model: nn.Module  # a transformers causal LM, or a peft model wrapping one
+    tokenizer: Any
+    reference: nn.Module | None  # frozen copy for full fine-tuning with beta > 0, else None
+    device: torch.device
+    is_lora: bool
+    offloader: ActivationOffloader | None = None
+    attention_backend: str = "sdpa_segments"
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def named_trainable_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """What weight sync sends: the adapter only for LoRA, every weight otherwise."""
+        if self.is_lora:
+            return [(n, p.detach()) for n, p in self.model.named_parameters() if p.requires_grad]
+        return [(n, t.detach()) for n, t in self.model.state_dict().items()]
+
+
+def resolve_device(setting: str) -> torch.device:
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("run.device is 'cuda' but no CUDA device is visible; set run.device=cpu")
+    return torch.device(setting)
+
+
+def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
+    if setting != "auto":
+        return DTYPES[setting]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def load_tokenizer(model_cfg) -> Any:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_cfg.name_or_path,
+        revision=model_cfg.revision,
+        trust_remote_code=model_cfg.trust_remote_code,
+    )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def load_policy(cfg, tokenizer, device: torch.device) -> Policy:
+    """Model from cfg.model, wrapped with LoRA if asked, packed attention, checkpointing."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    model = AutoModelForCausalLM.from_pretrained(
+        cfg.model.name_or_path,
+        dtype=dtype,
+        revision=cfg.model.revision,
+        trust_remote_code=cfg.model.trust_remote_code,
+    ).to(device)
+    backend = enable_packed_attention(model, cfg.packing.attention_backend)
+    reference = None
+    if cfg.loss.beta > 0 and not cfg.lora.enabled:
+        reference = copy.deepcopy(model).eval().requires_grad_(False)
+    if cfg.lora.enabled:
+        model = _wrap_lora(model, cfg.lora)
+    offloader = None
+    if cfg.model.gradient_checkpointing or cfg.offload.activations != "none":
+        offloader = enable_gradient_checkpointing(
+            model,
+            offload=cfg.offload.activations,
+            keep_on_device=cfg.offload.keep_last_layers,
+            min_tensor_bytes=cfg.offload.min_tensor_bytes,
+        )
+    model.train()
+    return Policy(model, tokenizer, reference, device, cfg.lora.enabled, offloader, backend)
+
+
+def _wrap_lora(model: nn.Module, lora_cfg) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=lora_cfg.r,
+        lora_alpha=lora_cfg.alpha,
+        lora_dropout=lora_cfg.dropout,
+        target_modules=lora_cfg.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
+
+
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    lm = causal_lm(model)
+    return lm.get_decoder(), lm.get_output_embeddings()
+
+
+def completion_hidden(model: nn.Module, batch: PackedBatch) -> torch.Tensor:
+    """Final hidden states (T, H) at the positions that predict completion tokens."""
+    backbone, _ = backbone_and_head(model)
+    out = backbone(
+        input_ids=batch.input_ids,
+        position_ids=batch.position_ids,
+        use_cache=False,
+        **packed_model_kwargs(batch),
+    )
+    return out.last_hidden_state[0].index_select(0, batch.completion_index)
+
+
+def score(
+    model: nn.Module,
+    batch: PackedBatch,
+    sampling: SamplingParams,
+    logprob_cfg,
+    *,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-completion-token log-probs (T,) under the engine's sampling transformation."""
+    hidden = completion_hidden(model, batch)
+    _, head = backbone_and_head(model)
+    return token_logprobs(
+        hidden,
+        head.weight,
+        batch.targets,
+        getattr(head, "bias", None),
+        chunked=logprob_cfg.chunked,
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        min_p=sampling.min_p,
+        with_entropy=with_entropy,
+        row_tile=logprob_cfg.row_tile,
+        vocab_tile=logprob_cfg.vocab_tile,
+    )
+
+
+@torch.no_grad()
+def reference_logprobs(policy: Policy, batch: PackedBatch, sampling, logprob_cfg) -> torch.Tensor:
+    """Log-probs of the reference policy: adapters off (LoRA) or the frozen copy."""
+    if policy.reference is not None:
+        return score(policy.reference, batch, sampling, logprob_cfg)[0]
+    if not policy.is_lora:
+        raise RuntimeError("a reference pass was asked for but no reference policy exists")
+    with policy.model.disable_adapter():
+        return score(policy.model, batch, sampling, logprob_cfg)[0]
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module):
+    """No dropout for the no-grad scoring passes, restored afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)

@@ -1,0 +1,44 @@
+"""Builds the rollout and evaluation engines a config asks for.
+
+- hf, sync: one engine generating with the trainer's own model object (no copy at all).
+- hf, async: the producer thread generates from its own copy of the weights, refreshed by
+  weight sync; evaluation uses the trainer's model in the main thread.
+- vllm: one engine (colocated or servers) used for both, under the producer's lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from leangrpo.contracts import RolloutEngine
+
+
+@dataclass
+class Engines:
+    rollout: RolloutEngine
+    eval: RolloutEngine
+    rollout_shares_weights: bool  # generates with the trainer's live weights (tag-only sync)
+    eval_shares_weights: bool
+
+
+def make_engines(cfg, policy) -> Engines:
+    if cfg.rollout.engine == "hf":
+        return _hf_engines(cfg, policy)
+    return _vllm_engines(cfg, policy)
+
+
+def _hf_engines(cfg, policy) -> Engines:
+    from leangrpo.rollout.hf import HFEngine
+
+    live = HFEngine(policy.model, policy.tokenizer, share_weights=True, device=policy.device)
+    if cfg.pipeline.mode == "sync":
+        return Engines(live, live, True, True)
+    own = HFEngine(policy.model, policy.tokenizer, share_weights=False, device=policy.device)
+    return Engines(own, live, False, True)
+
+
+def _vllm_engines(cfg, policy) -> Engines:
+    from leangrpo.rollout.vllm import make_vllm_engine
+
+    engine = make_vllm_engine(cfg, policy)
+    return Engines(engine, engine, False, False)

@@ -1,0 +1,180 @@
+"""One optimizer step on packed micro-batches, and the no-grad passes that precede it.
+
+A generation batch is cut into `steps_per_generation` optimizer steps (whole groups each),
+every step into micro-batches of at most `micro_batch_tokens` real tokens, packed once and
+reused for all `mu` iterations. Before the first update, the no-grad passes fill in what
+the loss needs beyond the current log-probs:
+
+- old log-probs (the ratio's denominator): a separate pass only when the weights will have
+  moved before a micro-batch is trained on (mu > 1 or several steps per batch); otherwise
+  they are the detached current log-probs and cost nothing. In `bypass` mode the
+  behaviour log-probs from the engine stand in for them.
+- reference log-probs, only when beta > 0.
+
+The loss of each micro-batch is already divided by normalisers counted over the whole
+step, so summing micro-batch gradients gives the step's exact gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from leangrpo.contracts import LossInputs, LossNormalisers, PackedBatch, RolloutSample
+from leangrpo.loss import compute_loss, importance_weights
+from leangrpo.model import Policy, eval_mode, reference_logprobs, score
+from leangrpo.packing import pack_samples, plan_micro_batches
+
+
+@dataclass
+class StepResult:
+    metrics: dict[str, float]
+    updated: bool  # False when a non-finite loss or gradient skipped the update
+
+
+def plan_steps(samples: list[RolloutSample], group_size: int, cfg, device) -> list[list[PackedBatch]]:
+    """Cut a batch into optimizer steps of whole groups, each into packed micro-batches."""
+    steps = []
+    for step_samples in _split_by_groups(samples, cfg.train.steps_per_generation):
+        lengths = [s.num_tokens for s in step_samples]
+        plan = plan_micro_batches(lengths, cfg.train.micro_batch_tokens, cfg.packing.balance)
+        steps.append([pack_samples([step_samples[i] for i in idx], device=device) for idx in plan])
+    return steps
+
+
+def _split_by_groups(samples: list[RolloutSample], parts: int) -> list[list[RolloutSample]]:
+    groups: dict[int, list[RolloutSample]] = defaultdict(list)
+    for s in samples:
+        groups[s.group_id].append(s)
+    ordered = list(groups.values())
+    parts = max(1, min(parts, len(ordered)))
+    bounds = [round(i * len(ordered) / parts) for i in range(parts + 1)]
+    return [[s for g in ordered[a:b] for s in g] for a, b in zip(bounds, bounds[1:])]
+
+
+def needs_old_pass(cfg, num_steps: int) -> bool:
+    reused = cfg.loss.mu > 1 or num_steps > 1
+    return cfg.loss.is_correction != "bypass" and reused
+
+
+@torch.no_grad()
+def attach_old_and_ref(policy: Policy, steps: list[list[PackedBatch]], cfg, sampling) -> None:
+    """Fill in old and reference log-probs on every micro-batch before the first update."""
+    want_old = needs_old_pass(cfg, len(steps))
+    want_ref = cfg.loss.beta > 0
+    if not (want_old or want_ref):
+        return
+    with eval_mode(policy.model):
+        for mb in (mb for step in steps for mb in step):
+            if want_old:
+                mb.old_logprobs = score(policy.model, mb, sampling, cfg.logprobs)[0].float()
+            if want_ref:
+                mb.ref_logprobs = reference_logprobs(policy, mb, sampling, cfg.logprobs).float()
+
+
+def normalisers(micro_batches: list[PackedBatch], cfg, world_size: int = 1) -> LossNormalisers:
+    sequences = sum(mb.num_sequences for mb in micro_batches)
+    tokens = int(sum(token_mask(mb, cfg).sum().item() for mb in micro_batches))
+    return LossNormalisers(
+        sequences=sequences,
+        tokens=max(tokens, 1),
+        global_tokens=max(tokens, 1) * world_size,  # single process: local == global
+        world_size=world_size,
+        max_completion_length=cfg.rollout.max_new_tokens,
+    )
+
+
+def token_mask(mb: PackedBatch, cfg) -> torch.Tensor:
+    """(T,) 1.0 for tokens in the loss; truncated completions drop out when asked."""
+    mask = torch.ones_like(mb.behaviour_logprobs, dtype=torch.float32)
+    if cfg.loss.mask_truncated_completions:
+        mask = mask * (~mb.truncated).float()[mb.token_seq]
+    return mask
+
+
+def loss_inputs(mb: PackedBatch, logprobs, entropy, cfg) -> tuple[LossInputs, dict[str, float]]:
+    """The loss's view of a micro-batch, with the off-policy correction chosen in config."""
+    mask = token_mask(mb, cfg)
+    behaviour = mb.behaviour_logprobs
+    old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach().float()
+    weights, metrics = None, {}
+    if cfg.loss.is_correction == "bypass":
+        old = behaviour
+    elif cfg.loss.is_correction == "decoupled":
+        weights, is_metrics = importance_weights(
+            old, behaviour, mb.token_seq, mb.num_sequences, mask,
+            mode=cfg.loss.is_mode, cap=cfg.loss.is_cap, min_weight=cfg.loss.is_min,
+        )
+        metrics = {k: float(v) for k, v in is_metrics.items()}
+    inputs = LossInputs(
+        logprobs=logprobs.float(),
+        old_logprobs=old,
+        advantages=mb.advantages[mb.token_seq],
+        mask=mask,
+        token_seq=mb.token_seq,
+        num_sequences=mb.num_sequences,
+        ref_logprobs=mb.ref_logprobs,
+        is_weights=weights,
+        entropy=entropy,
+    )
+    return inputs, metrics
+
+
+def train_step(policy: Policy, micro_batches: list[PackedBatch], optimizer, cfg, sampling,
+               loss_cfg) -> StepResult:
+    """Accumulate gradients over the micro-batches, clip, and step unless non-finite."""
+    norm = normalisers(micro_batches, cfg)
+    sums: dict[str, float] = defaultdict(float)
+    is_metrics: dict[str, list[float]] = defaultdict(list)
+    total_loss = 0.0
+    for mb in micro_batches:
+        with _offload_scope(policy):
+            logprobs, entropy = score(policy.model, mb, sampling, cfg.logprobs, with_entropy=True)
+            inputs, mb_is = loss_inputs(mb, logprobs, entropy, cfg)
+            out = compute_loss(inputs, norm, loss_cfg)
+            out.loss.backward()
+        total_loss += float(out.loss.detach())
+        for k, v in out.metrics.items():
+            sums[k] += float(v)
+        for k, v in mb_is.items():
+            is_metrics[k].append(v)
+    grad_norm = _clip_gradients(policy, cfg.train.max_grad_norm)
+    updated = math.isfinite(total_loss) and math.isfinite(grad_norm)
+    if updated:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    metrics = _step_metrics(sums, is_metrics, total_loss, grad_norm, micro_batches)
+    return StepResult(metrics, updated)
+
+
+def _offload_scope(policy: Policy):
+    import contextlib
+
+    return policy.offloader.step() if policy.offloader is not None else contextlib.nullcontext()
+
+
+def _clip_gradients(policy: Policy, max_norm: float | None) -> float:
+    params = [p for p in policy.trainable_parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    limit = max_norm if max_norm is not None else float("inf")
+    return float(torch.nn.utils.clip_grad_norm_(params, limit))
+
+
+def _step_metrics(sums, is_metrics, total_loss, grad_norm, micro_batches) -> dict[str, float]:
+    from leangrpo.loss import reduce_metrics
+
+    metrics = {f"loss/{k}": v for k, v in reduce_metrics(dict(sums)).items()}
+    for k, values in is_metrics.items():
+        reduce = {"min": min, "max": max}.get(k.rsplit("_", 1)[-1], lambda v: sum(v) / len(v))
+        metrics[k] = reduce(values)
+    metrics.update({
+        "loss": total_loss,
+        "grad_norm": grad_norm,
+        "packing/micro_batches": float(len(micro_batches)),
+        "packing/tokens": float(sum(mb.num_tokens for mb in micro_batches)),
+    })
+    return metrics

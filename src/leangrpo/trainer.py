@@ -1,0 +1,273 @@
+"""The GRPO loop: produce -> score -> optimise -> sync -> log -> checkpoint.
+
+Everything expensive is set up in `Trainer.__init__` after every cheap check has passed
+(config, data file and columns, reward functions), so bad input fails in a second with
+one sentence. `Trainer.train()` then reads as the algorithm: take a scored rollout batch
+from the producer (sync or async), pack it, fill in old/reference log-probs, run `mu`
+iterations of optimizer steps over it, hand new weights to the generator, and log,
+evaluate and checkpoint on schedule.
+
+The policy version counts successful optimizer updates; every sample carries the version
+that generated it, so staleness is measured, never assumed.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from leangrpo import checkpoint as ckpt
+from leangrpo.config import Config
+from leangrpo.contracts import RolloutBatch, SamplingParams
+from leangrpo.data import PromptSampler, check_data, load_prompts
+from leangrpo.evaluation import Evaluator
+from leangrpo.loss import LossConfig
+from leangrpo.metrics import MetricsLogger
+from leangrpo.model import Policy, load_policy, load_tokenizer, resolve_device
+from leangrpo.pipeline import AsyncProducer, BatchFinisher, ReplayBuffer, RolloutSettings, RolloutWorker, SyncProducer
+from leangrpo.rewards import RewardPool, check_rewards
+from leangrpo.rollout.factory import make_engines
+from leangrpo.step import attach_old_and_ref, plan_steps, train_step
+
+log = logging.getLogger("leangrpo")
+
+
+def validate_inputs(cfg: Config) -> None:
+    """The cheap checks that must pass before any model loads."""
+    check_data(cfg.data)
+    check_rewards(cfg.rewards)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        validate_inputs(cfg)
+        self.cfg = cfg
+        self.out = Path(cfg.run.output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        cfg.save(self.out / "config.yaml")
+        if cfg.run.num_threads:
+            torch.set_num_threads(cfg.run.num_threads)
+        seed_everything(cfg.run.seed)
+        self.step = 0  # optimizer steps taken (including skipped ones)
+        self.version = 0  # successful updates: the policy version
+        self.skipped = 0
+        self._build(cfg)
+
+    # -- set-up --------------------------------------------------------------------------
+    def _build(self, cfg: Config) -> None:
+        device = resolve_device(cfg.run.device)
+        tokenizer = load_tokenizer(cfg.model)
+        train_prompts, eval_prompts = load_prompts(cfg.data, tokenizer, cfg.run.seed)
+        self.policy: Policy = load_policy(cfg, tokenizer, device)
+        self.optimizer = torch.optim.AdamW(
+            self.policy.trainable_parameters(),
+            lr=cfg.train.learning_rate,
+            betas=(cfg.train.adam_beta1, cfg.train.adam_beta2),
+            eps=cfg.train.adam_eps,
+            weight_decay=cfg.train.weight_decay,
+        )
+        self.scheduler = make_scheduler(self.optimizer, cfg)
+        self.loss_cfg = LossConfig.from_config(cfg.loss)
+        self.sampling = sampling_params(cfg)
+        self.rewards = RewardPool(cfg.rewards)
+        engines = make_engines(cfg, self.policy)
+        self.live_engine = engines.rollout_shares_weights
+        reward_lock = threading.Lock()  # the producer thread and evaluation share the pool
+        self.producer = self._make_producer(cfg, engines.rollout, train_prompts, reward_lock)
+        eval_lock = self.producer.engine_lock if engines.eval is engines.rollout else threading.Lock()
+        self.evaluator = Evaluator(engines.eval, self.rewards, eval_prompts, cfg,
+                                   engine_lock=eval_lock, reward_lock=reward_lock,
+                                   shared_weights=engines.eval_shares_weights)
+        self.logger = MetricsLogger(
+            self.out, cfg.logging.backends, cfg.logging.progress_bar, cfg.run.max_steps,
+            run_name=cfg.logging.run_name, config_dict=cfg.model_dump(),
+        )
+        self._maybe_resume()
+
+    def _make_producer(self, cfg: Config, engine, prompts, reward_lock):
+        sampler = PromptSampler(prompts, cfg.rollout.prompts_per_batch, cfg.run.seed,
+                                cfg.data.shuffle)
+        settings = RolloutSettings(
+            group_size=cfg.rollout.num_generations,
+            prompts_per_batch=cfg.rollout.prompts_per_batch,
+            sampling=self.sampling,
+            scale_rewards=cfg.loss.scale_rewards,
+            seed=cfg.run.seed,
+            updates_per_batch=cfg.loss.mu * cfg.train.steps_per_generation,
+        )
+        worker = RolloutWorker(engine, self.rewards, sampler, settings, reward_lock)
+        pipe = cfg.pipeline
+        finisher = BatchFinisher(
+            settings,
+            max_staleness=pipe.max_staleness if pipe.mode == "async" else 0,
+            replay=ReplayBuffer(pipe.replay.capacity) if pipe.replay.enabled else None,
+            reroll_attempts=pipe.reroll.max_attempts if pipe.reroll.enabled else 0,
+            sampler=sampler,
+            sampler_lock=worker.sampler_lock,
+        )
+        if pipe.mode == "async":
+            return AsyncProducer(worker, finisher, pipe.prefetch_depth, pipe.max_staleness)
+        return SyncProducer(worker, finisher)
+
+    def _maybe_resume(self) -> None:
+        path = resume_path(self.cfg, self.out)
+        if path is None:
+            return
+        state = ckpt.load_checkpoint(path, self.policy.model, self.optimizer, self.scheduler)
+        self.step, self.version, self.skipped = state["step"], state["version"], state["skipped"]
+        self.producer.load_state_dict(state["producer"])
+        self.producer.push_weights(self.version, self.policy.named_trainable_tensors)
+        log.info("resumed from %s at step %d", path, self.step)
+
+    # -- the loop ------------------------------------------------------------------------
+    def train(self) -> dict[str, float]:
+        if self.step == 0:
+            self.logger.log(0, self.evaluator.run(self.version, step=0))
+        if isinstance(self.producer, AsyncProducer):
+            self.producer.start()
+        try:
+            while self.step < self.cfg.run.max_steps:
+                batch = self.producer.next_batch(self.version)
+                self.train_on_batch(batch)
+            final = self.finish()
+        finally:
+            self.close()
+        return final
+
+    def train_on_batch(self, batch: RolloutBatch) -> None:
+        t0 = time.perf_counter()
+        samples = [s for s in batch.samples if s.reward is not None]
+        steps = plan_steps(samples, batch.group_size, self.cfg, self.policy.device)
+        attach_old_and_ref(self.policy, steps, self.cfg, self.sampling)
+        batch_metrics = {**batch.metrics, **rollout_metrics(batch, self.version),
+                         "time/score": time.perf_counter() - t0}
+        for _ in range(self.cfg.loss.mu):
+            for micro_batches in steps:
+                if self.step >= self.cfg.run.max_steps:
+                    return
+                self.optimizer_step(micro_batches, batch_metrics, batch)
+                batch_metrics = {}  # generation metrics are logged once per batch
+
+    def optimizer_step(self, micro_batches, batch_metrics: dict, batch: RolloutBatch) -> None:
+        t0 = time.perf_counter()
+        result = train_step(self.policy, micro_batches, self.optimizer, self.cfg,
+                            self.sampling, self.loss_cfg)
+        self.step += 1
+        if result.updated:
+            self.scheduler.step()
+            self.version += 1
+        else:
+            self.skipped += 1
+            log.warning("step %d skipped: non-finite loss or gradient", self.step)
+        train_s = time.perf_counter() - t0
+        sync_s = self.sync_weights()
+        tokens = sum(mb.num_tokens for mb in micro_batches)
+        metrics = {
+            **batch_metrics, **result.metrics,
+            "lr": self.scheduler.get_last_lr()[0], "version": float(self.version),
+            "train/skipped_steps": float(self.skipped), "time/train": train_s,
+            "time/weight_sync": sync_s, "throughput/train_tokens_per_s": tokens / max(train_s, 1e-9),
+        }
+        self.on_step_end(metrics, batch)
+
+    def sync_weights(self) -> float:
+        """New weights to the generator every sync_interval updates (a live engine: every one)."""
+        if not self.live_engine and self.version % self.cfg.pipeline.sync_interval:
+            return 0.0
+        return self.producer.push_weights(self.version, self.policy.named_trainable_tensors)
+
+    def on_step_end(self, metrics: dict, batch: RolloutBatch) -> None:
+        cfg = self.cfg
+        if _due(self.step, cfg.eval.every_steps) and self.step < cfg.run.max_steps:
+            metrics.update(self.evaluator.run(self.version, step=self.step))
+        self.logger.log(self.step, metrics)
+        if _due(self.step, cfg.logging.samples_every):
+            self.logger.log_samples(self.step, sample_rows(batch))
+        if _due(self.step, cfg.checkpoint.every_steps) and self.step < cfg.run.max_steps:
+            self.save_checkpoint()
+
+    def finish(self) -> dict[str, float]:
+        final = self.evaluator.run(self.version, step=self.step)
+        self.logger.log(self.step, final)
+        self.save_checkpoint()
+        if self.cfg.checkpoint.save_final_model:
+            ckpt.save_final_model(self.out, self.policy.model, self.policy.tokenizer)
+        return final
+
+    def save_checkpoint(self) -> Path:
+        state = {"step": self.step, "version": self.version, "skipped": self.skipped,
+                 "producer": self.producer.state_dict()}
+        return ckpt.save_checkpoint(self.out, self.step, self.policy.model, self.optimizer,
+                                    self.scheduler, state, self.cfg.checkpoint.keep_last)
+
+    def close(self) -> None:
+        self.producer.close()
+        self.rewards.close()
+        self.logger.close()
+
+
+def _due(step: int, every: int) -> bool:
+    return every > 0 and step % every == 0
+
+
+def sampling_params(cfg: Config) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                          min_p=r.min_p, max_new_tokens=r.max_new_tokens, stop=tuple(r.stop))
+
+
+def make_scheduler(optimizer, cfg: Config):
+    from transformers import get_scheduler
+
+    return get_scheduler(cfg.train.lr_scheduler, optimizer,
+                         num_warmup_steps=cfg.train.warmup_steps,
+                         num_training_steps=cfg.run.max_steps)
+
+
+def resume_path(cfg: Config, out: Path) -> Path | None:
+    if cfg.run.resume == "never":
+        return None
+    if cfg.run.resume == "auto":
+        return ckpt.latest_checkpoint(out)
+    path = Path(cfg.run.resume)
+    if not (path / "COMPLETE").exists():
+        raise FileNotFoundError(f"run.resume={path} is not a complete checkpoint directory")
+    return path
+
+
+def rollout_metrics(batch: RolloutBatch, trainer_version: int) -> dict[str, float]:
+    """Completion lengths, finish reasons and staleness of one generation batch."""
+    lengths = [len(s.completion.ids) for s in batch.samples] or [0]
+    stale = [trainer_version - s.version for s in batch.samples] or [0]
+    n = max(len(batch.samples), 1)
+    return {
+        "completions/mean_length": float(np.mean(lengths)),
+        "completions/max_length": float(max(lengths)),
+        "completions/truncated_frac": sum(s.completion.finish_reason == "length"
+                                          for s in batch.samples) / n,
+        "staleness/mean": float(np.mean(stale)),
+        "staleness/max": float(max(stale)),
+        "samples/unscored": float(sum(s.reward is None for s in batch.samples)),
+        "samples/replayed": float(sum(s.replayed for s in batch.samples)),
+    }
+
+
+def sample_rows(batch: RolloutBatch, limit: int = 4) -> list[dict]:
+    return [{"prompt": s.prompt.text, "completion": s.completion.text, "reward": s.reward}
+            for s in batch.samples[:limit]]
+
+
+def train(cfg: Config) -> dict[str, float]:
+    return Trainer(cfg).train()

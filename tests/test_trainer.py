@@ -1,0 +1,151 @@
+"""End-to-end trainer runs on the bundled demo model (CPU, fp32, a few steps each)."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from leangrpo.config import config_from_dict
+from leangrpo.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "examples" / "demo"
+
+
+def tiny_run(tmp_path: Path, **sections) -> dict:
+    cfg = {
+        "run": {"output_dir": str(tmp_path / "run"), "seed": 3, "max_steps": 4, "device": "cpu"},
+        "model": {"name_or_path": str(DEMO / "model"), "dtype": "float32"},
+        "data": {"path": str(DEMO / "train.jsonl"), "eval_path": str(DEMO / "eval.jsonl")},
+        "rewards": {"functions": [{"name": "math"}], "num_workers": 1, "timeout_s": 20},
+        "rollout": {"num_generations": 4, "prompts_per_batch": 3, "max_new_tokens": 6},
+        "loss": {"mu": 2},
+        "train": {"learning_rate": 1e-3, "micro_batch_tokens": 40, "warmup_steps": 1,
+                  "lr_scheduler": "linear"},
+        "eval": {"every_steps": 0, "num_prompts": 4},
+        "checkpoint": {"every_steps": 0, "keep_last": 3},
+        "logging": {"progress_bar": False, "samples_every": 0},
+    }
+    for name, values in sections.items():
+        cfg.setdefault(name, {}).update(values)
+    return cfg
+
+
+def trained_params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.policy.model.named_parameters()}
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+class _Interrupt(Exception):
+    pass
+
+
+class StopAfter(Trainer):
+    """A run killed right after its checkpoint at step `stop_at`."""
+
+    stop_at = 2
+
+    def on_step_end(self, metrics, batch):
+        super().on_step_end(metrics, batch)
+        if self.step == self.stop_at:
+            raise _Interrupt
+
+
+def test_resume_is_exact(tmp_path):
+    straight = Trainer(config_from_dict(tiny_run(tmp_path / "a")))
+    straight.train()
+    expected = trained_params(straight)
+
+    resumable = tiny_run(tmp_path / "b", checkpoint={"every_steps": 2})
+    with pytest.raises(_Interrupt):
+        StopAfter(config_from_dict(resumable)).train()
+    resumed = Trainer(config_from_dict(resumable))
+    assert resumed.step == 2
+    resumed.train()
+    assert resumed.step == 4
+    assert max_abs_diff(expected, trained_params(resumed)) <= 1e-6
+
+
+def test_lora_run_writes_run_directory(tmp_path):
+    cfg = tiny_run(tmp_path, lora={"enabled": True, "r": 4}, loss={"beta": 0.1, "mu": 1},
+                   run={"max_steps": 2})
+    trainer = Trainer(config_from_dict(cfg))
+    trainer.train()
+    out = tmp_path / "run"
+    assert (out / "config.yaml").exists()
+    assert list((out / "checkpoints").glob("step-*"))
+    rows = read_metrics(out)
+    assert {"reward/mean", "loss", "grad_norm", "lr"} <= set(rows[1])
+    assert "eval/reward" in rows[0] and "eval/reward" in rows[-1]
+    assert any("loss/kl" in r or "loss/kl_mean" in r for r in rows)
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(DEMO / "model")
+    PeftModel.from_pretrained(base, out / "final")
+
+
+FLAKY_REWARD = textwrap.dedent(
+    """
+    import time
+
+    def flaky(prompts, completions, **columns):
+        if "7" in prompts[0]:
+            time.sleep(30)
+        out = []
+        for p in prompts:
+            if "3" in p:
+                raise ValueError("cannot score this one")
+            out.append(1.0 if len(p) % 2 else 0.0)
+        return out
+    """
+)
+
+
+def test_failing_rewards_are_masked_and_counted(tmp_path):
+    reward_file = tmp_path / "flaky.py"
+    reward_file.write_text(FLAKY_REWARD)
+    cfg = tiny_run(
+        tmp_path,
+        rewards={"functions": [{"name": "math"}, {"name": f"{reward_file}:flaky"}],
+                 "timeout_s": 2, "num_workers": 2},
+        rollout={"prompts_per_batch": 6},
+        run={"max_steps": 2},
+        loss={"mu": 1},
+    )
+    Trainer(config_from_dict(cfg)).train()
+    rows = [r for r in read_metrics(tmp_path / "run") if "reward/flaky/failures" in r]
+    assert rows, "per-function failure counts are logged"
+    assert sum(r["reward/flaky/failures"] for r in rows) > 0
+    assert sum(r["samples/unscored"] for r in rows) > 0
+    assert rows[-1]["step"] == 2  # the run went on
+
+
+@pytest.mark.slow
+def test_async_with_zero_staleness_equals_sync(tmp_path):
+    sync = Trainer(config_from_dict(tiny_run(tmp_path / "sync")))
+    sync.train()
+    cfg = tiny_run(tmp_path / "async", pipeline={"mode": "async", "max_staleness": 0})
+    asynchronous = Trainer(config_from_dict(cfg))
+    asynchronous.train()
+    assert max_abs_diff(trained_params(sync), trained_params(asynchronous)) <= 1e-6
+
+
+def test_async_respects_the_staleness_bound(tmp_path):
+    cfg = tiny_run(tmp_path, pipeline={"mode": "async", "max_staleness": 1, "prefetch_depth": 2},
+                   loss={"mu": 1}, run={"max_steps": 5})
+    Trainer(config_from_dict(cfg)).train()
+    rows = [r for r in read_metrics(tmp_path / "run") if "staleness/max" in r]
+    assert len(rows) == 5
+    assert max(r["staleness/max"] for r in rows) <= 1
