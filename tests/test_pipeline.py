@@ -96,13 +96,11 @@ def make_worker(engine, rewards=None, prompts=2, group=3, updates=1):
 
 def consume(producer, steps: int, train_s: float = 0.0):
     """A fake trainer: one update per batch, pushing weights after each."""
-    version, batches = 0, []
-    for _ in range(steps):
-        batch = producer.next_batch(version)
-        batches.append((version, batch))
+    batches = []
+    for version in range(steps):
+        batches.append((version, producer.next_batch(version)))
         time.sleep(train_s)
-        version += 1
-        producer.push_weights(version, lambda: [])
+        producer.push_weights(version + 1, lambda: [])
     return batches
 
 
@@ -192,3 +190,22 @@ def test_sample_versions_come_from_the_engine():
     producer.push_weights(7, lambda: [])
     batch = producer.next_batch(7)
     assert {s.version for s in batch.samples} == {7}
+
+
+def test_streaming_steps_start_with_the_groups_that_are_ready():
+    engine = FakeEngine(delay=0.02)
+    settings = RolloutSettings(3, 4, SamplingParams(), "group", seed=0)
+    worker = RolloutWorker(engine, FakeRewards(), FakeSampler(1), settings)  # chunks of 1 group
+    producer = AsyncProducer(worker, BatchFinisher(settings, 1), prefetch_depth=4,
+                             max_staleness=1, streaming=True)
+    producer.start()
+    try:
+        batches = consume(producer, 6, train_s=0.03)
+    finally:
+        producer.close()
+    sizes = [len(b.groups()) for _, b in batches]
+    assert all(1 <= n <= 4 for n in sizes)
+    staleness = [v - s.version for v, b in batches for s in b.samples]
+    assert max(staleness) <= 1
+    uids = [s.prompt.uid for _, b in batches for s in b.samples[::3]]
+    assert len(uids) == len(set(uids)) or producer.dropped_stale > 0

@@ -26,8 +26,6 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-import torch
-
 from leangrpo.advantages import compute_advantages
 from leangrpo.contracts import RolloutBatch, RolloutEngine, RolloutSample, SamplingParams
 
@@ -210,10 +208,15 @@ class AsyncProducer:
     """A background thread that keeps batches ready within the staleness bound."""
 
     def __init__(self, worker: RolloutWorker, finisher: BatchFinisher, prefetch_depth: int,
-                 max_staleness: int):
+                 max_staleness: int, streaming: bool = False):
         self.worker = worker
         self.finisher = finisher
         self.max_staleness = max_staleness
+        # streaming: the worker makes chunks of min_groups_per_step prompts; a step takes
+        # whatever complete chunks are ready (at least one, at most prompts_per_batch groups)
+        self.streaming = streaming
+        self._trainer_version = 0
+        self.dropped_stale = 0
         self.queue: queue.Queue[ProducedBatch] = queue.Queue(maxsize=prefetch_depth)
         self.engine_lock = threading.Lock()
         self._pending: tuple[int, list] | None = None
@@ -247,7 +250,7 @@ class AsyncProducer:
 
     def _wait_for_admission(self, index: int) -> float:
         """Block until the engine's weights are fresh enough for batch `index`."""
-        required = index * self.worker.settings.updates_per_batch - self.max_staleness
+        required = self._required_version(index)
         t0 = time.perf_counter()
         with self._weights_changed:
             while not self._stop.is_set():
@@ -256,6 +259,19 @@ class AsyncProducer:
                     break
                 self._weights_changed.wait(_STOP_POLL_S)
         return time.perf_counter() - t0
+
+    def _required_version(self, index: int) -> int:
+        """Oldest engine version whose samples will still be within the bound when consumed.
+
+        Whole batches are consumed in order, batch k at trainer version k * U, so the bound
+        is known in advance. Streamed chunks are merged as they come, so their consumption
+        version is not: they are admitted against the trainer's current version, and any
+        chunk that has gone stale by the time it is taken is dropped and its prompts
+        re-queued (counted as `pipeline/dropped_stale`).
+        """
+        if self.streaming:
+            return self._trainer_version - self.max_staleness
+        return index * self.worker.settings.updates_per_batch - self.max_staleness
 
     def _apply_pending_weights(self) -> None:
         with self._pending_lock:
@@ -276,7 +292,10 @@ class AsyncProducer:
     # -- the trainer side --------------------------------------------------------------
     def next_batch(self, trainer_version: int) -> RolloutBatch:
         t0 = time.perf_counter()
-        produced = self._get()
+        with self._weights_changed:
+            self._trainer_version = trainer_version
+            self._weights_changed.notify_all()
+        produced = self._take_streamed(trainer_version) if self.streaming else self._get()
         waited = time.perf_counter() - t0
         stale = [trainer_version - s.version for s in produced.batch.samples]
         if max(stale) > self.max_staleness:  # admission control makes this unreachable
@@ -287,8 +306,31 @@ class AsyncProducer:
             "time/trainer_wait": waited,
             "time/producer_idle": produced.idle_s,
             "pipeline/queue": float(self.queue.qsize()),
+            "pipeline/dropped_stale": float(self.dropped_stale),
         })
         return batch
+
+    def _take_streamed(self, trainer_version: int) -> ProducedBatch:
+        """At least one ready chunk, plus every other ready one up to a full batch."""
+        target = self.worker.settings.prompts_per_batch
+        while True:
+            chunks = [self._get()]
+            while sum(len(c.batch.groups()) for c in chunks) < target:
+                try:
+                    chunks.append(self.queue.get_nowait())
+                except queue.Empty:
+                    break
+            fresh = [c for c in chunks if self._fresh(c, trainer_version)]
+            if fresh:
+                return _merge(fresh)
+
+    def _fresh(self, chunk: ProducedBatch, trainer_version: int) -> bool:
+        if all(trainer_version - s.version <= self.max_staleness for s in chunk.batch.samples):
+            return True
+        self.dropped_stale += 1
+        with self.worker.sampler_lock:
+            self.worker.sampler.requeue([g[0].prompt for g in chunk.batch.groups()])
+        return False
 
     def _get(self) -> ProducedBatch:
         while True:
@@ -325,10 +367,14 @@ class AsyncProducer:
             self._thread.join(timeout=30)
 
 
-def clone_for_generation(model: torch.nn.Module) -> torch.nn.Module:
-    """The async hf engine's own copy of the weights, detached from the trainer's graph."""
-    import copy
-
-    twin = copy.deepcopy(model)
-    twin.requires_grad_(False)
-    return twin.eval()
+def _merge(chunks: list[ProducedBatch]) -> ProducedBatch:
+    first, last = chunks[0], chunks[-1]
+    batch = RolloutBatch([s for c in chunks for s in c.batch.samples], first.batch.group_size)
+    total = len(batch.samples)
+    for c in chunks:  # times and counts add up; means are weighted by samples
+        share = len(c.batch.samples) / total
+        for k, v in c.batch.metrics.items():
+            additive = k.startswith("time/") or k.endswith("failures")
+            batch.metrics[k] = batch.metrics.get(k, 0.0) + (v if additive else v * share)
+    idle = sum(c.idle_s for c in chunks)
+    return ProducedBatch(batch, last.index, first.sampler_before, last.sampler_after, idle)

@@ -30,7 +30,14 @@ from leangrpo.evaluation import Evaluator
 from leangrpo.loss import LossConfig
 from leangrpo.metrics import MetricsLogger
 from leangrpo.model import Policy, load_policy, load_tokenizer, resolve_device
-from leangrpo.pipeline import AsyncProducer, BatchFinisher, ReplayBuffer, RolloutSettings, RolloutWorker, SyncProducer
+from leangrpo.pipeline import (
+    AsyncProducer,
+    BatchFinisher,
+    ReplayBuffer,
+    RolloutSettings,
+    RolloutWorker,
+    SyncProducer,
+)
 from leangrpo.rewards import RewardPool, check_rewards
 from leangrpo.rollout.factory import make_engines
 from leangrpo.step import attach_old_and_ref, plan_steps, train_step
@@ -97,8 +104,10 @@ class Trainer:
         self._maybe_resume()
 
     def _make_producer(self, cfg: Config, engine, prompts, reward_lock):
-        sampler = PromptSampler(prompts, cfg.rollout.prompts_per_batch, cfg.run.seed,
-                                cfg.data.shuffle)
+        pipe = cfg.pipeline
+        streaming = pipe.mode == "async" and pipe.min_groups_per_step is not None
+        chunk = pipe.min_groups_per_step if streaming else cfg.rollout.prompts_per_batch
+        sampler = PromptSampler(prompts, chunk, cfg.run.seed, cfg.data.shuffle)
         settings = RolloutSettings(
             group_size=cfg.rollout.num_generations,
             prompts_per_batch=cfg.rollout.prompts_per_batch,
@@ -108,7 +117,6 @@ class Trainer:
             updates_per_batch=cfg.loss.mu * cfg.train.steps_per_generation,
         )
         worker = RolloutWorker(engine, self.rewards, sampler, settings, reward_lock)
-        pipe = cfg.pipeline
         finisher = BatchFinisher(
             settings,
             max_staleness=pipe.max_staleness if pipe.mode == "async" else 0,
@@ -118,7 +126,8 @@ class Trainer:
             sampler_lock=worker.sampler_lock,
         )
         if pipe.mode == "async":
-            return AsyncProducer(worker, finisher, pipe.prefetch_depth, pipe.max_staleness)
+            return AsyncProducer(worker, finisher, pipe.prefetch_depth, pipe.max_staleness,
+                                 streaming=streaming)
         return SyncProducer(worker, finisher)
 
     def _maybe_resume(self) -> None:
