@@ -1,0 +1,89 @@
+"""advantages.py: hand values for group/batch/none, None rewards, zero-std counting."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from leangrpo.advantages import compute_advantages
+from leangrpo.contracts import Completion, Prompt, RolloutBatch, RolloutSample
+
+
+def make_batch(groups: list[list[float | None]]) -> RolloutBatch:
+    samples = []
+    for gid, rewards in enumerate(groups):
+        prompt = Prompt(uid=gid, text="p", ids=[1, 2])
+        for r in rewards:
+            completion = Completion(ids=[3], text="c", logprobs=[-0.1], finish_reason="stop",
+                                    version=0)  # fmt: skip
+            samples.append(RolloutSample(group_id=gid, prompt=prompt, completion=completion,
+                                         reward=r, advantage=123.0))  # fmt: skip
+    return RolloutBatch(samples=samples, group_size=len(groups[0]))
+
+
+def advantages(batch: RolloutBatch) -> list[float]:
+    return [s.advantage for s in batch.samples]
+
+
+def test_group_scale_by_hand():
+    # [1, 2, 3]: mean 2, unbiased std sqrt((1 + 0 + 1) / 2) = 1 -> [-1, 0, 1] / (1 + eps)
+    batch = make_batch([[1.0, 2.0, 3.0]])
+    metrics = compute_advantages(batch, "group", eps=1e-4)
+    assert advantages(batch) == pytest.approx([-1 / 1.0001, 0.0, 1 / 1.0001], abs=1e-12)
+    assert metrics["reward/mean"] == pytest.approx(2.0)
+    assert metrics["reward/std"] == pytest.approx(1.0)
+    assert metrics["advantage/abs_mean"] == pytest.approx(2 / 3 / 1.0001)
+
+
+def test_batch_scale_by_hand():
+    # group means 2 and 4/3; batch std of [1, 2, 3, 0, 0, 4]: mean 10/6,
+    # sum of squares 30 - 6 * (10/6)^2 = 40/3, / 5 = 8/3, std sqrt(8/3) = 1.632993161855452
+    batch = make_batch([[1.0, 2.0, 3.0], [0.0, 0.0, 4.0]])
+    compute_advantages(batch, "batch", eps=0.0)
+    s = 1.632993161855452
+    expected = [-1 / s, 0.0, 1 / s, -4 / 3 / s, -4 / 3 / s, (4 - 4 / 3) / s]
+    assert advantages(batch) == pytest.approx(expected, abs=1e-12)
+
+
+def test_no_scaling_by_hand():
+    batch = make_batch([[1.0, 2.0, 3.0], [0.0, 0.0, 4.0]])
+    compute_advantages(batch, "none")
+    # r - group mean: [-1, 0, 1], [-4/3, -4/3, 8/3]
+    assert advantages(batch) == pytest.approx([-1, 0, 1, -4 / 3, -4 / 3, 8 / 3], abs=1e-12)
+
+
+def test_unscored_samples_are_left_out():
+    # group 0: [1, None, 3] -> mean 2, std sqrt(((1-2)^2 + (3-2)^2) / 1) = sqrt(2)
+    # group 1: all None -> unscored; group 2: one scored -> too few, all advantages 0
+    batch = make_batch([[1.0, None, 3.0], [None, None, None], [5.0, None, None]])
+    metrics = compute_advantages(batch, "group", eps=0.0)
+    r2 = 1 / math.sqrt(2)
+    assert advantages(batch) == pytest.approx([-r2, 0.0, r2] + [0.0] * 6, abs=1e-12)
+    assert metrics["groups/unscored"] == 1.0
+    assert metrics["groups/too_few_scored"] == 1.0
+    # reward stats over the scored rewards [1, 3, 5]: mean 3, unbiased std 2
+    assert metrics["reward/mean"] == pytest.approx(3.0)
+    assert metrics["reward/std"] == pytest.approx(2.0)
+
+
+def test_zero_std_groups_are_counted():
+    # group 1's rewards are all 0.1 (their float mean is not exactly 0.1): zero std, A = 0;
+    # group 2 is unscored and is not counted among the groups with a std
+    batch = make_batch([[0.0, 1.0, 1.0], [0.1, 0.1, 0.1], [None, None, None]])
+    metrics = compute_advantages(batch, "group")
+    assert metrics["frac_reward_zero_std"] == pytest.approx(0.5)
+    assert advantages(batch)[3:6] == pytest.approx([0.0, 0.0, 0.0], abs=1e-9)
+
+
+def test_bad_input():
+    batch = make_batch([[1.0, 2.0]])
+    with pytest.raises(ValueError, match="scale_rewards='mean'"):
+        compute_advantages(batch, "mean")
+    batch.samples.pop()
+    with pytest.raises(ValueError, match="not a multiple of group_size"):
+        compute_advantages(batch, "group")
+    mixed = make_batch([[1.0, 2.0], [3.0, 4.0]])
+    mixed.samples[1], mixed.samples[2] = mixed.samples[2], mixed.samples[1]
+    with pytest.raises(ValueError, match="mixes group_ids"):
+        compute_advantages(mixed, "group")
