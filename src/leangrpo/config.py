@@ -1,0 +1,590 @@
+"""Typed, validated settings: one `Config` of nested sections, each field documented.
+
+Every field carries its default, allowed range and description (docs/config.md is generated
+from them by scripts/gen_config_docs.py). Choices:
+
+- Unknown keys are errors (`extra="forbid"`); config_io.py turns every pydantic error into
+  one sentence naming the dotted key and, for a typo, the closest valid key.
+- Values are parsed leniently (pydantic lax mode), so YAML's `1e-5` (a string to PyYAML)
+  still reads as a float; `--set` values go through `yaml.safe_load`.
+- Cross-field rules live on the section that owns them (on `Config` when they span
+  sections) and raise `ConfigError` with one sentence naming every key involved.
+- This module must not import torch: the CLI validates a config before anything heavy loads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from leangrpo.config_io import (
+    ConfigError,
+    apply_override,
+    describe_validation_error,
+    read_yaml,
+    rule_error,
+)
+from leangrpo.contracts import SamplingParams
+
+__all__ = ["Config", "ConfigError", "load_config", "config_from_dict", "apply_override"]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+# -- sections -------------------------------------------------------------------------------
+
+
+class RunConfig(Section):
+    """Where the run writes, how long it lasts, where it resumes from."""
+
+    output_dir: str = Field(
+        "runs/leangrpo",
+        description="Directory for config.yaml, metrics.jsonl, checkpoints/ and final/.",
+    )
+    seed: int = Field(0, description="Seed for python, numpy and torch RNGs and the data order.")
+    max_steps: int = Field(100, ge=1, description="Optimizer steps to train for.")
+    resume: str = Field(
+        "auto",
+        min_length=1,
+        description="'auto': resume from the latest complete checkpoint in output_dir if any; 'never': start fresh; otherwise the path of a checkpoint directory.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="'auto' = cuda if available, else cpu."
+    )
+    num_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch CPU threads (torch.set_num_threads); null keeps torch's default.",
+    )
+
+
+class ModelConfig(Section):
+    """The policy model."""
+
+    name_or_path: str = Field(
+        ..., min_length=1, description="Hugging Face model id or local directory."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weight dtype; 'auto' = bfloat16 on GPUs that support it, else float32."
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward instead of storing them."
+    )
+    trust_remote_code: bool = Field(
+        False, description="Allow model code from the hub (transformers trust_remote_code)."
+    )
+    revision: str | None = Field(
+        None, description="Hub revision (branch, tag or commit); null = default branch."
+    )
+
+
+class LoRAConfig(Section):
+    """Low-rank adapters (peft); when disabled the whole model is trained."""
+
+    enabled: bool = Field(False, description="Train LoRA adapters instead of all weights.")
+    r: int = Field(16, ge=1, description="Adapter rank.")
+    alpha: int = Field(32, ge=1, description="Adapter scale numerator (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter input.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear",
+        description="Module names to adapt, or 'all-linear' for every linear layer except the output head.",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _non_empty(cls, value: list[str] | str) -> list[str] | str:
+        if isinstance(value, list) and not value:
+            raise ValueError("list is empty; name at least one module or use 'all-linear'")
+        return value
+
+
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+
+
+class DataConfig(Section):
+    """Training prompts: one local file or one `datasets` dataset."""
+
+    path: str | None = Field(
+        None,
+        description="Local prompt file (.jsonl, .json, .parquet or .csv). Exactly one of path / dataset.",
+    )
+    dataset: str | None = Field(
+        None,
+        description="A `datasets` hub name or local dataset directory. Exactly one of path / dataset.",
+    )
+    dataset_config: str | None = Field(
+        None, description="The dataset's configuration (subset) name."
+    )
+    split: str = Field("train", description="Split of `dataset` to train on.")
+    prompt_column: str = Field(
+        "prompt", description="Column holding the prompt text (after column_map)."
+    )
+    column_map: dict[str, str] = Field(
+        default_factory=dict,
+        description="Renames source columns to target names, e.g. {question: prompt}.",
+    )
+    columns: list[str] | None = Field(
+        None,
+        description="Extra columns passed to reward functions; null = every non-prompt column.",
+    )
+    chat_template: bool = Field(
+        False,
+        description="Render each prompt with the tokenizer's chat template as the user message.",
+    )
+    system_prompt: str | None = Field(
+        None, description="System message added by the chat template (needs chat_template: true)."
+    )
+    eval_path: str | None = Field(None, description="Local file of evaluation prompts.")
+    eval_split: str | None = Field(None, description="Split of `dataset` used for evaluation.")
+    eval_size: int = Field(
+        0,
+        ge=0,
+        description="Rows held out of the training data for evaluation when neither eval_path nor eval_split is set.",
+    )
+    shuffle: bool = Field(
+        True, description="Shuffle prompts each epoch (deterministically from run.seed)."
+    )
+    max_prompt_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Prompts longer than this many tokens are dropped and counted; null = keep all.",
+    )
+
+    @model_validator(mode="after")
+    def _check_sources(self) -> DataConfig:
+        if (self.path is None) == (self.dataset is None):
+            which = "both are set" if self.path else "neither is set"
+            raise rule_error(
+                f"Set exactly one of data.path (a local file) and data.dataset (a `datasets` name), but {which}."
+            )
+        for key in ("path", "eval_path"):
+            value = getattr(self, key)
+            if value is not None and not value.lower().endswith(DATA_SUFFIXES):
+                raise rule_error(
+                    f"data.{key} = {value!r} has an unsupported extension; use one of {', '.join(DATA_SUFFIXES)}."
+                )
+        if self.eval_split is not None and self.dataset is None:
+            raise rule_error(
+                "data.eval_split selects a split of data.dataset, which is not set; with data.path use data.eval_path or data.eval_size instead."
+            )
+        if self.eval_size > 0 and (self.eval_path or self.eval_split):
+            raise rule_error(
+                "data.eval_size holds rows out of the training data only when neither data.eval_path nor data.eval_split is set; keep just one of them."
+            )
+        if self.system_prompt is not None and not self.chat_template:
+            raise rule_error(
+                "data.system_prompt is a chat-template message, so it needs data.chat_template: true."
+            )
+        return self
+
+
+class RewardSpec(Section):
+    """One reward function and its weight in the total reward."""
+
+    name: str = Field(
+        ...,
+        min_length=1,
+        description="Built-in ('math', 'format', 'length'), 'pkg.module:function' or 'path/to/file.py:function'.",
+    )
+    weight: float = Field(1.0, description="Weight of this function in the summed reward.")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments passed to the function."
+    )
+
+
+class RewardsConfig(Section):
+    """Reward functions, run in worker processes with a time limit."""
+
+    functions: list[RewardSpec] = Field(
+        ...,
+        min_length=1,
+        description="Reward functions; a plain string is shorthand for {name: ...}.",
+    )
+    timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Seconds one function may take on one completion before it counts as unscored.",
+    )
+    num_workers: int = Field(2, ge=1, description="Worker processes scoring completions.")
+    fail_fast: bool = Field(
+        False,
+        description="Stop training on the first reward error instead of leaving the sample unscored.",
+    )
+
+    @field_validator("functions", mode="before")
+    @classmethod
+    def _expand_shorthand(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            return [{"name": item} if isinstance(item, str) else item for item in value]
+        return value
+
+
+class VLLMConfig(Section):
+    """vLLM engine settings (used when rollout.engine is 'vllm')."""
+
+    mode: Literal["colocate", "server"] = Field(
+        "colocate",
+        description="'colocate': vLLM in the trainer process, sharing the GPU; 'server': HTTP servers (`leangrpo serve`).",
+    )
+    urls: list[str] = Field(
+        default_factory=list,
+        description="Server URLs for mode 'server'; empty = start one local `leangrpo serve`.",
+    )
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="Fraction of GPU memory vLLM may use (colocate: shared with training).",
+    )
+    max_model_len: int | None = Field(
+        None,
+        ge=1,
+        description="Longest prompt + completion vLLM serves; null = the model's maximum.",
+    )
+    dtype: str = Field("auto", description="vLLM weight dtype.")
+    kv_cache_dtype: str = Field("auto", description="vLLM KV-cache dtype, e.g. 'auto' or 'fp8'.")
+    enable_sleep_mode: bool = Field(
+        True, description="Free vLLM's weights and KV cache while the trainer steps (colocate)."
+    )
+    enforce_eager: bool = Field(False, description="Disable CUDA graphs in vLLM.")
+    request_timeout_s: float = Field(
+        120.0, gt=0, description="Seconds to wait for one server request."
+    )
+    max_retries: int = Field(3, ge=0, description="Retries of a failed server request.")
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Extra keyword arguments for vllm.LLM / the server."
+    )
+
+
+class RolloutConfig(Section):
+    """Generation: engine, group size, sampling."""
+
+    engine: Literal["hf", "vllm"] = Field(
+        "hf",
+        description="'hf': transformers generate in-process; 'vllm': vLLM colocated or as servers.",
+    )
+    num_generations: int = Field(8, ge=2, description="Completions per prompt (the group size G).")
+    prompts_per_batch: int = Field(8, ge=1, description="Prompts per generation batch.")
+    temperature: float = Field(
+        1.0, gt=0, description="Sampling temperature (the trainer's log-probs use the same)."
+    )
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 = off.")
+    top_p: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Nucleus filter; must stay 1.0 for training (see docs/ARCHITECTURE.md).",
+    )
+    min_p: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Drop tokens with probability below min_p x the top token's; 0 = off.",
+    )
+    max_new_tokens: int = Field(
+        256,
+        ge=1,
+        description="Longest completion; longer ones are truncated (finish reason 'length').",
+    )
+    stop: list[str] = Field(default_factory=list, description="Strings that end a completion.")
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM settings.")
+
+    @model_validator(mode="after")
+    def _refuse_top_p(self) -> RolloutConfig:
+        if self.top_p < 1.0:
+            raise rule_error(
+                f"rollout.top_p = {self.top_p} < 1 is not supported for training, because the trainer computes "
+                "log-probs with a chunked lm_head that cannot apply a nucleus filter exactly and would bias the "
+                "importance ratio; set rollout.top_p: 1.0 and use rollout.top_k or rollout.min_p instead."
+            )
+        return self
+
+    def sampling_params(self, seed: int | None = None) -> SamplingParams:
+        return SamplingParams(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            max_new_tokens=self.max_new_tokens,
+            stop=tuple(self.stop),
+            seed=seed,
+        )
+
+
+class LossConfig(Section):
+    """The policy objective and its off-policy correction."""
+
+    type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "gspo", "cispo"] = Field(
+        "grpo", description="Objective; normalisers are described in docs/ARCHITECTURE.md."
+    )
+    epsilon_low: float = Field(0.2, ge=0, le=1, description="Lower clip: ratio >= 1 - epsilon_low.")
+    epsilon_high: float = Field(
+        0.2,
+        ge=0,
+        description="Upper clip: ratio <= 1 + epsilon_high (cispo: the weight cap, typically 5.0).",
+    )
+    delta: float | None = Field(
+        None,
+        gt=1,
+        description="Two-sided clip: also cap the ratio at delta for negative advantages; null = off.",
+    )
+    beta: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of the k3 KL penalty to the reference model; 0 = no reference model.",
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group",
+        description="Divide advantages by the reward std of the group, of the batch, or not at all.",
+    )
+    mask_truncated_completions: bool = Field(
+        False, description="Leave completions cut at max_new_tokens out of the loss."
+    )
+    mu: int = Field(1, ge=1, description="Optimisation passes over each generation batch.")
+    is_correction: Literal["decoupled", "bypass", "none"] = Field(
+        "decoupled",
+        description="Off-policy correction: 'decoupled' = trainer old log-probs + behaviour IS weights; 'bypass' = ratio against behaviour log-probs; 'none'.",
+    )
+    is_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field(
+        "token_truncate",
+        description="IS weight level (token or sequence) and how large weights are handled (truncated at is_cap, or masked out).",
+    )
+    is_cap: float = Field(
+        2.0, gt=0, description="Largest IS weight kept (truncate) or allowed (mask)."
+    )
+    is_min: float = Field(0.0, ge=0, description="Mask modes also drop weights below this.")
+
+    @model_validator(mode="after")
+    def _check_is_bounds(self) -> LossConfig:
+        if self.is_min >= self.is_cap:
+            raise rule_error(
+                f"loss.is_min ({self.is_min}) must be below loss.is_cap ({self.is_cap}), or every IS weight is dropped."
+            )
+        return self
+
+
+class TrainConfig(Section):
+    """Optimizer, schedule and batching of the optimisation."""
+
+    learning_rate: float = Field(1e-5, gt=0, description="AdamW peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="Schedule after warmup (transformers get_scheduler)."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
+    max_grad_norm: float | None = Field(
+        1.0, gt=0, description="Clip the global gradient norm; null = no clipping."
+    )
+    micro_batch_tokens: int = Field(
+        8192, ge=1, description="Most real tokens in one packed micro-batch."
+    )
+    steps_per_generation: int = Field(
+        1,
+        ge=1,
+        description="Optimizer steps each generation batch is split into (whole prompt groups per step).",
+    )
+
+
+class PackingConfig(Section):
+    """Packed batches and the attention kernel that reads them."""
+
+    attention_backend: Literal["auto", "flash_varlen", "torch_varlen", "flex", "sdpa_segments"] = (
+        Field("auto", description="Packed attention kernel; 'auto' picks the fastest available.")
+    )
+    shared_prefix: Literal["auto", "on", "off"] = Field(
+        "auto", description="Encode a prompt once for its whole group where the backend allows."
+    )
+    balance: Literal["tokens", "attention"] = Field(
+        "attention",
+        description="Balance micro-batches by token count or by attention cost (sum of squared lengths).",
+    )
+
+
+class LogprobsConfig(Section):
+    """Chunked lm_head + log-softmax."""
+
+    chunked: bool = Field(True, description="Never materialise (tokens x vocab) logits.")
+    row_tile: int = Field(1024, ge=1, description="Token rows per tile.")
+    vocab_tile: int = Field(8192, ge=1, description="Vocabulary columns per tile.")
+    compile: bool = Field(False, description="torch.compile the tile kernel.")
+
+
+class OffloadConfig(Section):
+    """Activation memory."""
+
+    activations: Literal["none", "hidden_states", "all"] = Field(
+        "none",
+        description="Offload checkpointed hidden states (or all saved activations) to pinned CPU memory.",
+    )
+    keep_last_layers: int = Field(
+        1,
+        ge=0,
+        description="Last layers whose activations stay on the device (backward needs them first).",
+    )
+    min_tensor_bytes: int = Field(1048576, ge=0, description="Smaller tensors are never offloaded.")
+
+
+class ReplayConfig(Section):
+    enabled: bool = Field(False, description="Replay high-signal groups when a batch falls short.")
+    capacity: int = Field(64, ge=1, description="Groups the replay buffer holds.")
+
+
+class RerollConfig(Section):
+    enabled: bool = Field(
+        False, description="Generate again for prompts whose group carried no signal."
+    )
+    max_attempts: int = Field(2, ge=1, description="Re-rolls per prompt.")
+
+
+class PipelineConfig(Section):
+    """Sync or async production of generation batches."""
+
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="'async' generates the next batches while the trainer steps."
+    )
+    prefetch_depth: int = Field(1, ge=1, description="Generation batches produced ahead (async).")
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        description="Most policy versions a sample may lag the trainer (async); older ones are dropped.",
+    )
+    sync_interval: int = Field(
+        1, ge=1, description="Optimizer steps between weight syncs to the engine."
+    )
+    min_groups_per_step: int | None = Field(
+        None,
+        ge=1,
+        description="Groups with signal a batch needs before it is trained on; null = no minimum.",
+    )
+    replay: ReplayConfig = Field(default_factory=ReplayConfig, description="Replay buffer.")
+    reroll: RerollConfig = Field(
+        default_factory=RerollConfig, description="Re-rolls of flat groups."
+    )
+
+
+class EvalConfig(Section):
+    """Evaluation on the held-out prompts."""
+
+    every_steps: int = Field(
+        0, ge=0, description="Evaluate every N optimizer steps; 0 = only at the start and the end."
+    )
+    num_prompts: int | None = Field(None, ge=1, description="Evaluation prompts used; null = all.")
+    num_generations: int = Field(1, ge=1, description="Completions per evaluation prompt.")
+    temperature: float = Field(0.0, ge=0, description="Evaluation temperature; 0 = greedy.")
+
+
+class CheckpointConfig(Section):
+    """Checkpoints for exact resume and the final model."""
+
+    every_steps: int = Field(
+        0, ge=0, description="Save every N optimizer steps; 0 = only at the end."
+    )
+    keep_last: int = Field(
+        2, ge=1, description="Complete checkpoints kept; older ones are deleted."
+    )
+    save_final_model: bool = Field(
+        True, description="Write output_dir/final/ (model or adapter + tokenizer)."
+    )
+
+
+class LoggingConfig(Section):
+    """Metrics backends and console output."""
+
+    backends: list[Literal["jsonl", "tensorboard", "wandb", "trackio"]] = Field(
+        default_factory=lambda: ["jsonl"],
+        description="Metrics backends; jsonl (metrics.jsonl) is always written.",
+    )
+    progress_bar: bool = Field(
+        True,
+        description="Show a progress bar (a compact line every few steps when not a terminal).",
+    )
+    samples_every: int = Field(
+        10, ge=0, description="Print a table of sample completions every N steps; 0 = never."
+    )
+    wandb_project: str | None = Field(None, description="W&B / trackio project; null = 'leangrpo'.")
+    run_name: str | None = Field(None, description="Run name shown by the tracking backends.")
+
+
+class Config(Section):
+    """A whole run."""
+
+    run: RunConfig = Field(default_factory=RunConfig, description="Run.")
+    model: ModelConfig = Field(..., description="Policy model.")
+    lora: LoRAConfig = Field(default_factory=LoRAConfig, description="LoRA.")
+    data: DataConfig = Field(..., description="Prompts.")
+    rewards: RewardsConfig = Field(..., description="Rewards.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation.")
+    loss: LossConfig = Field(default_factory=LossConfig, description="Objective.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation.")
+    packing: PackingConfig = Field(default_factory=PackingConfig, description="Packing.")
+    logprobs: LogprobsConfig = Field(default_factory=LogprobsConfig, description="Log-probs.")
+    offload: OffloadConfig = Field(default_factory=OffloadConfig, description="Activation offload.")
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="Pipeline.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation.")
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="Checkpoints."
+    )
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging.")
+
+    @model_validator(mode="after")
+    def _check_group_counts(self) -> Config:
+        groups = self.rollout.prompts_per_batch
+        if self.train.steps_per_generation > groups:
+            raise rule_error(
+                f"train.steps_per_generation ({self.train.steps_per_generation}) must not exceed rollout.prompts_per_batch ({groups}), because each optimizer step takes whole prompt groups."
+            )
+        if (
+            self.pipeline.min_groups_per_step is not None
+            and self.pipeline.min_groups_per_step > groups
+        ):
+            raise rule_error(
+                f"pipeline.min_groups_per_step ({self.pipeline.min_groups_per_step}) must not exceed rollout.prompts_per_batch ({groups}), the groups one generation batch holds."
+            )
+        return self
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the resolved config (every default filled in) to `path`."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_yaml())
+        return path
+
+
+# -- loading --------------------------------------------------------------------------------
+
+REQUIRED_SECTIONS = ("model", "data", "rewards")
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read YAML at `path` (or start empty), apply `key.path=value` overrides, validate."""
+    data = read_yaml(path) if path is not None else {}
+    for override in overrides or []:
+        apply_override(data, override)
+    return config_from_dict(data)
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    if not isinstance(data, dict):
+        kind = type(data).__name__
+        raise ConfigError(
+            f"A config must be a mapping of sections (run, model, data, ...), got {kind}."
+        )
+    data = dict(data)
+    for section in REQUIRED_SECTIONS:  # report a missing section at its first required key
+        if data.get(section) is None:
+            data[section] = {}
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(describe_validation_error(exc, Config)) from None
