@@ -1,0 +1,160 @@
+"""Resolve reward-function names to callables.
+
+A name takes one of three forms:
+
+    math | format | length            a built-in (leangrpo.rewards.builtin)
+    package.module:function           imported with importlib.import_module
+    path/to/file.py:function          loaded from the file (relative to the working directory)
+
+Every reward has the signature `fn(prompts, completions, **columns) -> list[float | None]`:
+`prompts` and `completions` are aligned lists of strings, each extra data column arrives as
+an aligned list under its own name, and the spec's `kwargs` are passed as keyword arguments
+too (a kwarg wins over a data column of the same name).
+
+Functions travel to the worker processes as a `ResolvedReward` (name, resolved file path,
+kwargs) and are resolved again there, never pickled: closures and lambdas cannot cross a
+process boundary, and the worker must not depend on the trainer's memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import math
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+RewardFn = Callable[..., list]
+
+BUILTIN_NAMES = ("math", "format", "length")
+ACCEPTED_FORMS = (
+    "a built-in (math, format, length), 'package.module:function' or 'path/to/file.py:function'"
+)
+
+
+class RewardError(RuntimeError):
+    """A reward function failed while scoring (with rewards.fail_fast), or its pool broke."""
+
+
+class RewardSpecError(RewardError, ValueError):
+    """A configured reward function cannot be resolved or its kwargs are wrong."""
+
+
+@dataclass(frozen=True)
+class ResolvedReward:
+    """One configured reward function, in a form a worker process can resolve by itself."""
+
+    key: str  # metric / `sample.rewards` key: the function name, made unique
+    name: str  # as written in the config
+    weight: float
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    file: str | None = None  # absolute path for the file form
+
+
+def resolve(name: str, file: str | None = None) -> RewardFn:
+    """The callable for `name`; `file` (absolute) overrides the path in the file form."""
+    if name in BUILTIN_NAMES:
+        from leangrpo.rewards import builtin
+
+        return builtin.BUILTINS[name]
+    target, sep, attr = name.rpartition(":")
+    if not sep or not target or not attr:
+        raise RewardSpecError(f"'{name}' is not a reward name; use {ACCEPTED_FORMS}")
+    if target.endswith(".py"):
+        module = _load_file(Path(file or target))
+    else:
+        module = _import_module(target)
+    fn = getattr(module, attr, None)
+    if fn is None:
+        available = sorted(
+            n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+        )
+        raise RewardSpecError(
+            f"'{target}' has no attribute '{attr}' (its public callables: {', '.join(available) or 'none'})"
+        )
+    if not callable(fn):
+        raise RewardSpecError(f"'{target}:{attr}' is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def _import_module(module_name: str) -> Any:
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and module_name.startswith(e.name):
+            raise RewardSpecError(
+                f"module '{module_name}' not found (is it installed or on PYTHONPATH?)"
+            ) from e
+        raise RewardSpecError(f"importing module '{module_name}' failed: {e}") from e
+    except Exception as e:
+        raise RewardSpecError(
+            f"importing module '{module_name}' failed: {type(e).__name__}: {e}"
+        ) from e
+
+
+def _load_file(path: Path) -> Any:
+    path = path.expanduser().resolve()
+    if not path.is_file():
+        raise RewardSpecError(f"file {path} not found")
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
+    stem = re.sub(r"\W", "_", path.stem)
+    module_name = f"leangrpo_user_reward_{stem}_{digest}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise RewardSpecError(f"file {path} cannot be loaded as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # before exec: dataclasses/pickle look it up there
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[module_name]
+        raise RewardSpecError(f"executing {path} failed: {type(e).__name__}: {e}") from e
+    return module
+
+
+def _display_name(name: str) -> str:
+    return name if name in BUILTIN_NAMES else name.rpartition(":")[2]
+
+
+def check_rewards(rewards_cfg: Any) -> list[ResolvedReward]:
+    """Resolve every configured function now (in the trainer), so a typo fails before any
+    model loads; returns the specs the worker pool ships to its processes."""
+    functions = list(getattr(rewards_cfg, "functions", None) or [])
+    if not functions:
+        raise RewardSpecError("rewards.functions is empty; add at least one, e.g. {name: math}")
+    specs: list[ResolvedReward] = []
+    seen: dict[str, int] = {}
+    for i, fn_cfg in enumerate(functions):
+        where = f"rewards.functions[{i}]"
+        name = str(fn_cfg.name)
+        weight = float(getattr(fn_cfg, "weight", 1.0))
+        kwargs = dict(getattr(fn_cfg, "kwargs", None) or {})
+        if not math.isfinite(weight):
+            raise RewardSpecError(f"{where}.weight = {weight} must be a finite number")
+        try:
+            resolve(name)
+        except RewardSpecError as e:
+            raise RewardSpecError(
+                f"{where}.name = '{name}': {e}; accepted forms: {ACCEPTED_FORMS}"
+            ) from None
+        if name in BUILTIN_NAMES:
+            from leangrpo.rewards import builtin
+
+            try:
+                builtin.check_kwargs(name, kwargs)
+            except ValueError as e:
+                raise RewardSpecError(f"{where}.kwargs: {e}") from None
+        target = name.rpartition(":")[0]
+        file = str(Path(target).expanduser().resolve()) if target.endswith(".py") else None
+        base = _display_name(name)
+        seen[base] = seen.get(base, 0) + 1
+        key = base if seen[base] == 1 else f"{base}_{seen[base]}"
+        specs.append(ResolvedReward(key=key, name=name, weight=weight, kwargs=kwargs, file=file))
+    return specs

@@ -1,0 +1,154 @@
+"""Built-in rewards on hand-picked examples, and name resolution with its errors."""
+
+from __future__ import annotations
+
+import math
+import re
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+
+from leangrpo.rewards import RewardSpecError, check_rewards, resolve
+from leangrpo.rewards.builtin import check_kwargs, format_reward, length_reward, math_reward
+
+
+def test_math_reward_hand_picked():
+    cases = [
+        ("42", "Adding them up, so the answer is 42", 1.0),
+        ("42", "so the answer is 41", 0.0),
+        ("0.5", r"Therefore \boxed{\frac{1}{2}}", 1.0),
+        (r"\frac{1}{2}", "it is 0.5", 1.0),
+        ("42", r"\boxed{42}, not 7", 1.0),  # the boxed answer wins over a later number
+        ("42", "first 42, finally 43", 0.0),  # else the last number counts
+        (r"\sqrt{2}", r"$\boxed{\sqrt 2}$", 1.0),
+        ("Natalia sold 48/2 = 24 clips.\n#### 72", "The total is 72.", 1.0),  # GSM8K reference
+        ("42", "no idea", 0.0),
+        ("", "42", None),  # an unparsable reference is unscored, not wrong
+        (None, "42", None),
+    ]
+    got = math_reward(["q"] * len(cases), [c for _, c, _ in cases], answer=[r for r, _, _ in cases])
+    assert got == [expected for _, _, expected in cases]
+
+
+def test_math_reward_answer_column():
+    assert math_reward(["q"], ["7"], answer_column="gold", gold=["7"]) == [1.0]
+    with pytest.raises(ValueError, match=r"column 'answer' but the data has only \['solution'\]"):
+        math_reward(["q"], ["7"], solution=["7"])
+
+
+def test_format_reward_search_and_fullmatch():
+    completions = ["<think>a\nb</think> 42", "x <think>c</think> 1", "no tags"]
+    pattern = r"<think>.*</think>.*"
+    assert format_reward([""] * 3, completions, pattern=pattern) == [1.0, 1.0, 0.0]
+    assert format_reward([""] * 3, completions, pattern=pattern, mode="fullmatch") == [
+        1.0,
+        0.0,
+        0.0,
+    ]
+
+
+def test_length_reward_matches_formula():
+    target, tolerance = 10, 2
+    completions = ["x" * n for n in (0, 5, 8, 10, 12, 13, 20, 40)]
+    expected = [
+        1 - min(1, max(0, abs(n - target) - tolerance) / target) for n in map(len, completions)
+    ]
+    got = length_reward([""] * len(completions), completions, target=target, tolerance=tolerance)
+    assert got == pytest.approx(expected)
+    assert got[3] == 1.0 and got[4] == 1.0 and got[5] == pytest.approx(0.9) and got[-1] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "message"),
+    [
+        ("format", {}, "needs kwargs.pattern"),
+        ("format", {"pattern": "("}, "not a valid regex"),
+        ("format", {"pattern": "a", "mode": "match"}, "use 'search' or 'fullmatch'"),
+        ("length", {"target": 0}, "kwargs.target, a number of characters > 0"),
+        ("length", {"target": 5, "tolerance": -1}, "tolerance = -1 must be a number >= 0"),
+        ("math", {"answer_col": "x"}, r"unknown kwarg\(s\) \['answer_col'\]"),
+    ],
+)
+def test_builtin_kwargs_are_checked(name, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        check_kwargs(name, kwargs)
+
+
+# ---- registry -------------------------------------------------------------------------------
+
+USER_CODE = textwrap.dedent(
+    """
+    def contains_yes(prompts, completions, **columns):
+        return [1.0 if "yes" in c else 0.0 for c in completions]
+
+    NOT_A_FUNCTION = 3
+    """
+)
+
+
+def spec(name, weight=1.0, **kwargs):
+    return SimpleNamespace(name=name, weight=weight, kwargs=kwargs)
+
+
+def rewards_cfg(*functions):
+    return SimpleNamespace(functions=list(functions), timeout_s=5.0, num_workers=1, fail_fast=False)
+
+
+def test_resolve_by_module_and_by_file(tmp_path, monkeypatch):
+    (tmp_path / "my_user_rewards.py").write_text(USER_CODE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    by_module = resolve("my_user_rewards:contains_yes")
+    by_file = resolve(f"{tmp_path / 'my_user_rewards.py'}:contains_yes")
+    for fn in (by_module, by_file):
+        assert fn(["p", "p"], ["yes!", "no"]) == [1.0, 0.0]
+    assert resolve("math") is math_reward
+    monkeypatch.chdir(tmp_path)
+    assert resolve("my_user_rewards.py:contains_yes")(["p"], ["yes"]) == [1.0]  # relative path
+
+
+def test_check_rewards_keys_and_specs(tmp_path):
+    (tmp_path / "u.py").write_text(USER_CODE)
+    specs = check_rewards(
+        rewards_cfg(
+            spec("math"),
+            spec("format", 0.5, pattern="a"),
+            spec("format", 0.0, pattern="b"),
+            spec(f"{tmp_path / 'u.py'}:contains_yes"),
+        )
+    )
+    assert [s.key for s in specs] == ["math", "format", "format_2", "contains_yes"]
+    assert [s.weight for s in specs] == [1.0, 0.5, 0.0, 1.0]
+    assert specs[3].file == str((tmp_path / "u.py").resolve()) and specs[0].file is None
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("maths", r"'maths' is not a reward name"),
+        ("no_such_module_xyz:fn", r"module 'no_such_module_xyz' not found"),
+        ("missing_dir/r.py:fn", r"file .*missing_dir/r\.py not found"),
+        ("{dir}/u.py:nope", r"has no attribute 'nope' \(its public callables: contains_yes\)"),
+        ("{dir}/u.py:NOT_A_FUNCTION", r"is a int, not a function"),
+        ("{dir}/broken.py:fn", r"executing .*broken\.py failed: ZeroDivisionError"),
+    ],
+)
+def test_resolution_errors_name_the_key(tmp_path, name, message):
+    (tmp_path / "u.py").write_text(USER_CODE)
+    (tmp_path / "broken.py").write_text("x = 1 / 0\n")
+    name = name.format(dir=tmp_path)
+    with pytest.raises(RewardSpecError) as err:
+        check_rewards(rewards_cfg(spec("math"), spec(name)))
+    text = str(err.value)
+    assert text.startswith(f"rewards.functions[1].name = '{name}'")
+    assert "'package.module:function'" in text  # the accepted forms
+    assert re.search(message, text)
+
+
+def test_check_rewards_bad_weight_and_kwargs():
+    with pytest.raises(RewardSpecError, match=r"rewards.functions\[0\].weight = nan"):
+        check_rewards(rewards_cfg(spec("math", math.nan)))
+    with pytest.raises(
+        RewardSpecError, match=r"rewards.functions\[0\].kwargs: .*needs kwargs.pattern"
+    ):
+        check_rewards(rewards_cfg(spec("format")))

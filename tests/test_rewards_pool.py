@@ -1,0 +1,169 @@
+"""RewardPool: scoring in worker processes, failure isolation, time limits, fail_fast, close."""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+
+from leangrpo.contracts import Completion, Prompt, RolloutSample
+from leangrpo.rewards import RewardError, RewardPool, RewardSpecError
+
+USER_CODE = textwrap.dedent(
+    """
+    import signal
+    import time
+
+    def flaky(prompts, completions, **columns):
+        for c in completions:
+            if "boom" in c:
+                raise ValueError("boom here")
+        return [1.0] * len(completions)
+
+    def slow(prompts, completions, **columns):  # interruptible: the worker's own limit stops it
+        if any("sleep" in c for c in completions):
+            time.sleep(60)
+        return [0.5] * len(completions)
+
+    def stuck(prompts, completions, **columns):  # deaf to the soft limit: must be killed
+        if any("stuck" in c for c in completions):
+            signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
+            time.sleep(60)
+        return [0.25] * len(completions)
+
+    def bad_type(prompts, completions, **columns):
+        return ["high" if "bad" in c else 1.0 for c in completions]
+
+    def wrong_length(prompts, completions, **columns):
+        return [1.0] * (len(completions) + 1)
+
+    def echo_level(prompts, completions, level, scale=1.0, **columns):
+        return [scale * lv for lv in level]
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def user_module(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rewards") / "user_rewards.py"
+    path.write_text(USER_CODE)
+    return path
+
+
+def cfg(*functions, timeout_s=1.0, num_workers=2, fail_fast=False):
+    specs = [SimpleNamespace(name=n, weight=w, kwargs=k) for n, w, k in functions]
+    return SimpleNamespace(
+        functions=specs, timeout_s=timeout_s, num_workers=num_workers, fail_fast=fail_fast
+    )
+
+
+def make_samples(texts, answer="42"):
+    return [
+        RolloutSample(
+            group_id=i // 2,
+            prompt=Prompt(
+                uid=i, text=f"question {i}", ids=[1], columns={"answer": answer, "level": i}
+            ),
+            completion=Completion(ids=[1], text=t, logprobs=[0.0], finish_reason="stop", version=0),
+        )
+        for i, t in enumerate(texts)
+    ]
+
+
+def test_pool_isolates_errors_and_time_limits(user_module):
+    f = f"{user_module}:"
+    functions = [
+        ("length", 1.0, {"target": 5}),
+        (f + "flaky", 1.0, {}),
+        (f + "slow", 0.5, {}),
+        (f + "stuck", 0.0, {}),  # weight 0: reported, but its None does not unscore a sample
+        (f + "bad_type", 0.0, {}),
+    ]
+    texts = ["so 42", "boom!", "sleep", "stuck", "bad 4", "far too long"]  # 5 chars but the last
+    with RewardPool(cfg(*functions)) as pool:
+        samples = make_samples(texts)
+        metrics = pool.score(samples)
+        table = [[s.rewards[k] for k in pool.keys] for s in samples]
+        assert table == [
+            [1.0, 1.0, 0.5, 0.25, 1.0],
+            [1.0, None, 0.5, 0.25, 1.0],
+            [1.0, 1.0, None, 0.25, 1.0],
+            [1.0, 1.0, 0.5, None, 1.0],
+            [1.0, 1.0, 0.5, 0.25, None],
+            [0.0, 1.0, 0.5, 0.25, 1.0],
+        ]
+        totals = [s.reward for s in samples]
+        assert totals == [2.25, None, None, 2.25, 2.25, 1.25]
+        scored = [2.25, 2.25, 2.25, 1.25]
+        mean = sum(scored) / 4
+        assert metrics["reward/mean"] == pytest.approx(mean)
+        assert metrics["reward/std"] == pytest.approx(
+            math.sqrt(sum((r - mean) ** 2 for r in scored) / 4)
+        )
+        assert metrics["reward/length/mean"] == pytest.approx(5 / 6)
+        assert metrics["reward/slow/mean"] == pytest.approx(0.5)
+        for key in ("flaky", "slow", "stuck", "bad_type"):
+            assert metrics[f"reward/{key}/failures"] == 1.0
+        assert metrics["reward/length/failures"] == 0.0
+        assert metrics["reward/failures"] == 4.0 and metrics["reward/unscored"] == 2.0
+
+        again = make_samples(["so 42", "yes 4"])  # the killed worker was replaced
+        metrics = pool.score(again)
+        assert [s.reward for s in again] == [2.25, 2.25]
+        assert metrics["reward/failures"] == 0.0
+        procs = [w.proc for w in pool._workers]
+    assert all(p.poll() is not None for p in procs)  # closed: no worker left running
+
+
+def test_columns_kwargs_and_module_form(user_module, monkeypatch):
+    monkeypatch.syspath_prepend(str(user_module.parent))  # the worker inherits sys.path
+    functions = [
+        ("user_rewards:echo_level", 1.0, {"scale": 2.0}),
+        ("format", 1.0, {"pattern": r"^\d+$", "mode": "fullmatch"}),
+        ("math", 1.0, {}),
+    ]
+    pool = RewardPool(cfg(*functions, timeout_s=5.0, num_workers=1))
+    try:
+        samples = make_samples(["42", "x", r"\boxed{41}"])
+        pool.score(samples)
+        assert [s.rewards for s in samples] == [
+            {"echo_level": 0.0, "format": 1.0, "math": 1.0},
+            {"echo_level": 2.0, "format": 0.0, "math": 0.0},
+            {"echo_level": 4.0, "format": 0.0, "math": 0.0},
+        ]
+        pool._seconds_per_sample = [pool.timeout_s, None, None]  # 1 timeout per sample ...
+        assert pool._chunk_sizes(64) == [1, 16, 16]  # ... is sent one sample per call
+    finally:
+        pool.close()
+    with pytest.raises(RewardError, match="closed"):
+        pool.score(samples)
+
+
+def test_fail_fast_names_function_error_and_sample(user_module):
+    f = f"{user_module}:"
+    functions = [(f + "flaky", 1.0, {}), (f + "bad_type", 1.0, {})]
+    with RewardPool(cfg(*functions, timeout_s=5.0, fail_fast=True)) as pool:
+        with pytest.raises(
+            RewardError, match=r"reward 'flaky' failed on sample 2: ValueError: boom here"
+        ):
+            pool.score(make_samples(["ok", "ok", "boom", "ok"]))
+        with pytest.raises(
+            RewardError, match=r"reward 'bad_type' failed on sample 1: .*returned 'high' \(str\)"
+        ):
+            pool.score(make_samples(["ok", "bad"]))
+        samples = make_samples(["ok", "fine"])
+        pool.score(samples)  # still usable after raising
+        assert [s.reward for s in samples] == [2.0, 2.0]
+
+
+def test_wrong_length_is_an_error_naming_the_function(user_module):
+    with RewardPool(cfg((f"{user_module}:wrong_length", 1.0, {}), fail_fast=True)) as pool, \
+            pytest.raises(RewardError, match=r"'wrong_length' returned 2 values for 1 samples"):  # fmt: skip
+        pool.score(make_samples(["a", "b"]))
+
+
+def test_bad_name_fails_before_any_worker_starts():
+    with pytest.raises(RewardSpecError, match=r"rewards.functions\[0\].name = 'nope:fn'"):
+        RewardPool(cfg(("nope:fn", 1.0, {})))
