@@ -75,6 +75,11 @@ def test_check_data_unsupported_extension(tmp_path):
     path.write_text("hello")
     with pytest.raises(DataError, match=r"unsupported file type '\.txt'"):
         check_data(data_cfg(path=str(path)))
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(DataError, match=r"empty\.jsonl' holds no rows"):
+        check_data(data_cfg(path=str(tmp_path / "empty.jsonl")))
+    (tmp_path / "lines.json").write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    check_data(data_cfg(path=str(tmp_path / "lines.json")))  # JSON lines under a .json name
 
 
 def test_check_data_missing_column_names_existing_ones(tmp_path):

@@ -78,7 +78,10 @@ def _check_file(path_str: str, key: str, data_cfg: Any) -> None:
             f"{key} = '{path_str}': unsupported file type '{path.suffix}'; "
             f"use one of {', '.join(FILE_BUILDERS)}"
         )
-    _check_columns(_file_columns(path), str(path), data_cfg)
+    columns = _file_columns(path)
+    if not columns:
+        raise DataError(f"{key} = '{path_str}' holds no rows (or no columns)")
+    _check_columns(columns, str(path), data_cfg)
 
 
 def _file_columns(path: Path) -> list[str]:
@@ -90,24 +93,27 @@ def _file_columns(path: Path) -> list[str]:
     if suffix == ".csv":
         with path.open(newline="", encoding="utf-8") as f:
             return next(csv.reader(f), [])
-    with path.open(encoding="utf-8") as f:
-        head = f.read(4096).lstrip()
-    if suffix == ".json" and head.startswith("["):
-        rows = _read_json_array(path)
+    if suffix == ".json":
+        rows = _read_json_rows(path)
         return list(rows[0]) if rows else []
     first = _scan_jsonl(path)
     return list(first) if first is not None else []
 
 
-def _read_json_array(path: Path) -> list:
+def _read_json_rows(path: Path) -> list:
+    """A .json file holds a JSON array of row objects, or JSON lines."""
+    text = path.read_text(encoding="utf-8")
     try:
-        rows = json.loads(path.read_text(encoding="utf-8"))
+        rows = json.loads(text)
     except json.JSONDecodeError as e:
-        raise DataError(
-            f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"
-        ) from None
-    if not all(isinstance(row, dict) for row in rows):
-        raise DataError(f"{path} must hold a JSON array of objects, one per row")
+        if text.lstrip().startswith("["):
+            raise DataError(f"{path} is not valid JSON (line {e.lineno}: {e.msg})") from None
+        first = _scan_jsonl(path)  # JSON lines under a .json name
+        return [first] if first is not None else []
+    if isinstance(rows, dict):
+        rows = [rows]  # one row: JSON lines with a single line
+    if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+        raise DataError(f"{path} must hold a JSON array of objects (one per row) or JSON lines")
     return rows
 
 
