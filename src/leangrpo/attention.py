@@ -1,0 +1,621 @@
+"""The packed-attention adapter, registered through transformers' attention interface.
+
+One attention function + one mask function are registered under `leangrpo_packed`:
+
+* A forward carrying packed kwargs (`cu_seq_lens_q/k`, `max_length_q/k` from
+  `packed_model_kwargs`, or a shared-prefix `leangrpo_prefix` layout) runs a kernel that
+  never attends across sequences: flash-attn varlen, torch varlen, flex attention with a
+  block-diagonal causal BlockMask, or causal SDPA per segment (the exact CPU fallback).
+  A KV cache together with packed kwargs is refused: a cache would hold a packed row.
+* Any other forward (generation with a left-padded batch and a KV cache, a plain padded
+  batch) is delegated to transformers' own SDPA function with the standard mask. The mask
+  function skips building a mask only for fresh forwards without a padding mask; then
+  position ids that restart inside a row get the block-diagonal mask transformers would
+  have built (refused with a cache, where transformers' own SDPA leaks across sequences).
+* `enable_packed_attention` probes the model with a 5-token packed forward. If the packed
+  kwargs never reach the attention function (an architecture outside the interface), a
+  padded view is installed with public forward hooks instead: the backbone sees (S, Lmax)
+  right-padded rows with an attention mask, and its output is unpadded back to (1, N).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import weakref
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from leangrpo.packing import PrefixLayout
+
+logger = logging.getLogger("leangrpo")
+
+ATTENTION_NAME = "leangrpo_packed"
+PREFIX_KWARG = "leangrpo_prefix"
+Backend = Literal["auto", "flash_varlen", "torch_varlen", "flex", "sdpa_segments"]
+BACKENDS = ("flash_varlen", "torch_varlen", "flex", "sdpa_segments")
+PREFIX_BACKENDS = ("flex", "sdpa_segments")  # kernels that implement the shared-prefix layout
+
+
+class PackedAttentionError(RuntimeError):
+    """A packed forward that the adapter cannot run exactly."""
+
+
+@dataclass
+class _State:
+    backend: str | None = None
+    logged: set[str] | None = None
+
+
+_STATE = _State(logged=set())
+_CAPABILITIES: weakref.WeakKeyDictionary[nn.Module, PackedSupport] = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class PackedSupport:
+    """What the probe forward saw reach the attention function."""
+
+    packed_kwargs: bool  # cu_seq_lens reached it: packed attention runs inside the model
+    prefix_kwarg: bool  # the shared-prefix layout reached it
+    padded_view: bool  # neither did: forward hooks pad and unpad around the backbone
+
+
+def _log_once(key: str, message: str, level: int = logging.INFO) -> None:
+    if key not in _STATE.logged:
+        _STATE.logged.add(key)
+        logger.log(level, message)
+
+
+# ------------------------------------------------------------------------ registration
+
+
+def backend_unavailable_reason(backend: str, device_type: str) -> str | None:
+    """None when `backend` can run on `device_type`, else why not (and the fix)."""
+    if backend not in BACKENDS:
+        return f"unknown attention backend {backend!r}; choose one of auto, {', '.join(BACKENDS)}"
+    if backend == "sdpa_segments":
+        return None
+    if backend == "flex":
+        try:
+            from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+        except ImportError:
+            return "flex attention needs torch >= 2.5 (pip install -U torch)"
+        return None
+    if device_type != "cuda":
+        return f"{backend} needs a CUDA device (this process runs on {device_type})"
+    if backend == "flash_varlen":
+        try:
+            from flash_attn import flash_attn_varlen_func  # noqa: F401
+        except ImportError:
+            return "flash_varlen needs the flash-attn package (pip install flash-attn)"
+        return None
+    if backend == "torch_varlen":
+        try:
+            from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+        except ImportError:
+            return "torch_varlen needs torch.nn.attention.varlen (torch >= 2.10)"
+        if torch.cuda.get_device_capability()[0] < 8:
+            return "torch_varlen needs an Ampere or newer GPU (flash attention kernels)"
+        return None
+
+
+def resolve_backend(backend: str = "auto", device_type: str | None = None) -> str:
+    """The backend to use: the first available of BACKENDS for "auto", else the forced one."""
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    if backend != "auto":
+        reason = backend_unavailable_reason(backend, device_type)
+        if reason is not None:
+            raise PackedAttentionError(
+                f"packing.attention_backend={backend!r} is unavailable: {reason}; "
+                "or set packing.attention_backend=auto."
+            )
+        return backend
+    candidates = BACKENDS if device_type == "cuda" else ("sdpa_segments",)
+    return next(b for b in candidates if backend_unavailable_reason(b, device_type) is None)
+
+
+def register_packed_attention(backend: Backend = "auto", device_type: str | None = None) -> str:
+    """Register (idempotently) the adapter under ATTENTION_NAME with `backend`; returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    chosen = resolve_backend(backend, device_type)
+    AttentionInterface.register(ATTENTION_NAME, packed_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, packed_attention_mask)
+    if _STATE.backend != chosen:
+        _STATE.backend = chosen
+        logger.info("packed attention: backend %s (asked for %s)", chosen, backend)
+    return ATTENTION_NAME
+
+
+def current_backend() -> str:
+    if _STATE.backend is None:
+        raise PackedAttentionError(
+            "packed attention is not registered; call register_packed_attention()."
+        )
+    return _STATE.backend
+
+
+def enable_packed_attention(model: nn.Module, backend: Backend = "auto") -> str:
+    """Switch a loaded (possibly peft-wrapped) model to the adapter; returns the backend."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    device = next(lm.parameters()).device
+    name = register_packed_attention(backend, device.type)
+    if hasattr(lm, "set_attn_implementation"):
+        lm.set_attn_implementation(name)
+    support = _probe(lm, device)
+    _CAPABILITIES[lm] = support
+    if support.padded_view:
+        _install_padded_view(_backbone(lm))
+        logger.warning(
+            "packed attention: %s does not pass packed kwargs to its attention function; "
+            "using a padded view inside the adapter (exact, but pays for padding).",
+            type(lm).__name__,
+        )
+    return current_backend()
+
+
+def packed_support(model: nn.Module) -> PackedSupport | None:
+    """The probe's verdict for a model passed to enable_packed_attention (None if never)."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return _CAPABILITIES.get(lm)
+
+
+def packed_model_kwargs(batch: Any) -> dict[str, Any]:
+    """Kwargs for the backbone forward (with input_ids, position_ids, use_cache=False)."""
+    prefix = getattr(batch, "prefix", None)
+    if prefix is not None:  # cu_seq_lens are left out so that no other kernel can misread the row
+        return {PREFIX_KWARG: prefix}
+    return {
+        "cu_seq_lens_q": batch.cu_seqlens,
+        "cu_seq_lens_k": batch.cu_seqlens,
+        "max_length_q": batch.max_seqlen,
+        "max_length_k": batch.max_seqlen,
+    }
+
+
+def choose_shared_prefix(setting: str, backend: str, stats: dict[str, float] | None = None) -> bool:
+    """Whether to pack with a shared prompt prefix.
+
+    "auto" is on when the backend implements the layout and prompts are at least
+    `AUTO_MIN_PROMPT_FRACTION` of the plain packed tokens with groups of >= 2 (below that
+    the per-segment overhead ate the gain in benchmarks/packing.py); "on" with a backend
+    that cannot take the layout falls back to plain packing with a one-time log.
+    """
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"packing.shared_prefix must be auto, on or off (got {setting!r}).")
+    if setting == "off":
+        return False
+    if backend not in PREFIX_BACKENDS:
+        if setting == "on":
+            _log_once(
+                f"prefix-{backend}",
+                f"shared prefix: backend {backend} has no shared-prefix "
+                "kernel; packing plainly (use flex or sdpa_segments).",
+            )
+        return False
+    if setting == "on":
+        return True
+    stats = stats or {}
+    return (
+        stats.get("prompt_fraction", 0.0) >= AUTO_MIN_PROMPT_FRACTION
+        and stats.get("group_size", 1) >= 2
+    )
+
+
+AUTO_MIN_PROMPT_FRACTION = 0.2
+
+
+# ------------------------------------------------------------------ mask and attention
+
+
+def packed_attention_mask(*args: Any, **kwargs: Any) -> Tensor | None:
+    """transformers' sdpa mask, except no (N, N) mask for a fresh forward without padding."""
+    from transformers.masking_utils import sdpa_mask
+
+    fresh = (
+        kwargs.get("attention_mask") is None
+        and isinstance(kwargs.get("q_offset", 0), int)
+        and kwargs.get("q_offset", 0) == 0
+        and isinstance(kwargs.get("kv_offset", 0), int)
+        and kwargs.get("kv_offset", 0) == 0
+        and kwargs.get("q_length") == kwargs.get("kv_length")
+    )
+    return None if fresh else sdpa_mask(*args, **kwargs)
+
+
+def packed_attention_forward(
+    module: nn.Module,
+    query: Tensor,  # (B, H, Lq, D)
+    key: Tensor,  # (B, KVH, Lk, D)
+    value: Tensor,  # (B, KVH, Lk, D)
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """Packed attention when packed kwargs are present, transformers' SDPA otherwise."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    layout = kwargs.pop(PREFIX_KWARG, None)
+    cu = kwargs.get("cu_seq_lens_q")
+    _PROBE.record(cu is not None, layout is not None)
+    if layout is not None or cu is not None:
+        _check_packed_call(module, query, key, attention_mask, is_causal, kwargs, layout)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = _run_packed(query, key, value, cu, kwargs.get("max_length_q"), layout, scale, dropout)
+        return out, None
+    if attention_mask is None and query.shape[2] == key.shape[2] and query.shape[2] > 1:
+        attention_mask = _implicit_mask(kwargs.get("position_ids"), query, kwargs)
+    return sdpa_attention_forward(
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout=dropout,
+        scaling=scaling,
+        is_causal=is_causal,
+        **kwargs,
+    )
+
+
+def _check_packed_call(module, query, key, attention_mask, is_causal, kwargs, layout) -> None:
+    if kwargs.get("use_cache"):
+        raise PackedAttentionError(
+            "packed kwargs were passed with use_cache=True: a KV cache would store a packed row "
+            "and later tokens would attend across sequences; call the model with use_cache=False."
+        )
+    if key.shape[2] != query.shape[2]:
+        raise PackedAttentionError(
+            f"packed forward got {key.shape[2]} keys for {query.shape[2]} queries (a KV cache "
+            "holds tokens); packed forwards must run without past_key_values."
+        )
+    if query.shape[0] != 1:
+        raise PackedAttentionError(
+            f"packed forward got batch size {query.shape[0]}; pack all sequences into one (1, N) row."
+        )
+    if attention_mask is not None:
+        raise PackedAttentionError(
+            "packed forward got an attention_mask; packed rows hold only real tokens, drop the mask."
+        )
+    if is_causal is False or not getattr(module, "is_causal", True):
+        raise PackedAttentionError(
+            "packed attention is causal only; this attention layer is bidirectional."
+        )
+    window = kwargs.get("sliding_window")
+    longest = layout.max_segment_len if layout is not None else kwargs.get("max_length_q")
+    if window is not None and (longest is None or longest > window):
+        raise PackedAttentionError(
+            f"a packed sequence ({longest} tokens) exceeds the model's sliding window ({window}); "
+            "the packed kernels implement full causal attention only: shorten sequences."
+        )
+
+
+def _run_packed(q, k, v, cu, max_len, layout, scale, dropout) -> Tensor:
+    """(1, N, H, D) output of the registered backend on a packed row."""
+    backend = current_backend()
+    if layout is not None:
+        if backend == "flex":
+            return _flex_prefix(q, k, v, layout, scale, dropout)
+        if backend != "sdpa_segments":
+            _log_once(
+                f"prefix-run-{backend}",
+                f"shared prefix: {backend} has no shared-prefix "
+                "kernel; running this forward with per-segment SDPA.",
+                logging.WARNING,
+            )
+        return _sdpa_prefix(q, k, v, layout, scale, dropout)
+    if max_len is None:
+        max_len = int((cu[1:] - cu[:-1]).max())
+    if backend in ("flash_varlen", "torch_varlen") and q.dtype not in (
+        torch.float16,
+        torch.bfloat16,
+    ):
+        _log_once(
+            "varlen-fp32",
+            f"{backend} needs fp16/bf16; fp32 forwards use per-segment SDPA.",
+            logging.WARNING,
+        )
+        backend = "sdpa_segments"
+    if backend == "flash_varlen":
+        return _flash_varlen(q, k, v, cu, max_len, scale, dropout)
+    if backend == "torch_varlen":
+        return _torch_varlen(q, k, v, cu, max_len, scale, dropout)
+    if backend == "flex":
+        return _flex_plain(q, k, v, cu, scale, dropout)
+    return _sdpa_segments(q, k, v, cu.tolist(), scale, dropout)
+
+
+# ------------------------------------------------------------------------- the kernels
+
+
+def _gqa(q: Tensor, k: Tensor) -> bool:
+    return q.shape[1] != k.shape[1]
+
+
+def _sdpa_segments(q, k, v, bounds: list[int], scale: float, dropout: float) -> Tensor:
+    """Causal SDPA on each [a, b) segment of the row; exact reference for every backend."""
+    outs = [
+        F.scaled_dot_product_attention(
+            q[:, :, a:b],
+            k[:, :, a:b],
+            v[:, :, a:b],
+            is_causal=True,
+            scale=scale,
+            dropout_p=dropout,
+            enable_gqa=_gqa(q, k),
+        )
+        for a, b in zip(bounds[:-1], bounds[1:])
+    ]
+    return torch.cat(outs, dim=2).transpose(1, 2)
+
+
+def _sdpa_prefix(q, k, v, layout: PrefixLayout, scale: float, dropout: float) -> Tensor:
+    """Per group: the prompt causally, then each completion over [prompt; itself]."""
+    gqa, outs = _gqa(q, k), []
+    for g in layout.groups:
+        p0, p1 = g.prompt_start, g.prompt_start + g.prompt_len
+        outs.append(
+            F.scaled_dot_product_attention(
+                q[:, :, p0:p1],
+                k[:, :, p0:p1],
+                v[:, :, p0:p1],
+                is_causal=True,
+                scale=scale,
+                dropout_p=dropout,
+                enable_gqa=gqa,
+            )
+        )
+        for c0, n in zip(g.completion_starts, g.completion_lens):
+            keys = torch.cat([k[:, :, p0:p1], k[:, :, c0 : c0 + n]], dim=2)
+            values = torch.cat([v[:, :, p0:p1], v[:, :, c0 : c0 + n]], dim=2)
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q[:, :, c0 : c0 + n],
+                    keys,
+                    values,
+                    attn_mask=_prefix_mask(layout, g.prompt_len, n, q.device),
+                    scale=scale,
+                    dropout_p=dropout,
+                    enable_gqa=gqa,
+                )
+            )
+    return torch.cat(outs, dim=2).transpose(1, 2)
+
+
+def _prefix_mask(layout: PrefixLayout, prompt_len: int, n: int, device) -> Tensor:
+    """(n, P + n) bool: the whole prompt, then causal over the completion itself."""
+    key = ("prefix-mask", prompt_len, n, str(device))
+    mask = layout._device_cache.get(key)
+    if mask is None:
+        rows = torch.arange(n, device=device)[:, None]
+        cols = torch.arange(prompt_len + n, device=device)[None, :]
+        mask = (cols < prompt_len) | (cols - prompt_len <= rows)
+        layout._device_cache[key] = mask
+    return mask
+
+
+def _flash_varlen(q, k, v, cu, max_len, scale, dropout) -> Tensor:
+    from flash_attn import flash_attn_varlen_func
+
+    q3, k3, v3 = (t[0].transpose(0, 1) for t in (q, k, v))  # (N, heads, D); GQA is native
+    out = flash_attn_varlen_func(
+        q3, k3, v3, cu, cu, max_len, max_len, dropout_p=dropout, softmax_scale=scale, causal=True
+    )
+    return out.unsqueeze(0)
+
+
+def _torch_varlen(q, k, v, cu, max_len, scale, dropout) -> Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    if dropout > 0:
+        raise PackedAttentionError(
+            "torch_varlen has no attention dropout; set attention_dropout=0 "
+            "or packing.attention_backend=flash_varlen."
+        )
+    params = inspect.signature(varlen_attn).parameters
+    if "enable_gqa" not in params and _gqa(q, k):
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    q3, k3, v3 = (t[0].transpose(0, 1) for t in (q, k, v))
+    extra: dict[str, Any] = {}
+    if "window_size" in params:  # torch >= 2.12: (-1, 0) is causal
+        extra["window_size"] = (-1, 0)
+    else:
+        extra["is_causal"] = True
+    if "enable_gqa" in params:
+        extra["enable_gqa"] = _gqa(q, k)
+    if "scale" in params:
+        extra["scale"] = scale
+    elif abs(scale - q.shape[-1] ** -0.5) > 1e-12:
+        raise PackedAttentionError(
+            "this torch's varlen_attn has no scale argument and the model uses "
+            "a non-default one; use packing.attention_backend=flex."
+        )
+    cu = cu.to(torch.int32)
+    return varlen_attn(q3, k3, v3, cu, cu, max_len, max_len, **extra).unsqueeze(0)
+
+
+_FLEX_PLAIN_CACHE: dict[str, Any] = {}
+
+
+def _flex_call(q, k, v, block_mask, scale, dropout) -> Tensor:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if dropout > 0:
+        raise PackedAttentionError(
+            "flex attention has no attention dropout; set attention_dropout=0."
+        )
+    if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
+        raise PackedAttentionError(
+            "flex attention has no backward on CPU (torch limitation); train on CPU with "
+            "packing.attention_backend=sdpa_segments (or auto)."
+        )
+    fn = flex_attention
+    if q.device.type == "cuda":  # fused kernel; on CPU compiling costs ~1 min, eager is exact
+        if "compiled" not in _FLEX_PLAIN_CACHE:
+            _FLEX_PLAIN_CACHE["compiled"] = torch.compile(flex_attention)
+        fn = _FLEX_PLAIN_CACHE["compiled"]
+    out = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=_gqa(q, k))
+    return out.transpose(1, 2)
+
+
+def _flex_plain(q, k, v, cu, scale, dropout) -> Tensor:
+    """Flex attention with a block-diagonal causal mask, built once per batch (per cu tensor)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    cached = _FLEX_PLAIN_CACHE.get("mask")
+    if cached is None or cached[0]() is not cu:
+        n = q.shape[2]
+        doc = torch.searchsorted(
+            cu[1:].to(torch.int64), torch.arange(n, device=q.device), right=True
+        )
+
+        def causal_same_doc(b, h, qi, ki):
+            return (doc[qi] == doc[ki]) & (qi >= ki)
+
+        mask = create_block_mask(causal_same_doc, None, None, n, n, device=q.device)
+        _FLEX_PLAIN_CACHE["mask"] = cached = (weakref.ref(cu), mask)
+    return _flex_call(q, k, v, cached[1], scale, dropout)
+
+
+def _flex_prefix(q, k, v, layout: PrefixLayout, scale, dropout) -> Tensor:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    key = ("flex-mask", str(q.device))
+    mask = layout._device_cache.get(key)
+    if mask is None:
+        group_of, segment_of, is_prompt = layout.segment_ids(q.device)
+
+        def prompt_or_own(b, h, qi, ki):
+            same_seg = segment_of[qi] == segment_of[ki]
+            return (group_of[qi] == group_of[ki]) & (qi >= ki) & (is_prompt[ki] | same_seg)
+
+        n = layout.num_tokens
+        mask = layout._device_cache[key] = create_block_mask(
+            prompt_or_own, None, None, n, n, device=q.device
+        )
+    return _flex_call(q, k, v, mask, scale, dropout)
+
+
+# ------------------------------------------- implicit packing (position ids, no kwargs)
+
+
+_IMPLICIT_CACHE: dict[str, Any] = {}
+
+
+def _implicit_mask(position_ids: Tensor | None, query: Tensor, kwargs: dict) -> Tensor | None:
+    """The block-diagonal causal mask transformers builds when position ids restart in a row."""
+    if position_ids is None:
+        return None
+    cached = _IMPLICIT_CACHE.get("ids")
+    if cached is not None and cached[0]() is position_ids:
+        mask = cached[1]
+    else:
+        pos = position_ids.expand(query.shape[0], -1)
+        seq = (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)  # (B, L)
+        mask = None
+        if bool(seq[:, -1].any()):
+            causal = torch.ones(
+                pos.shape[1], pos.shape[1], dtype=torch.bool, device=pos.device
+            ).tril()
+            mask = ((seq[:, :, None] == seq[:, None, :]) & causal)[:, None]  # (B, 1, L, L)
+        _IMPLICIT_CACHE["ids"] = (weakref.ref(position_ids), mask)
+    if mask is not None and kwargs.get("use_cache"):
+        raise PackedAttentionError(
+            "position ids restart inside a row (packed sequences) while use_cache=True; "
+            "transformers' SDPA would attend across sequences here. Call with use_cache=False."
+        )
+    return mask
+
+
+# -------------------------------------------------------- the probe and the padded view
+
+
+class _Probe:
+    """Records, during enable_packed_attention's probe forward only, what reached attention."""
+
+    def __init__(self) -> None:
+        self.active, self.saw_cu, self.saw_prefix = False, False, False
+
+    def record(self, saw_cu: bool, saw_prefix: bool) -> None:
+        if self.active:
+            self.saw_cu |= saw_cu
+            self.saw_prefix |= saw_prefix
+
+
+_PROBE = _Probe()
+
+
+def _backbone(lm: nn.Module) -> nn.Module:
+    decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else None
+    return decoder if isinstance(decoder, nn.Module) else lm
+
+
+def _probe(lm: nn.Module, device: torch.device) -> PackedSupport:
+    """Run two sequences (2 + 3 tokens) packed, plainly and with a shared prefix."""
+    from leangrpo.packing import GroupSpan
+
+    backbone = _backbone(lm)
+    ids = torch.zeros(1, 5, dtype=torch.long, device=device)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32, device=device)
+    plain = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 3, "max_length_k": 3}
+    layout = PrefixLayout((GroupSpan(0, 2, (2, 4), (2, 1)),), 5)
+    runs = [(torch.tensor([[0, 1, 0, 1, 2]], device=device), plain)]
+    if current_backend() in PREFIX_BACKENDS:
+        runs.append((torch.tensor([[0, 1, 2, 3, 2]], device=device), {PREFIX_KWARG: layout}))
+    _PROBE.active, _PROBE.saw_cu, _PROBE.saw_prefix = True, False, False
+    try:
+        with torch.no_grad():
+            for position_ids, extra in runs:
+                backbone(input_ids=ids, position_ids=position_ids, use_cache=False, **extra)
+    finally:
+        _PROBE.active = False
+    return PackedSupport(_PROBE.saw_cu, _PROBE.saw_prefix, padded_view=not _PROBE.saw_cu)
+
+
+def _install_padded_view(backbone: nn.Module) -> None:
+    """Forward hooks: packed (1, N) in -> (S, Lmax) right-padded + mask -> (1, N) out."""
+    pending: list[Tensor] = []  # (S, Lmax) bool of real tokens, per call in flight
+
+    def pad(module, args, kwargs):
+        if kwargs.get(PREFIX_KWARG) is not None:
+            raise PackedAttentionError(
+                f"{type(module).__name__} cannot take the shared-prefix layout (its attention "
+                "does not receive packed kwargs); set packing.shared_prefix=off."
+            )
+        cu = kwargs.pop("cu_seq_lens_q", None)
+        for name in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
+            kwargs.pop(name, None)
+        if cu is None:
+            return None
+        lens = (cu[1:] - cu[:-1]).long()
+        width = int(lens.max())
+        offsets = torch.arange(width, device=cu.device)
+        real = offsets[None, :] < lens[:, None]  # (S, Lmax)
+        gather = (cu[:-1, None].long() + offsets[None, :]).clamp(max=int(cu[-1]) - 1)
+        for name in ("input_ids", "inputs_embeds"):
+            if kwargs.get(name) is not None:
+                kwargs[name] = kwargs[name][0][gather]
+        kwargs["position_ids"] = offsets[None, :].expand(lens.numel(), -1)
+        kwargs["attention_mask"] = real.long()
+        pending.append(real)
+        return args, kwargs
+
+    def unpad(module, args, kwargs, output):
+        if not pending:
+            return None
+        real = pending.pop()
+        for name in ("last_hidden_state", "logits"):
+            if getattr(output, name, None) is not None:
+                setattr(output, name, getattr(output, name)[real].unsqueeze(0))
+        return output
+
+    backbone.register_forward_pre_hook(pad, with_kwargs=True)
+    backbone.register_forward_hook(unpad, with_kwargs=True)

@@ -1,0 +1,212 @@
+"""pack_samples layout against a per-token Python reference; micro-batch planning."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from leangrpo.contracts import Completion, Prompt, RolloutSample
+from leangrpo.packing import (
+    pack_samples,
+    packing_metrics,
+    plan_micro_batches,
+    unpack_per_sample,
+)
+
+
+def make_samples(spec, vocab=64, seed=0):
+    """spec: list of (prompt_len, [completion_len, ...]) per group; prompts shared in a group."""
+    rng = random.Random(seed)
+    samples = []
+    for gid, (plen, comp_lens) in enumerate(spec):
+        prompt = [rng.randrange(vocab) for _ in range(plen)]
+        for clen in comp_lens:
+            ids = [rng.randrange(vocab) for _ in range(clen)]
+            lps = [-rng.random() for _ in range(clen)]
+            finish = "length" if rng.random() < 0.3 else "stop"
+            comp = Completion(ids, "", lps, finish, version=rng.randrange(3))
+            samples.append(
+                RolloutSample(gid, Prompt(gid, "", prompt), comp, advantage=rng.gauss(0, 1))
+            )
+    return samples
+
+
+SPEC = [(5, [3, 1, 7]), (9, [2, 4]), (1, [1]), (4, [12, 1, 1, 6])]
+
+
+def reference_layout(samples):
+    """Per-token loops: what the packed fields must hold."""
+    ids, pos, comp_index, targets, token_seq = [], [], [], [], []
+    for s_idx, s in enumerate(samples):
+        start = len(ids)
+        seq = s.prompt.ids + s.completion.ids
+        ids += seq
+        pos += list(range(len(seq)))
+        for t, tok in enumerate(s.completion.ids):
+            comp_index.append(start + len(s.prompt.ids) + t - 1)
+            targets.append(tok)
+            token_seq.append(s_idx)
+    return ids, pos, comp_index, targets, token_seq
+
+
+def test_pack_samples_matches_per_token_reference():
+    samples = make_samples(SPEC)
+    batch = pack_samples(samples, sample_indices=list(range(10, 10 + len(samples))))
+    ids, pos, comp_index, targets, token_seq = reference_layout(samples)
+    assert batch.input_ids.tolist() == [ids]
+    assert batch.position_ids.tolist() == [pos]
+    assert batch.completion_index.tolist() == comp_index
+    assert batch.targets.tolist() == targets
+    assert batch.token_seq.tolist() == token_seq
+    lens = [s.num_tokens for s in samples]
+    assert batch.cu_seqlens.dtype == torch.int32
+    assert batch.cu_seqlens.tolist() == [sum(lens[:i]) for i in range(len(lens) + 1)]
+    assert batch.max_seqlen == max(lens)
+    assert batch.completion_lens.tolist() == [len(s.completion.ids) for s in samples]
+    assert batch.sample_index.tolist() == list(range(10, 10 + len(samples)))
+    assert batch.truncated.tolist() == [s.completion.finish_reason == "length" for s in samples]
+    assert batch.versions.tolist() == [s.version for s in samples]
+    assert torch.allclose(batch.advantages, torch.tensor([s.advantage for s in samples]))
+    flat_lp = [lp for s in samples for lp in s.completion.logprobs]
+    assert torch.allclose(batch.behaviour_logprobs, torch.tensor(flat_lp))
+    assert batch.num_sequences == len(samples)
+    assert batch.num_completion_tokens == len(targets)
+
+
+def test_shared_prefix_layout():
+    samples = make_samples(SPEC)
+    batch = pack_samples(samples, shared_prefix=True)
+    layout = batch.prefix
+    plain_tokens = sum(s.num_tokens for s in samples)
+    saved = sum(p * (len(c) - 1) for p, c in SPEC)
+    assert batch.num_tokens == layout.num_tokens == plain_tokens - saved
+    ids = batch.input_ids[0].tolist()
+    pos = batch.position_ids[0].tolist()
+    k = 0
+    for g, (plen, comp_lens) in zip(layout.groups, SPEC):
+        assert g.prompt_len == plen and list(g.completion_lens) == comp_lens
+        assert ids[g.prompt_start : g.prompt_start + plen] == samples[k].prompt.ids
+        assert pos[g.prompt_start : g.prompt_start + plen] == list(range(plen))
+        for c0, n in zip(g.completion_starts, g.completion_lens):
+            assert ids[c0 : c0 + n] == samples[k].completion.ids
+            assert pos[c0 : c0 + n] == list(range(plen, plen + n))
+            # the first completion token is predicted by the prompt's last position
+            first = batch.completion_index[batch.token_seq == k][0]
+            assert first == g.prompt_start + plen - 1
+            k += 1
+    assert batch.targets.tolist() == [t for s in samples for t in s.completion.ids]
+    assert batch.num_sequences == len(samples)  # cu_seqlens keeps S + 1 logical entries
+
+
+def test_shared_prefix_groups_interleaved_samples():
+    samples = make_samples([(3, [2, 2]), (4, [1, 3])])
+    shuffled = [samples[0], samples[2], samples[1], samples[3]]
+    batch = pack_samples(shuffled, sample_indices=[0, 1, 2, 3], shared_prefix=True)
+    assert batch.sample_index.tolist() == [0, 2, 1, 3]  # sequences made group-contiguous
+    assert batch.targets.tolist() == [t for i in (0, 2, 1, 3) for t in shuffled[i].completion.ids]
+
+
+def test_pack_samples_rejects_bad_input():
+    samples = make_samples([(3, [2])])
+    with pytest.raises(ValueError, match="no samples"):
+        pack_samples([])
+    with pytest.raises(ValueError, match="sample_indices"):
+        pack_samples(samples, sample_indices=[0, 1])
+    samples[0].completion.logprobs = [0.0]
+    with pytest.raises(ValueError, match="behaviour log-probs"):
+        pack_samples(samples)
+    empty = make_samples([(3, [2])])
+    empty[0].completion.ids, empty[0].completion.logprobs = [], []
+    with pytest.raises(ValueError, match="empty prompt or completion"):
+        pack_samples(empty)
+    mixed = make_samples([(3, [2]), (3, [2])])
+    mixed[1].group_id = 0
+    with pytest.raises(ValueError, match="mixes different prompt ids"):
+        pack_samples(mixed, shared_prefix=True)
+
+
+def test_unpack_per_sample():
+    samples = make_samples(SPEC)
+    batch = pack_samples(samples)
+    parts = unpack_per_sample(batch.targets, batch)
+    assert [p.tolist() for p in parts] == [s.completion.ids for s in samples]
+    with pytest.raises(ValueError, match="one value per completion token"):
+        unpack_per_sample(batch.targets[:-1], batch)
+
+
+# ----------------------------------------------------------------------- micro-batches
+
+
+def lognormal_lengths(n, seed=0):
+    rng = random.Random(seed)
+    return [min(2000, int(rng.uniform(50, 300) + rng.lognormvariate(5, 0.6))) for _ in range(n)]
+
+
+@pytest.mark.parametrize("balance", ["tokens", "attention"])
+def test_plan_respects_budget_and_covers_all(balance):
+    lens = lognormal_lengths(64) + [5000]  # one sequence longer than the budget
+    budget = 2048
+    plan = plan_micro_batches(lens, budget, balance)
+    flat = sorted(i for mb in plan for i in mb)
+    assert flat == list(range(len(lens)))
+    for mb in plan:
+        assert sum(lens[i] for i in mb) <= budget or len(mb) == 1
+    assert [64] in plan  # the long one sits alone
+    assert plan == plan_micro_batches(list(lens), budget, balance)  # deterministic
+
+
+def test_plan_balances_better_than_naive_order():
+    lens = lognormal_lengths(96, seed=3)
+    budget = 4096
+    plan = plan_micro_batches(lens, budget, "tokens")
+    naive, cur, load = [], [], 0  # fill in arrival order
+    for i, n in enumerate(lens):
+        if cur and load + n > budget:
+            naive.append(cur)
+            cur, load = [], 0
+        cur.append(i)
+        load += n
+    naive.append(cur)
+    ours = packing_metrics(lens, plan)
+    theirs = packing_metrics(lens, naive)
+    assert len(plan) <= len(naive)
+    assert ours["packing/balance"] < theirs["packing/balance"]
+    assert ours["packing/balance"] < 1.1
+    attn_plan = plan_micro_batches(lens, budget, "attention")
+    a_ours = packing_metrics(lens, attn_plan, "attention")["packing/balance"]
+    a_naive = packing_metrics(lens, naive, "attention")["packing/balance"]
+    assert a_ours < a_naive
+
+
+def test_plan_keeps_groups_whole_and_counts_shared_prompt_once():
+    prompt, comps = 100, [[30, 50, 20, 40]] * 6
+    lens = [prompt + c for g in comps for c in g]
+    groups = [list(range(4 * g, 4 * g + 4)) for g in range(6)]
+    unit = prompt + 140  # one group with its prompt shared
+    plan = plan_micro_batches(lens, 2 * unit, "tokens", groups=groups, prompt_lens=[prompt] * 6)
+    assert len(plan) == 3
+    for mb in plan:
+        assert {i // 4 for i in mb} and all(
+            set(range(4 * (i // 4), 4 * (i // 4) + 4)) <= set(mb) for i in mb
+        )
+    with pytest.raises(ValueError, match="exactly once"):
+        plan_micro_batches(lens, 1000, groups=groups[:-1])
+
+
+def test_plan_rejects_bad_input():
+    with pytest.raises(ValueError, match="token_budget"):
+        plan_micro_batches([3, 4], 0)
+    with pytest.raises(ValueError, match="balance"):
+        plan_micro_batches([3, 4], 10, "flops")
+    with pytest.raises(ValueError, match="length < 1"):
+        plan_micro_batches([3, 0], 10)
+
+
+def test_packing_metrics():
+    lens = [10, 30, 20, 20]
+    m = packing_metrics(lens, [[0, 1], [2, 3]])
+    assert m["packing/padding_ratio_avoided"] == pytest.approx(1 - 80 / (2 * 30 + 2 * 20))
+    assert m["packing/tokens"] == 80 and m["packing/micro_batches"] == 2
+    assert m["packing/balance"] == 1.0 and m["packing/padding_ratio"] == 0.0
