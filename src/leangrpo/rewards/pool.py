@@ -45,6 +45,7 @@ from leangrpo.rewards.registry import (
     BUILTIN_NAMES,
     ResolvedReward,
     RewardError,
+    RewardSpecError,
     check_rewards,
     resolve,
 )
@@ -99,11 +100,13 @@ class RewardPool:
         self.timeout_s = float(rewards_cfg.timeout_s)
         self.fail_fast = bool(rewards_cfg.fail_fast)
         self.num_workers = int(rewards_cfg.num_workers)
-        if self.timeout_s <= 0 or self.num_workers < 1 or chunk_size < 1:
-            raise RewardError(
+        if self.timeout_s <= 0 or self.num_workers < 1:
+            raise RewardSpecError(
                 f"rewards.timeout_s = {self.timeout_s} and rewards.num_workers = "
                 f"{self.num_workers} must both be positive"
             )
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size = {chunk_size} must be >= 1")
         self.chunk_size = chunk_size
         self.grace_s = max(1.0, 0.25 * self.timeout_s)  # soft limit in the worker, then kill
         self._lock = threading.Lock()
@@ -127,6 +130,7 @@ class RewardPool:
         return _apply_and_summarise(samples, self.specs, values, failures)
 
     def _run_all(self, samples: list[RolloutSample]) -> tuple[list[list], list[int]]:
+        self._restart_busy_workers()  # left over from a call that was interrupted
         n = len(samples)
         payload = _payload(samples)
         values: list[list] = [[None] * n for _ in self.specs]
