@@ -87,6 +87,7 @@ def test_counts_match_checkpointed_layers(keep):
     # every offloaded input but the first one backward meets is fetched ahead of use
     assert s.prefetched == (LAYERS - keep if keep else LAYERS - 1)
     assert s.offloaded_bytes == (LAYERS - keep) * 48 * 64 * 4  # (1, N, H) fp32 inputs
+    assert s.marked_bytes == LAYERS * 48 * 64 * 4
     assert s.skipped == 0 and off.pool.in_use == 0
 
 

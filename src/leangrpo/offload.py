@@ -47,6 +47,7 @@ class OffloadStats:
     """Counters of one `step()` (see `ActivationOffloader.total` for the running sum)."""
 
     marked: int = 0  # layer inputs seen by the pack hook
+    marked_bytes: int = 0
     offloaded: int = 0  # distinct tensors copied off the device
     offloaded_bytes: int = 0
     restored: int = 0  # tensors copied back to the device
@@ -248,8 +249,9 @@ class ActivationOffloader:
         if self._active:
             raise RuntimeError("ActivationOffloader.step() is already active; do not nest it")
         self._active, self.stats = True, OffloadStats()
-        self._param_ptrs = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
-        self._param_ptrs |= {b.untyped_storage().data_ptr() for b in self.model.buffers()}
+        if self.mode == "all":  # hidden_states mode only ever moves the tensors it marked
+            tensors = [*self.model.parameters(), *self.model.buffers()]
+            self._param_ptrs = {t.untyped_storage().data_ptr() for t in tensors}
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield self
@@ -300,6 +302,7 @@ class ActivationOffloader:
 
     def _pack_marked(self, t: Tensor, layer: int) -> Any:
         self.stats.marked += 1
+        self.stats.marked_bytes += t.numel() * t.element_size()
         seq = len(self._chain)
         if layer >= self.num_layers - self.keep_on_device:
             self.stats.kept_on_device += 1
