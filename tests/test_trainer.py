@@ -149,3 +149,18 @@ def test_async_respects_the_staleness_bound(tmp_path):
     rows = [r for r in read_metrics(tmp_path / "run") if "staleness/max" in r]
     assert len(rows) == 5
     assert max(r["staleness/max"] for r in rows) <= 1
+
+
+def test_chunked_and_naive_logprobs_give_the_same_step(tmp_path):
+    losses, params = [], []
+    for chunked in (True, False):
+        cfg = tiny_run(tmp_path / str(chunked), logprobs={"chunked": chunked, "vocab_tile": 7,
+                                                          "row_tile": 5},
+                       run={"max_steps": 1}, loss={"mu": 1})
+        trainer = Trainer(config_from_dict(cfg))
+        trainer.train()
+        rows = [r for r in read_metrics(tmp_path / str(chunked) / "run") if "loss" in r]
+        losses.append(rows[0]["loss"])
+        params.append(trained_params(trainer))
+    assert abs(losses[0] - losses[1]) <= 1e-5
+    assert max_abs_diff(*params) <= 1e-6

@@ -45,10 +45,11 @@ from leangrpo.step import attach_old_and_ref, plan_steps, train_step
 log = logging.getLogger("leangrpo")
 
 
-def validate_inputs(cfg: Config) -> None:
+def validate_inputs(cfg: Config) -> LossConfig:
     """The cheap checks that must pass before any model loads."""
     check_data(cfg.data)
     check_rewards(cfg.rewards)
+    return LossConfig.from_config(cfg.loss)
 
 
 def seed_everything(seed: int) -> None:
@@ -59,7 +60,7 @@ def seed_everything(seed: int) -> None:
 
 class Trainer:
     def __init__(self, cfg: Config):
-        validate_inputs(cfg)
+        self.loss_cfg = validate_inputs(cfg)
         self.cfg = cfg
         self.out = Path(cfg.run.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -86,7 +87,6 @@ class Trainer:
             weight_decay=cfg.train.weight_decay,
         )
         self.scheduler = make_scheduler(self.optimizer, cfg)
-        self.loss_cfg = LossConfig.from_config(cfg.loss)
         self.sampling = sampling_params(cfg)
         self.rewards = RewardPool(cfg.rewards)
         engines = make_engines(cfg, self.policy)
