@@ -365,6 +365,14 @@ class LossConfig(Section):
             raise rule_error(
                 f"loss.is_min ({self.is_min}) must be below loss.is_cap ({self.is_cap}), or every IS weight is dropped."
             )
+        if self.type == "cispo" and self.epsilon_high <= 1:
+            raise rule_error(
+                f"loss.epsilon_high ({self.epsilon_high}) is cispo's cap on the detached ratio and must be > 1 (typically 5.0); set loss.epsilon_high=5.0."
+            )
+        if self.delta is not None and self.type != "cispo" and self.delta <= 1 + self.epsilon_high:
+            raise rule_error(
+                f"loss.delta ({self.delta}) must exceed 1 + loss.epsilon_high ({1 + self.epsilon_high}) or the two-sided clip has no effect; raise loss.delta or set it to null."
+            )
         return self
 
 
@@ -454,7 +462,7 @@ class PipelineConfig(Section):
     max_staleness: int = Field(
         1,
         ge=0,
-        description="Most policy versions a sample may lag the trainer (async); older ones are dropped.",
+        description="Most policy versions a sample may lag the trainer when consumed (async); the producer waits rather than exceed it.",
     )
     sync_interval: int = Field(
         1, ge=1, description="Optimizer steps between weight syncs to the engine."
@@ -462,7 +470,7 @@ class PipelineConfig(Section):
     min_groups_per_step: int | None = Field(
         None,
         ge=1,
-        description="Groups with signal a batch needs before it is trained on; null = no minimum.",
+        description="Async streaming: a step starts as soon as this many complete groups are ready (up to rollout.prompts_per_batch); null = wait for whole generation batches.",
     )
     replay: ReplayConfig = Field(default_factory=ReplayConfig, description="Replay buffer.")
     reroll: RerollConfig = Field(
@@ -547,6 +555,11 @@ class Config(Section):
         ):
             raise rule_error(
                 f"pipeline.min_groups_per_step ({self.pipeline.min_groups_per_step}) must not exceed rollout.prompts_per_batch ({groups}), the groups one generation batch holds."
+            )
+        pipe = self.pipeline
+        if pipe.mode == "async" and pipe.max_staleness < pipe.sync_interval - 1:
+            raise rule_error(
+                f"pipeline.max_staleness ({pipe.max_staleness}) must be at least pipeline.sync_interval - 1 ({pipe.sync_interval - 1}): the generator only receives every sync_interval-th version, so a tighter bound can never be met."
             )
         return self
 

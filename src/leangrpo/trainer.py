@@ -97,11 +97,12 @@ class Trainer:
         self.evaluator = Evaluator(engines.eval, self.rewards, eval_prompts, cfg,
                                    engine_lock=eval_lock, reward_lock=reward_lock,
                                    shared_weights=engines.eval_shares_weights)
+        resumed = self._maybe_resume()
         self.logger = MetricsLogger(
             self.out, cfg.logging.backends, cfg.logging.progress_bar, cfg.run.max_steps,
-            run_name=cfg.logging.run_name, config_dict=cfg.model_dump(),
+            run_name=cfg.logging.run_name, config_dict=cfg.model_dump(mode="json"),
+            project=cfg.logging.wandb_project, resume_step=self.step if resumed else None,
         )
-        self._maybe_resume()
 
     def _make_producer(self, cfg: Config, engine, prompts, reward_lock):
         pipe = cfg.pipeline
@@ -130,15 +131,16 @@ class Trainer:
                                  streaming=streaming)
         return SyncProducer(worker, finisher)
 
-    def _maybe_resume(self) -> None:
+    def _maybe_resume(self) -> bool:
         path = resume_path(self.cfg, self.out)
         if path is None:
-            return
+            return False
         state = ckpt.load_checkpoint(path, self.policy.model, self.optimizer, self.scheduler)
         self.step, self.version, self.skipped = state["step"], state["version"], state["skipped"]
         self.producer.load_state_dict(state["producer"])
         self.producer.push_weights(self.version, self.policy.named_trainable_tensors)
         log.info("resumed from %s at step %d", path, self.step)
+        return True
 
     # -- the loop ------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
