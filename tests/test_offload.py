@@ -176,24 +176,29 @@ def test_pool_is_reused_and_every_buffer_returned_over_50_steps():
 def test_pool_follows_varying_packed_lengths():
     model = _model(layers=3)
     off = enable_gradient_checkpointing(model, offload="hidden_states", min_tensor_bytes=0)
-    for step in range(6):
-        lengths = (8 + 4 * (step % 3), 5)
+    lengths = [(8, 5), (12, 5), (16, 5)] * 2 + [(16, 5)] * 6  # N = 13, 17, 21, then 21 only
+    for step, lens in enumerate(lengths):
         with off.step():
-            _loss(model, *_packed(lengths, seed=step)).backward()
-        assert off.pool.in_use == 0 and off.pool.size <= 2 * 2
+            _loss(model, *_packed(lens, seed=step)).backward()
+        assert off.pool.in_use == 0 and off.pool.size <= 3 * 2  # one set per distinct size
+    assert off.pool.size == 2 and off.pool.bytes == 2 * 21 * 64 * 4  # idle sizes were freed
 
 
 def test_host_buffer_pool_best_fit_and_trim():
-    pool = HostBufferPool()
+    pool = HostBufferPool(max_idle_steps=2)
     a = pool.acquire(1000, pin=False)
     pool.release(a)
     assert pool.acquire(600, pin=False) is a  # within 2x: reused
-    b = pool.acquire(100, pin=False)  # a is taken; a new buffer
-    pool.release(a), pool.release(b)
+    b = pool.acquire(100, pin=False)  # a is taken, and too large for 100 anyway
+    c = pool.acquire(400, pin=False)
+    assert b is not a and c is not a and pool.size == 3 and pool.in_use == 3
+    pool.release(a), pool.release(b), pool.release(c)
+    pool.trim()  # all three were used in this step
+    pool.acquire(1000, pin=False)  # a, used again: its idle count restarts
     pool.trim()
-    assert pool.size == 2 and pool.in_use == 0
-    pool.trim()  # idle for a whole round: freed
-    assert pool.size == 0
+    assert pool.size == 3 and pool.in_use == 1
+    pool.trim()  # b and c now idle for two whole steps: freed
+    assert pool.size == 1 and pool.in_use == 1 and pool.bytes == 1000
     with pytest.raises(ValueError, match="not acquired"):
         pool.release(torch.empty(4, dtype=torch.uint8))
 

@@ -62,26 +62,30 @@ class OffloadStats:
 
 
 class HostBufferPool:
-    """Reusable uint8 host buffers, pinned when they back CUDA copies; best fit by size."""
+    """Reusable uint8 host buffers, pinned when they back CUDA copies; best fit by size.
 
-    def __init__(self, max_oversize: float = 2.0):
-        self.max_oversize = max_oversize  # never serve a request from a buffer > 2x its size
+    A buffer serves requests of up to `max_oversize` times less than its size; one left
+    free for `max_idle_steps` consecutive trims (steps) is freed, so a short micro-batch
+    between long ones does not make the pool drop and re-pin its large buffers.
+    """
+
+    def __init__(self, max_oversize: float = 2.0, max_idle_steps: int = 4):
+        self.max_oversize, self.max_idle_steps = max_oversize, max_idle_steps
         self._free: dict[bool, list[Tensor]] = {False: [], True: []}
-        self._pinned: dict[int, bool] = {}  # id(buffer) -> pinned, for every buffer owned
-        self._buffers: dict[int, Tensor] = {}
-        self._used: set[int] = set()  # ids acquired since the last trim()
+        self._buffers: dict[int, Tensor] = {}  # id -> every buffer owned
+        self._pinned: dict[int, bool] = {}
+        self._idle: dict[int, int] = {}  # id -> trims since it was last acquired
 
     def acquire(self, nbytes: int, pin: bool) -> Tensor:
         free = self._free[pin]
         fits = [b for b in free if nbytes <= b.numel() <= max(nbytes * self.max_oversize, 1)]
         if fits:
             buf = min(fits, key=Tensor.numel)
-            free.remove(buf)
+            self._free[pin] = [b for b in free if b is not buf]  # list.remove would use ==
         else:
             buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-            self._buffers[id(buf)] = buf
-            self._pinned[id(buf)] = pin
-        self._used.add(id(buf))
+            self._buffers[id(buf)], self._pinned[id(buf)] = buf, pin
+        self._idle[id(buf)] = 0
         return buf
 
     def release(self, buf: Tensor) -> None:
@@ -90,13 +94,14 @@ class HostBufferPool:
         self._free[self._pinned[id(buf)]].append(buf)
 
     def trim(self) -> None:
-        """Free the buffers that sat idle since the last trim (the pool follows the load)."""
+        """End of a step: age the free buffers, free those idle for too long."""
         for pin, free in self._free.items():
-            idle = [b for b in free if id(b) not in self._used]
-            self._free[pin] = [b for b in free if id(b) in self._used]
-            for buf in idle:
-                del self._buffers[id(buf)], self._pinned[id(buf)]
-        self._used.clear()
+            for buf in free:
+                self._idle[id(buf)] += 1
+            expired = [b for b in free if self._idle[id(b)] > self.max_idle_steps]
+            self._free[pin] = [b for b in free if self._idle[id(b)] <= self.max_idle_steps]
+            for buf in expired:
+                del self._buffers[id(buf)], self._pinned[id(buf)], self._idle[id(buf)]
 
     @property
     def size(self) -> int:
