@@ -1,0 +1,473 @@
+"""Per-token log-probs through the lm_head without materialising the (N, V) logits.
+
+Rows (completion positions) x vocabulary are walked in (row_tile x vocab_tile) tiles. The
+forward keeps, per row, an online log-sum-exp in fp32 (running max m, sum of exp(z - m),
+and for the entropy the sum of exp(z - m) * z) plus the target's logit; the backward
+recomputes each logits tile from hidden and weight, rebuilds the softmax tile with the
+saved log-normaliser and accumulates the gradients of hidden, weight and bias.
+
+Choices:
+- z = (hidden @ weight.T + bias) in the inputs' dtype (what the model's lm_head does),
+  upcast to fp32 (float64 stays float64), then divided by the temperature.
+- Sampling filters match the engine: top-k keeps z >= the k-th largest z of the row (ties
+  kept), min-p keeps z >= max z + log(min_p) (<=> p >= min_p * p_max). Filtered tokens leave
+  the normaliser and get no gradient; a filtered target gets -inf (engines never sample
+  one). With a filter the forward makes one extra pass over the vocabulary to find each
+  row's threshold (running top-k values, running max); the threshold is saved (N floats),
+  so the backward needs no extra pass.
+- Saved for backward: the inputs (by reference), log-normaliser (N,), threshold (N,) when
+  filtered, entropy (N,) when asked. Nothing O(N*V). Under no_grad nothing is saved.
+- Entropy (of the filtered, renormalised distribution) is differentiable: its gradient is
+  one more term in the tile, dH/dz = p * (log Z - H - z).
+- Rows outer, vocabulary inner: grad_hidden accumulates in an fp32 row tile; grad_weight in
+  a (V, H) fp32 buffer, allocated only when the weight requires grad (not for a frozen
+  lm_head under LoRA). Matmuls run in the inputs' dtype, accumulation in fp32.
+- Eager only: a torch.compile path is not included until measured faster on CUDA.
+- Default tiles: 1024 rows x 8192 vocab (tile of 32 MiB in fp32); on a 2-core CPU smaller
+  vocab tiles were no faster (benchmarks/RESULTS.md, `## logprob_memory`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["chunked_logprobs", "naive_logprobs", "token_logprobs"]
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """Validated options shared by the forward and the backward."""
+
+    temperature: float
+    top_k: int  # 0 = off (also when top_k >= V)
+    min_p: float  # 0.0 = off
+    with_entropy: bool
+    row_tile: int
+    vocab_tile: int
+
+    @property
+    def filtered(self) -> bool:
+        return self.top_k > 0 or self.min_p > 0.0
+
+
+def _validate(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    bias: Tensor | None,
+    temperature: float,
+    top_k: int,
+    min_p: float,
+    with_entropy: bool,
+    row_tile: int,
+    vocab_tile: int,
+) -> _Spec:
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"logprobs: hidden must be (N, H) and weight (V, H); got hidden {tuple(hidden.shape)}"
+            f" and weight {tuple(weight.shape)} (flatten hidden to (N, H) first)"
+        )
+    if not (hidden.is_floating_point() and weight.is_floating_point()):
+        raise TypeError(
+            f"logprobs: hidden and weight must be floating point, got "
+            f"{hidden.dtype} and {weight.dtype}"
+        )
+    if targets.shape != (hidden.shape[0],) or targets.is_floating_point() or targets.is_complex():
+        raise ValueError(
+            f"logprobs: targets must be an integer tensor of shape ({hidden.shape[0]},)"
+            f" matching hidden's rows; got {targets.dtype} {tuple(targets.shape)}"
+        )
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(
+            f"logprobs: bias must have shape ({weight.shape[0]},) = (V,); got {tuple(bias.shape)}"
+        )
+    devices = {t.device for t in (hidden, weight, targets, bias) if t is not None}
+    if len(devices) > 1:
+        raise ValueError(
+            f"logprobs: all inputs must be on one device; got {sorted(map(str, devices))}"
+        )
+    if not (temperature > 0.0 and math.isfinite(temperature)):
+        raise ValueError(
+            f"logprobs: temperature must be a finite number > 0, got {temperature} "
+            "(greedy decoding has no log-probs to train on)"
+        )
+    if top_k < 0:
+        raise ValueError(f"logprobs: top_k must be >= 0 (0 disables it), got {top_k}")
+    if not 0.0 <= min_p < 1.0:
+        raise ValueError(f"logprobs: min_p must be in [0, 1) (0 disables it), got {min_p}")
+    if row_tile <= 0 or vocab_tile <= 0:
+        raise ValueError(
+            f"logprobs: row_tile and vocab_tile must be > 0, got {row_tile}, {vocab_tile}"
+        )
+    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= weight.shape[0]):
+        raise ValueError(
+            f"logprobs: targets must be token ids in [0, {weight.shape[0]}); got range "
+            f"[{int(targets.min())}, {int(targets.max())}] (drop padding/ignore ids first)"
+        )
+    top_k = 0 if top_k >= weight.shape[0] else int(top_k)
+    return _Spec(float(temperature), top_k, float(min_p), bool(with_entropy), row_tile, vocab_tile)
+
+
+def _dtypes(hidden: Tensor, weight: Tensor) -> tuple[torch.dtype, torch.dtype]:
+    """(matmul dtype, accumulation dtype): fp32 accumulation, float64 kept as float64."""
+    compute = torch.promote_types(hidden.dtype, weight.dtype)
+    return compute, torch.promote_types(compute, torch.float32)
+
+
+def _tile_logits(
+    h: Tensor, weight: Tensor, bias: Tensor | None, v0: int, v1: int, spec: _Spec, acc: torch.dtype
+) -> Tensor:
+    """z (n, v1 - v0) in the accumulation dtype: (h @ W[v0:v1].T + b[v0:v1]) / temperature."""
+    w = weight[v0:v1].to(h.dtype)
+    if bias is None:
+        logits = h @ w.T
+    else:
+        logits = torch.addmm(bias[v0:v1].to(h.dtype), h, w.T)
+    z = logits.to(acc)
+    if spec.temperature != 1.0:
+        z.div_(spec.temperature)
+    return z
+
+
+def _vocab_ranges(vocab: int, tile: int) -> list[tuple[int, int]]:
+    return [(v0, min(v0 + tile, vocab)) for v0 in range(0, vocab, tile)]
+
+
+def _row_thresholds(
+    h: Tensor, weight: Tensor, bias: Tensor | None, spec: _Spec, acc: torch.dtype
+) -> Tensor:
+    """Per-row filter threshold (n,): keep z >= thr. One pass: running top-k values or max."""
+    n = h.shape[0]
+    best = None  # (n, <= k) running top-k values of the row
+    row_max = torch.full((n,), -math.inf, dtype=acc, device=h.device)
+    for v0, v1 in _vocab_ranges(weight.shape[0], spec.vocab_tile):
+        z = _tile_logits(h, weight, bias, v0, v1, spec, acc)
+        if spec.top_k:
+            cand = z if best is None else torch.cat([best, z], dim=1)
+            best = cand.topk(min(spec.top_k, cand.shape[1]), dim=1, sorted=False).values
+        else:
+            torch.maximum(row_max, z.amax(dim=1), out=row_max)
+    thr = torch.full((n,), -math.inf, dtype=acc, device=h.device)
+    if spec.top_k:
+        thr = best.amin(dim=1)  # the k-th largest: ties with it stay in
+        row_max = best.amax(dim=1)
+    if spec.min_p > 0.0:
+        thr = torch.maximum(thr, row_max + math.log(spec.min_p))
+    return thr
+
+
+def _gather_in_tile(z: Tensor, targets: Tensor, v0: int, v1: int) -> tuple[Tensor, Tensor]:
+    """(mask of rows whose target lies in [v0, v1), z at the target (garbage where not))."""
+    in_tile = (targets >= v0) & (targets < v1)
+    local = (targets - v0).clamp_(0, v1 - v0 - 1)
+    return in_tile, z.gather(1, local[:, None]).squeeze(1)
+
+
+def _forward_rows(
+    h: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    thr: Tensor | None,
+    spec: _Spec,
+    acc: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """One row tile: (target z, log Z, entropy or None), each (n,), by online log-sum-exp."""
+    n, dev = h.shape[0], h.device
+    m = torch.full((n,), -math.inf, dtype=acc, device=dev)  # running max
+    s = torch.zeros(n, dtype=acc, device=dev)  # sum exp(z - m)
+    t = torch.zeros(n, dtype=acc, device=dev) if spec.with_entropy else None  # sum exp(z - m) * z
+    z_target = torch.full((n,), -math.inf, dtype=acc, device=dev)
+    for v0, v1 in _vocab_ranges(weight.shape[0], spec.vocab_tile):
+        z = _tile_logits(h, weight, bias, v0, v1, spec, acc)
+        dropped = None if thr is None else z < thr[:, None]
+        if dropped is not None:
+            z.masked_fill_(dropped, -math.inf)
+        in_tile, z_at = _gather_in_tile(z, targets, v0, v1)
+        z_target = torch.where(in_tile, z_at, z_target)
+        # clamp: a row whose tiles so far were all filtered keeps m = -inf; avoid -inf - -inf
+        m_new = torch.maximum(m, z.amax(dim=1)).clamp_(min=torch.finfo(acc).min)
+        scale = torch.exp(m - m_new)
+        e = (z - m_new[:, None]).exp_()
+        s.mul_(scale).add_(e.sum(dim=1))
+        if t is not None:
+            if dropped is not None:
+                z.masked_fill_(dropped, 0.0)  # e is 0 there; avoid 0 * -inf
+            t.mul_(scale).add_((e * z).sum(dim=1))
+        m = m_new
+    log_z = m + s.log()
+    entropy = None if t is None else log_z - t / s
+    return z_target, log_z, entropy
+
+
+def _forward(
+    hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, spec: _Spec
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """(logprobs, log Z, threshold or None, entropy or None), each (N,) in the acc dtype."""
+    compute, acc = _dtypes(hidden, weight)
+    n_rows, dev = hidden.shape[0], hidden.device
+    logprobs = torch.empty(n_rows, dtype=acc, device=dev)
+    log_z = torch.empty(n_rows, dtype=acc, device=dev)
+    thr = torch.empty(n_rows, dtype=acc, device=dev) if spec.filtered else None
+    entropy = torch.empty(n_rows, dtype=acc, device=dev) if spec.with_entropy else None
+    for r0 in range(0, n_rows, spec.row_tile):
+        r1 = min(r0 + spec.row_tile, n_rows)
+        h = hidden[r0:r1].to(compute)
+        if thr is not None:
+            thr[r0:r1] = _row_thresholds(h, weight, bias, spec, acc)
+        rows_thr = None if thr is None else thr[r0:r1]
+        z_t, lz, ent = _forward_rows(h, weight, bias, targets[r0:r1], rows_thr, spec, acc)
+        logprobs[r0:r1] = z_t - lz
+        log_z[r0:r1] = lz
+        if entropy is not None:
+            entropy[r0:r1] = ent
+    return logprobs, log_z, thr, entropy
+
+
+@dataclass
+class _Grads:
+    """Accumulators of one backward: fp32 (or float64) unless the dtype already is."""
+
+    hidden: Tensor | None  # (N, H) in hidden's dtype, filled row tile by row tile
+    weight: Tensor | None  # (V, H) acc dtype
+    bias: Tensor | None  # (V,) acc dtype
+
+
+def _accumulate_mm(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """out += a @ b, with the matmul in a's dtype and the sum in out's dtype."""
+    if a.dtype == out.dtype:
+        out.addmm_(a, b)
+    else:
+        out.add_(a @ b)
+
+
+def _tile_grad_z(
+    z: Tensor,
+    tile_targets: tuple[Tensor, Tensor],
+    log_z: Tensor,
+    thr: Tensor | None,
+    entropy: Tensor | None,
+    g_lp: Tensor,
+    g_ent: Tensor | None,
+) -> Tensor:
+    """d loss / d z for one tile, in place over z: g_lp*(onehot - p) + g_ent*p*(logZ - H - z)."""
+    in_tile, local = tile_targets
+    kept = None if thr is None else z >= thr[:, None]
+    target_kept = in_tile if kept is None else in_tile & kept.gather(1, local[:, None]).squeeze(1)
+    p = (z - log_z[:, None]).exp_()
+    if kept is not None:
+        p.masked_fill_(~kept, 0.0)
+    if g_ent is not None:
+        gz = z.neg_().add_((log_z - entropy)[:, None]).mul_(g_ent[:, None]).sub_(g_lp[:, None])
+        gz.mul_(p)
+    else:
+        gz = p.mul_(-g_lp[:, None])
+    gz.scatter_add_(1, local[:, None], (g_lp * target_kept)[:, None])
+    return gz
+
+
+def _backward_rows(
+    h: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    saved: tuple[Tensor, Tensor | None, Tensor | None],
+    g_lp: Tensor,
+    g_ent: Tensor | None,
+    spec: _Spec,
+    grads: _Grads,
+    acc: torch.dtype,
+) -> Tensor | None:
+    """Recompute the row tile's logits tile by tile; returns grad of h (n, H) in acc dtype."""
+    log_z, thr, entropy = saved
+    grad_h = torch.zeros(h.shape, dtype=acc, device=h.device) if grads.hidden is not None else None
+    for v0, v1 in _vocab_ranges(weight.shape[0], spec.vocab_tile):
+        z = _tile_logits(h, weight, bias, v0, v1, spec, acc)
+        in_tile = (targets >= v0) & (targets < v1)
+        local = (targets - v0).clamp_(0, v1 - v0 - 1)
+        gz = _tile_grad_z(z, (in_tile, local), log_z, thr, entropy, g_lp, g_ent)
+        if spec.temperature != 1.0:
+            gz.div_(spec.temperature)  # z = logits / T
+        g = gz.to(h.dtype)
+        if grad_h is not None:
+            _accumulate_mm(grad_h, g, weight[v0:v1].to(h.dtype))
+        if grads.weight is not None:
+            _accumulate_mm(grads.weight[v0:v1], g.T, h)
+        if grads.bias is not None:
+            grads.bias[v0:v1].add_(gz.sum(dim=0))
+    return grad_h
+
+
+def _backward(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    bias: Tensor | None,
+    saved: tuple[Tensor, Tensor | None, Tensor | None],
+    g_lp: Tensor | None,
+    g_ent: Tensor | None,
+    spec: _Spec,
+    needs: tuple[bool, bool, bool],
+) -> _Grads:
+    compute, acc = _dtypes(hidden, weight)
+    need_h, need_w, need_b = needs
+    dev = hidden.device
+    grads = _Grads(
+        hidden=torch.empty_like(hidden) if need_h else None,
+        weight=torch.zeros(weight.shape, dtype=acc, device=dev) if need_w else None,
+        bias=torch.zeros(weight.shape[0], dtype=acc, device=dev) if need_b else None,
+    )
+    if g_lp is None:
+        g_lp = torch.zeros(hidden.shape[0], dtype=acc, device=dev)
+    log_z, thr, entropy = saved
+    for r0 in range(0, hidden.shape[0], spec.row_tile):
+        r1 = min(r0 + spec.row_tile, hidden.shape[0])
+        rows_saved = (
+            log_z[r0:r1],
+            None if thr is None else thr[r0:r1],
+            None if entropy is None else entropy[r0:r1],
+        )
+        g_ent_rows = None if g_ent is None else g_ent[r0:r1].to(acc)
+        grad_h = _backward_rows(
+            hidden[r0:r1].to(compute),
+            weight,
+            bias,
+            targets[r0:r1],
+            rows_saved,
+            g_lp[r0:r1].to(acc),
+            g_ent_rows,
+            spec,
+            grads,
+            acc,
+        )
+        if grad_h is not None:
+            grads.hidden[r0:r1] = grad_h
+    return grads
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, bias, spec):
+        logprobs, log_z, thr, entropy = _forward(hidden, weight, targets, bias, spec)
+        ctx.spec = spec
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(hidden, weight, targets, bias, log_z, thr, entropy)
+        if entropy is None:
+            entropy = logprobs.new_empty(0)
+            ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, targets, bias, log_z, thr, entropy = ctx.saved_tensors
+        if entropy is None:
+            g_ent = None
+        needs = (
+            ctx.needs_input_grad[0],
+            ctx.needs_input_grad[1],
+            bias is not None and ctx.needs_input_grad[3],
+        )
+        if (g_lp is None and g_ent is None) or not any(needs):
+            return None, None, None, None, None
+        grads = _backward(
+            hidden, weight, targets, bias, (log_z, thr, entropy), g_lp, g_ent, ctx.spec, needs
+        )
+        grad_w = None if grads.weight is None else grads.weight.to(weight.dtype)
+        grad_b = None if grads.bias is None else grads.bias.to(bias.dtype)
+        return grads.hidden, grad_w, None, grad_b, None
+
+
+def chunked_logprobs(
+    hidden: Tensor,  # (N, H) any float dtype
+    weight: Tensor,  # (V, H) lm_head, may be tied to the embeddings, may be frozen
+    targets: Tensor,  # (N,) integer token ids
+    bias: Tensor | None = None,  # (V,)
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    with_entropy: bool = False,
+    row_tile: int = 1024,
+    vocab_tile: int = 8192,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs (N,) of `targets` under softmax(filter(lm_head(hidden) / temperature)).
+
+    Returns (logprobs, entropy or None), fp32 (float64 for float64 inputs). Never builds the
+    (N, V) logits; differentiable in hidden, weight and bias (and through the entropy).
+    """
+    spec = _validate(
+        hidden, weight, targets, bias, temperature, top_k, min_p, with_entropy, row_tile, vocab_tile
+    )
+    targets = targets.long()
+    needs_graph = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden, weight, bias)
+    )
+    if not needs_graph:
+        logprobs, _, _, entropy = _forward(hidden, weight, targets, bias, spec)
+        return logprobs, entropy
+    logprobs, entropy = _ChunkedLogprobs.apply(hidden, weight, targets, bias, spec)
+    return logprobs, (entropy if spec.with_entropy else None)
+
+
+def _keep_mask(z: Tensor, spec: _Spec) -> Tensor | None:
+    """Reference filter on full logits (N, V): True = kept."""
+    if not spec.filtered:
+        return None
+    thr = torch.full_like(z[:, 0], -math.inf)
+    if spec.top_k:
+        thr = z.topk(spec.top_k, dim=1).values[:, -1]
+    if spec.min_p > 0.0:
+        thr = torch.maximum(thr, z.amax(dim=1) + math.log(spec.min_p))
+    return z >= thr[:, None]
+
+
+def naive_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    bias: Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    with_entropy: bool = False,
+    row_tile: int = 1024,  # accepted for signature parity, unused
+    vocab_tile: int = 8192,  # accepted for signature parity, unused
+) -> tuple[Tensor, Tensor | None]:
+    """The reference: full logits (N, V) -> /T -> filters -> log_softmax -> gather."""
+    spec = _validate(
+        hidden, weight, targets, bias, temperature, top_k, min_p, with_entropy, row_tile, vocab_tile
+    )
+    compute, acc = _dtypes(hidden, weight)
+    logits = torch.nn.functional.linear(
+        hidden.to(compute), weight.to(compute), None if bias is None else bias.to(compute)
+    )
+    z = logits.to(acc) / spec.temperature
+    keep = _keep_mask(z, spec)
+    if keep is not None:
+        z = z.masked_fill(~keep, -math.inf)
+    logp = z.log_softmax(dim=-1)  # (N, V)
+    logprobs = logp.gather(1, targets.long()[:, None]).squeeze(1)
+    if not spec.with_entropy:
+        return logprobs, None
+    logp_kept = logp if keep is None else logp.masked_fill(~keep, 0.0)  # no 0 * -inf
+    entropy = -(logp.exp() * logp_kept).sum(dim=-1)
+    return logprobs, entropy
+
+
+def token_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    bias: Tensor | None = None,
+    *,
+    chunked: bool = True,
+    **kw,
+) -> tuple[Tensor, Tensor | None]:
+    """The trainer's entry point: chunked (default) or the full-logits reference."""
+    fn = chunked_logprobs if chunked else naive_logprobs
+    return fn(hidden, weight, targets, bias, **kw)
