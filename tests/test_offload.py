@@ -142,20 +142,42 @@ def test_all_mode_never_offloads_parameters_or_buffers():
     torch.testing.assert_close(x.grad, 2 * (expected.float() @ lin.weight))
 
 
-def test_other_saved_tensors_pass_through_untouched():
-    """The chunked log-prob state (a custom autograd Function) is saved as is."""
-    logprobs = pytest.importorskip("leangrpo.logprobs")
-    model = _model()
-    off = enable_gradient_checkpointing(model, offload="hidden_states", min_tensor_bytes=0)
-    ids, pos = _packed()
-    with off.step():
-        hidden = model.model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
-        lp, _ = logprobs.chunked_logprobs(
-            hidden[0, :-1], model.lm_head.weight, ids[0, 1:], row_tile=16, vocab_tile=32
+def _trainer_like_grads(model, ids, pos, cu_seqlens, offloader):
+    """The trainer's path: packed-attention adapter, backbone, chunked lm_head log-probs."""
+    from types import SimpleNamespace
+
+    from leangrpo.attention import packed_model_kwargs
+    from leangrpo.logprobs import chunked_logprobs
+
+    row = SimpleNamespace(input_ids=ids, position_ids=pos, cu_seqlens=cu_seqlens, max_seqlen=20)
+    lm = model.get_base_model()
+    scope = offloader.step() if offloader is not None else torch.enable_grad()
+    with scope:
+        out = lm.model(input_ids=ids, position_ids=pos, use_cache=False, **packed_model_kwargs(row))
+        lp, _ = chunked_logprobs(
+            out.last_hidden_state[0, :-1], lm.lm_head.weight, ids[0, 1:], row_tile=16, vocab_tile=32
         )
         (-lp.mean()).backward()
-    assert off.stats.offloaded == LAYERS - 1 and off.stats.marked == LAYERS
-    assert model.lm_head.weight.grad.abs().sum() > 0
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("mode", ["hidden_states", "all"])
+def test_lora_packed_attention_and_chunked_logprobs(mode):
+    """Offload composes with the adapter and the chunked log-probs' own saved state."""
+    attention = pytest.importorskip("leangrpo.attention")
+    pytest.importorskip("leangrpo.logprobs")
+    ids, pos = _packed()
+    cu_seqlens = torch.tensor([0, 20, 33, 48], dtype=torch.int32)
+    base = _lora(_model())
+    plain, offl = copy.deepcopy(base), copy.deepcopy(base)
+    for model in (plain, offl):
+        attention.enable_packed_attention(model, "auto")
+    off = enable_gradient_checkpointing(offl, offload=mode, min_tensor_bytes=0)
+    reference = _trainer_like_grads(plain, ids, pos, cu_seqlens, None)
+    _assert_close(_trainer_like_grads(offl, ids, pos, cu_seqlens, off), reference, 1e-6)
+    if mode == "hidden_states":  # the log-prob state and everything else passed through
+        assert (off.stats.marked, off.stats.offloaded) == (LAYERS, LAYERS - 1)
+    assert off.stats.restored == off.stats.offloaded and off.pool.in_use == 0
 
 
 def test_pool_is_reused_and_every_buffer_returned_over_50_steps():
