@@ -1,0 +1,375 @@
+"""vLLM rollout engine: colocated in the trainer's process, or one or more servers.
+
+`VLLMEngine.colocated(model_path, cfg)` runs a `vllm.LLM` next to the trainer (sleep mode
+frees its memory while the trainer trains, where the platform supports it);
+`VLLMEngine.server(urls, cfg)` talks to `leangrpo serve` processes over HTTP, spreading
+prompts round-robin. Both implement `contracts.RolloutEngine`:
+
+- Behaviour log-probs are vLLM's *processed* log-probs (`logprobs_mode=
+  "processed_logprobs"`: after temperature, top-k/top-p and min-p), of each sampled token.
+  Completion ids keep the EOS token when generation stopped on it; text drops specials.
+- Weight sync goes through vLLM's supported hooks only: the trainer writes the full
+  weights as safetensors buckets, and a worker extension (`vllm_worker.py`) feeds them to
+  the model's own `load_weights` via `collective_rpc` (tensors never pass through vLLM's
+  msgspec serialiser). In-flight requests drain first; the prefix cache is reset after.
+- LoRA sync: the adapter is published atomically (tmp dir + rename) as `adapters/v{N}` and
+  requested by name `LoRARequest(f"v{N}", N + 1, path)`, so requests admitted under the
+  previous version finish on the adapter they started with.
+- Versions live on both sides: `generate` refuses a version the engine does not hold.
+
+vLLM is imported lazily, so this module imports without it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from leangrpo.contracts import Completion, EngineVersionError, Prompt, SamplingParams
+from leangrpo.rollout.vllm_local import (
+    INSTALL_HINT,
+    WORKER_EXTENSION,
+    LocalVLLM,
+    VersionGate,
+    build_llm_kwargs,
+    import_vllm,
+    publish_adapter,
+)
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+__all__ = [
+    "INSTALL_HINT",
+    "WORKER_EXTENSION",
+    "LocalVLLM",
+    "VLLMEngine",
+    "VLLMSettings",
+    "VersionGate",
+    "build_llm_kwargs",
+    "import_vllm",
+    "make_vllm_engine",
+    "publish_adapter",
+    "serve_main",
+]
+log = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_BYTES = 1 << 30  # 1 GiB of tensors per safetensors file
+
+
+@dataclass
+class VLLMSettings:
+    """The `rollout.vllm` config section, usable without the config module."""
+
+    mode: Literal["colocate", "server"] = "colocate"
+    urls: list[str] = field(default_factory=list)  # server mode; empty = start one locally
+    gpu_memory_utilization: float | None = None  # None: 0.9 on GPUs, 0.1 on CPU (NUMA node 0)
+    max_model_len: int | None = None
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # "fp8" halves the KV cache where supported
+    enable_sleep_mode: bool = True
+    enforce_eager: bool = False
+    request_timeout_s: float = 600.0
+    max_retries: int = 3
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_section(cls, section: Any = None, **overrides: Any) -> VLLMSettings:
+        """From a pydantic section, a dict or None; keyword overrides win."""
+        names = {f.name for f in fields(cls)}
+        values: dict[str, Any] = {}
+        if isinstance(section, dict):
+            values.update({k: v for k, v in section.items() if k in names})
+        elif section is not None:
+            values.update({n: getattr(section, n) for n in names if hasattr(section, n)})
+        unknown = set(overrides) - names
+        if unknown:
+            raise TypeError(
+                f"unknown rollout.vllm setting(s) {sorted(unknown)}; known: {sorted(names)}"
+            )
+        values.update(overrides)
+        return cls(**values)
+
+
+# --------------------------------------------------------------------------- weights on disk
+
+
+def is_lora_name(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name or ".lora_embedding_" in name
+
+
+def _cpu_tensor(tensor: Tensor) -> Tensor:
+    if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor shard -> the whole tensor
+        tensor = tensor.full_tensor()
+    return tensor.detach().to("cpu").contiguous()
+
+
+def write_weight_buckets(
+    named_tensors: Iterable[tuple[str, Tensor]],
+    directory: Path,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> list[Path]:
+    """Write tensors as safetensors files of about `bucket_bytes` each; returns the paths."""
+    from safetensors.torch import save_file
+
+    paths: list[Path] = []
+    bucket: dict[str, Tensor] = {}
+    size = 0
+
+    def flush() -> None:
+        nonlocal bucket, size
+        path = directory / f"bucket-{len(paths):05d}.safetensors"
+        save_file(bucket, str(path))
+        paths.append(path)
+        bucket, size = {}, 0
+
+    for name, tensor in named_tensors:
+        t = _cpu_tensor(tensor)
+        bucket[name] = t
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            flush()
+    if bucket:
+        flush()
+    if not paths:
+        raise ValueError(
+            "update_weights got no tensors; pass model.named_parameters() or a state dict's items()"
+        )
+    return paths
+
+
+def saved_lora_name(name: str) -> str:
+    """Live peft parameter name -> the name peft saves (the adapter name dropped):
+    `...q_proj.lora_A.default.weight` -> `...q_proj.lora_A.weight`."""
+    name = re.sub(r"\.(lora_A|lora_B)\.(?!weight$)[^.]+\.weight$", r".\1.weight", name)
+    return re.sub(r"\.(lora_embedding_A|lora_embedding_B)\.[^.]+$", r".\1", name)
+
+
+def write_adapter(
+    named_tensors: Iterable[tuple[str, Tensor]], adapter_config: Any, directory: Path
+) -> Path:
+    """Save LoRA tensors (live or saved peft names) + adapter_config.json as a peft adapter dir.
+
+    `adapter_config`: a peft `LoraConfig` or its dict (`peft_config.to_dict()`)."""
+    from safetensors.torch import save_file
+
+    tensors = {
+        saved_lora_name(name): _cpu_tensor(t) for name, t in named_tensors if is_lora_name(name)
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    if hasattr(adapter_config, "save_pretrained"):
+        adapter_config.save_pretrained(str(directory))
+    else:
+        config = {
+            k: sorted(v) if isinstance(v, set) else v for k, v in dict(adapter_config).items()
+        }
+        (directory / "adapter_config.json").write_text(json.dumps(config, default=str))
+    return directory
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+class VLLMEngine:
+    """`RolloutEngine` over an in-process `LocalVLLM` or a `ServerPool` of `leangrpo serve`s.
+
+    Build it with `VLLMEngine.colocated(...)` or `VLLMEngine.server(...)`.
+    """
+
+    def __init__(
+        self,
+        backend: Any,
+        settings: VLLMSettings,
+        *,
+        adapter_config: dict | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        owned_dir: Path | None = None,
+    ):
+        self.backend = backend
+        self.settings = settings
+        self.adapter_config = adapter_config
+        self.bucket_bytes = bucket_bytes
+        self._owned_dir = owned_dir
+
+    @classmethod
+    def colocated(
+        cls,
+        model_path: str | os.PathLike,
+        cfg: Any = None,
+        *,
+        enable_lora: bool = False,
+        max_lora_rank: int = 16,
+        adapter_config: dict | None = None,
+        seed: int = 0,
+        work_dir: str | os.PathLike | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        **settings: Any,
+    ) -> VLLMEngine:
+        """A `vllm.LLM` in this process. `cfg`: the `rollout.vllm` section (or a dict); keyword
+        settings override it. `adapter_config`: the peft config dict, needed only to sync LoRA
+        tensors through `update_weights` (`load_adapter` reads it from the adapter dir)."""
+        s = VLLMSettings.from_section(cfg, **settings)
+        root = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="leangrpo-vllm-"))
+        kwargs = build_llm_kwargs(str(model_path), s, enable_lora, max_lora_rank, seed)
+        backend = LocalVLLM(kwargs, root)
+        return cls(
+            backend,
+            s,
+            adapter_config=adapter_config,
+            bucket_bytes=bucket_bytes,
+            owned_dir=None if work_dir else root,
+        )
+
+    @classmethod
+    def server(
+        cls,
+        urls: list[str] | None = None,
+        cfg: Any = None,
+        *,
+        model_path: str | os.PathLike | None = None,
+        enable_lora: bool = False,
+        max_lora_rank: int = 16,
+        adapter_config: dict | None = None,
+        seed: int = 0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        startup_timeout_s: float = 600.0,
+        **settings: Any,
+    ) -> VLLMEngine:
+        """Servers at `urls` (default: `cfg.urls`); none given = start one local `leangrpo serve
+        model_path` on a free loopback port, stopped by `close()`."""
+        from leangrpo.rollout.vllm_server import ServerPool, start_local_server
+
+        s = VLLMSettings.from_section(cfg, **settings)
+        urls = list(urls if urls is not None else s.urls)
+        process = None
+        if not urls:
+            if model_path is None:
+                raise ValueError(
+                    "rollout.vllm.urls is empty and no model_path was given to start a local `leangrpo serve`"
+                )
+            process, url = start_local_server(
+                str(model_path),
+                s,
+                enable_lora=enable_lora,
+                max_lora_rank=max_lora_rank,
+                seed=seed,
+                startup_timeout_s=startup_timeout_s,
+            )
+            urls = [url]
+        pool = ServerPool(
+            urls, timeout_s=s.request_timeout_s, max_retries=s.max_retries, process=process
+        )
+        return cls(pool, s, adapter_config=adapter_config, bucket_bytes=bucket_bytes)
+
+    @property
+    def version(self) -> int:
+        return self.backend.version
+
+    def generate(
+        self, prompts: list[Prompt], params: SamplingParams, n: int, version: int
+    ) -> list[list[Completion]]:
+        if version != self.backend.version:  # fail fast; the backend checks again under its lock
+            raise EngineVersionError(
+                f"generation requested for policy version {version}, but the engine holds version "
+                f"{self.backend.version}; sync the weights first (update_weights/load_adapter)"
+            )
+        if not prompts:
+            return []
+        return self.backend.generate([p.ids for p in prompts], params, n, version)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Full weights (checkpoint names), or LoRA tensors by their peft names."""
+        items = iter(named_tensors)
+        first = next(items, None)
+        if first is None:
+            raise ValueError(
+                "update_weights got no tensors; pass model.named_parameters() or a state dict's items()"
+            )
+        items = _chain_first(first, items)
+        with tempfile.TemporaryDirectory(prefix="leangrpo-sync-") as tmp:
+            if is_lora_name(first[0]):
+                if self.adapter_config is None:
+                    raise ValueError(
+                        "update_weights got LoRA tensors but the engine has no adapter_config; "
+                        "pass adapter_config=peft_config.to_dict() or call load_adapter(path)"
+                    )
+                self.backend.load_adapter(
+                    write_adapter(items, self.adapter_config, Path(tmp)), version
+                )
+                return
+            paths = write_weight_buckets(items, Path(tmp), self.bucket_bytes)
+            self.backend.load_weight_files(paths, version)
+
+    def load_adapter(self, path: str | os.PathLike, version: int) -> None:
+        self.backend.load_adapter(Path(path), version)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free accelerator memory while the trainer trains (no-op where unsupported)."""
+        self.backend.sleep(level)
+
+    def wake_up(self) -> None:
+        self.backend.wake_up()
+
+    def close(self) -> None:
+        self.backend.close()
+        if self._owned_dir is not None:
+            shutil.rmtree(self._owned_dir, ignore_errors=True)
+
+    def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _chain_first(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
+    yield first
+    yield from rest
+
+
+def supported_lora_rank(rank: int) -> int:
+    """vLLM's max_lora_rank takes powers of two from 8 up: the smallest one >= rank."""
+    supported = 8
+    while supported < rank:
+        supported *= 2
+    return supported
+
+
+def make_vllm_engine(cfg: Any, policy: Any = None) -> VLLMEngine:
+    """The engine a full `Config` asks for (`rollout.vllm`), starting from `model.name_or_path`."""
+    section = cfg.rollout.vllm
+    lora = bool(cfg.lora.enabled)
+    peft_config = None
+    if lora and policy is not None and hasattr(policy.model, "peft_config"):
+        peft_config = policy.model.peft_config["default"]
+    extra = dict(section.engine_kwargs)
+    if cfg.model.revision:
+        extra.setdefault("revision", cfg.model.revision)
+    if cfg.model.trust_remote_code:
+        extra.setdefault("trust_remote_code", True)
+    common = dict(
+        enable_lora=lora,
+        max_lora_rank=supported_lora_rank(cfg.lora.r),
+        adapter_config=peft_config,
+        seed=cfg.run.seed,
+        engine_kwargs=extra,
+    )
+    if section.mode == "server":
+        return VLLMEngine.server(cfg=section, model_path=cfg.model.name_or_path, **common)
+    return VLLMEngine.colocated(cfg.model.name_or_path, section, **common)
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    """`leangrpo serve MODEL --port P [vllm args]` (implemented in `vllm_server.py`)."""
+    from leangrpo.rollout.vllm_server import serve_main as _serve_main
+
+    return _serve_main(argv)

@@ -1,0 +1,426 @@
+"""vLLM engine tests.
+
+Unmarked tests run everywhere (no vLLM): settings, the version gate, weight/adapter files,
+and the server wire protocol against a fake in-process backend. Tests marked `vllm` run
+real vLLM (CPU build) and need `.venv-vllm` (scripts/setup_vllm_venv.sh):
+
+    .venv-vllm/bin/pytest -m vllm tests/rollout/test_vllm.py
+
+vLLM starts its engine core in a subprocess with spawn; under pytest that works as is
+(pytest's own `__main__` is guarded). Two vLLM instances are started in all: one
+colocated (module fixture) and one `leangrpo serve` subprocess.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from safetensors.torch import load_file
+
+from leangrpo.contracts import Completion, EngineVersionError, Prompt, SamplingParams
+from leangrpo.rollout.vllm import (
+    VLLMEngine,
+    VLLMSettings,
+    saved_lora_name,
+    write_adapter,
+    write_weight_buckets,
+)
+from leangrpo.rollout.vllm_local import VersionGate, publish_adapter
+from leangrpo.rollout.vllm_server import (
+    ServerPool,
+    VLLMServerError,
+    free_port,
+    make_handler,
+    parse_extra_flags,
+)
+
+# --------------------------------------------------------------------------- no vLLM needed
+
+
+def test_settings_from_section_dict_object_and_overrides():
+    class Section:
+        mode = "server"
+        urls = ["http://a:1"]
+        max_retries = 5
+
+    s = VLLMSettings.from_section(Section(), max_retries=1)
+    assert (s.mode, s.urls, s.max_retries) == ("server", ["http://a:1"], 1)
+    assert VLLMSettings.from_section({"dtype": "float32"}).dtype == "float32"
+    with pytest.raises(TypeError, match="unknown rollout.vllm setting"):
+        VLLMSettings.from_section(None, not_a_setting=1)
+
+
+def test_version_gate_drains_in_flight_requests_before_the_swap():
+    gate = VersionGate(0)
+    events: list[str] = []
+    release = threading.Event()
+
+    def in_flight():
+        with gate.admit(0):
+            events.append("admitted")
+            release.wait(5)
+            events.append("finished v0")
+
+    def updater():
+        with gate.update(1, drain=True):
+            events.append("updating")
+
+    t1 = threading.Thread(target=in_flight)
+    t1.start()
+    while "admitted" not in events:
+        time.sleep(0.001)
+    t2 = threading.Thread(target=updater)
+    t2.start()
+    time.sleep(0.05)
+    assert events == ["admitted"] and gate.version == 0  # the update waits for the request
+    release.set()
+    t1.join(5)
+    t2.join(5)
+    assert events == ["admitted", "finished v0", "updating"] and gate.version == 1
+    with pytest.raises(EngineVersionError, match="holds version 1"), gate.admit(0):
+        pass
+
+
+def test_weight_buckets_split_by_size_and_round_trip(tmp_path):
+    tensors = {f"layer{i}.weight": torch.randn(16, 16) for i in range(5)}  # 1 KiB each
+    paths = write_weight_buckets(tensors.items(), tmp_path, bucket_bytes=2048)
+    assert len(paths) == 3  # 2 + 2 + 1 tensors
+    loaded = {}
+    for p in paths:
+        loaded.update(load_file(p))
+    assert loaded.keys() == tensors.keys()
+    assert all(torch.equal(loaded[k], tensors[k]) for k in tensors)
+    with pytest.raises(ValueError, match="no tensors"):
+        write_weight_buckets([], tmp_path)
+
+
+def test_lora_tensors_become_a_peft_adapter_that_peft_loads(tmp_path):
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    assert saved_lora_name("m.q_proj.lora_A.default.weight") == "m.q_proj.lora_A.weight"
+    assert saved_lora_name("m.q_proj.lora_B.weight") == "m.q_proj.lora_B.weight"
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    trained = get_peft_model(make_tiny_model(), config)
+    live = [(n, p) for n, p in trained.named_parameters() if p.requires_grad]
+    write_adapter(live, trained.peft_config["default"], tmp_path / "a")
+    published = publish_adapter(tmp_path / "a", tmp_path / "adapters", version=3)
+    assert published == tmp_path / "adapters" / "v3"
+    assert [p.name for p in (tmp_path / "adapters").iterdir()] == ["v3"]  # no staging left
+    reloaded = PeftModel.from_pretrained(make_tiny_model(), str(published))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    torch.testing.assert_close(reloaded(ids).logits, trained(ids).logits)
+    with pytest.raises(FileNotFoundError, match="save_pretrained"):
+        publish_adapter(tmp_path, tmp_path / "adapters", version=4)
+
+
+def test_extra_serve_flags_become_engine_kwargs():
+    got = parse_extra_flags(
+        ["--max-num-seqs", "64", "--enable-prefix-caching", "--swap-space=2", "--x", "y"]
+    )
+    assert got == {"max_num_seqs": 64, "enable_prefix_caching": True, "swap_space": 2, "x": "y"}
+
+
+class FakeLocal:
+    """Stands in for LocalVLLM behind the HTTP server: same gate, scripted outputs."""
+
+    def __init__(self, name: str, delay_s: float = 0.0):
+        self.name, self.delay_s = name, delay_s
+        self.gate = VersionGate(0)
+        self.weights: dict[str, torch.Tensor] = {}
+        self.adapter_files: dict[str, bytes] = {}
+        self.served: list[list[int]] = []
+
+    @property
+    def version(self) -> int:
+        return self.gate.version
+
+    def generate(self, prompt_ids, params, n, version):
+        with self.gate.admit(version):
+            time.sleep(self.delay_s)
+            self.served += prompt_ids
+            return [
+                [
+                    Completion(
+                        ids[::-1] + [k], self.name, [-0.5] * (len(ids) + 1), "length", version
+                    )
+                    for k in range(n)
+                ]
+                for ids in prompt_ids
+            ]
+
+    def load_weight_files(self, paths, version):
+        with self.gate.update(version, drain=True):
+            for p in paths:
+                self.weights.update(load_file(p))
+
+    def load_adapter(self, source: Path, version: int):
+        with self.gate.update(version, drain=False):
+            self.adapter_files = {p.name: p.read_bytes() for p in source.iterdir()}
+
+
+@pytest.fixture
+def fake_servers(tmp_path):
+    servers, locals_ = [], []
+    for name in ("a", "b"):
+        local = FakeLocal(name, delay_s=0.3)
+        server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(local, tmp_path / name, "fake"))
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        locals_.append(local)
+    yield [f"http://127.0.0.1:{s.server_address[1]}" for s in servers], locals_
+    for s in servers:
+        s.shutdown()
+        s.server_close()
+
+
+def test_server_pool_round_robin_sync_during_flight_and_versions(fake_servers, tmp_path):
+    urls, (a, b) = fake_servers
+    engine = VLLMEngine(ServerPool(urls, timeout_s=10, max_retries=0), VLLMSettings(mode="server"))
+    prompts = [Prompt(uid=i, text="", ids=[i, i + 10]) for i in range(5)]
+    params = SamplingParams(max_new_tokens=3)
+    groups = engine.generate(prompts, params, n=2, version=0)
+    assert [g[0].ids for g in groups] == [[i + 10, i, 0] for i in range(5)]  # prompt order kept
+    assert len(a.served) == 3 and len(b.served) == 2  # round-robin over prompts
+
+    results: dict[int, list] = {}
+    threads = [
+        threading.Thread(
+            target=lambda k=k: results.update({k: engine.generate(prompts, params, 1, 0)})
+        )
+        for k in range(2)
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(0.1)  # both requests are in flight on both servers
+    weights = {"w": torch.arange(6.0).reshape(2, 3)}
+    engine.update_weights(weights.items(), version=1)
+    for t in threads:
+        t.join(10)
+    assert all(c.version == 0 for k in (0, 1) for g in results[k] for c in g)  # both completed
+    assert engine.version == 1 and a.version == 1 and b.version == 1
+    assert torch.equal(a.weights["w"], weights["w"]) and torch.equal(b.weights["w"], weights["w"])
+    with pytest.raises(EngineVersionError):
+        engine.generate(prompts, params, 1, version=0)
+
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({"r": 4}))
+    (tmp_path / "adapter" / "adapter_model.safetensors").write_bytes(b"\x00\x01binary")
+    engine.load_adapter(tmp_path / "adapter", version=2)
+    assert a.adapter_files["adapter_model.safetensors"] == b"\x00\x01binary" and b.version == 2
+    stale = ServerPool(urls[:1], timeout_s=10, max_retries=0)
+    stale.version = 1
+    with pytest.raises(EngineVersionError, match="holds version 2"):  # the server checks too
+        stale.generate([[1]], params, 1, version=1)
+    engine.close()
+
+
+def test_unreachable_server_gives_one_clear_error_after_retries():
+    hits = []
+
+    class Failing(BaseHTTPRequestHandler):
+        def do_GET(self):
+            hits.append(self.path)
+            self.send_error(503)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Failing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    with pytest.raises(VLLMServerError, match=r"after 3 attempts.*rollout\.vllm\.urls"):
+        ServerPool([url], timeout_s=2, max_retries=2, backoff_s=0.01)
+    assert len(hits) == 3
+    server.shutdown()
+    server.server_close()
+    down = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(VLLMServerError, match=f"vLLM server {down} did not answer"):
+        ServerPool([down], timeout_s=2, max_retries=1, backoff_s=0.01)
+
+
+# --------------------------------------------------------------------------- real vLLM
+
+CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 +-*/=.,?"
+EOS = 0
+
+
+def build_char_model(path: Path, seed: int = 0):
+    """A tiny Qwen2 (head_dim 64, which vLLM's CPU kernels support) + character tokenizer."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<|endoftext|>": EOS} | {c: i + 1 for i, c in enumerate(CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
+    model = make_tiny_model(vocab_size=len(vocab), hidden_size=256, seed=seed)
+    for cfg in (model.config, model.generation_config):
+        cfg.eos_token_id = cfg.bos_token_id = cfg.pad_token_id = EOS
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model, tokenizer
+
+
+def reference_logprobs(
+    model, prompt_ids: list[int], completion_ids: list[int], params: SamplingParams
+) -> torch.Tensor:
+    """Teacher-forced float64 processed log-probs: logits/T, top-k, min-p, log-softmax."""
+    ids = torch.tensor([prompt_ids + completion_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].double() / params.temperature
+    if params.top_k > 0:
+        kth = logits.topk(params.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(
+            probs < params.min_p * probs.max(-1, keepdim=True).values, float("-inf")
+        )
+    return logits.log_softmax(-1).gather(-1, torch.tensor(completion_ids)[:, None])[:, 0]
+
+
+def mean_abs_logprob_gap(model, prompts, groups, params) -> float:
+    gaps = [
+        (
+            reference_logprobs(model, p.ids, c.ids, params)
+            - torch.tensor(c.logprobs, dtype=torch.float64)
+        ).abs()
+        for p, group in zip(prompts, groups)
+        for c in group
+    ]
+    return float(torch.cat(gaps).mean())
+
+
+def perturb(model, scale: float, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+
+
+PROMPTS = [
+    Prompt(uid=i, text=t, ids=[CHARS.index(ch) + 1 for ch in t])
+    for i, t in enumerate(["12+3=", "abc", "x"])
+]
+
+
+@pytest.fixture(scope="module")
+def char_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("char_model")
+    model, _ = build_char_model(path)
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def colocated(char_model, tmp_path_factory):
+    """One in-process vLLM for all colocated tests (engine core + worker in this process)."""
+    import os
+
+    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    engine = VLLMEngine.colocated(
+        char_model[0],
+        dtype="float32",
+        max_model_len=128,
+        enforce_eager=True,
+        enable_lora=True,
+        max_lora_rank=8,
+        work_dir=tmp_path_factory.mktemp("vllm_work"),
+        engine_kwargs={"distributed_executor_backend": "uni"},
+    )
+    yield engine
+    engine.close()
+    if saved is None:
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+    else:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
+
+
+@pytest.mark.vllm
+def test_generate_n_completions_with_processed_logprobs_and_finish_reasons(colocated, char_model):
+    params = SamplingParams(temperature=0.7, max_new_tokens=48, seed=3)
+    groups = colocated.generate(PROMPTS, params, n=8, version=colocated.version)
+    assert [len(g) for g in groups] == [8, 8, 8]
+    reasons = {c.finish_reason for g in groups for c in g}
+    assert reasons == {"stop", "length"}  # a random 46-token model hits EOS ~1 time in 46
+    for c in (c for g in groups for c in g):
+        assert len(c.logprobs) == len(c.ids) and all(lp <= 0 for lp in c.logprobs)
+        if c.finish_reason == "stop":
+            assert c.ids[-1] == EOS and EOS not in c.ids[:-1]  # EOS kept: the policy learns to stop
+        else:
+            assert len(c.ids) == 48 and EOS not in c.ids
+        assert c.text == "".join(CHARS[i - 1] for i in c.ids if i != EOS)  # specials dropped
+    assert mean_abs_logprob_gap(char_model[1], PROMPTS, groups, params) < 1e-3
+    with pytest.raises(EngineVersionError):
+        colocated.generate(PROMPTS, params, n=1, version=colocated.version + 1)
+
+
+@pytest.mark.vllm
+def test_full_weight_sync_makes_vllm_follow_the_trainer(colocated, char_model):
+    old = char_model[1]
+    trainer = copy.deepcopy(old)
+    perturb(trainer, scale=0.05, seed=1)
+    version = colocated.version + 1
+    colocated.bucket_bytes = 256 * 1024  # several buckets, one reload
+    colocated.update_weights(trainer.state_dict().items(), version=version)
+    assert colocated.version == version
+    for params in (
+        SamplingParams(temperature=0.8, max_new_tokens=24, seed=5),
+        SamplingParams(temperature=1.2, top_k=6, min_p=0.05, max_new_tokens=24, seed=6),
+    ):
+        groups = colocated.generate(PROMPTS, params, n=4, version=version)
+        assert mean_abs_logprob_gap(trainer, PROMPTS, groups, params) < 1e-3  # the trainer's policy
+        assert mean_abs_logprob_gap(old, PROMPTS, groups, params) > 1e-2  # not the old one
+    with pytest.raises(EngineVersionError, match=f"holds version {version}"):
+        colocated.generate(PROMPTS, params, n=1, version=version - 1)
+    char_model[1].load_state_dict(trainer.state_dict())  # later tests start from these weights
+
+
+@pytest.mark.vllm
+def test_lora_sync_by_version_named_adapter_files(colocated, char_model, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    base = char_model[1]
+    config = LoraConfig(
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "v_proj", "down_proj"],
+        init_lora_weights=False,
+    )
+    policy = get_peft_model(copy.deepcopy(base), config)
+    policy.save_pretrained(tmp_path / "adapter")
+    params = SamplingParams(temperature=0.9, max_new_tokens=16, seed=7)
+
+    v1 = colocated.version + 1
+    colocated.load_adapter(tmp_path / "adapter", version=v1)
+    assert (colocated.backend.work_dir / "adapters" / f"v{v1}" / "adapter_config.json").is_file()
+    groups = colocated.generate(PROMPTS, params, n=4, version=v1)
+    assert mean_abs_logprob_gap(policy, PROMPTS, groups, params) < 1e-3
+    assert mean_abs_logprob_gap(base, PROMPTS, groups, params) > 1e-2
+
+    with torch.no_grad():  # a training step on the adapter, synced as live peft tensors
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.mul_(-1.0)
+    colocated.adapter_config = config
+    v2 = v1 + 1
+    colocated.update_weights(
+        [(n, p) for n, p in policy.named_parameters() if "lora_" in n], version=v2
+    )
+    groups = colocated.generate(PROMPTS, params, n=4, version=v2)
+    assert mean_abs_logprob_gap(policy, PROMPTS, groups, params) < 1e-3
+    with pytest.raises(EngineVersionError):
+        colocated.generate(PROMPTS, params, n=1, version=v1)
