@@ -18,9 +18,9 @@ activation memory, so we move them to host memory and bring them back just in ti
   compute stream waits on that copy's event before using it. The compute stream is looked
   up at every use (`torch.cuda.current_stream()`), never captured once: backward runs on
   autograd's device threads and under user streams.
-- Host buffers come from a pool (pinned for CUDA), best fit by size, returned once the
-  tensor was restored and every saver has unpacked it and the copy has completed; buffers
-  left idle for a whole step are freed, so the pool tracks the working set.
+- Host buffers come from a pool (pinned for CUDA), best fit by size, returned once every
+  saver has unpacked the tensor and the last copy has completed; buffers left idle for a
+  few steps are freed, so the pool tracks the working set without re-pinning churn.
 - `mode="all"` offloads every saved non-parameter tensor >= min_tensor_bytes (a tensor
   saved by several ops is moved once) and restores on demand: the simple comparison point.
 - On CPU the same path runs with plain host buffers and synchronous copies (tests).
@@ -168,34 +168,17 @@ class _Copier:
             event.synchronize()
 
 
+@dataclass(eq=False)  # identity, never element-wise tensor comparison
 class _Kept:
     """A marked layer input left on the device; kept in the chain that drives prefetch."""
 
-    __slots__ = ("tensor", "layer", "seq")
-
-    def __init__(self, tensor: Tensor, layer: int, seq: int):
-        self.tensor, self.layer, self.seq = tensor, layer, seq
+    tensor: Tensor
+    layer: int
+    seq: int  # position in forward order among the marked inputs of this step
 
 
 class _Offloaded:
     """A saved tensor whose data lives in a host buffer until backward needs it."""
-
-    __slots__ = (
-        "shape",
-        "dtype",
-        "device",
-        "host",
-        "buffer",
-        "on_device",
-        "copy_event",
-        "restored",
-        "restore_event",
-        "layer",
-        "seq",
-        "refs",
-        "unpacks",
-        "released",
-    )
 
     def __init__(self, t: Tensor, buffer: Tensor, layer: int, seq: int):
         self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
@@ -217,7 +200,9 @@ class ActivationOffloader:
     """Moves saved activations to host memory during forward, back during backward.
 
     Wrap each training forward+backward in `with offloader.step():`. Outside a step
-    nothing is intercepted (plain checkpointing).
+    nothing is intercepted (plain checkpointing). `stats` counts the last step, `total`
+    every step so far, `pool` holds the host buffers (size, bytes, in_use), `metrics()`
+    gives the flat `offload/*` keys.
     """
 
     def __init__(
