@@ -129,6 +129,7 @@ def train_step(policy: Policy, micro_batches: list[PackedBatch], optimizer, cfg,
     norm = normalisers(micro_batches, cfg)
     sums: dict[str, float] = defaultdict(float)
     is_metrics: dict[str, list[float]] = defaultdict(list)
+    sums_offload: dict[str, float] = defaultdict(float)
     total_loss = 0.0
     for mb in micro_batches:
         with _offload_scope(policy):
@@ -141,13 +142,16 @@ def train_step(policy: Policy, micro_batches: list[PackedBatch], optimizer, cfg,
             sums[k] += float(v)
         for k, v in mb_is.items():
             is_metrics[k].append(v)
+        if policy.offloader is not None:  # per micro-batch counts add up to the step's
+            for k, v in policy.offloader.metrics().items():
+                sums_offload[k] = v if k == "offload/pool_bytes" else sums_offload[k] + v
     grad_norm = _clip_gradients(policy, cfg.train.max_grad_norm)
     updated = math.isfinite(total_loss) and math.isfinite(grad_norm)
     if updated:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     metrics = _step_metrics(sums, is_metrics, total_loss, grad_norm, micro_batches)
-    return StepResult(metrics, updated)
+    return StepResult({**metrics, **sums_offload}, updated)
 
 
 def _offload_scope(policy: Policy):
