@@ -341,12 +341,12 @@ def colocated(char_model, tmp_path_factory):
         work_dir=tmp_path_factory.mktemp("vllm_work"),
         engine_kwargs={"distributed_executor_backend": "uni"},
     )
-    yield engine
-    engine.close()
-    if saved is None:
+    if saved is None:  # read at start-up only; the server test below wants the default
         os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
     else:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
+    yield engine
+    engine.close()
 
 
 @pytest.mark.vllm
@@ -424,3 +424,57 @@ def test_lora_sync_by_version_named_adapter_files(colocated, char_model, tmp_pat
     assert mean_abs_logprob_gap(policy, PROMPTS, groups, params) < 1e-3
     with pytest.raises(EngineVersionError):
         colocated.generate(PROMPTS, params, n=1, version=v1)
+
+
+@pytest.mark.vllm
+def test_server_mode_over_loopback_sync_while_two_requests_are_in_flight(char_model):
+    """`leangrpo serve` in a subprocess (engine core in its own process: paths cross msgspec)."""
+    from transformers import AutoModelForCausalLM
+
+    path = char_model[0]
+    old = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    trainer = copy.deepcopy(old)
+    perturb(trainer, scale=0.05, seed=11)
+    engine = VLLMEngine.server(
+        [],
+        model_path=path,
+        dtype="float32",
+        max_model_len=128,
+        enforce_eager=True,
+        max_retries=1,
+        request_timeout_s=300,
+        engine_kwargs={"distributed_executor_backend": "uni"},
+    )
+    try:
+        pool = engine.backend
+        params = SamplingParams(temperature=1.0, max_new_tokens=64, seed=1)
+        results: dict[int, list] = {}
+        threads = [
+            threading.Thread(
+                target=lambda k=k: results.update({k: engine.generate(PROMPTS, params, 8, 0)})
+            )
+            for k in range(2)
+        ]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while pool.request(pool.urls[0], "GET", "/health")["in_flight"] < 2:
+            assert time.monotonic() < deadline, "the two generate requests never reached the server"
+            time.sleep(0.01)
+        engine.update_weights(trainer.state_dict().items(), version=1)  # drains both first
+        for t in threads:
+            t.join(300)
+        assert sorted(results) == [0, 1]
+        for k in (0, 1):
+            assert all(c.version == 0 for g in results[k] for c in g)
+            assert mean_abs_logprob_gap(old, PROMPTS, results[k], params) < 1e-3  # finished on v0
+        groups = engine.generate(PROMPTS, params, n=2, version=1)
+        assert mean_abs_logprob_gap(trainer, PROMPTS, groups, params) < 1e-3
+        assert mean_abs_logprob_gap(old, PROMPTS, groups, params) > 1e-2
+        with pytest.raises(EngineVersionError):
+            engine.generate(PROMPTS, params, n=1, version=0)
+        engine.sleep()  # no-op where the platform has no sleep mode (CPU)
+        engine.wake_up()
+    finally:
+        engine.close()
+    assert pool.process is None

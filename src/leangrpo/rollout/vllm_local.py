@@ -145,6 +145,11 @@ class VersionGate:
                 self._updating = False
                 self._cond.notify_all()
 
+    @property
+    def in_flight(self) -> int:
+        with self._cond:
+            return sum(self._inflight.values())
+
     def in_use(self, version: int) -> bool:
         with self._cond:
             return self._inflight[version] > 0

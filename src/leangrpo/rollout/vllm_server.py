@@ -7,7 +7,7 @@ name. Our own server rather than vLLM's OpenAI one: it returns token ids and pro
 log-probs directly, and weight sync needs no dev-mode endpoints. Wire format (JSON unless
 noted):
 
-    GET  /health                         -> {"version", "model"}
+    GET  /health                         -> {"version", "model", "in_flight"}
     POST /generate {prompts, params, n, version} -> {"completions": [[Completion...]]}
     PUT  /weights/{version}/{index}      body: one safetensors bucket (binary)
     POST /weights/{version}/commit {num_buckets}
@@ -242,7 +242,13 @@ def make_handler(local: Any, staging: Path, model: str) -> type[BaseHTTPRequestH
 
         def do_GET(self) -> None:
             if self.path == "/health":
-                self._dispatch(lambda: {"version": local.version, "model": model})
+                self._dispatch(
+                    lambda: {
+                        "version": local.version,
+                        "model": model,
+                        "in_flight": local.gate.in_flight,
+                    }
+                )
             else:
                 self._reply(404, {"error": f"no route GET {self.path}"})
 
