@@ -1,0 +1,422 @@
+"""In-process rollout engine on transformers' `generate` (small models, tests, CPU runs).
+
+Algorithm: prompts are left-padded into chunks of at most `max_batch_size` sequences (each
+prompt repeated n times by `num_return_sequences`) and sampled with KV cache, in eval mode,
+under no_grad. The behaviour log-prob of each token is log_softmax of the scores transformers
+returns (`output_scores`: logits after temperature, top-k, top-p, min-p), gathered at the
+sampled token: exactly `sampling.processed_logprobs` of the model's logits.
+
+Choices:
+- The generation config is built from SamplingParams alone. During the call the model's own
+  `generation_config` (repetition penalty, a default top_k=50, ...) is set aside and only
+  its eos/pad/bos ids are kept, so nothing outside `sampling.process_logits` shapes the
+  distribution the trainer must reproduce.
+- EOS is part of a completion (ids and log-probs): the policy must learn to stop. The text
+  is decoded without special tokens.
+- Stop strings are checked on the decoded completion after every step (a StoppingCriteria);
+  a completion that produced one keeps the token that completed it (ids, log-probs) and its
+  text is cut before it, as vLLM does. Finish reason: "stop" (EOS or stop string), else
+  "length".
+- Temperature 0 is greedy; its log-probs are the unfiltered temperature-1 ones.
+- Randomness: with params.seed set, each sampling call seeds torch from
+  (seed, version, index of the call at this version) inside `torch.random.fork_rng`, so
+  the global RNG stream is untouched and a resumed run replays the same samples.
+  Without a seed, sampling draws from the global RNG.
+- share_weights=True generates with the caller's model object (sync training: weight sync
+  only moves the version tag); train mode and gradient checkpointing flags are restored
+  afterwards. share_weights=False deep-copies the model at construction (async generation
+  in a background thread); `update_weights` copies tensors in by name under a lock.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import re
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+
+from leangrpo.contracts import Completion, EngineVersionError, Prompt, SamplingParams
+from leangrpo.rollout.sampling import check_sampling
+
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "base_model.model.")
+_LORA_SEGMENTS = r"lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector"
+
+
+class HFEngine:
+    """`RolloutEngine` on `model.generate`; see the module docstring for the choices."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        share_weights: bool = True,
+        device=None,
+        max_batch_size: int | None = None,
+    ):
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size}")
+        self.tokenizer = tokenizer
+        self.share_weights = share_weights
+        self.max_batch_size = max_batch_size
+        model_device = next(model.parameters()).device
+        self.device = torch.device(device) if device is not None else model_device
+        if share_weights:
+            if self.device != model_device:
+                raise ValueError(
+                    f"share_weights=True generates on the model's device "
+                    f"({model_device}); pass device=None or share_weights=False"
+                )
+            self.model = model
+        else:
+            self.model = copy.deepcopy(model).to(self.device).eval().requires_grad_(False)
+        self._version = 0
+        self._calls_at_version = 0
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def generate(
+        self, prompts: list[Prompt], params: SamplingParams, n: int, version: int
+    ) -> list[list[Completion]]:
+        """n completions per prompt, in prompt order, tagged with `version`."""
+        check_sampling(params.temperature, params.top_k, params.top_p, params.min_p)
+        if n < 1 or params.max_new_tokens < 1:
+            raise ValueError(
+                f"n and max_new_tokens must be >= 1, got {n} and {params.max_new_tokens}"
+            )
+        for prompt in prompts:
+            if not prompt.ids:
+                raise ValueError(f"prompt uid={prompt.uid} has no token ids; tokenise it first")
+        with self._lock:
+            self._check_open()
+            if version != self._version:
+                raise EngineVersionError(
+                    f"asked to generate with policy version {version}, "
+                    f"but this engine holds version {self._version}"
+                )
+            seed = self._next_seed(params)
+            with _generation_mode(self.model), _seeded(self.device, seed), torch.no_grad():
+                return [
+                    group
+                    for chunk in self._chunks(prompts, n)
+                    for group in self._generate_chunk(chunk, params, n)
+                ]
+
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
+        """Copy full or LoRA tensors (peft names, with or without prefixes) in as `version`."""
+        with self._lock:
+            self._check_open()
+            if not self.share_weights:
+                copy_named_tensors(self.model, named_tensors)
+            self._set_version(version)
+
+    def load_adapter(self, path: str, version: int) -> None:
+        """Load a peft adapter saved at `path` into this engine's own copy as `version`."""
+        if self.share_weights:
+            raise ValueError(
+                "load_adapter needs share_weights=False: a shared engine generates "
+                "with the trainer's model, which already holds its adapter"
+            )
+        from peft import PeftModel, load_peft_weights, set_peft_model_state_dict
+
+        with self._lock:
+            self._check_open()
+            if isinstance(self.model, PeftModel):
+                result = set_peft_model_state_dict(self.model, load_peft_weights(path))
+                unexpected = [k for k in result.unexpected_keys if "lora" in k]
+                if unexpected:
+                    raise ValueError(
+                        f"adapter at {path} does not fit this model: unexpected "
+                        f"tensors {unexpected[:3]}; was it trained on another base?"
+                    )
+            else:
+                self.model = PeftModel.from_pretrained(self.model, path).to(self.device)
+                self.model.eval().requires_grad_(False)
+            self._set_version(version)
+
+    def close(self) -> None:
+        with self._lock:
+            if not self.share_weights:
+                self.model = None  # drop the own copy now, not when the engine is collected
+            self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this HFEngine was closed; create a new one")
+
+    def _set_version(self, version: int) -> None:
+        if version != self._version:
+            self._calls_at_version = 0
+        self._version = version
+
+    def _next_seed(self, params: SamplingParams) -> int | None:
+        if params.seed is None or params.temperature == 0:
+            return None
+        key = f"{params.seed}:{self._version}:{self._calls_at_version}".encode()
+        self._calls_at_version += 1
+        return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1
+
+    def _chunks(self, prompts: list[Prompt], n: int) -> Iterator[list[Prompt]]:
+        per_chunk = (
+            len(prompts) if self.max_batch_size is None else max(1, self.max_batch_size // n)
+        )
+        for start in range(0, len(prompts), max(per_chunk, 1)):
+            yield prompts[start : start + per_chunk]
+
+    def _generate_chunk(
+        self, prompts: list[Prompt], params: SamplingParams, n: int
+    ) -> list[list[Completion]]:
+        input_ids, attention_mask = self._left_pad(prompts)  # (B, P) each
+        copies = n if params.temperature == 0 else 1  # greedy: one sample, n identical copies
+        n_sampled = n // copies
+        config = self._generation_config(params, n_sampled)
+        stop = (
+            _StopStrings(self.tokenizer, params.stop, input_ids.shape[1]) if params.stop else None
+        )
+        with _clean_generation_config(self.model, config):
+            out = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                generation_config=config,
+                stopping_criteria=StoppingCriteriaList([stop]) if stop else None,
+            )
+        generated = out.sequences[:, input_ids.shape[1] :]  # (B * n, L), prompt-major rows
+        logprobs = torch.stack(
+            [  # (B * n, L)
+                torch.log_softmax(step_scores.float(), dim=-1).gather(-1, generated[:, t : t + 1])[
+                    :, 0
+                ]
+                for t, step_scores in enumerate(out.scores)
+            ],
+            dim=1,
+        )
+        eos_ids = _eos_ids(self.model, self.tokenizer)
+        rows = [
+            self._completion(
+                generated[r].tolist(),
+                logprobs[r].tolist(),
+                stop.stopped_at.get(r) if stop else None,
+                eos_ids,
+                params,
+            )
+            for r in range(generated.shape[0])
+        ]
+        rows = [copy.deepcopy(row) for row in rows for _ in range(copies)]
+        return [rows[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _completion(
+        self,
+        ids: list[int],
+        logprobs: list[float],
+        stop_len: int | None,
+        eos_ids: set[int],
+        params: SamplingParams,
+    ) -> Completion:
+        eos_len = next((i + 1 for i, tok in enumerate(ids) if tok in eos_ids), None)
+        ends = [end for end in (eos_len, stop_len) if end is not None]
+        end = min(ends) if ends else len(ids)
+        text = self.tokenizer.decode(ids[:end], skip_special_tokens=True)
+        if stop_len is not None and end == stop_len:
+            text = text[: min(text.find(s) for s in params.stop if s in text)]
+        return Completion(
+            ids=ids[:end],
+            text=text,
+            logprobs=logprobs[:end],
+            finish_reason="stop" if ends else "length",
+            version=self._version,
+        )
+
+    def _left_pad(self, prompts: list[Prompt]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(p.ids) for p in prompts)
+        input_ids = torch.full((len(prompts), width), _pad_id(self.model, self.tokenizer))
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            input_ids[i, width - len(prompt.ids) :] = torch.tensor(prompt.ids)
+            attention_mask[i, width - len(prompt.ids) :] = 1
+        return input_ids.to(self.device), attention_mask.to(self.device)
+
+    def _generation_config(self, params: SamplingParams, n: int) -> GenerationConfig:
+        sampling = {}
+        if params.temperature > 0:
+            sampling = dict(
+                temperature=params.temperature,
+                top_k=params.top_k,
+                top_p=params.top_p,
+                min_p=params.min_p or None,
+            )
+        return GenerationConfig(
+            do_sample=params.temperature > 0,
+            **sampling,
+            max_new_tokens=params.max_new_tokens,
+            num_return_sequences=n,
+            use_cache=True,
+            output_scores=True,
+            return_dict_in_generate=True,
+            eos_token_id=sorted(_eos_ids(self.model, self.tokenizer)) or None,
+            pad_token_id=_pad_id(self.model, self.tokenizer),
+        )
+
+
+class _StopStrings(StoppingCriteria):
+    """Stops a row once its decoded completion contains a stop string; records where."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...], prompt_width: int):
+        self.tokenizer, self.stop, self.prompt_width = tokenizer, stop, prompt_width
+        self.stopped_at: dict[int, int] = {}  # row -> completion tokens when the stop appeared
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        generated = input_ids[:, self.prompt_width :]  # (R, t)
+        for row in range(generated.shape[0]):
+            if row in self.stopped_at:
+                continue
+            text = self.tokenizer.decode(generated[row].tolist(), skip_special_tokens=True)
+            if any(s in text for s in self.stop):
+                self.stopped_at[row] = generated.shape[1]
+        done = [row in self.stopped_at for row in range(generated.shape[0])]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
+def copy_named_tensors(
+    model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]
+) -> int:
+    """Copy tensors into `model` by name; returns how many were copied.
+
+    Names match after dropping wrapper prefixes (`module.`, `_orig_mod.`,
+    `base_model.model.`), peft's `.base_layer` and the adapter name after `lora_A`/`lora_B`,
+    so peft's saved names, its in-model names and plain transformers names all fit.
+    """
+    adapters = tuple(getattr(model, "peft_config", {}) or ())
+    targets: dict[str, list[torch.Tensor]] = {}
+    for name, tensor in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
+        targets.setdefault(_normalise_name(name, adapters), []).append(tensor)
+    copied = 0
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            key = _normalise_name(name, adapters)
+            if key not in targets:
+                raise KeyError(
+                    f"update_weights: no tensor named {name!r} in the engine's model "
+                    f"(looked for {key!r}); send names from model.named_parameters() "
+                    "or peft's get_peft_model_state_dict()"
+                )
+            for target in targets[key]:
+                if target.shape != tensor.shape:
+                    raise ValueError(
+                        f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                        f"the engine's model expects {tuple(target.shape)}"
+                    )
+                target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+            copied += 1
+    return copied
+
+
+def _normalise_name(name: str, adapters: tuple[str, ...]) -> str:
+    stripped = True
+    while stripped:
+        stripped = False
+        for prefix in _WRAPPER_PREFIXES:
+            if name.startswith(prefix):
+                name, stripped = name[len(prefix) :], True
+    name = name.replace(".base_layer.", ".")
+    for adapter in adapters:
+        name = re.sub(rf"\.({_LORA_SEGMENTS})\.{re.escape(adapter)}(?=\.|$)", r".\1", name)
+    return name
+
+
+def _hf_model(model):
+    """The transformers model inside a peft wrapper (whose generation_config generate reads)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    """The model's generation eos ids, else its config's, else the tokenizer's."""
+    inner = _hf_model(model)
+    for eos in (
+        inner.generation_config.eos_token_id,
+        inner.config.eos_token_id,
+        tokenizer.eos_token_id,
+    ):
+        if eos is not None:
+            return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+    return set()
+
+
+def _pad_id(model, tokenizer) -> int:
+    for candidate in (
+        tokenizer.pad_token_id,
+        _hf_model(model).generation_config.pad_token_id,
+        tokenizer.eos_token_id,
+    ):
+        if candidate is not None:
+            return int(candidate)
+    raise ValueError("the tokenizer has neither a pad nor an eos token; set tokenizer.pad_token")
+
+
+@contextmanager
+def _clean_generation_config(model, config: GenerationConfig) -> Iterator[None]:
+    """Set the model's own generation defaults aside so only `config` shapes sampling."""
+    inner = _hf_model(model)
+    saved = inner.generation_config
+    inner.generation_config = GenerationConfig(
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+        bos_token_id=saved.bos_token_id,
+    )
+    try:
+        yield
+    finally:
+        inner.generation_config = saved
+
+
+@contextmanager
+def _generation_mode(model) -> Iterator[None]:
+    """Eval mode, gradient checkpointing off; every module's flags restored afterwards."""
+    modules = list(model.modules())
+    training = [m.training for m in modules]
+    checkpointing = [
+        (m, m.gradient_checkpointing)
+        for m in modules
+        if getattr(m, "gradient_checkpointing", None) is True
+    ]
+    model.eval()
+    for module, _ in checkpointing:
+        module.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for module, flag in checkpointing:
+            module.gradient_checkpointing = flag
+        for module, flag in zip(modules, training):
+            module.training = flag
+
+
+@contextmanager
+def _seeded(device: torch.device, seed: int | None) -> Iterator[None]:
+    """Seed the generator(s) generate draws from, leaving the global streams untouched."""
+    if seed is None:
+        yield
+        return
+    cuda = device.type == "cuda"
+    index = (
+        device.index if device.index is not None else (torch.cuda.current_device() if cuda else 0)
+    )
+    with torch.random.fork_rng(devices=[index] if cuda else [], device_type="cuda"):
+        torch.random.default_generator.manual_seed(seed)
+        if cuda:
+            with torch.cuda.device(index):
+                torch.cuda.manual_seed(seed)
+        yield

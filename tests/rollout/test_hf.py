@@ -1,0 +1,269 @@
+"""HFEngine: shapes, finish reasons, behaviour log-probs vs a teacher-forced recomputation,
+versions, weight updates (full and LoRA), seeding; sampling.process_logits vs transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from transformers import AutoTokenizer
+
+from leangrpo.contracts import EngineVersionError, Prompt, SamplingParams
+from leangrpo.rollout.hf import HFEngine
+from leangrpo.rollout.sampling import process_logits, processed_logprobs
+
+DEMO_MODEL = Path(__file__).resolve().parents[2] / "examples" / "demo" / "model"
+TEXTS = ["12+34=", "5-3=", "99+10=1", "7="]  # different lengths: left padding is exercised
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(DEMO_MODEL)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return [Prompt(uid=i, text=t, ids=tokenizer(t).input_ids) for i, t in enumerate(TEXTS)]
+
+
+def tiny(tokenizer, seed=0):
+    return make_tiny_model(vocab_size=len(tokenizer), seed=seed)
+
+
+def with_eos_bias(model, eos_id: int, bias: float):
+    """Give the lm_head a bias towards EOS so that some completions stop early."""
+    head = model.get_output_embeddings()
+    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    with torch.no_grad():
+        biased.weight.copy_(head.weight)
+        biased.bias.zero_()
+        biased.bias[eos_id] = bias
+    model.set_output_embeddings(biased)
+    return model
+
+
+def teacher_forced(model, prompt: Prompt, ids: list[int], params: SamplingParams) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt.ids + ids])).logits[0]  # (P + L, V)
+    return processed_logprobs(logits[len(prompt.ids) - 1 : -1], torch.tensor(ids), params)
+
+
+def test_shapes_and_version_tags(tokenizer, prompts):
+    engine = HFEngine(tiny(tokenizer), tokenizer)
+    engine.update_weights((), 3)
+    groups = engine.generate(prompts, SamplingParams(max_new_tokens=5, seed=0), n=3, version=3)
+    assert len(groups) == len(prompts) and all(len(g) == 3 for g in groups)
+    for c in (c for g in groups for c in g):
+        assert 1 <= len(c.ids) <= 5 and len(c.logprobs) == len(c.ids)
+        assert c.version == 3 and c.finish_reason in ("stop", "length")
+        assert all(lp <= 0 for lp in c.logprobs)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7, top_k=5, min_p=0.1, max_new_tokens=6, seed=1),
+        SamplingParams(temperature=1.3, top_p=0.8, max_new_tokens=6, seed=2),
+    ],
+)
+def test_behaviour_logprobs_match_teacher_forced(tokenizer, prompts, params):
+    model = with_eos_bias(tiny(tokenizer), tokenizer.eos_token_id, 2.0)
+    engine = HFEngine(model, tokenizer, max_batch_size=8)  # 2 chunks of 2 prompts x 4
+    groups = engine.generate(prompts, params, n=4, version=0)
+    for prompt, group in zip(prompts, groups):
+        for c in group:
+            expected = teacher_forced(model, prompt, c.ids, params)
+            torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-5, rtol=0)
+
+
+def test_finish_reasons_eos_and_length(tokenizer, prompts):
+    eos = tokenizer.eos_token_id
+    model = with_eos_bias(tiny(tokenizer), eos, 2.5)
+    groups = HFEngine(model, tokenizer).generate(
+        prompts, SamplingParams(max_new_tokens=4, seed=0), n=8, version=0
+    )
+    completions = [c for g in groups for c in g]
+    for c in completions:
+        if c.finish_reason == "stop":
+            assert c.ids[-1] == eos and eos not in c.ids[:-1]
+            assert c.text == tokenizer.decode(c.ids, skip_special_tokens=True)  # EOS not in text
+        else:
+            assert c.finish_reason == "length" and len(c.ids) == 4 and eos not in c.ids
+    assert {c.finish_reason for c in completions} == {"stop", "length"}
+
+
+def test_stop_strings_cut_text_and_keep_the_completing_token(tokenizer, prompts):
+    model = with_eos_bias(tiny(tokenizer), tokenizer.eos_token_id, -100.0)  # never EOS
+    params = SamplingParams(max_new_tokens=8, stop=("1", "2"), seed=0)
+    groups = HFEngine(model, tokenizer).generate(prompts, params, n=8, version=0)
+    stopped = [c for g in groups for c in g if c.finish_reason == "stop"]
+    assert stopped, "no completion produced a stop string; raise n"
+    for c in stopped:
+        full = tokenizer.decode(c.ids, skip_special_tokens=True)
+        assert any(s in full for s in params.stop)
+        assert not any(
+            s in tokenizer.decode(c.ids[:-1], skip_special_tokens=True) for s in params.stop
+        )
+        assert c.text == full[:-1] and not any(s in c.text for s in params.stop)
+    for c in (c for g in groups for c in g if c.finish_reason == "length"):
+        assert len(c.ids) == 8 and not any(s in c.text for s in params.stop)
+
+
+def test_greedy_is_argmax_and_repeated(tokenizer, prompts):
+    model = tiny(tokenizer)
+    groups = HFEngine(model, tokenizer).generate(
+        prompts, SamplingParams(temperature=0.0, max_new_tokens=3), n=2, version=0
+    )
+    for prompt, (a, b) in zip(prompts, groups):
+        assert a.ids == b.ids and a is not b
+        ids = list(prompt.ids)
+        for token in a.ids:
+            with torch.no_grad():
+                assert model(torch.tensor([ids])).logits[0, -1].argmax().item() == token
+            ids.append(token)
+
+
+def test_version_mismatch_raises(tokenizer, prompts):
+    engine = HFEngine(tiny(tokenizer), tokenizer)
+    with pytest.raises(EngineVersionError, match="holds version 0"):
+        engine.generate(prompts, SamplingParams(max_new_tokens=2), n=1, version=1)
+
+
+def test_seeded_generation_is_reproducible_and_leaves_global_rng_alone(tokenizer, prompts):
+    params = SamplingParams(max_new_tokens=5, seed=7)
+    runs = []
+    for _ in range(2):
+        engine = HFEngine(tiny(tokenizer), tokenizer)
+        torch.manual_seed(123)
+        runs.append([[c.ids for c in g] for g in engine.generate(prompts, params, 4, 0)])
+        runs.append([[c.ids for c in g] for g in engine.generate(prompts, params, 4, 0)])
+        after = torch.rand(3)
+        torch.manual_seed(123)
+        assert torch.equal(after, torch.rand(3)), "generation moved the global RNG"
+    assert runs[0] == runs[2] and runs[1] == runs[3]
+    assert runs[0] != runs[1], "a second call at the same version must draw new samples"
+
+
+def test_train_mode_and_gradient_checkpointing_restored(tokenizer, prompts):
+    model = tiny(tokenizer).train()
+    model.gradient_checkpointing_enable()
+    HFEngine(model, tokenizer).generate(prompts, SamplingParams(max_new_tokens=2), 2, 0)
+    assert model.training and model.is_gradient_checkpointing
+    assert all(m.training for m in model.modules())
+
+
+def greedy_outputs(engine, prompts, version):
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    return [(c.ids, c.logprobs) for g in engine.generate(prompts, params, 1, version) for c in g]
+
+
+def test_update_weights_on_own_copy_tracks_the_source(tokenizer, prompts):
+    source, other = tiny(tokenizer, seed=0), tiny(tokenizer, seed=1)
+    engine = HFEngine(other, tokenizer, share_weights=False)
+    expected = greedy_outputs(HFEngine(source, tokenizer), prompts, 0)
+    assert greedy_outputs(engine, prompts, 0) != expected
+    engine.update_weights(source.named_parameters(), version=1)
+    got = greedy_outputs(engine, prompts, 1)
+    assert [ids for ids, _ in got] == [ids for ids, _ in expected]
+    for (_, lp), (_, ref) in zip(got, expected):
+        torch.testing.assert_close(torch.tensor(lp), torch.tensor(ref), atol=1e-6, rtol=0)
+    assert greedy_outputs(HFEngine(other, tokenizer), prompts, 0) != expected  # original intact
+    with pytest.raises(KeyError, match="no tensor named"):
+        engine.update_weights([("nope.weight", torch.zeros(1))], version=2)
+
+
+def lora_pair(tokenizer):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    trained = get_peft_model(tiny(tokenizer), config)
+    fresh = get_peft_model(tiny(tokenizer), config)  # same base, different random adapter
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for name, p in trained.named_parameters():
+            if "lora_" in name:
+                p.add_(torch.randn_like(p))
+    return trained, fresh
+
+
+def test_update_weights_with_peft_adapter_names(tokenizer, prompts):
+    from peft import get_peft_model_state_dict
+
+    trained, fresh = lora_pair(tokenizer)
+    engine = HFEngine(fresh, tokenizer, share_weights=False)
+    expected = greedy_outputs(HFEngine(trained, tokenizer), prompts, 0)
+    assert greedy_outputs(engine, prompts, 0) != expected
+    engine.update_weights(get_peft_model_state_dict(trained).items(), version=1)
+    assert [ids for ids, _ in greedy_outputs(engine, prompts, 1)] == [ids for ids, _ in expected]
+
+
+def test_load_adapter_from_disk(tokenizer, prompts, tmp_path):
+    trained, _ = lora_pair(tokenizer)
+    trained.save_pretrained(tmp_path)
+    engine = HFEngine(tiny(tokenizer), tokenizer, share_weights=False)  # plain base model
+    expected = greedy_outputs(HFEngine(trained, tokenizer), prompts, 0)
+    engine.load_adapter(str(tmp_path), version=4)
+    assert engine.version == 4
+    assert [ids for ids, _ in greedy_outputs(engine, prompts, 4)] == [ids for ids, _ in expected]
+    with pytest.raises(ValueError, match="share_weights=False"):
+        HFEngine(trained, tokenizer).load_adapter(str(tmp_path), version=1)
+
+
+def test_closed_engine_refuses(tokenizer, prompts):
+    engine = HFEngine(tiny(tokenizer), tokenizer, share_weights=False)
+    engine.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.generate(prompts, SamplingParams(max_new_tokens=2), 1, 0)
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p,min_p",
+    [
+        (1.0, 0, 1.0, 0.0),
+        (0.7, 5, 1.0, 0.1),
+        (1.5, 0, 0.9, 0.0),
+        (0.5, 10, 0.8, 0.05),
+    ],
+)
+def test_process_logits_matches_transformers_warpers(temperature, top_k, top_p, min_p):
+    from transformers import GenerationConfig, LogitsProcessorList
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    assert GenerationConfig  # the warpers below are the ones generate() builds, in its order
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50) * 3
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    if top_k:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p < 1:
+        warpers.append(TopPLogitsWarper(top_p))
+    if min_p:
+        warpers.append(MinPLogitsWarper(min_p))
+    expected = warpers(None, logits.clone())
+    got = process_logits(logits, temperature, top_k, top_p, min_p)
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))
+    torch.testing.assert_close(got, expected)
+
+
+def test_process_logits_against_a_float64_reference():
+    torch.manual_seed(1)
+    logits = torch.randn(4, 3, 40, dtype=torch.float64)  # any leading shape
+    got = process_logits(logits, temperature=0.8, top_k=7, min_p=0.2)
+    scaled = logits / 0.8
+    kth = scaled.sort(dim=-1, descending=True).values[..., 6:7]
+    probs = scaled.softmax(-1)
+    keep = (scaled >= kth) & (probs >= 0.2 * probs.amax(-1, keepdim=True))
+    torch.testing.assert_close(got, scaled.float().masked_fill(~keep, float("-inf")))
+    greedy = process_logits(logits, temperature=0.0)
+    assert torch.equal(greedy, logits.float())
+    with pytest.raises(ValueError, match="top_p must be in"):
+        process_logits(logits, top_p=0.0)
