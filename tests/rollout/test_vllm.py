@@ -144,7 +144,8 @@ class FakeLocal:
     def version(self) -> int:
         return self.gate.version
 
-    def generate(self, prompt_ids, params, n, version):
+    def generate(self, prompt_ids, params, n, version, seeds=None):
+        self.seeds = seeds
         with self.gate.admit(version):
             time.sleep(self.delay_s)
             self.served += prompt_ids
@@ -191,6 +192,8 @@ def test_server_pool_round_robin_sync_during_flight_and_versions(fake_servers, t
     groups = engine.generate(prompts, params, n=2, version=0)
     assert [g[0].ids for g in groups] == [[i + 10, i, 0] for i in range(5)]  # prompt order kept
     assert len(a.served) == 3 and len(b.served) == 2  # round-robin over prompts
+    engine.generate(prompts, SamplingParams(seed=100), n=4, version=0)
+    assert sorted(a.seeds + b.seeds) == [100, 104, 108, 112, 116]  # distinct per prompt x sample
 
     results: dict[int, list] = {}
     threads = [
@@ -364,6 +367,9 @@ def test_generate_n_completions_with_processed_logprobs_and_finish_reasons(coloc
             assert len(c.ids) == 48 and EOS not in c.ids
         assert c.text == "".join(CHARS[i - 1] for i in c.ids if i != EOS)  # specials dropped
     assert mean_abs_logprob_gap(char_model[1], PROMPTS, groups, params) < 1e-3
+    again = colocated.generate(PROMPTS, params, n=8, version=colocated.version)
+    assert [[c.ids for c in g] for g in again] == [[c.ids for c in g] for g in groups]  # seeded
+    assert len({tuple(c.ids) for g in groups for c in g}) > 20  # yet distinct samples
     with pytest.raises(EngineVersionError):
         colocated.generate(PROMPTS, params, n=1, version=colocated.version + 1)
 

@@ -284,7 +284,8 @@ class VLLMEngine:
             )
         if not prompts:
             return []
-        return self.backend.generate([p.ids for p in prompts], params, n, version)
+        seeds = None if params.seed is None else [params.seed + i * n for i in range(len(prompts))]
+        return self.backend.generate([p.ids for p in prompts], params, n, version, seeds)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         """Full weights (checkpoint names), or LoRA tensors by their peft names."""

@@ -20,6 +20,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -221,14 +222,23 @@ class LocalVLLM:
         return self.gate.version
 
     def generate(
-        self, prompt_ids: list[list[int]], params: SamplingParams, n: int, version: int
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        n: int,
+        version: int,
+        seeds: list[int] | None = None,
     ) -> list[list[Completion]]:
+        """`seeds`: one per prompt (vLLM seeds completion k of a prompt with seed + k)."""
         from vllm.inputs import TokensPrompt
 
         for i, ids in enumerate(prompt_ids):
             if not ids:
                 raise ValueError(f"prompt {i} has no token ids; tokenise prompts before generating")
-        sampling = to_vllm_sampling_params(params, n)
+        if seeds is None:
+            sampling = to_vllm_sampling_params(params, n)
+        else:
+            sampling = [to_vllm_sampling_params(replace(params, seed=s), n) for s in seeds]
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
         with self.gate.admit(version), self._lock:
             self._wake_locked()

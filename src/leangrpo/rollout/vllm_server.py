@@ -8,7 +8,7 @@ log-probs directly, and weight sync needs no dev-mode endpoints. Wire format (JS
 noted):
 
     GET  /health                         -> {"version", "model", "in_flight"}
-    POST /generate {prompts, params, n, version} -> {"completions": [[Completion...]]}
+    POST /generate {prompts, params, n, version, seeds} -> {"completions": [[Completion...]]}
     PUT  /weights/{version}/{index}      body: one safetensors bucket (binary)
     POST /weights/{version}/commit {num_buckets}
     PUT  /adapter/{version}              body: tar of the peft adapter directory
@@ -127,7 +127,12 @@ class ServerPool:
         return list(self._pool.map(fn, self.urls))
 
     def generate(
-        self, prompt_ids: list[list[int]], params: SamplingParams, n: int, version: int
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        n: int,
+        version: int,
+        seeds: list[int] | None = None,
     ) -> list[list[Completion]]:
         shares: dict[int, list[int]] = {}  # server index -> prompt indices
         for i in range(len(prompt_ids)):
@@ -141,6 +146,7 @@ class ServerPool:
                 "params": wire_params,
                 "n": n,
                 "version": version,
+                "seeds": None if seeds is None else [seeds[i] for i in shares[server]],
             }
             return self._post_json(self.urls[server], "/generate", payload)["completions"]
 
@@ -285,7 +291,8 @@ def _generate(local: Any, payload: dict) -> dict:
     params = SamplingParams(
         **(payload["params"] | {"stop": tuple(payload["params"].get("stop", ()))})
     )
-    groups = local.generate(payload["prompts"], params, int(payload["n"]), int(payload["version"]))
+    n, version = int(payload["n"]), int(payload["version"])
+    groups = local.generate(payload["prompts"], params, n, version, payload.get("seeds"))
     return {"completions": [[asdict(c) for c in group] for group in groups]}
 
 
