@@ -247,5 +247,7 @@ def test_backend_selection_and_errors():
     assert not choose_shared_prefix(
         "auto", "sdpa_segments", {"prompt_fraction": 0.05, "group_size": 8}
     )
+    assert not choose_shared_prefix("auto", "flex", {"prompt_fraction": 0.5, "group_size": 8})
+    assert not choose_shared_prefix("auto", "sdpa_segments", {"prompt_fraction": 0.5})
     with pytest.raises(ValueError, match="auto, on or off"):
         choose_shared_prefix("yes", "flex")

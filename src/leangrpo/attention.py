@@ -181,10 +181,12 @@ def packed_model_kwargs(batch: Any) -> dict[str, Any]:
 def choose_shared_prefix(setting: str, backend: str, stats: dict[str, float] | None = None) -> bool:
     """Whether to pack with a shared prompt prefix.
 
-    "auto" is on when the backend implements the layout and prompts are at least
-    `AUTO_MIN_PROMPT_FRACTION` of the plain packed tokens with groups of >= 2 (below that
-    the per-segment overhead ate the gain in benchmarks/packing.py); "on" with a backend
-    that cannot take the layout falls back to plain packing with a one-time log.
+    `stats`: "prompt_fraction" (prompt tokens / plain packed tokens) and "group_size".
+    "auto" is on only where benchmarks/packing.py measured the layout faster: the
+    sdpa_segments backend (CPU: 1.9x at prompt fraction 0.59, 1.05-1.1x at 0.16), with
+    prompts >= AUTO_MIN_PROMPT_FRACTION of the tokens and groups of >= 2; flex implements it
+    but has no measurement yet (use "on"). "on" with a backend that cannot take the layout
+    falls back to plain packing with a one-time log.
     """
     if setting not in ("auto", "on", "off"):
         raise ValueError(f"packing.shared_prefix must be auto, on or off (got {setting!r}).")
@@ -202,12 +204,14 @@ def choose_shared_prefix(setting: str, backend: str, stats: dict[str, float] | N
         return True
     stats = stats or {}
     return (
-        stats.get("prompt_fraction", 0.0) >= AUTO_MIN_PROMPT_FRACTION
+        backend in MEASURED_PREFIX_BACKENDS
+        and stats.get("prompt_fraction", 0.0) >= AUTO_MIN_PROMPT_FRACTION
         and stats.get("group_size", 1) >= 2
     )
 
 
-AUTO_MIN_PROMPT_FRACTION = 0.2
+AUTO_MIN_PROMPT_FRACTION = 0.1
+MEASURED_PREFIX_BACKENDS = ("sdpa_segments",)  # where auto may turn the prefix on
 
 
 # ------------------------------------------------------------------ mask and attention
@@ -329,64 +333,61 @@ def _run_packed(q, k, v, cu, max_len, layout, scale, dropout) -> Tensor:
         return _torch_varlen(q, k, v, cu, max_len, scale, dropout)
     if backend == "flex":
         return _flex_plain(q, k, v, cu, scale, dropout)
-    return _sdpa_segments(q, k, v, cu.tolist(), scale, dropout)
+    return _sdpa_segments(q, k, v, _host_bounds(cu), scale, dropout)
 
 
 # ------------------------------------------------------------------------- the kernels
+
+
+_HOST_BOUNDS: dict[str, Any] = {}
+
+
+def _host_bounds(cu: Tensor) -> list[int]:
+    """cu_seqlens as Python ints, read once per batch (every layer gets the same tensor)."""
+    cached = _HOST_BOUNDS.get("cu")
+    if cached is None or cached[0]() is not cu:
+        cached = _HOST_BOUNDS["cu"] = (weakref.ref(cu), cu.tolist())
+    return cached[1]
 
 
 def _gqa(q: Tensor, k: Tensor) -> bool:
     return q.shape[1] != k.shape[1]
 
 
+def _sdpa(q, k, v, scale: float, dropout: float, mask: Tensor | None = None) -> Tensor:
+    """(1, L, H, D): causal SDPA, or SDPA under `mask` (bool, True = attend)."""
+    out = F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        dropout_p=dropout,
+        enable_gqa=_gqa(q, k),
+    )
+    return out.transpose(1, 2)
+
+
 def _sdpa_segments(q, k, v, bounds: list[int], scale: float, dropout: float) -> Tensor:
     """Causal SDPA on each [a, b) segment of the row; exact reference for every backend."""
-    outs = [
-        F.scaled_dot_product_attention(
-            q[:, :, a:b],
-            k[:, :, a:b],
-            v[:, :, a:b],
-            is_causal=True,
-            scale=scale,
-            dropout_p=dropout,
-            enable_gqa=_gqa(q, k),
-        )
-        for a, b in zip(bounds[:-1], bounds[1:])
-    ]
-    return torch.cat(outs, dim=2).transpose(1, 2)
+    pairs = zip(bounds[:-1], bounds[1:])
+    outs = [_sdpa(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], scale, dropout) for a, b in pairs]
+    return torch.cat(outs, dim=1)
 
 
 def _sdpa_prefix(q, k, v, layout: PrefixLayout, scale: float, dropout: float) -> Tensor:
     """Per group: the prompt causally, then each completion over [prompt; itself]."""
-    gqa, outs = _gqa(q, k), []
+    outs = []
     for g in layout.groups:
         p0, p1 = g.prompt_start, g.prompt_start + g.prompt_len
-        outs.append(
-            F.scaled_dot_product_attention(
-                q[:, :, p0:p1],
-                k[:, :, p0:p1],
-                v[:, :, p0:p1],
-                is_causal=True,
-                scale=scale,
-                dropout_p=dropout,
-                enable_gqa=gqa,
-            )
-        )
+        outs.append(_sdpa(q[:, :, p0:p1], k[:, :, p0:p1], v[:, :, p0:p1], scale, dropout))
         for c0, n in zip(g.completion_starts, g.completion_lens):
             keys = torch.cat([k[:, :, p0:p1], k[:, :, c0 : c0 + n]], dim=2)
             values = torch.cat([v[:, :, p0:p1], v[:, :, c0 : c0 + n]], dim=2)
-            outs.append(
-                F.scaled_dot_product_attention(
-                    q[:, :, c0 : c0 + n],
-                    keys,
-                    values,
-                    attn_mask=_prefix_mask(layout, g.prompt_len, n, q.device),
-                    scale=scale,
-                    dropout_p=dropout,
-                    enable_gqa=gqa,
-                )
-            )
-    return torch.cat(outs, dim=2).transpose(1, 2)
+            mask = _prefix_mask(layout, g.prompt_len, n, q.device)
+            outs.append(_sdpa(q[:, :, c0 : c0 + n], keys, values, scale, dropout, mask))
+    return torch.cat(outs, dim=1)
 
 
 def _prefix_mask(layout: PrefixLayout, prompt_len: int, n: int, device) -> Tensor:
