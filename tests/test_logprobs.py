@@ -332,3 +332,14 @@ def test_cuda_matches_reference(dtype):
     for got, want in zip(grads, grads_ref):
         scale = want.abs().max().item()
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * scale)
+
+
+def test_default_tiles_span_several_tiles():
+    """No tile sizes given: the device defaults (CPU: 4096 x 2048) still give exact values."""
+    hidden, weight, b, g = make_inputs(4100, 4, 2100, dtype=F64)
+    targets = torch.randint(0, 2100, (4100,), generator=g)
+    with torch.no_grad():
+        lp, ent = chunked_logprobs(hidden, weight, targets, b, with_entropy=True)
+        lp_ref, ent_ref = naive_logprobs(hidden, weight, targets, b, with_entropy=True)
+    torch.testing.assert_close(lp, lp_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ent, ent_ref, rtol=1e-10, atol=1e-10)

@@ -23,8 +23,10 @@ Choices:
   a (V, H) fp32 buffer, allocated only when the weight requires grad (not for a frozen
   lm_head under LoRA). Matmuls run in the inputs' dtype, accumulation in fp32.
 - Eager only: a torch.compile path is not included until measured faster on CUDA.
-- Default tiles: 1024 rows x 8192 vocab (tile of 32 MiB in fp32); on a 2-core CPU smaller
-  vocab tiles were no faster (benchmarks/RESULTS.md, `## logprob_memory`).
+- Default tiles per device (`DEFAULT_TILES`, both 8M logits = 32 MiB in fp32): CPU 4096 rows x
+  2048 vocab, measured ~10% faster than 1024 x 8192 on 2 cores (tall tiles make the weight
+  gradient matmul deeper and walk the fp32 weight-grad buffer fewer times); CUDA 1024 x 8192,
+  not yet measured (benchmarks/RESULTS.md, `## logprob_memory`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["chunked_logprobs", "naive_logprobs", "token_logprobs"]
+__all__ = ["DEFAULT_TILES", "chunked_logprobs", "naive_logprobs", "token_logprobs"]
+
+# (row_tile, vocab_tile) by device type when the caller passes None; others use "cuda"'s
+DEFAULT_TILES: dict[str, tuple[int, int]] = {"cpu": (4096, 2048), "cuda": (1024, 8192)}
 
 
 @dataclass(frozen=True)
@@ -63,8 +68,8 @@ def _validate(
     top_k: int,
     min_p: float,
     with_entropy: bool,
-    row_tile: int,
-    vocab_tile: int,
+    row_tile: int | None,
+    vocab_tile: int | None,
 ) -> _Spec:
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -99,6 +104,9 @@ def _validate(
         raise ValueError(f"logprobs: top_k must be >= 0 (0 disables it), got {top_k}")
     if not 0.0 <= min_p < 1.0:
         raise ValueError(f"logprobs: min_p must be in [0, 1) (0 disables it), got {min_p}")
+    default_rows, default_vocab = DEFAULT_TILES.get(hidden.device.type, DEFAULT_TILES["cuda"])
+    row_tile = default_rows if row_tile is None else row_tile
+    vocab_tile = default_vocab if vocab_tile is None else vocab_tile
     if row_tile <= 0 or vocab_tile <= 0:
         raise ValueError(
             f"logprobs: row_tile and vocab_tile must be > 0, got {row_tile}, {vocab_tile}"
@@ -192,7 +200,8 @@ def _forward_rows(
         # clamp: a row whose tiles so far were all filtered keeps m = -inf; avoid -inf - -inf
         m_new = torch.maximum(m, z.amax(dim=1)).clamp_(min=torch.finfo(acc).min)
         scale = torch.exp(m - m_new)
-        e = (z - m_new[:, None]).exp_()
+        # without entropy z is not needed again: exponentiate in place (one tile less)
+        e = (z.sub_(m_new[:, None]) if t is None else z - m_new[:, None]).exp_()
         s.mul_(scale).add_(e.sum(dim=1))
         if t is not None:
             if dropped is not None:
@@ -258,7 +267,8 @@ def _tile_grad_z(
     in_tile, local = tile_targets
     kept = None if thr is None else z >= thr[:, None]
     target_kept = in_tile if kept is None else in_tile & kept.gather(1, local[:, None]).squeeze(1)
-    p = (z - log_z[:, None]).exp_()
+    # without the entropy term z is not needed again: exponentiate in place (one tile less)
+    p = (z.sub_(log_z[:, None]) if g_ent is None else z - log_z[:, None]).exp_()
     if kept is not None:
         p.masked_fill_(~kept, 0.0)
     if g_ent is not None:
@@ -391,8 +401,8 @@ def chunked_logprobs(
     top_k: int = 0,
     min_p: float = 0.0,
     with_entropy: bool = False,
-    row_tile: int = 1024,
-    vocab_tile: int = 8192,
+    row_tile: int | None = None,  # None = DEFAULT_TILES for hidden's device
+    vocab_tile: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (N,) of `targets` under softmax(filter(lm_head(hidden) / temperature)).
 
@@ -435,8 +445,8 @@ def naive_logprobs(
     top_k: int = 0,
     min_p: float = 0.0,
     with_entropy: bool = False,
-    row_tile: int = 1024,  # accepted for signature parity, unused
-    vocab_tile: int = 8192,  # accepted for signature parity, unused
+    row_tile: int | None = None,  # accepted for signature parity, unused
+    vocab_tile: int | None = None,  # accepted for signature parity, unused
 ) -> tuple[Tensor, Tensor | None]:
     """The reference: full logits (N, V) -> /T -> filters -> log_softmax -> gather."""
     spec = _validate(

@@ -1,0 +1,246 @@
+"""Peak memory and time of per-token log-probs through the lm_head, forward + backward.
+
+Baseline: full logits (N, V) -> fp32 -> log_softmax -> gather, with autograd (what TRL does).
+Variants: leangrpo's chunked_logprobs; Liger's LigerFusedLinearGRPOLoss (a whole GRPO loss,
+beta=0, on the same tokens) when liger_kernel is installed.
+
+Memory: on CUDA, torch.cuda.max_memory_allocated minus what the inputs hold; on CPU, one
+subprocess per variant, peak RSS (ru_maxrss) minus RSS after the inputs were created
+("peak_extra_bytes"; "peak_bytes" is the same figure, so mem_ratio compares the extras).
+Both hidden and the lm_head weight require grad (full fine-tuning: the harder case).
+
+    python benchmarks/logprob_memory.py --quick     # the CPU case only, one timed run
+    python benchmarks/logprob_memory.py             # + the GPU cases when CUDA is present
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from leangrpo.logprobs import DEFAULT_TILES, chunked_logprobs, naive_logprobs
+
+BENCH = "logprob_memory"
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    n: int  # completion tokens
+    h: int  # hidden size
+    v: int  # vocabulary
+    dtype: str
+    device: str
+
+
+CASES = [
+    Case("cpu-8k-h512-v32k", 8192, 512, 32000, "float32", "cpu"),
+    Case("gpu-16k-h4096-v128k", 16384, 4096, 128256, "bfloat16", "cuda"),
+    Case("gpu-160k-h4096-v128k", 8 * 20480, 4096, 128256, "bfloat16", "cuda"),
+]
+VARIANTS = ["baseline", "chunked", "liger"]
+
+
+def has_liger() -> bool:
+    try:
+        import liger_kernel.chunked_loss  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def make_inputs(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device=case.device).manual_seed(0)
+    dtype = getattr(torch, case.dtype)
+    hidden = torch.randn(case.n, case.h, generator=g, device=case.device, dtype=dtype)
+    weight = torch.randn(case.v, case.h, generator=g, device=case.device, dtype=dtype)
+    weight.mul_(case.h**-0.5)
+    targets = torch.randint(0, case.v, (case.n,), generator=g, device=case.device)
+    return hidden.requires_grad_(), weight.requires_grad_(), targets
+
+
+def step(variant: str, hidden, weight, targets, tiles: dict) -> None:
+    """One forward + backward of a GRPO-like token loss; grads are dropped afterwards."""
+    advantages = torch.linspace(-1.0, 1.0, hidden.shape[0], device=hidden.device)
+    if variant == "liger":
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        loss_fn = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False)
+        ones = torch.ones(1, hidden.shape[0], device=hidden.device)
+        loss, _ = loss_fn(hidden[None], weight, targets[None], ones, advantages[:1])
+    else:
+        fn = naive_logprobs if variant == "baseline" else chunked_logprobs
+        kw = tiles if variant == "chunked" else {}
+        logprobs, _ = fn(hidden, weight, targets, **kw)
+        loss = -(torch.exp(logprobs - logprobs.detach()) * advantages).sum()
+    loss.backward()
+    hidden.grad = None
+    weight.grad = None
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def timed(variant: str, inputs, tiles: dict, warmup: int, repeats: int) -> tuple[float, float]:
+    """(median wall seconds, median process CPU seconds) of one forward + backward."""
+    cuda = inputs[0].is_cuda
+    for _ in range(warmup):
+        step(variant, *inputs, tiles)
+    walls, cpus = [], []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        w0, c0 = time.perf_counter(), time.process_time()
+        step(variant, *inputs, tiles)
+        if cuda:
+            torch.cuda.synchronize()
+        walls.append(time.perf_counter() - w0)
+        cpus.append(time.process_time() - c0)
+    return sorted(walls)[len(walls) // 2], sorted(cpus)[len(cpus) // 2]
+
+
+def measure_cpu_child(case: Case, variant: str, tiles: dict, warmup: int, repeats: int) -> dict:
+    """Runs inside the per-variant subprocess: peak RSS above the inputs."""
+    inputs = make_inputs(case)
+    rss_inputs = rss_bytes()
+    time_s, cpu_s = timed(variant, inputs, tiles, warmup, repeats)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    extra = peak - rss_inputs
+    return {
+        "time_s": time_s,
+        "cpu_time_s": cpu_s,
+        "peak_bytes": extra,
+        "peak_extra_bytes": extra,
+        "peak_rss_bytes": peak,
+        "inputs_rss_bytes": rss_inputs,
+    }
+
+
+def measure_cpu(case: Case, variant: str, args: argparse.Namespace) -> dict:
+    row_tile, vocab_tile = resolve_tiles(case, args)
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        variant,
+        "--case",
+        case.name,
+        "--warmup",
+        str(args.warmup),
+        "--repeats",
+        str(args.repeats),
+        "--row-tile",
+        str(row_tile),
+        "--vocab-tile",
+        str(vocab_tile),
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "failed"}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure_cuda(case: Case, variant: str, args: argparse.Namespace, tiles: dict) -> dict:
+    inputs = make_inputs(case)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    try:
+        time_s, cpu_s = timed(variant, inputs, tiles, args.warmup, args.repeats)
+    except torch.cuda.OutOfMemoryError:
+        return {"error": "CUDA out of memory"}
+    finally:
+        del inputs
+    extra = torch.cuda.max_memory_allocated() - base
+    torch.cuda.empty_cache()
+    return {"time_s": time_s, "cpu_time_s": cpu_s, "peak_bytes": extra, "peak_extra_bytes": extra}
+
+
+def run_case(case: Case, args: argparse.Namespace) -> None:
+    row_tile, vocab_tile = resolve_tiles(case, args)
+    tiles = {"row_tile": row_tile, "vocab_tile": vocab_tile}
+    variants = [v for v in VARIANTS if v != "liger" or has_liger()]
+    if "liger" not in variants:
+        print(f"# {case.name}: liger_kernel not installed, Liger variant skipped", file=sys.stderr)
+    baseline = None
+    for variant in variants:
+        if case.device == "cpu":
+            result = measure_cpu(case, variant, args)
+        else:
+            result = measure_cuda(case, variant, args, tiles)
+        shape = {k: v for k, v in asdict(case).items() if k not in ("name", "device")}
+        row = {
+            "bench": BENCH,
+            "case": case.name,
+            "device": device_name(case.device),
+            "variant": variant,
+            **shape,
+            **(tiles if variant == "chunked" else {}),
+            **result,
+        }
+        if variant == "baseline":
+            baseline = result if "error" not in result else None
+        elif baseline is not None and "error" not in result:
+            row["time_ratio"] = result["time_s"] / baseline["time_s"]
+            row["mem_ratio"] = result["peak_bytes"] / baseline["peak_bytes"]
+        print(json.dumps(row), flush=True)
+
+
+def resolve_tiles(case: Case, args: argparse.Namespace) -> tuple[int, int]:
+    rows, vocab = DEFAULT_TILES.get(case.device, DEFAULT_TILES["cuda"])
+    return args.row_tile or rows, args.vocab_tile or vocab
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    with open("/proc/cpuinfo") as f:
+        model = next(
+            (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "cpu"
+        )
+    return f"{model} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="CPU case only, one timed run, no warmup")
+    p.add_argument("--case", choices=[c.name for c in CASES], help="run only this case")
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--row-tile", type=int, default=None, help="default: DEFAULT_TILES[device]")
+    p.add_argument("--vocab-tile", type=int, default=None, help="default: DEFAULT_TILES[device]")
+    p.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    args.warmup = args.warmup if args.warmup is not None else (0 if args.quick else 1)
+    args.repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
+    cases = {c.name: c for c in CASES}
+    if args.child:
+        tiles = {"row_tile": args.row_tile, "vocab_tile": args.vocab_tile}
+        result = measure_cpu_child(cases[args.case], args.child, tiles, args.warmup, args.repeats)
+        print(json.dumps(result))
+        return
+    selected = (
+        [cases[args.case]]
+        if args.case
+        else [c for c in CASES if c.device == "cpu" or not args.quick]
+    )
+    for case in selected:
+        if case.device == "cuda" and not torch.cuda.is_available():
+            print(f"# {case.name}: no CUDA device, skipped", file=sys.stderr)
+            continue
+        run_case(case, args)
+
+
+if __name__ == "__main__":
+    main()
