@@ -251,3 +251,46 @@ def test_backend_selection_and_errors():
     assert not choose_shared_prefix("auto", "sdpa_segments", {"prompt_fraction": 0.5})
     with pytest.raises(ValueError, match="auto, on or off"):
         choose_shared_prefix("yes", "flex")
+
+
+def test_peft_wrapped_model():
+    from peft import LoraConfig, get_peft_model
+
+    samples = make_samples(DISTRIBUTIONS["mixed"])
+    ref = make_tiny_model("llama")
+    want = padded_logprobs(ref, samples, "left")
+    lora = get_peft_model(
+        make_tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    )
+    enable_packed_attention(lora, "sdpa_segments")
+    assert lora.get_base_model().config._attn_implementation == "leangrpo_packed"
+    assert packed_support(lora).packed_kwargs
+    got = packed_logprobs(lora.get_base_model(), pack_samples(samples))  # LoRA B = 0 at init
+    torch.testing.assert_close(got, want, atol=TOL, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["flash_varlen", "torch_varlen", "flex"])
+def test_cuda_backends_match_segments(backend):
+    """bf16 on CUDA: each kernel against per-segment SDPA (plain and shared prefix)."""
+    from leangrpo.attention import backend_unavailable_reason
+
+    if backend_unavailable_reason(backend, "cuda") is not None:
+        pytest.skip(backend_unavailable_reason(backend, "cuda"))
+    model = make_tiny_model("qwen2", hidden_size=64, dtype=torch.bfloat16).cuda()
+    samples = make_samples(DISTRIBUTIONS["one_long"])
+    plain = pack_samples(samples, device="cuda")
+    prefix = pack_samples(samples, shared_prefix=True, device="cuda")
+    enable_packed_attention(model, "sdpa_segments")
+    with torch.no_grad():
+        want = packed_logprobs(model, plain).float()
+    enable_packed_attention(model, backend)
+    got = packed_logprobs(model.train(), plain)
+    torch.testing.assert_close(got.float(), want, atol=5e-2, rtol=5e-2)
+    got.sum().backward()  # the kernel has a backward on CUDA
+    if backend == "flex":
+        with torch.no_grad():
+            torch.testing.assert_close(
+                packed_logprobs(model, prefix).float(), want, atol=5e-2, rtol=5e-2
+            )
+    enable_packed_attention(model, "sdpa_segments")
