@@ -21,7 +21,10 @@ def tiny_run(tmp_path: Path, **sections) -> dict:
         "run": {"output_dir": str(tmp_path / "run"), "seed": 3, "max_steps": 4, "device": "cpu"},
         "model": {"name_or_path": str(DEMO / "model"), "dtype": "float32"},
         "data": {"path": str(DEMO / "train.jsonl"), "eval_path": str(DEMO / "eval.jsonl")},
-        "rewards": {"functions": [{"name": "math"}], "num_workers": 1, "timeout_s": 20},
+        # a format reward (starts with a digit) keeps rewards varied, so steps move weights
+        "rewards": {"functions": [{"name": "math"}, {"name": "format", "weight": 0.5,
+                                                      "kwargs": {"pattern": "^\\d"}}],
+                    "num_workers": 1, "timeout_s": 20},
         "rollout": {"num_generations": 4, "prompts_per_batch": 3, "max_new_tokens": 6},
         "loss": {"mu": 2},
         "train": {"learning_rate": 1e-3, "micro_batch_tokens": 40, "warmup_steps": 1,
@@ -64,8 +67,10 @@ class StopAfter(Trainer):
 
 def test_resume_is_exact(tmp_path):
     straight = Trainer(config_from_dict(tiny_run(tmp_path / "a")))
+    initial = trained_params(straight)
     straight.train()
     expected = trained_params(straight)
+    assert max_abs_diff(initial, expected) > 1e-4  # training really moved the weights
 
     resumable = tiny_run(tmp_path / "b", checkpoint={"every_steps": 2})
     with pytest.raises(_Interrupt):
@@ -160,7 +165,10 @@ def test_chunked_and_naive_logprobs_give_the_same_step(tmp_path):
         trainer = Trainer(config_from_dict(cfg))
         trainer.train()
         rows = [r for r in read_metrics(tmp_path / str(chunked) / "run") if "loss" in r]
-        losses.append(rows[0]["loss"])
+        losses.append((rows[0]["loss"], rows[0]["grad_norm"]))
         params.append(trained_params(trainer))
-    assert abs(losses[0] - losses[1]) <= 1e-5
+    (loss_a, grad_a), (loss_b, grad_b) = losses
+    assert grad_a > 1e-4  # a real gradient, not an all-zero-advantage step
+    assert abs(loss_a - loss_b) <= 1e-5
+    assert abs(grad_a - grad_b) <= 1e-5 * max(1.0, grad_a)
     assert max_abs_diff(*params) <= 1e-6
