@@ -157,28 +157,36 @@ def _flex_call(q, k, v, block_mask, scale, dropout) -> Tensor:
     return out.transpose(1, 2)
 
 
-def flex_plain(q, k, v, cu, scale, dropout) -> Tensor:
-    """Flex attention with a block-diagonal causal mask, built once per batch (per cu tensor)."""
+def _block_mask(mask_mod, n: int, device: torch.device):
+    """BlockMask over an (n, n) row; compiled on CUDA (no (n, n) bool tensor in memory)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
+    return create_block_mask(
+        mask_mod, None, None, n, n, device=device, _compile=device.type == "cuda"
+    )
+
+
+def flex_plain(q, k, v, cu, scale, dropout) -> Tensor:
+    """Flex attention with a block-diagonal causal mask, built once per batch (per cu tensor)."""
     cached = _FLEX_PLAIN_CACHE.get("mask")
     if cached is None or cached[0]() is not cu:
         n = q.shape[2]
         doc = torch.searchsorted(
-            cu[1:].to(torch.int64), torch.arange(n, device=q.device), right=True
+            cu[1:].to(torch.int64),
+            torch.arange(n, device=q.device),
+            right=True,
         )
 
         def causal_same_doc(b, h, qi, ki):
             return (doc[qi] == doc[ki]) & (qi >= ki)
 
-        mask = create_block_mask(causal_same_doc, None, None, n, n, device=q.device)
+        mask = _block_mask(causal_same_doc, n, q.device)
         _FLEX_PLAIN_CACHE["mask"] = cached = (weakref.ref(cu), mask)
     return _flex_call(q, k, v, cached[1], scale, dropout)
 
 
 def flex_prefix(q, k, v, layout: PrefixLayout, scale, dropout) -> Tensor:
-    from torch.nn.attention.flex_attention import create_block_mask
-
+    """Flex attention over the shared-prefix layout; the BlockMask is cached on the layout."""
     key = ("flex-mask", str(q.device))
     mask = layout._device_cache.get(key)
     if mask is None:
@@ -189,7 +197,5 @@ def flex_prefix(q, k, v, layout: PrefixLayout, scale, dropout) -> Tensor:
             return (group_of[qi] == group_of[ki]) & (qi >= ki) & (is_prompt[ki] | same_seg)
 
         n = layout.num_tokens
-        mask = layout._device_cache[key] = create_block_mask(
-            prompt_or_own, None, None, n, n, device=q.device
-        )
+        mask = layout._device_cache[key] = _block_mask(prompt_or_own, n, q.device)
     return _flex_call(q, k, v, mask, scale, dropout)
