@@ -478,3 +478,16 @@ def test_server_mode_over_loopback_sync_while_two_requests_are_in_flight(char_mo
     finally:
         engine.close()
     assert pool.process is None
+
+
+@pytest.mark.vllm
+def test_unsupported_cpu_head_size_is_refused_before_start_up(tmp_path):
+    from leangrpo.rollout.vllm_local import check_cpu_head_size
+
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 4}))
+    with pytest.raises(ValueError, match="head size 16.*rollout.engine=hf"):
+        check_cpu_head_size(str(tmp_path))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"hidden_size": 256, "num_attention_heads": 4})
+    )
+    check_cpu_head_size(str(tmp_path))

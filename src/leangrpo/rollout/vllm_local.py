@@ -12,6 +12,7 @@ dropped once no request uses them.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -171,6 +172,29 @@ def _sleep_mode_available() -> bool:
     return bool(current_platform.is_sleep_mode_available())
 
 
+def check_cpu_head_size(model_path: str) -> None:
+    """vLLM's CPU attention kernels take a fixed set of head sizes; say so before start-up."""
+    config_file = Path(model_path) / "config.json"
+    if not config_file.is_file():
+        return  # a hub name: vLLM reports it
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        supported = CPUAttentionBackend.get_supported_head_sizes()
+    except (ImportError, AttributeError):
+        return  # another vLLM layout: let vLLM check
+    config = json.loads(config_file.read_text())
+    config = config.get("text_config", config)
+    heads = config.get("num_attention_heads")
+    head_dim = config.get("head_dim") or (heads and config.get("hidden_size", 0) // heads)
+    if head_dim and head_dim not in supported:
+        raise ValueError(
+            f"{model_path} has attention head size {head_dim}, which vLLM's CPU kernels do not "
+            f"support (supported: {supported}); use rollout.engine=hf on CPU, or a model whose "
+            "hidden_size / num_attention_heads is one of those"
+        )
+
+
 def build_llm_kwargs(
     model_path: str, s: VLLMSettings, enable_lora: bool, max_lora_rank: int, seed: int
 ) -> dict:
@@ -183,6 +207,8 @@ def build_llm_kwargs(
             f"rollout.vllm.gpu_memory_utilization={gpu_mem}: on CPU vLLM reserves this fraction of NUMA "
             "node 0's memory for its KV cache alone; set about 0.1 (or null for the platform default)"
         )
+    if on_cpu:
+        check_cpu_head_size(model_path)
     sleep = s.enable_sleep_mode and _sleep_mode_available()
     if s.enable_sleep_mode and not sleep:
         log.info("vLLM sleep mode is not available on this platform; the engine stays awake")
