@@ -210,3 +210,14 @@ def test_packing_metrics():
     assert m["packing/padding_ratio_avoided"] == pytest.approx(1 - 80 / (2 * 30 + 2 * 20))
     assert m["packing/tokens"] == 80 and m["packing/micro_batches"] == 2
     assert m["packing/balance"] == 1.0 and m["packing/padding_ratio"] == 0.0
+
+
+def test_device_transfer_keeps_shapes_and_dtypes():
+    """The one-buffer-per-dtype transfer path (meta stands in for an accelerator)."""
+    samples = make_samples(SPEC)
+    cpu, moved = pack_samples(samples), pack_samples(samples, device="meta")
+    for name, value in cpu.__dict__.items():
+        if isinstance(value, torch.Tensor):
+            other = getattr(moved, name)
+            assert other.device.type == "meta", name
+            assert (other.shape, other.dtype) == (value.shape, value.dtype), name

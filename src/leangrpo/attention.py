@@ -88,7 +88,7 @@ def backend_unavailable_reason(backend: str, device_type: str) -> str | None:
     if backend == "flash_varlen":
         try:
             from flash_attn import flash_attn_varlen_func  # noqa: F401
-        except ImportError:
+        except Exception:  # missing, or built against another torch (ABI)
             return "flash_varlen needs the flash-attn package (pip install flash-attn)"
         return None
     if backend == "torch_varlen":
