@@ -7,7 +7,8 @@ beta=0, on the same tokens) when liger_kernel is installed.
 Memory: on CUDA, torch.cuda.max_memory_allocated minus what the inputs hold; on CPU, one
 subprocess per variant, peak RSS (ru_maxrss) minus RSS after the inputs were created
 ("peak_extra_bytes"; "peak_bytes" is the same figure, so mem_ratio compares the extras).
-Both hidden and the lm_head weight require grad (full fine-tuning: the harder case).
+Both hidden and the lm_head weight require grad (full fine-tuning: the harder case);
+`--frozen-lm-head` freezes the weight (the LoRA case: no weight gradient).
 
     python benchmarks/logprob_memory.py --quick     # the CPU case only, one timed run
     python benchmarks/logprob_memory.py             # + the GPU cases when CUDA is present
@@ -57,14 +58,14 @@ def has_liger() -> bool:
     return True
 
 
-def make_inputs(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def make_inputs(case: Case, frozen: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator(device=case.device).manual_seed(0)
     dtype = getattr(torch, case.dtype)
     hidden = torch.randn(case.n, case.h, generator=g, device=case.device, dtype=dtype)
     weight = torch.randn(case.v, case.h, generator=g, device=case.device, dtype=dtype)
     weight.mul_(case.h**-0.5)
     targets = torch.randint(0, case.v, (case.n,), generator=g, device=case.device)
-    return hidden.requires_grad_(), weight.requires_grad_(), targets
+    return hidden.requires_grad_(), weight.requires_grad_(not frozen), targets
 
 
 def step(variant: str, hidden, weight, targets, tiles: dict) -> None:
@@ -109,11 +110,11 @@ def timed(variant: str, inputs, tiles: dict, warmup: int, repeats: int) -> tuple
     return sorted(walls)[len(walls) // 2], sorted(cpus)[len(cpus) // 2]
 
 
-def measure_cpu_child(case: Case, variant: str, tiles: dict, warmup: int, repeats: int) -> dict:
+def measure_cpu_child(case: Case, variant: str, tiles: dict, args: argparse.Namespace) -> dict:
     """Runs inside the per-variant subprocess: peak RSS above the inputs."""
-    inputs = make_inputs(case)
+    inputs = make_inputs(case, args.frozen_lm_head)
     rss_inputs = rss_bytes()
-    time_s, cpu_s = timed(variant, inputs, tiles, warmup, repeats)
+    time_s, cpu_s = timed(variant, inputs, tiles, args.warmup, args.repeats)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     extra = peak - rss_inputs
     return {
@@ -143,6 +144,7 @@ def measure_cpu(case: Case, variant: str, args: argparse.Namespace) -> dict:
         str(row_tile),
         "--vocab-tile",
         str(vocab_tile),
+        *(["--frozen-lm-head"] if args.frozen_lm_head else []),
     ]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
@@ -151,7 +153,7 @@ def measure_cpu(case: Case, variant: str, args: argparse.Namespace) -> dict:
 
 
 def measure_cuda(case: Case, variant: str, args: argparse.Namespace, tiles: dict) -> dict:
-    inputs = make_inputs(case)
+    inputs = make_inputs(case, args.frozen_lm_head)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -180,6 +182,7 @@ def run_case(case: Case, args: argparse.Namespace) -> None:
         else:
             result = measure_cuda(case, variant, args, tiles)
         shape = {k: v for k, v in asdict(case).items() if k not in ("name", "device")}
+        shape["lm_head"] = "frozen" if args.frozen_lm_head else "trainable"
         row = {
             "bench": BENCH,
             "case": case.name,
@@ -214,6 +217,7 @@ def device_name(device: str) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--frozen-lm-head", action="store_true", help="lm_head weight without grad")
     p.add_argument("--quick", action="store_true", help="CPU case only, one timed run, no warmup")
     p.add_argument("--case", choices=[c.name for c in CASES], help="run only this case")
     p.add_argument("--warmup", type=int, default=None)
@@ -227,7 +231,7 @@ def main() -> None:
     cases = {c.name: c for c in CASES}
     if args.child:
         tiles = {"row_tile": args.row_tile, "vocab_tile": args.vocab_tile}
-        result = measure_cpu_child(cases[args.case], args.child, tiles, args.warmup, args.repeats)
+        result = measure_cpu_child(cases[args.case], args.child, tiles, args)
         print(json.dumps(result))
         return
     selected = (

@@ -344,3 +344,30 @@ def test_default_tiles_span_several_tiles():
         lp_ref, ent_ref = naive_logprobs(hidden, weight, targets, b, with_entropy=True)
     torch.testing.assert_close(lp, lp_ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(ent, ent_ref, rtol=1e-10, atol=1e-10)
+
+
+def test_autocast_matmul_in_autocast_dtype_forward_and_backward():
+    """Under autocast the lm_head matmul runs in bf16 in both passes, like nn.Linear would."""
+    hidden, weight, b, g = make_inputs(40, 32, 300, dtype=torch.float32)
+    targets = torch.randint(0, 300, (40,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, ent, grads = value_and_grads(
+            chunked_logprobs,
+            hidden,
+            weight,
+            b,
+            targets,
+            with_entropy=True,
+            row_tile=16,
+            vocab_tile=64,
+        )
+    cast = [t.detach().bfloat16().requires_grad_() for t in (hidden, weight, b)]
+    lp_bf16, ent_bf16, _ = value_and_grads(naive_logprobs, *cast, targets, with_entropy=True)
+    torch.testing.assert_close(lp, lp_bf16, rtol=1e-5, atol=1e-5)  # same bf16 logits
+    torch.testing.assert_close(ent, ent_bf16, rtol=1e-5, atol=1e-5)
+    ref = [t.detach().double().requires_grad_() for t in (hidden, weight, b)]
+    _, _, grads_ref = value_and_grads(naive_logprobs, *ref, targets, with_entropy=True)
+    for got, want in zip(grads, grads_ref):
+        assert got.dtype == torch.float32
+        scale = want.abs().max().item()
+        torch.testing.assert_close(got.double(), want, rtol=3e-2, atol=3e-2 * scale)

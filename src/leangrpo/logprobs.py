@@ -7,8 +7,9 @@ recomputes each logits tile from hidden and weight, rebuilds the softmax tile wi
 saved log-normaliser and accumulates the gradients of hidden, weight and bias.
 
 Choices:
-- z = (hidden @ weight.T + bias) in the inputs' dtype (what the model's lm_head does),
-  upcast to fp32 (float64 stays float64), then divided by the temperature.
+- z = (hidden @ weight.T + bias) in the inputs' dtype, or autocast's when autocast is on
+  (what the model's lm_head would do), the same in forward and backward; then upcast to
+  fp32 (float64 stays float64) and divided by the temperature.
 - Sampling filters match the engine: top-k keeps z >= the k-th largest z of the row (ties
   kept), min-p keeps z >= max z + log(min_p) (<=> p >= min_p * p_max). Filtered tokens leave
   the normaliser and get no gradient; a filtered target gets -inf (engines never sample
@@ -32,6 +33,7 @@ Choices:
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +55,7 @@ class _Spec:
     with_entropy: bool
     row_tile: int
     vocab_tile: int
+    compute: torch.dtype  # the lm_head matmul's dtype
 
     @property
     def filtered(self) -> bool:
@@ -117,13 +120,34 @@ def _validate(
             f"[{int(targets.min())}, {int(targets.max())}] (drop padding/ignore ids first)"
         )
     top_k = 0 if top_k >= weight.shape[0] else int(top_k)
-    return _Spec(float(temperature), top_k, float(min_p), bool(with_entropy), row_tile, vocab_tile)
+    compute = _matmul_dtype(hidden, weight)
+    return _Spec(
+        float(temperature), top_k, float(min_p), bool(with_entropy), row_tile, vocab_tile, compute
+    )
 
 
-def _dtypes(hidden: Tensor, weight: Tensor) -> tuple[torch.dtype, torch.dtype]:
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def _matmul_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
+    """Autocast's dtype when it is on for this device (as nn.Linear would), else the inputs'."""
+    dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    kind = hidden.device.type
+    if dtype != torch.float64 and kind in _AUTOCAST_DEVICES and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return dtype
+
+
+def _no_autocast(device: torch.device):
+    """Forward and backward then run in spec.compute exactly, whatever autocast is doing."""
+    if device.type in _AUTOCAST_DEVICES:
+        return torch.autocast(device.type, enabled=False)
+    return nullcontext()
+
+
+def _dtypes(spec: _Spec) -> tuple[torch.dtype, torch.dtype]:
     """(matmul dtype, accumulation dtype): fp32 accumulation, float64 kept as float64."""
-    compute = torch.promote_types(hidden.dtype, weight.dtype)
-    return compute, torch.promote_types(compute, torch.float32)
+    return spec.compute, torch.promote_types(spec.compute, torch.float32)
 
 
 def _tile_logits(
@@ -217,7 +241,7 @@ def _forward(
     hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, spec: _Spec
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """(logprobs, log Z, threshold or None, entropy or None), each (N,) in the acc dtype."""
-    compute, acc = _dtypes(hidden, weight)
+    compute, acc = _dtypes(spec)
     n_rows, dev = hidden.shape[0], hidden.device
     logprobs = torch.empty(n_rows, dtype=acc, device=dev)
     log_z = torch.empty(n_rows, dtype=acc, device=dev)
@@ -323,7 +347,7 @@ def _backward(
     spec: _Spec,
     needs: tuple[bool, bool, bool],
 ) -> _Grads:
-    compute, acc = _dtypes(hidden, weight)
+    compute, acc = _dtypes(spec)
     need_h, need_w, need_b = needs
     dev = hidden.device
     grads = _Grads(
@@ -362,7 +386,8 @@ def _backward(
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, bias, spec):
-        logprobs, log_z, thr, entropy = _forward(hidden, weight, targets, bias, spec)
+        with _no_autocast(hidden.device):
+            logprobs, log_z, thr, entropy = _forward(hidden, weight, targets, bias, spec)
         ctx.spec = spec
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, targets, bias, log_z, thr, entropy)
@@ -383,9 +408,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
         )
         if (g_lp is None and g_ent is None) or not any(needs):
             return None, None, None, None, None
-        grads = _backward(
-            hidden, weight, targets, bias, (log_z, thr, entropy), g_lp, g_ent, ctx.spec, needs
-        )
+        with _no_autocast(hidden.device):
+            saved = (log_z, thr, entropy)
+            grads = _backward(hidden, weight, targets, bias, saved, g_lp, g_ent, ctx.spec, needs)
         grad_w = None if grads.weight is None else grads.weight.to(weight.dtype)
         grad_b = None if grads.bias is None else grads.bias.to(bias.dtype)
         return grads.hidden, grad_w, None, grad_b, None
@@ -417,7 +442,8 @@ def chunked_logprobs(
         t is not None and t.requires_grad for t in (hidden, weight, bias)
     )
     if not needs_graph:
-        logprobs, _, _, entropy = _forward(hidden, weight, targets, bias, spec)
+        with _no_autocast(hidden.device):
+            logprobs, _, _, entropy = _forward(hidden, weight, targets, bias, spec)
         return logprobs, entropy
     logprobs, entropy = _ChunkedLogprobs.apply(hidden, weight, targets, bias, spec)
     return logprobs, (entropy if spec.with_entropy else None)
@@ -452,10 +478,11 @@ def naive_logprobs(
     spec = _validate(
         hidden, weight, targets, bias, temperature, top_k, min_p, with_entropy, row_tile, vocab_tile
     )
-    compute, acc = _dtypes(hidden, weight)
-    logits = torch.nn.functional.linear(
-        hidden.to(compute), weight.to(compute), None if bias is None else bias.to(compute)
-    )
+    compute, acc = _dtypes(spec)
+    with _no_autocast(hidden.device):
+        logits = torch.nn.functional.linear(
+            hidden.to(compute), weight.to(compute), None if bias is None else bias.to(compute)
+        )
     z = logits.to(acc) / spec.temperature
     keep = _keep_mask(z, spec)
     if keep is not None:
