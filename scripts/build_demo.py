@@ -4,8 +4,8 @@
 
 Deterministic (seeded) and CPU-only, a few minutes on 2 cores. It writes:
 
-- `model/`: a 4-layer Qwen2 causal LM (hidden 128, ~0.8 M parameters, fp32 safetensors)
-  with a character-level `PreTrainedTokenizerFast` (one token per character; `<pad>`,
+- `model/`: a 3-layer Qwen2 causal LM (hidden 64, 0.19 M parameters, fp32 safetensors)
+  with a character-level tokenizer (one token per character, 32 tokens with the `<pad>`,
   `<eos>`, `<unk>` specials; no BOS), loadable by transformers, peft and vLLM.
 - `train.jsonl` (GRPO prompts) and `eval.jsonl` (held-out prompts), columns `prompt`
   ("37+45=") and `answer` ("82"): the demo trains on raw text prompts.
@@ -95,7 +95,8 @@ def near_miss(answer: int, rng: random.Random) -> int:
             wrong = answer + rng.choice([-1, 1]) * rng.randint(1, 10)
         else:
             digits = list(str(answer))
-            digits[rng.randrange(len(digits))] = str(rng.randrange(10))
+            i = rng.randrange(len(digits))
+            digits[i] = str(rng.randrange(1 if i == 0 and len(digits) > 1 else 0, 10))
             wrong = int("".join(digits))
         if wrong != answer and wrong >= 0:
             return wrong
@@ -113,13 +114,23 @@ def noisy_answer(problem: Problem, rng: random.Random) -> int:
 
 
 def build_tokenizer():
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    """One token per character: a byte-level BPE with no merges over the demo alphabet.
+
+    Byte-level (like Qwen2's own tokenizer) because transformers v5 loads any qwen2 model
+    directory with `Qwen2Tokenizer`, which rebuilds a byte-level pipeline around the saved
+    vocabulary; with byte-level symbols (" " is "Ġ", "\\n" is "Ċ") and no merges, that
+    class, `TokenizersBackend` and vLLM all give one id per character. Characters outside
+    the alphabet become `<unk>` (or are dropped by `Qwen2Tokenizer`).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate(SPECIALS + list(CHARS))}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    backend.decoder = decoders.Fuse()  # concatenate characters, no spaces in between
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    symbols = [byte_level.pre_tokenize_str(c)[0][0] for c in CHARS]
+    vocab = {token: i for i, token in enumerate(SPECIALS + symbols)}
+    backend = Tokenizer(models.BPE(vocab, merges=[], unk_token="<unk>"))
+    backend.pre_tokenizer = byte_level
+    backend.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token="<pad>",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ def read_jsonl(path: Path) -> list[dict]:
 def build_demo():
     spec = importlib.util.spec_from_file_location("build_demo", ROOT / "scripts" / "build_demo.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules["build_demo"] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
