@@ -172,3 +172,16 @@ def test_chunked_and_naive_logprobs_give_the_same_step(tmp_path):
     assert abs(loss_a - loss_b) <= 1e-5
     assert abs(grad_a - grad_b) <= 1e-5 * max(1.0, grad_a)
     assert max_abs_diff(*params) <= 1e-6
+
+
+def test_shared_prompt_prefix_trains_like_plain_packing(tmp_path):
+    params = []
+    for setting in ("on", "off"):
+        cfg = tiny_run(tmp_path / setting, packing={"shared_prefix": setting},
+                       run={"max_steps": 1}, loss={"mu": 1})
+        trainer = Trainer(config_from_dict(cfg))
+        trainer.train()
+        rows = [r for r in read_metrics(tmp_path / setting / "run") if "packing/shared_prefix" in r]
+        assert rows[0]["packing/shared_prefix"] == (1.0 if setting == "on" else 0.0)
+        params.append(trained_params(trainer))
+    assert max_abs_diff(*params) <= 1e-5

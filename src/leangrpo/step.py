@@ -23,10 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
+from leangrpo.attention import choose_shared_prefix, packed_support
 from leangrpo.contracts import LossInputs, LossNormalisers, PackedBatch, RolloutSample
 from leangrpo.loss import compute_loss, importance_weights
 from leangrpo.model import Policy, eval_mode, reference_logprobs, score
-from leangrpo.packing import pack_samples, plan_micro_batches
+from leangrpo.packing import pack_samples, packing_metrics, plan_micro_batches
 
 
 @dataclass
@@ -35,24 +36,54 @@ class StepResult:
     updated: bool  # False when a non-finite loss or gradient skipped the update
 
 
-def plan_steps(samples: list[RolloutSample], group_size: int, cfg, device) -> list[list[PackedBatch]]:
+@dataclass
+class PlannedStep:
+    micro_batches: list[PackedBatch]
+    metrics: dict[str, float]  # packing metrics of this step
+
+
+def plan_steps(samples: list[RolloutSample], cfg, policy: Policy) -> list[PlannedStep]:
     """Cut a batch into optimizer steps of whole groups, each into packed micro-batches."""
+    prefix = use_shared_prefix(samples, cfg, policy)
     steps = []
     for step_samples in _split_by_groups(samples, cfg.train.steps_per_generation):
         lengths = [s.num_tokens for s in step_samples]
-        plan = plan_micro_batches(lengths, cfg.train.micro_batch_tokens, cfg.packing.balance)
-        steps.append([pack_samples([step_samples[i] for i in idx], device=device) for idx in plan])
+        groups = _group_indices(step_samples) if prefix else None
+        prompt_lens = [len(step_samples[g[0]].prompt.ids) for g in groups] if prefix else None
+        plan = plan_micro_batches(lengths, cfg.train.micro_batch_tokens, cfg.packing.balance,
+                                  groups=groups, prompt_lens=prompt_lens)
+        micro_batches = [pack_samples([step_samples[i] for i in idx], shared_prefix=prefix,
+                                      device=policy.device) for idx in plan]
+        metrics = packing_metrics(lengths, plan, cfg.packing.balance,
+                                  packed_tokens=[mb.num_tokens for mb in micro_batches])
+        metrics["packing/shared_prefix"] = float(prefix)
+        steps.append(PlannedStep(micro_batches, metrics))
     return steps
 
 
+def use_shared_prefix(samples: list[RolloutSample], cfg, policy: Policy) -> bool:
+    """packing.shared_prefix: 'auto' turns it on only where it was measured faster."""
+    support = packed_support(policy.model)
+    if support is None or not support.prefix_kwarg or not samples:
+        return False
+    prompt_tokens = sum(len(s.prompt.ids) for s in samples)
+    stats = {"prompt_fraction": prompt_tokens / sum(s.num_tokens for s in samples),
+             "group_size": cfg.rollout.num_generations}
+    return choose_shared_prefix(cfg.packing.shared_prefix, policy.attention_backend, stats)
+
+
+def _group_indices(samples: list[RolloutSample]) -> list[list[int]]:
+    groups: dict[int, list[int]] = defaultdict(list)
+    for i, s in enumerate(samples):
+        groups[s.group_id].append(i)
+    return list(groups.values())
+
+
 def _split_by_groups(samples: list[RolloutSample], parts: int) -> list[list[RolloutSample]]:
-    groups: dict[int, list[RolloutSample]] = defaultdict(list)
-    for s in samples:
-        groups[s.group_id].append(s)
-    ordered = list(groups.values())
-    parts = max(1, min(parts, len(ordered)))
-    bounds = [round(i * len(ordered) / parts) for i in range(parts + 1)]
-    return [[s for g in ordered[a:b] for s in g] for a, b in zip(bounds, bounds[1:])]
+    groups = _group_indices(samples)
+    parts = max(1, min(parts, len(groups)))
+    bounds = [round(i * len(groups) / parts) for i in range(parts + 1)]
+    return [[samples[i] for g in groups[a:b] for i in g] for a, b in zip(bounds, bounds[1:])]
 
 
 def needs_old_pass(cfg, num_steps: int) -> bool:
@@ -61,14 +92,14 @@ def needs_old_pass(cfg, num_steps: int) -> bool:
 
 
 @torch.no_grad()
-def attach_old_and_ref(policy: Policy, steps: list[list[PackedBatch]], cfg, sampling) -> None:
+def attach_old_and_ref(policy: Policy, steps: list[PlannedStep], cfg, sampling) -> None:
     """Fill in old and reference log-probs on every micro-batch before the first update."""
     want_old = needs_old_pass(cfg, len(steps))
     want_ref = cfg.loss.beta > 0
     if not (want_old or want_ref):
         return
     with eval_mode(policy.model):
-        for mb in (mb for step in steps for mb in step):
+        for mb in (mb for step in steps for mb in step.micro_batches):
             if want_old:
                 mb.old_logprobs = score(policy.model, mb, sampling, cfg.logprobs)[0].float()
             if want_ref:
@@ -178,7 +209,5 @@ def _step_metrics(sums, is_metrics, total_loss, grad_norm, micro_batches) -> dic
     metrics.update({
         "loss": total_loss,
         "grad_norm": grad_norm,
-        "packing/micro_batches": float(len(micro_batches)),
-        "packing/tokens": float(sum(mb.num_tokens for mb in micro_batches)),
     })
     return metrics

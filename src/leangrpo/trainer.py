@@ -160,15 +160,16 @@ class Trainer:
     def train_on_batch(self, batch: RolloutBatch) -> None:
         t0 = time.perf_counter()
         samples = [s for s in batch.samples if s.reward is not None]
-        steps = plan_steps(samples, batch.group_size, self.cfg, self.policy.device)
+        steps = plan_steps(samples, self.cfg, self.policy)
         attach_old_and_ref(self.policy, steps, self.cfg, self.sampling)
         batch_metrics = {**batch.metrics, **rollout_metrics(batch, self.version),
                          "time/score": time.perf_counter() - t0}
         for _ in range(self.cfg.loss.mu):
-            for micro_batches in steps:
+            for planned in steps:
                 if self.step >= self.cfg.run.max_steps:
                     return
-                self.optimizer_step(micro_batches, batch_metrics, batch)
+                self.optimizer_step(planned.micro_batches, {**batch_metrics, **planned.metrics},
+                                    batch)
                 batch_metrics = {}  # generation metrics are logged once per batch
 
     def optimizer_step(self, micro_batches, batch_metrics: dict, batch: RolloutBatch) -> None:
