@@ -62,18 +62,7 @@ class _Spec:
         return self.top_k > 0 or self.min_p > 0.0
 
 
-def _validate(
-    hidden: Tensor,
-    weight: Tensor,
-    targets: Tensor,
-    bias: Tensor | None,
-    temperature: float,
-    top_k: int,
-    min_p: float,
-    with_entropy: bool,
-    row_tile: int | None,
-    vocab_tile: int | None,
-) -> _Spec:
+def _check_tensors(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None) -> None:
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
             f"logprobs: hidden must be (N, H) and weight (V, H); got hidden {tuple(hidden.shape)}"
@@ -98,6 +87,26 @@ def _validate(
         raise ValueError(
             f"logprobs: all inputs must be on one device; got {sorted(map(str, devices))}"
         )
+    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= weight.shape[0]):
+        raise ValueError(
+            f"logprobs: targets must be token ids in [0, {weight.shape[0]}); got range "
+            f"[{int(targets.min())}, {int(targets.max())}] (drop padding/ignore ids first)"
+        )
+
+
+def _validate(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    bias: Tensor | None,
+    temperature: float,
+    top_k: int,
+    min_p: float,
+    with_entropy: bool,
+    row_tile: int | None,
+    vocab_tile: int | None,
+) -> _Spec:
+    _check_tensors(hidden, weight, targets, bias)
     if not (temperature > 0.0 and math.isfinite(temperature)):
         raise ValueError(
             f"logprobs: temperature must be a finite number > 0, got {temperature} "
@@ -113,11 +122,6 @@ def _validate(
     if row_tile <= 0 or vocab_tile <= 0:
         raise ValueError(
             f"logprobs: row_tile and vocab_tile must be > 0, got {row_tile}, {vocab_tile}"
-        )
-    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= weight.shape[0]):
-        raise ValueError(
-            f"logprobs: targets must be token ids in [0, {weight.shape[0]}); got range "
-            f"[{int(targets.min())}, {int(targets.max())}] (drop padding/ignore ids first)"
         )
     top_k = 0 if top_k >= weight.shape[0] else int(top_k)
     compute = _matmul_dtype(hidden, weight)
@@ -192,11 +196,9 @@ def _row_thresholds(
     return thr
 
 
-def _gather_in_tile(z: Tensor, targets: Tensor, v0: int, v1: int) -> tuple[Tensor, Tensor]:
-    """(mask of rows whose target lies in [v0, v1), z at the target (garbage where not))."""
-    in_tile = (targets >= v0) & (targets < v1)
-    local = (targets - v0).clamp_(0, v1 - v0 - 1)
-    return in_tile, z.gather(1, local[:, None]).squeeze(1)
+def _target_slots(targets: Tensor, v0: int, v1: int) -> tuple[Tensor, Tensor]:
+    """(rows whose target lies in [v0, v1), its column in the tile (clamped where not))."""
+    return (targets >= v0) & (targets < v1), (targets - v0).clamp_(0, v1 - v0 - 1)
 
 
 def _forward_rows(
@@ -219,8 +221,8 @@ def _forward_rows(
         dropped = None if thr is None else z < thr[:, None]
         if dropped is not None:
             z.masked_fill_(dropped, -math.inf)
-        in_tile, z_at = _gather_in_tile(z, targets, v0, v1)
-        z_target = torch.where(in_tile, z_at, z_target)
+        in_tile, local = _target_slots(targets, v0, v1)
+        z_target = torch.where(in_tile, z.gather(1, local[:, None]).squeeze(1), z_target)
         # clamp: a row whose tiles so far were all filtered keeps m = -inf; avoid -inf - -inf
         m_new = torch.maximum(m, z.amax(dim=1)).clamp_(min=torch.finfo(acc).min)
         scale = torch.exp(m - m_new)
@@ -321,9 +323,7 @@ def _backward_rows(
     grad_h = torch.zeros(h.shape, dtype=acc, device=h.device) if grads.hidden is not None else None
     for v0, v1 in _vocab_ranges(weight.shape[0], spec.vocab_tile):
         z = _tile_logits(h, weight, bias, v0, v1, spec, acc)
-        in_tile = (targets >= v0) & (targets < v1)
-        local = (targets - v0).clamp_(0, v1 - v0 - 1)
-        gz = _tile_grad_z(z, (in_tile, local), log_z, thr, entropy, g_lp, g_ent)
+        gz = _tile_grad_z(z, _target_slots(targets, v0, v1), log_z, thr, entropy, g_lp, g_ent)
         if spec.temperature != 1.0:
             gz.div_(spec.temperature)  # z = logits / T
         g = gz.to(h.dtype)
