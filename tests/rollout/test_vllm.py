@@ -29,6 +29,7 @@ from leangrpo.contracts import Completion, EngineVersionError, Prompt, SamplingP
 from leangrpo.rollout.vllm import (
     VLLMEngine,
     VLLMSettings,
+    make_vllm_engine,
     saved_lora_name,
     write_adapter,
     write_weight_buckets,
@@ -121,6 +122,38 @@ def test_lora_tensors_become_a_peft_adapter_that_peft_loads(tmp_path):
     torch.testing.assert_close(reloaded(ids).logits, trained(ids).logits)
     with pytest.raises(FileNotFoundError, match="save_pretrained"):
         publish_adapter(tmp_path, tmp_path / "adapters", version=4)
+
+
+def test_make_vllm_engine_maps_the_config(monkeypatch):
+    from types import SimpleNamespace as NS
+
+    from leangrpo.config import Config
+
+    cfg = Config.model_validate(
+        {
+            "model": {"name_or_path": "m", "dtype": "float32"},
+            "lora": {"enabled": True, "r": 12},
+            "rollout": {"engine": "vllm"},
+            "data": {"path": "train.jsonl"},
+            "rewards": {"functions": ["math"]},
+        }
+    )
+    calls = []
+    monkeypatch.setattr(
+        VLLMEngine, "colocated", classmethod(lambda cls, *a, **k: calls.append(("co", a, k)))
+    )
+    monkeypatch.setattr(
+        VLLMEngine, "server", classmethod(lambda cls, *a, **k: calls.append(("sv", a, k)))
+    )
+    policy = NS(model=NS(peft_config={"default": "peft-config"}))
+    make_vllm_engine(cfg, policy)
+    kind, args, kwargs = calls[-1]
+    assert kind == "co" and args == ("m", cfg.rollout.vllm)
+    assert kwargs["dtype"] == "float32" and kwargs["enable_lora"] and kwargs["max_lora_rank"] == 16
+    assert kwargs["adapter_config"] == "peft-config"
+    cfg.rollout.vllm.mode = "server"
+    make_vllm_engine(cfg, policy)
+    assert calls[-1][0] == "sv" and calls[-1][2]["model_path"] == "m"
 
 
 def test_extra_serve_flags_become_engine_kwargs():

@@ -265,9 +265,14 @@ class VLLMEngine:
                 startup_timeout_s=startup_timeout_s,
             )
             urls = [url]
-        pool = ServerPool(
-            urls, timeout_s=s.request_timeout_s, max_retries=s.max_retries, process=process
-        )
+        try:
+            pool = ServerPool(
+                urls, timeout_s=s.request_timeout_s, max_retries=s.max_retries, process=process
+            )
+        except BaseException:
+            if process is not None:  # never leave a server we started behind
+                process.terminate()
+            raise
         return cls(pool, s, adapter_config=adapter_config, bucket_bytes=bucket_bytes)
 
     @property
@@ -357,7 +362,11 @@ def make_vllm_engine(cfg: Any, policy: Any = None) -> VLLMEngine:
         extra.setdefault("revision", cfg.model.revision)
     if cfg.model.trust_remote_code:
         extra.setdefault("trust_remote_code", True)
+    overrides = {}
+    if section.dtype == "auto" and cfg.model.dtype != "auto":
+        overrides["dtype"] = cfg.model.dtype  # sample in the trainer's precision by default
     common = dict(
+        **overrides,
         enable_lora=lora,
         max_lora_rank=supported_lora_rank(cfg.lora.r),
         adapter_config=peft_config,
