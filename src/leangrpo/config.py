@@ -419,10 +419,18 @@ class PackingConfig(Section):
 class LogprobsConfig(Section):
     """Chunked lm_head + log-softmax."""
 
-    chunked: bool = Field(True, description="Never materialise (tokens x vocab) logits.")
-    row_tile: int = Field(1024, ge=1, description="Token rows per tile.")
-    vocab_tile: int = Field(8192, ge=1, description="Vocabulary columns per tile.")
-    compile: bool = Field(False, description="torch.compile the tile kernel.")
+    chunked: bool = Field(
+        True,
+        description="Never materialise (tokens x vocab) logits; false = the plain full-logits path (a reference).",
+    )
+    row_tile: int | None = Field(
+        None, ge=1, description="Token rows per tile; null = per-device default (CPU 4096, CUDA 1024)."
+    )
+    vocab_tile: int | None = Field(
+        None,
+        ge=1,
+        description="Vocabulary columns per tile; null = per-device default (CPU 2048, CUDA 8192).",
+    )
 
 
 class OffloadConfig(Section):

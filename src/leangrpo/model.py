@@ -91,6 +91,7 @@ def load_policy(cfg, tokenizer, device: torch.device) -> Policy:
         revision=cfg.model.revision,
         trust_remote_code=cfg.model.trust_remote_code,
     ).to(device)
+    refuse_scaled_logits(model.config)
     backend = enable_packed_attention(model, cfg.packing.attention_backend)
     reference = None
     if cfg.loss.beta > 0 and not cfg.lora.enabled:
@@ -107,6 +108,20 @@ def load_policy(cfg, tokenizer, device: torch.device) -> Policy:
         )
     model.train()
     return Policy(model, tokenizer, reference, device, cfg.lora.enabled, offloader, backend)
+
+
+SCALED_LOGITS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def refuse_scaled_logits(config) -> None:
+    """The chunked lm_head computes hidden @ W.T (+ b) / temperature and nothing else."""
+    for name in SCALED_LOGITS:
+        value = getattr(getattr(config, "text_config", None) or config, name, None)
+        if value not in (None, 1, 1.0):
+            raise ValueError(
+                f"model.name_or_path: this architecture transforms its logits ({name}={value}), "
+                "which leangrpo's log-probs do not reproduce yet; use a model without it"
+            )
 
 
 def _wrap_lora(model: nn.Module, lora_cfg) -> nn.Module:
