@@ -251,12 +251,14 @@ def save_model(model, tokenizer, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("examples/demo"))
-    parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=2200)
+    parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=100)
-    parser.add_argument("--clean-steps", type=int, default=0)
+    parser.add_argument(
+        "--clean-steps", type=int, default=1600, help="steps on correct answers first"
+    )
     parser.add_argument("--threads", type=int, default=1, help="1 is fastest for this size")
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=3)
