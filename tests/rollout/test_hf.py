@@ -267,3 +267,10 @@ def test_process_logits_against_a_float64_reference():
     assert torch.equal(greedy, logits.float())
     with pytest.raises(ValueError, match="top_p must be in"):
         process_logits(logits, top_p=0.0)
+
+
+def test_shared_engine_generates_on_the_models_device(tokenizer):
+    model = tiny(tokenizer)
+    assert HFEngine(model, tokenizer, device=torch.device("cpu")).device == torch.device("cpu")
+    with pytest.raises(ValueError, match="share_weights=True generates on the model's device"):
+        HFEngine(model, tokenizer, device="meta")

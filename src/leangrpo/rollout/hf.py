@@ -67,14 +67,16 @@ class HFEngine:
         model_device = next(model.parameters()).device
         self.device = torch.device(device) if device is not None else model_device
         if share_weights:
-            if self.device != model_device:
+            if not _same_device(self.device, model_device):
                 raise ValueError(
                     f"share_weights=True generates on the model's device "
-                    f"({model_device}); pass device=None or share_weights=False"
+                    f"({model_device}), not {self.device}; pass device=None or share_weights=False"
                 )
-            self.model = model
+            self.device, self.model = model_device, model
         else:
             self.model = copy.deepcopy(model).to(self.device).eval().requires_grad_(False)
+            for param in self.model.parameters():
+                param.grad = None  # the copy never trains: drop any copied gradients
         self._version = 0
         self._calls_at_version = 0
         self._lock = threading.Lock()
@@ -171,7 +173,7 @@ class HFEngine:
         per_chunk = (
             len(prompts) if self.max_batch_size is None else max(1, self.max_batch_size // n)
         )
-        for start in range(0, len(prompts), max(per_chunk, 1)):
+        for start in range(0, len(prompts), per_chunk):
             yield prompts[start : start + per_chunk]
 
     def _generate_chunk(
@@ -192,15 +194,7 @@ class HFEngine:
                 stopping_criteria=StoppingCriteriaList([stop]) if stop else None,
             )
         generated = out.sequences[:, input_ids.shape[1] :]  # (B * n, L), prompt-major rows
-        logprobs = torch.stack(
-            [  # (B * n, L)
-                torch.log_softmax(step_scores.float(), dim=-1).gather(-1, generated[:, t : t + 1])[
-                    :, 0
-                ]
-                for t, step_scores in enumerate(out.scores)
-            ],
-            dim=1,
-        )
+        logprobs = _sampled_logprobs(out.scores, generated)  # (B * n, L)
         eos_ids = _eos_ids(self.model, self.tokenizer)
         rows = [
             self._completion(
@@ -266,6 +260,17 @@ class HFEngine:
             eos_token_id=sorted(_eos_ids(self.model, self.tokenizer)) or None,
             pad_token_id=_pad_id(self.model, self.tokenizer),
         )
+
+
+def _sampled_logprobs(scores: tuple[torch.Tensor, ...], generated: torch.Tensor) -> torch.Tensor:
+    """Log-prob (R, L) of each generated token under the processed scores (L x (R, V))."""
+    return torch.stack(
+        [
+            torch.log_softmax(step.float(), dim=-1).gather(-1, generated[:, t : t + 1])[:, 0]
+            for t, step in enumerate(scores)
+        ],
+        dim=1,
+    )
 
 
 class _StopStrings(StoppingCriteria):
@@ -335,6 +340,18 @@ def _normalise_name(name: str, adapters: tuple[str, ...]) -> str:
     for adapter in adapters:
         name = re.sub(rf"\.({_LORA_SEGMENTS})\.{re.escape(adapter)}(?=\.|$)", r".\1", name)
     return name
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """ "cuda" names the current CUDA device, so it matches "cuda:0" there."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or (a.index is not None and b.index is not None):
+        return a.index == b.index or a.type == "cpu"
+    current = torch.cuda.current_device()
+    return (a.index if a.index is not None else current) == (
+        b.index if b.index is not None else current
+    )
 
 
 def _hf_model(model):
