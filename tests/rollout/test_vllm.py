@@ -101,6 +101,12 @@ def test_weight_buckets_split_by_size_and_round_trip(tmp_path):
     assert all(torch.equal(loaded[k], tensors[k]) for k in tensors)
     with pytest.raises(ValueError, match="no tensors"):
         write_weight_buckets([], tmp_path)
+    fused = torch.randn(6, 4)  # tied and aliased weights, as a state dict hands them out
+    tied = [("embed.weight", fused), ("lm_head.weight", fused), ("q", fused[:3]), ("k", fused[3:])]
+    (path,) = write_weight_buckets(tied, tmp_path / "tied")
+    loaded = load_file(path)
+    assert sorted(loaded) == ["embed.weight", "k", "q"]  # the tied alias is written once
+    assert torch.equal(loaded["q"], fused[:3]) and torch.equal(loaded["k"], fused[3:])
 
 
 def test_lora_tensors_become_a_peft_adapter_that_peft_loads(tmp_path):

@@ -120,6 +120,7 @@ def write_weight_buckets(
     """Write tensors as safetensors files of about `bucket_bytes` each; returns the paths."""
     from safetensors.torch import save_file
 
+    directory.mkdir(parents=True, exist_ok=True)
     paths: list[Path] = []
     bucket: dict[str, Tensor] = {}
     size = 0
@@ -131,8 +132,17 @@ def write_weight_buckets(
         paths.append(path)
         bucket, size = {}, 0
 
+    seen_views: set[tuple] = set()
+    seen_storages: set[int] = set()
     for name, tensor in named_tensors:
         t = _cpu_tensor(tensor)
+        view = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+        if view in seen_views:
+            continue  # a tied weight (lm_head = embed_tokens): written once, under its first name
+        seen_views.add(view)
+        if view[0] in seen_storages:
+            t = t.clone()  # another view of a storage already written: safetensors refuses aliases
+        seen_storages.add(view[0])
         bucket[name] = t
         size += t.numel() * t.element_size()
         if size >= bucket_bytes:
