@@ -296,7 +296,7 @@ CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 +-*/=.,?"
 EOS = 0
 
 
-def build_char_model(path: Path, seed: int = 0):
+def build_char_model(path: Path, seed: int = 0, tied: bool = False):
     """A tiny Qwen2 (head_dim 64, which vLLM's CPU kernels support) + character tokenizer."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -311,6 +311,9 @@ def build_char_model(path: Path, seed: int = 0):
     model = make_tiny_model(vocab_size=len(vocab), hidden_size=256, seed=seed)
     for cfg in (model.config, model.generation_config):
         cfg.eos_token_id = cfg.bos_token_id = cfg.pad_token_id = EOS
+    if tied:  # lm_head reads embed_tokens: the case vLLM's layerwise reload leaves stale on CPU
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.model.embed_tokens.weight
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return model, tokenizer
@@ -361,14 +364,21 @@ def char_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def colocated(char_model, tmp_path_factory):
-    """One in-process vLLM for all colocated tests (engine core + worker in this process)."""
+def tied_char_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tied_char_model")
+    model, _ = build_char_model(path, tied=True)
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def colocated(tied_char_model, tmp_path_factory):
+    """One in-process vLLM (engine core + worker in this process), on a tied-embedding model."""
     import os
 
     saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     engine = VLLMEngine.colocated(
-        char_model[0],
+        tied_char_model[0],
         dtype="float32",
         max_model_len=128,
         enforce_eager=True,
@@ -386,7 +396,9 @@ def colocated(char_model, tmp_path_factory):
 
 
 @pytest.mark.vllm
-def test_generate_n_completions_with_processed_logprobs_and_finish_reasons(colocated, char_model):
+def test_generate_n_completions_with_processed_logprobs_and_finish_reasons(
+    colocated, tied_char_model
+):
     params = SamplingParams(temperature=0.7, max_new_tokens=48, seed=3)
     groups = colocated.generate(PROMPTS, params, n=8, version=colocated.version)
     assert [len(g) for g in groups] == [8, 8, 8]
@@ -399,7 +411,7 @@ def test_generate_n_completions_with_processed_logprobs_and_finish_reasons(coloc
         else:
             assert len(c.ids) == 48 and EOS not in c.ids
         assert c.text == "".join(CHARS[i - 1] for i in c.ids if i != EOS)  # specials dropped
-    assert mean_abs_logprob_gap(char_model[1], PROMPTS, groups, params) < 1e-3
+    assert mean_abs_logprob_gap(tied_char_model[1], PROMPTS, groups, params) < 1e-3
     again = colocated.generate(PROMPTS, params, n=8, version=colocated.version)
     assert [[c.ids for c in g] for g in again] == [[c.ids for c in g] for g in groups]  # seeded
     assert len({tuple(c.ids) for g in groups for c in g}) > 20  # yet distinct samples
@@ -408,8 +420,8 @@ def test_generate_n_completions_with_processed_logprobs_and_finish_reasons(coloc
 
 
 @pytest.mark.vllm
-def test_full_weight_sync_makes_vllm_follow_the_trainer(colocated, char_model):
-    old = char_model[1]
+def test_full_weight_sync_makes_vllm_follow_the_trainer(colocated, tied_char_model):
+    old = tied_char_model[1]
     trainer = copy.deepcopy(old)
     perturb(trainer, scale=0.05, seed=1)
     version = colocated.version + 1
@@ -425,14 +437,14 @@ def test_full_weight_sync_makes_vllm_follow_the_trainer(colocated, char_model):
         assert mean_abs_logprob_gap(old, PROMPTS, groups, params) > 1e-2  # not the old one
     with pytest.raises(EngineVersionError, match=f"holds version {version}"):
         colocated.generate(PROMPTS, params, n=1, version=version - 1)
-    char_model[1].load_state_dict(trainer.state_dict())  # later tests start from these weights
+    tied_char_model[1].load_state_dict(trainer.state_dict())  # later tests start from these weights
 
 
 @pytest.mark.vllm
-def test_lora_sync_by_version_named_adapter_files(colocated, char_model, tmp_path):
+def test_lora_sync_by_version_named_adapter_files(colocated, tied_char_model, tmp_path):
     from peft import LoraConfig, get_peft_model
 
-    base = char_model[1]
+    base = tied_char_model[1]
     config = LoraConfig(
         r=8,
         lora_alpha=16,

@@ -11,6 +11,11 @@ qkv_proj, tensor-parallel shards), and vLLM's layerwise reload re-runs each laye
 post-load processing. Plain `model.load_weights` is not enough: on CPU, for example,
 linear weights are repacked for oneDNN after loading and the original parameter is
 emptied. All buckets go through ONE reload call, so a layer never ends up half-loaded.
+
+Tied weights: the layerwise reload processes a shared parameter only through the layer
+that loads it (embed_tokens), so a layer that reads it through the tie (lm_head) keeps
+kernels derived from the old values where its method precomputes any (CPU: a packed
+GEMM weight). Such layers are processed again after the reload.
 This module imports nothing from vLLM: the worker provides `reload_weights`.
 """
 
@@ -30,6 +35,15 @@ def iter_safetensors(paths: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def modules_sharing_parameters(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every module that holds a parameter object some other module holds too (ties)."""
+    holders: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            holders.setdefault(id(param), []).append(module)
+    return [m for group in holders.values() if len(group) > 1 for m in group]
+
+
 class WeightSyncExtension:
     """Mixed into vLLM's worker (which provides `reload_weights` and `model_runner`)."""
 
@@ -44,4 +58,8 @@ class WeightSyncExtension:
                 yield item
 
         self.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+        for module in modules_sharing_parameters(self.model_runner.get_model()):
+            method = getattr(module, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(module)
         return count
