@@ -97,8 +97,12 @@ def _activations(cfg, d: Dims, per_layer_full: int, layer_input: int) -> int:
 
 def _lm_head(cfg, d: Dims, completion_tokens: int) -> int:
     if cfg.logprobs.chunked:
-        rows = min(cfg.logprobs.row_tile, completion_tokens)
-        return 3 * rows * min(cfg.logprobs.vocab_tile, d.vocab) * 4 + 2 * completion_tokens * 4
+        from leangrpo.logprobs import DEFAULT_TILES
+
+        default_rows, default_vocab = DEFAULT_TILES["cpu" if cfg.run.device == "cpu" else "cuda"]
+        rows = min(cfg.logprobs.row_tile or default_rows, completion_tokens)
+        cols = min(cfg.logprobs.vocab_tile or default_vocab, d.vocab)
+        return 3 * rows * cols * 4 + 2 * completion_tokens * 4
     return 3 * completion_tokens * d.vocab * 4  # logits, log-softmax, their gradient (fp32)
 
 
