@@ -276,9 +276,10 @@ def rollout_metrics(batch: RolloutBatch, trainer_version: int) -> dict[str, floa
     }
 
 
-def sample_rows(batch: RolloutBatch, limit: int = 4) -> list[dict]:
+def sample_rows(batch: RolloutBatch, groups: int = 2, per_group: int = 3) -> list[dict]:
+    """A few completions of the first groups: what the model writes and how it is scored."""
     return [{"prompt": s.prompt.text, "completion": s.completion.text, "reward": s.reward}
-            for s in batch.samples[:limit]]
+            for group in batch.groups()[:groups] for s in group[:per_group]]
 
 
 def train(cfg: Config) -> dict[str, float]:
