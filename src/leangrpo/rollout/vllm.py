@@ -228,9 +228,14 @@ class VLLMEngine:
         settings override it. `adapter_config`: the peft config dict, needed only to sync LoRA
         tensors through `update_weights` (`load_adapter` reads it from the adapter dir)."""
         s = VLLMSettings.from_section(cfg, **settings)
-        root = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="leangrpo-vllm-"))
         kwargs = build_llm_kwargs(str(model_path), s, enable_lora, max_lora_rank, seed)
-        backend = LocalVLLM(kwargs, root)
+        root = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="leangrpo-vllm-"))
+        try:
+            backend = LocalVLLM(kwargs, root)
+        except BaseException:
+            if not work_dir:
+                shutil.rmtree(root, ignore_errors=True)
+            raise
         return cls(
             backend,
             s,

@@ -198,6 +198,7 @@ def check_cpu_head_size(model_path: str) -> None:
 def build_llm_kwargs(
     model_path: str, s: VLLMSettings, enable_lora: bool, max_lora_rank: int, seed: int
 ) -> dict:
+    import_vllm()  # the install hint, before anything else touches vllm
     gpu_mem = s.gpu_memory_utilization
     on_cpu = _platform_is_cpu()
     if gpu_mem is None:
