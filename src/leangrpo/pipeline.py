@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+import torch
+
 from leangrpo.advantages import compute_advantages
 from leangrpo.contracts import RolloutBatch, RolloutEngine, RolloutSample, SamplingParams
 
@@ -230,11 +232,16 @@ class AsyncProducer:
 
     def start(self) -> None:
         self._consumed_state = {"index": self._index, "sampler": self.worker.sampler.state_dict()}
-        self._thread = threading.Thread(target=self._run, name="leangrpo-producer", daemon=True)
+        threads = torch.get_num_threads()
+        self._thread = threading.Thread(target=self._run, args=(threads,),
+                                        name="leangrpo-producer", daemon=True)
         self._thread.start()
 
     # -- the producer thread ---------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, num_threads: int) -> None:
+        # OpenMP's thread count is per thread: without this the producer would use the
+        # library default, compete with the trainer and round differently from sync mode
+        torch.set_num_threads(num_threads)
         try:
             while not self._stop.is_set():
                 idle = self._wait_for_admission(self._index)

@@ -74,7 +74,10 @@ class HFEngine:
                 )
             self.device, self.model = model_device, model
         else:
-            self.model = copy.deepcopy(model).to(self.device).eval().requires_grad_(False)
+            # requires_grad is kept as in the source: under no_grad it changes no memory, but
+            # some CPU kernels round differently for frozen weights, and a copy that rounds
+            # like the trainer's own model makes async at staleness 0 equal sync exactly
+            self.model = copy.deepcopy(model).to(self.device).eval()
             for param in self.model.parameters():
                 param.grad = None  # the copy never trains: drop any copied gradients
         self._version = 0
