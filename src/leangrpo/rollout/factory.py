@@ -19,6 +19,12 @@ class Engines:
     eval: RolloutEngine
     rollout_shares_weights: bool  # generates with the trainer's live weights (tag-only sync)
     eval_shares_weights: bool
+    sleep_while_training: bool = False  # colocated vLLM in sync mode frees its memory
+    snapshot_device: str | None = None  # where async weight snapshots wait (None = in place)
+
+    def close(self) -> None:
+        for engine in {id(e): e for e in (self.rollout, self.eval)}.values():
+            engine.close()
 
 
 def make_engines(cfg, policy) -> Engines:
@@ -41,4 +47,7 @@ def _vllm_engines(cfg, policy) -> Engines:
     from leangrpo.rollout.vllm import make_vllm_engine
 
     engine = make_vllm_engine(cfg, policy)
-    return Engines(engine, engine, False, False)
+    v = cfg.rollout.vllm
+    sleep = v.mode == "colocate" and v.enable_sleep_mode and cfg.pipeline.mode == "sync"
+    # the engine reads weights from files written on the host: snapshots wait there too
+    return Engines(engine, engine, False, False, sleep_while_training=sleep, snapshot_device="cpu")
