@@ -73,3 +73,32 @@ def test_set_override_reaches_the_config(tmp_path):
     out = run_cli("plan", write(tmp_path, base_config(tmp_path)), "--set", "lora.enabled=true")
     assert out.returncode == 0, out.stderr
     assert "total" in out.stdout
+
+
+def test_ctrl_c_ends_the_run_promptly_without_orphans(tmp_path):
+    import signal
+
+    import psutil
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "leangrpo", "train", "examples/demo.yaml",
+         "--set", f"run.output_dir={out}", "--set", "run.max_steps=500",
+         "--set", "pipeline.mode=async", "--set", "logging.progress_bar=false"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or metrics.read_text().count("\n") < 3):
+        time.sleep(0.5)
+    assert metrics.exists(), "the run never started"
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert children, "reward workers run as child processes"
+    t0 = time.time()
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert time.time() - t0 < 30
+    assert proc.returncode == 130
+    assert "interrupted" in stderr
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"orphans left: {alive}"
