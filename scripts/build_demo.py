@@ -144,7 +144,8 @@ def build_tokenizer():
     )
 
 
-def build_model(vocab_size: int, pad_id: int, eos_id: int, hidden: int, layers: int, inter: int):
+def build_model(vocab_size: int, pad_id: int, eos_id: int, hidden: int, layers: int, inter: int,
+                heads: int = 2):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     config = Qwen2Config(
@@ -152,8 +153,8 @@ def build_model(vocab_size: int, pad_id: int, eos_id: int, hidden: int, layers: 
         hidden_size=hidden,
         intermediate_size=inter,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
         max_position_embeddings=64,
         tie_word_embeddings=True,
         bos_token_id=None,
@@ -254,7 +255,7 @@ def save_model(model, tokenizer, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("examples/demo"))
-    parser.add_argument("--steps", type=int, default=2200)
+    parser.add_argument("--steps", type=int, default=1800)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
@@ -264,6 +265,8 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=1, help="1 is fastest for this size")
     parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=2,
+                        help="attention heads; head size = hidden / heads (vLLM's CPU kernels need >= 32)")
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--inter", type=int, default=256)
     args = parser.parse_args()
@@ -278,6 +281,7 @@ def main() -> None:
         args.hidden,
         args.layers,
         args.inter,
+        args.heads,
     )
     eval_set, train_set, pretrain_set = split_problems(all_problems())
     print(f"problems: eval {len(eval_set)}, train {len(train_set)}, pretrain {len(pretrain_set)}")
