@@ -27,9 +27,9 @@ if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
   touch "$STAMP"
 fi
 
-if "$VENV/bin/pip" list 2>/dev/null | grep -Eq '^(torchvision|torchaudio|torchcodec) '; then
-  "$VENV/bin/pip" uninstall -y torchvision torchaudio torchcodec
-fi
+# Unconditionally: pip skips what is absent (a `pip list | grep -q` test here would fail
+# under pipefail when grep closes the pipe early, and leave them installed).
+"$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>&1 | grep -v "not installed" || true
 
 # Refuse a CUDA torch (read from the installed metadata: importing vLLM takes a while).
 "$VENV/bin/python" - <<'PY'
