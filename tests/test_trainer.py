@@ -203,3 +203,17 @@ def test_demo_still_learns_with_stale_samples(tmp_path):
     evals = [r["eval/reward"] for r in rows if "eval/reward" in r]
     assert evals[-1] >= evals[0] + 0.1, evals
     assert max(r["staleness/max"] for r in rows if "staleness/max" in r) <= 2
+
+
+def test_replay_and_reroll_run_inside_the_trainer(tmp_path):
+    cfg = tiny_run(tmp_path, pipeline={"replay": {"enabled": True, "capacity": 8},
+                                       "reroll": {"enabled": True}, "max_staleness": 2},
+                   loss={"mu": 1}, run={"max_steps": 4})
+    Trainer(config_from_dict(cfg)).train()
+    rows = [r for r in read_metrics(tmp_path / "run") if "replay/groups_used" in r]
+    assert len(rows) == 4
+    replayed = [r for r in rows if r["samples/replayed"] > 0]
+    assert all(r["staleness/max"] <= 2 for r in rows)
+    used = sum(r["replay/groups_used"] for r in rows)
+    assert used > 0  # zero-variance groups were replaced (deterministic under the fixed seed)
+    assert used == sum(r["samples/replayed"] for r in replayed) / 4  # whole groups of G = 4

@@ -470,7 +470,7 @@ class PipelineConfig(Section):
     max_staleness: int = Field(
         1,
         ge=0,
-        description="Most policy versions a sample may lag the trainer when consumed (async); the producer waits rather than exceed it.",
+        description="Most policy versions a sample may lag the trainer when consumed: async generation waits rather than exceed it, and replayed groups older than this are dropped.",
     )
     sync_interval: int = Field(
         1, ge=1, description="Optimizer steps between weight syncs to the engine."

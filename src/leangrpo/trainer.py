@@ -120,7 +120,7 @@ class Trainer:
         worker = RolloutWorker(engines.rollout, self.rewards, sampler, settings, reward_lock)
         finisher = BatchFinisher(
             settings,
-            max_staleness=pipe.max_staleness if pipe.mode == "async" else 0,
+            max_staleness=pipe.max_staleness,  # also bounds replayed groups in sync mode
             replay=ReplayBuffer(pipe.replay.capacity) if pipe.replay.enabled else None,
             reroll_attempts=pipe.reroll.max_attempts if pipe.reroll.enabled else 0,
             sampler=sampler,
