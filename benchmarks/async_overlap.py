@@ -45,8 +45,10 @@ class TimedEngine:
     def generate(self, prompts, params, n, version):
         time.sleep(self.gen_s)
         self.busy_s += self.gen_s
-        return [[Completion([1], str(i), [-1.0], "stop", self.version) for i in range(n)]
-                for _ in prompts]
+        return [
+            [Completion([1], str(i), [-1.0], "stop", self.version) for i in range(n)]
+            for _ in prompts
+        ]
 
     def update_weights(self, named_tensors, version):
         self.version = version
@@ -84,8 +86,9 @@ class Sampler:
         pass
 
 
-def simulate(mode: str, gen_s: float, train_s: float, sync_s: float, steps: int,
-             max_staleness: int) -> dict:
+def simulate(
+    mode: str, gen_s: float, train_s: float, sync_s: float, steps: int, max_staleness: int
+) -> dict:
     engine = TimedEngine(gen_s)
     settings = RolloutSettings(2, 1, SamplingParams(), "group", seed=0)
     worker = RolloutWorker(engine, Rewards(), Sampler(), settings)
@@ -110,8 +113,12 @@ def simulate(mode: str, gen_s: float, train_s: float, sync_s: float, steps: int,
     finally:
         producer.close()
     wall = time.perf_counter() - t0
-    return {"wall_s": wall, "engine_busy_s": engine.busy_s, "trainer_wait_s": waited,
-            "staleness_hist": {str(k): v for k, v in sorted(stale.items())}}
+    return {
+        "wall_s": wall,
+        "engine_busy_s": engine.busy_s,
+        "trainer_wait_s": waited,
+        "staleness_hist": {str(k): v for k, v in sorted(stale.items())},
+    }
 
 
 def sim_cases(steps: int) -> list[dict]:
@@ -125,9 +132,14 @@ def sim_cases(steps: int) -> list[dict]:
         for variant, r in (("sync", base), ("async", run)):
             per_step = r["wall_s"] / steps
             row = {
-                "bench": "async_overlap", "case": f"sim gen/train={ratio}", "device": "cpu",
-                "variant": variant, "time_s": per_step, "peak_bytes": None,
-                "ideal_async_step_s": ideal, "serial_step_s": gen_s + train_s + sync_s,
+                "bench": "async_overlap",
+                "case": f"sim gen/train={ratio}",
+                "device": "cpu",
+                "variant": variant,
+                "time_s": per_step,
+                "peak_bytes": None,
+                "ideal_async_step_s": ideal,
+                "serial_step_s": gen_s + train_s + sync_s,
                 "generator_idle_frac": 1 - r["engine_busy_s"] / r["wall_s"],
                 "trainer_idle_frac": r["trainer_wait_s"] / r["wall_s"],
                 "staleness_hist": r["staleness_hist"],
@@ -147,20 +159,32 @@ def demo_cases(steps: int) -> list[dict]:
     from leangrpo.trainer import Trainer
 
     rows, base_time = [], None
-    runs = (("warm-up", "pipeline.mode=sync"), ("sync", "pipeline.mode=sync"),
-            ("async", "pipeline.mode=async"))
+    runs = (
+        ("warm-up", "pipeline.mode=sync"),
+        ("sync", "pipeline.mode=sync"),
+        ("async", "pipeline.mode=async"),
+    )
     for variant, pipeline in runs:
         with tempfile.TemporaryDirectory() as out:
-            cfg = load_config(ROOT / "examples" / "demo.yaml", [
-                f"run.output_dir={out}", f"run.max_steps={steps}", pipeline,
-                "pipeline.max_staleness=1", "logging.progress_bar=false", "logging.samples_every=0",
-                "checkpoint.save_final_model=false",
-            ])
+            cfg = load_config(
+                ROOT / "examples" / "demo.yaml",
+                [
+                    f"run.output_dir={out}",
+                    f"run.max_steps={steps}",
+                    pipeline,
+                    "pipeline.max_staleness=1",
+                    "logging.progress_bar=false",
+                    "logging.samples_every=0",
+                    "checkpoint.save_final_model=false",
+                ],
+            )
             trainer = Trainer(cfg)  # set-up (model load, reward workers) is not timed
             t0 = time.perf_counter()
             final = trainer.train()
             wall = time.perf_counter() - t0
-            metrics = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+            metrics = [
+                json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()
+            ]
         if variant == "warm-up":  # first run in the process pays one-off import/JIT costs
             continue
         rows.append(_demo_row(variant, wall, steps, final, metrics, base_time))
@@ -173,8 +197,12 @@ def _demo_row(variant, wall, steps, final, metrics, base_time) -> dict:
     produce = sum(m.get("time/generate", 0.0) + m.get("time/rewards", 0.0) for m in metrics)
     waited = sum(m.get("time/trainer_wait", 0.0) for m in metrics)
     row = {
-        "bench": "async_overlap", "case": f"demo {steps} steps", "device": "cpu",
-        "variant": variant, "time_s": wall, "peak_bytes": None,
+        "bench": "async_overlap",
+        "case": f"demo {steps} steps",
+        "device": "cpu",
+        "variant": variant,
+        "time_s": wall,
+        "peak_bytes": None,
         "eval_reward_final": final.get("eval/reward"),
         "generator_idle_frac": max(0.0, 1 - produce / wall),
         "trainer_idle_frac": waited / wall if variant == "async" else produce / wall,

@@ -144,8 +144,9 @@ def build_tokenizer():
     )
 
 
-def build_model(vocab_size: int, pad_id: int, eos_id: int, hidden: int, layers: int, inter: int,
-                heads: int = 2):
+def build_model(
+    vocab_size: int, pad_id: int, eos_id: int, hidden: int, layers: int, inter: int, heads: int = 2
+):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     config = Qwen2Config(
@@ -265,8 +266,12 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=1, help="1 is fastest for this size")
     parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--heads", type=int, default=2,
-                        help="attention heads; head size = hidden / heads (vLLM's CPU kernels need >= 32)")
+    parser.add_argument(
+        "--heads",
+        type=int,
+        default=2,
+        help="attention heads; head size = hidden / heads (vLLM's CPU kernels need >= 32)",
+    )
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--inter", type=int, default=256)
     args = parser.parse_args()

@@ -9,8 +9,14 @@ import torch
 torch.set_num_threads(1)
 
 
-def make_tiny_model(arch: str = "qwen2", vocab_size: int = 64, hidden_size: int = 32,
-                    num_layers: int = 2, seed: int = 0, dtype: torch.dtype = torch.float32):
+def make_tiny_model(
+    arch: str = "qwen2",
+    vocab_size: int = 64,
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+):
     """A randomly initialised Qwen2- or Llama-architecture model, a few hundred KB."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
@@ -39,6 +45,7 @@ def pytest_collection_modifyitems(config, items):
     cuda = torch.cuda.is_available()
     try:
         import vllm  # noqa: F401
+
         has_vllm = True
     except Exception:
         has_vllm = False

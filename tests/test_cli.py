@@ -15,8 +15,13 @@ DEMO = ROOT / "examples" / "demo"
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "leangrpo", *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "leangrpo", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
 
 
 def test_help_is_fast():
@@ -42,15 +47,35 @@ def write(tmp_path: Path, cfg: dict) -> str:
 
 
 BAD_INPUTS = {
-    "unknown key": (lambda c: c["train"].update(learning_rat=1e-4) if "train" in c
-                    else c.update(train={"learning_rat": 1e-4}), ["learning_rat", "learning_rate"]),
-    "wrong type": (lambda c: c.update(rollout={"num_generations": "eight"}), ["rollout.num_generations"]),
-    "missing data file": (lambda c: c["data"].update(path="nowhere/train.jsonl"), ["nowhere/train.jsonl"]),
+    "unknown key": (
+        lambda c: (
+            c["train"].update(learning_rat=1e-4)
+            if "train" in c
+            else c.update(train={"learning_rat": 1e-4})
+        ),
+        ["learning_rat", "learning_rate"],
+    ),
+    "wrong type": (
+        lambda c: c.update(rollout={"num_generations": "eight"}),
+        ["rollout.num_generations"],
+    ),
+    "missing data file": (
+        lambda c: c["data"].update(path="nowhere/train.jsonl"),
+        ["nowhere/train.jsonl"],
+    ),
     "missing column": (lambda c: c["data"].update(prompt_column="question"), ["question"]),
-    "reward not found": (lambda c: c["rewards"].update(functions=[{"name": "mypkg.nope:score"}]),
-                         ["mypkg.nope"]),
-    "negative learning rate": (lambda c: c.update(train={"learning_rate": -1e-4}), ["train.learning_rate"]),
-    "one generation": (lambda c: c.update(rollout={"num_generations": 1}), ["rollout.num_generations"]),
+    "reward not found": (
+        lambda c: c["rewards"].update(functions=[{"name": "mypkg.nope:score"}]),
+        ["mypkg.nope"],
+    ),
+    "negative learning rate": (
+        lambda c: c.update(train={"learning_rate": -1e-4}),
+        ["train.learning_rate"],
+    ),
+    "one generation": (
+        lambda c: c.update(rollout={"num_generations": 1}),
+        ["rollout.num_generations"],
+    ),
 }
 
 
@@ -82,10 +107,25 @@ def test_ctrl_c_ends_the_run_promptly_without_orphans(tmp_path):
 
     out = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "leangrpo", "train", "examples/demo.yaml",
-         "--set", f"run.output_dir={out}", "--set", "run.max_steps=500",
-         "--set", "pipeline.mode=async", "--set", "logging.progress_bar=false"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "leangrpo",
+            "train",
+            "examples/demo.yaml",
+            "--set",
+            f"run.output_dir={out}",
+            "--set",
+            "run.max_steps=500",
+            "--set",
+            "pipeline.mode=async",
+            "--set",
+            "logging.progress_bar=false",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     metrics = out / "metrics.jsonl"
     deadline = time.time() + 120

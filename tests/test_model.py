@@ -21,8 +21,14 @@ def samples(seed: int = 0) -> list[RolloutSample]:
     for i, (p, c) in enumerate([(5, 3), (2, 1), (7, 6), (3, 4)]):
         prompt = torch.randint(1, 64, (p,), generator=g).tolist()
         comp = torch.randint(1, 64, (c,), generator=g).tolist()
-        out.append(RolloutSample(i // 2, Prompt(i, "", prompt),
-                                 Completion(comp, "", [0.0] * c, "stop", 0), advantage=1.0))
+        out.append(
+            RolloutSample(
+                i // 2,
+                Prompt(i, "", prompt),
+                Completion(comp, "", [0.0] * c, "stop", 0),
+                advantage=1.0,
+            )
+        )
     return out
 
 

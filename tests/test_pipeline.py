@@ -32,8 +32,13 @@ class FakeEngine:
         if self.fail_at is not None and self.calls >= self.fail_at:
             raise RuntimeError("generator crashed")
         time.sleep(self.delay)
-        return [[Completion([1, 2], f"{p.uid}-{i}", [-0.5, -0.5], "stop", self.version)
-                 for i in range(n)] for p in prompts]
+        return [
+            [
+                Completion([1, 2], f"{p.uid}-{i}", [-0.5, -0.5], "stop", self.version)
+                for i in range(n)
+            ]
+            for p in prompts
+        ]
 
     def update_weights(self, named_tensors, version):
         list(named_tensors)
@@ -71,7 +76,7 @@ class FakeSampler:
 
     def next_batch(self):
         out = self.queue[: self.batch_size]
-        self.queue = self.queue[len(out):]
+        self.queue = self.queue[len(out) :]
         while len(out) < self.batch_size:
             out.append(Prompt(self.position, f"p{self.position}", [5, 6]))
             self.position += 1
@@ -88,8 +93,9 @@ class FakeSampler:
 
 
 def make_worker(engine, rewards=None, prompts=2, group=3, updates=1):
-    settings = RolloutSettings(group, prompts, SamplingParams(), "group", seed=0,
-                               updates_per_batch=updates)
+    settings = RolloutSettings(
+        group, prompts, SamplingParams(), "group", seed=0, updates_per_batch=updates
+    )
     sampler = FakeSampler(prompts)
     return RolloutWorker(engine, rewards or FakeRewards(), sampler, settings), settings
 
@@ -107,8 +113,12 @@ def consume(producer, steps: int, train_s: float = 0.0):
 @pytest.mark.parametrize("max_staleness", [0, 1, 2])
 def test_async_never_exceeds_the_staleness_bound(max_staleness):
     worker, settings = make_worker(FakeEngine(delay=0.01))
-    producer = AsyncProducer(worker, BatchFinisher(settings, max_staleness), prefetch_depth=3,
-                             max_staleness=max_staleness)
+    producer = AsyncProducer(
+        worker,
+        BatchFinisher(settings, max_staleness),
+        prefetch_depth=3,
+        max_staleness=max_staleness,
+    )
     producer.start()
     try:
         batches = consume(producer, 8, train_s=0.02)
@@ -130,10 +140,14 @@ def test_zero_staleness_async_matches_sync_sample_for_sample():
         asynchronous = consume(producer, 4)
     finally:
         producer.close()
-    key = [[(s.prompt.uid, s.completion.text, s.version, s.advantage) for s in b.samples]
-           for _, b in sync]
-    assert key == [[(s.prompt.uid, s.completion.text, s.version, s.advantage) for s in b.samples]
-                   for _, b in asynchronous]
+    key = [
+        [(s.prompt.uid, s.completion.text, s.version, s.advantage) for s in b.samples]
+        for _, b in sync
+    ]
+    assert key == [
+        [(s.prompt.uid, s.completion.text, s.version, s.advantage) for s in b.samples]
+        for _, b in asynchronous
+    ]
 
 
 def test_a_crashing_producer_ends_the_run_promptly():
@@ -150,8 +164,9 @@ def test_a_crashing_producer_ends_the_run_promptly():
 
 def test_failed_groups_are_rerolled_and_really_reinjected():
     worker, settings = make_worker(FakeEngine(), FakeRewards(failing_uids={0}))
-    finisher = BatchFinisher(settings, 0, reroll_attempts=1, sampler=worker.sampler,
-                             sampler_lock=worker.sampler_lock)
+    finisher = BatchFinisher(
+        settings, 0, reroll_attempts=1, sampler=worker.sampler, sampler_lock=worker.sampler_lock
+    )
     producer = SyncProducer(worker, finisher)
     first = producer.next_batch(0)
     assert first.metrics["reroll/requeued"] == 1
@@ -196,8 +211,9 @@ def test_streaming_steps_start_with_the_groups_that_are_ready():
     engine = FakeEngine(delay=0.02)
     settings = RolloutSettings(3, 4, SamplingParams(), "group", seed=0)
     worker = RolloutWorker(engine, FakeRewards(), FakeSampler(1), settings)  # chunks of 1 group
-    producer = AsyncProducer(worker, BatchFinisher(settings, 1), prefetch_depth=4,
-                             max_staleness=1, streaming=True)
+    producer = AsyncProducer(
+        worker, BatchFinisher(settings, 1), prefetch_depth=4, max_staleness=1, streaming=True
+    )
     producer.start()
     try:
         batches = consume(producer, 6, train_s=0.03)

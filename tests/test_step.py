@@ -15,10 +15,20 @@ from leangrpo.packing import pack_samples
 from leangrpo.step import normalisers, train_step
 
 CFG = SimpleNamespace(
-    loss=SimpleNamespace(type="grpo", epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0,
-                         mask_truncated_completions=False, is_correction="decoupled",
-                         is_mode="token_truncate", is_cap=2.0, is_min=0.0, scale_rewards="group",
-                         mu=1),
+    loss=SimpleNamespace(
+        type="grpo",
+        epsilon_low=0.2,
+        epsilon_high=0.2,
+        delta=None,
+        beta=0.0,
+        mask_truncated_completions=False,
+        is_correction="decoupled",
+        is_mode="token_truncate",
+        is_cap=2.0,
+        is_min=0.0,
+        scale_rewards="group",
+        mu=1,
+    ),
     logprobs=SimpleNamespace(chunked=True, row_tile=None, vocab_tile=None),
     rollout=SimpleNamespace(max_new_tokens=8),
     train=SimpleNamespace(max_grad_norm=1.0),
@@ -31,9 +41,14 @@ def make_samples(advantages: list[float]) -> list[RolloutSample]:
     for i, adv in enumerate(advantages):
         prompt = torch.randint(2, 64, (4,), generator=g).tolist()
         comp = torch.randint(2, 64, (3 + i % 3,), generator=g).tolist()
-        out.append(RolloutSample(i // 2, Prompt(i, "", prompt),
-                                 Completion(comp, "", [-4.0] * len(comp), "stop", 0),
-                                 advantage=adv))
+        out.append(
+            RolloutSample(
+                i // 2,
+                Prompt(i, "", prompt),
+                Completion(comp, "", [-4.0] * len(comp), "stop", 0),
+                advantage=adv,
+            )
+        )
     return out
 
 
@@ -62,7 +77,9 @@ def test_micro_batches_accumulate_to_the_single_batch_gradient():
 
         optimizer.step = keep  # read the accumulated gradient at the moment of the step
         batches = [pack_samples(part) for part in split]
-        train_step(policy, batches, optimizer, CFG, SamplingParams(), LossConfig.from_config(CFG.loss))
+        train_step(
+            policy, batches, optimizer, CFG, SamplingParams(), LossConfig.from_config(CFG.loss)
+        )
         grads.append(captured)
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-5)
@@ -72,8 +89,9 @@ def test_a_non_finite_loss_skips_the_update():
     policy, optimizer = policy_and_optimizer()
     before = snapshot(policy.model)
     batch = pack_samples(make_samples([float("nan"), 1.0]))
-    result = train_step(policy, [batch], optimizer, CFG, SamplingParams(),
-                        LossConfig.from_config(CFG.loss))
+    result = train_step(
+        policy, [batch], optimizer, CFG, SamplingParams(), LossConfig.from_config(CFG.loss)
+    )
     assert not result.updated
     after = snapshot(policy.model)
     assert all(torch.equal(before[n], after[n]) for n in before)

@@ -22,13 +22,22 @@ def tiny_run(tmp_path: Path, **sections) -> dict:
         "model": {"name_or_path": str(DEMO / "model"), "dtype": "float32"},
         "data": {"path": str(DEMO / "train.jsonl"), "eval_path": str(DEMO / "eval.jsonl")},
         # a format reward (starts with a digit) keeps rewards varied, so steps move weights
-        "rewards": {"functions": [{"name": "math"}, {"name": "format", "weight": 0.5,
-                                                      "kwargs": {"pattern": "^\\d"}}],
-                    "num_workers": 1, "timeout_s": 20},
+        "rewards": {
+            "functions": [
+                {"name": "math"},
+                {"name": "format", "weight": 0.5, "kwargs": {"pattern": "^\\d"}},
+            ],
+            "num_workers": 1,
+            "timeout_s": 20,
+        },
         "rollout": {"num_generations": 4, "prompts_per_batch": 3, "max_new_tokens": 6},
         "loss": {"mu": 2},
-        "train": {"learning_rate": 1e-3, "micro_batch_tokens": 40, "warmup_steps": 1,
-                  "lr_scheduler": "linear"},
+        "train": {
+            "learning_rate": 1e-3,
+            "micro_batch_tokens": 40,
+            "warmup_steps": 1,
+            "lr_scheduler": "linear",
+        },
         "eval": {"every_steps": 0, "num_prompts": 4},
         "checkpoint": {"every_steps": 0, "keep_last": 3},
         "logging": {"progress_bar": False, "samples_every": 0},
@@ -83,8 +92,9 @@ def test_resume_is_exact(tmp_path):
 
 
 def test_lora_run_writes_run_directory(tmp_path):
-    cfg = tiny_run(tmp_path, lora={"enabled": True, "r": 4}, loss={"beta": 0.1, "mu": 1},
-                   run={"max_steps": 2})
+    cfg = tiny_run(
+        tmp_path, lora={"enabled": True, "r": 4}, loss={"beta": 0.1, "mu": 1}, run={"max_steps": 2}
+    )
     trainer = Trainer(config_from_dict(cfg))
     trainer.train()
     out = tmp_path / "run"
@@ -123,8 +133,11 @@ def test_failing_rewards_are_masked_and_counted(tmp_path):
     reward_file.write_text(FLAKY_REWARD)
     cfg = tiny_run(
         tmp_path,
-        rewards={"functions": [{"name": "math"}, {"name": f"{reward_file}:flaky"}],
-                 "timeout_s": 2, "num_workers": 2},
+        rewards={
+            "functions": [{"name": "math"}, {"name": f"{reward_file}:flaky"}],
+            "timeout_s": 2,
+            "num_workers": 2,
+        },
         rollout={"prompts_per_batch": 6},
         run={"max_steps": 2},
         loss={"mu": 1},
@@ -148,8 +161,12 @@ def test_async_with_zero_staleness_equals_sync(tmp_path):
 
 
 def test_async_respects_the_staleness_bound(tmp_path):
-    cfg = tiny_run(tmp_path, pipeline={"mode": "async", "max_staleness": 1, "prefetch_depth": 2},
-                   loss={"mu": 1}, run={"max_steps": 5})
+    cfg = tiny_run(
+        tmp_path,
+        pipeline={"mode": "async", "max_staleness": 1, "prefetch_depth": 2},
+        loss={"mu": 1},
+        run={"max_steps": 5},
+    )
     Trainer(config_from_dict(cfg)).train()
     rows = [r for r in read_metrics(tmp_path / "run") if "staleness/max" in r]
     assert len(rows) == 5
@@ -159,9 +176,12 @@ def test_async_respects_the_staleness_bound(tmp_path):
 def test_chunked_and_naive_logprobs_give_the_same_step(tmp_path):
     losses, params = [], []
     for chunked in (True, False):
-        cfg = tiny_run(tmp_path / str(chunked), logprobs={"chunked": chunked, "vocab_tile": 7,
-                                                          "row_tile": 5},
-                       run={"max_steps": 1}, loss={"mu": 1})
+        cfg = tiny_run(
+            tmp_path / str(chunked),
+            logprobs={"chunked": chunked, "vocab_tile": 7, "row_tile": 5},
+            run={"max_steps": 1},
+            loss={"mu": 1},
+        )
         trainer = Trainer(config_from_dict(cfg))
         trainer.train()
         rows = [r for r in read_metrics(tmp_path / str(chunked) / "run") if "loss" in r]
@@ -177,8 +197,12 @@ def test_chunked_and_naive_logprobs_give_the_same_step(tmp_path):
 def test_shared_prompt_prefix_trains_like_plain_packing(tmp_path):
     params = []
     for setting in ("on", "off"):
-        cfg = tiny_run(tmp_path / setting, packing={"shared_prefix": setting},
-                       run={"max_steps": 1}, loss={"mu": 1})
+        cfg = tiny_run(
+            tmp_path / setting,
+            packing={"shared_prefix": setting},
+            run={"max_steps": 1},
+            loss={"mu": 1},
+        )
         trainer = Trainer(config_from_dict(cfg))
         trainer.train()
         rows = [r for r in read_metrics(tmp_path / setting / "run") if "packing/shared_prefix" in r]
@@ -192,12 +216,21 @@ def test_demo_still_learns_with_stale_samples(tmp_path):
     """Async with max_staleness 2 and IS correction: eval reward rises as in sync."""
     from leangrpo.config import load_config
 
-    cfg = load_config(ROOT / "examples" / "demo.yaml", [
-        f"run.output_dir={tmp_path / 'run'}", "run.max_steps=30", "pipeline.mode=async",
-        "pipeline.max_staleness=2", "pipeline.prefetch_depth=2", "eval.every_steps=0",
-        "eval.num_prompts=64", "checkpoint.save_final_model=false", "logging.progress_bar=false",
-        "logging.samples_every=0",
-    ])
+    cfg = load_config(
+        ROOT / "examples" / "demo.yaml",
+        [
+            f"run.output_dir={tmp_path / 'run'}",
+            "run.max_steps=30",
+            "pipeline.mode=async",
+            "pipeline.max_staleness=2",
+            "pipeline.prefetch_depth=2",
+            "eval.every_steps=0",
+            "eval.num_prompts=64",
+            "checkpoint.save_final_model=false",
+            "logging.progress_bar=false",
+            "logging.samples_every=0",
+        ],
+    )
     Trainer(cfg).train()
     rows = read_metrics(tmp_path / "run")
     evals = [r["eval/reward"] for r in rows if "eval/reward" in r]
@@ -206,9 +239,16 @@ def test_demo_still_learns_with_stale_samples(tmp_path):
 
 
 def test_replay_and_reroll_run_inside_the_trainer(tmp_path):
-    cfg = tiny_run(tmp_path, pipeline={"replay": {"enabled": True, "capacity": 8},
-                                       "reroll": {"enabled": True}, "max_staleness": 2},
-                   loss={"mu": 1}, run={"max_steps": 4})
+    cfg = tiny_run(
+        tmp_path,
+        pipeline={
+            "replay": {"enabled": True, "capacity": 8},
+            "reroll": {"enabled": True},
+            "max_staleness": 2,
+        },
+        loss={"mu": 1},
+        run={"max_steps": 4},
+    )
     Trainer(config_from_dict(cfg)).train()
     rows = [r for r in read_metrics(tmp_path / "run") if "replay/groups_used" in r]
     assert len(rows) == 4

@@ -16,19 +16,34 @@ def _parser() -> argparse.ArgumentParser:
         prog="leangrpo", description="Memory-lean, asynchronous GRPO training."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, text in [("train", "train a policy with GRPO"),
-                       ("plan", "estimate the memory a config needs, without loading the model")]:
+    for name, text in [
+        ("train", "train a policy with GRPO"),
+        ("plan", "estimate the memory a config needs, without loading the model"),
+    ]:
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("config", help="YAML config file")
-        p.add_argument("--set", dest="overrides", action="append", default=[],
-                       metavar="KEY=VALUE", help="override a config value, e.g. train.learning_rate=1e-5")
+        p.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a config value, e.g. train.learning_rate=1e-5",
+        )
         if name == "plan":
-            p.add_argument("--tokens", type=int, default=None,
-                           help="tokens per micro-batch to plan for (default: train.micro_batch_tokens)")
-    rep = sub.add_parser("report", help="summarise a run directory (and plot it if matplotlib is installed)")
+            p.add_argument(
+                "--tokens",
+                type=int,
+                default=None,
+                help="tokens per micro-batch to plan for (default: train.micro_batch_tokens)",
+            )
+    rep = sub.add_parser(
+        "report", help="summarise a run directory (and plot it if matplotlib is installed)"
+    )
     rep.add_argument("run_dir")
-    sub.add_parser("serve", help="start a vLLM server with leangrpo's weight-sync extension",
-                   add_help=False)
+    sub.add_parser(
+        "serve", help="start a vLLM server with leangrpo's weight-sync extension", add_help=False
+    )
     return parser
 
 

@@ -424,7 +424,9 @@ class LogprobsConfig(Section):
         description="Never materialise (tokens x vocab) logits; false = the plain full-logits path (a reference).",
     )
     row_tile: int | None = Field(
-        None, ge=1, description="Token rows per tile; null = per-device default (CPU 4096, CUDA 1024)."
+        None,
+        ge=1,
+        description="Token rows per tile; null = per-device default (CPU 4096, CUDA 1024).",
     )
     vocab_tile: int | None = Field(
         None,

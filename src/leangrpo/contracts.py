@@ -132,7 +132,9 @@ class PackedBatch:
         import torch
 
         moved = {
-            name: (value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value)
+            name: (
+                value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+            )
             for name, value in self.__dict__.items()
         }
         return PackedBatch(**moved)

@@ -15,16 +15,28 @@ from leangrpo.contracts import Prompt, RolloutSample, SamplingParams
 
 
 class Evaluator:
-    def __init__(self, engine, rewards, prompts: list[Prompt], cfg, *, engine_lock: threading.Lock,
-                 reward_lock: threading.Lock, shared_weights: bool):
+    def __init__(
+        self,
+        engine,
+        rewards,
+        prompts: list[Prompt],
+        cfg,
+        *,
+        engine_lock: threading.Lock,
+        reward_lock: threading.Lock,
+        shared_weights: bool,
+    ):
         self.engine = engine
         self.rewards = rewards
         limit = cfg.eval.num_prompts
         self.prompts = prompts[:limit] if limit else prompts
         self.n = cfg.eval.num_generations
         self.params = SamplingParams(
-            temperature=cfg.eval.temperature, top_k=cfg.rollout.top_k, min_p=cfg.rollout.min_p,
-            max_new_tokens=cfg.rollout.max_new_tokens, stop=tuple(cfg.rollout.stop),
+            temperature=cfg.eval.temperature,
+            top_k=cfg.rollout.top_k,
+            min_p=cfg.rollout.min_p,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            stop=tuple(cfg.rollout.stop),
             seed=cfg.run.seed + 7919,
         )
         self.engine_lock = engine_lock
@@ -37,11 +49,15 @@ class Evaluator:
         with self.engine_lock:
             if self.shared_weights:  # same weights object as the trainer: only the tag moves
                 self.engine.update_weights((), version)
-            groups = self.engine.generate(self.prompts, replace(self.params), self.n,
-                                          self.engine.version)
+            groups = self.engine.generate(
+                self.prompts, replace(self.params), self.n, self.engine.version
+            )
             evaluated_version = self.engine.version
-        samples = [RolloutSample(group_id=i, prompt=p, completion=c)
-                   for i, (p, cs) in enumerate(zip(self.prompts, groups)) for c in cs]
+        samples = [
+            RolloutSample(group_id=i, prompt=p, completion=c)
+            for i, (p, cs) in enumerate(zip(self.prompts, groups))
+            for c in cs
+        ]
         with self.reward_lock:
             self.rewards.score(samples)
         return eval_metrics(samples, evaluated_version)

@@ -56,8 +56,14 @@ class ProducedBatch:
 class RolloutWorker:
     """One generation batch: prompts -> completions -> rewards -> advantages."""
 
-    def __init__(self, engine: RolloutEngine, rewards, sampler, settings: RolloutSettings,
-                 reward_lock: threading.Lock | None = None):
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        rewards,
+        sampler,
+        settings: RolloutSettings,
+        reward_lock: threading.Lock | None = None,
+    ):
         self.engine = engine
         self.rewards = rewards
         self.sampler = sampler
@@ -72,7 +78,9 @@ class RolloutWorker:
             after = self.sampler.state_dict()
         t0 = time.perf_counter()
         params = _seeded(self.settings.sampling, self.settings.seed, index)
-        groups = self.engine.generate(prompts, params, self.settings.group_size, self.engine.version)
+        groups = self.engine.generate(
+            prompts, params, self.settings.group_size, self.engine.version
+        )
         t1 = time.perf_counter()
         samples = [
             RolloutSample(group_id=index * len(prompts) + i, prompt=p, completion=c)
@@ -209,8 +217,15 @@ class SyncProducer:
 class AsyncProducer:
     """A background thread that keeps batches ready within the staleness bound."""
 
-    def __init__(self, worker: RolloutWorker, finisher: BatchFinisher, prefetch_depth: int,
-                 max_staleness: int, streaming: bool = False, snapshot_device: str | None = None):
+    def __init__(
+        self,
+        worker: RolloutWorker,
+        finisher: BatchFinisher,
+        prefetch_depth: int,
+        max_staleness: int,
+        streaming: bool = False,
+        snapshot_device: str | None = None,
+    ):
         self.worker = worker
         self.finisher = finisher
         self.max_staleness = max_staleness
@@ -234,8 +249,9 @@ class AsyncProducer:
     def start(self) -> None:
         self._consumed_state = {"index": self._index, "sampler": self.worker.sampler.state_dict()}
         threads = torch.get_num_threads()
-        self._thread = threading.Thread(target=self._run, args=(threads,),
-                                        name="leangrpo-producer", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(threads,), name="leangrpo-producer", daemon=True
+        )
         self._thread.start()
 
     # -- the producer thread ---------------------------------------------------------
@@ -310,12 +326,14 @@ class AsyncProducer:
             raise RuntimeError(f"staleness bound broken: {max(stale)} > {self.max_staleness}")
         self._consumed_state = {"index": produced.index + 1, "sampler": produced.sampler_after}
         batch = self.finisher.finish(produced, trainer_version)
-        batch.metrics.update({
-            "time/trainer_wait": waited,
-            "time/producer_idle": produced.idle_s,
-            "pipeline/queue": float(self.queue.qsize()),
-            "pipeline/dropped_stale": float(self.dropped_stale),
-        })
+        batch.metrics.update(
+            {
+                "time/trainer_wait": waited,
+                "time/producer_idle": produced.idle_s,
+                "pipeline/queue": float(self.queue.qsize()),
+                "pipeline/dropped_stale": float(self.dropped_stale),
+            }
+        )
         return batch
 
     def _take_streamed(self, trainer_version: int) -> ProducedBatch:
@@ -353,8 +371,10 @@ class AsyncProducer:
     def push_weights(self, version: int, tensors: Callable[[], Iterable]) -> float:
         """Hand a snapshot to the producer; it is applied between two generations."""
         t0 = time.perf_counter()
-        snapshot = [(name, t.detach().to(self.snapshot_device or t.device, copy=True))
-                    for name, t in tensors()]
+        snapshot = [
+            (name, t.detach().to(self.snapshot_device or t.device, copy=True))
+            for name, t in tensors()
+        ]
         with self._pending_lock:
             self._pending = (version, snapshot)
         with self._weights_changed:

@@ -42,13 +42,19 @@ class Dims:
 def model_dims(model_cfg) -> Dims:
     from transformers import AutoConfig
 
-    c = AutoConfig.from_pretrained(model_cfg.name_or_path, revision=model_cfg.revision,
-                                   trust_remote_code=model_cfg.trust_remote_code)
+    c = AutoConfig.from_pretrained(
+        model_cfg.name_or_path,
+        revision=model_cfg.revision,
+        trust_remote_code=model_cfg.trust_remote_code,
+    )
     c = getattr(c, "text_config", None) or c
     heads = c.num_attention_heads
     return Dims(
-        vocab=c.vocab_size, hidden=c.hidden_size, intermediate=c.intermediate_size,
-        layers=c.num_hidden_layers, heads=heads,
+        vocab=c.vocab_size,
+        hidden=c.hidden_size,
+        intermediate=c.intermediate_size,
+        layers=c.num_hidden_layers,
+        heads=heads,
         kv_heads=getattr(c, "num_key_value_heads", None) or heads,
         head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
         tied=bool(getattr(c, "tie_word_embeddings", False)),

@@ -10,8 +10,17 @@ import json
 import math
 from pathlib import Path
 
-HEADLINE = ["eval/reward", "reward/mean", "loss", "grad_norm", "completions/mean_length",
-            "staleness/mean", "time/generate", "time/train", "throughput/train_tokens_per_s"]
+HEADLINE = [
+    "eval/reward",
+    "reward/mean",
+    "loss",
+    "grad_norm",
+    "completions/mean_length",
+    "staleness/mean",
+    "time/generate",
+    "time/train",
+    "throughput/train_tokens_per_s",
+]
 
 
 def read_rows(run_dir: str | Path) -> list[dict]:
@@ -22,19 +31,26 @@ def read_rows(run_dir: str | Path) -> list[dict]:
 
 
 def series(rows: list[dict], key: str) -> list[tuple[int, float]]:
-    return [(r["step"], r[key]) for r in rows
-            if isinstance(r.get(key), (int, float)) and not math.isnan(r[key])]
+    return [
+        (r["step"], r[key])
+        for r in rows
+        if isinstance(r.get(key), (int, float)) and not math.isnan(r[key])
+    ]
 
 
 def report(run_dir: str | Path) -> str:
     rows = read_rows(run_dir)
-    lines = [f"run {run_dir}: {len(rows)} records, last step {rows[-1]['step'] if rows else 0}",
-             f"{'metric':<32}{'first':>12}{'last':>12}{'min':>12}{'max':>12}"]
+    lines = [
+        f"run {run_dir}: {len(rows)} records, last step {rows[-1]['step'] if rows else 0}",
+        f"{'metric':<32}{'first':>12}{'last':>12}{'min':>12}{'max':>12}",
+    ]
     for key in HEADLINE:
         values = [v for _, v in series(rows, key)]
         if values:
-            lines.append(f"{key:<32}{values[0]:>12.4g}{values[-1]:>12.4g}"
-                         f"{min(values):>12.4g}{max(values):>12.4g}")
+            lines.append(
+                f"{key:<32}{values[0]:>12.4g}{values[-1]:>12.4g}"
+                f"{min(values):>12.4g}{max(values):>12.4g}"
+            )
     png = _plot(rows, Path(run_dir) / "report.png")
     if png:
         lines.append(f"plots: {png}")

@@ -50,12 +50,23 @@ def plan_steps(samples: list[RolloutSample], cfg, policy: Policy) -> list[Planne
         lengths = [s.num_tokens for s in step_samples]
         groups = _group_indices(step_samples) if prefix else None
         prompt_lens = [len(step_samples[g[0]].prompt.ids) for g in groups] if prefix else None
-        plan = plan_micro_batches(lengths, cfg.train.micro_batch_tokens, cfg.packing.balance,
-                                  groups=groups, prompt_lens=prompt_lens)
-        micro_batches = [pack_samples([step_samples[i] for i in idx], shared_prefix=prefix,
-                                      device=policy.device) for idx in plan]
-        metrics = packing_metrics(lengths, plan, cfg.packing.balance,
-                                  packed_tokens=[mb.num_tokens for mb in micro_batches])
+        plan = plan_micro_batches(
+            lengths,
+            cfg.train.micro_batch_tokens,
+            cfg.packing.balance,
+            groups=groups,
+            prompt_lens=prompt_lens,
+        )
+        micro_batches = [
+            pack_samples([step_samples[i] for i in idx], shared_prefix=prefix, device=policy.device)
+            for idx in plan
+        ]
+        metrics = packing_metrics(
+            lengths,
+            plan,
+            cfg.packing.balance,
+            packed_tokens=[mb.num_tokens for mb in micro_batches],
+        )
         metrics["packing/shared_prefix"] = float(prefix)
         steps.append(PlannedStep(micro_batches, metrics))
     return steps
@@ -67,8 +78,10 @@ def use_shared_prefix(samples: list[RolloutSample], cfg, policy: Policy) -> bool
     if support is None or not support.prefix_kwarg or not samples:
         return False
     prompt_tokens = sum(len(s.prompt.ids) for s in samples)
-    stats = {"prompt_fraction": prompt_tokens / sum(s.num_tokens for s in samples),
-             "group_size": cfg.rollout.num_generations}
+    stats = {
+        "prompt_fraction": prompt_tokens / sum(s.num_tokens for s in samples),
+        "group_size": cfg.rollout.num_generations,
+    }
     return choose_shared_prefix(cfg.packing.shared_prefix, policy.attention_backend, stats)
 
 
@@ -136,8 +149,14 @@ def loss_inputs(mb: PackedBatch, logprobs, entropy, cfg) -> tuple[LossInputs, di
         old = behaviour
     elif cfg.loss.is_correction == "decoupled":
         weights, is_metrics = importance_weights(
-            old, behaviour, mb.token_seq, mb.num_sequences, mask,
-            mode=cfg.loss.is_mode, cap=cfg.loss.is_cap, min_weight=cfg.loss.is_min,
+            old,
+            behaviour,
+            mb.token_seq,
+            mb.num_sequences,
+            mask,
+            mode=cfg.loss.is_mode,
+            cap=cfg.loss.is_cap,
+            min_weight=cfg.loss.is_min,
         )
         metrics = {k: float(v) for k, v in is_metrics.items()}
     inputs = LossInputs(
@@ -154,8 +173,9 @@ def loss_inputs(mb: PackedBatch, logprobs, entropy, cfg) -> tuple[LossInputs, di
     return inputs, metrics
 
 
-def train_step(policy: Policy, micro_batches: list[PackedBatch], optimizer, cfg, sampling,
-               loss_cfg) -> StepResult:
+def train_step(
+    policy: Policy, micro_batches: list[PackedBatch], optimizer, cfg, sampling, loss_cfg
+) -> StepResult:
     """Accumulate gradients over the micro-batches, clip, and step unless non-finite."""
     norm = normalisers(micro_batches, cfg)
     sums: dict[str, float] = defaultdict(float)
@@ -206,8 +226,10 @@ def _step_metrics(sums, is_metrics, total_loss, grad_norm, micro_batches) -> dic
     for k, values in is_metrics.items():
         reduce = {"min": min, "max": max}.get(k.rsplit("_", 1)[-1], lambda v: sum(v) / len(v))
         metrics[k] = reduce(values)
-    metrics.update({
-        "loss": total_loss,
-        "grad_norm": grad_norm,
-    })
+    metrics.update(
+        {
+            "loss": total_loss,
+            "grad_norm": grad_norm,
+        }
+    )
     return metrics

@@ -93,15 +93,28 @@ class Trainer:
         self.live_engine = engines.rollout_shares_weights
         reward_lock = threading.Lock()  # the producer thread and evaluation share the pool
         self.producer = self._make_producer(cfg, engines, train_prompts, reward_lock)
-        eval_lock = self.producer.engine_lock if engines.eval is engines.rollout else threading.Lock()
-        self.evaluator = Evaluator(engines.eval, self.rewards, eval_prompts, cfg,
-                                   engine_lock=eval_lock, reward_lock=reward_lock,
-                                   shared_weights=engines.eval_shares_weights)
+        eval_lock = (
+            self.producer.engine_lock if engines.eval is engines.rollout else threading.Lock()
+        )
+        self.evaluator = Evaluator(
+            engines.eval,
+            self.rewards,
+            eval_prompts,
+            cfg,
+            engine_lock=eval_lock,
+            reward_lock=reward_lock,
+            shared_weights=engines.eval_shares_weights,
+        )
         resumed = self._maybe_resume()
         self.logger = MetricsLogger(
-            self.out, cfg.logging.backends, cfg.logging.progress_bar, cfg.run.max_steps,
-            run_name=cfg.logging.run_name, config_dict=cfg.model_dump(mode="json"),
-            project=cfg.logging.wandb_project, resume_step=self.step if resumed else None,
+            self.out,
+            cfg.logging.backends,
+            cfg.logging.progress_bar,
+            cfg.run.max_steps,
+            run_name=cfg.logging.run_name,
+            config_dict=cfg.model_dump(mode="json"),
+            project=cfg.logging.wandb_project,
+            resume_step=self.step if resumed else None,
         )
 
     def _make_producer(self, cfg: Config, engines, prompts, reward_lock):
@@ -127,8 +140,14 @@ class Trainer:
             sampler_lock=worker.sampler_lock,
         )
         if pipe.mode == "async":
-            return AsyncProducer(worker, finisher, pipe.prefetch_depth, pipe.max_staleness,
-                                 streaming=streaming, snapshot_device=engines.snapshot_device)
+            return AsyncProducer(
+                worker,
+                finisher,
+                pipe.prefetch_depth,
+                pipe.max_staleness,
+                streaming=streaming,
+                snapshot_device=engines.snapshot_device,
+            )
         return SyncProducer(worker, finisher)
 
     def _maybe_resume(self) -> bool:
@@ -164,20 +183,25 @@ class Trainer:
         samples = [s for s in batch.samples if s.reward is not None]
         steps = plan_steps(samples, self.cfg, self.policy)
         attach_old_and_ref(self.policy, steps, self.cfg, self.sampling)
-        batch_metrics = {**batch.metrics, **rollout_metrics(batch, self.version),
-                         "time/score": time.perf_counter() - t0}
+        batch_metrics = {
+            **batch.metrics,
+            **rollout_metrics(batch, self.version),
+            "time/score": time.perf_counter() - t0,
+        }
         for _ in range(self.cfg.loss.mu):
             for planned in steps:
                 if self.step >= self.cfg.run.max_steps:
                     return
-                self.optimizer_step(planned.micro_batches, {**batch_metrics, **planned.metrics},
-                                    batch)
+                self.optimizer_step(
+                    planned.micro_batches, {**batch_metrics, **planned.metrics}, batch
+                )
                 batch_metrics = {}  # generation metrics are logged once per batch
 
     def optimizer_step(self, micro_batches, batch_metrics: dict, batch: RolloutBatch) -> None:
         t0 = time.perf_counter()
-        result = train_step(self.policy, micro_batches, self.optimizer, self.cfg,
-                            self.sampling, self.loss_cfg)
+        result = train_step(
+            self.policy, micro_batches, self.optimizer, self.cfg, self.sampling, self.loss_cfg
+        )
         self.step += 1
         if result.updated:
             self.scheduler.step()
@@ -189,10 +213,14 @@ class Trainer:
         sync_s = self.sync_weights()
         tokens = sum(mb.num_tokens for mb in micro_batches)
         metrics = {
-            **batch_metrics, **result.metrics,
-            "lr": self.scheduler.get_last_lr()[0], "version": float(self.version),
-            "train/skipped_steps": float(self.skipped), "time/train": train_s,
-            "time/weight_sync": sync_s, "throughput/train_tokens_per_s": tokens / max(train_s, 1e-9),
+            **batch_metrics,
+            **result.metrics,
+            "lr": self.scheduler.get_last_lr()[0],
+            "version": float(self.version),
+            "train/skipped_steps": float(self.skipped),
+            "time/train": train_s,
+            "time/weight_sync": sync_s,
+            "throughput/train_tokens_per_s": tokens / max(train_s, 1e-9),
         }
         self.on_step_end(metrics, batch)
 
@@ -221,10 +249,21 @@ class Trainer:
         return final
 
     def save_checkpoint(self) -> Path:
-        state = {"step": self.step, "version": self.version, "skipped": self.skipped,
-                 "producer": self.producer.state_dict()}
-        return ckpt.save_checkpoint(self.out, self.step, self.policy.model, self.optimizer,
-                                    self.scheduler, state, self.cfg.checkpoint.keep_last)
+        state = {
+            "step": self.step,
+            "version": self.version,
+            "skipped": self.skipped,
+            "producer": self.producer.state_dict(),
+        }
+        return ckpt.save_checkpoint(
+            self.out,
+            self.step,
+            self.policy.model,
+            self.optimizer,
+            self.scheduler,
+            state,
+            self.cfg.checkpoint.keep_last,
+        )
 
     def close(self) -> None:
         """Producer first (it may be mid-call into the engines and the reward pool)."""
@@ -240,16 +279,25 @@ def _due(step: int, every: int) -> bool:
 
 def sampling_params(cfg: Config) -> SamplingParams:
     r = cfg.rollout
-    return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                          min_p=r.min_p, max_new_tokens=r.max_new_tokens, stop=tuple(r.stop))
+    return SamplingParams(
+        temperature=r.temperature,
+        top_k=r.top_k,
+        top_p=r.top_p,
+        min_p=r.min_p,
+        max_new_tokens=r.max_new_tokens,
+        stop=tuple(r.stop),
+    )
 
 
 def make_scheduler(optimizer, cfg: Config):
     from transformers import get_scheduler
 
-    return get_scheduler(cfg.train.lr_scheduler, optimizer,
-                         num_warmup_steps=cfg.train.warmup_steps,
-                         num_training_steps=cfg.run.max_steps)
+    return get_scheduler(
+        cfg.train.lr_scheduler,
+        optimizer,
+        num_warmup_steps=cfg.train.warmup_steps,
+        num_training_steps=cfg.run.max_steps,
+    )
 
 
 def resume_path(cfg: Config, out: Path) -> Path | None:
@@ -271,8 +319,10 @@ def rollout_metrics(batch: RolloutBatch, trainer_version: int) -> dict[str, floa
     return {
         "completions/mean_length": float(np.mean(lengths)),
         "completions/max_length": float(max(lengths)),
-        "completions/truncated_frac": sum(s.completion.finish_reason == "length"
-                                          for s in batch.samples) / n,
+        "completions/truncated_frac": sum(
+            s.completion.finish_reason == "length" for s in batch.samples
+        )
+        / n,
         "staleness/mean": float(np.mean(stale)),
         "staleness/max": float(max(stale)),
         "samples/unscored": float(sum(s.reward is None for s in batch.samples)),
@@ -282,8 +332,11 @@ def rollout_metrics(batch: RolloutBatch, trainer_version: int) -> dict[str, floa
 
 def sample_rows(batch: RolloutBatch, groups: int = 2, per_group: int = 3) -> list[dict]:
     """A few completions of the first groups: what the model writes and how it is scored."""
-    return [{"prompt": s.prompt.text, "completion": s.completion.text, "reward": s.reward}
-            for group in batch.groups()[:groups] for s in group[:per_group]]
+    return [
+        {"prompt": s.prompt.text, "completion": s.completion.text, "reward": s.reward}
+        for group in batch.groups()[:groups]
+        for s in group[:per_group]
+    ]
 
 
 def train(cfg: Config) -> dict[str, float]:

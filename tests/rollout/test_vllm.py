@@ -559,14 +559,24 @@ def test_grpo_with_the_vllm_engine_learns_on_the_demo(tmp_path):
     from leangrpo.trainer import Trainer
 
     root = Path(__file__).resolve().parents[2]
-    cfg = load_config(root / "examples" / "demo.yaml", [
-        f"run.output_dir={tmp_path / 'run'}", "run.max_steps=15", "rollout.engine=vllm",
-        "rollout.vllm.enforce_eager=true", "eval.every_steps=0", "eval.num_prompts=64",
-        "checkpoint.save_final_model=false", "logging.progress_bar=false",
-        "logging.samples_every=0",
-    ])
+    cfg = load_config(
+        root / "examples" / "demo.yaml",
+        [
+            f"run.output_dir={tmp_path / 'run'}",
+            "run.max_steps=15",
+            "rollout.engine=vllm",
+            "rollout.vllm.enforce_eager=true",
+            "eval.every_steps=0",
+            "eval.num_prompts=64",
+            "checkpoint.save_final_model=false",
+            "logging.progress_bar=false",
+            "logging.samples_every=0",
+        ],
+    )
     Trainer(cfg).train()
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     evals = [r["eval/reward"] for r in rows if "eval/reward" in r]
     assert evals[-1] >= evals[0] + 0.1, evals
     mismatch = [r["is/mismatch_kl"] for r in rows if "is/mismatch_kl" in r]
