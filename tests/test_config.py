@@ -219,3 +219,13 @@ def test_docs_are_up_to_date() -> None:
     assert text == gen.render(), "docs/config.md is stale: run python scripts/gen_config_docs.py"
     assert "`rollout.num_generations` | int | `8` | >= 2 |" in text
     assert "## `rollout.vllm`" in text and "## `rewards.functions[]`" in text
+
+
+def test_bundled_example_configs_load():
+    from pathlib import Path
+
+    from leangrpo.config import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    for path in sorted((root / "examples").glob("*.yaml")):
+        load_config(path, [])
