@@ -211,7 +211,7 @@ class SyncProducer:
         self.worker.sampler.load_state_dict(state["sampler"])
 
     def close(self) -> None:
-        pass
+        """Nothing runs in the background; the engines are closed by their owner."""
 
 
 class AsyncProducer:
