@@ -36,6 +36,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -246,45 +247,46 @@ def make_handler(local: Any, staging: Path, model: str) -> type[BaseHTTPRequestH
                 log.exception("request %s failed", self.path)
                 self._reply(500, {"error": f"{type(err).__name__}: {err}"})
 
-        def do_GET(self) -> None:
-            if self.path == "/health":
-                self._dispatch(
-                    lambda: {
-                        "version": local.version,
-                        "model": model,
-                        "in_flight": local.gate.in_flight,
-                    }
-                )
+        def _handle(self, method: str) -> None:
+            body = self._body() if method != "GET" else b""
+            route = _route(method, self.path, body, local, staging, model)
+            if route is None:
+                self._reply(404, {"error": f"no route {method} {self.path}"})
             else:
-                self._reply(404, {"error": f"no route GET {self.path}"})
+                self._dispatch(route)
+
+        def do_GET(self) -> None:
+            self._handle("GET")
 
         def do_POST(self) -> None:
-            parts = self.path.strip("/").split("/")
-            body = self._body()
-            if parts == ["generate"]:
-                self._dispatch(lambda: _generate(local, json.loads(body)))
-            elif len(parts) == 3 and parts[0] == "weights" and parts[2] == "commit":
-                self._dispatch(
-                    lambda: _commit(local, staging, int(parts[1]), json.loads(body)["num_buckets"])
-                )
-            elif parts == ["sleep"]:
-                self._dispatch(lambda: local.sleep(json.loads(body).get("level", 1)) or {})
-            elif parts == ["wake_up"]:
-                self._dispatch(lambda: local.wake_up() or {})
-            else:
-                self._reply(404, {"error": f"no route POST {self.path}"})
+            self._handle("POST")
 
         def do_PUT(self) -> None:
-            parts = self.path.strip("/").split("/")
-            body = self._body()
-            if len(parts) == 3 and parts[0] == "weights":
-                self._dispatch(lambda: _stage_bucket(staging, int(parts[1]), int(parts[2]), body))
-            elif len(parts) == 2 and parts[0] == "adapter":
-                self._dispatch(lambda: _load_adapter_tar(local, staging, int(parts[1]), body))
-            else:
-                self._reply(404, {"error": f"no route PUT {self.path}"})
+            self._handle("PUT")
 
     return Handler
+
+
+def _route(
+    method: str, path: str, body: bytes, local: Any, staging: Path, model: str
+) -> Callable[[], dict] | None:
+    """The server's routes: a zero-argument call producing the JSON reply, or None (404)."""
+    parts = path.strip("/").split("/")
+    if method == "GET" and parts == ["health"]:
+        return lambda: {"version": local.version, "model": model, "in_flight": local.gate.in_flight}
+    if method == "POST" and parts == ["generate"]:
+        return lambda: _generate(local, json.loads(body))
+    if method == "POST" and len(parts) == 3 and parts[0] == "weights" and parts[2] == "commit":
+        return lambda: _commit(local, staging, int(parts[1]), json.loads(body)["num_buckets"])
+    if method == "POST" and parts == ["sleep"]:
+        return lambda: local.sleep(json.loads(body).get("level", 1)) or {}
+    if method == "POST" and parts == ["wake_up"]:
+        return lambda: local.wake_up() or {}
+    if method == "PUT" and len(parts) == 3 and parts[0] == "weights":
+        return lambda: _stage_bucket(staging, int(parts[1]), int(parts[2]), body)
+    if method == "PUT" and len(parts) == 2 and parts[0] == "adapter":
+        return lambda: _load_adapter_tar(local, staging, int(parts[1]), body)
+    return None
 
 
 def _generate(local: Any, payload: dict) -> dict:
