@@ -89,9 +89,9 @@ def _dispatch(args) -> int:
 
 
 def _is_user_error(exc: Exception) -> bool:
-    from leangrpo.errors import USER_ERRORS
+    from leangrpo.errors import user_error_types
 
-    return isinstance(exc, USER_ERRORS)
+    return isinstance(exc, user_error_types())
 
 
 if __name__ == "__main__":

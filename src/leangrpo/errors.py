@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 
-def _user_error_types() -> tuple[type[BaseException], ...]:
+def user_error_types() -> tuple[type[BaseException], ...]:
+    """Imported on demand so that `leangrpo --help` stays instant."""
     from leangrpo.config import ConfigError
     from leangrpo.data import DataError
     from leangrpo.rewards import RewardSpecError
 
     return (ConfigError, DataError, RewardSpecError, FileNotFoundError)
-
-
-def __getattr__(name: str):
-    if name == "USER_ERRORS":
-        return _user_error_types()
-    raise AttributeError(name)

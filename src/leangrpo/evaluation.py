@@ -7,7 +7,6 @@ Rewards that fail are counted and left out of the mean, as in training.
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
 
 import numpy as np
 
@@ -49,9 +48,7 @@ class Evaluator:
         with self.engine_lock:
             if self.shared_weights:  # same weights object as the trainer: only the tag moves
                 self.engine.update_weights((), version)
-            groups = self.engine.generate(
-                self.prompts, replace(self.params), self.n, self.engine.version
-            )
+            groups = self.engine.generate(self.prompts, self.params, self.n, self.engine.version)
             evaluated_version = self.engine.version
         samples = [
             RolloutSample(group_id=i, prompt=p, completion=c)

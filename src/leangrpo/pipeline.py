@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -97,8 +97,6 @@ class RolloutWorker:
 
 def _seeded(params: SamplingParams, seed: int, index: int) -> SamplingParams:
     """Generation randomness is a function of (run seed, batch index): resume is exact."""
-    from dataclasses import replace
-
     return replace(params, seed=(seed * 1_000_003 + index) % (2**31 - 1))
 
 
@@ -126,8 +124,6 @@ def _has_signal(group: list[RolloutSample]) -> bool:
 
 
 def _as_replayed(sample: RolloutSample) -> RolloutSample:
-    from dataclasses import replace
-
     return replace(sample, replayed=True)
 
 

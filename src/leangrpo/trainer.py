@@ -24,7 +24,7 @@ import torch
 
 from leangrpo import checkpoint as ckpt
 from leangrpo.config import Config
-from leangrpo.contracts import RolloutBatch, SamplingParams
+from leangrpo.contracts import RolloutBatch
 from leangrpo.data import PromptSampler, check_data, load_prompts
 from leangrpo.evaluation import Evaluator
 from leangrpo.loss import LossConfig
@@ -87,7 +87,7 @@ class Trainer:
             weight_decay=cfg.train.weight_decay,
         )
         self.scheduler = make_scheduler(self.optimizer, cfg)
-        self.sampling = sampling_params(cfg)
+        self.sampling = cfg.rollout.sampling_params()  # per-batch seeds are set by the producer
         self.rewards = RewardPool(cfg.rewards)
         self.engines = engines = make_engines(cfg, self.policy)
         self.live_engine = engines.rollout_shares_weights
@@ -275,18 +275,6 @@ class Trainer:
 
 def _due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
-
-
-def sampling_params(cfg: Config) -> SamplingParams:
-    r = cfg.rollout
-    return SamplingParams(
-        temperature=r.temperature,
-        top_k=r.top_k,
-        top_p=r.top_p,
-        min_p=r.min_p,
-        max_new_tokens=r.max_new_tokens,
-        stop=tuple(r.stop),
-    )
 
 
 def make_scheduler(optimizer, cfg: Config):
