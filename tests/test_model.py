@@ -76,3 +76,22 @@ def test_lora_reference_is_the_model_with_adapters_disabled():
         current, _ = score(model, batch, params, LOGPROBS)
     torch.testing.assert_close(ref, base_logp, atol=1e-5, rtol=1e-5)
     assert (current - ref).abs().max() > 1e-3
+
+
+def test_reference_logprobs_are_unfiltered():
+    """With top-k / min-p sampling the reference keeps the whole vocabulary: a token outside
+    the reference's top-k has a finite log-prob (KL stays finite), the temperature applies."""
+    model = make_tiny_model("qwen2")
+    enable_packed_attention(model, "sdpa_segments")
+    reference = make_tiny_model("qwen2", seed=1)
+    enable_packed_attention(reference, "sdpa_segments")
+    batch = pack_samples(samples(2))
+    policy = Policy(model, None, reference, torch.device("cpu"), is_lora=False)
+    filtered = SamplingParams(temperature=0.7, top_k=2, min_p=0.3)
+    with torch.no_grad():
+        ref = reference_logprobs(policy, batch, filtered, LOGPROBS)
+        unfiltered, _ = score(reference, batch, SamplingParams(temperature=0.7), LOGPROBS)
+        reference_filtered, _ = score(reference, batch, filtered, LOGPROBS)
+    assert torch.isneginf(reference_filtered).any()  # the case: tokens outside its top-2
+    assert torch.isfinite(ref).all()
+    assert torch.equal(ref, unfiltered)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from conftest import make_tiny_model
 
@@ -12,7 +13,7 @@ from leangrpo.contracts import Completion, Prompt, RolloutSample, SamplingParams
 from leangrpo.loss import LossConfig
 from leangrpo.model import Policy
 from leangrpo.packing import pack_samples
-from leangrpo.step import normalisers, train_step
+from leangrpo.step import normalisers, reduce_is_metrics, train_step
 
 CFG = SimpleNamespace(
     loss=SimpleNamespace(
@@ -103,3 +104,39 @@ def test_normalisers_count_the_whole_step():
     norm = normalisers(batches, CFG)
     assert norm.sequences == 3
     assert norm.tokens == sum(b.num_completion_tokens for b in batches)
+
+
+def step_metrics_for(split) -> dict[str, float]:
+    policy, _ = policy_and_optimizer()
+    optimizer = torch.optim.SGD(policy.model.parameters(), lr=0.0)
+    batches = [pack_samples(part) for part in split]
+    cfg_loss = LossConfig.from_config(CFG.loss)
+    return train_step(policy, batches, optimizer, CFG, SamplingParams(), cfg_loss).metrics
+
+
+def test_is_metrics_are_token_weighted_over_micro_batches():
+    """Two micro-batches of 3 and 12 completion tokens give the IS metrics of one batch."""
+    samples = make_samples([1.0, -1.0, 0.5, -0.5])
+    whole = step_metrics_for([samples])
+    split = step_metrics_for([samples[:1], samples[1:]])
+    assert [len(s.completion.ids) for s in samples] == [3, 4, 5, 3]
+    for name in ("is/weight_mean", "is/mismatch_kl", "is/weight_min", "is/weight_max"):
+        assert split[name] == pytest.approx(whole[name], rel=1e-5), name
+    assert split["is/weight_min"] < split["is/weight_max"]  # the weights really differ
+
+
+def test_reduce_is_metrics_by_hand():
+    mb = [
+        {"is/tokens": 3.0, "is/weight_mean": 1.0, "is/weight_min": 0.5, "is/weight_max": 1.5},
+        {"is/tokens": 1.0, "is/weight_mean": 2.0, "is/weight_min": 2.0, "is/weight_max": 2.0},
+        {"is/tokens": 0.0, "is/weight_mean": 0.0, "is/weight_min": 0.0, "is/weight_max": 0.0},
+    ]
+    got = reduce_is_metrics(mb)
+    # (3 * 1.0 + 1 * 2.0) / 4 = 1.25 (a mean of means would say 1.0 or 1.5); the empty
+    # micro-batch's 0 placeholders are not a minimum
+    assert got == {"is/weight_mean": 1.25, "is/weight_min": 0.5, "is/weight_max": 2.0}
+    assert reduce_is_metrics(mb[2:]) == {
+        "is/weight_mean": 0.0,
+        "is/weight_min": 0.0,
+        "is/weight_max": 0.0,
+    }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import textwrap
 from pathlib import Path
 
@@ -257,3 +258,23 @@ def test_replay_and_reroll_run_inside_the_trainer(tmp_path):
     used = sum(r["replay/groups_used"] for r in rows)
     assert used > 0  # zero-variance groups were replaced (deterministic under the fixed seed)
     assert used == sum(r["samples/replayed"] for r in replayed) / 4  # whole groups of G = 4
+
+
+def test_top_k_and_min_p_runs_stay_finite(tmp_path):
+    """Sampling filters with a KL term and mu = 2: sampled tokens fall outside the trainer's
+    filtered set once the weights move, and outside the reference's; every step stays
+    finite, none is skipped, the dropped tokens are counted."""
+    cfg = tiny_run(
+        tmp_path,
+        rollout={"top_k": 3, "min_p": 0.05, "temperature": 1.5},
+        loss={"beta": 0.1, "mu": 2},
+        train={"learning_rate": 3e-2},
+        run={"max_steps": 4},
+    )
+    Trainer(config_from_dict(cfg)).train()
+    rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert len(rows) == 4
+    assert rows[-1]["train/skipped_steps"] == 0
+    for r in rows:
+        assert all(math.isfinite(r[k]) for k in ("loss", "grad_norm", "loss/kl"))
+    assert sum(r["loss/filtered_tokens"] for r in rows) > 0  # the case really happened

@@ -162,7 +162,7 @@ class LossInputs:
     logprobs: Tensor  # (T,) current policy, carries grad
     old_logprobs: Tensor  # (T,) denominator of the ratio (trainer's old or the behaviour's)
     advantages: Tensor  # (T,) per token (each sequence's advantage repeated)
-    mask: Tensor  # (T,) float32, 1 = token counts in the loss
+    mask: Tensor  # (T,) float32 0/1: 1 = token counts in the loss (a selection, not a weight)
     token_seq: Tensor  # (T,) int64, sequence index in [0, num_sequences)
     num_sequences: int  # S of this micro-batch
     ref_logprobs: Tensor | None = None  # (T,) reference policy, needed when beta > 0

@@ -4,13 +4,16 @@ Scoring never builds logits for prompt tokens: the backbone runs once over the p
 (real tokens only), the final hidden states are gathered at the T positions that predict
 completion tokens, and the chunked lm_head turns those (T, H) rows into log-probs without
 ever holding a (T, V) tensor. Reference log-probs come from the same forward with LoRA
-adapters disabled, or from a frozen copy when training all weights with beta > 0.
+adapters disabled, or from a frozen copy when training all weights with beta > 0; they are
+unfiltered (temperature only): KL to a top-k / min-p filtered reference is +inf for any
+token outside the reference's set, which becomes near-certain once the policy drifts.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -185,9 +188,15 @@ def score(
     )
 
 
+def reference_sampling(sampling: SamplingParams) -> SamplingParams:
+    """The reference's transformation: the engine's temperature, no top-k/top-p/min-p."""
+    return dataclasses.replace(sampling, top_k=0, top_p=1.0, min_p=0.0)
+
+
 @torch.no_grad()
 def reference_logprobs(policy: Policy, batch: PackedBatch, sampling, logprob_cfg) -> torch.Tensor:
-    """Log-probs of the reference policy: adapters off (LoRA) or the frozen copy."""
+    """Unfiltered log-probs of the reference policy: adapters off (LoRA) or the frozen copy."""
+    sampling = reference_sampling(sampling)
     if policy.reference is not None:
         return score(policy.reference, batch, sampling, logprob_cfg)[0]
     if not policy.is_lora:

@@ -9,7 +9,12 @@ the loss needs beyond the current log-probs:
   moved before a micro-batch is trained on (mu > 1 or several steps per batch); otherwise
   they are the detached current log-probs and cost nothing. In `bypass` mode the
   behaviour log-probs from the engine stand in for them.
-- reference log-probs, only when beta > 0.
+- reference log-probs, only when beta > 0: unfiltered (temperature only, see
+  `model.reference_logprobs`), so the KL never meets a reference that excludes a token.
+
+Targets the trainer's top-k / min-p filter excludes (-inf log-prob) are dropped from the
+loss and the IS weights by `loss.py` and counted in `loss/filtered_tokens`. IS metrics are
+averaged over micro-batches weighted by their tokens (min/max over them).
 
 The loss of each micro-batch is already divided by normalisers counted over the whole
 step, so summing micro-batch gradients gives the step's exact gradient.
@@ -148,12 +153,14 @@ def loss_inputs(mb: PackedBatch, logprobs, entropy, cfg) -> tuple[LossInputs, di
     if cfg.loss.is_correction == "bypass":
         old = behaviour
     elif cfg.loss.is_correction == "decoupled":
+        # tokens the current pass filtered out leave the loss: keep them out of the metrics
+        in_loss = torch.where(torch.isneginf(logprobs.detach()), 0.0, mask)
         weights, is_metrics = importance_weights(
             old,
             behaviour,
             mb.token_seq,
             mb.num_sequences,
-            mask,
+            in_loss,
             mode=cfg.loss.is_mode,
             cap=cfg.loss.is_cap,
             min_weight=cfg.loss.is_min,
@@ -179,7 +186,7 @@ def train_step(
     """Accumulate gradients over the micro-batches, clip, and step unless non-finite."""
     norm = normalisers(micro_batches, cfg)
     sums: dict[str, float] = defaultdict(float)
-    is_metrics: dict[str, list[float]] = defaultdict(list)
+    is_metrics: list[dict[str, float]] = []  # one per micro-batch
     sums_offload: dict[str, float] = defaultdict(float)
     total_loss = 0.0
     for mb in micro_batches:
@@ -191,8 +198,8 @@ def train_step(
         total_loss += float(out.loss.detach())
         for k, v in out.metrics.items():
             sums[k] += float(v)
-        for k, v in mb_is.items():
-            is_metrics[k].append(v)
+        if mb_is:
+            is_metrics.append(mb_is)
         if policy.offloader is not None:  # per micro-batch counts add up to the step's
             for k, v in policy.offloader.metrics().items():
                 sums_offload[k] = v if k == "offload/pool_bytes" else sums_offload[k] + v
@@ -223,9 +230,7 @@ def _step_metrics(sums, is_metrics, total_loss, grad_norm, micro_batches) -> dic
     from leangrpo.loss import reduce_metrics
 
     metrics = {f"loss/{k}": v for k, v in reduce_metrics(dict(sums)).items()}
-    for k, values in is_metrics.items():
-        reduce = {"min": min, "max": max}.get(k.rsplit("_", 1)[-1], lambda v: sum(v) / len(v))
-        metrics[k] = reduce(values)
+    metrics.update(reduce_is_metrics(is_metrics))
     metrics.update(
         {
             "loss": total_loss,
@@ -233,3 +238,25 @@ def _step_metrics(sums, is_metrics, total_loss, grad_norm, micro_batches) -> dic
         }
     )
     return metrics
+
+
+def reduce_is_metrics(per_micro_batch: list[dict[str, float]]) -> dict[str, float]:
+    """IS metrics of the step: token-weighted means, min of mins, max of maxes.
+
+    Each entry holds one micro-batch's means and its `is/tokens`; micro-batches without a
+    token in the loss carry no value (their 0 placeholders would drag a min down).
+    """
+    counted = [m for m in per_micro_batch if m["is/tokens"] > 0]
+    names = [k for k in (per_micro_batch[0] if per_micro_batch else {}) if k != "is/tokens"]
+    tokens = sum(m["is/tokens"] for m in counted)
+    out = {}
+    for name in names:
+        if not counted:
+            out[name] = 0.0
+        elif name.endswith("_min"):
+            out[name] = min(m[name] for m in counted)
+        elif name.endswith("_max"):
+            out[name] = max(m[name] for m in counted)
+        else:
+            out[name] = sum(m[name] * m["is/tokens"] for m in counted) / tokens
+    return out
