@@ -365,7 +365,7 @@ def test_padded_view_state_is_per_model_copy():
     def trainer():
         try:
             got["a"] = run(model, batch_a).last_hidden_state
-        except Exception as exc:  # noqa: BLE001 - reported below
+        except Exception as exc:  # reported below
             errors.append(exc)
         finally:
             model_done.set()
@@ -373,7 +373,7 @@ def test_padded_view_state_is_per_model_copy():
     def producer():
         try:
             got["b"] = run(twin, batch_b).last_hidden_state
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=trainer), threading.Thread(target=producer)]
