@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 from conftest import make_tiny_model
 
@@ -95,3 +97,68 @@ def test_reference_logprobs_are_unfiltered():
     assert torch.isneginf(reference_filtered).any()  # the case: tokens outside its top-2
     assert torch.isfinite(ref).all()
     assert torch.equal(ref, unfiltered)
+
+
+def dropout_model_dir(tmp_path):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attention_dropout=0.5,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    return str(tmp_path / "model")
+
+
+def first_iteration_ratio(tmp_path, **model_section):
+    """Old log-probs (eval mode, no grad) vs the training pass (train mode) on one batch."""
+    from leangrpo.config import config_from_dict
+    from leangrpo.model import eval_mode, load_policy
+
+    demo = Path(__file__).resolve().parents[1] / "examples" / "demo"
+    cfg = config_from_dict(
+        {
+            "model": {"name_or_path": dropout_model_dir(tmp_path), "dtype": "float32",
+                      "gradient_checkpointing": True, **model_section},
+            "data": {"path": str(demo / "train.jsonl")},
+            "rewards": {"functions": [{"name": "math"}]},
+        }
+    )  # fmt: skip
+    policy = load_policy(cfg, None, torch.device("cpu"))
+    batch = pack_samples(samples())
+    with eval_mode(policy.model), torch.no_grad():
+        old, _ = score(policy.model, batch, SamplingParams(), LOGPROBS)
+    torch.manual_seed(1)
+    current, _ = score(policy.model, batch, SamplingParams(), LOGPROBS, with_entropy=True)
+    current.sum().backward()  # checkpointed recomputation in train mode
+    return torch.exp(current.detach() - old)
+
+
+def test_dropout_is_off_for_rl_by_default(tmp_path):
+    ratio = first_iteration_ratio(tmp_path)
+    assert torch.equal(ratio, torch.ones_like(ratio))  # exactly 1 on the first iteration
+    kept = first_iteration_ratio(tmp_path, disable_dropout=False)
+    assert (kept - 1).abs().max() > 1e-3  # what the default prevents: dropout noise in r
+
+
+def test_lora_dropout_needs_dropout_kept():
+    from leangrpo.config import ConfigError, config_from_dict
+
+    demo = Path(__file__).resolve().parents[1] / "examples" / "demo"
+    base = {
+        "model": {"name_or_path": "m"},
+        "data": {"path": str(demo / "train.jsonl")},
+        "rewards": {"functions": [{"name": "math"}]},
+        "lora": {"enabled": True, "dropout": 0.05},
+    }
+    with pytest.raises(ConfigError, match="lora.dropout.*model.disable_dropout"):
+        config_from_dict(base)
+    kept = config_from_dict({**base, "model": {"name_or_path": "m", "disable_dropout": False}})
+    assert kept.lora.dropout == 0.05

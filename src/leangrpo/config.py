@@ -75,6 +75,10 @@ class ModelConfig(Section):
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward instead of storing them."
     )
+    disable_dropout: bool = Field(
+        True,
+        description="Set every dropout of the model (and of the LoRA adapters) to 0, as TRL does for RL: the old/reference passes run without dropout, so with dropout kept the importance ratio is not 1 even on the first iteration and the clip acts on dropout noise. false keeps the model's dropout in the training pass (see docs/ARCHITECTURE.md).",
+    )
     trust_remote_code: bool = Field(
         False, description="Allow model code from the hub (transformers trust_remote_code)."
     )
@@ -89,7 +93,12 @@ class LoRAConfig(Section):
     enabled: bool = Field(False, description="Train LoRA adapters instead of all weights.")
     r: int = Field(16, ge=1, description="Adapter rank.")
     alpha: int = Field(32, ge=1, description="Adapter scale numerator (scale = alpha / r).")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter input.")
+    dropout: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Dropout on the adapter input; > 0 needs model.disable_dropout: false.",
+    )
     target_modules: list[str] | Literal["all-linear"] = Field(
         "all-linear",
         description="Module names to adapt, or 'all-linear' for every linear layer except the output head.",
@@ -551,6 +560,14 @@ class Config(Section):
         default_factory=CheckpointConfig, description="Checkpoints."
     )
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging.")
+
+    @model_validator(mode="after")
+    def _check_dropout(self) -> Config:
+        if self.lora.enabled and self.lora.dropout > 0 and self.model.disable_dropout:
+            raise rule_error(
+                f"lora.dropout ({self.lora.dropout}) would be set to 0 by model.disable_dropout (true by default, since dropout makes the training pass disagree with the old-log-prob pass); set lora.dropout: 0, or model.disable_dropout: false to train with dropout."
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_group_counts(self) -> Config:

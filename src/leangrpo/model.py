@@ -101,6 +101,8 @@ def load_policy(cfg, tokenizer, device: torch.device) -> Policy:
         reference = copy.deepcopy(model).eval().requires_grad_(False)
     if cfg.lora.enabled:
         model = _wrap_lora(model, cfg.lora)
+    if cfg.model.disable_dropout:
+        disable_dropout(model)
     offloader = None
     if cfg.model.gradient_checkpointing or cfg.offload.activations != "none":
         offloader = enable_gradient_checkpointing(
@@ -111,6 +113,27 @@ def load_policy(cfg, tokenizer, device: torch.device) -> Policy:
         )
     model.train()
     return Policy(model, tokenizer, reference, device, cfg.lora.enabled, offloader, backend)
+
+
+def disable_dropout(model: nn.Module) -> int:
+    """Zero every dropout in `model`; returns how many were non-zero.
+
+    Two kinds exist: `nn.Dropout` modules (TRL's `disable_dropout_in_model` zeroes only
+    these) and float attributes that the module passes to a functional call, such as
+    transformers' `attention_dropout` (given to the attention kernel in train mode); the
+    model's config is left untouched, so a saved model keeps its dropout settings.
+    """
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            changed += module.p > 0
+            module.p = 0.0
+            continue
+        for name, value in list(vars(module).items()):
+            if "dropout" in name and isinstance(value, float) and value > 0:
+                setattr(module, name, 0.0)
+                changed += 1
+    return changed
 
 
 SCALED_LOGITS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
