@@ -1,5 +1,6 @@
 """HFEngine: shapes, finish reasons, behaviour log-probs vs a teacher-forced recomputation,
-versions, weight updates (full and LoRA), seeding; sampling.process_logits vs transformers."""
+versions, weight updates (full and LoRA), seeding and RNG isolation from the trainer;
+sampling.process_logits vs transformers."""
 
 from __future__ import annotations
 
@@ -72,6 +73,8 @@ def test_behaviour_logprobs_match_teacher_forced(tokenizer, prompts, params):
     model = with_eos_bias(tiny(tokenizer), tokenizer.eos_token_id, 2.0)
     engine = HFEngine(model, tokenizer, max_batch_size=8)  # 2 chunks of 2 prompts x 4
     groups = engine.generate(prompts, params, n=4, version=0)
+    # rows end at different steps: finished rows leave the running batch and its KV cache
+    assert len({len(c.ids) for g in groups for c in g}) > 1
     for prompt, group in zip(prompts, groups):
         for c in group:
             expected = teacher_forced(model, prompt, c.ids, params)
@@ -274,3 +277,54 @@ def test_shared_engine_generates_on_the_models_device(tokenizer):
     assert HFEngine(model, tokenizer, device=torch.device("cpu")).device == torch.device("cpu")
     with pytest.raises(ValueError, match="share_weights=True generates on the model's device"):
         HFEngine(model, tokenizer, device="meta")
+
+
+def test_unseeded_generation_does_not_touch_the_global_rng(tokenizer, prompts):
+    engine = HFEngine(tiny(tokenizer), tokenizer)
+    torch.manual_seed(11)
+    state = torch.get_rng_state()
+    groups = engine.generate(prompts, SamplingParams(max_new_tokens=4), 2, 0)
+    assert all(len(c.ids) >= 1 for g in groups for c in g)
+    assert torch.equal(torch.get_rng_state(), state), "generation drew from the global RNG"
+
+
+def test_producer_thread_does_not_race_checkpointed_dropout(tokenizer, prompts):
+    """The async layout: an engine with its own copy samples in a thread while the trainer
+    runs dropout under non-reentrant checkpointing; the recomputed forward must draw the
+    same mask as the forward (torch restores the global RNG state for it)."""
+    import threading
+
+    from torch.utils.checkpoint import checkpoint
+
+    engine = HFEngine(tiny(tokenizer), tokenizer, share_weights=False)
+    params = SamplingParams(max_new_tokens=6, seed=3, top_k=20)
+    stop, calls = threading.Event(), [0]
+
+    def producer():
+        while not stop.is_set():
+            engine.generate(prompts, params, 4, 0)
+            calls[0] += 1
+
+    thread = threading.Thread(target=producer, daemon=True)
+    thread.start()
+    w = torch.tensor(2.0, requires_grad=True)
+    x = torch.rand(4096)
+
+    def layer(x):
+        h = x * w
+        h = h + 0.0
+        return torch.nn.functional.dropout(h, 0.5, training=True)
+
+    bad = 0
+    try:
+        for _ in range(150):
+            w.grad = None
+            y = checkpoint(layer, x, use_reentrant=False)
+            y.sum().backward()
+            expected = (y.detach().sum() / w.detach()).item()  # with the forward's own mask
+            bad += abs(w.grad.item() - expected) > 1e-3 * abs(expected)
+    finally:
+        stop.set()
+        thread.join(30)
+    assert calls[0] > 0  # the producer really ran alongside
+    assert bad == 0, f"backward used another dropout mask than forward in {bad}/150 steps"
