@@ -70,7 +70,7 @@ def test_shapes_and_version_tags(tokenizer, prompts):
     ],
 )
 def test_behaviour_logprobs_match_teacher_forced(tokenizer, prompts, params):
-    model = with_eos_bias(tiny(tokenizer), tokenizer.eos_token_id, 2.0)
+    model = with_eos_bias(tiny(tokenizer), tokenizer.eos_token_id, 0.0)  # lengths 1 to 6
     engine = HFEngine(model, tokenizer, max_batch_size=8)  # 2 chunks of 2 prompts x 4
     groups = engine.generate(prompts, params, n=4, version=0)
     # rows end at different steps: finished rows leave the running batch and its KV cache
