@@ -330,7 +330,7 @@ def raw_request(url: str, method: str, path: str, body: bytes = b"", headers=Non
 
 @pytest.mark.parametrize(
     ("length", "status"),
-    [(None, 411), ("-5", 400), ("12abc", 400), (str(2 << 20), 413), ("1", 400)],
+    [(None, 411), ("-1", 400), ("-5", 400), ("12abc", 400), (str(2 << 20), 413), ("1", 400)],
 )
 def test_body_lengths_are_checked_before_reading(served, length, status):
     server = served(max_body_bytes=1 << 20)
