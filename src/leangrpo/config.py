@@ -265,6 +265,15 @@ class VLLMConfig(Section):
         600.0, gt=0, description="Seconds to wait for one server request."
     )
     max_retries: int = Field(3, ge=0, description="Retries of a failed server request.")
+    token_file: str | None = Field(
+        None,
+        description="File holding the shared-secret token of the `leangrpo serve` processes in `urls`; null = the LEANGRPO_SERVE_TOKEN environment variable (never put the token itself in a config). A server the trainer starts itself gets a fresh random token.",
+    )
+    max_body_mb: int = Field(
+        8192,
+        ge=1,
+        description="Largest upload (one weight bucket, one adapter) in MiB a server the trainer starts accepts; servers you start take `--max-body-mb`.",
+    )
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Extra keyword arguments for vllm.LLM / the server."
     )

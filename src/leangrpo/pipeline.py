@@ -30,6 +30,7 @@ import torch
 
 from leangrpo.advantages import compute_advantages
 from leangrpo.contracts import RolloutBatch, RolloutEngine, RolloutSample, SamplingParams
+from leangrpo.seeding import derive_seed
 
 _STOP_POLL_S = 0.1
 
@@ -96,8 +97,9 @@ class RolloutWorker:
 
 
 def _seeded(params: SamplingParams, seed: int, index: int) -> SamplingParams:
-    """Generation randomness is a function of (run seed, batch index): resume is exact."""
-    return replace(params, seed=(seed * 1_000_003 + index) % (2**31 - 1))
+    """Generation randomness is a hash of (run seed, batch index): resume is exact, and
+    batches never share seeds (engines derive per-prompt/per-sample seeds from this one)."""
+    return replace(params, seed=derive_seed(seed, index))
 
 
 class ReplayBuffer:

@@ -106,6 +106,8 @@ class Trainer:
             shared_weights=engines.eval_shares_weights,
         )
         resumed = self._maybe_resume()
+        if engines.push_at_start and not resumed:  # a server may hold another run's weights
+            engines.rollout.update_weights(self.policy.named_trainable_tensors(), self.version)
         self.logger = MetricsLogger(
             self.out,
             cfg.logging.backends,
