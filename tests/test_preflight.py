@@ -7,7 +7,6 @@ import logging
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -99,8 +98,13 @@ def test_data_errors_come_before_the_run_directory_is_touched(tmp_path: Path) ->
     assert not (tmp_path / "run").exists()
 
 
-def test_preflight_checks_the_model_files(tmp_path: Path) -> None:
+def test_preflight_checks_the_model_files_and_the_metrics_backends(
+    tmp_path: Path, monkeypatch
+) -> None:
     cfg = demo(tmp_path, f"model.name_or_path={tmp_path / 'missing'}")
     with pytest.raises(Exception, match="no such directory"):
         preflight(cfg)
-    assert isinstance(SimpleNamespace, type)
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
+    with pytest.raises(ConfigError, match="the wandb package is not installed"):
+        preflight(demo(tmp_path, "logging.backends=[jsonl, wandb]"))
+    assert not (tmp_path / "run").exists()  # refused before the run directory was touched

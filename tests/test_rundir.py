@@ -170,7 +170,11 @@ def test_resume_with_changed_training_settings_is_refused_or_allowed(
 
 def test_finished_run_is_reported_not_rerun(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    fake_checkpoint(out, 10, make_cfg(out))
+    last = fake_checkpoint(out, 10, make_cfg(out))
+    run_dir = open_run_dir(make_cfg(out))  # crashed before final/ was written: finish it
+    assert not run_dir.finished and run_dir.resume_from == last
+    run_dir.release()
+    (out / "final").mkdir()
     run_dir = open_run_dir(make_cfg(out))
     assert run_dir.finished.startswith(f"Run {str(out)!r} is already finished")
     assert "step 10 and run.max_steps is 10" in run_dir.finished

@@ -8,7 +8,8 @@ possibly cleaning it are the first things that touch the disk):
 2. reward functions resolve (rewards/registry.py);
 3. model files: config.json, weights, safetensors headers, tokenizer (model_files.py),
    and the prompt limit that follows from the model's context;
-4. options that do nothing in the chosen mode are listed in one warning;
+4. the metrics backends are installed; options that do nothing in the chosen mode are
+   listed in one warning;
 5. the run directory is locked and classified: resume, finished, or a clean start
    (rundir.py), config changes since the resume checkpoint checked.
 
@@ -50,12 +51,14 @@ class Preflight:
 
 
 def preflight(cfg: Any) -> Preflight:
+    from leangrpo.metrics import check_backends
     from leangrpo.rewards import check_rewards
 
     check_data(cfg.data)
     check_rewards(cfg.rewards)
     model = check_model_files(cfg.model)
     limit = prompt_limit(cfg, model)
+    check_backends(list(cfg.logging.backends))
     ignored = ignored_options(cfg)
     if ignored:
         log.warning("options ignored in this configuration: %s", "; ".join(ignored))

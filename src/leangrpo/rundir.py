@@ -12,8 +12,10 @@ run does with `run.output_dir`, in this order:
 3. Where to resume from: `run.resume: auto` takes the newest complete checkpoint of this
    directory, an explicit path must be a complete checkpoint (checked now, not after the
    model has loaded), `never` and `run.overwrite: true` take none.
-4. A resume checkpoint at or beyond `run.max_steps` means the run is finished: the CLI
-   says so and exits 0 without loading anything.
+4. A resume checkpoint at or beyond `run.max_steps` (with final/ written, when
+   `checkpoint.save_final_model`) means the run is finished: the CLI says so and exits 0
+   without loading anything. Without final/ (a crash between the last checkpoint and
+   final/) the run resumes and only finishes: the last evaluation and final/.
 5. A run that does not resume from this directory's own checkpoints needs a directory
    without an earlier run's files (metrics, samples, checkpoints, final model...):
    starting over there would append a second run to the old metrics.jsonl and prune the
@@ -205,7 +207,8 @@ def _classify(run_dir: RunDir, cfg: Any) -> None:
         )
     if resume is not None:
         run_dir.resume_from, run_dir.resume_step = resume, checkpoint_step(resume)
-        if run_dir.resume_step >= run.max_steps:
+        final_missing = cfg.checkpoint.save_final_model and not (run_dir.path / "final").is_dir()
+        if run_dir.resume_step >= run.max_steps and not final_missing:
             run_dir.finished = f"Run {str(run_dir.path)!r} is already finished: its checkpoint {resume.name} is at step {run_dir.resume_step} and run.max_steps is {run.max_steps}; nothing to do (raise run.max_steps to train on, or set run.overwrite: true to start again)."
             return
         run_dir.config_notes = check_config_changes(resume, cfg)

@@ -2,10 +2,10 @@
 
 Everything expensive is set up in `Trainer.__init__` after every cheap check has passed
 (preflight.py: config, data, reward functions, model files, the locked run directory), so
-bad input fails in a second with one sentence. `Trainer.train()` then reads as the algorithm: take a scored rollout batch
-from the producer (sync or async), pack it, fill in old/reference log-probs, run `mu`
-iterations of optimizer steps over it, hand new weights to the generator, and log,
-evaluate and checkpoint on schedule.
+bad input fails in a second with one sentence. `Trainer.train()` then reads as the
+algorithm: take a scored rollout batch from the producer (sync or async), pack it, fill
+in old/reference log-probs, run `mu` iterations of optimizer steps over it, hand new
+weights to the generator, and log, evaluate and checkpoint on schedule.
 
 The policy version counts successful optimizer updates; every sample carries the version
 that generated it, so staleness is measured, never assumed.
