@@ -7,6 +7,7 @@ A checkpoint is `output_dir/checkpoints/step-N/`:
     scheduler.pt        scheduler.state_dict()
     rng.pt              python, numpy, torch CPU (and CUDA) generator states
     trainer_state.json  {"step": N, ...whatever JSON-able state the trainer passes}
+    config.yaml         the run's resolved config (compared with the config of a resume)
     COMPLETE            written last
 
 Atomicity: everything is written into `checkpoints/.tmp-step-N-<random>/`, every file and
@@ -34,7 +35,6 @@ import inspect
 import json
 import os
 import random
-import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -46,8 +46,24 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-COMPLETE = "COMPLETE"
-STEP_DIR = re.compile(r"^step-(\d+)$")
+# Finding checkpoints needs no torch: the CLI does it before the model loads (rundir.py).
+from leangrpo.rundir import COMPLETE, STEP_DIR, complete_checkpoints, latest_checkpoint
+
+__all__ = [
+    "COMPLETE",
+    "STEP_DIR",
+    "CheckpointError",
+    "capture_rng_state",
+    "complete_checkpoints",
+    "is_peft_model",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_model_weights",
+    "restore_rng_state",
+    "save_checkpoint",
+    "save_final_model",
+    "save_model_weights",
+]
 
 
 class CheckpointError(RuntimeError):
@@ -65,8 +81,12 @@ def save_checkpoint(
     scheduler: Any | None,
     trainer_state: dict[str, Any],
     keep_last: int,
+    extra_files: dict[str, str] | None = None,
 ) -> Path:
-    """Write `output_dir/checkpoints/step-{step}/` atomically; return its path."""
+    """Write `output_dir/checkpoints/step-{step}/` atomically; return its path.
+
+    `extra_files` maps file names to text written alongside (e.g. the run's config.yaml).
+    """
     if keep_last < 1:
         raise CheckpointError(
             f"keep_last must be >= 1 (got {keep_last}); set checkpoint.keep_last."
@@ -86,15 +106,11 @@ def save_checkpoint(
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(capture_rng_state(), tmp / "rng.pt")
         (tmp / "trainer_state.json").write_text(state_json)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text, encoding="utf-8")
         (tmp / COMPLETE).write_text(json.dumps({"step": step}) + "\n")
     _prune(root, step, keep_last)
     return root / f"step-{step}"
-
-
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step in `output_dir`, or None."""
-    found = complete_checkpoints(Path(output_dir) / "checkpoints")
-    return found[-1][1] if found else None
 
 
 def load_checkpoint(
@@ -131,18 +147,6 @@ def save_final_model(output_dir: str | Path, model: torch.nn.Module, tokenizer: 
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     return output_dir / "final"
-
-
-def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every complete `step-N` directory under `root`, by step."""
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        match = STEP_DIR.match(child.name)
-        if match and child.is_dir() and (child / COMPLETE).is_file():
-            found.append((int(match.group(1)), child))
-    return sorted(found)
 
 
 # -- model weights --------------------------------------------------------------------------

@@ -9,11 +9,15 @@ from them by scripts/gen_config_docs.py). Choices:
   still reads as a float; `--set` values go through `yaml.safe_load`.
 - Cross-field rules live on the section that owns them (on `Config` when they span
   sections) and raise `ConfigError` with one sentence naming every key involved.
+- Every float must be finite (`allow_inf_nan=False`): `.inf` or `.nan` anywhere is refused
+  naming the key. Values that are finite but absurd get documented upper bounds
+  (temperatures <= 10, time limits <= one day, seeds within numpy's 0..2**32-1).
 - This module must not import torch: the CLI validates a config before anything heavy loads.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,7 +37,14 @@ __all__ = ["Config", "ConfigError", "load_config", "config_from_dict", "apply_ov
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False
+    )
+
+
+MAX_SEED = 2**32 - 1  # numpy's legacy seeding (np.random.seed) takes 0 .. 2**32 - 1
+MAX_TEMPERATURE = 10.0  # logits / 10 is already close to uniform sampling
+ONE_DAY_S = 86400.0  # upper bound of every time limit
 
 
 # -- sections -------------------------------------------------------------------------------
@@ -44,14 +55,27 @@ class RunConfig(Section):
 
     output_dir: str = Field(
         "runs/leangrpo",
-        description="Directory for config.yaml, metrics.jsonl, checkpoints/ and final/.",
+        description="Directory for config.yaml, metrics.jsonl, checkpoints/ and final/; one run at a time (it is locked while a run uses it).",
     )
-    seed: int = Field(0, description="Seed for python, numpy and torch RNGs and the data order.")
+    seed: int = Field(
+        0,
+        ge=0,
+        le=MAX_SEED,
+        description="Seed for python, numpy and torch RNGs and the data order (0 to 2**32 - 1).",
+    )
     max_steps: int = Field(100, ge=1, description="Optimizer steps to train for.")
     resume: str = Field(
         "auto",
         min_length=1,
         description="'auto': resume from the latest complete checkpoint in output_dir if any; 'never': start fresh; otherwise the path of a checkpoint directory.",
+    )
+    overwrite: bool = Field(
+        False,
+        description="Delete an earlier run's files in output_dir (checkpoints/, final/, metrics.jsonl, samples.jsonl, ...) and start from scratch. Without it, a directory holding a run that is not resumed is refused.",
+    )
+    allow_config_changes: bool = Field(
+        False,
+        description="Resume even when settings that change training (learning rate, batch sizes, seed, data, ...) differ from the checkpoint's config.yaml; the run then continues but is no longer exact. run.max_steps, logging.*, eval.*, checkpoint.* and run.num_threads may always change.",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="'auto' = cuda if available, else cpu."
@@ -61,6 +85,15 @@ class RunConfig(Section):
         ge=1,
         description="torch CPU threads (torch.set_num_threads); null keeps torch's default.",
     )
+
+    @field_validator("output_dir")
+    @classmethod
+    def _own_directory(cls, value: str) -> str:
+        if not value.strip() or os.path.normpath(value) == ".":
+            raise ValueError(
+                "it would write the run into the current directory; give the run a directory of its own, e.g. runs/my-run"
+            )
+        return value
 
 
 class ModelConfig(Section):
@@ -161,7 +194,15 @@ class DataConfig(Section):
     max_prompt_tokens: int | None = Field(
         None,
         ge=1,
-        description="Prompts longer than this many tokens are dropped and counted; null = keep all.",
+        description="Longest prompt in tokens. Whatever this says, a prompt plus rollout.max_new_tokens must fit the model's context (config.json max_position_embeddings); longer prompts are handled by data.overlong_prompts. null = only the context limit.",
+    )
+    overlong_prompts: Literal["error", "drop", "truncate_left", "truncate_right"] = Field(
+        "error",
+        description="A prompt over the limit: 'error' stops before the model loads, naming the row; 'drop' leaves it out; 'truncate_left' keeps its last tokens, 'truncate_right' its first. Dropped and truncated prompts are counted (data/dropped_prompts, data/truncated_prompts).",
+    )
+    empty_prompts: Literal["error", "drop"] = Field(
+        "error",
+        description="A prompt that is empty or only whitespace: 'error' stops naming the row; 'drop' leaves it out (counted in data/dropped_prompts).",
     )
 
     @model_validator(mode="after")
@@ -217,7 +258,8 @@ class RewardsConfig(Section):
     timeout_s: float = Field(
         10.0,
         gt=0,
-        description="Seconds one function may take on one completion before it counts as unscored.",
+        le=ONE_DAY_S,
+        description="Seconds one function may take on one completion before it counts as unscored (at most 86400).",
     )
     num_workers: int = Field(2, ge=1, description="Worker processes scoring completions.")
     fail_fast: bool = Field(
@@ -231,6 +273,14 @@ class RewardsConfig(Section):
         if isinstance(value, list):
             return [{"name": item} if isinstance(item, str) else item for item in value]
         return value
+
+    @model_validator(mode="after")
+    def _some_weight(self) -> RewardsConfig:
+        if all(spec.weight == 0 for spec in self.functions):
+            raise rule_error(
+                "Every rewards.functions[*].weight is 0, so every reward and advantage is 0 and the run learns nothing; give at least one function a non-zero weight."
+            )
+        return self
 
 
 class VLLMConfig(Section):
@@ -262,7 +312,10 @@ class VLLMConfig(Section):
     )
     enforce_eager: bool = Field(False, description="Disable CUDA graphs in vLLM.")
     request_timeout_s: float = Field(
-        600.0, gt=0, description="Seconds to wait for one server request."
+        600.0,
+        gt=0,
+        le=ONE_DAY_S,
+        description="Seconds to wait for one server request (at most 86400).",
     )
     max_retries: int = Field(3, ge=0, description="Retries of a failed server request.")
     token_file: str | None = Field(
@@ -289,7 +342,10 @@ class RolloutConfig(Section):
     num_generations: int = Field(8, ge=2, description="Completions per prompt (the group size G).")
     prompts_per_batch: int = Field(8, ge=1, description="Prompts per generation batch.")
     temperature: float = Field(
-        1.0, gt=0, description="Sampling temperature (the trainer's log-probs use the same)."
+        1.0,
+        gt=0,
+        le=MAX_TEMPERATURE,
+        description="Sampling temperature (the trainer's log-probs use the same); at most 10.",
     )
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 = off.")
     top_p: float = Field(
@@ -311,6 +367,15 @@ class RolloutConfig(Section):
     )
     stop: list[str] = Field(default_factory=list, description="Strings that end a completion.")
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM settings.")
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, value: list[str]) -> list[str]:
+        if any(not s for s in value):
+            raise ValueError(
+                "an empty stop string matches at once, so every completion would be empty; remove it"
+            )
+        return value
 
     @model_validator(mode="after")
     def _refuse_top_p(self) -> RolloutConfig:
@@ -514,7 +579,9 @@ class EvalConfig(Section):
     )
     num_prompts: int | None = Field(None, ge=1, description="Evaluation prompts used; null = all.")
     num_generations: int = Field(1, ge=1, description="Completions per evaluation prompt.")
-    temperature: float = Field(0.0, ge=0, description="Evaluation temperature; 0 = greedy.")
+    temperature: float = Field(
+        0.0, ge=0, le=MAX_TEMPERATURE, description="Evaluation temperature; 0 = greedy; at most 10."
+    )
 
 
 class CheckpointConfig(Section):
@@ -591,6 +658,10 @@ class Config(Section):
         ):
             raise rule_error(
                 f"pipeline.min_groups_per_step ({self.pipeline.min_groups_per_step}) must not exceed rollout.prompts_per_batch ({groups}), the groups one generation batch holds."
+            )
+        if self.train.micro_batch_tokens <= self.rollout.max_new_tokens:
+            raise rule_error(
+                f"train.micro_batch_tokens ({self.train.micro_batch_tokens}) must exceed rollout.max_new_tokens ({self.rollout.max_new_tokens}), because a micro-batch must hold a whole prompt plus its completion; raise train.micro_batch_tokens."
             )
         pipe = self.pipeline
         if pipe.mode == "async" and pipe.max_staleness < pipe.sync_interval - 1:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from leangrpo.attention import enable_packed_attention, packed_model_kwargs
+from leangrpo.config_io import ConfigError
 from leangrpo.contracts import PackedBatch, SamplingParams
 from leangrpo.logprobs import token_logprobs
 from leangrpo.offload import ActivationOffloader, enable_gradient_checkpointing
@@ -54,10 +55,14 @@ class Policy:
 
 
 def resolve_device(setting: str) -> torch.device:
+    """Checked before the model loads; a missing GPU is the user's to fix (one sentence)."""
     if setting == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if setting == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("run.device is 'cuda' but no CUDA device is visible; set run.device=cpu")
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "no GPU is visible"
+        raise ConfigError(
+            f"run.device is 'cuda' but {why} (torch.cuda.is_available() is False); set run.device: cpu or auto."
+        )
     return torch.device(setting)
 
 
@@ -72,11 +77,19 @@ def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
 def load_tokenizer(model_cfg) -> Any:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(
-        model_cfg.name_or_path,
-        revision=model_cfg.revision,
-        trust_remote_code=model_cfg.trust_remote_code,
-    )
+    from leangrpo.model_files import ModelFilesError
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_cfg.name_or_path,
+            revision=model_cfg.revision,
+            trust_remote_code=model_cfg.trust_remote_code,
+        )
+    except (OSError, ValueError) as exc:  # missing/corrupt files, unknown tokenizer class
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        raise ModelFilesError(
+            f"model.name_or_path = {model_cfg.name_or_path!r}: the tokenizer could not be loaded ({type(exc).__name__}: {first}); check the tokenizer files."
+        ) from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"

@@ -1,11 +1,11 @@
 """The GRPO loop: produce -> score -> optimise -> sync -> log -> checkpoint.
 
 Everything expensive is set up in `Trainer.__init__` after every cheap check has passed
-(config, data file and columns, reward functions), so bad input fails in a second with
-one sentence. `Trainer.train()` then reads as the algorithm: take a scored rollout batch
-from the producer (sync or async), pack it, fill in old/reference log-probs, run `mu`
-iterations of optimizer steps over it, hand new weights to the generator, and log,
-evaluate and checkpoint on schedule.
+(preflight.py: config, data, reward functions, model files, the locked run directory), so
+bad input fails in a second with one sentence. `Trainer.train()` then reads as the
+algorithm: take a scored rollout batch from the producer (sync or async), pack it, fill
+in old/reference log-probs, run `mu` iterations of optimizer steps over it, hand new
+weights to the generator, and log, evaluate and checkpoint on schedule.
 
 The policy version counts successful optimizer updates; every sample carries the version
 that generated it, so staleness is measured, never assumed.
@@ -25,11 +25,12 @@ import torch
 from leangrpo import checkpoint as ckpt
 from leangrpo.config import Config
 from leangrpo.contracts import RolloutBatch
-from leangrpo.data import PromptSampler, check_data, load_prompts
+from leangrpo.data import PromptSampler, load_prompts
 from leangrpo.evaluation import Evaluator
 from leangrpo.loss import LossConfig
 from leangrpo.metrics import MetricsLogger
 from leangrpo.model import Policy, load_policy, load_tokenizer, resolve_device
+from leangrpo.model_files import check_model_files
 from leangrpo.pipeline import (
     AsyncProducer,
     BatchFinisher,
@@ -38,7 +39,8 @@ from leangrpo.pipeline import (
     RolloutWorker,
     SyncProducer,
 )
-from leangrpo.rewards import RewardPool, check_rewards
+from leangrpo.preflight import Preflight, check_micro_batch, preflight, prompt_limit
+from leangrpo.rewards import RewardPool
 from leangrpo.rollout.factory import make_engines
 from leangrpo.step import attach_old_and_ref, plan_steps, train_step
 
@@ -46,9 +48,7 @@ log = logging.getLogger("leangrpo")
 
 
 def validate_inputs(cfg: Config) -> LossConfig:
-    """The cheap checks that must pass before any model loads."""
-    check_data(cfg.data)
-    check_rewards(cfg.rewards)
+    """The loss settings; the cheap input checks are preflight's, run before this."""
     return LossConfig.from_config(cfg.loss)
 
 
@@ -59,25 +59,35 @@ def seed_everything(seed: int) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: Config):
-        self.loss_cfg = validate_inputs(cfg)
-        self.cfg = cfg
-        self.out = Path(cfg.run.output_dir)
-        self.out.mkdir(parents=True, exist_ok=True)
-        cfg.save(self.out / "config.yaml")
-        if cfg.run.num_threads:
-            torch.set_num_threads(cfg.run.num_threads)
-        seed_everything(cfg.run.seed)
-        self.step = 0  # optimizer steps taken (including skipped ones)
-        self.version = 0  # successful updates: the policy version
-        self.skipped = 0
-        self._build(cfg)
+    def __init__(self, cfg: Config, checked: Preflight | None = None):
+        """`checked`: the CLI's preflight result (its run-directory lock passes to us)."""
+        self.checked = checked if checked is not None else preflight(cfg)
+        try:
+            self.loss_cfg = validate_inputs(cfg)
+            self.cfg = cfg
+            self.out = self.checked.run_dir.path
+            cfg.save(self.out / "config.yaml")
+            if cfg.run.num_threads:
+                torch.set_num_threads(cfg.run.num_threads)
+            seed_everything(cfg.run.seed)
+            self.step = 0  # optimizer steps taken (including skipped ones)
+            self.version = 0  # successful updates: the policy version
+            self.skipped = 0
+            self._build(cfg)
+        except BaseException:
+            self.checked.release()
+            raise
 
     # -- set-up --------------------------------------------------------------------------
     def _build(self, cfg: Config) -> None:
         device = resolve_device(cfg.run.device)
+        limit = self.checked.prompt_limit
+        if self.checked.model.directory is None:  # a hub model not cached yet: fetch config.json
+            limit = prompt_limit(cfg, check_model_files(cfg.model, fetch=True))
         tokenizer = load_tokenizer(cfg.model)
-        train_prompts, eval_prompts = load_prompts(cfg.data, tokenizer, cfg.run.seed)
+        prompts = load_prompts(cfg.data, tokenizer, cfg.run.seed, limit)
+        check_micro_batch(prompts.train, cfg)
+        train_prompts, eval_prompts = prompts.train, prompts.eval
         self.policy: Policy = load_policy(cfg, tokenizer, device)
         self.optimizer = torch.optim.AdamW(
             self.policy.trainable_parameters(),
@@ -118,6 +128,8 @@ class Trainer:
             project=cfg.logging.wandb_project,
             resume_step=self.step if resumed else None,
         )
+        if not resumed:
+            self.logger.stage(prompts.metrics)  # merged into the step-0 row
 
     def _make_producer(self, cfg: Config, engines, prompts, reward_lock):
         pipe = cfg.pipeline
@@ -153,7 +165,7 @@ class Trainer:
         return SyncProducer(worker, finisher)
 
     def _maybe_resume(self) -> bool:
-        path = resume_path(self.cfg, self.out)
+        path = self.checked.run_dir.resume_from
         if path is None:
             return False
         state = ckpt.load_checkpoint(path, self.policy.model, self.optimizer, self.scheduler)
@@ -265,6 +277,7 @@ class Trainer:
             self.scheduler,
             state,
             self.cfg.checkpoint.keep_last,
+            extra_files={"config.yaml": self.cfg.to_yaml()},  # compared on resume (rundir.py)
         )
 
     def close(self) -> None:
@@ -273,6 +286,7 @@ class Trainer:
         self.engines.close()
         self.rewards.close()
         self.logger.close()
+        self.checked.release()
 
 
 def _due(step: int, every: int) -> bool:
@@ -288,17 +302,6 @@ def make_scheduler(optimizer, cfg: Config):
         num_warmup_steps=cfg.train.warmup_steps,
         num_training_steps=cfg.run.max_steps,
     )
-
-
-def resume_path(cfg: Config, out: Path) -> Path | None:
-    if cfg.run.resume == "never":
-        return None
-    if cfg.run.resume == "auto":
-        return ckpt.latest_checkpoint(out)
-    path = Path(cfg.run.resume)
-    if not (path / "COMPLETE").exists():
-        raise FileNotFoundError(f"run.resume={path} is not a complete checkpoint directory")
-    return path
 
 
 def rollout_metrics(batch: RolloutBatch, trainer_version: int) -> dict[str, float]:
@@ -329,5 +332,11 @@ def sample_rows(batch: RolloutBatch, groups: int = 2, per_group: int = 3) -> lis
     ]
 
 
-def train(cfg: Config) -> dict[str, float]:
-    return Trainer(cfg).train()
+def train(cfg: Config, checked: Preflight | None = None) -> dict[str, float]:
+    """Run `cfg` to run.max_steps; a run already finished does nothing and returns {}."""
+    checked = checked if checked is not None else preflight(cfg)
+    if checked.finished:
+        checked.release()
+        log.info(checked.finished_message())
+        return {}
+    return Trainer(cfg, checked).train()
