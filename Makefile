@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/leangrpo train examples/demo.yaml
+	$(BIN)/leangrpo train examples/demo.yaml --set run.overwrite=true
 
 test: test-main test-vllm
 
