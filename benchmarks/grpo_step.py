@@ -33,6 +33,7 @@ import json
 import random
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -247,25 +248,34 @@ def case_rows(model_name: str, device: torch.device, variants=VARIANTS):
             row.update(run_variant(model_name, variant, device))
         except torch.cuda.OutOfMemoryError:
             row.update(time_s=None, peak_bytes=None, oom=True)
+        except Exception as err:  # one variant's failure is a row; the next still runs
+            traceback.print_exc()
+            row.update(time_s=None, peak_bytes=None, error=f"{type(err).__name__}: {err}"[:300])
         _free(device)
-        if not row.get("oom"):
-            row["time_s"] = round(row["score_s"] + row["train_s"], 4)
-            peaks = [row["score_peak_bytes"], row["train_peak_bytes"]]
-            row["peak_bytes"] = None if None in peaks else max(peaks)
-            if row["peak_bytes"] is not None:
-                row["peak_above_weights_bytes"] = row["peak_bytes"] - row["measured"]["weights"]
-            add_plan(row, model_name, cfg)
-            if base is not None and not base.get("oom"):
-                row["loss_diff_vs_baseline"] = abs(row["loss"] - base["loss"])
-                row["time_ratio"] = round(row["time_s"] / base["time_s"], 4)
-                if row["peak_bytes"] and base["peak_bytes"]:
-                    row["mem_ratio"] = round(row["peak_bytes"] / base["peak_bytes"], 4)
-        else:
+        if row.get("oom"):
             planned = plan_memory(cfg, cfg.train.micro_batch_tokens, planner_dims(model_name))
             row["planned_total"] = sum(planned[t] for t in TERMS)
+        elif "error" not in row:
+            _summarise(row, base, model_name, cfg)
         if variant == BASELINE:
             base = row
         yield row
+
+
+def _summarise(row: dict, base: dict | None, model_name: str, cfg: Config) -> None:
+    """Step time and peak, the plan next to the measured terms, ratios to the baseline."""
+    row["time_s"] = round(row["score_s"] + row["train_s"], 4)
+    peaks = [row["score_peak_bytes"], row["train_peak_bytes"]]
+    row["peak_bytes"] = None if None in peaks else max(peaks)
+    if row["peak_bytes"] is not None:
+        row["peak_above_weights_bytes"] = row["peak_bytes"] - row["measured"]["weights"]
+    add_plan(row, model_name, cfg)
+    if base is None or not base.get("time_s"):  # no baseline row, or it ran out of memory
+        return
+    row["loss_diff_vs_baseline"] = abs(row["loss"] - base["loss"])
+    row["time_ratio"] = round(row["time_s"] / base["time_s"], 4)
+    if row["peak_bytes"] and base["peak_bytes"]:
+        row["mem_ratio"] = round(row["peak_bytes"] / base["peak_bytes"], 4)
 
 
 def main() -> None:

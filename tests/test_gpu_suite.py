@@ -160,6 +160,18 @@ def test_fetched_wheels_cover_what_pydantic_requires():
 
 
 @pytest.mark.slow
+def test_spawned_children_run_the_same_cases(tmp_path):
+    """--start spawn (the fallback when an import initialised CUDA) runs a case too."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--dry-run"]
+    cmd += ["--only", "env", "--start", "spawn", "--out", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [(r["bench"], r["variant"]) for r in rows] == [("env", "-"), ("suite", "ok")]
+
+
+@pytest.mark.slow
 def test_dry_run_end_to_end(tmp_path):
     """`gpu_suite.sh --dry-run`: every case ok, rows of every benchmark, the summary written."""
     env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT / "src")}
@@ -195,16 +207,15 @@ def test_dry_run_end_to_end(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_inductor_compiled_chunked_matches_eager(dtype):
-    (hidden, weight, bias), targets = _inputs(300, 64, 5000, dtype, device="cuda")
+def test_gpu_inductor_compiled_chunked_matches_eager():
+    """The inductor path itself, bf16 (kept small: it compiles a forward and a backward)."""
+    (hidden, weight, bias), targets = _inputs(256, 64, 3000, torch.bfloat16, device="cuda")
     kw = dict(row_tile=128, vocab_tile=1024)
     eager = _values_and_grads(hidden, weight, bias, targets, **kw)
     compiled = _values_and_grads(hidden, weight, bias, targets, compile=True, **kw)
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     for a, b in zip(compiled, eager):
         scale = max(b.abs().max().item(), 1.0)
-        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * scale)
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2 * scale)
 
 
 @pytest.mark.gpu
