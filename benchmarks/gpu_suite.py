@@ -326,6 +326,46 @@ def _parse() -> argparse.Namespace:
     return p.parse_args()
 
 
+def run_all(selected, budgets: dict, deadline: float, dry: bool, start: str, out: Path):
+    """Every selected case in turn; rows and one `suite` row per case into results.jsonl."""
+    outcomes = []
+    with open(out / "suite.log", "w") as log, open(out / "results.jsonl", "w") as results:
+        for i, spec in enumerate(selected):
+            reserved = sum(budgets[s.name] for s in selected[i + 1 :])
+            cap = deadline - time.time() - reserved  # its budget + what earlier cases left
+            if time.time() < deadline:
+                cap = max(cap, 5.0)  # a late start-up shortens a case, never skips it
+            if cap < 5:
+                outcome = Outcome(spec.name, "skipped", 0.0, [], "the suite's time budget is spent")
+            else:
+                outcome = run_case(spec, dry, cap, start, log)
+            if spec.name == "env" and outcome.status != "ok" and start == "fork":
+                # the first CUDA use: if a forked child cannot initialise CUDA, stop forking
+                print(f"[env] {outcome.status} in a forked child ({outcome.message}); spawning")
+                start = "spawn"
+                outcome = run_case(spec, dry, cap, start, log)
+            outcomes.append(outcome)
+            suite_row = {
+                "bench": "suite",
+                "case": spec.name,
+                "variant": outcome.status,
+                "time_s": round(outcome.wall_s, 2),
+                "budget_s": budgets[spec.name],
+                "rows": len(outcome.rows),
+                "message": outcome.message,
+            }
+            for row in [*outcome.rows, suite_row]:
+                results.write(json.dumps(row) + "\n")
+            results.flush()
+            extra = f": {outcome.message}" if outcome.message else ""
+            print(
+                f"[{spec.name}] {outcome.status} in {outcome.wall_s:.1f} s "
+                f"(cap {cap:.0f} s), {len(outcome.rows)} rows{extra}",
+                flush=True,
+            )
+    return outcomes
+
+
 def main() -> int:
     args = _parse()
     specs = {c.name: c for c in CASES}
@@ -349,42 +389,7 @@ def main() -> int:
         start = "spawn"
     out = _out_dir(args.out)
     budgets = {c.name: (c.dry_budget_s if args.dry_run else c.budget_s) for c in selected}
-    outcomes = []
-    with open(out / "suite.log", "w") as log, open(out / "results.jsonl", "w") as results:
-        for i, spec in enumerate(selected):
-            reserved = sum(budgets[s.name] for s in selected[i + 1 :])
-            cap = deadline - time.time() - reserved  # its budget + what earlier cases left
-            if time.time() < deadline:
-                cap = max(cap, 5.0)  # a late start-up shortens a case, never skips it
-            if cap < 5:
-                outcome = Outcome(spec.name, "skipped", 0.0, [], "the suite's time budget is spent")
-            else:
-                outcome = run_case(spec, args.dry_run, cap, start, log)
-            if spec.name == "env" and outcome.status != "ok" and start == "fork":
-                # the first CUDA use: if a forked child cannot initialise CUDA, stop forking
-                print(f"[env] {outcome.status} in a forked child ({outcome.message}); spawning")
-                start = "spawn"
-                outcome = run_case(spec, args.dry_run, cap, start, log)
-            outcomes.append(outcome)
-            for row in outcome.rows:
-                results.write(json.dumps(row) + "\n")
-            suite_row = {
-                "bench": "suite",
-                "case": spec.name,
-                "variant": outcome.status,
-                "time_s": round(outcome.wall_s, 2),
-                "budget_s": budgets[spec.name],
-                "rows": len(outcome.rows),
-                "message": outcome.message,
-            }
-            results.write(json.dumps(suite_row) + "\n")
-            results.flush()
-            extra = f": {outcome.message}" if outcome.message else ""
-            print(
-                f"[{spec.name}] {outcome.status} in {outcome.wall_s:.1f} s "
-                f"(cap {cap:.0f} s), {len(outcome.rows)} rows{extra}",
-                flush=True,
-            )
+    outcomes = run_all(selected, budgets, deadline, args.dry_run, start, out)
     text = summary_markdown(outcomes, args.dry_run, budgets)
     (out / "summary.md").write_text(text)
     print("\n" + text)

@@ -181,7 +181,7 @@ def run_variant(model_name: str, variant: str, device: torch.device) -> dict:
         measured={"weights": weights, "gradients": grads, "adamw_state": state},
     )
     del policy, model, optimizer, steps, micro_batches
-    _free(device)
+    free_memory(device)
     out["measured"]["lm_head"] = lm_head_peak(model_name, cfg, rows, device, dtype)
     return out
 
@@ -204,11 +204,11 @@ def lm_head_peak(model_name: str, cfg: Config, rows: int, device, dtype) -> int 
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     del hidden, weight, targets, lp, ent
-    _free(device)
+    free_memory(device)
     return peak
 
 
-def _free(device: torch.device) -> None:
+def free_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -251,7 +251,7 @@ def case_rows(model_name: str, device: torch.device, variants=VARIANTS):
         except Exception as err:  # one variant's failure is a row; the next still runs
             traceback.print_exc()
             row.update(time_s=None, peak_bytes=None, error=f"{type(err).__name__}: {err}"[:300])
-        _free(device)
+        free_memory(device)
         if row.get("oom"):
             planned = plan_memory(cfg, cfg.train.micro_batch_tokens, planner_dims(model_name))
             row["planned_total"] = sum(planned[t] for t in TERMS)

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from async_overlap import simulate  # noqa: E402
-from grpo_step import Meter, _free, step_config  # noqa: E402
+from grpo_step import Meter, free_memory, step_config  # noqa: E402
 from models import build_model  # noqa: E402
 
 from leangrpo.contracts import Prompt, RolloutSample  # noqa: E402
@@ -112,26 +112,31 @@ def case_rows(model_name: str, device: torch.device):
         for p, group in zip(prompts, groups)
         for j, c in enumerate(group)
     ]
-    optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-6)
-    step = {}
-    sampling = cfg.rollout.sampling_params()
-    with meter.phase(step, "train_step"):
-        steps = plan_steps(samples, cfg, policy)
-        attach_old_and_ref(policy, steps, cfg, sampling)
-        loss_cfg = LossConfig.from_config(cfg.loss)
-        train_step(policy, steps[0].micro_batches, optimizer, cfg, sampling, loss_cfg)
-    train_s = step["train_step_s"]
+    train_s, peak = train_seconds(policy, samples, cfg, meter)
+    tokens = sum(s.num_tokens for s in samples)
     yield {
         **info,
         "variant": "train_step",
         "time_s": train_s,
-        "peak_bytes": step["train_step_peak_bytes"],
-        "tokens": sum(s.num_tokens for s in samples),
-        "tokens_per_s": round(sum(s.num_tokens for s in samples) / train_s, 1),
+        "peak_bytes": peak,
+        "tokens": tokens,
+        "tokens_per_s": round(tokens / train_s, 1),
     }
-    del policy, model, engine, optimizer, steps
-    _free(device)
+    del policy, model, engine
+    free_memory(device)
     yield from sim_rows(info, gen_s, train_s, sync_s)
+
+
+def train_seconds(policy, samples, cfg, meter: Meter) -> tuple[float, int | None]:
+    """One GRPO step on the generated samples: plan, old + reference passes, train."""
+    optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-6)
+    sampling, out = cfg.rollout.sampling_params(), {}
+    with meter.phase(out, "step"):
+        steps = plan_steps(samples, cfg, policy)
+        attach_old_and_ref(policy, steps, cfg, sampling)
+        loss_cfg = LossConfig.from_config(cfg.loss)
+        train_step(policy, steps[0].micro_batches, optimizer, cfg, sampling, loss_cfg)
+    return out["step_s"], out["step_peak_bytes"]
 
 
 def weight_sync_seconds(policy, meter: Meter) -> float:
