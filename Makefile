@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-main test-vllm setup setup-vllm lint clean
+.PHONY: demo test test-main test-vllm setup setup-vllm lint clean gpu-wheels gpu-suite gpu-suite-dry
 
 setup: $(STAMP)
 
@@ -31,6 +31,17 @@ setup-vllm:
 
 test-vllm: setup-vllm
 	bash scripts/run_tests.sh .venv-vllm/bin/pytest -q -m vllm tests/rollout/test_vllm.py
+
+# GPU suite (benchmarks/RESULTS.md, "GPU suite"): wheels for the GPU machine, the run
+# itself on a CUDA machine, and its CPU dry run (tiny shapes; also a test).
+gpu-wheels: $(STAMP)
+	PYTHON=$(BIN)/python bash scripts/fetch_gpu_wheels.sh
+
+gpu-suite:
+	PYTHONUNBUFFERED=1 bash benchmarks/gpu_suite.sh
+
+gpu-suite-dry: $(STAMP)
+	PYTHON=$(BIN)/python PYTHONUNBUFFERED=1 bash benchmarks/gpu_suite.sh --dry-run
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks scripts

@@ -516,6 +516,10 @@ class LogprobsConfig(Section):
         ge=1,
         description="Vocabulary columns per tile; null = per-device default (CPU 2048, CUDA 8192).",
     )
+    compile: bool = Field(
+        False,
+        description="torch.compile the chunked tile loops (fused epilogues; the first steps pay the compile); off until measured faster (benchmarks/gpu_suite.py).",
+    )
 
 
 class OffloadConfig(Section):

@@ -23,7 +23,12 @@ Choices:
 - Rows outer, vocabulary inner: grad_hidden accumulates in an fp32 row tile; grad_weight in
   a (V, H) fp32 buffer, allocated only when the weight requires grad (not for a frozen
   lm_head under LoRA). Matmuls run in the inputs' dtype, accumulation in fp32.
-- Eager only: a torch.compile path is not included until measured faster on CUDA.
+- Optional torch.compile (`compile=True`, config `logprobs.compile`): the row-tile loops
+  (`_forward_rows`, `_backward_rows`) are compiled as they are, so the elementwise work
+  around each tile's matmul fuses into a few kernels instead of a dozen passes over an fp32
+  tile. Same algorithm and memory plan; off by default until benchmarks/gpu_suite.py
+  measures it faster than the eager path on CUDA. A backend name instead of True (e.g.
+  "aot_eager") traces the same graphs without code generation (CPU tests).
 - Default tiles per device (`DEFAULT_TILES`, both 8M logits = 32 MiB in fp32): CPU 4096 rows x
   2048 vocab, measured ~10% faster than 1024 x 8192 on 2 cores (tall tiles make the weight
   gradient matmul deeper and walk the fp32 weight-grad buffer fewer times); CUDA 1024 x 8192,
@@ -33,8 +38,9 @@ Choices:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -56,6 +62,7 @@ class _Spec:
     row_tile: int
     vocab_tile: int
     compute: torch.dtype  # the lm_head matmul's dtype
+    compile: str | None = None  # torch.compile backend of the row-tile loops; None = eager
 
     @property
     def filtered(self) -> bool:
@@ -196,6 +203,19 @@ def _row_thresholds(
     return thr
 
 
+_COMPILED: dict[tuple[str, str], Callable] = {}
+
+
+def _rows_fn(fn: Callable, spec: _Spec) -> Callable:
+    """`fn` itself, or its torch.compile'd version (one per backend, shapes dynamic on reuse)."""
+    if spec.compile is None:
+        return fn
+    key = (fn.__name__, spec.compile)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(fn, backend=spec.compile)
+    return _COMPILED[key]
+
+
 def _target_slots(targets: Tensor, v0: int, v1: int) -> tuple[Tensor, Tensor]:
     """(rows whose target lies in [v0, v1), its column in the tile (clamped where not))."""
     return (targets >= v0) & (targets < v1), (targets - v0).clamp_(0, v1 - v0 - 1)
@@ -255,7 +275,8 @@ def _forward(
         if thr is not None:
             thr[r0:r1] = _row_thresholds(h, weight, bias, spec, acc)
         rows_thr = None if thr is None else thr[r0:r1]
-        z_t, lz, ent = _forward_rows(h, weight, bias, targets[r0:r1], rows_thr, spec, acc)
+        rows = _rows_fn(_forward_rows, spec)
+        z_t, lz, ent = rows(h, weight, bias, targets[r0:r1], rows_thr, spec, acc)
         logprobs[r0:r1] = z_t - lz
         log_z[r0:r1] = lz
         if entropy is not None:
@@ -366,7 +387,7 @@ def _backward(
             None if entropy is None else entropy[r0:r1],
         )
         g_ent_rows = None if g_ent is None else g_ent[r0:r1].to(acc)
-        grad_h = _backward_rows(
+        grad_h = _rows_fn(_backward_rows, spec)(
             hidden[r0:r1].to(compute),
             weight,
             bias,
@@ -428,6 +449,7 @@ def chunked_logprobs(
     with_entropy: bool = False,
     row_tile: int | None = None,  # None = DEFAULT_TILES for hidden's device
     vocab_tile: int | None = None,
+    compile: bool | str = False,  # True = torch.compile (inductor); or a backend name
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (N,) of `targets` under softmax(filter(lm_head(hidden) / temperature)).
 
@@ -437,6 +459,8 @@ def chunked_logprobs(
     spec = _validate(
         hidden, weight, targets, bias, temperature, top_k, min_p, with_entropy, row_tile, vocab_tile
     )
+    if compile:
+        spec = replace(spec, compile="inductor" if compile is True else str(compile))
     targets = targets.long()
     needs_graph = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias)
@@ -503,8 +527,10 @@ def token_logprobs(
     bias: Tensor | None = None,
     *,
     chunked: bool = True,
+    compile: bool = False,  # chunked path only
     **kw,
 ) -> tuple[Tensor, Tensor | None]:
     """The trainer's entry point: chunked (default) or the full-logits reference."""
-    fn = chunked_logprobs if chunked else naive_logprobs
-    return fn(hidden, weight, targets, bias, **kw)
+    if chunked:
+        return chunked_logprobs(hidden, weight, targets, bias, compile=compile, **kw)
+    return naive_logprobs(hidden, weight, targets, bias, **kw)

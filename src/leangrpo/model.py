@@ -107,6 +107,11 @@ def load_policy(cfg, tokenizer, device: torch.device) -> Policy:
         revision=cfg.model.revision,
         trust_remote_code=cfg.model.trust_remote_code,
     ).to(device)
+    return build_policy(model, cfg, tokenizer, device)
+
+
+def build_policy(model: nn.Module, cfg, tokenizer, device: torch.device) -> Policy:
+    """Wrap a loaded causal LM as cfg asks (benchmarks pass randomly initialised ones)."""
     refuse_scaled_logits(model.config)
     backend = enable_packed_attention(model, cfg.packing.attention_backend)
     reference = None
@@ -215,6 +220,7 @@ def score(
         batch.targets,
         getattr(head, "bias", None),
         chunked=logprob_cfg.chunked,
+        compile=getattr(logprob_cfg, "compile", False),  # duck-typed test configs lack it
         temperature=sampling.temperature,
         top_k=sampling.top_k,
         min_p=sampling.min_p,
