@@ -18,10 +18,11 @@ Choices:
   text is cut before it, as vLLM does. Finish reason: "stop" (EOS or stop string), else
   "length".
 - Temperature 0 is greedy; its log-probs are the unfiltered temperature-1 ones.
-- Randomness: with params.seed set, each sampling call seeds torch from
-  (seed, version, index of the call at this version) inside `torch.random.fork_rng`, so
-  the global RNG stream is untouched and a resumed run replays the same samples.
-  Without a seed, sampling draws from the global RNG.
+- Randomness: with params.seed set, each sampling call seeds torch from (seed, version)
+  inside `torch.random.fork_rng`, so the global RNG stream is untouched and a resumed run
+  replays the same samples. The caller makes seeds distinct (the producer derives one per
+  generation batch); no hidden per-engine counter takes part, so evaluations or a resume
+  in between change nothing. Without a seed, sampling draws from the global RNG.
 - share_weights=True generates with the caller's model object (sync training: weight sync
   only moves the version tag); train mode and gradient checkpointing flags are restored
   afterwards. share_weights=False deep-copies the model at construction (async generation
@@ -81,7 +82,6 @@ class HFEngine:
             for param in self.model.parameters():
                 param.grad = None  # the copy never trains: drop any copied gradients
         self._version = 0
-        self._calls_at_version = 0
         self._lock = threading.Lock()
         self._closed = False
 
@@ -161,15 +161,12 @@ class HFEngine:
             raise RuntimeError("this HFEngine was closed; create a new one")
 
     def _set_version(self, version: int) -> None:
-        if version != self._version:
-            self._calls_at_version = 0
         self._version = version
 
     def _next_seed(self, params: SamplingParams) -> int | None:
         if params.seed is None or params.temperature == 0:
             return None
-        key = f"{params.seed}:{self._version}:{self._calls_at_version}".encode()
-        self._calls_at_version += 1
+        key = f"{params.seed}:{self._version}".encode()
         return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1
 
     def _chunks(self, prompts: list[Prompt], n: int) -> Iterator[list[Prompt]]:
