@@ -1,47 +1,32 @@
 """Rollout production, synchronous or overlapped with training.
 
 A producer turns prompts into scored rollout batches: sample prompts -> generate G
-completions each -> rewards (worker pool) -> re-roll failed prompts -> group-relative
-advantages. Two schedules:
+completions each -> rewards (worker pool) -> re-roll prompts whose group failed -> replay
+-> group-relative advantages. sync: the batch is made when the trainer asks. async: a
+background thread keeps up to `prefetch_depth` batches ready.
 
-- sync: the trainer asks, the batch is made on the spot with the weights the engine holds.
-- async: a background thread keeps up to `prefetch_depth` batches ready.
+Staleness. Every sample carries the version that generated it. `max_staleness` bounds its
+age when its batch is consumed (the batch's first update; its later updates, U = mu x
+steps_per_generation per batch, see it up to U - 1 versions older). Both modes check every
+batch they hand out and raise rather than train beyond the bound.
 
-Staleness. Every sample carries the policy version that generated it, and the trainer's
-version counts successful updates. `max_staleness` bounds a sample's age when its batch is
-consumed, i.e. at the batch's first update (AReaL's choice); the batch's later updates
-(U = mu x steps_per_generation per batch) see it up to U - 1 versions older, which is the
-PPO reuse the old-log-prob pass and the clip are there for. Both modes check the bound on
-every batch they hand out and raise rather than train beyond it.
+Async admission: the trainer reports its version and the steps left on its batch after
+every step. Batch k, with j batches to hand out before it, is consumed within
+`steps_left + j x U` steps, so it starts once the engine holds a version >=
+`version + steps_left + j x U - max_staleness`, re-evaluated on every report. Skipped
+steps and short or skipped batches only make samples fresher, so they cannot deadlock it;
+a trainer waiting `stall_timeout_s` for a batch that cannot start stops the run with the
+reason. max_staleness = 0 degenerates to sync, sample for sample. Streaming chunks
+(`min_groups_per_step`) are admitted against the trainer's current version; a chunk stale
+when taken is dropped and its prompts re-queued.
 
-Async admission control: the trainer reports its version and the optimizer steps left on
-the batch in hand after every step. Batch k, with j batches still to be handed out before
-it, is consumed after at most `steps_left + j x U` more steps, so the trainer's version
-will then be at most `version + steps_left + j x U`; the producer starts batch k only once
-the engine holds a version >= that - max_staleness, re-evaluated whenever the trainer
-reports. Skipped (non-finite) steps and short or empty batches only make samples fresher
-than planned, so they can never deadlock the pipeline; when the trainer waits for a batch
-the bound is the trainer's own version - max_staleness, which the last weight push meets
-(`max_staleness >= sync_interval - 1`). If the trainer waits for a batch the producer cannot
-start for `stall_timeout_s` (an engine that ignores weight updates), the run stops with
-the reason. With max_staleness = 0 the schedule degenerates to sync, sample for sample.
-Streaming (`min_groups_per_step`) merges chunks as they come, so chunks are admitted
-against the trainer's current version; a chunk gone stale by the time it is taken is
-dropped and its prompts re-queued (`pipeline/dropped_stale`).
-
-Weights reach the generator through `push_weights` (a snapshot the producer applies
-between generations, so the trainer never waits for a generation to finish). A replay
-buffer swaps zero-variance groups for recent high-signal ones within the staleness bound.
-Prompts whose whole group failed are re-queued to the sampler (re-roll) right after the
-batch is scored, in the producer, so which batch serves them again does not depend on
-timing.
-
-Exact resume: `state_dict` describes the producer as of the last batch handed out: the
-next batch index, the sampler (re-queued prompts included) and re-roll attempt counts as
-they were right after that batch was made, prompts re-queued since (dropped stale
-chunks), and the replay buffer. Batches prefetched but not handed out are generated again
-after a resume; their seeds depend on the batch index only. A producer started after a
-resume hands out nothing generated with weights older than the resumed trainer's.
+Weights reach the generator through `push_weights` (a snapshot applied between
+generations). Re-rolls happen when a batch is made, so timing never decides which batch
+serves a prompt again. `state_dict` describes the producer as of the last batch handed out
+(next index, sampler, re-roll attempts, prompts re-queued since, replay buffer): batches
+prefetched but not handed out are made again after a resume, with the same seeds. A
+producer started after a resume admits nothing older than the resumed trainer's version.
+See docs/ARCHITECTURE.md "Choices".
 """
 
 from __future__ import annotations

@@ -189,21 +189,16 @@ class Trainer:
             self.producer.start()
         try:
             while self.step < self.cfg.run.max_steps:
-                if self.inflight is None:
-                    batch = self.producer.next_batch(self.version)
-                    if self.engines.sleep_while_training:  # it wakes itself for the next request
-                        self.engines.rollout.sleep()
+                batch = self.producer.next_batch(self.version) if self.inflight is None else None
+                if self.engines.sleep_while_training:  # it wakes itself for the next request
+                    self.engines.rollout.sleep()
+                if batch is not None:
                     self.inflight = self.start_batch(batch)
-                if self.inflight is not None:
-                    self.continue_batch()
+                self.continue_batch()
             final = self.finish()
         finally:
             self.close()
         return final
-
-    def train_on_batch(self, batch: RolloutBatch) -> None:
-        self.inflight = self.start_batch(batch)
-        self.continue_batch()
 
     def start_batch(self, batch: RolloutBatch) -> BatchInProgress | None:
         """Plan the batch's steps and fill in old/reference log-probs; None: skipped."""
