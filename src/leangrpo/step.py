@@ -37,6 +37,7 @@ from leangrpo.contracts import (
     RolloutBatch,
     RolloutSample,
 )
+from leangrpo.errors import RunError
 from leangrpo.loss import compute_loss, importance_weights
 from leangrpo.model import Policy, eval_mode, reference_logprobs, score
 from leangrpo.packing import pack_samples, packing_metrics, plan_micro_batches
@@ -105,7 +106,7 @@ class BatchInProgress:
             for v in fields.values()
         )
         if not fits:
-            raise ValueError(
+            raise RunError(
                 "the checkpoint's batch in progress does not re-plan into the micro-batches "
                 "it was saved with; resume with its packing and train settings"
             )
