@@ -112,6 +112,29 @@ def test_cross_field_rules(config_file: Path, overrides: list[str], expected: st
     assert expected in error_for(overrides, config_file)
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_staleness_bound_must_fit_the_sync_interval_in_both_modes(config_file, mode) -> None:
+    """cfg_sync.py: sync mode with vLLM used to train on samples up to 3 versions old."""
+    overrides = [
+        "rollout.engine=vllm",
+        f"pipeline.mode={mode}",
+        "pipeline.sync_interval=4",
+        "pipeline.max_staleness=0",
+    ]
+    assert "pipeline.sync_interval - 1 (3)" in error_for(overrides, config_file)
+    load_config(config_file, [*overrides[:-1], "pipeline.max_staleness=3"])
+
+
+def test_live_hf_engine_in_sync_mode_ignores_the_sync_interval(config_file) -> None:
+    """It generates with the trainer's own model, so its samples are never stale."""
+    cfg = load_config(config_file, ["pipeline.sync_interval=4", "pipeline.max_staleness=0"])
+    assert cfg.generates_with_live_weights()
+    assert "(3)" in error_for(
+        ["pipeline.mode=async", "pipeline.sync_interval=4", "pipeline.max_staleness=0"],
+        config_file,
+    )
+
+
 def test_missing_required_keys() -> None:
     assert "'model.name_or_path' is required" in error_for([], None)
     msg = error_for(["model.name_or_path=tiny", "data.path=a.jsonl"], None)

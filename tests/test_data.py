@@ -377,3 +377,12 @@ def test_requeued_prompts_come_first():
     assert uids(sampler.next_batch()) == [3, 4]
     with pytest.raises(DataError, match="uid 99"):
         sampler.requeue([Prompt(uid=99, text="", ids=[])])
+
+
+def test_requeue_by_uid_is_what_a_checkpoint_replays():
+    prompts = make_prompts(6)
+    sampler = PromptSampler(prompts, 2, seed=0, shuffle=False)
+    sampler.requeue_uids([5, 3])
+    assert uids(sampler.next_batch()) == [5, 3]
+    with pytest.raises(DataError, match="uid 99"):
+        sampler.requeue_uids([99])

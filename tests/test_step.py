@@ -9,11 +9,11 @@ import torch
 from conftest import make_tiny_model
 
 from leangrpo.attention import enable_packed_attention
-from leangrpo.contracts import Completion, Prompt, RolloutSample, SamplingParams
+from leangrpo.contracts import Completion, Prompt, RolloutBatch, RolloutSample, SamplingParams
 from leangrpo.loss import LossConfig
 from leangrpo.model import Policy
 from leangrpo.packing import pack_samples
-from leangrpo.step import normalisers, reduce_is_metrics, train_step
+from leangrpo.step import BatchInProgress, normalisers, plan_steps, reduce_is_metrics, train_step
 
 CFG = SimpleNamespace(
     loss=SimpleNamespace(
@@ -140,3 +140,52 @@ def test_reduce_is_metrics_by_hand():
         "is/weight_min": 0.0,
         "is/weight_max": 0.0,
     }
+
+
+def plan_cfg(steps_per_generation: int):
+    base = {k: v for k, v in vars(CFG).items() if k not in ("train", "rollout")}
+    return SimpleNamespace(
+        **base,
+        rollout=SimpleNamespace(max_new_tokens=8, num_generations=2),
+        train=SimpleNamespace(
+            max_grad_norm=1.0, steps_per_generation=steps_per_generation, micro_batch_tokens=12
+        ),
+        packing=SimpleNamespace(balance="tokens", shared_prefix="off"),
+    )
+
+
+def test_a_batch_with_no_samples_plans_no_steps_and_few_groups_fewer_steps():
+    """empty_batch.py: no scored sample used to reach packing_metrics' max([])."""
+    policy, _ = policy_and_optimizer()
+    assert plan_steps([], plan_cfg(2), policy) == []
+    steps = plan_steps(make_samples([1.0, -1.0]), plan_cfg(3), policy)  # one group, 3 steps asked
+    assert len(steps) == 1 and steps[0].micro_batches
+
+
+def test_a_batch_in_progress_resumes_with_the_same_micro_batches_and_old_logprobs():
+    policy, _ = policy_and_optimizer()
+    cfg = plan_cfg(2)
+    samples = make_samples([1.0, -1.0, 0.5, -0.5, 0.25, -0.25])
+    for s in samples:
+        s.reward = s.advantage
+    steps = plan_steps(samples, cfg, policy)
+    for mb in (mb for step in steps for mb in step.micro_batches):
+        mb.old_logprobs = torch.randn(mb.num_completion_tokens)  # what the old pass attached
+    work = BatchInProgress(RolloutBatch(samples, 2), steps, iterations=2)
+    work.take()
+    work.take()
+    work.take()  # inside the 2nd iteration (mu): one step of 4 left
+    state = work.state_dict()
+    torch.manual_seed(1)  # weights moved since: nothing may be recomputed from them
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.add_(torch.randn_like(p))
+    resumed = BatchInProgress.from_state(state, cfg, policy)
+    assert (resumed.done, resumed.remaining) == (3, 1)
+    assert resumed.take()[0] is resumed.steps[1]
+    for old, new in zip(steps, resumed.steps):
+        assert len(old.micro_batches) == len(new.micro_batches)
+        for a, b in zip(old.micro_batches, new.micro_batches):
+            assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.targets, b.targets)
+            assert torch.equal(a.old_logprobs, b.old_logprobs) and b.ref_logprobs is None
+            assert torch.equal(a.advantages, b.advantages)

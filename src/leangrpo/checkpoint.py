@@ -8,6 +8,8 @@ A checkpoint is `output_dir/checkpoints/step-N/`:
     rng.pt              python, numpy, torch CPU (and CUDA) generator states
     trainer_state.json  {"step": N, ...whatever JSON-able state the trainer passes}
     config.yaml         the run's resolved config (compared with the config of a resume)
+    trainer_state.pt    bulky state (optional): the batch being trained on, the replay buffer,
+                        ...; tensors, lists, dicts, numbers and strings (`torch.save`)
     COMPLETE            written last
 
 Atomicity: everything is written into `checkpoints/.tmp-step-N-<random>/`, every file and
@@ -24,7 +26,10 @@ Choices:
   abandoned by resuming from an older checkpoint, and `latest_checkpoint` must not pick
   them. Then only the newest `keep_last` are kept.
 - Everything is loaded with `torch.load(weights_only=True)`. The RNG states are stored as
-  tensors and tuples so that this works.
+  tensors and tuples so that this works, and `sample_state` turns the rollout samples a
+  checkpoint holds into such plain data.
+  A prompt's extra columns are not kept: they only feed reward functions, and a saved
+  sample has been scored already.
 - Only one process (rank 0) may call these functions. FSDP-sharded models must be gathered
   first.
 """
@@ -47,9 +52,13 @@ import torch
 from safetensors.torch import load_file
 
 # Finding checkpoints needs no torch: the CLI does it before the model loads (rundir.py).
+from leangrpo.contracts import Completion, Prompt, RolloutSample
 from leangrpo.rundir import COMPLETE, STEP_DIR, complete_checkpoints, latest_checkpoint
 
+BULKY_STATE = "trainer_state.pt"
+
 __all__ = [
+    "BULKY_STATE",
     "COMPLETE",
     "STEP_DIR",
     "CheckpointError",
@@ -82,9 +91,12 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     keep_last: int,
     extra_files: dict[str, str] | None = None,
+    bulky_state: dict[str, Any] | None = None,
 ) -> Path:
     """Write `output_dir/checkpoints/step-{step}/` atomically; return its path.
 
+    `trainer_state` goes to trainer_state.json (small, readable); `bulky_state`, when
+    given, to trainer_state.pt (plain data and tensors, see `sample_state`);
     `extra_files` maps file names to text written alongside (e.g. the run's config.yaml).
     """
     if keep_last < 1:
@@ -108,6 +120,8 @@ def save_checkpoint(
         (tmp / "trainer_state.json").write_text(state_json)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text, encoding="utf-8")
+        if bulky_state is not None:
+            torch.save(bulky_state, tmp / BULKY_STATE)
         (tmp / COMPLETE).write_text(json.dumps({"step": step}) + "\n")
     _prune(root, step, keep_last)
     return root / f"step-{step}"
@@ -136,6 +150,14 @@ def load_checkpoint(
         obj.load_state_dict(torch.load(path / name, map_location="cpu", weights_only=True))
     restore_rng_state(torch.load(path / "rng.pt", weights_only=True))
     return json.loads((path / "trainer_state.json").read_text())
+
+
+def load_bulky_state(path: str | Path) -> dict[str, Any]:
+    """The `bulky_state` saved with a checkpoint ({} when it was saved without one)."""
+    file = Path(path) / BULKY_STATE
+    if not file.is_file():
+        return {}
+    return torch.load(file, map_location="cpu", weights_only=True)
 
 
 def save_final_model(output_dir: str | Path, model: torch.nn.Module, tokenizer: Any | None) -> Path:
@@ -235,6 +257,41 @@ def _untied_missing(model: torch.nn.Module, missing: list[str], loaded: set[str]
     by_name = model.state_dict(keep_vars=True)
     loaded_ptrs = {by_name[name].data_ptr() for name in loaded if name in by_name}
     return [name for name in missing if by_name[name].data_ptr() not in loaded_ptrs]
+
+
+# -- records as plain data -----------------------------------------------------------------
+
+
+def sample_state(sample: RolloutSample) -> dict[str, Any]:
+    """A scored rollout sample as plain data (its prompt's reward columns left out)."""
+    p, c = sample.prompt, sample.completion
+    return {
+        "group_id": sample.group_id,
+        "prompt": {"uid": p.uid, "text": p.text, "ids": list(p.ids)},
+        "completion": {
+            "ids": list(c.ids),
+            "text": c.text,
+            "logprobs": list(c.logprobs),
+            "finish_reason": c.finish_reason,
+            "version": c.version,
+        },
+        "rewards": dict(sample.rewards),
+        "reward": sample.reward,
+        "advantage": sample.advantage,
+        "replayed": sample.replayed,
+    }
+
+
+def sample_from_state(state: dict[str, Any]) -> RolloutSample:
+    return RolloutSample(
+        group_id=state["group_id"],
+        prompt=Prompt(**state["prompt"]),
+        completion=Completion(**state["completion"]),
+        rewards=dict(state["rewards"]),
+        reward=state["reward"],
+        advantage=state["advantage"],
+        replayed=state["replayed"],
+    )
 
 
 # -- RNG ------------------------------------------------------------------------------------

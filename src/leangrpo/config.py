@@ -482,6 +482,11 @@ class TrainConfig(Section):
         ge=1,
         description="Optimizer steps each generation batch is split into (whole prompt groups per step).",
     )
+    max_consecutive_skipped_steps: int = Field(
+        10,
+        ge=1,
+        description="Stop the run after this many optimizer steps in a row were skipped for a non-finite loss or gradient.",
+    )
 
 
 class PackingConfig(Section):
@@ -559,10 +564,22 @@ class PipelineConfig(Section):
     max_staleness: int = Field(
         1,
         ge=0,
-        description="Most policy versions a sample may lag the trainer when consumed: async generation waits rather than exceed it, and replayed groups older than this are dropped.",
+        description="Most policy versions a sample may lag the trainer when its batch is consumed (its first update); async generation waits rather than exceed it, and replayed groups older than this are dropped.",
     )
     sync_interval: int = Field(
-        1, ge=1, description="Optimizer steps between weight syncs to the engine."
+        1,
+        ge=1,
+        description="Optimizer steps between weight syncs to the engine (the in-process hf engine in sync mode generates with the live weights and ignores it).",
+    )
+    stall_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Async: stop the run with the reason when the trainer waits for a batch that the producer cannot start (no admissible engine version) for this long.",
+    )
+    max_consecutive_skipped_batches: int = Field(
+        10,
+        ge=1,
+        description="Stop the run after this many generation batches in a row had no scored sample (e.g. the reward functions all fail).",
     )
     min_groups_per_step: int | None = Field(
         None,
@@ -668,11 +685,15 @@ class Config(Section):
                 f"train.micro_batch_tokens ({self.train.micro_batch_tokens}) must exceed rollout.max_new_tokens ({self.rollout.max_new_tokens}), because a micro-batch must hold a whole prompt plus its completion; raise train.micro_batch_tokens."
             )
         pipe = self.pipeline
-        if pipe.mode == "async" and pipe.max_staleness < pipe.sync_interval - 1:
+        if not self.generates_with_live_weights() and pipe.max_staleness < pipe.sync_interval - 1:
             raise rule_error(
                 f"pipeline.max_staleness ({pipe.max_staleness}) must be at least pipeline.sync_interval - 1 ({pipe.sync_interval - 1}): the generator only receives every sync_interval-th version, so a tighter bound can never be met."
             )
         return self
+
+    def generates_with_live_weights(self) -> bool:
+        """The hf engine in sync mode samples from the trainer's own model: never stale."""
+        return self.rollout.engine == "hf" and self.pipeline.mode == "sync"
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False, allow_unicode=True)

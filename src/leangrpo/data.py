@@ -347,10 +347,14 @@ class PromptSampler:
 
     def requeue(self, prompts: list[Prompt]) -> None:
         """Serve these prompts again, before any new ones, from the next call on."""
-        for p in prompts:
-            if p.uid not in self._by_uid:
-                raise DataError(f"cannot re-queue prompt uid {p.uid}: it is not in this sampler")
-            self._requeued.append(p.uid)
+        self.requeue_uids([p.uid for p in prompts])
+
+    def requeue_uids(self, uids: list[int]) -> None:
+        """`requeue` by uid (what a checkpoint stores)."""
+        for uid in uids:
+            if uid not in self._by_uid:
+                raise DataError(f"cannot re-queue prompt uid {uid}: it is not in this sampler")
+            self._requeued.append(uid)
 
     def state_dict(self) -> dict:
         return {

@@ -14,6 +14,10 @@ class UserError(Exception):
     """One sentence naming the problem and the fix; the CLI prints it as is (exit 2)."""
 
 
+class RunError(UserError, RuntimeError):
+    """A run that cannot go on for a reason its user must fix (settings, data, services)."""
+
+
 def user_error_types() -> tuple[type[BaseException], ...]:
     """Imported on demand so that `leangrpo --help` stays instant."""
     from leangrpo.rewards.registry import RewardSpecError

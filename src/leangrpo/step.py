@@ -18,18 +18,31 @@ averaged over micro-batches weighted by their tokens (min/max over them).
 
 The loss of each micro-batch is already divided by normalisers counted over the whole
 step, so summing micro-batch gradients gives the step's exact gradient.
+
+A batch being trained on is a `BatchInProgress`: its planned steps (old/reference
+log-probs attached) and how many of its mu x steps optimizer steps are done. A checkpoint
+taken inside a batch saves it whole, so a resume continues with the same micro-batches
+and never recomputes old or reference log-probs with weights that have moved since.
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from leangrpo.attention import choose_shared_prefix, packed_support
-from leangrpo.contracts import LossInputs, LossNormalisers, PackedBatch, RolloutSample
+from leangrpo.checkpoint import sample_from_state, sample_state
+from leangrpo.contracts import (
+    LossInputs,
+    LossNormalisers,
+    PackedBatch,
+    RolloutBatch,
+    RolloutSample,
+)
+from leangrpo.errors import RunError
 from leangrpo.loss import compute_loss, importance_weights
 from leangrpo.model import Policy, eval_mode, reference_logprobs, score
 from leangrpo.packing import pack_samples, packing_metrics, plan_micro_batches
@@ -47,11 +60,81 @@ class PlannedStep:
     metrics: dict[str, float]  # packing metrics of this step
 
 
+# what the no-grad passes attach to a micro-batch: a checkpoint inside a batch keeps them
+NO_GRAD_FIELDS = ("old_logprobs", "ref_logprobs")
+
+
+@dataclass
+class BatchInProgress:
+    """A generation batch being trained on: mu iterations over its planned steps."""
+
+    batch: RolloutBatch
+    steps: list[PlannedStep]
+    iterations: int  # loss.mu
+    done: int = 0  # optimizer steps taken on it, over all iterations
+    metrics: dict[str, float] = field(default_factory=dict)  # logged with its next step
+
+    @property
+    def remaining(self) -> int:
+        return self.iterations * len(self.steps) - self.done
+
+    def take(self) -> tuple[PlannedStep, dict[str, float]]:
+        """The next step to train (iteration-major order) and the metrics to log with it."""
+        planned = self.steps[self.done % len(self.steps)]
+        metrics, self.metrics = {**self.metrics, **planned.metrics}, {}
+        self.done += 1
+        return planned, metrics
+
+    def state_dict(self) -> dict:
+        """The samples (re-planned identically on load) and the no-grad passes' tensors."""
+        attached = [
+            [{k: _cpu(getattr(mb, k)) for k in NO_GRAD_FIELDS} for mb in step.micro_batches]
+            for step in self.steps
+        ]
+        return {
+            "samples": [sample_state(s) for s in self.batch.samples],
+            "group_size": self.batch.group_size,
+            "attached": attached,
+            "iterations": self.iterations,
+            "done": self.done,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict, cfg, policy: Policy) -> BatchInProgress:
+        batch = RolloutBatch([sample_from_state(s) for s in state["samples"]], state["group_size"])
+        steps = plan_steps([s for s in batch.samples if s.reward is not None], cfg, policy)
+        micro_batches = [mb for step in steps for mb in step.micro_batches]
+        attached = [fields for step in state["attached"] for fields in step]
+        fits = len(attached) == len(micro_batches) and all(
+            v is None or v.numel() == mb.num_completion_tokens
+            for mb, fields in zip(micro_batches, attached)
+            for v in fields.values()
+        )
+        if not fits:
+            raise RunError(
+                "the checkpoint's batch in progress does not re-plan into the micro-batches "
+                "it was saved with; resume with its packing and train settings"
+            )
+        for mb, fields in zip(micro_batches, attached):
+            for name, value in fields.items():
+                setattr(mb, name, None if value is None else value.to(policy.device))
+        return cls(batch, steps, state["iterations"], state["done"])
+
+
+def _cpu(value):
+    return value.cpu() if value is not None else None
+
+
 def plan_steps(samples: list[RolloutSample], cfg, policy: Policy) -> list[PlannedStep]:
-    """Cut a batch into optimizer steps of whole groups, each into packed micro-batches."""
+    """Cut a batch into optimizer steps of whole groups, each into packed micro-batches.
+
+    No samples (every reward failed): no steps.
+    """
     prefix = use_shared_prefix(samples, cfg, policy)
     steps = []
     for step_samples in _split_by_groups(samples, cfg.train.steps_per_generation):
+        if not step_samples:
+            continue
         lengths = [s.num_tokens for s in step_samples]
         groups = _group_indices(step_samples) if prefix else None
         prompt_lens = [len(step_samples[g[0]].prompt.ids) for g in groups] if prefix else None

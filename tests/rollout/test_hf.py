@@ -136,17 +136,34 @@ def test_version_mismatch_raises(tokenizer, prompts):
 
 def test_seeded_generation_is_reproducible_and_leaves_global_rng_alone(tokenizer, prompts):
     params = SamplingParams(max_new_tokens=5, seed=7)
+    other = SamplingParams(max_new_tokens=5, seed=8)
     runs = []
-    for _ in range(2):
+    for calls_before in (0, 2):
         engine = HFEngine(tiny(tokenizer), tokenizer)
         torch.manual_seed(123)
+        for _ in range(calls_before):  # e.g. evaluations at this version: they change nothing
+            engine.generate(prompts, other, 4, 0)
         runs.append([[c.ids for c in g] for g in engine.generate(prompts, params, 4, 0)])
-        runs.append([[c.ids for c in g] for g in engine.generate(prompts, params, 4, 0)])
+        runs.append([[c.ids for c in g] for g in engine.generate(prompts, other, 4, 0)])
         after = torch.rand(3)
         torch.manual_seed(123)
         assert torch.equal(after, torch.rand(3)), "generation moved the global RNG"
     assert runs[0] == runs[2] and runs[1] == runs[3]
-    assert runs[0] != runs[1], "a second call at the same version must draw new samples"
+    assert runs[0] != runs[1], "another seed must draw new samples"
+
+
+def test_samples_depend_on_seed_and_version_only(tokenizer, prompts):
+    """No hidden per-engine call counter: a resumed engine replays the same samples."""
+    params = SamplingParams(max_new_tokens=5, seed=7)
+    evaluation = SamplingParams(max_new_tokens=5, seed=99)
+    used = HFEngine(tiny(tokenizer), tokenizer)
+    used.update_weights((), 4)
+    used.generate(prompts, evaluation, 2, 4)  # an evaluation bumped the old counter
+    fresh = HFEngine(tiny(tokenizer), tokenizer)  # what a resume builds
+    fresh.update_weights((), 4)
+    assert [[c.ids for c in g] for g in used.generate(prompts, params, 4, 4)] == [
+        [c.ids for c in g] for g in fresh.generate(prompts, params, 4, 4)
+    ]
 
 
 def test_train_mode_and_gradient_checkpointing_restored(tokenizer, prompts):

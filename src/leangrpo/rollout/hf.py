@@ -18,10 +18,11 @@ Choices:
   stop string), else "length".
 - Temperature 0 is greedy; its log-probs are the unfiltered temperature-1 ones.
 - Randomness: every call samples from its own `torch.Generator` on the engine's device,
-  seeded from (params.seed, version, index of the call at this version) when params.seed
-  is set (a resumed run replays the same samples), else from the OS. The global RNG
-  streams are never read or seeded, so an async producer thread cannot race the
-  trainer's dropout masks.
+  seeded from (params.seed, version) when params.seed is set, else from the OS. The
+  caller makes seeds distinct (the producer derives one per generation batch); no hidden
+  per-engine counter takes part, so evaluations or a resume in between change nothing.
+  The global RNG streams are never read or seeded, so an async producer thread cannot
+  race the trainer's dropout masks.
 - share_weights=True generates with the caller's model object (sync training: weight sync
   only moves the version tag); train mode and gradient checkpointing flags are restored
   afterwards. share_weights=False deep-copies the model at construction (async generation
@@ -81,7 +82,6 @@ class HFEngine:
             for param in self.model.parameters():
                 param.grad = None  # the copy never trains: drop any copied gradients
         self._version = 0
-        self._calls_at_version = 0
         self._lock = threading.Lock()
         self._closed = False
 
@@ -161,8 +161,6 @@ class HFEngine:
             raise RuntimeError("this HFEngine was closed; create a new one")
 
     def _set_version(self, version: int) -> None:
-        if version != self._version:
-            self._calls_at_version = 0
         self._version = version
 
     def _generator(self, params: SamplingParams) -> torch.Generator | None:
@@ -180,8 +178,7 @@ class HFEngine:
     def _next_seed(self, params: SamplingParams) -> int | None:
         if params.seed is None or params.temperature == 0:
             return None
-        key = f"{params.seed}:{self._version}:{self._calls_at_version}".encode()
-        self._calls_at_version += 1
+        key = f"{params.seed}:{self._version}".encode()
         return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1
 
     def _chunks(self, prompts: list[Prompt], n: int) -> Iterator[list[Prompt]]:
