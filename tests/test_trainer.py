@@ -286,8 +286,12 @@ def test_top_k_and_min_p_runs_stay_finite(tmp_path):
 PICKY_REWARD = textwrap.dedent(
     """
     def picky(prompts, completions, answer, **columns):
-        # no score for answers ending in 0-3: their groups fail and are re-rolled
-        return [None if a[-1] in "0123" else float(len(c) % 2) for a, c in zip(answer, completions)]
+        # answers ending in 0-3: no score, their groups fail and are re-rolled; 4-5: the
+        # same score for the whole group (no signal: replaced from the replay buffer);
+        # 6-9: varies with the completion text (signal: fills the replay buffer)
+        def score(a, c):
+            return None if a[-1] in "0123" else 0.5 if a[-1] in "45" else float(sum(map(ord, c)) % 2)
+        return [score(a, c) for a, c in zip(answer, completions)]
     """
 )
 
@@ -295,8 +299,10 @@ PICKY_REWARD = textwrap.dedent(
 def exact_resume_config(tmp_path: Path, mode: str, reward_file: Path, **run) -> dict:
     return tiny_run(
         tmp_path,
-        run={"max_steps": 9, **run},
-        rewards={"functions": [{"name": "math"}, {"name": f"{reward_file}:picky"}]},
+        # seed 10: re-rolls and replays both happen, and the first batch has its full U = 4
+        # steps (re-rolled groups shrink a batch), which the stop points below rely on
+        run={"max_steps": 9, "seed": 10, **run},
+        rewards={"functions": [{"name": f"{reward_file}:picky"}]},
         train={"steps_per_generation": 2, "lr_scheduler": "constant"},  # U = mu x 2 = 4
         pipeline={
             "mode": mode,
