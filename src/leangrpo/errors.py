@@ -7,6 +7,6 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     """Imported on demand so that `leangrpo --help` stays instant."""
     from leangrpo.config import ConfigError
     from leangrpo.data import DataError
-    from leangrpo.rewards import RewardSpecError
+    from leangrpo.rewards import RewardFailedError, RewardSpecError
 
-    return (ConfigError, DataError, RewardSpecError, FileNotFoundError)
+    return (ConfigError, DataError, RewardSpecError, RewardFailedError, FileNotFoundError)
