@@ -89,6 +89,11 @@ HOSTILE_CODE = textwrap.dedent(
             os.system(f"sleep {tag}")  # blocks until the time limit
         return [1.0] * len(completions)
 
+    def mute(prompts, completions, **columns):  # closes its stdout/stderr, lives on
+        os.closerange(1, 3)
+        time.sleep(0.5)
+        return [1.0] * len(completions)
+
     def hog(prompts, completions, **columns):
         if "alloc" in completions:
             block = bytearray(2 << 30)  # 2 GiB of address space
@@ -186,6 +191,18 @@ def test_closed_descriptors_and_keyboard_interrupt_are_one_line_failures(hostile
     assert "[reward worker 0] from a shell" in relayed
     out, err = capfd.readouterr()
     assert "Traceback" not in out + err and "hello from the reward" not in out + err
+
+
+def test_a_worker_closing_its_output_does_not_spin_the_pool(hostile, monkeypatch):
+    with RewardPool(cfg(hostile, "mute")) as pool:
+        waits = []
+        wait_once = pool._wait_and_handle
+        monkeypatch.setattr(pool, "_wait_and_handle", lambda run: waits.append(1) or wait_once(run))
+        for _ in range(2):
+            samples = make_samples(["a"])
+            pool.score(samples)
+            assert samples[0].reward == 1.0
+    assert len(waits) < 50  # a wake-up per event, not a busy loop on the closed pipe
 
 
 def _left(mark):

@@ -64,7 +64,7 @@ def import_check(specs: list[ResolvedReward], rewards_cfg: Any) -> None:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RewardSpecError(did_not_start(specs, loading, limit))
-            ready = wait([worker.sock, worker.out_fd], left)
+            ready = wait(worker.handles(), left)
             if worker.out_fd in ready:
                 worker.relay_output()
             if worker.sock not in ready:

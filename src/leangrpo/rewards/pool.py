@@ -213,7 +213,7 @@ class RewardPool:
         timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
         handles: list[Any] = [self._wake_read]
         for w in self._workers:
-            handles += [w.sock, w.out_fd]
+            handles += w.handles()
         ready = set(wait(handles, timeout))
         if self._closed:
             raise PoolClosedError("the reward pool was closed while scoring")

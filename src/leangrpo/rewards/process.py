@@ -92,6 +92,7 @@ class WorkerProcess:
         parent.settimeout(SEND_TIMEOUT_S)  # recv only runs once readable: it never waits
         self.sock = parent
         self.out_fd = out_read
+        self.output_open = True  # until EOF: then the pipe is no longer worth waiting on
         self.reader = FrameReader()
         self._line = b""
         self._kill_lock = threading.Lock()
@@ -126,6 +127,10 @@ class WorkerProcess:
             raise WorkerGone("the worker process exited")
         return [parse_reply(payload) for payload in self.reader.feed(data)]
 
+    def handles(self) -> list:
+        """What to wait on: the socket, and the output pipe until its EOF."""
+        return [self.sock, self.out_fd] if self.output_open else [self.sock]
+
     def relay_output(self) -> None:
         """Log the complete lines the worker has printed so far."""
         while True:
@@ -133,7 +138,8 @@ class WorkerProcess:
                 data = os.read(self.out_fd, 1 << 16)
             except (BlockingIOError, OSError):
                 return
-            if not data:
+            if not data:  # every writer closed it (the worker may live on: it closed fd 1, 2)
+                self.output_open = False
                 return
             *lines, self._line = (self._line + data).split(b"\n")
             if len(self._line) > _LINE_CHARS:
