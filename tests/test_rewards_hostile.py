@@ -89,6 +89,10 @@ HOSTILE_CODE = textwrap.dedent(
             os.system(f"sleep {tag}")  # blocks until the time limit
         return [1.0] * len(completions)
 
+    def late_import(prompts, completions, **columns):  # a heavy import inside the call
+        import slow_module_for_leangrpo_tests  # noqa: F401
+        return [1.0] * len(completions)
+
     def mute(prompts, completions, **columns):  # closes its stdout/stderr, lives on
         os.closerange(1, 3)
         time.sleep(0.5)
@@ -191,6 +195,24 @@ def test_closed_descriptors_and_keyboard_interrupt_are_one_line_failures(hostile
     assert "[reward worker 0] from a shell" in relayed
     out, err = capfd.readouterr()
     assert "Traceback" not in out + err and "hello from the reward" not in out + err
+
+
+def test_a_call_timed_out_mid_import_retires_its_worker(hostile, caplog, monkeypatch):
+    (hostile.parent / "slow_module_for_leangrpo_tests.py").write_text(
+        "import time\ntime.sleep(30)\n"
+    )
+    monkeypatch.syspath_prepend(str(hostile.parent))  # the workers inherit sys.path
+    with (
+        caplog.at_level(logging.WARNING),
+        RewardPool(cfg(hostile, "late_import", timeout_s=1.0)) as pool,
+    ):
+        first = pool._workers[0].pid
+        samples = make_samples(["a"])
+        pool.score(samples)
+        assert samples[0].reward is None
+        assert pool._workers[0].pid != first  # a half-imported module is not trusted again
+    (message,) = [r.getMessage() for r in caplog.records if "late_import" in r.getMessage()]
+    assert "timed out after 1 s while importing slow_module_for_leangrpo_tests" in message
 
 
 def test_a_worker_closing_its_output_does_not_spin_the_pool(hostile, monkeypatch):

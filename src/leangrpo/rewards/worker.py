@@ -233,7 +233,7 @@ class _LimitedCall:
             values, errors = validate(raw, len(completions))
             return {"t": "result", "values": values, "errors": errors}
         except _Interrupted as e:
-            return self._interrupted(e.kind, list(sys.modules)[modules:])
+            return self._interrupted(e.kind, _importing(e) + list(sys.modules)[modules:])
         except BadReturn as e:
             return {"t": "error", "kind": "bad return", "msg": _message(e)}
         except BaseException as e:  # the user's exception, SystemExit and KeyboardInterrupt too
@@ -245,15 +245,16 @@ class _LimitedCall:
             if has_children():
                 _reap_zombies(self._before)
 
-    def _interrupted(self, kind: str, new_modules: list[str]) -> dict:
+    def _interrupted(self, kind: str, modules: list[str]) -> dict:
+        """`modules`: those being imported when the call was stopped, then those it added."""
         kill_descendants(os.getpid(), keep=self._before)
         limit = self.timeout_s if kind == "timeout" else self.cpu_time_limit_s
         msg = f"{'timed out' if kind == 'timeout' else 'used its CPU time'} after {limit:g} s"
-        if new_modules:
+        if modules:
             self.interrupted_import = True
-            roots = sorted({m.partition(".")[0] for m in new_modules})
+            roots = list(dict.fromkeys(m.partition(".")[0] for m in modules))
             msg += (
-                f" while importing {', '.join(roots[:5])}; import heavy modules at the top "
+                f" while importing {', '.join(roots[:3])}; import heavy modules at the top "
                 "of the reward file, where start-up time does not count"
             )
         return {"t": "error", "kind": kind, "msg": msg}
@@ -271,6 +272,19 @@ class _LimitedCall:
                 soft = min(soft, hard)
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
+
+
+def _importing(exc: BaseException) -> list[str]:
+    """The modules whose top-level code was running where `exc` was raised, i.e. being
+    imported (a failed import removes its own module from sys.modules, but what it
+    half-imported stays; importlib's own frames are cut from the traceback)."""
+    names = []
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "<module>":
+            names.append(str(tb.tb_frame.f_globals.get("__name__")))
+        tb = tb.tb_next
+    return names
 
 
 class BadReturn(ValueError):
