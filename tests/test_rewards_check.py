@@ -99,3 +99,26 @@ def test_builtins_need_no_worker(monkeypatch):
     monkeypatch.setattr(check, "WorkerProcess", no_worker)
     specs = check_rewards(rewards_cfg("math", "math"))
     assert [s.key for s in specs] == ["math", "math_2"]
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("timeout_s", ".inf"),
+        ("timeout_s", "1e9"),
+        ("startup_timeout_s", "0"),
+        ("memory_limit_mb", "16"),
+        ("cpu_time_limit_s", "-1"),
+    ],
+)
+def test_reward_limits_in_the_config_are_checked(key, value):
+    from leangrpo.config import ConfigError, load_config
+
+    overrides = [
+        "model.name_or_path=m",
+        "data.path=d.jsonl",
+        "rewards.functions=[math]",
+        f"rewards.{key}={value}",
+    ]
+    with pytest.raises(ConfigError, match=rf"rewards\.{key}"):
+        load_config(None, overrides)
