@@ -3,6 +3,7 @@ closed descriptors, KeyboardInterrupt, prints, leaked processes, close() while s
 
 from __future__ import annotations
 
+import ast
 import logging
 import math
 import os
@@ -88,6 +89,16 @@ HOSTILE_CODE = textwrap.dedent(
         if how != "background":
             os.system(f"sleep {tag}")  # blocks until the time limit
         return [1.0] * len(completions)
+
+    def descriptors(prompts, completions, **columns):
+        held = {}
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                held[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+            except OSError:  # the listing's own descriptor, closed by now
+                pass
+        print("held", sorted(held.items()))
+        return [float(len(held))] * len(completions)
 
     def late_import(prompts, completions, **columns):  # a heavy import inside the call
         import slow_module_for_leangrpo_tests  # noqa: F401
@@ -195,6 +206,18 @@ def test_closed_descriptors_and_keyboard_interrupt_are_one_line_failures(hostile
     assert "[reward worker 0] from a shell" in relayed
     out, err = capfd.readouterr()
     assert "Traceback" not in out + err and "hello from the reward" not in out + err
+
+
+def test_a_worker_holds_only_its_channel_and_output(hostile, caplog):
+    with caplog.at_level(logging.INFO), RewardPool(cfg(hostile, "descriptors")) as pool:
+        samples = make_samples(["a"])
+        pool.score(samples)
+    (line,) = [r.getMessage() for r in caplog.records if "held" in r.getMessage()]
+    held = dict(ast.literal_eval(line.partition("held ")[2]))
+    assert samples[0].reward == 4.0 and held[0] == "/dev/null"
+    assert held[1] == held[2] and held[1].startswith("pipe:")  # relayed to the log
+    (channel,) = [fd for fd in held if fd > 2]
+    assert channel >= 100 and held[channel].startswith("socket:")
 
 
 def test_a_call_timed_out_mid_import_retires_its_worker(hostile, caplog, monkeypatch):
