@@ -57,7 +57,6 @@ from leangrpo.rewards.protocol import (
     Ready,
     Reply,
     Result,
-    Retire,
 )
 from leangrpo.rewards.registry import (
     PoolClosedError,
@@ -263,11 +262,6 @@ class RewardPool:
         elif isinstance(reply, InitError):
             self.close()
             raise RewardSpecError(init_error(self.specs, reply))
-        elif isinstance(reply, Retire):  # the worker exits after a call interrupted mid-import
-            if worker.task is not None:
-                run.queue.append(worker.task)  # sent after its retirement: not a failure
-                worker.task = None
-            self._replace(slot)
         else:
             self._answer(slot, worker, reply, run)
 
@@ -291,6 +285,8 @@ class RewardPool:
             self._call_failed(run, task, reply.kind, reply.msg)
         rest = task.fns[1:]
         self._start(worker, _Task(task.indices, rest, task.id) if rest else None)
+        if reply.retire and not rest:  # it exits: a call was stopped mid-import
+            self._replace(slot)
 
     def _call_failed(self, run: _Run, task: _Task, kind: str, msg: str) -> None:
         """Function task.fns[0] failed on the whole chunk."""

@@ -19,11 +19,11 @@ Replies (worker -> trainer), one JSON object each:
     {"t": "init_error", "fn": i, "msg": s}        function i could not be resolved
     {"t": "result", "task": k, "fn": i, "values": [x | null, ...], "errors": [[j, kind, msg], ...]}
     {"t": "error", "task": k, "fn": i, "kind": s, "msg": s}   the call failed as a whole
-    {"t": "retire"}                               the worker exits after this task
 
 A `result` carries one finite number or null per sample of the task; `errors` names the
 samples whose returned value was unusable (their value is null). A worker answers a task
-with one reply per function, in the task's order.
+with one reply per function, in the task's order; `"retire": true` on the last one says
+the worker exits after it (a call was stopped mid-import).
 """
 
 from __future__ import annotations
@@ -135,6 +135,7 @@ class Result:
     fn: int
     values: list[float | None]
     errors: list[tuple[int, str, str]]  # (position in the task, kind, message)
+    retire: bool = False
 
 
 @dataclass(frozen=True)
@@ -143,14 +144,10 @@ class CallError:
     fn: int
     kind: str
     msg: str
+    retire: bool = False
 
 
-@dataclass(frozen=True)
-class Retire:
-    pass
-
-
-Reply = Loading | Ready | InitError | Result | CallError | Retire
+Reply = Loading | Ready | InitError | Result | CallError
 
 
 def _no_constants(name: str) -> Any:
@@ -197,7 +194,7 @@ def _result(m: dict) -> Result:
         if _int(j) >= len(values) or values[j] is not None:
             raise ProtocolError("invalid message from the worker: error for a scored sample")
         errors.append((j, _text(kind), _text(msg)))
-    return Result(_int(m["task"]), _int(m["fn"]), values, errors)
+    return Result(_int(m["task"]), _int(m["fn"]), values, errors, m.get("retire") is True)
 
 
 _REPLIES = {
@@ -205,6 +202,7 @@ _REPLIES = {
     "ready": lambda m: Ready(),
     "init_error": lambda m: InitError(_int(m["fn"]), _text(m["msg"])),
     "result": _result,
-    "error": lambda m: CallError(_int(m["task"]), _int(m["fn"]), _text(m["kind"]), _text(m["msg"])),
-    "retire": lambda m: Retire(),
+    "error": lambda m: CallError(
+        _int(m["task"]), _int(m["fn"]), _text(m["kind"]), _text(m["msg"]), m.get("retire") is True
+    ),
 }

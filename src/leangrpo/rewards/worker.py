@@ -98,14 +98,15 @@ def _serve(channel: _Channel, init: dict) -> None:
     while True:
         task_id, fns, payload = pickle.loads(channel.recv())
         retire = False
-        for fn in fns:
+        for k, fn in enumerate(fns):
             prompts, completions, columns = pickle.loads(payload)  # a fresh copy each
             kwargs = {**columns, **specs[fn].kwargs}
             reply = call.run(functions[fn], prompts, completions, kwargs)
-            channel.send({**reply, "task": task_id, "fn": fn})
             retire |= call.interrupted_import
+            if retire and k == len(fns) - 1:
+                reply["retire"] = True  # the trainer replaces this worker once it has read this
+            channel.send({**reply, "task": task_id, "fn": fn})
         if retire:
-            channel.send({"t": "retire"})
             return
 
 
