@@ -122,3 +122,26 @@ def test_reward_limits_in_the_config_are_checked(key, value):
     ]
     with pytest.raises(ConfigError, match=rf"rewards\.{key}"):
         load_config(None, overrides)
+
+
+def test_the_check_imports_neither_torch_nor_the_pool(tmp_path):
+    path = write(tmp_path, "ok.py", "")
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from types import SimpleNamespace
+        from leangrpo.rewards import check_rewards
+        fn = SimpleNamespace(name={f"{path}:fn"!r}, weight=1.0, kwargs={{}})
+        check_rewards(SimpleNamespace(functions=[fn], timeout_s=5.0))
+        print(sorted(m for m in ("torch", "leangrpo.rewards.pool") if m in sys.modules))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
