@@ -104,7 +104,8 @@ class WorkerProcess:
         self.task: Any = None
         self.since = self.started
         self.deadline = math.inf
-        self.send(init)
+        with contextlib.suppress(WorkerGone):  # died at once: its EOF is read like any other
+            self.send(init)
 
     @property
     def pid(self) -> int:
