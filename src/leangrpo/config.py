@@ -248,7 +248,7 @@ class RewardSpec(Section):
 
 
 class RewardsConfig(Section):
-    """Reward functions, run in worker processes with a time limit."""
+    """Reward functions, run in worker processes (each in its own session) with limits."""
 
     functions: list[RewardSpec] = Field(
         ...,
@@ -258,13 +258,30 @@ class RewardsConfig(Section):
     timeout_s: float = Field(
         10.0,
         gt=0,
-        le=ONE_DAY_S,
-        description="Seconds one function may take on one completion before it counts as unscored (at most 86400).",
+        le=3600,
+        description="Seconds one function may take on one chunk of completions; a chunk that times out is retried one completion per call, so a completion is unscored only when it alone takes longer. Processes the call started are killed with it.",
     )
-    num_workers: int = Field(2, ge=1, description="Worker processes scoring completions.")
+    num_workers: int = Field(2, ge=1, le=256, description="Worker processes scoring completions.")
     fail_fast: bool = Field(
         False,
-        description="Stop training on the first reward error instead of leaving the sample unscored.",
+        description="Stop training, with one sentence naming the function, the sample and the error, on the first reward failure instead of leaving the sample unscored.",
+    )
+    startup_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="Seconds a worker may take to import the reward functions (at the start-up check and whenever a worker starts).",
+    )
+    memory_limit_mb: int | None = Field(
+        None,
+        ge=256,
+        description="Address-space limit (RLIMIT_AS, MiB) of each worker and every process it starts; a call that exceeds it fails. Counts virtual memory, not resident: a worker running the math reward already maps about 250 MiB. null = no limit.",
+    )
+    cpu_time_limit_s: float | None = Field(
+        None,
+        gt=0,
+        le=86400,
+        description="CPU seconds one call may use (RLIMIT_CPU, whole seconds; processes the call starts inherit at least this much). null = only timeout_s.",
     )
 
     @field_validator("functions", mode="before")

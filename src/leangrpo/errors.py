@@ -20,6 +20,6 @@ class RunError(UserError, RuntimeError):
 
 def user_error_types() -> tuple[type[BaseException], ...]:
     """Imported on demand so that `leangrpo --help` stays instant."""
-    from leangrpo.rewards.registry import RewardSpecError
+    from leangrpo.rewards import RewardFailedError, RewardSpecError
 
-    return (UserError, RewardSpecError, FileNotFoundError)
+    return (UserError, RewardSpecError, RewardFailedError, FileNotFoundError)

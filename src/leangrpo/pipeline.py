@@ -43,7 +43,7 @@ import torch
 from leangrpo.advantages import compute_advantages
 from leangrpo.checkpoint import sample_from_state, sample_state
 from leangrpo.contracts import RolloutBatch, RolloutEngine, RolloutSample, SamplingParams
-from leangrpo.errors import RunError
+from leangrpo.errors import RunError, user_error_types
 from leangrpo.seeding import derive_seed
 
 _STOP_POLL_S = 0.1
@@ -449,6 +449,8 @@ class AsyncProducer:
         waiting_since = time.monotonic()
         while True:
             if self._error is not None:
+                if isinstance(self._error, user_error_types()):  # one sentence, as in sync mode
+                    raise self._error
                 raise RuntimeError(f"rollout producer failed: {self._error!r}") from self._error
             try:
                 return self.queue.get(timeout=_STOP_POLL_S)

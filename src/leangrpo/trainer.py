@@ -345,10 +345,12 @@ class Trainer:
         )
 
     def close(self) -> None:
-        """Producer first (it may be mid-call into the engines and the reward pool)."""
+        """The reward pool first: a producer thread waiting in `score()` gets PoolClosedError
+        at once instead of finishing a reward's timeout; then the producer (it may be
+        mid-call into the engines), then the engines."""
+        self.rewards.close()
         self.producer.close()
         self.engines.close()
-        self.rewards.close()
         self.logger.close()
         self.checked.release()
 
