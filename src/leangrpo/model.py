@@ -168,21 +168,92 @@ def score(
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-completion-token log-probs (T,) under the engine's sampling transformation."""
+    if isinstance(model, PackedScorer):  # the FSDP root: its forward gathers the root unit
+        return model(batch, sampling, logprob_cfg, with_entropy=with_entropy)
     hidden = completion_hidden(model, batch)
     _, head = backbone_and_head(model)
+    options = {
+        "chunked": logprob_cfg.chunked,
+        "temperature": sampling.temperature,
+        "top_k": sampling.top_k,
+        "min_p": sampling.min_p,
+        "with_entropy": with_entropy,
+        "row_tile": logprob_cfg.row_tile,
+        "vocab_tile": logprob_cfg.vocab_tile,
+    }
+    if isinstance(head, ChunkedLMHead):  # a module call: FSDP gathers the head around it
+        return head(hidden, batch.targets, **options)
+    if _is_dtensor(head.weight):
+        raise RuntimeError(
+            "score(): the model is FSDP-sharded; score through the PackedScorer that "
+            "leangrpo.fsdp.shard_model returned, so that the sharded weights are gathered"
+        )
     return token_logprobs(
-        hidden,
-        head.weight,
-        batch.targets,
-        getattr(head, "bias", None),
-        chunked=logprob_cfg.chunked,
-        temperature=sampling.temperature,
-        top_k=sampling.top_k,
-        min_p=sampling.min_p,
-        with_entropy=with_entropy,
-        row_tile=logprob_cfg.row_tile,
-        vocab_tile=logprob_cfg.vocab_tile,
+        hidden, head.weight, batch.targets, getattr(head, "bias", None), **options
     )
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+class ChunkedLMHead(nn.Module):
+    """The lm_head as a module whose forward can return chunked log-probs.
+
+    It takes over the original head's `weight` (and `bias`) Parameter objects, so names
+    (`lm_head.weight`), tying to the input embeddings and saved checkpoints are unchanged.
+    `head(hidden)` returns logits as nn.Linear does (generation, plain forwards);
+    `head(hidden, targets, **options)` returns `token_logprobs(...)`. Under FSDP2 the head
+    is its own unit (or part of the root's) and the weight is only read inside a forward,
+    when it is gathered, never as a sharded DTensor.
+    """
+
+    def __init__(self, linear: nn.Module):
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = getattr(linear, "bias", None)
+        self.in_features, self.out_features = self.weight.shape[1], self.weight.shape[0]
+
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None, **options):
+        if targets is None:
+            return nn.functional.linear(hidden, self.weight, self.bias)
+        return token_logprobs(hidden, self.weight, targets, self.bias, **options)
+
+
+def install_chunked_head(model: nn.Module) -> ChunkedLMHead:
+    """Replace the causal LM's output embeddings by a ChunkedLMHead (idempotent)."""
+    lm = causal_lm(model)
+    head = lm.get_output_embeddings()
+    if isinstance(head, ChunkedLMHead):
+        return head
+    if not isinstance(head, nn.Linear):
+        raise TypeError(
+            f"the output embeddings are a {type(head).__name__}, not nn.Linear; the chunked "
+            "lm_head needs a plain linear head (is lm_head a LoRA target? drop it from "
+            "lora.target_modules)"
+        )
+    chunked = ChunkedLMHead(head)
+    lm.set_output_embeddings(chunked)
+    return chunked
+
+
+class PackedScorer(nn.Module):
+    """The packed scoring forward (backbone + chunked head) as one module call.
+
+    FSDP2 gathers a unit's parameters in its forward pre-hook, so whatever is left outside
+    the per-layer units (embeddings, final norm, a tied head) must be read inside some
+    module's forward: this one is the root unit. `scorer(batch, sampling, logprob_cfg)`
+    equals `score(model, ...)`.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: PackedBatch, sampling, logprob_cfg, with_entropy: bool = False):
+        return score(self.model, batch, sampling, logprob_cfg, with_entropy=with_entropy)
 
 
 @torch.no_grad()
