@@ -8,8 +8,9 @@ MASTER_ADDR and MASTER_PORT set (the test launches one process per rank). Scenar
   train STEPS AdamW steps on groups dealt to ranks, gather weights for sync, save a DCP
   checkpoint and the final HF directory. Rank 0 writes what it saw to OUT_DIR/result.pt.
 - resume MODE: fresh processes load that checkpoint; rank 0 writes the gathered state.
-- fail HOW: rank 1 raises (HOW = raise) or is SIGKILLed (HOW = kill) inside a sharded
-  forward during phase "train"; rank 0 must exit with one line naming rank 1 and the phase.
+- fail HOW: rank 1 raises (HOW = raise), is SIGKILLed (kill) or sleeps in phase
+  "generate" (hang) inside a sharded forward during phase "train"; rank 0 must exit with
+  one line naming rank 1 and the phase.
 
 The single-process reference (`reference_run`) uses the same batches, unsharded.
 """
@@ -20,6 +21,7 @@ import math
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -32,6 +34,7 @@ GROUPS, GROUP_SIZE = 6, 2
 TOKEN_BUDGET = 40  # per micro-batch: in step 0 one rank gets 3, the other 2 (+ padding)
 LR = 1e-2
 LOGPROBS = SimpleNamespace(chunked=True, row_tile=8, vocab_tile=16)
+DEVICE = os.environ.get("LEANGRPO_TEST_DEVICE", "cpu")  # "cuda": the GPU (nccl) variant
 
 
 def loss_cfg(mode: str) -> SimpleNamespace:
@@ -60,7 +63,7 @@ def dist_cfg(
         param_dtype=param_dtype,
         reduce_dtype="float32",
         cpu_offload=False,
-        backend="gloo",
+        backend="auto",  # gloo on CPU (the CPU tests), nccl on GPUs
         timeout_s=timeout_s,
     )
 
@@ -96,14 +99,14 @@ def batches() -> list[list[list]]:
     return out
 
 
-def build_model(mode: str, *, checkpointing: bool):
+def build_model(mode: str, *, checkpointing: bool, device="cpu"):
     """The demo model (fp32) with packed attention; LoRA wrapped with a fixed seed."""
     from transformers import AutoModelForCausalLM
 
     from leangrpo.attention import enable_packed_attention
     from leangrpo.offload import enable_gradient_checkpointing
 
-    model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, dtype=torch.float32).to(device)
     enable_packed_attention(model, "sdpa_segments")
     if mode == "lora":
         from peft import LoraConfig, get_peft_model
@@ -122,13 +125,15 @@ def build_model(mode: str, *, checkpointing: bool):
     return model.train(), offloader
 
 
-def micro_batches(samples: list, uids: list[int], budget: int = TOKEN_BUDGET) -> list:
+def micro_batches(samples: list, uids: list[int], device="cpu", budget: int = TOKEN_BUDGET) -> list:
     """Packed micro-batches; each sequence's `sample_index` is its batch-wide uid."""
     from leangrpo.packing import pack_samples, plan_micro_batches
 
     plan = plan_micro_batches([s.num_tokens for s in samples], budget, "tokens")
     return [
-        pack_samples([samples[i] for i in idx], sample_indices=[uids[i] for i in idx])
+        pack_samples(
+            [samples[i] for i in idx], sample_indices=[uids[i] for i in idx], device=device
+        )
         for idx in plan
     ]
 
@@ -161,7 +166,7 @@ def per_sample_logprobs(score_fn, mbs) -> dict[int, torch.Tensor]:
         for mb in mbs:
             lp, _ = score_fn(mb)
             for s, piece in enumerate(lp.split(mb.completion_lens.tolist())):
-                out[int(mb.sample_index[s])] = piece.clone()
+                out[int(mb.sample_index[s])] = piece.detach().cpu().clone()
     return out
 
 
@@ -253,7 +258,7 @@ def sharded_setup(mode: str, ctx, *, checkpointing: bool):
     """The model sharded across the ranks, its scorer (the FSDP root) and AdamW."""
     from leangrpo.fsdp import shard_model
 
-    model, offloader = build_model(mode, checkpointing=checkpointing)
+    model, offloader = build_model(mode, checkpointing=checkpointing, device=ctx.device)
     scorer = shard_model(model, dist_cfg(), ctx)
     params = [p for p in model.parameters() if p.requires_grad]
     return model, scorer, offloader, params, torch.optim.AdamW(params, lr=LR)
@@ -269,8 +274,9 @@ def train_ranks(mode: str, out: Path) -> None:
         reduce_metrics,
     )
     from leangrpo.fsdp import clip_grad_norm, gather_for_sync, padding_batch, shard_model
+    from leangrpo.model import score
 
-    ctx = init_distributed(dist_cfg())
+    ctx = init_distributed(dist_cfg(), DEVICE)
     cfg, sampling = loss_cfg(mode), SamplingParams()
     with ctx.phase("setup"):
         model, scorer, offloader, params, opt = sharded_setup(
@@ -278,20 +284,24 @@ def train_ranks(mode: str, out: Path) -> None:
         )
         ref_scorer = None
         if mode == "full":  # a sharded reference (beta > 0 with full fine-tuning)
-            plain, _ = build_model("full", checkpointing=False)
+            plain, _ = build_model("full", checkpointing=False, device=ctx.device)
             ref_scorer = shard_model(plain.eval().requires_grad_(False), dist_cfg(), ctx)
 
     def score_fn(mb, with_entropy=False):
         return scorer(mb, sampling, LOGPROBS, with_entropy=with_entropy)
 
     result: dict = {"grad_norms": [], "padded": 0, "imbalance": [], "offloaded": 0}
+    try:  # the sharded model itself must not be scored: its root's weights are DTensors
+        score(model, micro_batches(*flatten(batches()[0], [0]), ctx.device)[0], sampling, LOGPROBS)
+    except RuntimeError as exc:
+        result["refused"] = str(exc)
     for step, groups in enumerate(batches()):
         deal = deal_groups([[s.num_tokens for s in g] for g in groups], ctx.world_size)
         result["imbalance"].append(deal.imbalance)
         samples, uids = flatten(groups, deal.groups[ctx.rank])
-        mbs = micro_batches(samples, uids)
+        mbs = micro_batches(samples, uids, ctx.device)
         plan = equal_micro_batch_plan(ctx, [[i] for i in range(len(mbs))])
-        padded = [mbs[idx[0]] if idx else padding_batch(0) for idx in plan]
+        padded = [mbs[idx[0]] if idx else padding_batch(0, ctx.device) for idx in plan]
         result["padded"] += ctx.max_int(len(padded) - len(mbs))
         if step == 0:
             with ctx.phase("score"):  # padding batches too: the same forwards on every rank
@@ -309,7 +319,7 @@ def train_ranks(mode: str, out: Path) -> None:
             result["offloaded"] += accumulate(scorer, offloader, mbs, padded, cfg, ctx)
             if step == 0:
                 grads = {
-                    n: p.grad.full_tensor()
+                    n: p.grad.full_tensor().cpu()
                     for n, p in model.named_parameters()
                     if p.grad is not None
                 }
@@ -322,8 +332,10 @@ def train_ranks(mode: str, out: Path) -> None:
             opt.zero_grad(set_to_none=True)
     with ctx.phase("sync"):
         lora = mode == "lora"
-        result["sync"] = gather_for_sync(model, ctx, adapters_only=lora)
-        result["sync_bf16"] = gather_for_sync(model, ctx, adapters_only=lora, dtype=torch.bfloat16)
+        result["sync"] = gather_for_sync(model, ctx, adapters_only=lora, device="cpu")
+        result["sync_bf16"] = gather_for_sync(
+            model, ctx, adapters_only=lora, dtype=torch.bfloat16, device="cpu"
+        )
     with ctx.phase("checkpoint"):
         result["checkpoint"] = str(
             save_sharded_checkpoint(out / "run", STEPS, model, opt, None, {"note": mode}, 2, ctx)
@@ -375,19 +387,19 @@ def other_strategies(ctx) -> dict:
 
     groups = batches()[0]
     deal = deal_groups([[s.num_tokens for s in g] for g in groups], ctx.world_size)
-    mbs = micro_batches(*flatten(groups, deal.groups[ctx.rank]))
+    mbs = micro_batches(*flatten(groups, deal.groups[ctx.rank]), ctx.device)
     plan = equal_micro_batch_plan(ctx, [[i] for i in range(len(mbs))])
-    padded = [mbs[idx[0]] if idx else padding_batch(0) for idx in plan]
+    padded = [mbs[idx[0]] if idx else padding_batch(0, ctx.device) for idx in plan]
     out = {}
     for sharding, param_dtype in [
         ("shard_grad_op", "off"),
         ("no_shard", "off"),
         ("full_shard", "bfloat16"),
     ]:
-        model, _ = build_model("full", checkpointing=False)
+        model, _ = build_model("full", checkpointing=False, device=ctx.device)
         scorer = shard_model(model, dist_cfg(sharding=sharding, param_dtype=param_dtype), ctx)
         accumulate(scorer, None, mbs, padded, loss_cfg("full"), ctx)
-        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        grads = {n: p.grad.full_tensor().cpu() for n, p in model.named_parameters()}
         out[f"{sharding}/{param_dtype}"] = grads
     return out
 
@@ -405,7 +417,7 @@ def resume_ranks(mode: str, out: Path) -> None:
     from leangrpo.distributed import init_distributed
     from leangrpo.fsdp import gather_for_sync
 
-    ctx = init_distributed(dist_cfg())
+    ctx = init_distributed(dist_cfg(), DEVICE)
     with ctx.phase("checkpoint"):
         model, _, _, _, opt = sharded_setup(mode, ctx, checkpointing=False)
         state = load_sharded_checkpoint(
@@ -413,7 +425,7 @@ def resume_ranks(mode: str, out: Path) -> None:
         )
         result = {
             "state": state,
-            "sync": gather_for_sync(model, ctx, adapters_only=False),
+            "sync": gather_for_sync(model, ctx, adapters_only=False, device="cpu"),
             "optimizer": full_optimizer_state(model, opt, ctx),
         }
     if ctx.is_main:
@@ -427,7 +439,7 @@ def fail_ranks(how: str, out: Path, timeout_s: float) -> None:
     from leangrpo.distributed import DistributedError, init_distributed
     from leangrpo.fsdp import decoder_layers
 
-    ctx = init_distributed(dist_cfg(timeout_s))
+    ctx = init_distributed(dist_cfg(timeout_s), DEVICE)
     with ctx.phase("setup"):
         model, scorer, _, _, _ = sharded_setup("full", ctx, checkpointing=False)
     calls = {"n": 0}
@@ -437,6 +449,9 @@ def fail_ranks(how: str, out: Path, timeout_s: float) -> None:
         if ctx.rank == 1 and calls["n"] == 4:  # fourth step, inside the second layer
             if how == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if how == "hang":  # alive, but never joins the next collective
+                with ctx.phase("generate"):
+                    time.sleep(10 * timeout_s)
             raise ValueError("injected failure")
 
     decoder_layers(model)[1].register_forward_pre_hook(inject)
@@ -444,7 +459,7 @@ def fail_ranks(how: str, out: Path, timeout_s: float) -> None:
     try:
         for _ in range(10):
             with ctx.phase("train"):
-                for mb in micro_batches(samples, uids)[:1]:
+                for mb in micro_batches(samples, uids, ctx.device)[:1]:
                     lp, _ = scorer(mb, SamplingParams(), LOGPROBS)
                     lp.sum().backward()
                 ctx.barrier()

@@ -67,7 +67,9 @@ def save_sharded_checkpoint(
 ) -> Path:
     """Every rank calls this; returns `output_dir/checkpoints/step-{step}`."""
     if keep_last < 1:
-        raise CheckpointError(f"keep_last must be >= 1 (got {keep_last}); set checkpoint.keep_last.")
+        raise CheckpointError(
+            f"keep_last must be >= 1 (got {keep_last}); set checkpoint.keep_last."
+        )
     state_json = _to_json({**trainer_state, "step": step, "world_size": ctx.world_size})
     root = Path(output_dir) / "checkpoints"
     final = root / f"step-{step}"

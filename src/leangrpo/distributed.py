@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 PHASES = ("setup", "generate", "score", "train", "sync", "checkpoint", "shutdown")
+DONE = "done"  # the heartbeat's phase once a rank has shut down
 _COMM_ERROR_HINTS = (
     "gloo",
     "nccl",
@@ -106,9 +107,13 @@ class DistContext:
         except DistributedError:
             raise
         except Exception as exc:
+            if getattr(exc, "_leangrpo_reported", False):  # an inner phase handled it
+                raise
             error = self._watch.failure(name, exc)
             if error is not None:
                 raise error from exc
+            with contextlib.suppress(AttributeError):
+                exc._leangrpo_reported = True  # type: ignore[attr-defined]
             raise
         finally:
             self._watch.leave(outer)
@@ -240,11 +245,19 @@ def looks_like_comm_error(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(hint in text for hint in _COMM_ERROR_HINTS)
 
 
+def _cause(records: list[dict]) -> str:
+    """The first failure other ranks recorded: an origin's error, else a victim's line."""
+    first = next((r for r in records if r["origin"]), records[0])
+    if first["origin"]:
+        return f"rank {first['rank']} failed during {first['phase']}: {first['error']}"
+    return first["error"]
+
+
 class _Watch:
     """Heartbeats and failure records in the rendezvous store, under namespace `prefix`.
 
     Keys: `beat/<rank>` = "<counter> <phase>", rewritten every `interval` seconds by a
-    daemon thread; `done/<rank>` once the rank shut down; `failures` = JSON lines appended
+    daemon thread, and "<counter> done" once the rank shut down; `failures` = JSON lines appended
     by failing ranks ({"rank", "phase", "error", "origin"}).
     """
 
@@ -302,21 +315,16 @@ class _Watch:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5 * self.interval)
-        with contextlib.suppress(Exception), self._lock:
-            self._store.set(f"{self.prefix}done/{self.rank}", "1")
+        self.phase = DONE
+        with contextlib.suppress(Exception):
+            self._beat()
 
     # -- explaining a failure ------------------------------------------------------------
 
     def _explain(self, phase: str, exc: Exception, others: list[dict]) -> str:
         me = f"rank {self.rank} stops during {phase}"
-        origins = [r for r in others if r["origin"]] or others
-        if origins:
-            first = origins[0]
-            if first["origin"]:
-                return (
-                    f"{me}: rank {first['rank']} failed during {first['phase']}: {first['error']}"
-                )
-            return f"{me}: {first['error']}"
+        if others:
+            return f"{me}: {_cause(others)}"
         dead = self._stalled_peers(wait_s=2.5 * self.interval)
         if dead:
             who = ", ".join(f"rank {r} (in {p})" for r, p in dead)
@@ -344,13 +352,12 @@ class _Watch:
             self._store.append(f"{self.prefix}failures", line + "\n")
 
     def _beats(self) -> dict[int, tuple[str, bool]]:
-        """peer -> (beat value, done)."""
+        """peer -> (beat value "<counter> <phase>", whether it has shut down)."""
         peers = [r for r in range(self.world_size) if r != self.rank]
-        beat_keys = [f"{self.prefix}beat/{r}" for r in peers]
         with self._lock:
-            values = self._store.multi_get(beat_keys)
-            done = [self._store.check([f"{self.prefix}done/{r}"]) for r in peers]
-        return {r: (v.decode(), d) for r, v, d in zip(peers, values, done)}
+            values = self._store.multi_get([f"{self.prefix}beat/{r}" for r in peers])
+        beats = [v.decode() for v in values]
+        return {r: (v, v.endswith(" " + DONE)) for r, v in zip(peers, beats)}
 
     def _peer_phases(self) -> list[tuple[int, str]]:
         return [(r, v.split(" ", 1)[1]) for r, (v, done) in self._beats().items() if not done]
@@ -394,11 +401,7 @@ class _Watch:
         now = time.monotonic()
         others = [r for r in self._failures() if r["rank"] != self.rank]
         if others:
-            first = next((r for r in others if r["origin"]), others[0])
-            self._schedule_exit(
-                f"rank {self.rank} stops during {self.phase}: rank {first['rank']} failed "
-                f"during {first['phase']}: {first['error']}"
-            )
+            self._schedule_exit(f"rank {self.rank} stops during {self.phase}: {_cause(others)}")
         for peer, (value, done) in self._beats().items():
             last = self._seen.get(peer)
             if last is None or last[0] != value:

@@ -26,6 +26,8 @@ all-gather is ever interleaved with a send (the deadlock of TRL #7103).
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import (
@@ -55,9 +57,13 @@ def shard_model(model: nn.Module, dist_cfg, ctx: DistContext) -> PackedScorer:
     """Shard `model` (a transformers causal LM, or a peft model around one) in place.
 
     Returns the root: call it (or `model.score(root, ...)`) for packed log-probs. Build the
-    optimizer after this, over the model's (now DTensor) parameters. Works at world size 1
-    too (a mesh of one), though single-process runs need none of it.
+    optimizer after this, over the model's (now DTensor) parameters. Needs the process
+    group of `init_distributed` (world size >= 2); a single process is never sharded.
     """
+    if not ctx.distributed:
+        raise ValueError(
+            "shard_model needs several ranks (torchrun); a single process is not sharded"
+        )
     head = install_chunked_head(model)
     embed = causal_lm(model).get_input_embeddings()
     units = dict(
@@ -90,12 +96,25 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def _mesh(ctx: DistContext, sharding: str):
-    from torch.distributed.device_mesh import init_device_mesh
+    """The data-parallel mesh, built on the default group so that it has its timeout.
+
+    (init_device_mesh may create new groups, which get torch's default timeout.) no_shard is
+    a (W, 1) mesh: replicate over every rank, shard over a group of one.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
 
     kind = ctx.device.type
-    if sharding == "no_shard":
-        return init_device_mesh(kind, (ctx.world_size, 1), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh(kind, (ctx.world_size,), mesh_dim_names=("shard",))
+    if sharding != "no_shard":
+        return DeviceMesh.from_group(dist.group.WORLD, kind, mesh_dim_names=("shard",))
+    timeout = timedelta(seconds=ctx.timeout_s)
+    alone = [dist.new_group([r], timeout=timeout) for r in range(ctx.world_size)]  # collective
+    return DeviceMesh.from_group(
+        [dist.group.WORLD, alone[ctx.rank]],
+        kind,
+        mesh=torch.arange(ctx.world_size).view(ctx.world_size, 1),
+        mesh_dim_names=("replicate", "shard"),
+    )
 
 
 def _mixed_precision(dist_cfg, model: nn.Module) -> MixedPrecisionPolicy:

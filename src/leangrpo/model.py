@@ -5,6 +5,10 @@ Scoring never builds logits for prompt tokens: the backbone runs once over the p
 completion tokens, and the chunked lm_head turns those (T, H) rows into log-probs without
 ever holding a (T, V) tensor. Reference log-probs come from the same forward with LoRA
 adapters disabled, or from a frozen copy when training all weights with beta > 0.
+
+For FSDP2 (fsdp.py) the chunked lm_head can be a module (`ChunkedLMHead`, the same
+parameters under the same names) and the whole scoring pass a module (`PackedScorer`), so
+that every weight is read inside a forward, where FSDP has gathered it.
 """
 
 from __future__ import annotations
@@ -170,6 +174,11 @@ def score(
     """Per-completion-token log-probs (T,) under the engine's sampling transformation."""
     if isinstance(model, PackedScorer):  # the FSDP root: its forward gathers the root unit
         return model(batch, sampling, logprob_cfg, with_entropy=with_entropy)
+    if _is_dtensor(causal_lm(model).get_input_embeddings().weight):
+        raise RuntimeError(
+            "score(): the model is FSDP-sharded; score through the PackedScorer that "
+            "leangrpo.fsdp.shard_model returned, so that the sharded weights are gathered"
+        )
     hidden = completion_hidden(model, batch)
     _, head = backbone_and_head(model)
     options = {
@@ -183,11 +192,6 @@ def score(
     }
     if isinstance(head, ChunkedLMHead):  # a module call: FSDP gathers the head around it
         return head(hidden, batch.targets, **options)
-    if _is_dtensor(head.weight):
-        raise RuntimeError(
-            "score(): the model is FSDP-sharded; score through the PackedScorer that "
-            "leangrpo.fsdp.shard_model returned, so that the sharded weights are gathered"
-        )
     return token_logprobs(
         hidden, head.weight, batch.targets, getattr(head, "bias", None), **options
     )
