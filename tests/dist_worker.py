@@ -100,7 +100,8 @@ def batches() -> list[list[list]]:
 
 
 def build_model(mode: str, *, checkpointing: bool, device="cpu"):
-    """The demo model (fp32) with packed attention; LoRA wrapped with a fixed seed."""
+    """The demo model (fp32) with packed attention; LoRA wrapped with a fixed seed;
+    mode "untied": full fine-tuning with an lm_head of its own (the demo model ties it)."""
     from transformers import AutoModelForCausalLM
 
     from leangrpo.attention import enable_packed_attention
@@ -108,6 +109,10 @@ def build_model(mode: str, *, checkpointing: bool, device="cpu"):
 
     model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, dtype=torch.float32).to(device)
     enable_packed_attention(model, "sdpa_segments")
+    if mode == "untied":
+        model.config.tie_word_embeddings = False
+        head = model.model.embed_tokens.weight.detach().flip(0) * 1.5  # a deterministic other
+        model.lm_head.weight = torch.nn.Parameter(head.contiguous())
     if mode == "lora":
         from peft import LoraConfig, get_peft_model
 
@@ -213,6 +218,28 @@ def reference_run(mode: str) -> dict:
     result["sync"] = [(n, t.clone()) for n, t in policy.named_trainable_tensors()]
     result["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return result
+
+
+def reference_step0_grads(mode: str) -> dict[str, torch.Tensor]:
+    """Step-0 gradients of the whole batch in one process (fp32)."""
+    from leangrpo.contracts import SamplingParams
+    from leangrpo.model import score
+    from leangrpo.step import normalisers
+
+    cfg = loss_cfg("full")
+    model, _ = build_model(mode, checkpointing=False)
+    mbs = micro_batches(*flatten(batches()[0], list(range(GROUPS))))
+    norm = normalisers(mbs, cfg)
+    for mb in mbs:
+        loss_backward(
+            lambda b, with_entropy=False: score(
+                model, b, SamplingParams(), LOGPROBS, with_entropy=with_entropy
+            ),
+            mb,
+            cfg,
+            norm,
+        )
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def reference_mixed_grads(world_size: int = 2) -> dict[str, torch.Tensor]:
@@ -381,7 +408,7 @@ def accumulate(scorer, offloader, mbs, padded, cfg, ctx) -> int:
 
 
 def other_strategies(ctx) -> dict:
-    """Step-0 gradients under shard_grad_op, no_shard and bf16 mixed precision."""
+    """Step-0 gradients under shard_grad_op, no_shard, bf16 mixed precision, untied head."""
     from leangrpo.distributed import deal_groups, equal_micro_batch_plan
     from leangrpo.fsdp import padding_batch, shard_model
 
@@ -391,16 +418,17 @@ def other_strategies(ctx) -> dict:
     plan = equal_micro_batch_plan(ctx, [[i] for i in range(len(mbs))])
     padded = [mbs[idx[0]] if idx else padding_batch(0, ctx.device) for idx in plan]
     out = {}
-    for sharding, param_dtype in [
-        ("shard_grad_op", "off"),
-        ("no_shard", "off"),
-        ("full_shard", "bfloat16"),
+    for sharding, param_dtype, mode in [
+        ("shard_grad_op", "off", "full"),
+        ("no_shard", "off", "full"),
+        ("full_shard", "bfloat16", "full"),
+        ("full_shard", "off", "untied"),  # embeddings and lm_head as units of their own
     ]:
-        model, _ = build_model("full", checkpointing=False, device=ctx.device)
+        model, _ = build_model(mode, checkpointing=False, device=ctx.device)
         scorer = shard_model(model, dist_cfg(sharding=sharding, param_dtype=param_dtype), ctx)
         accumulate(scorer, None, mbs, padded, loss_cfg("full"), ctx)
         grads = {n: p.grad.full_tensor().cpu() for n, p in model.named_parameters()}
-        out[f"{sharding}/{param_dtype}"] = grads
+        out[f"{sharding}/{param_dtype}/{mode}"] = grads
     return out
 
 

@@ -128,14 +128,18 @@ def test_other_strategies_and_mixed_precision_give_the_same_gradients(run):
         pytest.skip("run once, with full fine-tuning")
     ref = run.reference["grads"]
     strategies = run.sharded["strategy_grads"]
-    for name, grad in ref.items():
-        for key in ("shard_grad_op/off", "no_shard/off"):
+    for key in ("shard_grad_op/off/full", "no_shard/off/full"):
+        for name, grad in ref.items():
             torch.testing.assert_close(strategies[key][name], grad, rtol=1e-5, atol=1e-6)
+    untied = W.reference_step0_grads("untied")
+    assert "lm_head.weight" in untied and "lm_head.weight" not in ref
+    for name, grad in untied.items():
+        got = strategies["full_shard/off/untied"][name]
+        torch.testing.assert_close(got, grad, rtol=1e-5, atol=1e-6)
     # bf16 compute, fp32 reduce: against the same arithmetic done in one process (bf16 is
     # 10-20% away from fp32 on this tiny random model, so fp32 is no yardstick here)
-    emulated = W.reference_mixed_grads()
-    for name, grad in emulated.items():
-        mixed = strategies["full_shard/bfloat16"][name]
+    for name, grad in W.reference_mixed_grads().items():
+        mixed = strategies["full_shard/bfloat16/full"][name]
         assert mixed.dtype == torch.float32  # the sharded master weights' dtype
         assert (mixed - grad).norm() <= 1e-5 * grad.norm() + 1e-7, name
 
@@ -230,7 +234,7 @@ def test_two_gpus_with_nccl_match_one_process(tmp_path):
     params = dict(sharded["sync"])
     for name, param in ref["params"].items():
         assert (params[name] - param).abs().max() <= 1e-4, name
-    mixed = sharded["strategy_grads"]["full_shard/bfloat16"]
+    mixed = sharded["strategy_grads"]["full_shard/bfloat16/full"]
     for name, grad in W.reference_mixed_grads().items():
         assert (mixed[name] - grad).norm() <= 1e-2 * grad.norm() + 1e-6, name
 

@@ -257,8 +257,8 @@ class _Watch:
     """Heartbeats and failure records in the rendezvous store, under namespace `prefix`.
 
     Keys: `beat/<rank>` = "<counter> <phase>", rewritten every `interval` seconds by a
-    daemon thread, and "<counter> done" once the rank shut down; `failures` = JSON lines appended
-    by failing ranks ({"rank", "phase", "error", "origin"}).
+    daemon thread, and "<counter> done" once the rank shut down; `failures` = JSON lines
+    appended by failing ranks ({"rank", "phase", "error", "origin"}).
     """
 
     def __init__(self, rank: int, world_size: int, timeout_s: float, store: dist.Store):
@@ -295,7 +295,8 @@ class _Watch:
         Either way the failure is fatal: the process exits within `grace_s` even if the
         exception is caught, or the interpreter's exit blocks on a pending collective.
         """
-        self._schedule_exit(None)  # the main thread shows the error (a traceback, or the line)
+        self._schedule_exit(None)
+        self._exit_line = None  # the main thread shows the error (a traceback, or the line)
         try:
             others = [r for r in self._failures() if r["rank"] != self.rank]
             if not others and not looks_like_comm_error(exc):

@@ -56,7 +56,7 @@ def clean_name(name: str) -> str:
 def shard_model(model: nn.Module, dist_cfg, ctx: DistContext) -> PackedScorer:
     """Shard `model` (a transformers causal LM, or a peft model around one) in place.
 
-    Returns the root: call it (or `model.score(root, ...)`) for packed log-probs. Build the
+    Returns the root: call it (or `leangrpo.model.score(root, ...)`) for log-probs. Build the
     optimizer after this, over the model's (now DTensor) parameters. Needs the process
     group of `init_distributed` (world size >= 2); a single process is never sharded.
     """
@@ -68,7 +68,7 @@ def shard_model(model: nn.Module, dist_cfg, ctx: DistContext) -> PackedScorer:
     embed = causal_lm(model).get_input_embeddings()
     units = dict(
         mesh=_mesh(ctx, dist_cfg.sharding),
-        mp_policy=_mixed_precision(dist_cfg, model),
+        mp_policy=_mixed_precision(dist_cfg),
         offload_policy=_offload_policy(dist_cfg, ctx),
     )
     reshard = dist_cfg.sharding == "full_shard"
@@ -117,7 +117,7 @@ def _mesh(ctx: DistContext, sharding: str):
     )
 
 
-def _mixed_precision(dist_cfg, model: nn.Module) -> MixedPrecisionPolicy:
+def _mixed_precision(dist_cfg) -> MixedPrecisionPolicy:
     if dist_cfg.param_dtype == "off":
         return MixedPrecisionPolicy()
     param = DTYPES[dist_cfg.param_dtype]

@@ -174,11 +174,17 @@ def score(
     """Per-completion-token log-probs (T,) under the engine's sampling transformation."""
     if isinstance(model, PackedScorer):  # the FSDP root: its forward gathers the root unit
         return model(batch, sampling, logprob_cfg, with_entropy=with_entropy)
-    if _is_dtensor(causal_lm(model).get_input_embeddings().weight):
+    if any(_is_dtensor(p) for p in causal_lm(model).parameters()):
         raise RuntimeError(
             "score(): the model is FSDP-sharded; score through the PackedScorer that "
             "leangrpo.fsdp.shard_model returned, so that the sharded weights are gathered"
         )
+    return _score(model, batch, sampling, logprob_cfg, with_entropy)
+
+
+def _score(model, batch, sampling, logprob_cfg, with_entropy: bool):
+    """score() without the check (inside the FSDP root's forward, units not yet reached
+    still hold sharded weights; each unit's forward gathers its own)."""
     hidden = completion_hidden(model, batch)
     _, head = backbone_and_head(model)
     options = {
@@ -257,7 +263,7 @@ class PackedScorer(nn.Module):
         self.model = model
 
     def forward(self, batch: PackedBatch, sampling, logprob_cfg, with_entropy: bool = False):
-        return score(self.model, batch, sampling, logprob_cfg, with_entropy=with_entropy)
+        return _score(self.model, batch, sampling, logprob_cfg, with_entropy)
 
 
 @torch.no_grad()
