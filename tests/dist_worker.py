@@ -56,13 +56,16 @@ def loss_cfg(mode: str) -> SimpleNamespace:
 
 
 def dist_cfg(
-    timeout_s: float = 60.0, sharding: str = "full_shard", param_dtype: str = "off"
+    timeout_s: float = 60.0,
+    sharding: str = "full_shard",
+    param_dtype: str = "off",
+    cpu_offload: bool = False,
 ) -> SimpleNamespace:
     return SimpleNamespace(
         sharding=sharding,
         param_dtype=param_dtype,
         reduce_dtype="float32",
-        cpu_offload=False,
+        cpu_offload=cpu_offload,
         backend="auto",  # gloo on CPU (the CPU tests), nccl on GPUs
         timeout_s=timeout_s,
     )
@@ -303,7 +306,7 @@ def train_ranks(mode: str, out: Path) -> None:
     from leangrpo.fsdp import clip_grad_norm, gather_for_sync, padding_batch, shard_model
     from leangrpo.model import score
 
-    ctx = init_distributed(dist_cfg(), DEVICE)
+    ctx = init_distributed(dist_cfg(cpu_offload=DEVICE == "cuda"), DEVICE)
     cfg, sampling = loss_cfg(mode), SamplingParams()
     with ctx.phase("setup"):
         model, scorer, offloader, params, opt = sharded_setup(
@@ -418,14 +421,19 @@ def other_strategies(ctx) -> dict:
     plan = equal_micro_batch_plan(ctx, [[i] for i in range(len(mbs))])
     padded = [mbs[idx[0]] if idx else padding_batch(0, ctx.device) for idx in plan]
     out = {}
-    for sharding, param_dtype, mode in [
+    variants = [
         ("shard_grad_op", "off", "full"),
         ("no_shard", "off", "full"),
         ("full_shard", "bfloat16", "full"),
         ("full_shard", "off", "untied"),  # embeddings and lm_head as units of their own
-    ]:
-        model, _ = build_model(mode, checkpointing=False, device=ctx.device)
-        scorer = shard_model(model, dist_cfg(sharding=sharding, param_dtype=param_dtype), ctx)
+    ]
+    if ctx.device.type == "cuda":
+        variants.append(("full_shard", "off", "offload"))  # FSDP2 CPU offload
+    for sharding, param_dtype, mode in variants:
+        offload = mode == "offload"
+        model, _ = build_model("full" if offload else mode, checkpointing=False, device=ctx.device)
+        cfg = dist_cfg(sharding=sharding, param_dtype=param_dtype, cpu_offload=offload)
+        scorer = shard_model(model, cfg, ctx)
         accumulate(scorer, None, mbs, padded, loss_cfg("full"), ctx)
         grads = {n: p.grad.full_tensor().cpu() for n, p in model.named_parameters()}
         out[f"{sharding}/{param_dtype}/{mode}"] = grads

@@ -234,6 +234,9 @@ def test_two_gpus_with_nccl_match_one_process(tmp_path):
     params = dict(sharded["sync"])
     for name, param in ref["params"].items():
         assert (params[name] - param).abs().max() <= 1e-4, name
+    offloaded = sharded["strategy_grads"]["full_shard/off/offload"]
+    for name, grad in ref["grads"].items():
+        torch.testing.assert_close(offloaded[name], grad, rtol=1e-3, atol=1e-5)
     mixed = sharded["strategy_grads"]["full_shard/bfloat16/full"]
     for name, grad in W.reference_mixed_grads().items():
         assert (mixed[name] - grad).norm() <= 1e-2 * grad.norm() + 1e-6, name

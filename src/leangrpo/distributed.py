@@ -204,8 +204,10 @@ def init_distributed(dist_cfg, device_setting: str = "auto") -> DistContext:
         torch.cuda.set_device(device)
     if backend == "nccl":  # a timed-out NCCL op raises in Python instead of tearing down
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    # CPU-offloaded shards live in host memory: their gathers (weight sync, norms) need gloo
+    spec = "cpu:gloo,cuda:nccl" if backend == "nccl" and dist_cfg.cpu_offload else backend
     dist.init_process_group(
-        backend,
+        spec,
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=dist_cfg.timeout_s),
