@@ -106,6 +106,8 @@ def test_top_p_refused_with_reason(config_file: Path) -> None:
         (["loss.is_min=3", "loss.is_cap=2"], "loss.is_min"),
         (["train.steps_per_generation=16"], "rollout.prompts_per_batch"),
         (["pipeline.min_groups_per_step=9"], "pipeline.min_groups_per_step"),
+        (["distributed.param_dtype=bfloat16", "model.dtype=bfloat16"], "model.dtype: float32"),
+        (["distributed.timeout_s=0"], "distributed.timeout_s"),
     ],
 )
 def test_cross_field_rules(config_file: Path, overrides: list[str], expected: str) -> None:
@@ -133,6 +135,14 @@ def test_live_hf_engine_in_sync_mode_ignores_the_sync_interval(config_file) -> N
         ["pipeline.mode=async", "pipeline.sync_interval=4", "pipeline.max_staleness=0"],
         config_file,
     )
+
+
+def test_distributed_section_defaults_and_mixed_precision(config_file: Path) -> None:
+    cfg = load_config(config_file, [])
+    assert cfg.distributed.sharding == "full_shard" and cfg.distributed.backend == "auto"
+    assert cfg.distributed.param_dtype == "off" and cfg.distributed.timeout_s == 600.0
+    mixed = load_config(config_file, ["distributed.param_dtype=bfloat16", "model.dtype=float32"])
+    assert mixed.distributed.reduce_dtype == "float32"
 
 
 def test_missing_required_keys() -> None:

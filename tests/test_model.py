@@ -162,3 +162,29 @@ def test_lora_dropout_needs_dropout_kept():
         config_from_dict(base)
     kept = config_from_dict({**base, "model": {"name_or_path": "m", "disable_dropout": False}})
     assert kept.lora.dropout == 0.05
+
+
+def test_chunked_head_module_keeps_names_tying_and_log_probs():
+    """The lm_head as a module: same parameters and names, plain logits without targets,
+    the same log-probs through `score` and through the PackedScorer root."""
+    from leangrpo.model import ChunkedLMHead, PackedScorer, install_chunked_head
+
+    model = make_tiny_model("qwen2")
+    model.lm_head.weight = model.model.embed_tokens.weight  # tie them, as the demo model is
+    enable_packed_attention(model, "sdpa_segments")
+    batch = pack_samples(samples())
+    params = SamplingParams(temperature=0.7, top_k=20)
+    names = list(model.state_dict())
+    with torch.no_grad():
+        want, _ = score(model, batch, params, LOGPROBS)
+        hidden = torch.randn(3, 32)
+        logits = model.lm_head(hidden)
+        head = install_chunked_head(model)
+        assert install_chunked_head(model) is head and isinstance(head, ChunkedLMHead)
+        assert head.weight is model.model.embed_tokens.weight
+        assert list(model.state_dict()) == names
+        torch.testing.assert_close(head(hidden), logits, rtol=0, atol=0)
+        got, _ = score(model, batch, params, LOGPROBS)
+        root, _ = score(PackedScorer(model), batch, params, LOGPROBS)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(root, want, rtol=0, atol=0)

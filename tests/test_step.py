@@ -189,3 +189,19 @@ def test_a_batch_in_progress_resumes_with_the_same_micro_batches_and_old_logprob
             assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.targets, b.targets)
             assert torch.equal(a.old_logprobs, b.old_logprobs) and b.ref_logprobs is None
             assert torch.equal(a.advantages, b.advantages)
+
+
+def test_normalisers_across_ranks_give_each_rank_its_share_of_the_global_counts():
+    """FSDP averages gradients over ranks, so each rank divides by global / world_size."""
+    batches = [pack_samples(make_samples([1.0, -1.0]))]
+    local = normalisers(batches, CFG)
+    seen = []
+
+    def sum_over_ranks(values):  # as if the other rank held 5 sequences and 17 tokens
+        seen.append(values)
+        return [values[0] + 5, values[1] + 17]
+
+    norm = normalisers(batches, CFG, world_size=2, sum_over_ranks=sum_over_ranks)
+    assert seen == [[2.0, float(local.tokens)]]  # one reduction of the local counts
+    assert norm.sequences == (2 + 5) / 2 and norm.tokens == (local.tokens + 17) / 2
+    assert norm.global_tokens == local.tokens + 17 and norm.world_size == 2

@@ -654,6 +654,35 @@ class LoggingConfig(Section):
     run_name: str | None = Field(None, description="Run name shown by the tracking backends.")
 
 
+class DistributedConfig(Section):
+    """Data-parallel training under torchrun (FSDP2); a single process ignores this section."""
+
+    sharding: Literal["full_shard", "shard_grad_op", "no_shard"] = Field(
+        "full_shard",
+        description="FSDP2 strategy: 'full_shard' shards parameters, gradients and optimizer state and frees gathered parameters after each layer's forward; 'shard_grad_op' keeps them gathered from forward to backward (less communication, more memory); 'no_shard' replicates parameters and all-reduces gradients (DDP-like).",
+    )
+    param_dtype: Literal["off", "bfloat16", "float16"] = Field(
+        "off",
+        description="Mixed precision: dtype parameters are gathered and computed in, while the sharded master weights and optimizer state stay in model.dtype; 'off' computes in model.dtype.",
+    )
+    reduce_dtype: Literal["float32", "param"] = Field(
+        "float32",
+        description="dtype gradients are reduced across ranks in under mixed precision; 'param' = param_dtype.",
+    )
+    cpu_offload: bool = Field(
+        False,
+        description="FSDP2 CPU offload: sharded parameters, gradients and optimizer state live in host memory and the optimizer step runs on the CPU (CUDA only).",
+    )
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="Process-group backend; 'auto' = nccl on CUDA, gloo on CPU."
+    )
+    timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Limit on every collective, barrier and weight sync; a rank that dies, raises or hangs makes the others exit within it, naming the rank and phase.",
+    )
+
+
 class Config(Section):
     """A whole run."""
 
@@ -674,6 +703,9 @@ class Config(Section):
         default_factory=CheckpointConfig, description="Checkpoints."
     )
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging.")
+    distributed: DistributedConfig = Field(
+        default_factory=DistributedConfig, description="Multi-GPU / multi-node (torchrun)."
+    )
 
     @model_validator(mode="after")
     def _check_dropout(self) -> Config:
@@ -705,6 +737,11 @@ class Config(Section):
         if not self.generates_with_live_weights() and pipe.max_staleness < pipe.sync_interval - 1:
             raise rule_error(
                 f"pipeline.max_staleness ({pipe.max_staleness}) must be at least pipeline.sync_interval - 1 ({pipe.sync_interval - 1}): the generator only receives every sync_interval-th version, so a tighter bound can never be met."
+            )
+        dist = self.distributed
+        if dist.param_dtype != "off" and self.model.dtype in ("bfloat16", "float16"):
+            raise rule_error(
+                f"distributed.param_dtype ({dist.param_dtype}) needs full-precision master weights, but model.dtype is {self.model.dtype}; set model.dtype: float32 for mixed precision, or distributed.param_dtype: off."
             )
         return self
 

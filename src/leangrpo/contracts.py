@@ -148,8 +148,10 @@ class LossNormalisers:
     the name says global) before the first micro-batch runs.
     """
 
-    sequences: int  # sequences in this optimizer step on this rank
-    tokens: int  # completion tokens (unmasked) in this optimizer step on this rank
+    # sequences / unmasked completion tokens of the optimizer step on this rank; across
+    # ranks, the rank's share of the global count (global / world_size, maybe fractional)
+    sequences: float
+    tokens: float
     global_tokens: int  # completion tokens in the optimizer step, summed over ranks
     world_size: int = 1
     max_completion_length: int = 1

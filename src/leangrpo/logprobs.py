@@ -20,9 +20,13 @@ Choices:
   filtered, entropy (N,) when asked. Nothing O(N*V). Under no_grad nothing is saved.
 - Entropy (of the filtered, renormalised distribution) is differentiable: its gradient is
   one more term in the tile, dH/dz = p * (log Z - H - z).
-- Rows outer, vocabulary inner: grad_hidden accumulates in an fp32 row tile; grad_weight in
-  a (V, H) fp32 buffer, allocated only when the weight requires grad (not for a frozen
-  lm_head under LoRA). Matmuls run in the inputs' dtype, accumulation in fp32.
+- Backward loop order: rows outer, vocabulary inner, grad_hidden accumulating in an fp32
+  row tile and grad_weight in a (V, H) fp32 buffer (allocated only when the weight requires
+  grad: not for a frozen lm_head under LoRA); or, when the weight is bf16/fp16 and trained
+  (e.g. gathered by FSDP), vocabulary outer: each (vocab_tile, H) fp32 tile sums over all
+  rows and is written once into a gradient of the weight's dtype, with an (N, H) fp32
+  grad_hidden instead, so no full fp32 copy of the weight exists. Both sum in the same
+  order (identical results). Matmuls run in the inputs' dtype, accumulation in fp32.
 - Optional torch.compile (`compile=True`, config `logprobs.compile`): the row-tile loops
   (`_forward_rows`, `_backward_rows`) are compiled as they are, so the elementwise work
   around each tile's matmul fuses into a few kernels instead of a dozen passes over an fp32
@@ -367,33 +371,32 @@ def _backward(
     g_ent: Tensor | None,
     spec: _Spec,
     needs: tuple[bool, bool, bool],
+    vocab_outer: bool | None = None,  # None: the order with the smaller accumulators
 ) -> _Grads:
     compute, acc = _dtypes(spec)
     need_h, need_w, need_b = needs
     dev = hidden.device
+    if g_lp is None:
+        g_lp = torch.zeros(hidden.shape[0], dtype=acc, device=dev)
+    if vocab_outer is None:
+        vocab_outer = _vocab_outer_is_smaller(hidden, weight, need_w, acc)
+    if vocab_outer:
+        return _backward_vocab_outer(hidden, weight, targets, bias, saved, g_lp, g_ent, spec, needs)
     grads = _Grads(
         hidden=torch.empty_like(hidden) if need_h else None,
         weight=torch.zeros(weight.shape, dtype=acc, device=dev) if need_w else None,
         bias=torch.zeros(weight.shape[0], dtype=acc, device=dev) if need_b else None,
     )
-    if g_lp is None:
-        g_lp = torch.zeros(hidden.shape[0], dtype=acc, device=dev)
-    log_z, thr, entropy = saved
     for r0 in range(0, hidden.shape[0], spec.row_tile):
         r1 = min(r0 + spec.row_tile, hidden.shape[0])
-        rows_saved = (
-            log_z[r0:r1],
-            None if thr is None else thr[r0:r1],
-            None if entropy is None else entropy[r0:r1],
-        )
-        g_ent_rows = None if g_ent is None else g_ent[r0:r1].to(acc)
+        rows_saved, g_lp_rows, g_ent_rows = _rows(saved, g_lp, g_ent, r0, r1, acc)
         grad_h = _rows_fn(_backward_rows, spec)(
             hidden[r0:r1].to(compute),
             weight,
             bias,
             targets[r0:r1],
             rows_saved,
-            g_lp[r0:r1].to(acc),
+            g_lp_rows,
             g_ent_rows,
             spec,
             grads,
@@ -402,6 +405,69 @@ def _backward(
         if grad_h is not None:
             grads.hidden[r0:r1] = grad_h
     return grads
+
+
+def _rows(saved, g_lp: Tensor, g_ent: Tensor | None, r0: int, r1: int, acc: torch.dtype):
+    """The saved values and upstream gradients of rows [r0, r1), in the accumulation dtype."""
+    log_z, thr, entropy = saved
+    rows_saved = (
+        log_z[r0:r1],
+        None if thr is None else thr[r0:r1],
+        None if entropy is None else entropy[r0:r1],
+    )
+    return rows_saved, g_lp[r0:r1].to(acc), None if g_ent is None else g_ent[r0:r1].to(acc)
+
+
+def _vocab_outer_is_smaller(hidden: Tensor, weight: Tensor, need_w: bool, acc) -> bool:
+    """Rows outer needs a (V, H) fp32 weight-gradient buffer when the weight is bf16/fp16;
+    vocabulary outer needs a (N, H) fp32 hidden-gradient buffer when hidden is. Pick the
+    smaller (N < V in practice: a sharded or low-precision trained lm_head never gets a
+    full fp32 copy of its gradient)."""
+    if not need_w or weight.dtype == acc:
+        return False
+    return hidden.dtype == acc or hidden.shape[0] < weight.shape[0]
+
+
+def _backward_vocab_outer(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    bias: Tensor | None,
+    saved: tuple[Tensor, Tensor | None, Tensor | None],
+    g_lp: Tensor,
+    g_ent: Tensor | None,
+    spec: _Spec,
+    needs: tuple[bool, bool, bool],
+) -> _Grads:
+    """Vocabulary tiles outer: each weight-gradient tile is summed over all rows in fp32 and
+    written once into a gradient of the weight's dtype; the same sums in the same order as
+    the rows-outer loop, so the results are identical."""
+    compute, acc = _dtypes(spec)
+    need_h, _, need_b = needs
+    dev = hidden.device
+    grad_h = torch.zeros(hidden.shape, dtype=acc, device=dev) if need_h else None
+    grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=dev)
+    grad_b = torch.zeros(weight.shape[0], dtype=acc, device=dev) if need_b else None
+    for v0, v1 in _vocab_ranges(weight.shape[0], spec.vocab_tile):
+        w_tile = torch.zeros((v1 - v0, weight.shape[1]), dtype=acc, device=dev)
+        for r0 in range(0, hidden.shape[0], spec.row_tile):
+            r1 = min(r0 + spec.row_tile, hidden.shape[0])
+            rows_saved, g_lp_rows, g_ent_rows = _rows(saved, g_lp, g_ent, r0, r1, acc)
+            h = hidden[r0:r1].to(compute)
+            z = _tile_logits(h, weight, bias, v0, v1, spec, acc)
+            slots = _target_slots(targets[r0:r1], v0, v1)
+            gz = _tile_grad_z(z, slots, *rows_saved, g_lp_rows, g_ent_rows)
+            if spec.temperature != 1.0:
+                gz.div_(spec.temperature)
+            g = gz.to(h.dtype)
+            if grad_h is not None:
+                _accumulate_mm(grad_h[r0:r1], g, weight[v0:v1].to(h.dtype))
+            _accumulate_mm(w_tile, g.T, h)
+            if grad_b is not None:
+                grad_b[v0:v1].add_(gz.sum(dim=0))
+        grad_w[v0:v1] = w_tile
+    hidden_grad = None if grad_h is None else grad_h.to(hidden.dtype)
+    return _Grads(hidden=hidden_grad, weight=grad_w, bias=grad_b)
 
 
 class _ChunkedLogprobs(torch.autograd.Function):

@@ -7,6 +7,10 @@ ever holding a (T, V) tensor. Reference log-probs come from the same forward wit
 adapters disabled, or from a frozen copy when training all weights with beta > 0; they are
 unfiltered (temperature only): KL to a top-k / min-p filtered reference is +inf for any
 token outside the reference's set, which becomes near-certain once the policy drifts.
+
+For FSDP2 (fsdp.py) the chunked lm_head can be a module (`ChunkedLMHead`, the same
+parameters under the same names) and the whole scoring pass a module (`PackedScorer`), so
+that every weight is read inside a forward, where FSDP has gathered it.
 """
 
 from __future__ import annotations
@@ -212,27 +216,104 @@ def score(
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-completion-token log-probs (T,) under the engine's sampling transformation."""
+    if isinstance(model, PackedScorer):  # the FSDP root: its forward gathers the root unit
+        return model(batch, sampling, logprob_cfg, with_entropy=with_entropy)
+    if any(_is_dtensor(p) for p in causal_lm(model).parameters()):
+        raise RuntimeError(
+            "score(): the model is FSDP-sharded; score through the PackedScorer that "
+            "leangrpo.fsdp.shard_model returned, so that the sharded weights are gathered"
+        )
+    return _score(model, batch, sampling, logprob_cfg, with_entropy)
+
+
+def _score(model, batch, sampling, logprob_cfg, with_entropy: bool):
+    """score() without the check (inside the FSDP root's forward, units not yet reached
+    still hold sharded weights; each unit's forward gathers its own)."""
     hidden = completion_hidden(model, batch)
     _, head = backbone_and_head(model)
+    options = {
+        "chunked": logprob_cfg.chunked,
+        "compile": getattr(logprob_cfg, "compile", False),  # duck-typed test configs lack it
+        "temperature": sampling.temperature,
+        "top_k": sampling.top_k,
+        "min_p": sampling.min_p,
+        "with_entropy": with_entropy,
+        "row_tile": logprob_cfg.row_tile,
+        "vocab_tile": logprob_cfg.vocab_tile,
+    }
+    if isinstance(head, ChunkedLMHead):  # a module call: FSDP gathers the head around it
+        return head(hidden, batch.targets, **options)
     return token_logprobs(
-        hidden,
-        head.weight,
-        batch.targets,
-        getattr(head, "bias", None),
-        chunked=logprob_cfg.chunked,
-        compile=getattr(logprob_cfg, "compile", False),  # duck-typed test configs lack it
-        temperature=sampling.temperature,
-        top_k=sampling.top_k,
-        min_p=sampling.min_p,
-        with_entropy=with_entropy,
-        row_tile=logprob_cfg.row_tile,
-        vocab_tile=logprob_cfg.vocab_tile,
+        hidden, head.weight, batch.targets, getattr(head, "bias", None), **options
     )
 
 
 def reference_sampling(sampling: SamplingParams) -> SamplingParams:
     """The reference's transformation: the engine's temperature, no top-k/top-p/min-p."""
     return dataclasses.replace(sampling, top_k=0, top_p=1.0, min_p=0.0)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+class ChunkedLMHead(nn.Module):
+    """The lm_head as a module whose forward can return chunked log-probs.
+
+    It takes over the original head's `weight` (and `bias`) Parameter objects, so names
+    (`lm_head.weight`), tying to the input embeddings and saved checkpoints are unchanged.
+    `head(hidden)` returns logits as nn.Linear does (generation, plain forwards);
+    `head(hidden, targets, **options)` returns `token_logprobs(...)`. Under FSDP2 the head
+    is its own unit (or part of the root's) and the weight is only read inside a forward,
+    when it is gathered, never as a sharded DTensor.
+    """
+
+    def __init__(self, linear: nn.Module):
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = getattr(linear, "bias", None)
+        self.in_features, self.out_features = self.weight.shape[1], self.weight.shape[0]
+
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None, **options):
+        if targets is None:
+            return nn.functional.linear(hidden, self.weight, self.bias)
+        return token_logprobs(hidden, self.weight, targets, self.bias, **options)
+
+
+def install_chunked_head(model: nn.Module) -> ChunkedLMHead:
+    """Replace the causal LM's output embeddings by a ChunkedLMHead (idempotent)."""
+    lm = causal_lm(model)
+    head = lm.get_output_embeddings()
+    if isinstance(head, ChunkedLMHead):
+        return head
+    if not isinstance(head, nn.Linear):
+        raise TypeError(
+            f"the output embeddings are a {type(head).__name__}, not nn.Linear; the chunked "
+            "lm_head needs a plain linear head (is lm_head a LoRA target? drop it from "
+            "lora.target_modules)"
+        )
+    chunked = ChunkedLMHead(head)
+    lm.set_output_embeddings(chunked)
+    return chunked
+
+
+class PackedScorer(nn.Module):
+    """The packed scoring forward (backbone + chunked head) as one module call.
+
+    FSDP2 gathers a unit's parameters in its forward pre-hook, so whatever is left outside
+    the per-layer units (embeddings, final norm, a tied head) must be read inside some
+    module's forward: this one is the root unit. `scorer(batch, sampling, logprob_cfg)`
+    equals `score(model, ...)`.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: PackedBatch, sampling, logprob_cfg, with_entropy: bool = False):
+        return _score(self.model, batch, sampling, logprob_cfg, with_entropy)
 
 
 @torch.no_grad()

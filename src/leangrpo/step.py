@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -207,13 +208,33 @@ def attach_old_and_ref(policy: Policy, steps: list[PlannedStep], cfg, sampling) 
                 mb.ref_logprobs = reference_logprobs(policy, mb, sampling, cfg.logprobs).float()
 
 
-def normalisers(micro_batches: list[PackedBatch], cfg, world_size: int = 1) -> LossNormalisers:
+def normalisers(
+    micro_batches: list[PackedBatch],
+    cfg,
+    world_size: int = 1,
+    sum_over_ranks: Callable[[list[float]], list[float]] | None = None,
+) -> LossNormalisers:
+    """Counts over the whole optimizer step.
+
+    With `sum_over_ranks` (e.g. `DistContext.all_reduce`, called once) the counts are
+    global and each rank gets its share, global / world_size: FSDP averages the ranks'
+    gradients, so the ranks' losses must add up to W times the loss of one process.
+    """
     sequences = sum(mb.num_sequences for mb in micro_batches)
     tokens = int(sum(token_mask(mb, cfg).sum().item() for mb in micro_batches))
+    if sum_over_ranks is None:
+        return LossNormalisers(
+            sequences=sequences,
+            tokens=max(tokens, 1),
+            global_tokens=max(tokens, 1) * world_size,  # single process: local == global
+            world_size=world_size,
+            max_completion_length=cfg.rollout.max_new_tokens,
+        )
+    global_sequences, global_tokens = sum_over_ranks([float(sequences), float(tokens)])
     return LossNormalisers(
-        sequences=sequences,
-        tokens=max(tokens, 1),
-        global_tokens=max(tokens, 1) * world_size,  # single process: local == global
+        sequences=global_sequences / world_size,
+        tokens=max(global_tokens, 1.0) / world_size,
+        global_tokens=int(max(global_tokens, 1.0)),
         world_size=world_size,
         max_completion_length=cfg.rollout.max_new_tokens,
     )
