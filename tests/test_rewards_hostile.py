@@ -37,8 +37,10 @@ HOSTILE_CODE = textwrap.dedent(
         return [1e200 if i % 2 else -1e200 for i in range(len(completions))]
 
     def mutator(prompts, completions, level, **columns):
+        n = len(completions)
         completions[0] = "changed"; prompts.clear(); level.append(99)
-        return [1.0] * len(completions)
+        completions.append("extra")  # its own copy: the values still count per sample
+        return [1.0] * n
 
     def reader(prompts, completions, level, **columns):  # runs after mutator in one task
         intact = len(prompts) == len(completions) == len(level) and "changed" not in completions
@@ -171,6 +173,7 @@ def test_values_are_checked_per_sample_and_inputs_are_private(hostile):
     assert table["numpy_array"] == [float(i) for i in range(9)]  # one chunk of 9: 0..8
     assert table["mixed"] == [0.5, 2.0, None, 3.0, None, None, None, None, 1.0]
     assert table["huge"] == [-1e200, 1e200] * 4 + [-1e200]
+    assert table["mutator"] == [1.0] * 9  # checked against the count it was given
     assert table["reader"] == [1.0] * 9  # the mutator's changes did not reach it
     assert metrics["reward/mixed/failures"] == 4.0  # str, nan, list, big; None is no failure
     assert metrics["reward/numpy_array/failures"] == 0.0

@@ -221,6 +221,7 @@ class _LimitedCall:
 
     def run(self, fn: Any, prompts: list, completions: list, kwargs: dict) -> dict:
         self._arm()
+        n = len(completions)  # before the call: a reward may mutate its lists (they are its own)
         self._before = frozenset(descendants(os.getpid()) if has_children() else ())
         modules = len(sys.modules)  # new modules are appended: sys.modules is ordered
         self.interrupted_import = self.fired = False
@@ -231,7 +232,7 @@ class _LimitedCall:
             raw = fn(prompts, completions, **kwargs)
             if self.fired:
                 raise _Interrupted("timeout")
-            values, errors = validate(raw, len(completions))
+            values, errors = validate(raw, n)
             return {"t": "result", "values": values, "errors": errors}
         except _Interrupted as e:
             return self._interrupted(e.kind, _importing(e) + list(sys.modules)[modules:])
