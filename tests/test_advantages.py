@@ -148,3 +148,15 @@ def test_mean_std_is_overflow_safe():
     mean, std = mean_std([1e200, -1e200], ddof=0)
     assert mean == 0.0 and std == pytest.approx(1e200)
     assert all(math.isfinite(x) for x in mean_std([5e-324, 0.0], ddof=1))  # subnormals
+
+
+def test_eval_metrics_average_huge_rewards_without_overflow():
+    """A reward of +-1e308 (finite, so accepted) gave eval/reward = nan through np.mean."""
+    from leangrpo.evaluation import eval_metrics
+
+    batch = make_batch([[1e308, 1e308, -1e308, None]])  # 1e308 + 1e308 overflows
+    for s in batch.samples:
+        s.rewards = {"f": s.reward}
+    metrics = eval_metrics(batch.samples, version=3)
+    assert metrics["eval/reward"] == metrics["eval/reward/f"] == pytest.approx(1e308 / 3)
+    assert metrics["eval/failures"] == 1.0 and metrics["eval/completion_length"] == 1.0

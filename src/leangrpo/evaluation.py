@@ -1,15 +1,15 @@
 """Evaluation on held-out prompts: generate, score with the same reward functions, average.
 
 Greedy by default (`eval.temperature = 0`), so the curve moves only when the policy does.
-Rewards that fail are counted and left out of the mean, as in training.
+Rewards that fail are counted and left out of the mean, as in training; means are
+overflow-safe like training's (rewards of +-1e308 average to a finite number, not nan).
 """
 
 from __future__ import annotations
 
 import threading
 
-import numpy as np
-
+from leangrpo.advantages import mean_std
 from leangrpo.contracts import Prompt, RolloutSample, SamplingParams
 
 
@@ -63,13 +63,17 @@ class Evaluator:
 def eval_metrics(samples: list[RolloutSample], version: int) -> dict[str, float]:
     scored = [s.reward for s in samples if s.reward is not None]
     metrics = {
-        "eval/reward": float(np.mean(scored)) if scored else float("nan"),
+        "eval/reward": _mean(scored),
         "eval/failures": float(len(samples) - len(scored)),
-        "eval/completion_length": float(np.mean([len(s.completion.ids) for s in samples])),
+        "eval/completion_length": _mean([float(len(s.completion.ids)) for s in samples]),
         "eval/version": float(version),
     }
     names = {name for s in samples for name in s.rewards}
     for name in sorted(names):
         values = [s.rewards[name] for s in samples if s.rewards.get(name) is not None]
-        metrics[f"eval/reward/{name}"] = float(np.mean(values)) if values else float("nan")
+        metrics[f"eval/reward/{name}"] = _mean(values)
     return metrics
+
+
+def _mean(values: list[float]) -> float:
+    return mean_std(values)[0] if values else float("nan")
