@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -188,3 +189,77 @@ def test_chunked_head_module_keeps_names_tying_and_log_probs():
         root, _ = score(PackedScorer(model), batch, params, LOGPROBS)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.testing.assert_close(root, want, rtol=0, atol=0)
+
+
+def damaged_demo_model(tmp_path: Path, damage) -> str:
+    """The demo model copied to tmp_path, its tensors edited by damage(dict of tensors)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    demo = Path(__file__).resolve().parents[1] / "examples" / "demo" / "model"
+    directory = Path(shutil.copytree(demo, tmp_path / "model"))
+    tensors = load_file(directory / "model.safetensors")
+    damage(tensors)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return str(directory)
+
+
+def nan_layer_norm(tensors):
+    tensors["model.layers.0.input_layernorm.weight"][0] = float("nan")
+
+
+def wrong_shape(tensors):
+    tensors["model.embed_tokens.weight"] = torch.zeros(3, 3)
+
+
+def missing_tensor(tensors):
+    del tensors["model.layers.0.mlp.down_proj.weight"]
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (missing_tensor, "tensors missing from the weights: model.layers.0.mlp.down_proj.weight"),
+        (wrong_shape, "model.embed_tokens.weight (3, 3) instead of (32, 64)"),
+        (nan_layer_norm, "tensors holding NaN or inf: model.layers.0.input_layernorm.weight"),
+    ],
+)
+def test_weights_that_do_not_fit_the_config_are_refused(tmp_path, damage, message):
+    """transformers initialised a missing tensor at random with a warning (the run trained
+    on it), raised a traceback for a wrong shape; NaN weights crashed in sampling."""
+    from leangrpo.config import config_from_dict
+    from leangrpo.errors import UserError
+    from leangrpo.model import load_policy, load_tokenizer
+
+    path = damaged_demo_model(tmp_path, damage)
+    cfg = config_from_dict(
+        {
+            "model": {"name_or_path": path, "dtype": "float32"},
+            "data": {"path": str(Path(path).parent.parent / "train.jsonl")},
+            "rewards": {"functions": ["math"]},
+        }
+    )
+    with pytest.raises(UserError, match=re.escape(message)):
+        load_policy(cfg, load_tokenizer(cfg.model), torch.device("cpu"))
+
+
+def test_an_unknown_model_type_is_one_sentence(tmp_path):
+    import json
+
+    from leangrpo.config import config_from_dict
+    from leangrpo.errors import UserError
+    from leangrpo.model import load_policy
+
+    path = Path(damaged_demo_model(tmp_path, lambda tensors: None))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "nosuchmodel"}))
+    cfg = config_from_dict(
+        {
+            "model": {"name_or_path": str(path)},
+            "data": {"path": "x.jsonl"},
+            "rewards": {"functions": ["math"]},
+        }
+    )
+    with pytest.raises(UserError, match="could not be loaded.*nosuchmodel.*check config.json"):
+        load_policy(cfg, None, torch.device("cpu"))

@@ -104,14 +104,57 @@ def load_policy(cfg, tokenizer, device: torch.device) -> Policy:
     """Model from cfg.model, wrapped with LoRA if asked, packed attention, checkpointing."""
     from transformers import AutoModelForCausalLM
 
-    dtype = resolve_dtype(cfg.model.dtype, device)
-    model = AutoModelForCausalLM.from_pretrained(
-        cfg.model.name_or_path,
-        dtype=dtype,
-        revision=cfg.model.revision,
-        trust_remote_code=cfg.model.trust_remote_code,
-    ).to(device)
+    from leangrpo.model_files import ModelFilesError
+
+    name = cfg.model.name_or_path
+    try:  # mismatched shapes are reported in `info` (and refused below), not raised
+        model, info = AutoModelForCausalLM.from_pretrained(
+            name,
+            dtype=resolve_dtype(cfg.model.dtype, device),
+            revision=cfg.model.revision,
+            trust_remote_code=cfg.model.trust_remote_code,
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,
+        )
+    except (OSError, ValueError) as exc:  # unknown model_type or architecture, unreadable files
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        raise ModelFilesError(
+            f"model.name_or_path = {name!r}: the model could not be loaded ({type(exc).__name__}: {first}); check config.json (model_type, architectures) and the weight files."
+        ) from None
+    model = model.to(device)
+    refuse_broken_weights(model, info, name)
     return build_policy(model, cfg, tokenizer, device)
+
+
+def refuse_broken_weights(model: nn.Module, info: dict, name: str) -> None:
+    """Training must start from the checkpoint's weights: transformers initialises missing
+    or wrongly shaped tensors at random with only a warning, and NaN weights fail later,
+    deep in sampling."""
+    from leangrpo.model_files import ModelFilesError
+
+    def listed(keys: list[str]) -> str:
+        return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+
+    problems = []
+    if info.get("missing_keys"):
+        problems.append(f"tensors missing from the weights: {listed(sorted(info['missing_keys']))}")
+    if info.get("mismatched_keys"):
+        shapes = sorted(
+            f"{k} {tuple(got)} instead of {tuple(want)}" for k, got, want in info["mismatched_keys"]
+        )
+        problems.append(f"tensors of the wrong shape: {listed(shapes)}")
+    if not problems:
+        bad = [
+            n
+            for n, t in model.state_dict().items()
+            if t.is_floating_point() and not torch.isfinite(t).all()
+        ]
+        if bad:
+            problems.append(f"tensors holding NaN or inf: {listed(bad)}")
+    if problems:
+        raise ModelFilesError(
+            f"model.name_or_path = {name!r} does not hold a usable checkpoint for its config.json ({'; '.join(problems)}); download or save the model again."
+        )
 
 
 def build_policy(model: nn.Module, cfg, tokenizer, device: torch.device) -> Policy:
