@@ -68,6 +68,7 @@ def test_options_that_do_nothing_are_listed(tmp_path: Path, caplog) -> None:
     cfg = demo(
         tmp_path,
         "pipeline.prefetch_depth=3",
+        "pipeline.sync_interval=2",
         "rollout.vllm.gpu_memory_utilization=0.5",
         "offload.keep_last_layers=2",
         "lora.r=4",
@@ -76,6 +77,7 @@ def test_options_that_do_nothing_are_listed(tmp_path: Path, caplog) -> None:
     )
     assert ignored_options(cfg) == [
         "pipeline.prefetch_depth (pipeline.mode is sync)",
+        "pipeline.sync_interval (the hf engine in sync mode generates with the trainer's live weights)",
         "rollout.vllm.gpu_memory_utilization (rollout.engine is hf)",
         "offload.keep_last_layers (offload.activations is none)",
         "eval.every_steps, eval.num_prompts (there are no eval prompts: data.eval_path, "
@@ -85,7 +87,13 @@ def test_options_that_do_nothing_are_listed(tmp_path: Path, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="leangrpo"):
         preflight(cfg).release()
     assert "options ignored in this configuration: pipeline.prefetch_depth" in caplog.text
-    used = demo(tmp_path, "pipeline.mode=async", "pipeline.prefetch_depth=3", "lora.enabled=true")
+    used = demo(
+        tmp_path,
+        "pipeline.mode=async",
+        "pipeline.prefetch_depth=3",
+        "pipeline.sync_interval=2",
+        "lora.enabled=true",
+    )
     assert ignored_options(used) == []
 
 

@@ -120,6 +120,7 @@ def ignored_options(cfg: Any) -> list[str]:
     engine, vllm_mode = cfg.rollout.engine, cfg.rollout.vllm.mode
     rules = [
         (cfg.pipeline.mode == "sync", "pipeline", ("prefetch_depth", "min_groups_per_step"), "pipeline.mode is sync"),
+        (cfg.generates_with_live_weights(), "pipeline", ("sync_interval",), "the hf engine in sync mode generates with the trainer's live weights"),
         (engine == "hf", "rollout.vllm", None, "rollout.engine is hf"),
         (engine == "vllm" and vllm_mode == "colocate", "rollout.vllm", ("urls", "request_timeout_s", "max_retries"), "rollout.vllm.mode is colocate"),
         (cfg.offload.activations == "none", "offload", ("keep_last_layers", "min_tensor_bytes"), "offload.activations is none"),
