@@ -311,6 +311,45 @@ def test_serving_beyond_loopback_needs_a_token(monkeypatch, tmp_path, capsys):
         check_serve_args(parser.parse_args(["m"]))
 
 
+DEMO_MODEL = Path(__file__).resolve().parents[2] / "examples" / "demo" / "model"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["/nowhere/model"], "model '/nowhere/model': no such directory"),
+        ([str(DEMO_MODEL), "--engine-kwargs", "{bad"], "--engine-kwargs is not valid JSON"),
+        ([str(DEMO_MODEL), "--engine-kwargs", "[1]"], "--engine-kwargs must be a JSON object"),
+        ([str(DEMO_MODEL), "--port", "PORT"], "cannot listen on 127.0.0.1:PORT"),
+    ],
+)
+def test_serve_start_up_errors_are_one_line_before_the_model_loads(
+    monkeypatch, capsys, args, message
+):
+    """Each was a traceback, the port in use only after vLLM had loaded the model."""
+    import importlib.util
+
+    import leangrpo.rollout.vllm as vllm_module
+
+    def no_load(*a, **k):
+        raise AssertionError("vLLM was started")
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(  # vLLM "installed" (the check that it is comes last)
+        importlib.util, "find_spec", lambda name, *a: name == "vllm" or real_find_spec(name, *a)
+    )
+    monkeypatch.setattr(vllm_module, "LocalVLLM", no_load)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        with pytest.raises(SystemExit) as exit_info:
+            serve_main([a.replace("PORT", port) for a in args])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert message.replace("PORT", port) in err
+
+
 # --------------------------------------------------------------------------- bodies
 
 
@@ -391,3 +430,19 @@ def test_staging_is_emptied_at_start_superseded_or_timed_out(served, tmp_path):
         stage(pool, server.url, "b", 2)  # nothing older than the held version is staged
     drop_superseded(server.staging, "b", 7)
     assert list(server.staging.iterdir()) == []
+
+
+def test_serve_without_vllm_installed_is_one_line(monkeypatch, capsys):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "vllm" else real_find_spec(name, *a),
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        serve_main([str(DEMO_MODEL)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert "vLLM is not installed in this environment: pip install" in err

@@ -474,6 +474,30 @@ def check_serve_args(args: argparse.Namespace) -> str | None:
     return token
 
 
+def check_serve_start(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
+    """The engine kwargs, or ValueError, for what would otherwise fail as a traceback after
+    (or inside) a long model load: bad --engine-kwargs, no vLLM, a broken model directory."""
+    import importlib.util
+
+    from leangrpo.errors import UserError
+    from leangrpo.model_files import check_model_files
+    from leangrpo.rollout.vllm_local import INSTALL_HINT
+
+    try:
+        kwargs = json.loads(args.engine_kwargs)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--engine-kwargs is not valid JSON ({err})") from None
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"--engine-kwargs must be a JSON object, got {args.engine_kwargs!r}")
+    try:
+        check_model_files(argparse.Namespace(name_or_path=args.model, revision=None))
+    except UserError as err:
+        raise ValueError(str(err).replace("model.name_or_path = ", "model ", 1)) from None
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError(f"vLLM is not installed in this environment: {INSTALL_HINT}")
+    return kwargs | parse_extra_flags(extra)
+
+
 def serve_main(argv: list[str] | None = None) -> int:
     """Entry point of `leangrpo serve MODEL --port P [vllm args]`; blocks until SIGTERM/Ctrl-C."""
     from leangrpo.rollout.vllm import LocalVLLM, VLLMSettings, build_llm_kwargs
@@ -482,9 +506,15 @@ def serve_main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     try:
         token = check_serve_args(args)
+        engine_kwargs = check_serve_start(args, extra)
     except ValueError as err:
         parser.error(str(err))
-    engine_kwargs = json.loads(args.engine_kwargs) | parse_extra_flags(extra)
+    try:  # bound before the model loads: a port in use is one line, not a traceback later
+        server = ThreadingHTTPServer((args.host, args.port), BaseHTTPRequestHandler)
+    except OSError as err:
+        parser.error(
+            f"cannot listen on {args.host}:{args.port} ({err.strerror}); choose another --port"
+        )
     settings = VLLMSettings(
         mode="server",
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -503,7 +533,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         build_llm_kwargs(args.model, settings, args.enable_lora, args.max_lora_rank, args.seed),
         root,
     )
-    handler = make_handler(
+    server.RequestHandlerClass = make_handler(
         local,
         prepare_staging(root),
         args.model,
@@ -511,7 +541,6 @@ def serve_main(argv: list[str] | None = None) -> int:
         max_body_bytes=args.max_body_mb << 20,
         staging_timeout_s=args.staging_timeout_s,
     )
-    server = ThreadingHTTPServer((args.host, args.port), handler)
     server.daemon_threads = True
     import signal
 
