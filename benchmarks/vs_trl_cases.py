@@ -12,7 +12,7 @@ import random
 import shutil
 from pathlib import Path
 
-PREFIX_PROBLEMS = 30  # case b: about 30 x 9 = 270 characters (= tokens: one per character)
+PREFIX_PROBLEMS = 20  # case b: about 20 x 9 = 180 characters (= tokens: one per character)
 
 
 def read_jsonl(path: Path) -> list[dict]:
