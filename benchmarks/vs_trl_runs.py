@@ -312,6 +312,10 @@ def run_trl(case, paths: dict, workdir: Path, device: str) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    timed = ("_generate", "_calculate_rewards", "_generate_and_score_completions")
+    missing = [name for name in timed if not hasattr(GRPOTrainer, name)]
+    if missing:  # private hooks: a TRL that renamed them would leave the phase timers at 0
+        raise RuntimeError(f"this TRL's GRPOTrainer has no {missing}; update the phase timers")
     clock, children = StepClock(), ChildMemory()
     phase: dict[str, float] = defaultdict(float)
 
