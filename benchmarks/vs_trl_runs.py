@@ -308,15 +308,15 @@ def trl_dataset(path: str, case):
     return Dataset.from_list(rows)
 
 
-def run_trl(case, paths: dict, workdir: Path, device: str) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+def timed_trl_classes(clock: StepClock):
+    """GRPOTrainer with timers around generation and rewards, and a per-step callback."""
+    from transformers import TrainerCallback
+    from trl import GRPOTrainer
 
     timed = ("_generate", "_calculate_rewards", "_generate_and_score_completions")
     missing = [name for name in timed if not hasattr(GRPOTrainer, name)]
     if missing:  # private hooks: a TRL that renamed them would leave the phase timers at 0
         raise RuntimeError(f"this TRL's GRPOTrainer has no {missing}; update the phase timers")
-    clock, children = StepClock(), ChildMemory()
     phase: dict[str, float] = defaultdict(float)
 
     class TimedGRPO(GRPOTrainer):
@@ -335,12 +335,9 @@ def run_trl(case, paths: dict, workdir: Path, device: str) -> dict:
                 phase["reward_s"] += time.perf_counter() - t0
 
         def _generate_and_score_completions(self, inputs):
-            t0 = time.perf_counter()
             out = super()._generate_and_score_completions(inputs)
-            phase["produce_s"] += time.perf_counter() - t0
-            phase["tokens_per_step"] += float(
-                out["completion_mask"].sum() + out["prompt_mask"].sum()
-            )
+            real = out["completion_mask"].sum() + out["prompt_mask"].sum()
+            phase["tokens_per_step"] += float(real)
             phase["padded_tokens_per_step"] += float(
                 out["prompt_ids"].numel() + out["completion_ids"].numel()
             )
@@ -351,35 +348,28 @@ def run_trl(case, paths: dict, workdir: Path, device: str) -> dict:
             phase["begin"] = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
-            step = time.perf_counter() - phase["begin"]
-            produce = phase["produce_s"]  # generation + rewards + TRL's own scoring passes
+            step = time.perf_counter() - phase["begin"]  # generation happens inside the step
+            gen, reward = phase["generate_s"], phase["reward_s"]
             clock.mark(
                 {
-                    "generate_s": phase["generate_s"],
-                    "reward_s": phase["reward_s"],
-                    "score_train_s": step - phase["generate_s"] - phase["reward_s"],
-                    "produce_s": produce,
+                    "generate_s": gen,
+                    "reward_s": reward,
+                    "score_train_s": step - gen - reward,
                     "tokens_per_step": phase["tokens_per_step"],
                     "padded_tokens_per_step": phase["padded_tokens_per_step"],
                 }
             )
             phase.clear()
 
-    tokenizer = AutoTokenizer.from_pretrained(paths["model"])
-    model = AutoModelForCausalLM.from_pretrained(paths["model"], dtype=torch.float32)
-    peft_config = None
-    if case.lora:
-        from peft import LoraConfig
+    return TimedGRPO, Clock
 
-        peft_config = LoraConfig(
-            r=16,
-            lora_alpha=32,
-            lora_dropout=0.0,
-            target_modules="all-linear",
-            task_type="CAUSAL_LM",
-        )
-    args = GRPOConfig(
-        output_dir=str(workdir / f"run-trl-{os.getpid()}"),
+
+def trl_args(case, out_dir: Path, device: str):
+    """GRPOConfig for the same job: one optimizer step per generation batch, no accumulation."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=str(out_dir),
         per_device_train_batch_size=case.prompts_per_step * case.group,
         gradient_accumulation_steps=1,
         steps_per_generation=1,
@@ -409,14 +399,34 @@ def run_trl(case, paths: dict, workdir: Path, device: str) -> dict:
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
-    trainer = TimedGRPO(
+
+
+def run_trl(case, paths: dict, workdir: Path, device: str) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    clock, children = StepClock(), ChildMemory()
+    timed_trainer, step_callback = timed_trl_classes(clock)
+    tokenizer = AutoTokenizer.from_pretrained(paths["model"])
+    model = AutoModelForCausalLM.from_pretrained(paths["model"], dtype=torch.float32)
+    peft_config = None
+    if case.lora:  # leangrpo's: r 16, alpha 32, no dropout, every linear layer
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(
+            r=16,
+            lora_alpha=32,
+            lora_dropout=0.0,
+            target_modules="all-linear",
+            task_type="CAUSAL_LM",
+        )
+    trainer = timed_trainer(
         model=model,
         reward_funcs=[trl_reward(spec) for spec in case.rewards],
-        args=args,
+        args=trl_args(case, workdir / f"run-trl-{os.getpid()}", device),
         train_dataset=trl_dataset(paths["train"], case),
         processing_class=tokenizer,
         peft_config=peft_config,
-        callbacks=[Clock()],
+        callbacks=[step_callback()],
     )
     trainer.train()
     result = {**clock.summary(), **peak_memory(device, children)}
