@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo smollm2 test test-main test-vllm setup setup-vllm setup-bench bench-trl lint clean
+.PHONY: demo smollm2 test test-main test-vllm setup setup-vllm setup-bench bench-trl lint clean gpu-wheels gpu-suite gpu-suite-dry
 
 setup: $(STAMP)
 
@@ -21,12 +21,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/leangrpo train examples/demo.yaml
+	$(BIN)/leangrpo train examples/demo.yaml --set run.overwrite=true
 
 # GRPO with LoRA on the real SmolLM2-135M-Instruct (about 10 minutes on a 2-core CPU)
 smollm2: $(STAMP)
 	$(BIN)/python -m leangrpo.smollm2 --link examples/smollm2/model
-	$(BIN)/leangrpo train examples/smollm2_cpu.yaml
+	$(BIN)/leangrpo train examples/smollm2_cpu.yaml --set run.overwrite=true
 
 # The peer benchmark against TRL's GRPOTrainer (benchmarks/RESULTS.md, "vs TRL")
 setup-bench: $(STAMP)
@@ -45,6 +45,17 @@ setup-vllm:
 
 test-vllm: setup-vllm
 	bash scripts/run_tests.sh .venv-vllm/bin/pytest -q -m vllm tests/rollout/test_vllm.py
+
+# GPU suite (benchmarks/RESULTS.md, "GPU suite"): wheels for the GPU machine, the run
+# itself on a CUDA machine, and its CPU dry run (tiny shapes; also a test).
+gpu-wheels: $(STAMP)
+	PYTHON=$(BIN)/python bash scripts/fetch_gpu_wheels.sh
+
+gpu-suite:
+	PYTHONUNBUFFERED=1 bash benchmarks/gpu_suite.sh
+
+gpu-suite-dry: $(STAMP)
+	PYTHON=$(BIN)/python PYTHONUNBUFFERED=1 bash benchmarks/gpu_suite.sh --dry-run
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks scripts

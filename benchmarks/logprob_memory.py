@@ -1,7 +1,8 @@
 """Peak memory and time of per-token log-probs through the lm_head, forward + backward.
 
 Baseline: full logits (N, V) -> fp32 -> log_softmax -> gather, with autograd (what TRL does).
-Variants: leangrpo's chunked_logprobs; Liger's LigerFusedLinearGRPOLoss (a whole GRPO loss,
+Variants: leangrpo's chunked_logprobs, eager and torch.compile'd (`chunked_compiled`, CUDA
+only here: `logprobs.compile`); Liger's LigerFusedLinearGRPOLoss (a whole GRPO loss,
 beta=0, on the same tokens) when liger_kernel is installed.
 
 Memory: on CUDA, torch.cuda.max_memory_allocated minus what the inputs hold; on CPU, one
@@ -47,7 +48,7 @@ CASES = [
     Case("gpu-16k-h4096-v128k", 16384, 4096, 128256, "bfloat16", "cuda"),
     Case("gpu-160k-h4096-v128k", 8 * 20480, 4096, 128256, "bfloat16", "cuda"),
 ]
-VARIANTS = ["baseline", "chunked", "liger"]
+VARIANTS = ["baseline", "chunked", "chunked_compiled", "liger"]
 
 
 def has_liger() -> bool:
@@ -69,7 +70,11 @@ def make_inputs(case: Case, frozen: bool) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 def step(variant: str, hidden, weight, targets, tiles: dict) -> None:
-    """One forward + backward of a GRPO-like token loss; grads are dropped afterwards."""
+    """One forward + backward of a GRPO-like token loss; grads are dropped afterwards.
+
+    `tiles` holds row_tile / vocab_tile, and for chunked_compiled the torch.compile backend
+    under "compile" (default inductor).
+    """
     advantages = torch.linspace(-1.0, 1.0, hidden.shape[0], device=hidden.device)
     if variant == "liger":
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
@@ -78,9 +83,14 @@ def step(variant: str, hidden, weight, targets, tiles: dict) -> None:
         ones = torch.ones(1, hidden.shape[0], device=hidden.device)
         loss, _ = loss_fn(hidden[None], weight, targets[None], ones, advantages[:1])
     else:
-        fn = naive_logprobs if variant == "baseline" else chunked_logprobs
-        kw = tiles if variant == "chunked" else {}
-        logprobs, _ = fn(hidden, weight, targets, **kw)
+        kw = {k: v for k, v in tiles.items() if k != "compile"}
+        if variant == "baseline":
+            logprobs, _ = naive_logprobs(hidden, weight, targets)
+        elif variant == "chunked":
+            logprobs, _ = chunked_logprobs(hidden, weight, targets, **kw)
+        else:
+            backend = tiles.get("compile", True)
+            logprobs, _ = chunked_logprobs(hidden, weight, targets, **kw, compile=backend)
         loss = -(torch.exp(logprobs - logprobs.detach()) * advantages).sum()
     loss.backward()
     hidden.grad = None
@@ -158,38 +168,51 @@ def measure_cuda(case: Case, variant: str, args: argparse.Namespace, tiles: dict
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
+    oom = False
     try:
         time_s, cpu_s = timed(variant, inputs, tiles, args.warmup, args.repeats)
     except torch.cuda.OutOfMemoryError:
-        return {"error": "CUDA out of memory"}
-    finally:
-        del inputs
+        oom = True  # handled below, once the exception no longer holds the step's tensors
+    del inputs
     extra = torch.cuda.max_memory_allocated() - base
     torch.cuda.empty_cache()
+    if oom:
+        return {"error": "CUDA out of memory", "peak_bytes_before_oom": extra}
     return {"time_s": time_s, "cpu_time_s": cpu_s, "peak_bytes": extra, "peak_extra_bytes": extra}
 
 
 def run_case(case: Case, args: argparse.Namespace) -> None:
     row_tile, vocab_tile = resolve_tiles(case, args)
-    tiles = {"row_tile": row_tile, "vocab_tile": vocab_tile}
+    tiles = {"row_tile": row_tile, "vocab_tile": vocab_tile, "compile": args.compile_backend}
     variants = [v for v in VARIANTS if v != "liger" or has_liger()]
     if "liger" not in variants:
         print(f"# {case.name}: liger_kernel not installed, Liger variant skipped", file=sys.stderr)
+    if case.device == "cpu":  # compiling on CPU costs minutes and says nothing about CUDA
+        variants.remove("chunked_compiled")
+
+    def measure(variant: str) -> dict:
+        if case.device == "cpu":
+            return measure_cpu(case, variant, args)
+        return measure_cuda(case, variant, args, tiles)
+
+    for row in case_rows(case, variants, args.frozen_lm_head, tiles, measure):
+        print(json.dumps(row), flush=True)
+
+
+def case_rows(case: Case, variants: list[str], frozen: bool, tiles: dict, measure):
+    """One row per variant, the baseline first; `measure(variant)` returns the figures."""
     baseline = None
     for variant in variants:
-        if case.device == "cpu":
-            result = measure_cpu(case, variant, args)
-        else:
-            result = measure_cuda(case, variant, args, tiles)
+        result = measure(variant)
         shape = {k: v for k, v in asdict(case).items() if k not in ("name", "device")}
-        shape["lm_head"] = "frozen" if args.frozen_lm_head else "trainable"
+        shape["lm_head"] = "frozen" if frozen else "trainable"
         row = {
             "bench": BENCH,
             "case": case.name,
             "device": device_name(case.device),
             "variant": variant,
             **shape,
-            **(tiles if variant == "chunked" else {}),
+            **(chunked_options(tiles, variant) if variant.startswith("chunked") else {}),
             **result,
         }
         if variant == "baseline":
@@ -197,7 +220,58 @@ def run_case(case: Case, args: argparse.Namespace) -> None:
         elif baseline is not None and "error" not in result:
             row["time_ratio"] = result["time_s"] / baseline["time_s"]
             row["mem_ratio"] = result["peak_bytes"] / baseline["peak_bytes"]
-        print(json.dumps(row), flush=True)
+        yield row
+
+
+def agreement(case: Case, frozen: bool, tiles: dict, variants: list[str]) -> dict:
+    """Each variant against the baseline on the same inputs: log-prob and hidden-grad error.
+
+    `logprob_max_diff` is the largest |difference| of the log-probs, `grad_rel_diff`
+    ||grad_variant - grad_baseline|| / ||grad_baseline|| for the hidden states.
+    """
+    hidden, weight, targets = make_inputs(case, frozen)
+    out, ref = {}, None
+    for variant in ["baseline", *[v for v in variants if v != "baseline"]]:
+        h = hidden.detach().clone().requires_grad_()
+        kw = {k: v for k, v in tiles.items() if k != "compile"}
+        if variant == "baseline":
+            lp, _ = naive_logprobs(h, weight, targets)
+        else:
+            backend = tiles.get("compile", True) if variant == "chunked_compiled" else False
+            lp, _ = chunked_logprobs(h, weight, targets, **kw, compile=backend)
+        lp.sum().backward()
+        got = (lp.detach().float(), h.grad.float())
+        if ref is None:
+            ref = got
+            continue
+        out[variant] = {
+            "logprob_max_diff": (got[0] - ref[0]).abs().max().item(),
+            "grad_rel_diff": ((got[1] - ref[1]).norm() / ref[1].norm()).item(),
+        }
+    return out
+
+
+def chunked_options(tiles: dict, variant: str) -> dict:
+    return {k: v for k, v in tiles.items() if k != "compile" or variant == "chunked_compiled"}
+
+
+def measure_inprocess(case: Case, variant: str, frozen: bool, tiles: dict, warmup, repeats):
+    """Any device, in this process: CUDA peak from the allocator, CPU peak from live tensors.
+
+    On CPU the peak is that of tensors created during one extra, untimed step (packing.py's
+    LiveBytes), not RSS: cheap enough for a dry run, the subprocess RSS path stays `main`'s.
+    """
+    if case.device != "cpu":
+        args = argparse.Namespace(frozen_lm_head=frozen, warmup=warmup, repeats=repeats)
+        return measure_cuda(case, variant, args, tiles)
+    from packing import LiveBytes
+
+    inputs = make_inputs(case, frozen)
+    time_s, cpu_s = timed(variant, inputs, tiles, warmup, repeats)
+    mode = LiveBytes()
+    with mode:
+        step(variant, *inputs, tiles)
+    return {"time_s": time_s, "cpu_time_s": cpu_s, "peak_bytes": mode.peak}
 
 
 def resolve_tiles(case: Case, args: argparse.Namespace) -> tuple[int, int]:
@@ -225,6 +299,7 @@ def main() -> None:
     p.add_argument("--row-tile", type=int, default=None, help="default: DEFAULT_TILES[device]")
     p.add_argument("--vocab-tile", type=int, default=None, help="default: DEFAULT_TILES[device]")
     p.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
+    p.add_argument("--compile-backend", default="inductor", help="for chunked_compiled")
     args = p.parse_args()
     args.warmup = args.warmup if args.warmup is not None else (0 if args.quick else 1)
     args.repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)

@@ -1,7 +1,7 @@
 """What does hidden-state offload save, and what does it cost?  python benchmarks/offload.py
 
-Real architectures with random weights (Qwen2.5-1.5B and Llama-3.1-8B shapes, written
-inline: nothing is downloaded), bf16 on one CUDA device, full fine-tuning, one row of
+Real architectures with random weights (Qwen2.5-1.5B and Llama-3.1-8B shapes from
+benchmarks/models.py: nothing is downloaded), bf16 on one CUDA device, full fine-tuning, one row of
 N = 8K, 16K, 32K tokens (a single sequence, so SDPA runs its causal flash kernel), loss
 from the project's chunked lm_head log-probs (no (N, V) logits). One training step =
 forward + backward; the optimizer is left out (it is the same for every variant).
@@ -40,6 +40,10 @@ sys.path.insert(0, str(ROOT / "src"))
 from leangrpo.logprobs import chunked_logprobs  # noqa: E402
 from leangrpo.offload import enable_gradient_checkpointing  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from models import CONFIGS  # noqa: E402
+from models import build_model as build_random_model  # noqa: E402
+
 BENCH = "offload"
 BASELINE = "checkpointing"
 VARIANTS = (
@@ -50,49 +54,14 @@ VARIANTS = (
     "checkpointing+hf_offload",
 )
 
-# Shapes of the public configs; rope scaling is left at its default (it does not change
-# memory or time).
-CONFIGS = {
-    "qwen2.5-1.5b": dict(
-        arch="qwen2",
-        vocab_size=151936,
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-6,
-    ),
-    "llama-3.1-8b": dict(
-        arch="llama",
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-5,
-    ),
-}
+
+def build_model(name: str, max_tokens: int, device: str = "cuda"):
+    """Random weights of shape `name` (benchmarks/models.py), bf16 on CUDA, fp32 on CPU."""
+    dtype = torch.bfloat16 if device != "cpu" else torch.float32
+    return build_random_model(name, max_tokens, device, dtype)
 
 
-def build_model(name: str, max_tokens: int):
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
-
-    fields = dict(CONFIGS[name])
-    config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[fields.pop("arch")]
-    config = config_cls(max_position_embeddings=max_tokens, **fields)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=torch.bfloat16, attn_implementation="sdpa"
-        )
-    return model.train()
-
-
-def configure(model, variant: str):
+def configure(model, variant: str, min_tensor_bytes: int = 1 << 20):
     """Switch checkpointing/offload for this variant; returns the offloader or None."""
     if variant == "no_checkpointing":
         disable = getattr(model, "activation_checkpointing_disable", None)
@@ -108,7 +77,7 @@ def configure(model, variant: str):
         "checkpointing+offload_hidden": "hidden_states",
         "checkpointing+offload_all": "all",
     }[variant]
-    return enable_gradient_checkpointing(model, offload=offload)
+    return enable_gradient_checkpointing(model, offload=offload, min_tensor_bytes=min_tensor_bytes)
 
 
 def train_step(model, ids, pos, offloader) -> None:
@@ -121,21 +90,25 @@ def train_step(model, ids, pos, offloader) -> None:
 
 
 def measure(model, ids, pos, offloader, repeats: int) -> dict:
+    """Median step time; on CUDA also the peak (on CPU the host buffers are memory too: None)."""
+    cuda = ids.is_cuda
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     train_step(model, ids, pos, offloader)  # warm-up: allocator, pinned pool, side stream
-    torch.cuda.synchronize()
-    resident = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    sync()
+    resident = torch.cuda.memory_allocated() if cuda else 0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         train_step(model, ids, pos, offloader)
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated()
+    peak = torch.cuda.max_memory_allocated() if cuda else None
     out = {
         "time_s": statistics.median(times),
         "peak_bytes": peak,
-        "activation_peak_bytes": peak - resident,
+        "activation_peak_bytes": None if peak is None else peak - resident,
     }
     if offloader is not None:
         s = offloader.stats
@@ -149,10 +122,18 @@ def measure(model, ids, pos, offloader, repeats: int) -> dict:
 
 
 def run_case(model, name: str, tokens: int, repeats: int, device: str, variants) -> None:
-    layer_input_bytes = tokens * model.config.hidden_size * 2  # (1, N, H) bf16
+    for row in case_rows(model, name, tokens, repeats, device, variants):
+        print(json.dumps(row), flush=True)
+
+
+def case_rows(model, name, tokens, repeats, device, variants, min_tensor_bytes=1 << 20):
+    """One row per variant (the baseline first, so the others carry ratios)."""
+    param = next(model.parameters())
+    layer_input_bytes = tokens * model.config.hidden_size * param.element_size()  # (1, N, H)
     layer_inputs = model.config.num_hidden_layers * layer_input_bytes
-    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device="cuda")
-    pos = torch.arange(tokens, device="cuda")[None]
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=param.device)
+    pos = torch.arange(tokens, device=param.device)[None]
+    oom = torch.cuda.OutOfMemoryError
     results = {}
     for variant in variants:
         row = {
@@ -166,19 +147,20 @@ def run_case(model, name: str, tokens: int, repeats: int, device: str, variants)
             "layer_inputs_bytes": layer_inputs,
         }
         try:
-            offloader = configure(model, variant)
+            offloader = configure(model, variant, min_tensor_bytes)
             row.update(measure(model, ids, pos, offloader, repeats))
-        except torch.cuda.OutOfMemoryError:
+        except oom:
             row.update(time_s=None, peak_bytes=None, oom=True)
-        except TypeError as err:  # an older transformers without offload=True
+        except (TypeError, AttributeError) as err:  # a transformers without offload=True
             row.update(time_s=None, peak_bytes=None, skipped=str(err))
         model.zero_grad(set_to_none=True)
-        torch.cuda.empty_cache()
+        if param.is_cuda:
+            torch.cuda.empty_cache()
         results[variant] = row
         if variant.startswith("checkpointing+offload") and row.get("time_s") is not None:
             row["moved_fraction"] = row["offloaded_bytes"] / layer_inputs
         add_ratios(row, results.get(BASELINE), layer_inputs)
-        print(json.dumps(row), flush=True)
+        yield row
 
 
 def add_ratios(row: dict, base: dict | None, layer_inputs: int) -> None:
@@ -187,6 +169,8 @@ def add_ratios(row: dict, base: dict | None, layer_inputs: int) -> None:
     if row.get("time_s") is None:
         return
     row["time_ratio"] = row["time_s"] / base["time_s"]
+    if row.get("peak_bytes") is None or base.get("peak_bytes") is None:
+        return
     row["mem_ratio"] = row["peak_bytes"] / base["peak_bytes"]
     row["freed_fraction"] = (base["peak_bytes"] - row["peak_bytes"]) / layer_inputs
 
@@ -216,7 +200,7 @@ def main() -> None:
     models = (
         args.models.split(",")
         if args.models
-        else (["qwen2.5-1.5b"] if args.quick else list(CONFIGS))
+        else (["qwen2.5-1.5b"] if args.quick else ["qwen2.5-1.5b", "llama-3.1-8b"])
     )
     tokens = (
         [int(t) for t in args.tokens.split(",")]

@@ -32,11 +32,13 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from leangrpo.attention import (  # noqa: E402
     PREFIX_BACKENDS,
+    backend_unavailable_reason,
     enable_packed_attention,
     packed_model_kwargs,
     register_packed_attention,
 )
 from leangrpo.contracts import Completion, Prompt, RolloutSample  # noqa: E402
+from leangrpo.logprobs import chunked_logprobs  # noqa: E402
 from leangrpo.packing import pack_samples  # noqa: E402
 
 
@@ -51,6 +53,114 @@ def make_batch(groups, group_size, median, vocab, prompt_range=(50, 300), seed=0
             comp = Completion([rng.randrange(vocab) for _ in range(n)], "", [0.0] * n, "stop", 0)
             samples.append(RolloutSample(gid, Prompt(gid, "", prompt), comp))
     return samples
+
+
+def make_padded_batch(padding, groups, group_size, width, vocab, prompt_range, seed=0):
+    """GRPO-shaped batch whose left-padded layout is `padding` padding (to ~0.5%).
+
+    Each group shares one prompt (length uniform in `prompt_range`); sample i has total
+    length P + (width - P) * u_i^k (u_i uniform, the first sample u = 1, so the padded width
+    is `width`), with k found by bisection: larger k, shorter completions, more padding.
+    """
+    rng = random.Random(seed)
+    prompt_lens = [rng.randint(*prompt_range) for _ in range(groups)]
+    u = [1.0] + [rng.random() for _ in range(groups * group_size - 1)]
+
+    def lengths(k: float) -> list[int]:
+        out = []
+        for i, ui in enumerate(u):
+            p = prompt_lens[i // group_size]
+            out.append(p + max(1, round((width - p) * ui**k)))
+        return out
+
+    def pad(k: float) -> float:
+        return 1 - sum(lengths(k)) / (len(u) * width)
+
+    lo, hi = 1e-3, 1e3
+    for _ in range(60):  # geometric bisection: k spans six decades
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if pad(mid) < padding else (lo, mid)
+    samples = []
+    for i, total in enumerate(lengths(hi)):
+        gid = i // group_size
+        if i % group_size == 0:
+            prompt = Prompt(gid, "", [rng.randrange(vocab) for _ in range(prompt_lens[gid])])
+        n = total - len(prompt.ids)
+        comp = Completion([rng.randrange(vocab) for _ in range(n)], "", [0.0] * n, "stop", 0)
+        samples.append(RolloutSample(gid, prompt, comp))
+    return samples
+
+
+def variant_unavailable(backend: str, device) -> str | None:
+    """Why a packed variant cannot run here (None when it can)."""
+    reason = backend_unavailable_reason(backend, device.type)
+    if reason is None and backend == "flex" and device.type != "cuda":
+        # CPU runs flex unfused (and has no backward): nothing worth timing
+        reason = "flex attention is fused only on CUDA: needs CUDA"
+    return reason
+
+
+def layout_rows(model, samples, device, repeats: int, backends, chunked: bool = True):
+    """Score and train rows: padded (baseline) vs packed and packed_prefix per backend.
+
+    Every variant's log-probs are first checked against the padded ones; a backend that
+    cannot run here gets one `skipped` row per case.
+    """
+    padded, padded_tokens = padded_inputs(samples, device)
+    plain = pack_samples(samples, device=device)
+    prefix = pack_samples(samples, shared_prefix=True, device=device)
+    padding = 1 - plain.num_tokens / padded_tokens
+    info = {
+        "bench": "packing",
+        "device": _device_name(device),
+        "sequences": len(samples),
+        "padding_fraction": round(padding, 4),
+        "ideal_speedup": round(1 / (1 - padding), 4),
+        "tokens": {
+            "padded": padded_tokens,
+            "packed": plain.num_tokens,
+            "prefix": prefix.num_tokens,
+        },
+    }
+    for case in ("score", "train"):
+        train = case == "train"
+        variants = {"padded": ("sdpa_segments", lambda: logprobs_padded(model, padded, chunked))}
+        for backend in backends:
+            for name, batch in (("packed", plain), ("packed_prefix", prefix)):
+                label = f"{name}/{backend}"
+                reason = variant_unavailable(backend, device)
+                if reason is None and name == "packed_prefix" and backend not in PREFIX_BACKENDS:
+                    continue  # no shared-prefix kernel: nothing to measure
+                if reason is not None:
+                    yield {**info, "case": case, "variant": label, "skipped": reason}
+                    continue
+                variants[label] = (backend, lambda b=batch: logprobs_packed(model, b, chunked))
+        errors = _disagreement(model, variants, device)
+        results = run_case(model, variants, train, device, repeats)
+        base_t, base_peak = results["padded"]
+        for name, (t, peak) in results.items():
+            row = {**info, "case": case, "variant": name, "time_s": round(t, 5), "peak_bytes": peak}
+            if name != "padded":
+                row.update(
+                    attention=variants[name][0],
+                    logprob_diff_vs_padded=errors[name],
+                    time_ratio=round(t / base_t, 4),
+                    mem_ratio=round(peak / max(1, base_peak), 4),
+                    speedup=round(base_t / t, 3),
+                )
+            yield row
+
+
+def _disagreement(model, variants, device) -> dict[str, dict[str, float]]:
+    """Max and mean |log-prob difference| of each variant against the padded baseline."""
+    out = {}
+    with torch.no_grad():
+        ref = variants["padded"][1]()
+        for name, (backend, step) in variants.items():
+            register_packed_attention(backend, device.type)
+            diff = (step() - ref).abs()
+            out[name] = {"max": round(diff.max().item(), 5), "mean": round(diff.mean().item(), 6)}
+    return out
 
 
 def make_model(device, dtype, quick: bool):
@@ -98,15 +208,22 @@ def padded_inputs(samples, device):
     return [t.to(device) for t in fields], len(seqs) * width
 
 
-def logprobs_padded(model, inputs):
+def head_logprobs(model, hidden, targets, chunked: bool = False):
+    """lm_head + log-softmax at the completion positions only: full logits, or chunked."""
+    if chunked:
+        return chunked_logprobs(hidden, model.lm_head.weight, targets)[0]
+    return model.lm_head(hidden).float().log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+
+
+def logprobs_padded(model, inputs, chunked: bool = False):
     ids, mask, position_ids, rows, cols, targets = inputs
     hidden = model.model(
         input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False
     ).last_hidden_state[rows, cols]
-    return model.lm_head(hidden).float().log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+    return head_logprobs(model, hidden, targets, chunked)
 
 
-def logprobs_packed(model, batch):
+def logprobs_packed(model, batch, chunked: bool = False):
     out = model.model(
         input_ids=batch.input_ids,
         position_ids=batch.position_ids,
@@ -114,7 +231,7 @@ def logprobs_packed(model, batch):
         **packed_model_kwargs(batch),
     )
     hidden = out.last_hidden_state[0].index_select(0, batch.completion_index)
-    return model.lm_head(hidden).float().log_softmax(-1).gather(-1, batch.targets[:, None])[:, 0]
+    return head_logprobs(model, hidden, batch.targets, chunked)
 
 
 class LiveBytes(TorchDispatchMode):

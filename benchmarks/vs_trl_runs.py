@@ -138,7 +138,8 @@ class ChildMemory:
     """Peak summed RSS of this process's children, sampled every 50 ms in a thread.
 
     ru_maxrss of RUSAGE_CHILDREN is no use here: a child started by fork + exec is charged
-    the parent's whole RSS for the instant between the two.
+    the parent's whole RSS for the instant between the two. For the same reason a sample
+    skips a child that has not exec'd yet (it still shows the parent's command line).
     """
 
     def __init__(self, interval: float = 0.05):
@@ -149,11 +150,13 @@ class ChildMemory:
 
     def _run(self) -> None:
         proc = psutil.Process()
+        own = proc.cmdline()
         while not self._stop.wait(self.interval):
             total = 0
             for child in proc.children(recursive=True):
                 with contextlib.suppress(psutil.NoSuchProcess):
-                    total += child.memory_info().rss
+                    if child.cmdline() != own:  # a fork not yet exec'd shares our pages
+                        total += child.memory_info().rss
             self.peak = max(self.peak, total)
 
     def stop(self) -> int:

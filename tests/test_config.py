@@ -106,10 +106,43 @@ def test_top_p_refused_with_reason(config_file: Path) -> None:
         (["loss.is_min=3", "loss.is_cap=2"], "loss.is_min"),
         (["train.steps_per_generation=16"], "rollout.prompts_per_batch"),
         (["pipeline.min_groups_per_step=9"], "pipeline.min_groups_per_step"),
+        (["distributed.param_dtype=bfloat16", "model.dtype=bfloat16"], "model.dtype: float32"),
+        (["distributed.timeout_s=0"], "distributed.timeout_s"),
     ],
 )
 def test_cross_field_rules(config_file: Path, overrides: list[str], expected: str) -> None:
     assert expected in error_for(overrides, config_file)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_staleness_bound_must_fit_the_sync_interval_in_both_modes(config_file, mode) -> None:
+    """cfg_sync.py: sync mode with vLLM used to train on samples up to 3 versions old."""
+    overrides = [
+        "rollout.engine=vllm",
+        f"pipeline.mode={mode}",
+        "pipeline.sync_interval=4",
+        "pipeline.max_staleness=0",
+    ]
+    assert "pipeline.sync_interval - 1 (3)" in error_for(overrides, config_file)
+    load_config(config_file, [*overrides[:-1], "pipeline.max_staleness=3"])
+
+
+def test_live_hf_engine_in_sync_mode_ignores_the_sync_interval(config_file) -> None:
+    """It generates with the trainer's own model, so its samples are never stale."""
+    cfg = load_config(config_file, ["pipeline.sync_interval=4", "pipeline.max_staleness=0"])
+    assert cfg.generates_with_live_weights()
+    assert "(3)" in error_for(
+        ["pipeline.mode=async", "pipeline.sync_interval=4", "pipeline.max_staleness=0"],
+        config_file,
+    )
+
+
+def test_distributed_section_defaults_and_mixed_precision(config_file: Path) -> None:
+    cfg = load_config(config_file, [])
+    assert cfg.distributed.sharding == "full_shard" and cfg.distributed.backend == "auto"
+    assert cfg.distributed.param_dtype == "off" and cfg.distributed.timeout_s == 600.0
+    mixed = load_config(config_file, ["distributed.param_dtype=bfloat16", "model.dtype=float32"])
+    assert mixed.distributed.reduce_dtype == "float32"
 
 
 def test_missing_required_keys() -> None:
@@ -229,3 +262,115 @@ def test_bundled_example_configs_load():
     root = Path(__file__).resolve().parents[1]
     for path in sorted((root / "examples").glob("*.yaml")):
         load_config(path, [])
+
+
+# -- values that would make a run crash, hang or learn nothing --------------------------------
+
+
+def float_keys() -> list[str]:
+    """Every float field of the schema, as an override key (list items at index 0)."""
+    import typing
+
+    from leangrpo.config_io import section_type
+
+    def walk(model, prefix):
+        for name, field in model.model_fields.items():
+            sub = section_type(field.annotation)
+            if sub is not None:
+                is_list = typing.get_origin(field.annotation) is list
+                yield from walk(sub, f"{prefix}{name}[0]." if is_list else f"{prefix}{name}.")
+            elif float in (field.annotation, *typing.get_args(field.annotation)):
+                yield f"{prefix}{name}"
+
+    return list(walk(Config, ""))
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan", "1e400", "inf"])
+def test_every_float_refuses_non_finite_values(config_file: Path, value: str) -> None:
+    keys = float_keys()
+    assert {"train.learning_rate", "loss.beta", "rewards.functions[0].weight"} <= set(keys)
+    for key in keys:
+        msg = error_for([f"{key}={value}"], config_file)
+        assert f"'{key}'" in msg and "finite number" in msg, (key, msg)
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("run.seed=-1", "'run.seed' = -1 is invalid: input should be greater than or equal to 0"),
+        ("run.seed=4294967296", "less than or equal to 4294967295"),
+        ("run.output_dir=''", "'run.output_dir' = '' is invalid: it would write the run into"),
+        ("run.output_dir=./", "the current directory"),
+        ("rollout.temperature=1e6", "'rollout.temperature'"),
+        ("eval.temperature=11", "'eval.temperature'"),
+        ("rewards.timeout_s=1e9", "'rewards.timeout_s'"),
+        ("rollout.vllm.request_timeout_s=1e9", "'rollout.vllm.request_timeout_s'"),
+        ("rollout.stop=['</a>', '']", "an empty stop string matches at once"),
+        ("rewards.functions[0].weight=0", "Every rewards.functions[*].weight is 0"),
+        ("train.micro_batch_tokens=256", "train.micro_batch_tokens (256) must exceed"),
+    ],
+)
+def test_useless_or_absurd_values_are_refused(
+    config_file: Path, override: str, expected: str
+) -> None:
+    assert expected in error_for([override], config_file)
+
+
+def test_limits_accept_sane_values(config_file: Path) -> None:
+    cfg = load_config(
+        config_file,
+        ["run.seed=4294967295", "rollout.temperature=10", "rewards.timeout_s=3600"],
+    )
+    assert cfg.run.seed == 2**32 - 1
+    cfg = load_config(
+        config_file,
+        ["rewards.functions=[math, {name: format, weight: 0}]", "rollout.stop=['</a>']"],
+    )
+    assert [f.weight for f in cfg.rewards.functions] == [1.0, 0.0]
+
+
+# -- the config file itself -------------------------------------------------------------------
+
+
+def test_duplicate_keys_are_refused_naming_lines(tmp_path: Path) -> None:
+    path = tmp_path / "dup.yaml"
+    path.write_text(
+        "run:\n  seed: 1\nmodel:\n  name_or_path: tiny\ndata:\n  path: p.jsonl\n"
+        "rewards:\n  functions: [math]\nrun:\n  max_steps: 3\n"
+    )
+    assert "sets 'run' twice (lines 1 and 9)" in error_for([], path)
+    path.write_text(
+        yaml.safe_dump(MINIMAL) + "train:\n  learning_rate: 1.0e-5\n  learning_rate: 2.0e-5\n"
+    )
+    assert "sets 'train.learning_rate' twice" in error_for([], path)
+    path.write_text(
+        yaml.safe_dump({k: v for k, v in MINIMAL.items() if k != "rewards"})
+        + "rewards:\n  functions:\n    - {name: math, weight: 1, weight: 2}\n"
+    )
+    assert "sets 'rewards.functions[0].weight' twice" in error_for([], path)
+
+
+def test_anchors_and_merge_keys_are_not_duplicates(tmp_path: Path) -> None:
+    path = tmp_path / "anchors.yaml"
+    path.write_text(
+        yaml.safe_dump(MINIMAL)
+        + "eval: &ev\n  num_generations: 2\n"
+        + "train:\n  <<: {warmup_steps: 3}\n  warmup_steps: 4\n"
+    )
+    cfg = load_config(path, [])
+    assert cfg.eval.num_generations == 2 and cfg.train.warmup_steps == 4
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ("run:\n  seed: 1\n".encode("utf-16"), "UTF-16 or UTF-32 encoded"),
+        ("run:\n  seed: 1\n".encode("utf-16-le"), "UTF-16 or UTF-32 encoded"),
+        (bytes(range(256)) * 4, "is a binary file"),
+        (b"run:\n  output_dir: caf\xe9\n", "not UTF-8 text (byte 0xe9 at line 2)"),
+    ],
+)
+def test_unreadable_config_files(tmp_path: Path, content: bytes, expected: str) -> None:
+    path = tmp_path / "cfg.yaml"
+    path.write_bytes(content)
+    assert expected in error_for([], path)

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from leangrpo.contracts import Prompt
-from leangrpo.data import DataError, PromptSampler, check_data, load_prompts
+from leangrpo.data import DataError, PromptSampler, check_data
+from leangrpo.data import load_prompts as load_prompt_set
 
 WORDS = ["<unk>", "<s>", "</s>", "<|user|>", "<|system|>", "<|assistant|>", "be", "brief"]
 WORDS += [f"q{i}" for i in range(40)]
@@ -39,9 +40,16 @@ def data_cfg(**overrides):
         path=None, dataset=None, dataset_config=None, split="train", prompt_column="prompt",
         column_map={}, columns=None, chat_template=False, system_prompt=None, eval_path=None,
         eval_split=None, eval_size=0, shuffle=True, max_prompt_tokens=None,
+        overlong_prompts="error", empty_prompts="error",
     )  # fmt: skip
     cfg.update(overrides)
     return SimpleNamespace(**cfg)
+
+
+def load_prompts(*args, **kwargs):
+    """(train, eval) prompts; the metrics are tested where they matter."""
+    prompts = load_prompt_set(*args, **kwargs)
+    return prompts.train, prompts.eval
 
 
 def write_jsonl(path, rows):
@@ -164,7 +172,7 @@ def test_chat_template_missing_is_a_clear_error(tmp_path, tokenizer):
     with pytest.raises(DataError, match="no chat template; set data.chat_template = false"):
         load_prompts(data_cfg(path=path, chat_template=True), bare)
     path = write_jsonl(tmp_path / "e.jsonl", [{"prompt": "q1"}, {"prompt": None}])
-    with pytest.raises(DataError, match=r"row 1: column 'prompt' holds None"):
+    with pytest.raises(DataError, match=r"row 1 \(line 2\): column 'prompt' holds None"):
         load_prompts(data_cfg(path=path), tokenizer)
 
 
@@ -209,16 +217,81 @@ def test_eval_path_and_file_formats_agree(tmp_path, tokenizer):
 
 def test_long_prompts_are_dropped_and_counted(tmp_path, tokenizer, caplog):
     path = write_jsonl(tmp_path / "d.jsonl", ROWS)
-    cfg = data_cfg(path=path, column_map={"question": "prompt"}, max_prompt_tokens=3)
+    cfg = data_cfg(
+        path=path, column_map={"question": "prompt"}, max_prompt_tokens=3, overlong_prompts="drop"
+    )
     with caplog.at_level(logging.WARNING, logger="leangrpo.data"):
-        train, _ = load_prompts(cfg, tokenizer)
+        prompts = load_prompt_set(cfg, tokenizer)
     expected = [i for i, r in enumerate(ROWS) if 1 + len(r["question"].split()) <= 3]
-    assert [p.uid for p in train] == expected
-    assert f"dropped {len(ROWS) - len(expected)} of {len(ROWS)} train prompts" in caplog.text
+    assert [p.uid for p in prompts.train] == expected
+    assert prompts.metrics["data/dropped_prompts"] == len(ROWS) - len(expected)
+    assert prompts.metrics["data/prompts"] == len(expected)
+    assert f"dropped {len(ROWS) - len(expected)} of {len(ROWS)} prompts" in caplog.text
     with pytest.raises(DataError, match="no train prompts left"):
         load_prompts(
-            data_cfg(path=path, column_map={"question": "prompt"}, max_prompt_tokens=1), tokenizer
+            data_cfg(
+                path=path,
+                column_map={"question": "prompt"},
+                max_prompt_tokens=1,
+                overlong_prompts="drop",
+            ),
+            tokenizer,
         )
+
+
+def test_overlong_prompt_is_an_error_naming_the_row_and_the_limit(tmp_path, tokenizer):
+    from leangrpo.data import PromptLimit
+
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    limit = PromptLimit(4, "the model's context of 10 positions minus rollout.max_new_tokens = 6")
+    with pytest.raises(DataError) as err:
+        load_prompts(data_cfg(path=path, column_map={"question": "prompt"}), tokenizer, 0, limit)
+    message = str(err.value)
+    assert "row 3 has 5 prompt tokens, more than the 4 allowed by the model's context" in message
+    assert "the longest is row 4 with 6" in message and "data.overlong_prompts" in message
+
+
+def test_overlong_prompts_truncated_left_or_right(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "q1 q2 q3 q4"}, {"prompt": "q5"}])
+    cut = {}
+    for side in ("truncate_left", "truncate_right"):
+        cfg = data_cfg(path=path, max_prompt_tokens=3, overlong_prompts=side)
+        prompts = load_prompt_set(cfg, tokenizer)
+        assert prompts.metrics["data/truncated_prompts"] == 1
+        assert prompts.metrics["data/dropped_prompts"] == 0
+        assert [len(p.ids) for p in prompts.train] == [3, 2]
+        cut[side] = prompts.train[0]
+    vocab = {i: w for w, i in tokenizer.get_vocab().items()}
+    assert [vocab[i] for i in cut["truncate_left"].ids] == ["q2", "q3", "q4"]
+    assert cut["truncate_left"].text == "q2 q3 q4"  # the text is what is trained on
+    assert [vocab[i] for i in cut["truncate_right"].ids] == ["<s>", "q1", "q2"]
+    assert cut["truncate_right"].text == "q1 q2"
+
+
+def test_empty_prompt_is_refused_before_loading_or_dropped_and_counted(tmp_path, tokenizer):
+    rows = [{"prompt": "q1"}, {"prompt": ""}, {"prompt": "q2"}, {"prompt": " \t "}]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(DataError) as err:
+        check_data(data_cfg(path=path))  # the cheap check: before any model or tokenizer
+    assert "row 1 (line 2) has an empty prompt (and 1 more rows)" in str(err.value)
+    assert "data.empty_prompts: drop" in str(err.value)
+    prompts = load_prompt_set(data_cfg(path=path, empty_prompts="drop"), tokenizer)
+    assert [p.uid for p in prompts.train] == [0, 2]
+    assert prompts.metrics["data/dropped_prompts"] == 2
+    (tmp_path / "d.csv").write_text("prompt,answer\nq1,1\n,2\n")
+    with pytest.raises(DataError, match=r"d\.csv' row 1 \(line 3\) has an empty prompt"):
+        check_data(data_cfg(path=str(tmp_path / "d.csv")))
+
+
+def test_non_utf8_data_file_is_named_with_its_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"d\.jsonl line 2 is not UTF-8 text \(byte 0xe9\)"):
+        check_data(data_cfg(path=str(path)))
+    csv_path = tmp_path / "d.csv"
+    csv_path.write_bytes(b"prompt\nq1\nq\xff2\n")
+    with pytest.raises(DataError, match=r"d\.csv is not UTF-8 text \(byte 0xff at line 3\)"):
+        check_data(data_cfg(path=str(csv_path)))
 
 
 def test_hub_dataset_splits_and_errors(monkeypatch, tokenizer):
@@ -245,6 +318,9 @@ def test_hub_dataset_splits_and_errors(monkeypatch, tokenizer):
         DataError, match=r"data.dataset = 'other/set'.*could not be loaded.*ConnectionError"
     ):
         load_prompts(data_cfg(dataset="other/set"), tokenizer)
+    splits["train"] = datasets.Dataset.from_dict({"question": ["q1", " "], "answer": ["1", "2"]})
+    with pytest.raises(DataError, match=r"data.dataset = 'org/set' row 1 has an empty prompt"):
+        load_prompts(cfg, tokenizer)
 
 
 # ---- PromptSampler --------------------------------------------------------------------------
@@ -301,3 +377,12 @@ def test_requeued_prompts_come_first():
     assert uids(sampler.next_batch()) == [3, 4]
     with pytest.raises(DataError, match="uid 99"):
         sampler.requeue([Prompt(uid=99, text="", ids=[])])
+
+
+def test_requeue_by_uid_is_what_a_checkpoint_replays():
+    prompts = make_prompts(6)
+    sampler = PromptSampler(prompts, 2, seed=0, shuffle=False)
+    sampler.requeue_uids([5, 3])
+    assert uids(sampler.next_batch()) == [5, 3]
+    with pytest.raises(DataError, match="uid 99"):
+        sampler.requeue_uids([99])

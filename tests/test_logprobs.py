@@ -371,3 +371,68 @@ def test_autocast_matmul_in_autocast_dtype_forward_and_backward():
         assert got.dtype == torch.float32
         scale = want.abs().max().item()
         torch.testing.assert_close(got.double(), want, rtol=3e-2, atol=3e-2 * scale)
+
+
+def _backward_both_orders(dtype_h, dtype_w, **kw):
+    """Gradients of one chunked backward with rows outer and with the vocabulary outer."""
+    from leangrpo.logprobs import _backward, _forward, _validate
+
+    hidden, weight, bias, g = make_inputs(37, 16, 90, seed=3)
+    hidden, weight = hidden.detach().to(dtype_h), weight.detach().to(dtype_w)
+    bias = bias.detach().to(dtype_w)
+    targets = torch.randint(0, 90, (37,), generator=g)
+    spec = _validate(hidden, weight, targets, bias, 0.8, kw.get("top_k", 0), 0.0, True, 8, 32)
+    _, log_z, thr, entropy = _forward(hidden, weight, targets, bias, spec)
+    g_lp = torch.randn(37, generator=g)
+    g_ent = torch.randn(37, generator=g)
+    args = (hidden, weight, targets, bias, (log_z, thr, entropy), g_lp, g_ent, spec)
+    rows = _backward(*args, (True, True, True), vocab_outer=False)
+    vocab = _backward(*args, (True, True, True), vocab_outer=True)
+    return rows, vocab
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_vocab_outer_backward_equals_rows_outer(top_k):
+    rows, vocab = _backward_both_orders(torch.float32, torch.bfloat16, top_k=top_k)
+    assert vocab.weight.dtype == torch.bfloat16  # written straight into the weight's dtype
+    torch.testing.assert_close(vocab.weight, rows.weight.to(torch.bfloat16), rtol=0, atol=0)
+    torch.testing.assert_close(vocab.hidden, rows.hidden, rtol=0, atol=0)
+    torch.testing.assert_close(vocab.bias, rows.bias, rtol=0, atol=0)
+
+
+def _large_fp32_allocations(fn, limit: int) -> list[tuple]:
+    """(shape, dtype) of every fp32 tensor of >= limit elements that fn's ops produce."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, tuple | list) else [out]:
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.numel() >= limit:
+                    seen.append((tuple(t.shape), t.dtype))
+            return out
+
+    with Record():
+        fn()
+    return seen
+
+
+def test_trained_bf16_head_gets_no_full_fp32_gradient_copy(monkeypatch):
+    """A bf16 lm_head that requires grad (as FSDP gathers it under mixed precision) never
+    gets a (V, H) fp32 gradient buffer; forcing the other loop order shows the check bites."""
+    from leangrpo import logprobs as lp_mod
+
+    v, h, n = 512, 16, 24
+    hidden, weight, _, g = make_inputs(n, h, v, bias=False, dtype=torch.bfloat16)
+    targets = torch.randint(0, v, (n,), generator=g)
+
+    def run():
+        lp, _ = chunked_logprobs(hidden, weight, targets, row_tile=8, vocab_tile=64)
+        lp.sum().backward()
+
+    assert _large_fp32_allocations(run, v * h) == []
+    assert weight.grad.dtype == torch.bfloat16
+    monkeypatch.setattr(lp_mod, "_vocab_outer_is_smaller", lambda *a: False)
+    assert (v, h) in [s for s, _ in _large_fp32_allocations(run, v * h)]

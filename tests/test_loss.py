@@ -166,6 +166,7 @@ def test_metrics_by_hand_and_reduce():
     assert sums == pytest.approx(
         {
             "tokens": 5,
+            "filtered_tokens": 0,
             "sequences": 2,
             "clip/low_frac": 1,
             "clip/high_frac": 1,
@@ -179,6 +180,7 @@ def test_metrics_by_hand_and_reduce():
     assert means == pytest.approx(
         {
             "tokens": 10,
+            "filtered_tokens": 0,
             "sequences": 4,
             "clip/low_frac": 0.2,
             "clip/high_frac": 0.2,
@@ -424,3 +426,96 @@ def test_importance_weights_bad_input():
         weights([0.0], [0], "sequence_clip", 2.0)
     with pytest.raises(ValueError, match="min_weight < cap"):
         weights([0.0], [0], "token_mask", 2.0, 3.0)
+
+
+# ------------------------------------------------------------ filtered targets (top-k / min-p)
+
+
+def filtered_case():
+    """Six tokens through the chunked lm_head with top_k=5; token 0's target is ranked 6th
+    by the trainer (the engine ranked it 5th: a 1e-3 kernel difference at the boundary)."""
+    from leangrpo.logprobs import chunked_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, 16, generator=g, dtype=F64) * 0.1
+    hidden = torch.randn(6, 16, generator=g, dtype=F64, requires_grad=True)
+    z = hidden.detach() @ weight.T
+    targets = z.argmax(1)
+    targets[0] = z[0].topk(6).indices[-1]
+    lp, _ = chunked_logprobs(hidden, weight, targets, top_k=5, row_tile=4, vocab_tile=16)
+    assert torch.isneginf(lp[0]) and torch.isfinite(lp[1:]).all()
+    return hidden, lp
+
+
+def filtered_inputs(lp, mode: str, mask=None) -> LossInputs:
+    """The repro's cases: old = current (decoupled/none at mu=1), old = behaviour (bypass),
+    a reference that excludes token 1, and token 0 inside a masked (truncated) sequence."""
+    seq = torch.tensor([0, 0, 0, 1, 1, 1])
+    old = lp.detach().clone()
+    ref = None
+    if mode == "bypass":
+        old[0] = -2.0  # the engine's finite log-prob
+    if mode == "reference":
+        ref = lp.detach() - 0.1
+        ref[1] = float("-inf")
+    mask = torch.ones(6) if mask is None else torch.tensor(mask, dtype=torch.float32)
+    adv = torch.tensor([1.0, 1.0, 1.0, -0.5, -0.5, -0.5], dtype=F64)
+    return LossInputs(lp, old, adv, mask, seq, 2, ref_logprobs=ref)
+
+
+@pytest.mark.parametrize("kind", sorted(VARIANTS))
+@pytest.mark.parametrize("mode", ["current", "bypass", "reference", "masked"])
+def test_filtered_targets_leave_loss_and_gradient_finite(kind, mode):
+    hidden, lp = filtered_case()
+    mask = [0, 0, 0, 1, 1, 1] if mode == "masked" else None
+    cfg = LossConfig(kind, beta=0.04 if mode == "reference" else 0.0, epsilon_high=1.3)
+    if kind != "cispo":
+        cfg = replace(cfg, epsilon_high=0.2)
+    norm = LossNormalisers(sequences=2, tokens=6, global_tokens=6, max_completion_length=3)
+    out = compute_loss(filtered_inputs(lp, mode, mask), norm, cfg)
+    assert torch.isfinite(out.loss)
+    (grad,) = torch.autograd.grad(out.loss, hidden)
+    assert torch.isfinite(grad).all()
+    dropped = {"current": [0], "bypass": [0], "reference": [0, 1], "masked": [0, 1, 2]}[mode]
+    assert (grad[dropped] == 0).all()  # the chunked backward gets exactly 0 for them
+    # equal to the loss with the dropped tokens masked out and given harmless values
+    clean_lp = lp.detach().clone().requires_grad_()
+    clean = filtered_inputs(clean_lp, mode, mask)
+    keep = torch.ones(6)
+    keep[dropped] = 0.0
+    for name in ("old_logprobs", "ref_logprobs"):
+        t = getattr(clean, name)
+        if t is not None:
+            t[dropped] = -1.0
+    with torch.no_grad():
+        clean_lp[dropped] = -1.0
+    want = compute_loss(replace(clean, mask=keep), norm, cfg)
+    assert out.loss.item() == pytest.approx(want.loss.item(), rel=1e-12, abs=1e-12)
+    expected_count = {"current": 1, "bypass": 1, "reference": 2, "masked": 0}[mode]
+    assert out.metrics["filtered_tokens"].item() == expected_count
+    assert out.metrics["tokens"].item() == 6 - len(dropped)
+    assert all(torch.isfinite(v) for v in out.metrics.values())
+
+
+def test_is_weights_skip_filtered_and_masked_tokens():
+    # token 1: old -inf (filtered by the trainer's old pass); token 2: masked and -inf
+    old = torch.tensor([LN(2.0) - 1.0, float("-inf"), float("-inf"), -1.0])
+    beh = torch.full((4,), -1.0)
+    mask = torch.tensor([1.0, 1.0, 0.0, 1.0])
+    seq = torch.tensor([0, 0, 0, 1])
+    for mode in IS_MODES_ALL:
+        w, m = importance_weights(old, beh, seq, 2, mask, mode, 3.0)
+        assert torch.isfinite(w).all(), mode
+        assert all(torch.isfinite(v) for v in m.values()), mode
+        assert m["is/tokens"].item() == 2
+    w, m = importance_weights(old, beh, seq, 2, mask, "token_truncate", 3.0)
+    assert w[[0, 3]].tolist() == pytest.approx([2.0, 1.0])
+    assert m["is/weight_mean"].item() == pytest.approx(1.5)
+    assert m["is/weight_min"].item() == pytest.approx(1.0)
+    # k3 of r = [2, 1] over the two kept tokens: (2 - ln2 - 1) / 2
+    assert m["is/mismatch_kl"].item() == pytest.approx((1 - LN(2)) / 2, rel=1e-6)
+    w, _ = importance_weights(old, beh, seq, 2, mask, "sequence_truncate", 3.0)
+    assert w[0].item() == pytest.approx(2.0, rel=1e-6)  # sequence 0: only token 0 counts
+
+
+IS_MODES_ALL = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")

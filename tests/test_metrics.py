@@ -64,13 +64,14 @@ def test_bad_values_are_refused(tmp_path: Path) -> None:
             logger.log(1, {"note": "hello"})
 
 
-def test_read_metrics_skips_torn_last_line(tmp_path: Path) -> None:
+def test_read_metrics_skips_torn_lines_with_a_warning(tmp_path: Path, caplog) -> None:
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "lo')
     assert read_metrics(path) == [{"step": 1, "loss": 1.0}]
-    path.write_text('{"step": 1\n{"step": 2}\n')
-    with pytest.raises(ValueError, match="metrics.jsonl:1"):
-        read_metrics(path)
+    path.write_text('{"step": 1\n{"step": 2}\n7\n\xff{"step": 3}\n{"step": 4}\n')
+    with caplog.at_level("WARNING", logger="leangrpo.metrics"):
+        assert [r["step"] for r in read_metrics(path)] == [2, 4]
+    assert "skipped 3 line(s)" in caplog.text and "(line 1, 3, 4)" in caplog.text
 
 
 def test_resume_drops_rows_after_checkpoint(tmp_path: Path) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 from conftest import make_tiny_model
 
@@ -76,3 +78,113 @@ def test_lora_reference_is_the_model_with_adapters_disabled():
         current, _ = score(model, batch, params, LOGPROBS)
     torch.testing.assert_close(ref, base_logp, atol=1e-5, rtol=1e-5)
     assert (current - ref).abs().max() > 1e-3
+
+
+def test_reference_logprobs_are_unfiltered():
+    """With top-k / min-p sampling the reference keeps the whole vocabulary: a token outside
+    the reference's top-k has a finite log-prob (KL stays finite), the temperature applies."""
+    model = make_tiny_model("qwen2")
+    enable_packed_attention(model, "sdpa_segments")
+    reference = make_tiny_model("qwen2", seed=1)
+    enable_packed_attention(reference, "sdpa_segments")
+    batch = pack_samples(samples(2))
+    policy = Policy(model, None, reference, torch.device("cpu"), is_lora=False)
+    filtered = SamplingParams(temperature=0.7, top_k=2, min_p=0.3)
+    with torch.no_grad():
+        ref = reference_logprobs(policy, batch, filtered, LOGPROBS)
+        unfiltered, _ = score(reference, batch, SamplingParams(temperature=0.7), LOGPROBS)
+        reference_filtered, _ = score(reference, batch, filtered, LOGPROBS)
+    assert torch.isneginf(reference_filtered).any()  # the case: tokens outside its top-2
+    assert torch.isfinite(ref).all()
+    assert torch.equal(ref, unfiltered)
+
+
+def dropout_model_dir(tmp_path):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attention_dropout=0.5,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    return str(tmp_path / "model")
+
+
+def first_iteration_ratio(tmp_path, **model_section):
+    """Old log-probs (eval mode, no grad) vs the training pass (train mode) on one batch."""
+    from leangrpo.config import config_from_dict
+    from leangrpo.model import eval_mode, load_policy
+
+    demo = Path(__file__).resolve().parents[1] / "examples" / "demo"
+    cfg = config_from_dict(
+        {
+            "model": {"name_or_path": dropout_model_dir(tmp_path), "dtype": "float32",
+                      "gradient_checkpointing": True, **model_section},
+            "data": {"path": str(demo / "train.jsonl")},
+            "rewards": {"functions": [{"name": "math"}]},
+        }
+    )  # fmt: skip
+    policy = load_policy(cfg, None, torch.device("cpu"))
+    batch = pack_samples(samples())
+    with eval_mode(policy.model), torch.no_grad():
+        old, _ = score(policy.model, batch, SamplingParams(), LOGPROBS)
+    torch.manual_seed(1)
+    current, _ = score(policy.model, batch, SamplingParams(), LOGPROBS, with_entropy=True)
+    current.sum().backward()  # checkpointed recomputation in train mode
+    return torch.exp(current.detach() - old)
+
+
+def test_dropout_is_off_for_rl_by_default(tmp_path):
+    ratio = first_iteration_ratio(tmp_path)
+    assert torch.equal(ratio, torch.ones_like(ratio))  # exactly 1 on the first iteration
+    kept = first_iteration_ratio(tmp_path, disable_dropout=False)
+    assert (kept - 1).abs().max() > 1e-3  # what the default prevents: dropout noise in r
+
+
+def test_lora_dropout_needs_dropout_kept():
+    from leangrpo.config import ConfigError, config_from_dict
+
+    demo = Path(__file__).resolve().parents[1] / "examples" / "demo"
+    base = {
+        "model": {"name_or_path": "m"},
+        "data": {"path": str(demo / "train.jsonl")},
+        "rewards": {"functions": [{"name": "math"}]},
+        "lora": {"enabled": True, "dropout": 0.05},
+    }
+    with pytest.raises(ConfigError, match="lora.dropout.*model.disable_dropout"):
+        config_from_dict(base)
+    kept = config_from_dict({**base, "model": {"name_or_path": "m", "disable_dropout": False}})
+    assert kept.lora.dropout == 0.05
+
+
+def test_chunked_head_module_keeps_names_tying_and_log_probs():
+    """The lm_head as a module: same parameters and names, plain logits without targets,
+    the same log-probs through `score` and through the PackedScorer root."""
+    from leangrpo.model import ChunkedLMHead, PackedScorer, install_chunked_head
+
+    model = make_tiny_model("qwen2")
+    model.lm_head.weight = model.model.embed_tokens.weight  # tie them, as the demo model is
+    enable_packed_attention(model, "sdpa_segments")
+    batch = pack_samples(samples())
+    params = SamplingParams(temperature=0.7, top_k=20)
+    names = list(model.state_dict())
+    with torch.no_grad():
+        want, _ = score(model, batch, params, LOGPROBS)
+        hidden = torch.randn(3, 32)
+        logits = model.lm_head(hidden)
+        head = install_chunked_head(model)
+        assert install_chunked_head(model) is head and isinstance(head, ChunkedLMHead)
+        assert head.weight is model.model.embed_tokens.weight
+        assert list(model.state_dict()) == names
+        torch.testing.assert_close(head(hidden), logits, rtol=0, atol=0)
+        got, _ = score(model, batch, params, LOGPROBS)
+        root, _ = score(PackedScorer(model), batch, params, LOGPROBS)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(root, want, rtol=0, atol=0)

@@ -8,9 +8,11 @@ import time
 import pytest
 
 from leangrpo.contracts import Completion, EngineVersionError, Prompt, SamplingParams
+from leangrpo.errors import RunError
 from leangrpo.pipeline import (
     AsyncProducer,
     BatchFinisher,
+    PipelineStallError,
     ReplayBuffer,
     RolloutSettings,
     RolloutWorker,
@@ -85,19 +87,27 @@ class FakeSampler:
     def requeue(self, prompts):
         self.queue.extend(prompts)
 
+    def requeue_uids(self, uids):
+        self.queue.extend(Prompt(uid, f"p{uid}", [5, 6]) for uid in uids)
+
     def state_dict(self):
         return {"position": self.position, "queue": [p.uid for p in self.queue]}
 
     def load_state_dict(self, state):
         self.position = state["position"]
+        self.queue = []
+        self.requeue_uids(state.get("queue", []))
 
 
-def make_worker(engine, rewards=None, prompts=2, group=3, updates=1):
+def make_worker(engine, rewards=None, prompts=2, group=3, updates=1, reroll=0):
     settings = RolloutSettings(
         group, prompts, SamplingParams(), "group", seed=0, updates_per_batch=updates
     )
     sampler = FakeSampler(prompts)
-    return RolloutWorker(engine, rewards or FakeRewards(), sampler, settings), settings
+    worker = RolloutWorker(
+        engine, rewards or FakeRewards(), sampler, settings, reroll_attempts=reroll
+    )
+    return worker, settings
 
 
 def consume(producer, steps: int, train_s: float = 0.0):
@@ -163,11 +173,8 @@ def test_a_crashing_producer_ends_the_run_promptly():
 
 
 def test_failed_groups_are_rerolled_and_really_reinjected():
-    worker, settings = make_worker(FakeEngine(), FakeRewards(failing_uids={0}))
-    finisher = BatchFinisher(
-        settings, 0, reroll_attempts=1, sampler=worker.sampler, sampler_lock=worker.sampler_lock
-    )
-    producer = SyncProducer(worker, finisher)
+    worker, settings = make_worker(FakeEngine(), FakeRewards(failing_uids={0}), reroll=1)
+    producer = SyncProducer(worker, BatchFinisher(settings, 0))
     first = producer.next_batch(0)
     assert first.metrics["reroll/requeued"] == 1
     second = producer.next_batch(0)
@@ -225,3 +232,227 @@ def test_streaming_steps_start_with_the_groups_that_are_ready():
     assert max(staleness) <= 1
     uids = [s.prompt.uid for _, b in batches for s in b.samples[::3]]
     assert len(uids) == len(set(uids)) or producer.dropped_stale > 0
+
+
+# -- admission from the versions the trainer really reaches ---------------------------------
+
+
+def run_trainer(target, seconds: float = 10.0) -> bool:
+    """Run a fake trainer in a thread; True when it finished (False: it hung)."""
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout=seconds)
+    return not thread.is_alive()
+
+
+@pytest.mark.parametrize(("max_staleness", "skipped"), [(0, {1}), (1, {10, 30}), (1, {3, 4, 5})])
+def test_skipped_steps_never_stall_the_async_producer(max_staleness, skipped):
+    """deadlock_skip.py / deadlock_skip2.py: a skipped step does not advance the version."""
+    worker, settings = make_worker(FakeEngine())
+    producer = AsyncProducer(
+        worker, BatchFinisher(settings, max_staleness), 2, max_staleness, stall_timeout_s=5
+    )
+    producer.start()
+    ages = []
+
+    def trainer():
+        version = 0
+        for step in range(40):
+            batch = producer.next_batch(version)
+            ages.extend(version - s.version for s in batch.samples)
+            version += step not in skipped
+            producer.report_progress(version, 0)
+            producer.push_weights(version, lambda: [])
+
+    try:
+        assert run_trainer(trainer), "the trainer hung waiting for a batch"
+    finally:
+        producer.close()
+    assert len(ages) == 40 * 6 and max(ages) <= max_staleness
+
+
+def fake_trainer(producer, batches: int, updates: int, version: int = 0, steps_left: int = 0):
+    """Takes `updates` steps per batch, reporting progress and pushing after each."""
+    consumed = []
+    for _ in range(steps_left):  # the rest of a batch a resumed trainer still holds
+        version += 1
+        producer.report_progress(version, steps_left := steps_left - 1)
+        producer.push_weights(version, lambda: [])
+    for _ in range(batches):
+        batch = producer.next_batch(version)
+        consumed.append((version, batch))
+        for left in reversed(range(updates)):
+            version += 1
+            producer.report_progress(version, left)
+            producer.push_weights(version, lambda: [])
+    return consumed
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 3])
+def test_async_with_several_updates_per_batch_keeps_the_bound_at_consumption(max_staleness):
+    worker, settings = make_worker(FakeEngine(delay=0.005), updates=2)
+    producer = AsyncProducer(worker, BatchFinisher(settings, max_staleness), 3, max_staleness)
+    producer.start()
+    result = []
+    try:
+        assert run_trainer(lambda: result.extend(fake_trainer(producer, 6, updates=2)))
+    finally:
+        producer.close()
+    ages = [v - s.version for v, b in result for s in b.samples]
+    assert len(ages) == 36 and max(ages) <= max_staleness
+    if max_staleness == 0:  # consumed exactly at versions 0, 2, 4, ...: sync's schedule
+        assert [v for v, _ in result] == [0, 2, 4, 6, 8, 10] and set(ages) == {0}
+
+
+@pytest.mark.parametrize("steps_left", [0, 1])
+def test_resume_inside_a_batch_admits_the_next_batch(steps_left):
+    """resume_midbatch.py: checkpoint at step 5 with U = 2, inside batch 2.
+
+    steps_left 1: the trainer finishes batch 2 from its checkpoint first; 0: it goes on at
+    version 5 without it (the old checkpoints), which used to wait for version 6 forever.
+    """
+    worker, settings = make_worker(FakeEngine(), updates=2)
+    producer = AsyncProducer(worker, BatchFinisher(settings, 0), 1, 0, stall_timeout_s=5)
+    producer.load_state_dict({"index": 3, "sampler": {"position": 6}})
+    producer.report_progress(5, steps_left)  # Trainer._maybe_resume
+    producer.push_weights(5, lambda: [])
+    producer.start()
+    result = []
+    try:
+        assert run_trainer(
+            lambda: result.extend(fake_trainer(producer, 2, 2, version=5, steps_left=steps_left))
+        )
+    finally:
+        producer.close()
+    versions = [5 + steps_left, 7 + steps_left]
+    assert [v for v, _ in result] == versions
+    assert [{s.version for s in b.samples} for _, b in result] == [{v} for v in versions]
+    assert result[0][1].samples[0].prompt.uid == 6  # the sampler position was restored
+
+
+def test_nothing_generated_before_the_resume_push_is_handed_out():
+    """A resumed trainer's first batch comes from its own weights, however loose the bound."""
+    engine = FakeEngine()  # a fresh engine: version 0, the initial weights
+    worker, settings = make_worker(engine)
+    producer = AsyncProducer(worker, BatchFinisher(settings, 10), 2, max_staleness=10)
+    producer.report_progress(5, 0)  # resumed at version 5
+    producer.start()
+    time.sleep(0.3)
+    assert engine.calls == 0, "the producer generated with weights older than the resume"
+    producer.push_weights(5, lambda: [])
+    try:
+        batch = producer.next_batch(5)
+    finally:
+        producer.close()
+    assert {s.version for s in batch.samples} == {5}
+
+
+class DeafEngine(FakeEngine):
+    """Ignores weight updates (a server that never loads them)."""
+
+    def update_weights(self, named_tensors, version):
+        list(named_tensors)
+
+
+def test_a_producer_that_can_never_be_admitted_stops_the_run_with_the_reason():
+    worker, settings = make_worker(DeafEngine())
+    producer = AsyncProducer(worker, BatchFinisher(settings, 0), 1, 0, stall_timeout_s=0.5)
+    producer.start()
+    try:
+        producer.next_batch(0)
+        producer.report_progress(1, 0)
+        producer.push_weights(1, lambda: [])
+        with pytest.raises(PipelineStallError, match=r"version 1 or newer.*holds 0.*version 1"):
+            producer.next_batch(1)
+    finally:
+        producer.close()
+    assert issubclass(PipelineStallError, RunError)  # the CLI prints it as one sentence
+
+
+def test_sync_mode_refuses_samples_beyond_the_bound():
+    """cfg_sync.py: sync mode used to train on whatever the engine held."""
+    worker, settings = make_worker(DeafEngine())
+    producer = SyncProducer(worker, BatchFinisher(settings, 1))
+    producer.push_weights(1, lambda: [])
+    producer.next_batch(1)  # one version old: within the bound
+    producer.push_weights(2, lambda: [])
+    with pytest.raises(RuntimeError, match="staleness bound broken"):
+        producer.next_batch(2)
+
+
+# -- exact resume of the producer -------------------------------------------------------------
+
+
+def batch_key(batch):
+    return [
+        (s.prompt.uid, s.completion.text, s.version, s.advantage, s.replayed) for s in batch.samples
+    ]
+
+
+def test_async_rerolls_are_served_by_the_same_batch_as_in_sync():
+    """Re-rolls happen when a batch is made, not when the trainer takes it: no timing."""
+    rewards = FakeRewards(failing_uids={0, 3})
+    worker, settings = make_worker(FakeEngine(), rewards, reroll=1)
+    sync = [b for _, b in consume(SyncProducer(worker, BatchFinisher(settings, 4)), 6)]
+    worker2, settings2 = make_worker(FakeEngine(), rewards, reroll=1)
+    producer = AsyncProducer(worker2, BatchFinisher(settings2, 4), 3, 4)
+    producer.start()
+    time.sleep(0.3)  # the producer runs ahead of the trainer
+    try:
+        asynchronous = [b for _, b in consume(producer, 6)]
+    finally:
+        producer.close()
+    uids = [[s.prompt.uid for s in b.samples[::3]] for b in asynchronous]
+    assert uids == [[s.prompt.uid for s in b.samples[::3]] for b in sync]
+    assert uids[:4] == [[0, 1], [0, 2], [3, 4], [3, 5]]  # each failed prompt came back once
+
+
+def saved(state):
+    """Through a checkpoint file and back, as the trainer stores it."""
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def make_sync(rewards):
+    worker, settings = make_worker(FakeEngine(), rewards, reroll=1)
+    finisher = BatchFinisher(settings, max_staleness=2, replay=ReplayBuffer(4))
+    return SyncProducer(worker, finisher)
+
+
+def test_sync_producer_state_holds_replay_buffer_and_reroll_attempts():
+    rewards = FakeRewards(failing_uids={1}, flat_uids={2, 3, 4, 5, 6, 7})
+    straight = make_sync(rewards)
+    first = straight.next_batch(0)  # prompt 0 has signal: buffered; prompt 1 fails: re-queued
+    state = saved(straight.state_dict())
+    rest = [batch_key(straight.next_batch(0)) for _ in range(3)]
+    assert first.metrics["reroll/requeued"] == 1
+    assert [uid for uid, *_ in rest[1][::3]] == [3, 4]  # prompt 1 failed again: no 2nd re-roll
+    assert any(key[-1] for key in rest[0])  # prompt 2 is flat: prompt 0's group replayed
+    resumed = make_sync(rewards)
+    resumed.load_state_dict(state)
+    assert [batch_key(resumed.next_batch(0)) for _ in range(3)] == rest
+
+
+def test_async_state_keeps_prompts_requeued_after_the_snapshot():
+    """A streamed chunk dropped as stale goes back to the sampler; a checkpoint keeps it."""
+    engine = FakeEngine()
+    settings = RolloutSettings(3, 2, SamplingParams(), "group", seed=0)
+    worker = RolloutWorker(engine, FakeRewards(), FakeSampler(1), settings)
+    producer = AsyncProducer(worker, BatchFinisher(settings, 0), 4, 0, streaming=True)
+    for index in range(3):  # what the thread would make: chunks 0, 1, 2 at version 0 ...
+        producer.queue.put(worker.produce(index))
+    assert [s.prompt.uid for s in producer.next_batch(0).samples[::3]] == [0, 1]
+    engine.version = 1
+    producer.queue.put(worker.produce(3))  # ... and chunk 3 at version 1
+    batch = producer.next_batch(1)  # chunk 2 is dropped as stale after chunk 3 was made
+    assert [s.prompt.uid for s in batch.samples[::3]] == [3] and producer.dropped_stale == 1
+    state = saved(producer.state_dict())  # as of chunk 3, when prompt 2 was still drawn
+    resumed = RolloutWorker(FakeEngine(), FakeRewards(), FakeSampler(1), settings)
+    AsyncProducer(resumed, BatchFinisher(settings, 0), 4, 0, streaming=True).load_state_dict(state)
+    assert [resumed.sampler.next_batch()[0].uid for _ in range(2)] == [2, 4], "prompt 2 lost"

@@ -238,8 +238,8 @@ def test_chat_template_is_applied_by_the_data_role(real, tmp_path):
                 "rewards": {"functions": ["math"]},
             }
         )
-        train, evals = load_prompts(cfg.data, real.tokenizer)
-        for prompt in train + evals:
+        loaded = load_prompts(cfg.data, real.tokenizer)
+        for prompt in loaded.train + loaded.eval:
             question = QUESTIONS[prompt.uid][0]
             messages = [{"role": "user", "content": question}]
             if system is not None:

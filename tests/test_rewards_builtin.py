@@ -123,17 +123,19 @@ def test_check_rewards_keys_and_specs(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("name", "message"),
-    [
-        ("maths", r"'maths' is not a reward name"),
-        ("no_such_module_xyz:fn", r"module 'no_such_module_xyz' not found"),
-        ("missing_dir/r.py:fn", r"file .*missing_dir/r\.py not found"),
-        ("{dir}/u.py:nope", r"has no attribute 'nope' \(its public callables: contains_yes\)"),
-        ("{dir}/u.py:NOT_A_FUNCTION", r"is a int, not a function"),
-        ("{dir}/broken.py:fn", r"executing .*broken\.py failed: ZeroDivisionError"),
+    ("name", "message", "static"),
+    [  # static: found without importing anything, and the message lists the accepted forms
+        ("maths", r"'maths' is not a reward name", True),
+        ("missing_dir/r.py:fn", r"file .*missing_dir/r\.py not found", True),
+        ("{dir}/u.py:not-a-name", r"'not-a-name' is not a Python function name", True),
+        ("my pkg:fn", r"'my pkg' is not a module name", True),
+        ("no_such_module_xyz:fn", r"module 'no_such_module_xyz' not found", False),
+        ("{dir}/u.py:nope", r"no attribute 'nope' \(its public callables: contains_yes\)", False),
+        ("{dir}/u.py:NOT_A_FUNCTION", r"is a int, not a function", False),
+        ("{dir}/broken.py:fn", r"executing .*broken\.py failed: ZeroDivisionError", False),
     ],
 )
-def test_resolution_errors_name_the_key(tmp_path, name, message):
+def test_resolution_errors_name_the_key(tmp_path, name, message, static):
     (tmp_path / "u.py").write_text(USER_CODE)
     (tmp_path / "broken.py").write_text("x = 1 / 0\n")
     name = name.format(dir=tmp_path)
@@ -141,8 +143,8 @@ def test_resolution_errors_name_the_key(tmp_path, name, message):
         check_rewards(rewards_cfg(spec("math"), spec(name)))
     text = str(err.value)
     assert text.startswith(f"rewards.functions[1].name = '{name}'")
-    assert "'package.module:function'" in text  # the accepted forms
-    assert re.search(message, text)
+    assert re.search(message, text) and "\n" not in text
+    assert ("'package.module:function'" in text) == static
 
 
 def test_check_rewards_bad_weight_and_kwargs():

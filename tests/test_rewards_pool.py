@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+import re
 import textwrap
 from types import SimpleNamespace
 
 import pytest
 
 from leangrpo.contracts import Completion, Prompt, RolloutSample
-from leangrpo.rewards import RewardError, RewardPool, RewardSpecError
+from leangrpo.rewards import RewardError, RewardFailedError, RewardPool, RewardSpecError
 
 USER_CODE = textwrap.dedent(
     """
@@ -141,16 +142,22 @@ def test_columns_kwargs_and_module_form(user_module, monkeypatch):
         pool.score(samples)
 
 
-def test_fail_fast_names_function_error_and_sample(user_module):
+def test_fail_fast_is_one_sentence_naming_function_sample_and_error(user_module):
+    from leangrpo.errors import user_error_types
+
     f = f"{user_module}:"
     functions = [(f + "flaky", 1.0, {}), (f + "bad_type", 1.0, {})]
     with RewardPool(cfg(*functions, timeout_s=5.0, fail_fast=True)) as pool:
-        with pytest.raises(
-            RewardError, match=r"reward 'flaky' failed on sample 2: ValueError: boom here"
-        ):
+        with pytest.raises(RewardFailedError) as err:
             pool.score(make_samples(["ok", "ok", "boom", "ok"]))
+        text = str(err.value)
+        assert re.match(
+            r"reward 'flaky' failed on sample 2 \(prompt uid 2\): ValueError: boom here", text
+        )
+        assert isinstance(err.value, user_error_types()) and "\n" not in text  # the CLI's one line
         with pytest.raises(
-            RewardError, match=r"reward 'bad_type' failed on sample 1: .*returned 'high' \(str\)"
+            RewardFailedError,
+            match=r"reward 'bad_type' failed on sample 1 .*: returned 'high' \(str\)",
         ):
             pool.score(make_samples(["ok", "bad"]))
         samples = make_samples(["ok", "fine"])
@@ -160,10 +167,24 @@ def test_fail_fast_names_function_error_and_sample(user_module):
 
 def test_wrong_length_is_an_error_naming_the_function(user_module):
     with RewardPool(cfg((f"{user_module}:wrong_length", 1.0, {}), fail_fast=True)) as pool, \
-            pytest.raises(RewardError, match=r"'wrong_length' returned 2 values for 1 samples"):  # fmt: skip
+            pytest.raises(RewardError, match=r"'wrong_length' failed on sample 0 .*returned 2 values for 1 samples"):  # fmt: skip
         pool.score(make_samples(["a", "b"]))
 
 
-def test_bad_name_fails_before_any_worker_starts():
-    with pytest.raises(RewardSpecError, match=r"rewards.functions\[0\].name = 'nope:fn'"):
-        RewardPool(cfg(("nope:fn", 1.0, {})))
+def test_bad_names_fail_before_any_worker_starts_or_at_worker_start_up(monkeypatch):
+    import leangrpo.rewards.pool as pool_module
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("a worker was started")
+
+    with monkeypatch.context() as m:
+        m.setattr(pool_module, "WorkerProcess", no_workers)
+        with pytest.raises(RewardSpecError, match=r"rewards.functions\[0\].name = 'no name'"):
+            RewardPool(cfg(("no name", 1.0, {})))
+    pool = RewardPool(cfg(("nope_xyz:fn", 1.0, {}), num_workers=1))  # found by importing
+    with pytest.raises(
+        RewardSpecError,
+        match=r"rewards.functions\[0\].name = 'nope_xyz:fn': module 'nope_xyz' not found",
+    ):
+        pool.score(make_samples(["a"]))
+    assert pool._closed

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from conftest import make_tiny_model
 
 from leangrpo.attention import enable_packed_attention
-from leangrpo.contracts import Completion, Prompt, RolloutSample, SamplingParams
+from leangrpo.contracts import Completion, Prompt, RolloutBatch, RolloutSample, SamplingParams
 from leangrpo.loss import LossConfig
 from leangrpo.model import Policy
 from leangrpo.packing import pack_samples
-from leangrpo.step import normalisers, train_step
+from leangrpo.step import BatchInProgress, normalisers, plan_steps, reduce_is_metrics, train_step
 
 CFG = SimpleNamespace(
     loss=SimpleNamespace(
@@ -103,3 +104,104 @@ def test_normalisers_count_the_whole_step():
     norm = normalisers(batches, CFG)
     assert norm.sequences == 3
     assert norm.tokens == sum(b.num_completion_tokens for b in batches)
+
+
+def step_metrics_for(split) -> dict[str, float]:
+    policy, _ = policy_and_optimizer()
+    optimizer = torch.optim.SGD(policy.model.parameters(), lr=0.0)
+    batches = [pack_samples(part) for part in split]
+    cfg_loss = LossConfig.from_config(CFG.loss)
+    return train_step(policy, batches, optimizer, CFG, SamplingParams(), cfg_loss).metrics
+
+
+def test_is_metrics_are_token_weighted_over_micro_batches():
+    """Two micro-batches of 3 and 12 completion tokens give the IS metrics of one batch."""
+    samples = make_samples([1.0, -1.0, 0.5, -0.5])
+    whole = step_metrics_for([samples])
+    split = step_metrics_for([samples[:1], samples[1:]])
+    assert [len(s.completion.ids) for s in samples] == [3, 4, 5, 3]
+    for name in ("is/weight_mean", "is/mismatch_kl", "is/weight_min", "is/weight_max"):
+        assert split[name] == pytest.approx(whole[name], rel=1e-5), name
+    assert split["is/weight_min"] < split["is/weight_max"]  # the weights really differ
+
+
+def test_reduce_is_metrics_by_hand():
+    mb = [
+        {"is/tokens": 3.0, "is/weight_mean": 1.0, "is/weight_min": 0.5, "is/weight_max": 1.5},
+        {"is/tokens": 1.0, "is/weight_mean": 2.0, "is/weight_min": 2.0, "is/weight_max": 2.0},
+        {"is/tokens": 0.0, "is/weight_mean": 0.0, "is/weight_min": 0.0, "is/weight_max": 0.0},
+    ]
+    got = reduce_is_metrics(mb)
+    # (3 * 1.0 + 1 * 2.0) / 4 = 1.25 (a mean of means would say 1.0 or 1.5); the empty
+    # micro-batch's 0 placeholders are not a minimum
+    assert got == {"is/weight_mean": 1.25, "is/weight_min": 0.5, "is/weight_max": 2.0}
+    assert reduce_is_metrics(mb[2:]) == {
+        "is/weight_mean": 0.0,
+        "is/weight_min": 0.0,
+        "is/weight_max": 0.0,
+    }
+
+
+def plan_cfg(steps_per_generation: int):
+    base = {k: v for k, v in vars(CFG).items() if k not in ("train", "rollout")}
+    return SimpleNamespace(
+        **base,
+        rollout=SimpleNamespace(max_new_tokens=8, num_generations=2),
+        train=SimpleNamespace(
+            max_grad_norm=1.0, steps_per_generation=steps_per_generation, micro_batch_tokens=12
+        ),
+        packing=SimpleNamespace(balance="tokens", shared_prefix="off"),
+    )
+
+
+def test_a_batch_with_no_samples_plans_no_steps_and_few_groups_fewer_steps():
+    """empty_batch.py: no scored sample used to reach packing_metrics' max([])."""
+    policy, _ = policy_and_optimizer()
+    assert plan_steps([], plan_cfg(2), policy) == []
+    steps = plan_steps(make_samples([1.0, -1.0]), plan_cfg(3), policy)  # one group, 3 steps asked
+    assert len(steps) == 1 and steps[0].micro_batches
+
+
+def test_a_batch_in_progress_resumes_with_the_same_micro_batches_and_old_logprobs():
+    policy, _ = policy_and_optimizer()
+    cfg = plan_cfg(2)
+    samples = make_samples([1.0, -1.0, 0.5, -0.5, 0.25, -0.25])
+    for s in samples:
+        s.reward = s.advantage
+    steps = plan_steps(samples, cfg, policy)
+    for mb in (mb for step in steps for mb in step.micro_batches):
+        mb.old_logprobs = torch.randn(mb.num_completion_tokens)  # what the old pass attached
+    work = BatchInProgress(RolloutBatch(samples, 2), steps, iterations=2)
+    work.take()
+    work.take()
+    work.take()  # inside the 2nd iteration (mu): one step of 4 left
+    state = work.state_dict()
+    torch.manual_seed(1)  # weights moved since: nothing may be recomputed from them
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.add_(torch.randn_like(p))
+    resumed = BatchInProgress.from_state(state, cfg, policy)
+    assert (resumed.done, resumed.remaining) == (3, 1)
+    assert resumed.take()[0] is resumed.steps[1]
+    for old, new in zip(steps, resumed.steps):
+        assert len(old.micro_batches) == len(new.micro_batches)
+        for a, b in zip(old.micro_batches, new.micro_batches):
+            assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.targets, b.targets)
+            assert torch.equal(a.old_logprobs, b.old_logprobs) and b.ref_logprobs is None
+            assert torch.equal(a.advantages, b.advantages)
+
+
+def test_normalisers_across_ranks_give_each_rank_its_share_of_the_global_counts():
+    """FSDP averages gradients over ranks, so each rank divides by global / world_size."""
+    batches = [pack_samples(make_samples([1.0, -1.0]))]
+    local = normalisers(batches, CFG)
+    seen = []
+
+    def sum_over_ranks(values):  # as if the other rank held 5 sequences and 17 tokens
+        seen.append(values)
+        return [values[0] + 5, values[1] + 17]
+
+    norm = normalisers(batches, CFG, world_size=2, sum_over_ranks=sum_over_ranks)
+    assert seen == [[2.0, float(local.tokens)]]  # one reduction of the local counts
+    assert norm.sequences == (2 + 5) / 2 and norm.tokens == (local.tokens + 17) / 2
+    assert norm.global_tokens == local.tokens + 17 and norm.world_size == 2

@@ -291,12 +291,18 @@ def _check_packed_call(module, query, key, attention_mask, is_causal, kwargs, la
             "packed attention is causal only; this attention layer is bidirectional."
         )
     window = kwargs.get("sliding_window")
-    longest = layout.max_segment_len if layout is not None else kwargs.get("max_length_q")
+    longest = _longest_span(layout) if layout is not None else kwargs.get("max_length_q")
     if window is not None and (longest is None or longest > window):
         raise PackedAttentionError(
             f"a packed sequence ({longest} tokens) exceeds the model's sliding window ({window}); "
             "the packed kernels implement full causal attention only: shorten sequences."
         )
+
+
+def _longest_span(layout: PrefixLayout) -> int:
+    """Tokens the last query of a sequence attends over: in the shared-prefix layout a
+    completion token sees its group's prompt and its own completion (P + R, not max(P, R))."""
+    return max(g.prompt_len + max(g.completion_lens, default=0) for g in layout.groups)
 
 
 def _run_packed(q, k, v, cu, max_len, layout, scale, dropout) -> Tensor:
@@ -410,42 +416,58 @@ def _probe(lm: nn.Module, device: torch.device) -> PackedSupport:
     return PackedSupport(_PROBE.saw_cu, _PROBE.saw_prefix, padded_view=not _PROBE.saw_cu)
 
 
+class _PaddedView:
+    """Per-backbone state of the padded view: the real-token masks of calls in flight.
+
+    Kept on the module instance (never in a closure), so a deep copy of the model (the
+    async hf engine's) gets its own list: one thread's forward can never pop another's mask.
+    """
+
+    def __init__(self) -> None:
+        self.pending: list[Tensor] = []  # (S, Lmax) bool of real tokens, per call in flight
+
+
+_VIEW_ATTR = "_leangrpo_padded_view"
+
+
 def _install_padded_view(backbone: nn.Module) -> None:
     """Forward hooks: packed (1, N) in -> (S, Lmax) right-padded + mask -> (1, N) out."""
-    pending: list[Tensor] = []  # (S, Lmax) bool of real tokens, per call in flight
+    setattr(backbone, _VIEW_ATTR, _PaddedView())
+    backbone.register_forward_pre_hook(_pad_packed_call, with_kwargs=True)
+    backbone.register_forward_hook(_unpad_packed_output, with_kwargs=True)
 
-    def pad(module, args, kwargs):
-        if kwargs.get(PREFIX_KWARG) is not None:
-            raise PackedAttentionError(
-                f"{type(module).__name__} cannot take the shared-prefix layout (its attention "
-                "does not receive packed kwargs); set packing.shared_prefix=off."
-            )
-        cu = kwargs.pop("cu_seq_lens_q", None)
-        for name in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
-            kwargs.pop(name, None)
-        if cu is None:
-            return None
-        lens = (cu[1:] - cu[:-1]).long()
-        width = int(lens.max())
-        offsets = torch.arange(width, device=cu.device)
-        real = offsets[None, :] < lens[:, None]  # (S, Lmax)
-        gather = (cu[:-1, None].long() + offsets[None, :]).clamp(max=int(cu[-1]) - 1)
-        for name in ("input_ids", "inputs_embeds"):
-            if kwargs.get(name) is not None:
-                kwargs[name] = kwargs[name][0][gather]
-        kwargs["position_ids"] = offsets[None, :].expand(lens.numel(), -1)
-        kwargs["attention_mask"] = real.long()
-        pending.append(real)
-        return args, kwargs
 
-    def unpad(module, args, kwargs, output):
-        if not pending:
-            return None
-        real = pending.pop()
-        for name in ("last_hidden_state", "logits"):
-            if getattr(output, name, None) is not None:
-                setattr(output, name, getattr(output, name)[real].unsqueeze(0))
-        return output
+def _pad_packed_call(module, args, kwargs):
+    if kwargs.get(PREFIX_KWARG) is not None:
+        raise PackedAttentionError(
+            f"{type(module).__name__} cannot take the shared-prefix layout (its attention "
+            "does not receive packed kwargs); set packing.shared_prefix=off."
+        )
+    cu = kwargs.pop("cu_seq_lens_q", None)
+    for name in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
+        kwargs.pop(name, None)
+    if cu is None:
+        return None
+    lens = (cu[1:] - cu[:-1]).long()
+    width = int(lens.max())
+    offsets = torch.arange(width, device=cu.device)
+    real = offsets[None, :] < lens[:, None]  # (S, Lmax)
+    gather = (cu[:-1, None].long() + offsets[None, :]).clamp(max=int(cu[-1]) - 1)
+    for name in ("input_ids", "inputs_embeds"):
+        if kwargs.get(name) is not None:
+            kwargs[name] = kwargs[name][0][gather]
+    kwargs["position_ids"] = offsets[None, :].expand(lens.numel(), -1)
+    kwargs["attention_mask"] = real.long()
+    getattr(module, _VIEW_ATTR).pending.append(real)
+    return args, kwargs
 
-    backbone.register_forward_pre_hook(pad, with_kwargs=True)
-    backbone.register_forward_hook(unpad, with_kwargs=True)
+
+def _unpad_packed_output(module, args, kwargs, output):
+    pending = getattr(module, _VIEW_ATTR).pending
+    if not pending:
+        return None
+    real = pending.pop()
+    for name in ("last_hidden_state", "logits"):
+        if getattr(output, name, None) is not None:
+            setattr(output, name, getattr(output, name)[real].unsqueeze(0))
+    return output

@@ -7,6 +7,9 @@ A checkpoint is `output_dir/checkpoints/step-N/`:
     scheduler.pt        scheduler.state_dict()
     rng.pt              python, numpy, torch CPU (and CUDA) generator states
     trainer_state.json  {"step": N, ...whatever JSON-able state the trainer passes}
+    config.yaml         the run's resolved config (compared with the config of a resume)
+    trainer_state.pt    bulky state (optional): the batch being trained on, the replay buffer,
+                        ...; tensors, lists, dicts, numbers and strings (`torch.save`)
     COMPLETE            written last
 
 Atomicity: everything is written into `checkpoints/.tmp-step-N-<random>/`, every file and
@@ -23,7 +26,10 @@ Choices:
   abandoned by resuming from an older checkpoint, and `latest_checkpoint` must not pick
   them. Then only the newest `keep_last` are kept.
 - Everything is loaded with `torch.load(weights_only=True)`. The RNG states are stored as
-  tensors and tuples so that this works.
+  tensors and tuples so that this works, and `sample_state` turns the rollout samples a
+  checkpoint holds into such plain data.
+  A prompt's extra columns are not kept: they only feed reward functions, and a saved
+  sample has been scored already.
 - Only one process (rank 0) may call these functions. FSDP-sharded models must be gathered
   first.
 """
@@ -34,7 +40,6 @@ import inspect
 import json
 import os
 import random
-import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -46,8 +51,28 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-COMPLETE = "COMPLETE"
-STEP_DIR = re.compile(r"^step-(\d+)$")
+# Finding checkpoints needs no torch: the CLI does it before the model loads (rundir.py).
+from leangrpo.contracts import Completion, Prompt, RolloutSample
+from leangrpo.rundir import COMPLETE, STEP_DIR, complete_checkpoints, latest_checkpoint
+
+BULKY_STATE = "trainer_state.pt"
+
+__all__ = [
+    "BULKY_STATE",
+    "COMPLETE",
+    "STEP_DIR",
+    "CheckpointError",
+    "capture_rng_state",
+    "complete_checkpoints",
+    "is_peft_model",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_model_weights",
+    "restore_rng_state",
+    "save_checkpoint",
+    "save_final_model",
+    "save_model_weights",
+]
 
 
 class CheckpointError(RuntimeError):
@@ -65,8 +90,15 @@ def save_checkpoint(
     scheduler: Any | None,
     trainer_state: dict[str, Any],
     keep_last: int,
+    extra_files: dict[str, str] | None = None,
+    bulky_state: dict[str, Any] | None = None,
 ) -> Path:
-    """Write `output_dir/checkpoints/step-{step}/` atomically; return its path."""
+    """Write `output_dir/checkpoints/step-{step}/` atomically; return its path.
+
+    `trainer_state` goes to trainer_state.json (small, readable); `bulky_state`, when
+    given, to trainer_state.pt (plain data and tensors, see `sample_state`);
+    `extra_files` maps file names to text written alongside (e.g. the run's config.yaml).
+    """
     if keep_last < 1:
         raise CheckpointError(
             f"keep_last must be >= 1 (got {keep_last}); set checkpoint.keep_last."
@@ -86,15 +118,13 @@ def save_checkpoint(
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(capture_rng_state(), tmp / "rng.pt")
         (tmp / "trainer_state.json").write_text(state_json)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text, encoding="utf-8")
+        if bulky_state is not None:
+            torch.save(bulky_state, tmp / BULKY_STATE)
         (tmp / COMPLETE).write_text(json.dumps({"step": step}) + "\n")
     _prune(root, step, keep_last)
     return root / f"step-{step}"
-
-
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step in `output_dir`, or None."""
-    found = complete_checkpoints(Path(output_dir) / "checkpoints")
-    return found[-1][1] if found else None
 
 
 def load_checkpoint(
@@ -122,6 +152,14 @@ def load_checkpoint(
     return json.loads((path / "trainer_state.json").read_text())
 
 
+def load_bulky_state(path: str | Path) -> dict[str, Any]:
+    """The `bulky_state` saved with a checkpoint ({} when it was saved without one)."""
+    file = Path(path) / BULKY_STATE
+    if not file.is_file():
+        return {}
+    return torch.load(file, map_location="cpu", weights_only=True)
+
+
 def save_final_model(output_dir: str | Path, model: torch.nn.Module, tokenizer: Any | None) -> Path:
     """Write `output_dir/final/` atomically, loadable by from_pretrained (full) or PeftModel."""
     output_dir = Path(output_dir)
@@ -131,18 +169,6 @@ def save_final_model(output_dir: str | Path, model: torch.nn.Module, tokenizer: 
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     return output_dir / "final"
-
-
-def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every complete `step-N` directory under `root`, by step."""
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        match = STEP_DIR.match(child.name)
-        if match and child.is_dir() and (child / COMPLETE).is_file():
-            found.append((int(match.group(1)), child))
-    return sorted(found)
 
 
 # -- model weights --------------------------------------------------------------------------
@@ -231,6 +257,41 @@ def _untied_missing(model: torch.nn.Module, missing: list[str], loaded: set[str]
     by_name = model.state_dict(keep_vars=True)
     loaded_ptrs = {by_name[name].data_ptr() for name in loaded if name in by_name}
     return [name for name in missing if by_name[name].data_ptr() not in loaded_ptrs]
+
+
+# -- records as plain data -----------------------------------------------------------------
+
+
+def sample_state(sample: RolloutSample) -> dict[str, Any]:
+    """A scored rollout sample as plain data (its prompt's reward columns left out)."""
+    p, c = sample.prompt, sample.completion
+    return {
+        "group_id": sample.group_id,
+        "prompt": {"uid": p.uid, "text": p.text, "ids": list(p.ids)},
+        "completion": {
+            "ids": list(c.ids),
+            "text": c.text,
+            "logprobs": list(c.logprobs),
+            "finish_reason": c.finish_reason,
+            "version": c.version,
+        },
+        "rewards": dict(sample.rewards),
+        "reward": sample.reward,
+        "advantage": sample.advantage,
+        "replayed": sample.replayed,
+    }
+
+
+def sample_from_state(state: dict[str, Any]) -> RolloutSample:
+    return RolloutSample(
+        group_id=state["group_id"],
+        prompt=Prompt(**state["prompt"]),
+        completion=Completion(**state["completion"]),
+        rewards=dict(state["rewards"]),
+        reward=state["reward"],
+        advantage=state["advantage"],
+        replayed=state["replayed"],
+    )
 
 
 # -- RNG ------------------------------------------------------------------------------------

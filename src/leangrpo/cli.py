@@ -1,7 +1,10 @@
 """`leangrpo train | plan | report | serve`: thin entry points, heavy imports deferred.
 
-Errors that are the user's to fix (config, data, reward functions) print one sentence and
-exit with status 2; everything else keeps its traceback.
+Errors that are the user's to fix (config, data, reward functions, model files, the run
+directory) print one sentence and exit with status 2; everything else keeps its
+traceback. `train` runs every cheap check (preflight.py) before it imports the trainer, so
+torch is never imported for a run that cannot start; a finished run prints one line and
+exits 0.
 """
 
 from __future__ import annotations
@@ -69,12 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args) -> int:
     if args.command == "train":
-        from leangrpo.config import load_config
-        from leangrpo.trainer import train
-
-        final = train(load_config(args.config, args.overrides))
-        print({k: round(v, 4) for k, v in final.items()})
-        return 0
+        return _train(args)
     if args.command == "plan":
         from leangrpo.config import load_config
         from leangrpo.planner import plan_memory, render_plan
@@ -85,6 +83,23 @@ def _dispatch(args) -> int:
     from leangrpo.report import report
 
     print(report(args.run_dir))
+    return 0
+
+
+def _train(args) -> int:
+    from leangrpo.config import load_config
+    from leangrpo.preflight import preflight
+
+    cfg = load_config(args.config, args.overrides)
+    checked = preflight(cfg)  # holds the run directory's lock from here on
+    if checked.finished:
+        checked.release()
+        print(f"leangrpo: {checked.finished_message()}")
+        return 0
+    from leangrpo.trainer import train  # torch and transformers load from here on
+
+    final = train(cfg, checked)
+    print({k: round(v, 4) for k, v in final.items()})
     return 0
 
 

@@ -9,11 +9,15 @@ from them by scripts/gen_config_docs.py). Choices:
   still reads as a float; `--set` values go through `yaml.safe_load`.
 - Cross-field rules live on the section that owns them (on `Config` when they span
   sections) and raise `ConfigError` with one sentence naming every key involved.
+- Every float must be finite (`allow_inf_nan=False`): `.inf` or `.nan` anywhere is refused
+  naming the key. Values that are finite but absurd get documented upper bounds
+  (temperatures <= 10, time limits <= one day, seeds within numpy's 0..2**32-1).
 - This module must not import torch: the CLI validates a config before anything heavy loads.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,7 +37,14 @@ __all__ = ["Config", "ConfigError", "load_config", "config_from_dict", "apply_ov
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False
+    )
+
+
+MAX_SEED = 2**32 - 1  # numpy's legacy seeding (np.random.seed) takes 0 .. 2**32 - 1
+MAX_TEMPERATURE = 10.0  # logits / 10 is already close to uniform sampling
+ONE_DAY_S = 86400.0  # upper bound of every time limit
 
 
 # -- sections -------------------------------------------------------------------------------
@@ -44,14 +55,27 @@ class RunConfig(Section):
 
     output_dir: str = Field(
         "runs/leangrpo",
-        description="Directory for config.yaml, metrics.jsonl, checkpoints/ and final/.",
+        description="Directory for config.yaml, metrics.jsonl, checkpoints/ and final/; one run at a time (it is locked while a run uses it).",
     )
-    seed: int = Field(0, description="Seed for python, numpy and torch RNGs and the data order.")
+    seed: int = Field(
+        0,
+        ge=0,
+        le=MAX_SEED,
+        description="Seed for python, numpy and torch RNGs and the data order (0 to 2**32 - 1).",
+    )
     max_steps: int = Field(100, ge=1, description="Optimizer steps to train for.")
     resume: str = Field(
         "auto",
         min_length=1,
         description="'auto': resume from the latest complete checkpoint in output_dir if any; 'never': start fresh; otherwise the path of a checkpoint directory.",
+    )
+    overwrite: bool = Field(
+        False,
+        description="Delete an earlier run's files in output_dir (checkpoints/, final/, metrics.jsonl, samples.jsonl, ...) and start from scratch. Without it, a directory holding a run that is not resumed is refused.",
+    )
+    allow_config_changes: bool = Field(
+        False,
+        description="Resume even when settings that change training (learning rate, batch sizes, seed, data, ...) differ from the checkpoint's config.yaml; the run then continues but is no longer exact. run.max_steps, logging.*, eval.*, checkpoint.* and run.num_threads may always change.",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="'auto' = cuda if available, else cpu."
@@ -61,6 +85,15 @@ class RunConfig(Section):
         ge=1,
         description="torch CPU threads (torch.set_num_threads); null keeps torch's default.",
     )
+
+    @field_validator("output_dir")
+    @classmethod
+    def _own_directory(cls, value: str) -> str:
+        if not value.strip() or os.path.normpath(value) == ".":
+            raise ValueError(
+                "it would write the run into the current directory; give the run a directory of its own, e.g. runs/my-run"
+            )
+        return value
 
 
 class ModelConfig(Section):
@@ -74,6 +107,10 @@ class ModelConfig(Section):
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward instead of storing them."
+    )
+    disable_dropout: bool = Field(
+        True,
+        description="Set every dropout of the model (and of the LoRA adapters) to 0, as TRL does for RL: the old/reference passes run without dropout, so with dropout kept the importance ratio is not 1 even on the first iteration and the clip acts on dropout noise. false keeps the model's dropout in the training pass (see docs/ARCHITECTURE.md).",
     )
     trust_remote_code: bool = Field(
         False, description="Allow model code from the hub (transformers trust_remote_code)."
@@ -89,7 +126,12 @@ class LoRAConfig(Section):
     enabled: bool = Field(False, description="Train LoRA adapters instead of all weights.")
     r: int = Field(16, ge=1, description="Adapter rank.")
     alpha: int = Field(32, ge=1, description="Adapter scale numerator (scale = alpha / r).")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter input.")
+    dropout: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Dropout on the adapter input; > 0 needs model.disable_dropout: false.",
+    )
     target_modules: list[str] | Literal["all-linear"] = Field(
         "all-linear",
         description="Module names to adapt, or 'all-linear' for every linear layer except the output head.",
@@ -152,7 +194,15 @@ class DataConfig(Section):
     max_prompt_tokens: int | None = Field(
         None,
         ge=1,
-        description="Prompts longer than this many tokens are dropped and counted; null = keep all.",
+        description="Longest prompt in tokens. Whatever this says, a prompt plus rollout.max_new_tokens must fit the model's context (config.json max_position_embeddings); longer prompts are handled by data.overlong_prompts. null = only the context limit.",
+    )
+    overlong_prompts: Literal["error", "drop", "truncate_left", "truncate_right"] = Field(
+        "error",
+        description="A prompt over the limit: 'error' stops before the model loads, naming the row; 'drop' leaves it out; 'truncate_left' keeps its last tokens, 'truncate_right' its first. Dropped and truncated prompts are counted (data/dropped_prompts, data/truncated_prompts).",
+    )
+    empty_prompts: Literal["error", "drop"] = Field(
+        "error",
+        description="A prompt that is empty or only whitespace: 'error' stops naming the row; 'drop' leaves it out (counted in data/dropped_prompts).",
     )
 
     @model_validator(mode="after")
@@ -198,7 +248,7 @@ class RewardSpec(Section):
 
 
 class RewardsConfig(Section):
-    """Reward functions, run in worker processes with a time limit."""
+    """Reward functions, run in worker processes (each in its own session) with limits."""
 
     functions: list[RewardSpec] = Field(
         ...,
@@ -208,12 +258,30 @@ class RewardsConfig(Section):
     timeout_s: float = Field(
         10.0,
         gt=0,
-        description="Seconds one function may take on one completion before it counts as unscored.",
+        le=3600,
+        description="Seconds one function may take on one chunk of completions; a chunk that times out is retried one completion per call, so a completion is unscored only when it alone takes longer. Processes the call started are killed with it.",
     )
-    num_workers: int = Field(2, ge=1, description="Worker processes scoring completions.")
+    num_workers: int = Field(2, ge=1, le=256, description="Worker processes scoring completions.")
     fail_fast: bool = Field(
         False,
-        description="Stop training on the first reward error instead of leaving the sample unscored.",
+        description="Stop training, with one sentence naming the function, the sample and the error, on the first reward failure instead of leaving the sample unscored.",
+    )
+    startup_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="Seconds a worker may take to import the reward functions (at the start-up check and whenever a worker starts).",
+    )
+    memory_limit_mb: int | None = Field(
+        None,
+        ge=256,
+        description="Address-space limit (RLIMIT_AS, MiB) of each worker and every process it starts; a call that exceeds it fails. Counts virtual memory, not resident: a worker running the math reward already maps about 250 MiB. null = no limit.",
+    )
+    cpu_time_limit_s: float | None = Field(
+        None,
+        gt=0,
+        le=86400,
+        description="CPU seconds one call may use (RLIMIT_CPU, whole seconds; processes the call starts inherit at least this much). null = only timeout_s.",
     )
 
     @field_validator("functions", mode="before")
@@ -222,6 +290,14 @@ class RewardsConfig(Section):
         if isinstance(value, list):
             return [{"name": item} if isinstance(item, str) else item for item in value]
         return value
+
+    @model_validator(mode="after")
+    def _some_weight(self) -> RewardsConfig:
+        if all(spec.weight == 0 for spec in self.functions):
+            raise rule_error(
+                "Every rewards.functions[*].weight is 0, so every reward and advantage is 0 and the run learns nothing; give at least one function a non-zero weight."
+            )
+        return self
 
 
 class VLLMConfig(Section):
@@ -253,9 +329,21 @@ class VLLMConfig(Section):
     )
     enforce_eager: bool = Field(False, description="Disable CUDA graphs in vLLM.")
     request_timeout_s: float = Field(
-        600.0, gt=0, description="Seconds to wait for one server request."
+        600.0,
+        gt=0,
+        le=ONE_DAY_S,
+        description="Seconds to wait for one server request (at most 86400).",
     )
     max_retries: int = Field(3, ge=0, description="Retries of a failed server request.")
+    token_file: str | None = Field(
+        None,
+        description="File holding the shared-secret token of the `leangrpo serve` processes in `urls`; null = the LEANGRPO_SERVE_TOKEN environment variable (never put the token itself in a config). A server the trainer starts itself gets a fresh random token.",
+    )
+    max_body_mb: int = Field(
+        8192,
+        ge=1,
+        description="Largest upload (one weight bucket, one adapter) in MiB a server the trainer starts accepts; servers you start take `--max-body-mb`.",
+    )
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Extra keyword arguments for vllm.LLM / the server."
     )
@@ -271,7 +359,10 @@ class RolloutConfig(Section):
     num_generations: int = Field(8, ge=2, description="Completions per prompt (the group size G).")
     prompts_per_batch: int = Field(8, ge=1, description="Prompts per generation batch.")
     temperature: float = Field(
-        1.0, gt=0, description="Sampling temperature (the trainer's log-probs use the same)."
+        1.0,
+        gt=0,
+        le=MAX_TEMPERATURE,
+        description="Sampling temperature (the trainer's log-probs use the same); at most 10.",
     )
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 = off.")
     top_p: float = Field(
@@ -293,6 +384,15 @@ class RolloutConfig(Section):
     )
     stop: list[str] = Field(default_factory=list, description="Strings that end a completion.")
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM settings.")
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, value: list[str]) -> list[str]:
+        if any(not s for s in value):
+            raise ValueError(
+                "an empty stop string matches at once, so every completion would be empty; remove it"
+            )
+        return value
 
     @model_validator(mode="after")
     def _refuse_top_p(self) -> RolloutConfig:
@@ -399,6 +499,11 @@ class TrainConfig(Section):
         ge=1,
         description="Optimizer steps each generation batch is split into (whole prompt groups per step).",
     )
+    max_consecutive_skipped_steps: int = Field(
+        10,
+        ge=1,
+        description="Stop the run after this many optimizer steps in a row were skipped for a non-finite loss or gradient.",
+    )
 
 
 class PackingConfig(Section):
@@ -432,6 +537,10 @@ class LogprobsConfig(Section):
         None,
         ge=1,
         description="Vocabulary columns per tile; null = per-device default (CPU 2048, CUDA 8192).",
+    )
+    compile: bool = Field(
+        False,
+        description="torch.compile the chunked tile loops (fused epilogues; the first steps pay the compile); off until measured faster (benchmarks/gpu_suite.py).",
     )
 
 
@@ -472,10 +581,22 @@ class PipelineConfig(Section):
     max_staleness: int = Field(
         1,
         ge=0,
-        description="Most policy versions a sample may lag the trainer when consumed: async generation waits rather than exceed it, and replayed groups older than this are dropped.",
+        description="Most policy versions a sample may lag the trainer when its batch is consumed (its first update); async generation waits rather than exceed it, and replayed groups older than this are dropped.",
     )
     sync_interval: int = Field(
-        1, ge=1, description="Optimizer steps between weight syncs to the engine."
+        1,
+        ge=1,
+        description="Optimizer steps between weight syncs to the engine (the in-process hf engine in sync mode generates with the live weights and ignores it).",
+    )
+    stall_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Async: stop the run with the reason when the trainer waits for a batch that the producer cannot start (no admissible engine version) for this long.",
+    )
+    max_consecutive_skipped_batches: int = Field(
+        10,
+        ge=1,
+        description="Stop the run after this many generation batches in a row had no scored sample (e.g. the reward functions all fail).",
     )
     min_groups_per_step: int | None = Field(
         None,
@@ -496,7 +617,9 @@ class EvalConfig(Section):
     )
     num_prompts: int | None = Field(None, ge=1, description="Evaluation prompts used; null = all.")
     num_generations: int = Field(1, ge=1, description="Completions per evaluation prompt.")
-    temperature: float = Field(0.0, ge=0, description="Evaluation temperature; 0 = greedy.")
+    temperature: float = Field(
+        0.0, ge=0, le=MAX_TEMPERATURE, description="Evaluation temperature; 0 = greedy; at most 10."
+    )
 
 
 class CheckpointConfig(Section):
@@ -531,6 +654,35 @@ class LoggingConfig(Section):
     run_name: str | None = Field(None, description="Run name shown by the tracking backends.")
 
 
+class DistributedConfig(Section):
+    """Data-parallel training under torchrun (FSDP2); a single process ignores this section."""
+
+    sharding: Literal["full_shard", "shard_grad_op", "no_shard"] = Field(
+        "full_shard",
+        description="FSDP2 strategy: 'full_shard' shards parameters, gradients and optimizer state and frees gathered parameters after each layer's forward; 'shard_grad_op' keeps them gathered from forward to backward (less communication, more memory); 'no_shard' replicates parameters and all-reduces gradients (DDP-like).",
+    )
+    param_dtype: Literal["off", "bfloat16", "float16"] = Field(
+        "off",
+        description="Mixed precision: dtype parameters are gathered and computed in, while the sharded master weights and optimizer state stay in model.dtype; 'off' computes in model.dtype.",
+    )
+    reduce_dtype: Literal["float32", "param"] = Field(
+        "float32",
+        description="dtype gradients are reduced across ranks in under mixed precision; 'param' = param_dtype.",
+    )
+    cpu_offload: bool = Field(
+        False,
+        description="FSDP2 CPU offload: sharded parameters, gradients and optimizer state live in host memory and the optimizer step runs on the CPU (CUDA only).",
+    )
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="Process-group backend; 'auto' = nccl on CUDA, gloo on CPU."
+    )
+    timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Limit on every collective, barrier and weight sync; a rank that dies, raises or hangs makes the others exit within it, naming the rank and phase.",
+    )
+
+
 class Config(Section):
     """A whole run."""
 
@@ -551,6 +703,17 @@ class Config(Section):
         default_factory=CheckpointConfig, description="Checkpoints."
     )
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging.")
+    distributed: DistributedConfig = Field(
+        default_factory=DistributedConfig, description="Multi-GPU / multi-node (torchrun)."
+    )
+
+    @model_validator(mode="after")
+    def _check_dropout(self) -> Config:
+        if self.lora.enabled and self.lora.dropout > 0 and self.model.disable_dropout:
+            raise rule_error(
+                f"lora.dropout ({self.lora.dropout}) would be set to 0 by model.disable_dropout (true by default, since dropout makes the training pass disagree with the old-log-prob pass); set lora.dropout: 0, or model.disable_dropout: false to train with dropout."
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_group_counts(self) -> Config:
@@ -566,12 +729,25 @@ class Config(Section):
             raise rule_error(
                 f"pipeline.min_groups_per_step ({self.pipeline.min_groups_per_step}) must not exceed rollout.prompts_per_batch ({groups}), the groups one generation batch holds."
             )
+        if self.train.micro_batch_tokens <= self.rollout.max_new_tokens:
+            raise rule_error(
+                f"train.micro_batch_tokens ({self.train.micro_batch_tokens}) must exceed rollout.max_new_tokens ({self.rollout.max_new_tokens}), because a micro-batch must hold a whole prompt plus its completion; raise train.micro_batch_tokens."
+            )
         pipe = self.pipeline
-        if pipe.mode == "async" and pipe.max_staleness < pipe.sync_interval - 1:
+        if not self.generates_with_live_weights() and pipe.max_staleness < pipe.sync_interval - 1:
             raise rule_error(
                 f"pipeline.max_staleness ({pipe.max_staleness}) must be at least pipeline.sync_interval - 1 ({pipe.sync_interval - 1}): the generator only receives every sync_interval-th version, so a tighter bound can never be met."
             )
+        dist = self.distributed
+        if dist.param_dtype != "off" and self.model.dtype in ("bfloat16", "float16"):
+            raise rule_error(
+                f"distributed.param_dtype ({dist.param_dtype}) needs full-precision master weights, but model.dtype is {self.model.dtype}; set model.dtype: float32 for mixed precision, or distributed.param_dtype: off."
+            )
         return self
+
+    def generates_with_live_weights(self) -> bool:
+        """The hf engine in sync mode samples from the trainer's own model: never stale."""
+        return self.rollout.engine == "hf" and self.pipeline.mode == "sync"
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False, allow_unicode=True)

@@ -3,7 +3,10 @@
 Kept apart from the schema in config.py. Everything here takes the root model as an
 argument, so this module does not import config.py, and neither imports torch.
 
-- `read_yaml` returns a plain dict; `apply_override` sets `a.b.c=value` (or
+- `read_yaml` returns a plain dict. It refuses, in one sentence, a file that is not UTF-8
+  text (binary, UTF-16) and a mapping that sets the same key twice at any level (PyYAML
+  would silently keep the second `run:` section): the composed node tree is walked for
+  duplicates, with their line numbers, before it is constructed. `apply_override` sets `a.b.c=value` (or
   `a.list[0].b=value`) in it, parsing the value with `yaml.safe_load`.
 - `describe_validation_error` turns a pydantic `ValidationError` into one sentence. It
   names the dotted key of the first problem, with unknown keys and missing keys first
@@ -23,8 +26,10 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticCustomError
 
+from leangrpo.errors import UserError
 
-class ConfigError(Exception):
+
+class ConfigError(UserError):
     """One sentence naming the key, the problem and the fix; the CLI prints it as is."""
 
 
@@ -42,11 +47,15 @@ FIELD_HINTS = {
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(
-            f"Config file {str(path)!r} does not exist; pass the path of a YAML file."
-        )
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise ConfigError(f"Config file {str(path)!r} {what}; pass the path of a YAML file.")
+    text = _read_config_text(path)
+    loader = yaml.SafeLoader(text)
     try:
-        data = yaml.safe_load(path.read_text())
+        node = loader.get_single_node()
+        if node is not None:
+            _refuse_duplicate_keys(node, path)
+        data = loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -54,6 +63,8 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(
             f"Config file {str(path)!r} is not valid YAML{where}: {problem}."
         ) from None
+    finally:
+        loader.dispose()
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -62,6 +73,60 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
             f"Config file {str(path)!r} must hold a mapping of sections (run:, model:, ...), not a {kind}."
         )
     return data
+
+
+UTF16_32_BOMS = (b"\xff\xfe", b"\xfe\xff")  # UTF-32 BOMs start with these too
+
+
+def _read_config_text(path: Path) -> str:
+    """The file as UTF-8 text; a binary or UTF-16/32 file is refused in one sentence."""
+    raw = path.read_bytes()
+    even, odd = raw[:64:2], raw[1:64:2]
+    wide_ascii = len(odd) >= 2 and (  # "r\0u\0n\0" (LE) or "\0r\0u\0n" (BE), no BOM
+        (odd.count(0) >= 0.9 * len(odd) and not even.count(0))
+        or (even.count(0) >= 0.9 * len(even) and not odd.count(0))
+    )
+    if raw.startswith(UTF16_32_BOMS) or wide_ascii:
+        raise ConfigError(
+            f"Config file {str(path)!r} is UTF-16 or UTF-32 encoded; save it as UTF-8."
+        )
+    if b"\x00" in raw:
+        raise ConfigError(f"Config file {str(path)!r} is a binary file, not YAML text.")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ConfigError(
+            f"Config file {str(path)!r} is not UTF-8 text (byte {raw[exc.start]:#04x} at line {line}); save it as UTF-8."
+        ) from None
+
+
+def _refuse_duplicate_keys(
+    node: yaml.Node, path: Path, where: str = "", seen: set[int] | None = None
+) -> None:
+    """PyYAML keeps the last of two equal keys silently; a config must not lose a section."""
+    seen = set() if seen is None else seen
+    if id(node) in seen:  # an alias of a node already checked (or a recursive anchor)
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_duplicate_keys(item, path, f"{where}[{i}]", seen)
+        return
+    if not isinstance(node, yaml.MappingNode):
+        return
+    first_line: dict[str, int] = {}
+    for key_node, value_node in node.value:
+        if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = f"{where}.{key_node.value}".lstrip(".")
+        line = key_node.start_mark.line + 1
+        if key in first_line:
+            raise ConfigError(
+                f"Config file {str(path)!r} sets {key!r} twice (lines {first_line[key]} and {line}); YAML would silently keep only the second, so merge them into one."
+            )
+        first_line[key] = line
+        _refuse_duplicate_keys(value_node, path, key, seen)
 
 
 # -- overrides ------------------------------------------------------------------------------

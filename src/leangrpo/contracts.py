@@ -148,8 +148,10 @@ class LossNormalisers:
     the name says global) before the first micro-batch runs.
     """
 
-    sequences: int  # sequences in this optimizer step on this rank
-    tokens: int  # completion tokens (unmasked) in this optimizer step on this rank
+    # sequences / unmasked completion tokens of the optimizer step on this rank; across
+    # ranks, the rank's share of the global count (global / world_size, maybe fractional)
+    sequences: float
+    tokens: float
     global_tokens: int  # completion tokens in the optimizer step, summed over ranks
     world_size: int = 1
     max_completion_length: int = 1
@@ -162,7 +164,7 @@ class LossInputs:
     logprobs: Tensor  # (T,) current policy, carries grad
     old_logprobs: Tensor  # (T,) denominator of the ratio (trainer's old or the behaviour's)
     advantages: Tensor  # (T,) per token (each sequence's advantage repeated)
-    mask: Tensor  # (T,) float32, 1 = token counts in the loss
+    mask: Tensor  # (T,) float32 0/1: 1 = token counts in the loss (a selection, not a weight)
     token_seq: Tensor  # (T,) int64, sequence index in [0, num_sequences)
     num_sequences: int  # S of this micro-batch
     ref_logprobs: Tensor | None = None  # (T,) reference policy, needed when beta > 0

@@ -1,9 +1,8 @@
 """Prompts: validate, load, render, tokenise, and hand out in a resumable order.
 
-- `check_data(cfg.data)` runs before any model loads and reads only what it must: the file
-  exists, its type is supported, and the prompt column and requested extra columns exist
-  (after `data.column_map`) in its header or first row. A JSONL file is parsed line by line
-  so a broken line is reported with its number now, not after the model has loaded.
+- `check_data(cfg.data)` runs before any model loads (and before torch is imported): the
+  source settings, then each local file's encoding, lines, columns and prompt cells
+  (data_files.py). Hub datasets get the same row checks when they load.
 - `load_prompts(cfg.data, tokenizer, seed)` loads with `datasets` (local .jsonl/.json/
   .parquet/.csv, or a hub name), renames columns, renders each prompt and tokenises it:
   with `data.chat_template` the messages [system?, user] go through
@@ -14,8 +13,14 @@
   may also hold a message list (`[{"role": ..., "content": ...}]`) when the template is on.
   `Prompt.uid` is the row index in its file (train or eval), so it survives filtering.
   Eval prompts come from `data.eval_path`, else `data.eval_split` of the hub dataset, else
-  `data.eval_size` train rows held out by a seeded permutation. Prompts longer than
-  `data.max_prompt_tokens` are dropped, counted and logged.
+  `data.eval_size` train rows held out by a seeded permutation.
+- Prompt length: a `PromptLimit` (the smaller of `data.max_prompt_tokens` and the model's
+  context minus `rollout.max_new_tokens`, computed by preflight.py) is applied to train
+  and eval prompts after tokenising. Over it, `data.overlong_prompts` decides: 'error'
+  names the row and the numbers, 'drop' leaves it out, 'truncate_left' / 'truncate_right'
+  keep the last / first tokens (the text becomes the decoded kept tokens). Empty prompts
+  (blank text, or no token ids) follow `data.empty_prompts`. `load_prompts` returns the
+  counts as metrics (data/dropped_prompts, data/truncated_prompts), logged at step 0.
 - `PromptSampler` serves fixed-size batches over epochs; each epoch's order is a
   permutation drawn from numpy's Generator seeded by (seed, epoch), never the global RNG,
   so the order is a pure function of (seed, epoch, position) and resumes exactly.
@@ -24,23 +29,26 @@
 
 from __future__ import annotations
 
-import csv
-import json
 import logging
 from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from leangrpo.contracts import Prompt
+from leangrpo.data_files import (
+    FILE_BUILDERS,
+    DataError,
+    check_columns,
+    check_file,
+    check_prompt_cells,
+    prompt_problem,
+    scan_jsonl,
+)
+
+__all__ = ["DataError", "PromptLimit", "PromptSampler", "PromptSet", "check_data", "load_prompts"]
 
 logger = logging.getLogger(__name__)
-
-FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-
-
-class DataError(ValueError):
-    """The data settings or the data itself cannot be used; the message says how to fix it."""
-
 
 # ---- cheap validation ---------------------------------------------------------------------
 
@@ -64,124 +72,77 @@ def check_data(data_cfg: Any) -> None:
             "chat template or put the instruction into the prompts"
         )
     if data_cfg.path is not None:
-        _check_file(data_cfg.path, "data.path", data_cfg)
+        check_file(data_cfg.path, "data.path", data_cfg)
     if data_cfg.eval_path is not None:
-        _check_file(data_cfg.eval_path, "data.eval_path", data_cfg)
-
-
-def _check_file(path_str: str, key: str, data_cfg: Any) -> None:
-    path = Path(path_str).expanduser()
-    if not path.is_file():
-        raise DataError(f"{key} = '{path_str}': file not found ({path.resolve()})")
-    if path.suffix.lower() not in FILE_BUILDERS:
-        raise DataError(
-            f"{key} = '{path_str}': unsupported file type '{path.suffix}'; "
-            f"use one of {', '.join(FILE_BUILDERS)}"
-        )
-    columns = _file_columns(path)
-    if not columns:
-        raise DataError(f"{key} = '{path_str}' holds no rows (or no columns)")
-    _check_columns(columns, str(path), data_cfg)
-
-
-def _file_columns(path: Path) -> list[str]:
-    suffix = path.suffix.lower()
-    if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return list(pq.read_schema(path).names)
-    if suffix == ".csv":
-        with path.open(newline="", encoding="utf-8") as f:
-            return next(csv.reader(f), [])
-    if suffix == ".json":
-        rows = _read_json_rows(path)
-        return list(rows[0]) if rows else []
-    first = _scan_jsonl(path)
-    return list(first) if first is not None else []
-
-
-def _read_json_rows(path: Path) -> list:
-    """A .json file holds a JSON array of row objects, or JSON lines."""
-    text = path.read_text(encoding="utf-8")
-    try:
-        rows = json.loads(text)
-    except json.JSONDecodeError as e:
-        if text.lstrip().startswith("["):
-            raise DataError(f"{path} is not valid JSON (line {e.lineno}: {e.msg})") from None
-        first = _scan_jsonl(path)  # JSON lines under a .json name
-        return [first] if first is not None else []
-    if isinstance(rows, dict):
-        rows = [rows]  # one row: JSON lines with a single line
-    if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
-        raise DataError(f"{path} must hold a JSON array of objects (one per row) or JSON lines")
-    return rows
-
-
-def _scan_jsonl(path: Path) -> dict | None:
-    """Parse every line (one object per line); return the first row."""
-    first = None
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(
-                    f"{path} line {line_no} is not valid JSON ({e.msg} at column {e.colno}); "
-                    f"each line must be one JSON object"
-                ) from None
-            if not isinstance(row, dict):
-                raise DataError(
-                    f"{path} line {line_no} is a {type(row).__name__}, not a JSON object"
-                )
-            first = row if first is None else first
-    return first
-
-
-def _check_columns(columns: list[str], source: str, data_cfg: Any) -> None:
-    """The prompt and requested columns must exist after `data.column_map` renames."""
-    column_map = dict(data_cfg.column_map or {})
-    for src in column_map:
-        if src not in columns:
-            raise DataError(
-                f"data.column_map renames '{src}' but {source} has no such column "
-                f"(it has: {', '.join(columns) or 'none'})"
-            )
-    renamed = [column_map.get(c, c) for c in columns]
-    for needed in [data_cfg.prompt_column, *(data_cfg.columns or [])]:
-        if needed not in renamed:
-            hint = f"e.g. data.column_map = {{'{renamed[0]}': '{needed}'}}" if renamed else ""
-            raise DataError(
-                f"{source} has no column '{needed}' (it has: {', '.join(renamed) or 'none'}); "
-                f"rename one with data.column_map {hint}".rstrip()
-            )
+        check_file(data_cfg.eval_path, "data.eval_path", data_cfg)
 
 
 # ---- loading ------------------------------------------------------------------------------
 
 
-def load_prompts(data_cfg: Any, tokenizer: Any, seed: int = 0) -> tuple[list[Prompt], list[Prompt]]:
-    """Train and eval prompts, rendered and tokenised; see the module docstring."""
+@dataclass(frozen=True)
+class PromptLimit:
+    """The most tokens a prompt may have, and why (for the messages)."""
+
+    tokens: int
+    reason: str  # e.g. "data.max_prompt_tokens = 512"
+
+
+@dataclass
+class PromptSet:
+    """Loaded prompts and what loading them did (logged once, at step 0)."""
+
+    train: list[Prompt]
+    eval: list[Prompt]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def load_prompts(
+    data_cfg: Any, tokenizer: Any, seed: int = 0, limit: PromptLimit | None = None
+) -> PromptSet:
+    """Train and eval prompts, rendered, tokenised and checked; see the module docstring.
+
+    `limit` defaults to data.max_prompt_tokens alone (preflight.py adds the model's context).
+    """
     check_data(data_cfg)
+    if limit is None and data_cfg.max_prompt_tokens is not None:
+        limit = PromptLimit(
+            data_cfg.max_prompt_tokens, f"data.max_prompt_tokens = {data_cfg.max_prompt_tokens}"
+        )
+    train_source = (
+        f"data.path = '{data_cfg.path}'"
+        if data_cfg.path
+        else f"data.dataset = '{data_cfg.dataset}'"
+    )
     train_rows = _load_rows(data_cfg, data_cfg.path, data_cfg.split)
     if data_cfg.eval_path is not None:
-        eval_rows = _load_rows(data_cfg, data_cfg.eval_path, None)
+        eval_rows, eval_source = (
+            _load_rows(data_cfg, data_cfg.eval_path, None),
+            f"data.eval_path = '{data_cfg.eval_path}'",
+        )
         train_uids, eval_uids = list(range(len(train_rows))), list(range(len(eval_rows)))
     elif data_cfg.eval_split is not None:
         eval_rows = _load_rows(data_cfg, None, data_cfg.eval_split)
+        eval_source = f"data.dataset = '{data_cfg.dataset}' split '{data_cfg.eval_split}'"
         train_uids, eval_uids = list(range(len(train_rows))), list(range(len(eval_rows)))
     else:
-        eval_rows = train_rows
+        eval_rows, eval_source = train_rows, train_source
         train_uids, eval_uids = _hold_out(len(train_rows), data_cfg.eval_size, seed)
-    train = _make_prompts(train_rows, train_uids, data_cfg, tokenizer, "train")
-    evals = _make_prompts(eval_rows, eval_uids, data_cfg, tokenizer, "eval")
+    counts = {"dropped": 0, "truncated": 0}
+    train = _make_prompts(train_rows, train_uids, data_cfg, tokenizer, train_source, limit, counts)
+    evals = _make_prompts(eval_rows, eval_uids, data_cfg, tokenizer, eval_source, limit, counts)
     if not train:
         raise DataError(
-            f"no train prompts left (every prompt is longer than data.max_prompt_tokens = "
-            f"{data_cfg.max_prompt_tokens}); raise the limit"
+            f"no train prompts left in {train_source} after dropping empty and overlong ones; "
+            f"check data.empty_prompts, data.overlong_prompts and data.max_prompt_tokens"
         )
-    return train, evals
+    metrics = {
+        "data/prompts": float(len(train)),
+        "data/eval_prompts": float(len(evals)),
+        "data/dropped_prompts": float(counts["dropped"]),
+        "data/truncated_prompts": float(counts["truncated"]),
+    }
+    return PromptSet(train, evals, metrics)
 
 
 def _hold_out(num_rows: int, eval_size: int, seed: int) -> tuple[list[int], list[int]]:
@@ -208,9 +169,8 @@ def _load_rows(data_cfg: Any, path: str | None, split: str | None) -> list[dict]
             ds = datasets.load_dataset(builder, data_files=str(path), split="train")
         except Exception as e:
             if builder == "json" and Path(path).suffix.lower() == ".jsonl":
-                _scan_jsonl(Path(path))  # raises with the line number when a line is broken
+                scan_jsonl(Path(path))  # raises with the line number when a line is broken
             raise DataError(f"could not read {path}: {type(e).__name__}: {e}") from e
-        source = str(path)
     else:
         name, config = data_cfg.dataset, data_cfg.dataset_config
         try:
@@ -222,7 +182,7 @@ def _load_rows(data_cfg: Any, path: str | None, split: str | None) -> list[dict]
                 f"split, and that it is cached or the hub is reachable"
             ) from e
         source = f"dataset '{name}' split '{split}'"
-        _check_columns(list(ds.column_names), source, data_cfg)
+        check_columns(list(ds.column_names), source, data_cfg)
     if data_cfg.column_map:
         ds = ds.rename_columns(dict(data_cfg.column_map))
     columns = ds.to_dict()
@@ -231,54 +191,106 @@ def _load_rows(data_cfg: Any, path: str | None, split: str | None) -> list[dict]
 
 
 def _make_prompts(
-    rows: list[dict], uids: list[int], data_cfg: Any, tokenizer: Any, split: str
+    rows: list[dict],
+    uids: list[int],
+    data_cfg: Any,
+    tokenizer: Any,
+    source: str,
+    limit: PromptLimit | None,
+    counts: dict[str, int],
 ) -> list[Prompt]:
+    column = data_cfg.prompt_column
+    check_prompt_cells(((uid, None, rows[uid].get(column)) for uid in uids), source, data_cfg)
+    blank = [uid for uid in uids if prompt_problem(rows[uid].get(column), True) == "empty"]
+    dropped = set(blank)
+    uids = [uid for uid in uids if uid not in dropped]
     texts = [_render(rows[uid], uid, data_cfg, tokenizer) for uid in uids]
-    if not texts:
-        return []
-    ids = tokenizer(texts, add_special_tokens=not data_cfg.chat_template)["input_ids"]
+    ids = (
+        tokenizer(texts, add_special_tokens=not data_cfg.chat_template)["input_ids"]
+        if texts
+        else []
+    )
     extra = data_cfg.columns
-    prompts = []
+    prompts, no_ids = [], []
     for uid, text, token_ids in zip(uids, texts, ids):
+        if not token_ids:
+            no_ids.append(uid)
+            continue
         row = rows[uid]
-        names = extra if extra is not None else [c for c in row if c != data_cfg.prompt_column]
+        names = extra if extra is not None else [c for c in row if c != column]
         prompts.append(
             Prompt(uid=uid, text=text, ids=list(token_ids), columns={c: row[c] for c in names})
         )
-    limit = data_cfg.max_prompt_tokens
-    if limit is not None:
-        kept = [p for p in prompts if len(p.ids) <= limit]
-        if len(kept) < len(prompts):
-            logger.warning(
-                "dropped %d of %d %s prompts longer than data.max_prompt_tokens = %d",
-                len(prompts) - len(kept),
-                len(prompts),
-                split,
-                limit,
-            )
-        prompts = kept
+    if no_ids and data_cfg.empty_prompts == "error":
+        raise DataError(
+            f"{source} row {no_ids[0]} tokenises to no tokens; remove it, or set "
+            f"data.empty_prompts: drop to leave such rows out"
+        )
+    if blank or no_ids:
+        logger.warning(
+            "dropped %d empty prompts of %s (rows %s)",
+            len(blank) + len(no_ids),
+            source,
+            _rows(blank + no_ids),
+        )
+        counts["dropped"] += len(blank) + len(no_ids)
+    return _apply_limit(prompts, limit, data_cfg, tokenizer, source, counts) if limit else prompts
+
+
+def _apply_limit(
+    prompts: list[Prompt],
+    limit: PromptLimit,
+    data_cfg: Any,
+    tokenizer: Any,
+    source: str,
+    counts: dict,
+) -> list[Prompt]:
+    over = [p for p in prompts if len(p.ids) > limit.tokens]
+    if not over:
+        return prompts
+    mode = data_cfg.overlong_prompts
+    if mode == "error":
+        longest = max(over, key=lambda p: len(p.ids))
+        more = (
+            f" ({len(over)} prompts are over it, the longest is row {longest.uid} with {len(longest.ids)})"
+            if len(over) > 1
+            else ""
+        )
+        raise DataError(
+            f"{source} row {over[0].uid} has {len(over[0].ids)} prompt tokens, more than the "
+            f"{limit.tokens} allowed by {limit.reason}{more}; shorten it, or set "
+            f"data.overlong_prompts to drop, truncate_left or truncate_right"
+        )
+    logger.warning(
+        "%s %d of %d prompts of %s longer than %d tokens (%s; rows %s)",
+        "dropped" if mode == "drop" else "truncated", len(over), len(prompts), source,
+        limit.tokens, limit.reason, _rows([p.uid for p in over]),
+    )  # fmt: skip
+    if mode == "drop":
+        counts["dropped"] += len(over)
+        return [p for p in prompts if len(p.ids) <= limit.tokens]
+    counts["truncated"] += len(over)
+    for p in over:
+        p.ids = p.ids[-limit.tokens :] if mode == "truncate_left" else p.ids[: limit.tokens]
+        p.text = tokenizer.decode(p.ids, skip_special_tokens=not data_cfg.chat_template)
     return prompts
+
+
+def _rows(uids: list[int], shown: int = 5) -> str:
+    text = ", ".join(str(u) for u in sorted(uids)[:shown])
+    return text + (f" and {len(uids) - shown} more" if len(uids) > shown else "")
 
 
 def _render(row: dict, uid: int, data_cfg: Any, tokenizer: Any) -> str:
     prompt = row.get(data_cfg.prompt_column)
-    is_messages = isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt)
-    if not (isinstance(prompt, str) or (is_messages and prompt)):
-        raise DataError(
-            f"row {uid}: column '{data_cfg.prompt_column}' holds {prompt!r}; a prompt must be "
-            f"a string (or, with data.chat_template, a list of chat messages)"
-        )
     if not data_cfg.chat_template:
-        if is_messages:
-            raise DataError(
-                f"row {uid}: the prompt is a list of chat messages; set data.chat_template = true"
-            )
         return prompt
     if getattr(tokenizer, "chat_template", None) is None:
         raise DataError(
             "the tokenizer has no chat template; set data.chat_template = false to use the "
             "raw prompt text, or use an instruct model's tokenizer"
         )
+    is_messages = isinstance(prompt, list)
     messages = list(prompt) if is_messages else [{"role": "user", "content": prompt}]
     if data_cfg.system_prompt is not None and messages[0].get("role") != "system":
         messages.insert(0, {"role": "system", "content": data_cfg.system_prompt})
@@ -335,10 +347,14 @@ class PromptSampler:
 
     def requeue(self, prompts: list[Prompt]) -> None:
         """Serve these prompts again, before any new ones, from the next call on."""
-        for p in prompts:
-            if p.uid not in self._by_uid:
-                raise DataError(f"cannot re-queue prompt uid {p.uid}: it is not in this sampler")
-            self._requeued.append(p.uid)
+        self.requeue_uids([p.uid for p in prompts])
+
+    def requeue_uids(self, uids: list[int]) -> None:
+        """`requeue` by uid (what a checkpoint stores)."""
+        for uid in uids:
+            if uid not in self._by_uid:
+                raise DataError(f"cannot re-queue prompt uid {uid}: it is not in this sampler")
+            self._requeued.append(uid)
 
     def state_dict(self) -> dict:
         return {

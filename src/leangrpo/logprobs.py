@@ -20,10 +20,19 @@ Choices:
   filtered, entropy (N,) when asked. Nothing O(N*V). Under no_grad nothing is saved.
 - Entropy (of the filtered, renormalised distribution) is differentiable: its gradient is
   one more term in the tile, dH/dz = p * (log Z - H - z).
-- Rows outer, vocabulary inner: grad_hidden accumulates in an fp32 row tile; grad_weight in
-  a (V, H) fp32 buffer, allocated only when the weight requires grad (not for a frozen
-  lm_head under LoRA). Matmuls run in the inputs' dtype, accumulation in fp32.
-- Eager only: a torch.compile path is not included until measured faster on CUDA.
+- Backward loop order: rows outer, vocabulary inner, grad_hidden accumulating in an fp32
+  row tile and grad_weight in a (V, H) fp32 buffer (allocated only when the weight requires
+  grad: not for a frozen lm_head under LoRA); or, when the weight is bf16/fp16 and trained
+  (e.g. gathered by FSDP), vocabulary outer: each (vocab_tile, H) fp32 tile sums over all
+  rows and is written once into a gradient of the weight's dtype, with an (N, H) fp32
+  grad_hidden instead, so no full fp32 copy of the weight exists. Both sum in the same
+  order (identical results). Matmuls run in the inputs' dtype, accumulation in fp32.
+- Optional torch.compile (`compile=True`, config `logprobs.compile`): the row-tile loops
+  (`_forward_rows`, `_backward_rows`) are compiled as they are, so the elementwise work
+  around each tile's matmul fuses into a few kernels instead of a dozen passes over an fp32
+  tile. Same algorithm and memory plan; off by default until benchmarks/gpu_suite.py
+  measures it faster than the eager path on CUDA. A backend name instead of True (e.g.
+  "aot_eager") traces the same graphs without code generation (CPU tests).
 - Default tiles per device (`DEFAULT_TILES`, both 8M logits = 32 MiB in fp32): CPU 4096 rows x
   2048 vocab, measured ~10% faster than 1024 x 8192 on 2 cores (tall tiles make the weight
   gradient matmul deeper and walk the fp32 weight-grad buffer fewer times); CUDA 1024 x 8192,
@@ -33,8 +42,9 @@ Choices:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -56,6 +66,7 @@ class _Spec:
     row_tile: int
     vocab_tile: int
     compute: torch.dtype  # the lm_head matmul's dtype
+    compile: str | None = None  # torch.compile backend of the row-tile loops; None = eager
 
     @property
     def filtered(self) -> bool:
@@ -196,6 +207,19 @@ def _row_thresholds(
     return thr
 
 
+_COMPILED: dict[tuple[str, str], Callable] = {}
+
+
+def _rows_fn(fn: Callable, spec: _Spec) -> Callable:
+    """`fn` itself, or its torch.compile'd version (one per backend, shapes dynamic on reuse)."""
+    if spec.compile is None:
+        return fn
+    key = (fn.__name__, spec.compile)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(fn, backend=spec.compile)
+    return _COMPILED[key]
+
+
 def _target_slots(targets: Tensor, v0: int, v1: int) -> tuple[Tensor, Tensor]:
     """(rows whose target lies in [v0, v1), its column in the tile (clamped where not))."""
     return (targets >= v0) & (targets < v1), (targets - v0).clamp_(0, v1 - v0 - 1)
@@ -255,7 +279,8 @@ def _forward(
         if thr is not None:
             thr[r0:r1] = _row_thresholds(h, weight, bias, spec, acc)
         rows_thr = None if thr is None else thr[r0:r1]
-        z_t, lz, ent = _forward_rows(h, weight, bias, targets[r0:r1], rows_thr, spec, acc)
+        rows = _rows_fn(_forward_rows, spec)
+        z_t, lz, ent = rows(h, weight, bias, targets[r0:r1], rows_thr, spec, acc)
         logprobs[r0:r1] = z_t - lz
         log_z[r0:r1] = lz
         if entropy is not None:
@@ -346,33 +371,32 @@ def _backward(
     g_ent: Tensor | None,
     spec: _Spec,
     needs: tuple[bool, bool, bool],
+    vocab_outer: bool | None = None,  # None: the order with the smaller accumulators
 ) -> _Grads:
     compute, acc = _dtypes(spec)
     need_h, need_w, need_b = needs
     dev = hidden.device
+    if g_lp is None:
+        g_lp = torch.zeros(hidden.shape[0], dtype=acc, device=dev)
+    if vocab_outer is None:
+        vocab_outer = _vocab_outer_is_smaller(hidden, weight, need_w, acc)
+    if vocab_outer:
+        return _backward_vocab_outer(hidden, weight, targets, bias, saved, g_lp, g_ent, spec, needs)
     grads = _Grads(
         hidden=torch.empty_like(hidden) if need_h else None,
         weight=torch.zeros(weight.shape, dtype=acc, device=dev) if need_w else None,
         bias=torch.zeros(weight.shape[0], dtype=acc, device=dev) if need_b else None,
     )
-    if g_lp is None:
-        g_lp = torch.zeros(hidden.shape[0], dtype=acc, device=dev)
-    log_z, thr, entropy = saved
     for r0 in range(0, hidden.shape[0], spec.row_tile):
         r1 = min(r0 + spec.row_tile, hidden.shape[0])
-        rows_saved = (
-            log_z[r0:r1],
-            None if thr is None else thr[r0:r1],
-            None if entropy is None else entropy[r0:r1],
-        )
-        g_ent_rows = None if g_ent is None else g_ent[r0:r1].to(acc)
-        grad_h = _backward_rows(
+        rows_saved, g_lp_rows, g_ent_rows = _rows(saved, g_lp, g_ent, r0, r1, acc)
+        grad_h = _rows_fn(_backward_rows, spec)(
             hidden[r0:r1].to(compute),
             weight,
             bias,
             targets[r0:r1],
             rows_saved,
-            g_lp[r0:r1].to(acc),
+            g_lp_rows,
             g_ent_rows,
             spec,
             grads,
@@ -381,6 +405,69 @@ def _backward(
         if grad_h is not None:
             grads.hidden[r0:r1] = grad_h
     return grads
+
+
+def _rows(saved, g_lp: Tensor, g_ent: Tensor | None, r0: int, r1: int, acc: torch.dtype):
+    """The saved values and upstream gradients of rows [r0, r1), in the accumulation dtype."""
+    log_z, thr, entropy = saved
+    rows_saved = (
+        log_z[r0:r1],
+        None if thr is None else thr[r0:r1],
+        None if entropy is None else entropy[r0:r1],
+    )
+    return rows_saved, g_lp[r0:r1].to(acc), None if g_ent is None else g_ent[r0:r1].to(acc)
+
+
+def _vocab_outer_is_smaller(hidden: Tensor, weight: Tensor, need_w: bool, acc) -> bool:
+    """Rows outer needs a (V, H) fp32 weight-gradient buffer when the weight is bf16/fp16;
+    vocabulary outer needs a (N, H) fp32 hidden-gradient buffer when hidden is. Pick the
+    smaller (N < V in practice: a sharded or low-precision trained lm_head never gets a
+    full fp32 copy of its gradient)."""
+    if not need_w or weight.dtype == acc:
+        return False
+    return hidden.dtype == acc or hidden.shape[0] < weight.shape[0]
+
+
+def _backward_vocab_outer(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    bias: Tensor | None,
+    saved: tuple[Tensor, Tensor | None, Tensor | None],
+    g_lp: Tensor,
+    g_ent: Tensor | None,
+    spec: _Spec,
+    needs: tuple[bool, bool, bool],
+) -> _Grads:
+    """Vocabulary tiles outer: each weight-gradient tile is summed over all rows in fp32 and
+    written once into a gradient of the weight's dtype; the same sums in the same order as
+    the rows-outer loop, so the results are identical."""
+    compute, acc = _dtypes(spec)
+    need_h, _, need_b = needs
+    dev = hidden.device
+    grad_h = torch.zeros(hidden.shape, dtype=acc, device=dev) if need_h else None
+    grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=dev)
+    grad_b = torch.zeros(weight.shape[0], dtype=acc, device=dev) if need_b else None
+    for v0, v1 in _vocab_ranges(weight.shape[0], spec.vocab_tile):
+        w_tile = torch.zeros((v1 - v0, weight.shape[1]), dtype=acc, device=dev)
+        for r0 in range(0, hidden.shape[0], spec.row_tile):
+            r1 = min(r0 + spec.row_tile, hidden.shape[0])
+            rows_saved, g_lp_rows, g_ent_rows = _rows(saved, g_lp, g_ent, r0, r1, acc)
+            h = hidden[r0:r1].to(compute)
+            z = _tile_logits(h, weight, bias, v0, v1, spec, acc)
+            slots = _target_slots(targets[r0:r1], v0, v1)
+            gz = _tile_grad_z(z, slots, *rows_saved, g_lp_rows, g_ent_rows)
+            if spec.temperature != 1.0:
+                gz.div_(spec.temperature)
+            g = gz.to(h.dtype)
+            if grad_h is not None:
+                _accumulate_mm(grad_h[r0:r1], g, weight[v0:v1].to(h.dtype))
+            _accumulate_mm(w_tile, g.T, h)
+            if grad_b is not None:
+                grad_b[v0:v1].add_(gz.sum(dim=0))
+        grad_w[v0:v1] = w_tile
+    hidden_grad = None if grad_h is None else grad_h.to(hidden.dtype)
+    return _Grads(hidden=hidden_grad, weight=grad_w, bias=grad_b)
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -428,6 +515,7 @@ def chunked_logprobs(
     with_entropy: bool = False,
     row_tile: int | None = None,  # None = DEFAULT_TILES for hidden's device
     vocab_tile: int | None = None,
+    compile: bool | str = False,  # True = torch.compile (inductor); or a backend name
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (N,) of `targets` under softmax(filter(lm_head(hidden) / temperature)).
 
@@ -437,6 +525,8 @@ def chunked_logprobs(
     spec = _validate(
         hidden, weight, targets, bias, temperature, top_k, min_p, with_entropy, row_tile, vocab_tile
     )
+    if compile:
+        spec = replace(spec, compile="inductor" if compile is True else str(compile))
     targets = targets.long()
     needs_graph = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias)
@@ -503,8 +593,10 @@ def token_logprobs(
     bias: Tensor | None = None,
     *,
     chunked: bool = True,
+    compile: bool = False,  # chunked path only
     **kw,
 ) -> tuple[Tensor, Tensor | None]:
     """The trainer's entry point: chunked (default) or the full-logits reference."""
-    fn = chunked_logprobs if chunked else naive_logprobs
-    return fn(hidden, weight, targets, bias, **kw)
+    if chunked:
+        return chunked_logprobs(hidden, weight, targets, bias, compile=compile, **kw)
+    return naive_logprobs(hidden, weight, targets, bias, **kw)

@@ -23,8 +23,19 @@ Choices:
 - KL k3 (exp(ref - logp) - (ref - logp) - 1) is added as beta * kl per token, and is not
   multiplied by the IS weights: the weights correct the policy-gradient term for sampling
   from the behaviour policy; the KL estimate is a regulariser on the current policy.
-- `inputs.mask` is final: the trainer zeroes the tokens of truncated sequences when
-  `mask_truncated_completions` is set (see `build_mask`).
+- `inputs.mask` is a 0/1 selection, applied with `torch.where`, never by multiplication:
+  a masked token may hold -inf or nan-producing values (-inf x 0 = nan) and must leave
+  neither the loss nor the gradient. The trainer zeroes the tokens of truncated sequences
+  when `mask_truncated_completions` is set (see `build_mask`).
+- Filtered targets: with top-k / min-p, a sampled token can lie outside the trainer's
+  filtered set (engine and trainer kernels rank a boundary token differently, or the
+  weights moved since sampling): its log-prob is -inf. A token whose current, old or
+  reference log-prob is -inf is dropped from the loss like a masked one (its inputs are
+  replaced by 0 before any arithmetic, so its gradient is exactly 0) and counted in
+  `filtered_tokens`. NaN is not dropped: it means a broken step, which the trainer skips.
+  The token-sum normalisers (bnpo, dr_grpo, dapo, cispo) are counted before the forward
+  that finds these tokens, so a filtered token still counts in their denominator (as a
+  token with zero loss); grpo and gspo average over the kept tokens of each sequence.
 - IS correction modes: "decoupled" = the trainer computes old log-probs with a no-grad
   pass and `importance_weights(old, behaviour, ...)` gives detached weights that multiply
   the policy term; "bypass" = the trainer passes the behaviour log-probs as
@@ -40,7 +51,7 @@ Choices:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -54,7 +65,8 @@ SCALE_REWARDS = ("group", "batch", "none")
 
 # metric -> the count metric it is summed over (None: the metric is itself a count)
 METRIC_COUNTS: dict[str, str | None] = {
-    "tokens": None,  # unmasked completion tokens
+    "tokens": None,  # completion tokens in the loss (unmasked and not filtered)
+    "filtered_tokens": None,  # unmasked tokens dropped for a -inf log-prob (top-k / min-p)
     "sequences": None,  # sequences in the micro-batch
     "clip/low_frac": "tokens",  # r < 1 - eps_low and A < 0 (cispo: always 0)
     "clip/high_frac": "tokens",  # r > 1 + eps_high and A > 0 (cispo: r > eps_high)
@@ -137,10 +149,15 @@ def _sequence_sum(values: Tensor, token_seq: Tensor, num_sequences: int) -> Tens
     return out.index_add(0, token_seq, values)
 
 
+def _select(values: Tensor, mask: Tensor) -> Tensor:
+    """(T,) values where mask > 0, exactly 0 elsewhere (even where values are inf or nan)."""
+    return torch.where(mask > 0, values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
 def _sequence_mean(values: Tensor, mask: Tensor, token_seq: Tensor, num_sequences: int) -> Tensor:
     """(T,) -> (S,) mean over each sequence's masked tokens (0 for a fully masked one)."""
-    total = _sequence_sum(values * mask, token_seq, num_sequences)
-    count = _sequence_sum(mask.to(values.dtype), token_seq, num_sequences)
+    total = _sequence_sum(_select(values, mask), token_seq, num_sequences)
+    count = _sequence_sum((mask > 0).to(values.dtype), token_seq, num_sequences)
     return total / count.clamp(min=1.0)
 
 
@@ -161,8 +178,7 @@ def token_ratio(logp: Tensor, old: Tensor, inputs: LossInputs) -> Tensor:
 
 def sequence_ratio(logp: Tensor, old: Tensor, inputs: LossInputs) -> Tensor:
     """(T,) GSPO: sg[s_i] * exp(logp_t - sg[logp_t]), s_i the geometric-mean ratio."""
-    mask = _upcast(inputs.mask).to(logp.dtype)
-    log_s = _sequence_mean(logp - old, mask, inputs.token_seq, inputs.num_sequences)  # (S,)
+    log_s = _sequence_mean(logp - old, inputs.mask, inputs.token_seq, inputs.num_sequences)  # (S,)
     log_s_tok = log_s.detach()[inputs.token_seq]  # (T,)
     return torch.exp(log_s_tok + logp - logp.detach())
 
@@ -200,23 +216,22 @@ def _denominator(value: float) -> float:
 
 
 def reduce_sequence_mean(per_token: Tensor, inputs: LossInputs, norm: LossNormalisers) -> Tensor:
-    mask = inputs.mask.to(per_token.dtype)
-    per_seq = _sequence_mean(per_token, mask, inputs.token_seq, inputs.num_sequences)
+    per_seq = _sequence_mean(per_token, inputs.mask, inputs.token_seq, inputs.num_sequences)
     return per_seq.sum() / _denominator(norm.sequences)
 
 
 def reduce_tokens(per_token: Tensor, inputs: LossInputs, norm: LossNormalisers) -> Tensor:
-    return (per_token * inputs.mask.to(per_token.dtype)).sum() / _denominator(norm.tokens)
+    return _select(per_token, inputs.mask).sum() / _denominator(norm.tokens)
 
 
 def reduce_max_length(per_token: Tensor, inputs: LossInputs, norm: LossNormalisers) -> Tensor:
     denominator = norm.sequences * norm.max_completion_length
-    return (per_token * inputs.mask.to(per_token.dtype)).sum() / _denominator(denominator)
+    return _select(per_token, inputs.mask).sum() / _denominator(denominator)
 
 
 def reduce_global_tokens(per_token: Tensor, inputs: LossInputs, norm: LossNormalisers) -> Tensor:
     tokens_per_rank = norm.global_tokens / norm.world_size
-    return (per_token * inputs.mask.to(per_token.dtype)).sum() / _denominator(tokens_per_rank)
+    return _select(per_token, inputs.mask).sum() / _denominator(tokens_per_rank)
 
 
 # ---------------------------------------------------------------------------- registry
@@ -267,46 +282,66 @@ def kl_k3(logp: Tensor, ref: Tensor) -> Tensor:
     return torch.exp(d) - d - 1.0
 
 
+def excluded_targets(
+    logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor | None = None
+) -> Tensor:
+    """(T,) bool: targets some trainer distribution filtered out (a -inf log-prob)."""
+    out = torch.isneginf(logprobs.detach()) | torch.isneginf(old_logprobs.detach())
+    if ref_logprobs is not None:
+        out |= torch.isneginf(ref_logprobs.detach())
+    return out
+
+
 def compute_loss(inputs: LossInputs, norm: LossNormalisers, cfg: Any) -> LossOutputs:
     """One micro-batch's share of the step loss (see the module docstring) and metrics."""
     cfg = LossConfig.from_config(cfg)
     _check_inputs(inputs, cfg)
     variant = VARIANTS[cfg.type]
-    logp = _upcast(inputs.logprobs)
-    old = _upcast(inputs.old_logprobs).to(logp.dtype)
+    unmasked = inputs.mask > 0
+    filtered = unmasked & excluded_targets(
+        inputs.logprobs, inputs.old_logprobs, inputs.ref_logprobs
+    )
+    keep = unmasked & ~filtered
+    # every per-token input is selected before any arithmetic: a dropped token's -inf never
+    # meets exp or a product, so neither the loss nor its gradient (exactly 0) sees it
+    kept = replace(inputs, mask=keep.float())
+    logp = _select(_upcast(inputs.logprobs), keep)
+    old = _select(_upcast(inputs.old_logprobs).to(logp.dtype), keep)
     adv = inputs.advantages.to(logp.dtype)
 
-    ratio = variant.ratio(logp, old, inputs)
+    ratio = variant.ratio(logp, old, kept)
     per_token = variant.objective(ratio, adv, logp, cfg)
     if inputs.is_weights is not None:
-        per_token = per_token * inputs.is_weights.detach().to(logp.dtype)
+        per_token = per_token * _select(inputs.is_weights.detach().to(logp.dtype), keep)
     kl = None
     if inputs.ref_logprobs is not None:
-        kl = kl_k3(logp, _upcast(inputs.ref_logprobs).to(logp.dtype))
+        kl = kl_k3(logp, _select(_upcast(inputs.ref_logprobs).to(logp.dtype), keep))
         if cfg.beta > 0:
             per_token = per_token + cfg.beta * kl
-    loss = variant.reduce(per_token, inputs, norm)
-    return LossOutputs(loss=loss, metrics=_metrics(inputs, ratio, adv, kl, cfg))
+    loss = variant.reduce(per_token, kept, norm)
+    metrics = _metrics(kept, ratio, adv, kl, cfg)
+    metrics["filtered_tokens"] = filtered.sum().to(metrics["tokens"].dtype)
+    return LossOutputs(loss=loss, metrics=metrics)
 
 
 @torch.no_grad()
 def _metrics(
     inputs: LossInputs, ratio: Tensor, adv: Tensor, kl: Tensor | None, cfg: LossConfig
 ) -> dict[str, Tensor]:
-    mask = inputs.mask.to(ratio.dtype)
+    mask = inputs.mask
     low, high, region = _clip_flags(ratio, adv, cfg)
     out = {
-        "tokens": mask.sum(),
+        "tokens": (mask > 0).to(ratio.dtype).sum(),
         "sequences": torch.tensor(float(inputs.num_sequences), device=ratio.device),
-        "clip/low_frac": (low * mask).sum(),
-        "clip/high_frac": (high * mask).sum(),
-        "clip/region_frac": (region * mask).sum(),
-        "ratio/mean": (ratio * mask).sum(),
+        "clip/low_frac": _select(low.to(ratio.dtype), mask).sum(),
+        "clip/high_frac": _select(high.to(ratio.dtype), mask).sum(),
+        "clip/region_frac": _select(region.to(ratio.dtype), mask).sum(),
+        "ratio/mean": _select(ratio, mask).sum(),
     }
     optional = {"kl": kl, "entropy": inputs.entropy, "is/weight_applied": inputs.is_weights}
     for name, values in optional.items():
         if values is not None:
-            out[name] = (values.to(mask.dtype) * mask).sum()
+            out[name] = _select(values.to(ratio.dtype), mask).sum()
     return out
 
 
@@ -338,7 +373,9 @@ def importance_weights(
     token_truncate: min(exp(lr_t), cap); token_mask: exp(lr_t) inside [min_weight, cap],
     else exactly 0; sequence_*: the same on the sequence's geometric-mean ratio
     exp(mean_t lr_t) over its masked tokens, broadcast to its tokens. lr = old - behaviour.
-    Metrics are means over the masked tokens of this call (min/max over them).
+    A token whose old or behaviour log-prob is -inf (a filtered target, dropped from the
+    loss) counts as masked. Metrics are means over the masked tokens of this call (min/max
+    over them), with `is/tokens` their count, so callers can weight them across calls.
     """
     _check_choice("importance sampling mode", mode, IS_MODES)
     if not 0.0 <= min_weight < cap:
@@ -349,10 +386,12 @@ def importance_weights(
             f"{tuple(behaviour_logprobs.shape)} and mask {tuple(mask.shape)} must all be (T,)"
         )
     with torch.no_grad():
-        log_ratio = _upcast(old_logprobs).float() - _upcast(behaviour_logprobs).float()  # (T,)
-        mask_f = mask.float()
+        inside = (mask > 0) & ~excluded_targets(old_logprobs, behaviour_logprobs)
+        log_ratio = _select(
+            _upcast(old_logprobs).float() - _upcast(behaviour_logprobs).float(), inside
+        )  # (T,)
         if mode.startswith("sequence"):
-            log_seq = _sequence_mean(log_ratio, mask_f, token_seq, num_sequences)  # (S,)
+            log_seq = _sequence_mean(log_ratio, inside, token_seq, num_sequences)  # (S,)
             raw = torch.exp(log_seq)[token_seq]
         else:
             raw = torch.exp(log_ratio)
@@ -363,17 +402,17 @@ def importance_weights(
             keep = (raw >= min_weight) & (raw <= cap)
             weights = torch.where(keep, raw, torch.zeros_like(raw))
             changed = ~keep
-        metrics = _is_metrics(weights, changed, mode, log_ratio, mask_f)
+        metrics = _is_metrics(weights, changed, mode, log_ratio, inside)
     return weights, metrics
 
 
 def _is_metrics(
-    weights: Tensor, changed: Tensor, mode: str, log_ratio: Tensor, mask: Tensor
+    weights: Tensor, changed: Tensor, mode: str, log_ratio: Tensor, inside: Tensor
 ) -> dict[str, Tensor]:
-    count = mask.sum().clamp(min=1.0)
-    inside = mask > 0
+    tokens = inside.float().sum()
+    count = tokens.clamp(min=1.0)
     any_inside = inside.any()
-    changed_frac = (changed.float() * mask).sum() / count
+    changed_frac = _select(changed.float(), inside).sum() / count
     zero = torch.zeros_like(changed_frac)
     masked = mode.endswith("mask")
     inf = weights.new_tensor(float("inf"))
@@ -381,11 +420,12 @@ def _is_metrics(
     weight_min = torch.cat([torch.where(inside, weights, inf), inf[None]]).amin()
     weight_max = torch.cat([torch.where(inside, weights, -inf), -inf[None]]).amax()
     return {
-        "is/weight_mean": (weights * mask).sum() / count,
+        "is/tokens": tokens,
+        "is/weight_mean": _select(weights, inside).sum() / count,
         "is/weight_min": torch.where(any_inside, weight_min, zero),
         "is/weight_max": torch.where(any_inside, weight_max, zero),
         "is/masked_frac": changed_frac if masked else zero,
         "is/truncated_frac": zero if masked else changed_frac,
         # k3 of pi_old against the behaviour policy, from tokens the behaviour sampled
-        "is/mismatch_kl": ((torch.exp(log_ratio) - log_ratio - 1.0) * mask).sum() / count,
+        "is/mismatch_kl": _select(torch.exp(log_ratio) - log_ratio - 1.0, inside).sum() / count,
     }

@@ -2,7 +2,8 @@
 
 `MetricsLogger.log(step, metrics)` appends `{"step": step, ...flat keys...}` to
 `output_dir/metrics.jsonl`. Every write is flushed, so a crash loses at most the line being
-written; `read_metrics` skips such a torn last line. Choices:
+written; `read_metrics` skips such a torn line (anywhere: a resumed run appends after
+it) with a warning naming file and line. Choices:
 
 - Values become JSON numbers: tensors and numpy scalars via `.item()`, nested dicts
   flattened with "/". NaN and +-inf are written as null, because strict JSON has neither.
@@ -13,13 +14,17 @@ written; `read_metrics` skips such a torn last line. Choices:
   eval/reward), never a wall of text. When stdout is not a terminal (CI, nohup) it prints
   one compact line about every tenth of the run instead.
 - `resume_step=N` drops rows with step > N from existing files, so a resumed run's log has
-  no duplicated or orphaned steps.
+  no duplicated or orphaned steps. A fresh run never appends to an earlier run's file:
+  rundir.py refuses (or, with run.overwrite, empties) a directory holding one.
+- `stage(metrics)` holds values logged once (the data counts) until the next row, so they
+  land in the step-0 row instead of a row of their own.
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import logging
 import math
 import os
 import time
@@ -40,6 +45,7 @@ from rich.table import Table
 
 from leangrpo.config_io import ConfigError
 
+log = logging.getLogger(__name__)
 KEY_METRICS = ("reward/mean", "loss", "eval/reward")
 BACKENDS = ("jsonl", "tensorboard", "wandb", "trackio")
 INSTALL_HINT = {
@@ -81,9 +87,15 @@ class MetricsLogger:
         self._progress = ProgressDisplay(
             self.console, total_steps, progress_bar, start_step=resume_step or 0
         )
+        self._staged: dict[str, Any] = {}
+
+    def stage(self, metrics: Mapping[str, Any]) -> None:
+        """Add `metrics` to the next logged row (values logged once, e.g. data counts)."""
+        self._staged.update(metrics)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
-        flat = flatten_metrics(metrics)
+        flat = flatten_metrics({**self._staged, **metrics})
+        self._staged = {}
         self._file.write(json.dumps({"step": step, **flat}) + "\n")
         self._file.flush()
         finite = {k: v for k, v in flat.items() if v is not None}
@@ -117,21 +129,31 @@ class MetricsLogger:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a metrics.jsonl (or of the one in a run directory), a torn last line skipped."""
+    """Rows of a metrics.jsonl (or of the one in a run directory); a torn or foreign line
+    (not a JSON object with a numeric step) is skipped with a warning."""
     path = Path(path)
     if path.is_dir():
         path = path / "metrics.jsonl"
-    lines = path.read_text(encoding="utf-8").splitlines()
-    rows = []
+    lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
+    rows, skipped = [], []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
-            if number == len(lines):  # written when the process died
-                break
-            raise ValueError(f"{path}:{number} is not a JSON line: {line[:80]!r}") from None
+            row = None
+        if isinstance(row, dict) and isinstance(row.get("step"), int | float):
+            rows.append(row)
+        else:  # a line torn by a crash (a resumed run appends after it)
+            skipped.append(number)
+    if skipped:
+        log.warning(
+            "%s: skipped %d line(s) that are not complete metrics rows (line %s)",
+            path,
+            len(skipped),
+            ", ".join(map(str, skipped[:5])) + (" ..." if len(skipped) > 5 else ""),
+        )
     return rows
 
 

@@ -4,13 +4,20 @@ Scoring never builds logits for prompt tokens: the backbone runs once over the p
 (real tokens only), the final hidden states are gathered at the T positions that predict
 completion tokens, and the chunked lm_head turns those (T, H) rows into log-probs without
 ever holding a (T, V) tensor. Reference log-probs come from the same forward with LoRA
-adapters disabled, or from a frozen copy when training all weights with beta > 0.
+adapters disabled, or from a frozen copy when training all weights with beta > 0; they are
+unfiltered (temperature only): KL to a top-k / min-p filtered reference is +inf for any
+token outside the reference's set, which becomes near-certain once the policy drifts.
+
+For FSDP2 (fsdp.py) the chunked lm_head can be a module (`ChunkedLMHead`, the same
+parameters under the same names) and the whole scoring pass a module (`PackedScorer`), so
+that every weight is read inside a forward, where FSDP has gathered it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +26,7 @@ import torch
 from torch import nn
 
 from leangrpo.attention import enable_packed_attention, packed_model_kwargs
+from leangrpo.config_io import ConfigError
 from leangrpo.contracts import PackedBatch, SamplingParams
 from leangrpo.logprobs import token_logprobs
 from leangrpo.offload import ActivationOffloader, enable_gradient_checkpointing
@@ -51,10 +59,14 @@ class Policy:
 
 
 def resolve_device(setting: str) -> torch.device:
+    """Checked before the model loads; a missing GPU is the user's to fix (one sentence)."""
     if setting == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if setting == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("run.device is 'cuda' but no CUDA device is visible; set run.device=cpu")
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "no GPU is visible"
+        raise ConfigError(
+            f"run.device is 'cuda' but {why} (torch.cuda.is_available() is False); set run.device: cpu or auto."
+        )
     return torch.device(setting)
 
 
@@ -69,11 +81,19 @@ def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
 def load_tokenizer(model_cfg) -> Any:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(
-        model_cfg.name_or_path,
-        revision=model_cfg.revision,
-        trust_remote_code=model_cfg.trust_remote_code,
-    )
+    from leangrpo.model_files import ModelFilesError
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_cfg.name_or_path,
+            revision=model_cfg.revision,
+            trust_remote_code=model_cfg.trust_remote_code,
+        )
+    except (OSError, ValueError) as exc:  # missing/corrupt files, unknown tokenizer class
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        raise ModelFilesError(
+            f"model.name_or_path = {model_cfg.name_or_path!r}: the tokenizer could not be loaded ({type(exc).__name__}: {first}); check the tokenizer files."
+        ) from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
@@ -91,6 +111,11 @@ def load_policy(cfg, tokenizer, device: torch.device) -> Policy:
         revision=cfg.model.revision,
         trust_remote_code=cfg.model.trust_remote_code,
     ).to(device)
+    return build_policy(model, cfg, tokenizer, device)
+
+
+def build_policy(model: nn.Module, cfg, tokenizer, device: torch.device) -> Policy:
+    """Wrap a loaded causal LM as cfg asks (benchmarks pass randomly initialised ones)."""
     refuse_scaled_logits(model.config)
     backend = enable_packed_attention(model, cfg.packing.attention_backend)
     reference = None
@@ -98,6 +123,8 @@ def load_policy(cfg, tokenizer, device: torch.device) -> Policy:
         reference = copy.deepcopy(model).eval().requires_grad_(False)
     if cfg.lora.enabled:
         model = _wrap_lora(model, cfg.lora)
+    if cfg.model.disable_dropout:
+        disable_dropout(model)
     offloader = None
     if cfg.model.gradient_checkpointing or cfg.offload.activations != "none":
         offloader = enable_gradient_checkpointing(
@@ -108,6 +135,27 @@ def load_policy(cfg, tokenizer, device: torch.device) -> Policy:
         )
     model.train()
     return Policy(model, tokenizer, reference, device, cfg.lora.enabled, offloader, backend)
+
+
+def disable_dropout(model: nn.Module) -> int:
+    """Zero every dropout in `model`; returns how many were non-zero.
+
+    Two kinds exist: `nn.Dropout` modules (TRL's `disable_dropout_in_model` zeroes only
+    these) and float attributes that the module passes to a functional call, such as
+    transformers' `attention_dropout` (given to the attention kernel in train mode); the
+    model's config is left untouched, so a saved model keeps its dropout settings.
+    """
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            changed += module.p > 0
+            module.p = 0.0
+            continue
+        for name, value in list(vars(module).items()):
+            if "dropout" in name and isinstance(value, float) and value > 0:
+                setattr(module, name, 0.0)
+                changed += 1
+    return changed
 
 
 SCALED_LOGITS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
@@ -168,26 +216,110 @@ def score(
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-completion-token log-probs (T,) under the engine's sampling transformation."""
+    if isinstance(model, PackedScorer):  # the FSDP root: its forward gathers the root unit
+        return model(batch, sampling, logprob_cfg, with_entropy=with_entropy)
+    if any(_is_dtensor(p) for p in causal_lm(model).parameters()):
+        raise RuntimeError(
+            "score(): the model is FSDP-sharded; score through the PackedScorer that "
+            "leangrpo.fsdp.shard_model returned, so that the sharded weights are gathered"
+        )
+    return _score(model, batch, sampling, logprob_cfg, with_entropy)
+
+
+def _score(model, batch, sampling, logprob_cfg, with_entropy: bool):
+    """score() without the check (inside the FSDP root's forward, units not yet reached
+    still hold sharded weights; each unit's forward gathers its own)."""
     hidden = completion_hidden(model, batch)
     _, head = backbone_and_head(model)
+    options = {
+        "chunked": logprob_cfg.chunked,
+        "compile": getattr(logprob_cfg, "compile", False),  # duck-typed test configs lack it
+        "temperature": sampling.temperature,
+        "top_k": sampling.top_k,
+        "min_p": sampling.min_p,
+        "with_entropy": with_entropy,
+        "row_tile": logprob_cfg.row_tile,
+        "vocab_tile": logprob_cfg.vocab_tile,
+    }
+    if isinstance(head, ChunkedLMHead):  # a module call: FSDP gathers the head around it
+        return head(hidden, batch.targets, **options)
     return token_logprobs(
-        hidden,
-        head.weight,
-        batch.targets,
-        getattr(head, "bias", None),
-        chunked=logprob_cfg.chunked,
-        temperature=sampling.temperature,
-        top_k=sampling.top_k,
-        min_p=sampling.min_p,
-        with_entropy=with_entropy,
-        row_tile=logprob_cfg.row_tile,
-        vocab_tile=logprob_cfg.vocab_tile,
+        hidden, head.weight, batch.targets, getattr(head, "bias", None), **options
     )
+
+
+def reference_sampling(sampling: SamplingParams) -> SamplingParams:
+    """The reference's transformation: the engine's temperature, no top-k/top-p/min-p."""
+    return dataclasses.replace(sampling, top_k=0, top_p=1.0, min_p=0.0)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+class ChunkedLMHead(nn.Module):
+    """The lm_head as a module whose forward can return chunked log-probs.
+
+    It takes over the original head's `weight` (and `bias`) Parameter objects, so names
+    (`lm_head.weight`), tying to the input embeddings and saved checkpoints are unchanged.
+    `head(hidden)` returns logits as nn.Linear does (generation, plain forwards);
+    `head(hidden, targets, **options)` returns `token_logprobs(...)`. Under FSDP2 the head
+    is its own unit (or part of the root's) and the weight is only read inside a forward,
+    when it is gathered, never as a sharded DTensor.
+    """
+
+    def __init__(self, linear: nn.Module):
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = getattr(linear, "bias", None)
+        self.in_features, self.out_features = self.weight.shape[1], self.weight.shape[0]
+
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None, **options):
+        if targets is None:
+            return nn.functional.linear(hidden, self.weight, self.bias)
+        return token_logprobs(hidden, self.weight, targets, self.bias, **options)
+
+
+def install_chunked_head(model: nn.Module) -> ChunkedLMHead:
+    """Replace the causal LM's output embeddings by a ChunkedLMHead (idempotent)."""
+    lm = causal_lm(model)
+    head = lm.get_output_embeddings()
+    if isinstance(head, ChunkedLMHead):
+        return head
+    if not isinstance(head, nn.Linear):
+        raise TypeError(
+            f"the output embeddings are a {type(head).__name__}, not nn.Linear; the chunked "
+            "lm_head needs a plain linear head (is lm_head a LoRA target? drop it from "
+            "lora.target_modules)"
+        )
+    chunked = ChunkedLMHead(head)
+    lm.set_output_embeddings(chunked)
+    return chunked
+
+
+class PackedScorer(nn.Module):
+    """The packed scoring forward (backbone + chunked head) as one module call.
+
+    FSDP2 gathers a unit's parameters in its forward pre-hook, so whatever is left outside
+    the per-layer units (embeddings, final norm, a tied head) must be read inside some
+    module's forward: this one is the root unit. `scorer(batch, sampling, logprob_cfg)`
+    equals `score(model, ...)`.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: PackedBatch, sampling, logprob_cfg, with_entropy: bool = False):
+        return _score(self.model, batch, sampling, logprob_cfg, with_entropy)
 
 
 @torch.no_grad()
 def reference_logprobs(policy: Policy, batch: PackedBatch, sampling, logprob_cfg) -> torch.Tensor:
-    """Log-probs of the reference policy: adapters off (LoRA) or the frozen copy."""
+    """Unfiltered log-probs of the reference policy: adapters off (LoRA) or the frozen copy."""
+    sampling = reference_sampling(sampling)
     if policy.reference is not None:
         return score(policy.reference, batch, sampling, logprob_cfg)[0]
     if not policy.is_lora:

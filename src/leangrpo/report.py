@@ -6,9 +6,10 @@ writes `report.png` with their curves next to the metrics file.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
+
+from leangrpo.metrics import read_metrics
 
 HEADLINE = [
     "eval/reward",
@@ -24,10 +25,11 @@ HEADLINE = [
 
 
 def read_rows(run_dir: str | Path) -> list[dict]:
+    """The run's metrics rows; torn lines are skipped with a warning (metrics.read_metrics)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} a leangrpo run directory?")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_metrics(path)
 
 
 def series(rows: list[dict], key: str) -> list[tuple[int, float]]:

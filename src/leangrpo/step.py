@@ -9,22 +9,41 @@ the loss needs beyond the current log-probs:
   moved before a micro-batch is trained on (mu > 1 or several steps per batch); otherwise
   they are the detached current log-probs and cost nothing. In `bypass` mode the
   behaviour log-probs from the engine stand in for them.
-- reference log-probs, only when beta > 0.
+- reference log-probs, only when beta > 0: unfiltered (temperature only, see
+  `model.reference_logprobs`), so the KL never meets a reference that excludes a token.
+
+Targets the trainer's top-k / min-p filter excludes (-inf log-prob) are dropped from the
+loss and the IS weights by `loss.py` and counted in `loss/filtered_tokens`. IS metrics are
+averaged over micro-batches weighted by their tokens (min/max over them).
 
 The loss of each micro-batch is already divided by normalisers counted over the whole
 step, so summing micro-batch gradients gives the step's exact gradient.
+
+A batch being trained on is a `BatchInProgress`: its planned steps (old/reference
+log-probs attached) and how many of its mu x steps optimizer steps are done. A checkpoint
+taken inside a batch saves it whole, so a resume continues with the same micro-batches
+and never recomputes old or reference log-probs with weights that have moved since.
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from leangrpo.attention import choose_shared_prefix, packed_support
-from leangrpo.contracts import LossInputs, LossNormalisers, PackedBatch, RolloutSample
+from leangrpo.checkpoint import sample_from_state, sample_state
+from leangrpo.contracts import (
+    LossInputs,
+    LossNormalisers,
+    PackedBatch,
+    RolloutBatch,
+    RolloutSample,
+)
+from leangrpo.errors import RunError
 from leangrpo.loss import compute_loss, importance_weights
 from leangrpo.model import Policy, eval_mode, reference_logprobs, score
 from leangrpo.packing import pack_samples, packing_metrics, plan_micro_batches
@@ -42,11 +61,81 @@ class PlannedStep:
     metrics: dict[str, float]  # packing metrics of this step
 
 
+# what the no-grad passes attach to a micro-batch: a checkpoint inside a batch keeps them
+NO_GRAD_FIELDS = ("old_logprobs", "ref_logprobs")
+
+
+@dataclass
+class BatchInProgress:
+    """A generation batch being trained on: mu iterations over its planned steps."""
+
+    batch: RolloutBatch
+    steps: list[PlannedStep]
+    iterations: int  # loss.mu
+    done: int = 0  # optimizer steps taken on it, over all iterations
+    metrics: dict[str, float] = field(default_factory=dict)  # logged with its next step
+
+    @property
+    def remaining(self) -> int:
+        return self.iterations * len(self.steps) - self.done
+
+    def take(self) -> tuple[PlannedStep, dict[str, float]]:
+        """The next step to train (iteration-major order) and the metrics to log with it."""
+        planned = self.steps[self.done % len(self.steps)]
+        metrics, self.metrics = {**self.metrics, **planned.metrics}, {}
+        self.done += 1
+        return planned, metrics
+
+    def state_dict(self) -> dict:
+        """The samples (re-planned identically on load) and the no-grad passes' tensors."""
+        attached = [
+            [{k: _cpu(getattr(mb, k)) for k in NO_GRAD_FIELDS} for mb in step.micro_batches]
+            for step in self.steps
+        ]
+        return {
+            "samples": [sample_state(s) for s in self.batch.samples],
+            "group_size": self.batch.group_size,
+            "attached": attached,
+            "iterations": self.iterations,
+            "done": self.done,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict, cfg, policy: Policy) -> BatchInProgress:
+        batch = RolloutBatch([sample_from_state(s) for s in state["samples"]], state["group_size"])
+        steps = plan_steps([s for s in batch.samples if s.reward is not None], cfg, policy)
+        micro_batches = [mb for step in steps for mb in step.micro_batches]
+        attached = [fields for step in state["attached"] for fields in step]
+        fits = len(attached) == len(micro_batches) and all(
+            v is None or v.numel() == mb.num_completion_tokens
+            for mb, fields in zip(micro_batches, attached)
+            for v in fields.values()
+        )
+        if not fits:
+            raise RunError(
+                "the checkpoint's batch in progress does not re-plan into the micro-batches "
+                "it was saved with; resume with its packing and train settings"
+            )
+        for mb, fields in zip(micro_batches, attached):
+            for name, value in fields.items():
+                setattr(mb, name, None if value is None else value.to(policy.device))
+        return cls(batch, steps, state["iterations"], state["done"])
+
+
+def _cpu(value):
+    return value.cpu() if value is not None else None
+
+
 def plan_steps(samples: list[RolloutSample], cfg, policy: Policy) -> list[PlannedStep]:
-    """Cut a batch into optimizer steps of whole groups, each into packed micro-batches."""
+    """Cut a batch into optimizer steps of whole groups, each into packed micro-batches.
+
+    No samples (every reward failed): no steps.
+    """
     prefix = use_shared_prefix(samples, cfg, policy)
     steps = []
     for step_samples in _split_by_groups(samples, cfg.train.steps_per_generation):
+        if not step_samples:
+            continue
         lengths = [s.num_tokens for s in step_samples]
         groups = _group_indices(step_samples) if prefix else None
         prompt_lens = [len(step_samples[g[0]].prompt.ids) for g in groups] if prefix else None
@@ -119,13 +208,33 @@ def attach_old_and_ref(policy: Policy, steps: list[PlannedStep], cfg, sampling) 
                 mb.ref_logprobs = reference_logprobs(policy, mb, sampling, cfg.logprobs).float()
 
 
-def normalisers(micro_batches: list[PackedBatch], cfg, world_size: int = 1) -> LossNormalisers:
+def normalisers(
+    micro_batches: list[PackedBatch],
+    cfg,
+    world_size: int = 1,
+    sum_over_ranks: Callable[[list[float]], list[float]] | None = None,
+) -> LossNormalisers:
+    """Counts over the whole optimizer step.
+
+    With `sum_over_ranks` (e.g. `DistContext.all_reduce`, called once) the counts are
+    global and each rank gets its share, global / world_size: FSDP averages the ranks'
+    gradients, so the ranks' losses must add up to W times the loss of one process.
+    """
     sequences = sum(mb.num_sequences for mb in micro_batches)
     tokens = int(sum(token_mask(mb, cfg).sum().item() for mb in micro_batches))
+    if sum_over_ranks is None:
+        return LossNormalisers(
+            sequences=sequences,
+            tokens=max(tokens, 1),
+            global_tokens=max(tokens, 1) * world_size,  # single process: local == global
+            world_size=world_size,
+            max_completion_length=cfg.rollout.max_new_tokens,
+        )
+    global_sequences, global_tokens = sum_over_ranks([float(sequences), float(tokens)])
     return LossNormalisers(
-        sequences=sequences,
-        tokens=max(tokens, 1),
-        global_tokens=max(tokens, 1) * world_size,  # single process: local == global
+        sequences=global_sequences / world_size,
+        tokens=max(global_tokens, 1.0) / world_size,
+        global_tokens=int(max(global_tokens, 1.0)),
         world_size=world_size,
         max_completion_length=cfg.rollout.max_new_tokens,
     )
@@ -148,12 +257,14 @@ def loss_inputs(mb: PackedBatch, logprobs, entropy, cfg) -> tuple[LossInputs, di
     if cfg.loss.is_correction == "bypass":
         old = behaviour
     elif cfg.loss.is_correction == "decoupled":
+        # tokens the current pass filtered out leave the loss: keep them out of the metrics
+        in_loss = torch.where(torch.isneginf(logprobs.detach()), 0.0, mask)
         weights, is_metrics = importance_weights(
             old,
             behaviour,
             mb.token_seq,
             mb.num_sequences,
-            mask,
+            in_loss,
             mode=cfg.loss.is_mode,
             cap=cfg.loss.is_cap,
             min_weight=cfg.loss.is_min,
@@ -179,7 +290,7 @@ def train_step(
     """Accumulate gradients over the micro-batches, clip, and step unless non-finite."""
     norm = normalisers(micro_batches, cfg)
     sums: dict[str, float] = defaultdict(float)
-    is_metrics: dict[str, list[float]] = defaultdict(list)
+    is_metrics: list[dict[str, float]] = []  # one per micro-batch
     sums_offload: dict[str, float] = defaultdict(float)
     total_loss = 0.0
     for mb in micro_batches:
@@ -191,8 +302,8 @@ def train_step(
         total_loss += float(out.loss.detach())
         for k, v in out.metrics.items():
             sums[k] += float(v)
-        for k, v in mb_is.items():
-            is_metrics[k].append(v)
+        if mb_is:
+            is_metrics.append(mb_is)
         if policy.offloader is not None:  # per micro-batch counts add up to the step's
             for k, v in policy.offloader.metrics().items():
                 sums_offload[k] = v if k == "offload/pool_bytes" else sums_offload[k] + v
@@ -223,9 +334,7 @@ def _step_metrics(sums, is_metrics, total_loss, grad_norm, micro_batches) -> dic
     from leangrpo.loss import reduce_metrics
 
     metrics = {f"loss/{k}": v for k, v in reduce_metrics(dict(sums)).items()}
-    for k, values in is_metrics.items():
-        reduce = {"min": min, "max": max}.get(k.rsplit("_", 1)[-1], lambda v: sum(v) / len(v))
-        metrics[k] = reduce(values)
+    metrics.update(reduce_is_metrics(is_metrics))
     metrics.update(
         {
             "loss": total_loss,
@@ -233,3 +342,25 @@ def _step_metrics(sums, is_metrics, total_loss, grad_norm, micro_batches) -> dic
         }
     )
     return metrics
+
+
+def reduce_is_metrics(per_micro_batch: list[dict[str, float]]) -> dict[str, float]:
+    """IS metrics of the step: token-weighted means, min of mins, max of maxes.
+
+    Each entry holds one micro-batch's means and its `is/tokens`; micro-batches without a
+    token in the loss carry no value (their 0 placeholders would drag a min down).
+    """
+    counted = [m for m in per_micro_batch if m["is/tokens"] > 0]
+    names = [k for k in (per_micro_batch[0] if per_micro_batch else {}) if k != "is/tokens"]
+    tokens = sum(m["is/tokens"] for m in counted)
+    out = {}
+    for name in names:
+        if not counted:
+            out[name] = 0.0
+        elif name.endswith("_min"):
+            out[name] = min(m[name] for m in counted)
+        elif name.endswith("_max"):
+            out[name] = max(m[name] for m in counted)
+        else:
+            out[name] = sum(m[name] * m["is/tokens"] for m in counted) / tokens
+    return out

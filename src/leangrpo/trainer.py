@@ -1,18 +1,24 @@
 """The GRPO loop: produce -> score -> optimise -> sync -> log -> checkpoint.
 
 Everything expensive is set up in `Trainer.__init__` after every cheap check has passed
-(config, data file and columns, reward functions), so bad input fails in a second with
-one sentence. `Trainer.train()` then reads as the algorithm: take a scored rollout batch
-from the producer (sync or async), pack it, fill in old/reference log-probs, run `mu`
-iterations of optimizer steps over it, hand new weights to the generator, and log,
-evaluate and checkpoint on schedule.
+(preflight.py: config, data, reward functions, model files, the locked run directory), so
+bad input fails in a second with one sentence. `Trainer.train()` then reads as the
+algorithm: take a scored rollout batch from the producer (sync or async), pack it, fill
+in old/reference log-probs, run `mu` iterations of optimizer steps over it, hand new
+weights to the generator, and log, evaluate and checkpoint on schedule.
 
 The policy version counts successful optimizer updates; every sample carries the version
-that generated it, so staleness is measured, never assumed.
+that generated it, so staleness is measured, never assumed (`staleness/*` at each update).
+
+Guards: a batch with no scored sample is skipped (counted, consumed); a run stops with one
+sentence after `train.max_consecutive_skipped_steps` non-finite steps or
+`pipeline.max_consecutive_skipped_batches` unscored batches in a row. A checkpoint taken
+inside a batch holds that batch (`BatchInProgress`), so resume is exact at any step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import threading
@@ -25,11 +31,13 @@ import torch
 from leangrpo import checkpoint as ckpt
 from leangrpo.config import Config
 from leangrpo.contracts import RolloutBatch
-from leangrpo.data import PromptSampler, check_data, load_prompts
+from leangrpo.data import PromptSampler, load_prompts
+from leangrpo.errors import RunError
 from leangrpo.evaluation import Evaluator
 from leangrpo.loss import LossConfig
 from leangrpo.metrics import MetricsLogger
 from leangrpo.model import Policy, load_policy, load_tokenizer, resolve_device
+from leangrpo.model_files import check_model_files
 from leangrpo.pipeline import (
     AsyncProducer,
     BatchFinisher,
@@ -38,17 +46,16 @@ from leangrpo.pipeline import (
     RolloutWorker,
     SyncProducer,
 )
-from leangrpo.rewards import RewardPool, check_rewards
+from leangrpo.preflight import Preflight, check_micro_batch, preflight, prompt_limit
+from leangrpo.rewards import RewardPool
 from leangrpo.rollout.factory import make_engines
-from leangrpo.step import attach_old_and_ref, plan_steps, train_step
+from leangrpo.step import BatchInProgress, attach_old_and_ref, plan_steps, train_step
 
 log = logging.getLogger("leangrpo")
 
 
 def validate_inputs(cfg: Config) -> LossConfig:
-    """The cheap checks that must pass before any model loads."""
-    check_data(cfg.data)
-    check_rewards(cfg.rewards)
+    """The loss settings; the cheap input checks are preflight's, run before this."""
     return LossConfig.from_config(cfg.loss)
 
 
@@ -59,25 +66,37 @@ def seed_everything(seed: int) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: Config):
-        self.loss_cfg = validate_inputs(cfg)
-        self.cfg = cfg
-        self.out = Path(cfg.run.output_dir)
-        self.out.mkdir(parents=True, exist_ok=True)
-        cfg.save(self.out / "config.yaml")
-        if cfg.run.num_threads:
-            torch.set_num_threads(cfg.run.num_threads)
-        seed_everything(cfg.run.seed)
-        self.step = 0  # optimizer steps taken (including skipped ones)
-        self.version = 0  # successful updates: the policy version
-        self.skipped = 0
-        self._build(cfg)
+    def __init__(self, cfg: Config, checked: Preflight | None = None):
+        """`checked`: the CLI's preflight result (its run-directory lock passes to us)."""
+        self.checked = checked if checked is not None else preflight(cfg)
+        try:
+            self.loss_cfg = validate_inputs(cfg)
+            self.cfg = cfg
+            self.out = self.checked.run_dir.path
+            cfg.save(self.out / "config.yaml")
+            if cfg.run.num_threads:
+                torch.set_num_threads(cfg.run.num_threads)
+            seed_everything(cfg.run.seed)
+            self.step = 0  # optimizer steps taken (including skipped ones)
+            self.version = 0  # successful updates: the policy version
+            self.skipped = 0
+            self.skips = RunSkips()
+            self.inflight: BatchInProgress | None = None  # the batch being trained on
+            self._build(cfg)
+        except BaseException:
+            self.checked.release()
+            raise
 
     # -- set-up --------------------------------------------------------------------------
     def _build(self, cfg: Config) -> None:
         device = resolve_device(cfg.run.device)
+        limit = self.checked.prompt_limit
+        if self.checked.model.directory is None:  # a hub model not cached yet: fetch config.json
+            limit = prompt_limit(cfg, check_model_files(cfg.model, fetch=True))
         tokenizer = load_tokenizer(cfg.model)
-        train_prompts, eval_prompts = load_prompts(cfg.data, tokenizer, cfg.run.seed)
+        prompts = load_prompts(cfg.data, tokenizer, cfg.run.seed, limit)
+        check_micro_batch(prompts.train, cfg)
+        train_prompts, eval_prompts = prompts.train, prompts.eval
         self.policy: Policy = load_policy(cfg, tokenizer, device)
         self.optimizer = torch.optim.AdamW(
             self.policy.trainable_parameters(),
@@ -106,6 +125,8 @@ class Trainer:
             shared_weights=engines.eval_shares_weights,
         )
         resumed = self._maybe_resume()
+        if engines.push_at_start and not resumed:  # a server may hold another run's weights
+            engines.rollout.update_weights(self.policy.named_trainable_tensors(), self.version)
         self.logger = MetricsLogger(
             self.out,
             cfg.logging.backends,
@@ -116,6 +137,8 @@ class Trainer:
             project=cfg.logging.wandb_project,
             resume_step=self.step if resumed else None,
         )
+        if not resumed:
+            self.logger.stage(prompts.metrics)  # merged into the step-0 row
 
     def _make_producer(self, cfg: Config, engines, prompts, reward_lock):
         pipe = cfg.pipeline
@@ -130,14 +153,18 @@ class Trainer:
             seed=cfg.run.seed,
             updates_per_batch=cfg.loss.mu * cfg.train.steps_per_generation,
         )
-        worker = RolloutWorker(engines.rollout, self.rewards, sampler, settings, reward_lock)
+        worker = RolloutWorker(
+            engines.rollout,
+            self.rewards,
+            sampler,
+            settings,
+            reward_lock,
+            reroll_attempts=pipe.reroll.max_attempts if pipe.reroll.enabled else 0,
+        )
         finisher = BatchFinisher(
             settings,
             max_staleness=pipe.max_staleness,  # also bounds replayed groups in sync mode
             replay=ReplayBuffer(pipe.replay.capacity) if pipe.replay.enabled else None,
-            reroll_attempts=pipe.reroll.max_attempts if pipe.reroll.enabled else 0,
-            sampler=sampler,
-            sampler_lock=worker.sampler_lock,
         )
         if pipe.mode == "async":
             return AsyncProducer(
@@ -147,16 +174,23 @@ class Trainer:
                 pipe.max_staleness,
                 streaming=streaming,
                 snapshot_device=engines.snapshot_device,
+                stall_timeout_s=pipe.stall_timeout_s,
             )
         return SyncProducer(worker, finisher)
 
     def _maybe_resume(self) -> bool:
-        path = resume_path(self.cfg, self.out)
+        path = self.checked.run_dir.resume_from
         if path is None:
             return False
         state = ckpt.load_checkpoint(path, self.policy.model, self.optimizer, self.scheduler)
+        bulky = ckpt.load_bulky_state(path)
         self.step, self.version, self.skipped = state["step"], state["version"], state["skipped"]
-        self.producer.load_state_dict(state["producer"])
+        self.skips = RunSkips(**state.get("skips", {}))
+        self.producer.load_state_dict(bulky.get("producer", state.get("producer")))
+        if "inflight" in bulky:
+            self.inflight = BatchInProgress.from_state(bulky["inflight"], self.cfg, self.policy)
+        # the engine gets these weights before it generates anything (async: a floor)
+        self.producer.report_progress(self.version, self._steps_left())
         self.producer.push_weights(self.version, self.policy.named_trainable_tensors)
         log.info("resumed from %s at step %d", path, self.step)
         return True
@@ -169,36 +203,60 @@ class Trainer:
             self.producer.start()
         try:
             while self.step < self.cfg.run.max_steps:
-                batch = self.producer.next_batch(self.version)
+                batch = self.producer.next_batch(self.version) if self.inflight is None else None
                 if self.engines.sleep_while_training:  # it wakes itself for the next request
                     self.engines.rollout.sleep()
-                self.train_on_batch(batch)
+                if batch is not None:
+                    self.inflight = self.start_batch(batch)
+                self.continue_batch()
             final = self.finish()
         finally:
             self.close()
         return final
 
-    def train_on_batch(self, batch: RolloutBatch) -> None:
+    def start_batch(self, batch: RolloutBatch) -> BatchInProgress | None:
+        """Plan the batch's steps and fill in old/reference log-probs; None: skipped."""
         t0 = time.perf_counter()
         samples = [s for s in batch.samples if s.reward is not None]
         steps = plan_steps(samples, self.cfg, self.policy)
+        if not steps:
+            self.skip_batch(batch)
+            return None
+        self.skips.batches_in_a_row = 0
         attach_old_and_ref(self.policy, steps, self.cfg, self.sampling)
         batch_metrics = {
             **batch.metrics,
             **rollout_metrics(batch, self.version),
             "time/score": time.perf_counter() - t0,
         }
-        for _ in range(self.cfg.loss.mu):
-            for planned in steps:
-                if self.step >= self.cfg.run.max_steps:
-                    return
-                self.optimizer_step(
-                    planned.micro_batches, {**batch_metrics, **planned.metrics}, batch
-                )
-                batch_metrics = {}  # generation metrics are logged once per batch
+        return BatchInProgress(batch, steps, self.cfg.loss.mu, metrics=batch_metrics)
+
+    def continue_batch(self) -> None:
+        """Optimizer steps on the batch in hand until it is done or max_steps is reached."""
+        while self.inflight is not None and self.step < self.cfg.run.max_steps:
+            work = self.inflight
+            planned, metrics = work.take()
+            if not work.remaining:  # a checkpoint at this step holds no batch in progress
+                self.inflight = None
+            self.optimizer_step(planned.micro_batches, metrics, work.batch)
+
+    def skip_batch(self, batch: RolloutBatch) -> None:
+        """Every sample unscored (a reward outage): consumed, counted, not trained on."""
+        self.skips.batches += 1
+        self.skips.batches_in_a_row += 1
+        log.warning(
+            "generation batch skipped: none of its %d samples was scored", len(batch.samples)
+        )
+        self.logger.log(self.step, {**batch.metrics, **self.skips.metrics()})
+        limit = self.cfg.pipeline.max_consecutive_skipped_batches
+        if self.skips.batches_in_a_row >= limit:
+            raise RunError(
+                f"the last {limit} generation batches had no scored sample, so there is nothing to train on (pipeline.max_consecutive_skipped_batches = {limit}); check the reward functions: reward/*/failures in {self.out / 'metrics.jsonl'} counts their failures"
+            )
 
     def optimizer_step(self, micro_batches, batch_metrics: dict, batch: RolloutBatch) -> None:
         t0 = time.perf_counter()
+        staleness = staleness_metrics(micro_batches, self.version)  # at this update
         result = train_step(
             self.policy, micro_batches, self.optimizer, self.cfg, self.sampling, self.loss_cfg
         )
@@ -206,23 +264,39 @@ class Trainer:
         if result.updated:
             self.scheduler.step()
             self.version += 1
+            self.skips.steps_in_a_row = 0
         else:
             self.skipped += 1
+            self.skips.steps_in_a_row += 1
             log.warning("step %d skipped: non-finite loss or gradient", self.step)
         train_s = time.perf_counter() - t0
+        self.producer.report_progress(self.version, self._steps_left())
         sync_s = self.sync_weights()
         tokens = sum(mb.num_tokens for mb in micro_batches)
         metrics = {
             **batch_metrics,
             **result.metrics,
+            **staleness,
             "lr": self.scheduler.get_last_lr()[0],
             "version": float(self.version),
             "train/skipped_steps": float(self.skipped),
+            **self.skips.metrics(),
             "time/train": train_s,
             "time/weight_sync": sync_s,
             "throughput/train_tokens_per_s": tokens / max(train_s, 1e-9),
         }
         self.on_step_end(metrics, batch)
+        self._stop_if_every_step_skips()
+
+    def _steps_left(self) -> int:
+        return self.inflight.remaining if self.inflight is not None else 0
+
+    def _stop_if_every_step_skips(self) -> None:
+        limit = self.cfg.train.max_consecutive_skipped_steps
+        if self.skips.steps_in_a_row >= limit:
+            raise RunError(
+                f"the last {limit} optimizer steps were all skipped because the loss or gradient was not finite (train.max_consecutive_skipped_steps = {limit}); lower train.learning_rate or loss.beta, or look at loss and grad_norm in {self.out / 'metrics.jsonl'}"
+            )
 
     def sync_weights(self) -> float:
         """New weights to the generator every sync_interval updates (a live engine: every one)."""
@@ -253,8 +327,11 @@ class Trainer:
             "step": self.step,
             "version": self.version,
             "skipped": self.skipped,
-            "producer": self.producer.state_dict(),
+            "skips": dataclasses.asdict(self.skips),
         }
+        bulky = {"producer": self.producer.state_dict()}
+        if self.inflight is not None:
+            bulky["inflight"] = self.inflight.state_dict()
         return ckpt.save_checkpoint(
             self.out,
             self.step,
@@ -263,14 +340,31 @@ class Trainer:
             self.scheduler,
             state,
             self.cfg.checkpoint.keep_last,
+            extra_files={"config.yaml": self.cfg.to_yaml()},  # compared on resume (rundir.py)
+            bulky_state=bulky,
         )
 
     def close(self) -> None:
-        """Producer first (it may be mid-call into the engines and the reward pool)."""
+        """The reward pool first: a producer thread waiting in `score()` gets PoolClosedError
+        at once instead of finishing a reward's timeout; then the producer (it may be
+        mid-call into the engines), then the engines."""
+        self.rewards.close()
         self.producer.close()
         self.engines.close()
-        self.rewards.close()
         self.logger.close()
+        self.checked.release()
+
+
+@dataclasses.dataclass
+class RunSkips:
+    """What the run skipped: unscored batches in all, and skips in a row (the stop rules)."""
+
+    batches: int = 0
+    batches_in_a_row: int = 0
+    steps_in_a_row: int = 0
+
+    def metrics(self) -> dict[str, float]:
+        return {"pipeline/skipped_batches": float(self.batches)}
 
 
 def _due(step: int, every: int) -> bool:
@@ -288,19 +382,8 @@ def make_scheduler(optimizer, cfg: Config):
     )
 
 
-def resume_path(cfg: Config, out: Path) -> Path | None:
-    if cfg.run.resume == "never":
-        return None
-    if cfg.run.resume == "auto":
-        return ckpt.latest_checkpoint(out)
-    path = Path(cfg.run.resume)
-    if not (path / "COMPLETE").exists():
-        raise FileNotFoundError(f"run.resume={path} is not a complete checkpoint directory")
-    return path
-
-
 def rollout_metrics(batch: RolloutBatch, trainer_version: int) -> dict[str, float]:
-    """Completion lengths, finish reasons and staleness of one generation batch."""
+    """Completion lengths, finish reasons and staleness (when consumed) of one batch."""
     lengths = [len(s.completion.ids) for s in batch.samples] or [0]
     stale = [trainer_version - s.version for s in batch.samples] or [0]
     n = max(len(batch.samples), 1)
@@ -311,11 +394,16 @@ def rollout_metrics(batch: RolloutBatch, trainer_version: int) -> dict[str, floa
             s.completion.finish_reason == "length" for s in batch.samples
         )
         / n,
-        "staleness/mean": float(np.mean(stale)),
-        "staleness/max": float(max(stale)),
+        "staleness/consumed_max": float(max(stale)),
         "samples/unscored": float(sum(s.reward is None for s in batch.samples)),
         "samples/replayed": float(sum(s.replayed for s in batch.samples)),
     }
+
+
+def staleness_metrics(micro_batches, version: int) -> dict[str, float]:
+    """Age of the samples of one optimizer step at this update (trainer version - theirs)."""
+    ages = version - torch.cat([mb.versions for mb in micro_batches]).float()
+    return {"staleness/mean": float(ages.mean()), "staleness/max": float(ages.max())}
 
 
 def sample_rows(batch: RolloutBatch, groups: int = 2, per_group: int = 3) -> list[dict]:
@@ -327,5 +415,11 @@ def sample_rows(batch: RolloutBatch, groups: int = 2, per_group: int = 3) -> lis
     ]
 
 
-def train(cfg: Config) -> dict[str, float]:
-    return Trainer(cfg).train()
+def train(cfg: Config, checked: Preflight | None = None) -> dict[str, float]:
+    """Run `cfg` to run.max_steps; a run already finished does nothing and returns {}."""
+    checked = checked if checked is not None else preflight(cfg)
+    if checked.finished:
+        checked.release()
+        log.info(checked.finished_message())
+        return {}
+    return Trainer(cfg, checked).train()

@@ -1,5 +1,6 @@
 """HFEngine: shapes, finish reasons, behaviour log-probs vs a teacher-forced recomputation,
-versions, weight updates (full and LoRA), seeding; sampling.process_logits vs transformers."""
+versions, weight updates (full and LoRA), seeding and RNG isolation from the trainer;
+sampling.process_logits vs transformers."""
 
 from __future__ import annotations
 
@@ -65,13 +66,15 @@ def test_shapes_and_version_tags(tokenizer, prompts):
     "params",
     [
         SamplingParams(temperature=0.7, top_k=5, min_p=0.1, max_new_tokens=6, seed=1),
-        SamplingParams(temperature=1.3, top_p=0.8, max_new_tokens=6, seed=2),
+        SamplingParams(temperature=1.3, top_p=0.8, max_new_tokens=6, seed=3),  # rows of 2 lengths
     ],
 )
 def test_behaviour_logprobs_match_teacher_forced(tokenizer, prompts, params):
-    model = with_eos_bias(tiny(tokenizer), tokenizer.eos_token_id, 2.0)
+    model = with_eos_bias(tiny(tokenizer), tokenizer.eos_token_id, 0.0)  # lengths 1 to 6
     engine = HFEngine(model, tokenizer, max_batch_size=8)  # 2 chunks of 2 prompts x 4
     groups = engine.generate(prompts, params, n=4, version=0)
+    # rows end at different steps: finished rows leave the running batch and its KV cache
+    assert len({len(c.ids) for g in groups for c in g}) > 1
     for prompt, group in zip(prompts, groups):
         for c in group:
             expected = teacher_forced(model, prompt, c.ids, params)
@@ -133,17 +136,34 @@ def test_version_mismatch_raises(tokenizer, prompts):
 
 def test_seeded_generation_is_reproducible_and_leaves_global_rng_alone(tokenizer, prompts):
     params = SamplingParams(max_new_tokens=5, seed=7)
+    other = SamplingParams(max_new_tokens=5, seed=8)
     runs = []
-    for _ in range(2):
+    for calls_before in (0, 2):
         engine = HFEngine(tiny(tokenizer), tokenizer)
         torch.manual_seed(123)
+        for _ in range(calls_before):  # e.g. evaluations at this version: they change nothing
+            engine.generate(prompts, other, 4, 0)
         runs.append([[c.ids for c in g] for g in engine.generate(prompts, params, 4, 0)])
-        runs.append([[c.ids for c in g] for g in engine.generate(prompts, params, 4, 0)])
+        runs.append([[c.ids for c in g] for g in engine.generate(prompts, other, 4, 0)])
         after = torch.rand(3)
         torch.manual_seed(123)
         assert torch.equal(after, torch.rand(3)), "generation moved the global RNG"
     assert runs[0] == runs[2] and runs[1] == runs[3]
-    assert runs[0] != runs[1], "a second call at the same version must draw new samples"
+    assert runs[0] != runs[1], "another seed must draw new samples"
+
+
+def test_samples_depend_on_seed_and_version_only(tokenizer, prompts):
+    """No hidden per-engine call counter: a resumed engine replays the same samples."""
+    params = SamplingParams(max_new_tokens=5, seed=7)
+    evaluation = SamplingParams(max_new_tokens=5, seed=99)
+    used = HFEngine(tiny(tokenizer), tokenizer)
+    used.update_weights((), 4)
+    used.generate(prompts, evaluation, 2, 4)  # an evaluation bumped the old counter
+    fresh = HFEngine(tiny(tokenizer), tokenizer)  # what a resume builds
+    fresh.update_weights((), 4)
+    assert [[c.ids for c in g] for g in used.generate(prompts, params, 4, 4)] == [
+        [c.ids for c in g] for g in fresh.generate(prompts, params, 4, 4)
+    ]
 
 
 def test_train_mode_and_gradient_checkpointing_restored(tokenizer, prompts):
@@ -274,3 +294,54 @@ def test_shared_engine_generates_on_the_models_device(tokenizer):
     assert HFEngine(model, tokenizer, device=torch.device("cpu")).device == torch.device("cpu")
     with pytest.raises(ValueError, match="share_weights=True generates on the model's device"):
         HFEngine(model, tokenizer, device="meta")
+
+
+def test_unseeded_generation_does_not_touch_the_global_rng(tokenizer, prompts):
+    engine = HFEngine(tiny(tokenizer), tokenizer)
+    torch.manual_seed(11)
+    state = torch.get_rng_state()
+    groups = engine.generate(prompts, SamplingParams(max_new_tokens=4), 2, 0)
+    assert all(len(c.ids) >= 1 for g in groups for c in g)
+    assert torch.equal(torch.get_rng_state(), state), "generation drew from the global RNG"
+
+
+def test_producer_thread_does_not_race_checkpointed_dropout(tokenizer, prompts):
+    """The async layout: an engine with its own copy samples in a thread while the trainer
+    runs dropout under non-reentrant checkpointing; the recomputed forward must draw the
+    same mask as the forward (torch restores the global RNG state for it)."""
+    import threading
+
+    from torch.utils.checkpoint import checkpoint
+
+    engine = HFEngine(tiny(tokenizer), tokenizer, share_weights=False)
+    params = SamplingParams(max_new_tokens=6, seed=3, top_k=20)
+    stop, calls = threading.Event(), [0]
+
+    def producer():
+        while not stop.is_set():
+            engine.generate(prompts, params, 4, 0)
+            calls[0] += 1
+
+    thread = threading.Thread(target=producer, daemon=True)
+    thread.start()
+    w = torch.tensor(2.0, requires_grad=True)
+    x = torch.rand(4096)
+
+    def layer(x):
+        h = x * w
+        h = h + 0.0
+        return torch.nn.functional.dropout(h, 0.5, training=True)
+
+    bad = 0
+    try:
+        for _ in range(150):
+            w.grad = None
+            y = checkpoint(layer, x, use_reentrant=False)
+            y.sum().backward()
+            expected = (y.detach().sum() / w.detach()).item()  # with the forward's own mask
+            bad += abs(w.grad.item() - expected) > 1e-3 * abs(expected)
+    finally:
+        stop.set()
+        thread.join(30)
+    assert calls[0] > 0  # the producer really ran alongside
+    assert bad == 0, f"backward used another dropout mask than forward in {bad}/150 steps"

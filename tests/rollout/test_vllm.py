@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import tempfile
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -24,8 +25,9 @@ import pytest
 import torch
 from conftest import make_tiny_model
 from safetensors.torch import load_file
+from vllm_fakes import FakeLocal, Served
 
-from leangrpo.contracts import Completion, EngineVersionError, Prompt, SamplingParams
+from leangrpo.contracts import EngineVersionError, Prompt, SamplingParams
 from leangrpo.rollout.vllm import (
     VLLMEngine,
     VLLMSettings,
@@ -39,9 +41,9 @@ from leangrpo.rollout.vllm_server import (
     ServerPool,
     VLLMServerError,
     free_port,
-    make_handler,
     parse_extra_flags,
 )
+from leangrpo.seeding import prompt_seed
 
 # --------------------------------------------------------------------------- no vLLM needed
 
@@ -120,14 +122,19 @@ def test_lora_tensors_become_a_peft_adapter_that_peft_loads(tmp_path):
     trained = get_peft_model(make_tiny_model(), config)
     live = [(n, p) for n, p in trained.named_parameters() if p.requires_grad]
     write_adapter(live, trained.peft_config["default"], tmp_path / "a")
-    published = publish_adapter(tmp_path / "a", tmp_path / "adapters", version=3)
-    assert published == tmp_path / "adapters" / "v3"
-    assert [p.name for p in (tmp_path / "adapters").iterdir()] == ["v3"]  # no staging left
+    (tmp_path / "a" / "README.md").write_text("model card")
+    published = publish_adapter(tmp_path / "a", tmp_path / "adapters", "run-v3-1")
+    assert published == tmp_path / "adapters" / "run-v3-1"
+    assert [p.name for p in (tmp_path / "adapters").iterdir()] == ["run-v3-1"]  # no staging left
+    assert sorted(p.name for p in published.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]  # only what vLLM loads, never a pickle
     reloaded = PeftModel.from_pretrained(make_tiny_model(), str(published))
     ids = torch.tensor([[1, 2, 3, 4]])
     torch.testing.assert_close(reloaded(ids).logits, trained(ids).logits)
     with pytest.raises(FileNotFoundError, match="save_pretrained"):
-        publish_adapter(tmp_path, tmp_path / "adapters", version=4)
+        publish_adapter(tmp_path, tmp_path / "adapters", "run-v4-2")
 
 
 def test_make_vllm_engine_maps_the_config(monkeypatch):
@@ -177,58 +184,12 @@ def test_extra_serve_flags_become_engine_kwargs():
     assert got == {"max_num_seqs": 64, "enable_prefix_caching": True, "swap_space": 2, "x": "y"}
 
 
-class FakeLocal:
-    """Stands in for LocalVLLM behind the HTTP server: same gate, scripted outputs."""
-
-    def __init__(self, name: str, delay_s: float = 0.0):
-        self.name, self.delay_s = name, delay_s
-        self.gate = VersionGate(0)
-        self.weights: dict[str, torch.Tensor] = {}
-        self.adapter_files: dict[str, bytes] = {}
-        self.served: list[list[int]] = []
-
-    @property
-    def version(self) -> int:
-        return self.gate.version
-
-    def generate(self, prompt_ids, params, n, version, seeds=None):
-        self.seeds = seeds
-        with self.gate.admit(version):
-            time.sleep(self.delay_s)
-            self.served += prompt_ids
-            return [
-                [
-                    Completion(
-                        ids[::-1] + [k], self.name, [-0.5] * (len(ids) + 1), "length", version
-                    )
-                    for k in range(n)
-                ]
-                for ids in prompt_ids
-            ]
-
-    def load_weight_files(self, paths, version):
-        with self.gate.update(version, drain=True):
-            for p in paths:
-                self.weights.update(load_file(p))
-
-    def load_adapter(self, source: Path, version: int):
-        with self.gate.update(version, drain=False):
-            self.adapter_files = {p.name: p.read_bytes() for p in source.iterdir()}
-
-
 @pytest.fixture
 def fake_servers(tmp_path):
-    servers, locals_ = [], []
-    for name in ("a", "b"):
-        local = FakeLocal(name, delay_s=0.3)
-        server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(local, tmp_path / name, "fake"))
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append(server)
-        locals_.append(local)
-    yield [f"http://127.0.0.1:{s.server_address[1]}" for s in servers], locals_
-    for s in servers:
-        s.shutdown()
-        s.server_close()
+    served = [Served(FakeLocal(name, delay_s=0.3), tmp_path / name) for name in ("a", "b")]
+    yield [s.url for s in served], [s.local for s in served]
+    for s in served:
+        s.close()
 
 
 def test_server_pool_round_robin_sync_during_flight_and_versions(fake_servers, tmp_path):
@@ -236,11 +197,15 @@ def test_server_pool_round_robin_sync_during_flight_and_versions(fake_servers, t
     engine = VLLMEngine(ServerPool(urls, timeout_s=10, max_retries=0), VLLMSettings(mode="server"))
     prompts = [Prompt(uid=i, text="", ids=[i, i + 10]) for i in range(5)]
     params = SamplingParams(max_new_tokens=3)
+    assert engine.version == -1  # the servers hold none of this run's weights yet
+    with pytest.raises(EngineVersionError, match="has not pushed its weights"):
+        engine.generate(prompts, params, n=2, version=0)
+    engine.update_weights({"w": torch.zeros(2, 3)}.items(), version=0)
     groups = engine.generate(prompts, params, n=2, version=0)
     assert [g[0].ids for g in groups] == [[i + 10, i, 0] for i in range(5)]  # prompt order kept
     assert len(a.served) == 3 and len(b.served) == 2  # round-robin over prompts
     engine.generate(prompts, SamplingParams(seed=100), n=4, version=0)
-    assert sorted(a.seeds + b.seeds) == [100, 104, 108, 112, 116]  # distinct per prompt x sample
+    assert sorted(a.seeds + b.seeds) == sorted(prompt_seed(100, i, 4) for i in range(5))
 
     results: dict[int, list] = {}
     threads = [
@@ -265,12 +230,13 @@ def test_server_pool_round_robin_sync_during_flight_and_versions(fake_servers, t
     (tmp_path / "adapter").mkdir()
     (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({"r": 4}))
     (tmp_path / "adapter" / "adapter_model.safetensors").write_bytes(b"\x00\x01binary")
+    (tmp_path / "adapter" / "README.md").write_text("peft's model card: not sent")
     engine.load_adapter(tmp_path / "adapter", version=2)
     assert a.adapter_files["adapter_model.safetensors"] == b"\x00\x01binary" and b.version == 2
+    assert sorted(a.adapter_files) == ["adapter_config.json", "adapter_model.safetensors"]
     stale = ServerPool(urls[:1], timeout_s=10, max_retries=0)
-    stale.version = 1
     with pytest.raises(EngineVersionError, match="holds version 2"):  # the server checks too
-        stale.generate([[1]], params, 1, version=1)
+        stale.generate([[1]], params, 1, version=1, run=engine.run_id)
     engine.close()
 
 
@@ -465,7 +431,8 @@ def test_lora_sync_by_version_named_adapter_files(colocated, tied_char_model, tm
 
     v1 = colocated.version + 1
     colocated.load_adapter(tmp_path / "adapter", version=v1)
-    assert (colocated.backend.work_dir / "adapters" / f"v{v1}" / "adapter_config.json").is_file()
+    slot = colocated.backend.adapters.slots[colocated.run_id, v1]
+    assert (slot.path / "adapter_config.json").is_file() and str(v1) in slot.name
     groups = colocated.generate(PROMPTS, params, n=4, version=v1)
     assert mean_abs_logprob_gap(policy, PROMPTS, groups, params) < 1e-3
     assert mean_abs_logprob_gap(base, PROMPTS, groups, params) > 1e-2
@@ -483,6 +450,27 @@ def test_lora_sync_by_version_named_adapter_files(colocated, tied_char_model, tm
     assert mean_abs_logprob_gap(policy, PROMPTS, groups, params) < 1e-3
     with pytest.raises(EngineVersionError):
         colocated.generate(PROMPTS, params, n=1, version=v1)
+
+    # A long-lived server: the next run pushes its base weights, then an adapter at the
+    # version number the first run's adapter had, with other tensors. vLLM caches adapters
+    # by integer id: reusing the id (it was version + 1) served the first run's adapter.
+    local, other = colocated.backend, "next-run"
+    with tempfile.TemporaryDirectory() as tmp:
+        local.load_weight_files(
+            write_weight_buckets(base.state_dict().items(), Path(tmp)), 0, run=other
+        )
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.mul_(-0.5)
+    adapter = write_adapter(
+        [(n, p) for n, p in policy.named_parameters() if "lora_" in n], config, tmp_path / "next"
+    )
+    local.load_adapter(adapter, v1, run=other)
+    assert local.adapters.slots[other, v1].int_id > slot.int_id  # never reused
+    ids = [p.ids for p in PROMPTS]
+    groups = local.generate(ids, params, 4, v1, run=other)
+    assert mean_abs_logprob_gap(policy, PROMPTS, groups, params) < 1e-3  # the new tensors
 
 
 @pytest.mark.vllm
@@ -506,6 +494,10 @@ def test_server_mode_over_loopback_sync_while_two_requests_are_in_flight(char_mo
     )
     try:
         pool = engine.backend
+        assert pool.token  # a server the trainer starts gets a fresh random token
+        with pytest.raises(VLLMServerError, match="refused the token"):
+            ServerPool(pool.urls, max_retries=0)
+        engine.update_weights(old.state_dict().items(), version=0)  # as the trainer at start
         params = SamplingParams(temperature=1.0, max_new_tokens=64, seed=1)
         results: dict[int, list] = {}
         threads = [

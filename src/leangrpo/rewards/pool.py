@@ -1,118 +1,124 @@
 """Score rollout samples with the configured reward functions in worker processes.
 
-Generated text is untrusted and user reward code may hang, crash or leak, so nothing runs in
-the trainer's process. The pool is its own small process manager rather than a
-`ProcessPoolExecutor`, because an executor cannot stop a running task:
+Generated text is untrusted and user reward code may hang, crash, leak processes or write
+garbage, so nothing of it runs in the trainer's process. The pool is its own small process
+manager rather than a `ProcessPoolExecutor`, because an executor cannot stop a running task:
 
-- Each worker is a fresh interpreter (`python -c ...`, like the "spawn" start method but
-  without re-importing the trainer's `__main__`, so it never loads torch) talking over a
-  socket pair. It resolves every function by name (registry.ResolvedReward) once at start-up and
-  reports ready; time limits start only then, so imports never count against them.
-- `score` splits the samples, per function, into chunks of at most `chunk_size`, hands
-  them to idle workers and waits on all pipes at once. A chunk that raises, returns a bad
-  value, kills its worker or runs past `timeout_s` is retried one sample per call, so a
-  sample's reward is None (and counted as a failure) only when it fails on its own.
-- Two time limits: at `timeout_s` the worker interrupts the call itself (a signal raised in
-  its main thread: enough for Python code and sleeps, and the worker lives on); a worker
-  still silent `grace_s` later (stuck in C code) is killed and replaced.
-- `timeout_s` therefore bounds one call on one chunk; keep it above what a healthy chunk
-  needs, or lower `chunk_size`.
-- Workers ignore Ctrl-C (the trainer decides when they stop), exit on EOF when the pool
-  closes, and exit by themselves if the trainer dies; `close()` runs at interpreter exit.
+- Workers (worker.py, started by process.py in their own sessions) resolve every function
+  once and report ready; time limits start only then, so imports never count against them.
+- `score` splits the samples into chunks of at most `chunk_size` and sends each chunk to an
+  idle worker as one message covering every function (functions whose measured speed calls
+  for smaller chunks get their own). The worker answers per function, and the pool waits on
+  all workers at once.
+- Failures are per sample: a value that is not a finite number or None is that sample's
+  failure. A call that raises, returns the wrong shape, kills its worker, garbles its reply
+  or runs past `timeout_s` is retried one sample per call, so a sample's reward is None (and
+  counted) only when it fails on its own. The first failure of each kind per function is
+  logged with its message; the rest are counted in `reward/<name>/failures`.
+- Two time limits: at `timeout_s` the worker interrupts the call itself (the worker lives
+  on); a worker still silent `grace_s` later (stuck in C code) has its whole process tree
+  killed and is replaced. `timeout_s` bounds one function on one chunk; chunks shrink once a
+  function's speed is measured so that a chunk takes about a quarter of it.
+- `close()` may come from another thread while `score` runs (the trainer's shutdown): it
+  kills every worker's tree at once and wakes the scoring thread, which raises
+  PoolClosedError; it never waits for a reward's time limit. It also runs at exit.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import math
-import numbers
 import os
-import signal
-import subprocess
-import sys
+import pickle
 import threading
 import time
 import weakref
 from collections import deque
-from dataclasses import asdict, dataclass
-from multiprocessing.connection import Connection, Pipe, wait
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+from typing import TYPE_CHECKING, Any
 
-from leangrpo.contracts import RolloutSample
+from leangrpo.advantages import mean_std
+from leangrpo.rewards.check import (
+    did_not_start,
+    exited,
+    init_error,
+    startup_timeout,
+    worker_init,
+)
+from leangrpo.rewards.process import OutputBudget, WorkerGone, WorkerProcess
+from leangrpo.rewards.protocol import (
+    CallError,
+    InitError,
+    Loading,
+    ProtocolError,
+    Ready,
+    Reply,
+    Result,
+)
 from leangrpo.rewards.registry import (
-    BUILTIN_NAMES,
+    PoolClosedError,
     ResolvedReward,
-    RewardError,
+    RewardFailedError,
     RewardSpecError,
-    check_rewards,
-    resolve,
+    parse_specs,
 )
 
-STARTUP_TIMEOUT_S = 120.0
-_WORKER_CODE = (
-    "import sys; from leangrpo.rewards.pool import worker_main; worker_main(int(sys.argv[1]))"
-)
+if TYPE_CHECKING:
+    from leangrpo.contracts import RolloutSample
+
+log = logging.getLogger("leangrpo.rewards")
 
 
 @dataclass
 class _Task:
-    fn_index: int
     indices: list[int]  # sample positions in the score() call
+    fns: list[int]  # functions still to answer, in the order the worker runs them
+    id: int = 0
 
 
-class _Worker:
-    """One worker process and its end of the socket pair."""
+@dataclass
+class _Run:
+    """The state of one score() call."""
 
-    def __init__(self, specs: list[ResolvedReward], timeout_s: float):
-        self.conn, child = Pipe(duplex=True)
-        env = dict(os.environ)
-        src = str(Path(__file__).resolve().parents[2])  # the dir holding the leangrpo package
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _WORKER_CODE, str(child.fileno())],
-            pass_fds=(child.fileno(),),
-            stdin=subprocess.DEVNULL,
-            env=env,
-        )
-        child.close()
-        self.conn.send(("init", list(sys.path), [asdict(s) for s in specs], timeout_s))
-        self.started = time.monotonic()
-        self.ready = False
-        self.task: _Task | None = None
-        self.task_id = -1
-        self.sent_at = 0.0
-        self.deadline = math.inf
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        self.conn.close()
+    samples: list[RolloutSample]
+    values: list[list[float | None]]  # [function][sample]
+    failures: list[int]
+    queue: deque[_Task] = field(default_factory=deque)
 
 
 class RewardPool:
     """`RewardPool(cfg.rewards).score(samples)` sets `sample.rewards` and `sample.reward`."""
 
     def __init__(self, rewards_cfg: Any, chunk_size: int = 16):
-        self.specs = check_rewards(rewards_cfg)
+        self.specs = parse_specs(rewards_cfg)  # the workers import; check_rewards did already
         self.timeout_s = float(rewards_cfg.timeout_s)
         self.fail_fast = bool(rewards_cfg.fail_fast)
         self.num_workers = int(rewards_cfg.num_workers)
-        if self.timeout_s <= 0 or self.num_workers < 1:
+        if not 0 < self.timeout_s < math.inf or self.num_workers < 1:
             raise RewardSpecError(
                 f"rewards.timeout_s = {self.timeout_s} and rewards.num_workers = "
-                f"{self.num_workers} must both be positive"
+                f"{self.num_workers} must both be positive and finite"
             )
         if chunk_size < 1:
             raise ValueError(f"chunk_size = {chunk_size} must be >= 1")
         self.chunk_size = chunk_size
         self.grace_s = max(1.0, 0.25 * self.timeout_s)  # soft limit in the worker, then kill
-        self._lock = threading.Lock()
+        self.startup_timeout_s = startup_timeout(rewards_cfg)
+        self._init = worker_init(self.specs, rewards_cfg, "serve")
+        self._lock = threading.RLock()  # one score() at a time; close() may re-enter
+        self._state = threading.Lock()  # guards _closed against spawning new workers
+        self._closed = False
+        self._wake_read, self._wake_write = os.pipe()  # close() wakes a waiting score()
+        self._budget = OutputBudget()
+        self._logged: set[tuple[int, str]] = set()
         self._task_ids = 0
         self._seconds_per_sample: list[float | None] = [None] * len(self.specs)
-        self._workers = [_Worker(self.specs, self.timeout_s) for _ in range(self.num_workers)]
+        self._workers: list[WorkerProcess] = []
+        for slot in range(self.num_workers):
+            self._workers.append(self._spawn(slot))
         _LIVE_POOLS.add(self)
 
     @property
@@ -124,38 +130,38 @@ class RewardPool:
         if not samples:
             return {}
         with self._lock:
-            if not self._workers:
-                raise RewardError("this RewardPool is closed")
-            values, failures = self._run_all(samples)
-        return _apply_and_summarise(samples, self.specs, values, failures)
+            if self._closed:
+                raise PoolClosedError("this RewardPool is closed")
+            try:
+                run = self._run_all(samples)
+            finally:
+                self._budget.reset()
+                if self._closed:
+                    self._release_all()
+        return _apply_and_summarise(samples, self.specs, run.values, run.failures)
 
-    def _run_all(self, samples: list[RolloutSample]) -> tuple[list[list], list[int]]:
+    # ---- scheduling ---------------------------------------------------------------------
+
+    def _run_all(self, samples: list[RolloutSample]) -> _Run:
         self._restart_busy_workers()  # left over from a call that was interrupted
         n = len(samples)
+        run = _Run(samples, [[None] * n for _ in self.specs], [0] * len(self.specs))
+        run.queue.extend(self._initial_tasks(n))
         payload = _payload(samples)
-        values: list[list] = [[None] * n for _ in self.specs]
-        failures = [0] * len(self.specs)
-        queue = deque(
-            _Task(f, list(range(start, min(start + size, n))))
-            for f, size in enumerate(self._chunk_sizes(n))
+        while run.queue or any(w.task for w in self._workers):
+            self._dispatch(run, payload)
+            self._wait_and_handle(run)
+        return run
+
+    def _initial_tasks(self, n: int) -> list[_Task]:
+        by_size: dict[int, list[int]] = {}
+        for fn, size in enumerate(self._chunk_sizes(n)):
+            by_size.setdefault(size, []).append(fn)
+        return [
+            _Task(list(range(start, min(start + size, n))), fns)
+            for size, fns in by_size.items()
             for start in range(0, n, size)
-        )
-        while queue or any(w.task for w in self._workers):
-            self._dispatch(queue, payload)
-            for task, outcome in self._wait_for_events():
-                if outcome[0] == "ok":
-                    for i, v in zip(task.indices, outcome[1]):
-                        values[task.fn_index][i] = v
-                    self._record_time(task, outcome[2])
-                elif len(task.indices) > 1:  # find the samples that fail on their own
-                    queue.extend(_Task(task.fn_index, [i]) for i in task.indices)
-                elif self.fail_fast:
-                    self._restart_busy_workers()
-                    key, i = self.specs[task.fn_index].key, task.indices[0]
-                    raise RewardError(f"reward '{key}' failed on sample {i}: {outcome[1]}")
-                else:
-                    failures[task.fn_index] += 1
-        return values, failures
+        ]
 
     def _chunk_sizes(self, n: int) -> list[int]:
         """Per function: spread over the workers, at most chunk_size, and small enough that
@@ -168,92 +174,171 @@ class RewardPool:
             for per_sample in self._seconds_per_sample
         ]
 
-    def _record_time(self, task: _Task, elapsed: float) -> None:
-        per_sample = elapsed / len(task.indices)
-        old = self._seconds_per_sample[task.fn_index]
-        self._seconds_per_sample[task.fn_index] = (
-            per_sample if old is None else 0.5 * (old + per_sample)
-        )
+    def _record_time(self, fn: int, elapsed: float, count: int) -> None:
+        per_sample = elapsed / count
+        old = self._seconds_per_sample[fn]
+        self._seconds_per_sample[fn] = per_sample if old is None else 0.5 * (old + per_sample)
 
-    def _dispatch(self, queue: deque, payload: tuple) -> None:
-        for worker in self._workers:
-            if not queue:
+    def _dispatch(self, run: _Run, payload: tuple) -> None:
+        prompts, completions, columns = payload
+        for slot, worker in enumerate(self._workers):
+            if not run.queue:
                 return
             if worker.ready and worker.task is None:
-                task = queue.popleft()
-                prompts, completions, columns = payload
-                pick = task.indices
+                task = run.queue.popleft()
                 self._task_ids += 1
-                worker.task, worker.task_id = task, self._task_ids
-                worker.conn.send(
-                    (
-                        worker.task_id,
-                        task.fn_index,
-                        [prompts[i] for i in pick],
-                        [completions[i] for i in pick],
-                        {name: [col[i] for i in pick] for name, col in columns.items()},
-                    )
+                task.id = self._task_ids
+                pick = task.indices
+                chunk = (
+                    [prompts[i] for i in pick],
+                    [completions[i] for i in pick],
+                    {name: [col[i] for i in pick] for name, col in columns.items()},
                 )
-                worker.sent_at = time.monotonic()
-                worker.deadline = worker.sent_at + self.timeout_s + self.grace_s
+                self._start(worker, task)
+                try:
+                    worker.send((task.id, task.fns, pickle.dumps(chunk)))
+                except WorkerGone as e:
+                    self._fail_worker(slot, run, "worker died", str(e))
 
-    def _wait_for_events(self) -> list[tuple[_Task, tuple]]:
-        """Block until a worker answers, dies, becomes ready or passes its deadline;
-        returns the settled tasks as (task, ("ok" | "error", values | message, seconds))."""
-        deadline = min(w.deadline for w in self._workers)
-        timeout = None if deadline == math.inf else max(0.0, deadline - time.monotonic())
-        if not any(w.ready for w in self._workers):
-            timeout = 1.0 if timeout is None else min(timeout, 1.0)  # poll the start-up limit
-        readable = set(wait([w.conn for w in self._workers], timeout))
-        events = []
+    def _start(self, worker: WorkerProcess, task: _Task | None) -> None:
+        worker.task = task
+        worker.since = time.monotonic()
+        worker.deadline = worker.since + self.timeout_s + self.grace_s if task else math.inf
+
+    def _wait_and_handle(self, run: _Run) -> None:
+        """Block until a worker replies, dies, prints or passes a deadline; handle it."""
+        deadlines = [w.deadline for w in self._workers if w.task is not None]
+        deadlines += [w.started + self.startup_timeout_s for w in self._workers if not w.ready]
+        timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+        handles: list[Any] = [self._wake_read]
+        for w in self._workers:
+            handles += w.handles()
+        ready = set(wait(handles, timeout))
+        if self._closed:
+            raise PoolClosedError("the reward pool was closed while scoring")
+        now = time.monotonic()
         for slot, worker in enumerate(list(self._workers)):
-            if worker.conn in readable:
-                outcome = self._receive(slot, worker)
-            elif worker.task is not None and time.monotonic() >= worker.deadline:
-                outcome = ("error", f"timed out after {self.timeout_s:g} s", self.timeout_s)
-                self._replace(slot)
-            else:
-                self._check_startup(worker)
-                continue
-            if outcome is not None and worker.task is not None:
-                events.append((worker.task, outcome))
-                worker.task, worker.deadline = None, math.inf
-        return events
+            if worker.out_fd in ready:
+                worker.relay_output()
+            if worker.sock in ready:
+                self._read(slot, worker, run)
+            elif worker.task is not None and now >= worker.deadline:
+                message = (
+                    f"timed out after {self.timeout_s:g} s and did not stop within "
+                    f"{self.grace_s:g} s more (its worker was killed)"
+                )
+                self._fail_worker(slot, run, "timeout", message)
+            elif not worker.ready and now - worker.started > self.startup_timeout_s:
+                self.close()
+                raise RewardSpecError(
+                    did_not_start(self.specs, worker.loading, self.startup_timeout_s)
+                )
 
-    def _receive(self, slot: int, worker: _Worker) -> tuple | None:
+    def _read(self, slot: int, worker: WorkerProcess, run: _Run) -> None:
         try:
-            message = worker.conn.recv()
-        except (EOFError, OSError):
-            code = worker.proc.wait()
+            replies = worker.receive()
+        except WorkerGone:
+            code = worker.terminate()
             if not worker.ready:
                 self.close()
-                raise RewardError(
-                    f"a reward worker exited during start-up (exit code {code}); its error is above"
-                ) from None
-            self._replace(slot)
-            died = f"the worker process died (exit code {code})"
-            return ("error", died, 0.0) if worker.task else None
-        kind = message[0]
-        if kind == "ready":
-            worker.ready = True
-            return None
-        if kind == "init_error":
-            self.close()
-            raise RewardError(f"a reward worker could not resolve its functions: {message[1]}")
-        _, task_id, result = message
-        if task_id != worker.task_id:
-            return None  # stale; cannot happen while timed-out workers are replaced
-        return (kind, result, time.monotonic() - worker.sent_at)
+                raise RewardSpecError(exited(self.specs, worker.loading, code)) from None
+            self._fail_worker(
+                slot, run, "worker died", f"the worker process died (exit code {code})"
+            )
+            return
+        except ProtocolError as e:
+            self._fail_worker(slot, run, "garbled reply", str(e))
+            return
+        for reply in replies:
+            if self._workers[slot] is not worker:
+                return  # replaced: the rest came from a worker that is gone
+            self._handle(slot, worker, reply, run)
 
-    def _check_startup(self, worker: _Worker) -> None:
-        if not worker.ready and time.monotonic() - worker.started > STARTUP_TIMEOUT_S:
+    def _handle(self, slot: int, worker: WorkerProcess, reply: Reply, run: _Run) -> None:
+        if isinstance(reply, Ready):
+            worker.ready = True
+        elif isinstance(reply, Loading):
+            worker.loading = min(reply.fn, len(self.specs) - 1)
+        elif isinstance(reply, InitError):
             self.close()
-            raise RewardError(f"a reward worker did not start within {STARTUP_TIMEOUT_S:g} s")
+            raise RewardSpecError(init_error(self.specs, reply))
+        else:
+            self._answer(slot, worker, reply, run)
+
+    def _answer(self, slot: int, worker: WorkerProcess, reply: Result | CallError, run: _Run):
+        task = worker.task
+        if (
+            task is None
+            or (reply.task, reply.fn) != (task.id, task.fns[0])
+            or (isinstance(reply, Result) and len(reply.values) != len(task.indices))
+        ):
+            self._fail_worker(slot, run, "garbled reply", "a reply that does not fit its task")
+            return
+        now = time.monotonic()
+        if isinstance(reply, Result):
+            self._record_time(reply.fn, now - worker.since, len(task.indices))
+            for i, value in zip(task.indices, reply.values):
+                run.values[reply.fn][i] = value
+            for j, kind, msg in reply.errors:
+                self._sample_failed(run, reply.fn, task.indices[j], kind, msg)
+        else:
+            self._call_failed(run, task, reply.kind, reply.msg)
+        rest = task.fns[1:]
+        self._start(worker, _Task(task.indices, rest, task.id) if rest else None)
+        if reply.retire and not rest:  # it exits: a call was stopped mid-import
+            self._replace(slot)
+
+    def _call_failed(self, run: _Run, task: _Task, kind: str, msg: str) -> None:
+        """Function task.fns[0] failed on the whole chunk."""
+        fn = task.fns[0]
+        if len(task.indices) > 1:  # find the samples that fail on their own
+            run.queue.extend(_Task([i], [fn]) for i in task.indices)
+        else:
+            self._sample_failed(run, fn, task.indices[0], kind, msg)
+
+    def _sample_failed(self, run: _Run, fn: int, i: int, kind: str, msg: str) -> None:
+        key = self.specs[fn].key
+        detail = msg if not kind[:1].isupper() else f"{kind}: {msg}" if msg else kind
+        if self.fail_fast:
+            self._restart_busy_workers()
+            raise RewardFailedError(
+                f"reward '{key}' failed on sample {i} (prompt uid "
+                f"{run.samples[i].prompt.uid}): {detail} (rewards.fail_fast stops the run "
+                "at the first failure)"
+            )
+        run.failures[fn] += 1
+        if (fn, kind) not in self._logged:
+            self._logged.add((fn, kind))
+            log.warning(
+                "reward '%s' failed on a sample: %s (later failures of this kind are only "
+                "counted in reward/%s/failures)",
+                key,
+                detail,
+                key,
+            )
+
+    # ---- worker lifecycle ---------------------------------------------------------------
+
+    def _spawn(self, slot: int) -> WorkerProcess:
+        return WorkerProcess(self._init, f"reward worker {slot}", self._budget)
+
+    def _fail_worker(self, slot: int, run: _Run, kind: str, msg: str) -> None:
+        """The worker broke while running its task's first function: replace it, fail that
+        function's call, and queue the task's other functions again."""
+        task = self._workers[slot].task
+        self._replace(slot)
+        if task is None:
+            return
+        if len(task.fns) > 1:
+            run.queue.append(_Task(task.indices, task.fns[1:]))
+        self._call_failed(run, task, kind, msg)
 
     def _replace(self, slot: int) -> None:
-        old = self._workers[slot]
-        old.kill()
-        self._workers[slot] = _Worker(self.specs, self.timeout_s)  # the caller settles old.task
+        with self._state:
+            if self._closed:
+                raise PoolClosedError("the reward pool was closed while scoring")
+            self._workers[slot].kill()
+            self._workers[slot] = self._spawn(slot)
 
     def _restart_busy_workers(self) -> None:
         for slot, worker in enumerate(self._workers):
@@ -261,17 +346,31 @@ class RewardPool:
                 self._replace(slot)
 
     def close(self) -> None:
-        """Stop every worker (EOF first, then kill what is still running)."""
-        workers, self._workers = getattr(self, "_workers", []), []
+        """Kill every worker's tree now; a score() running in another thread raises
+        PoolClosedError. Returns without waiting on any reward's time limit."""
+        with self._state:
+            first, self._closed = not self._closed, True
+            workers = list(self._workers)
+        if first:
+            with contextlib.suppress(OSError):
+                os.write(self._wake_write, b"x")
         for worker in workers:
-            worker.conn.close()
-        for worker in workers:
+            worker.terminate()
+        if self._lock.acquire(timeout=5.0):  # the scoring thread leaves at once when woken
             try:
-                worker.proc.wait(timeout=0.5 if worker.task is None else 0.0)
-            except subprocess.TimeoutExpired:
-                worker.proc.kill()
-                worker.proc.wait()
+                self._release_all()
+            finally:
+                self._lock.release()
         _LIVE_POOLS.discard(self)
+
+    def _release_all(self) -> None:
+        for worker in self._workers:
+            worker.kill()
+        self._workers = []
+        for fd in (self._wake_read, self._wake_write):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._wake_read = self._wake_write = -1
 
     def __enter__(self) -> RewardPool:
         return self
@@ -281,7 +380,8 @@ class RewardPool:
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
-            self.close()
+            if hasattr(self, "_state"):
+                self.close()
 
 
 _LIVE_POOLS: weakref.WeakSet[RewardPool] = weakref.WeakSet()
@@ -310,125 +410,23 @@ def _apply_and_summarise(
     for spec, fn_values, fn_failures in zip(specs, values, failures):
         scored = [v for v in fn_values if v is not None]
         if scored:
-            metrics[f"reward/{spec.key}/mean"] = sum(scored) / len(scored)
+            metrics[f"reward/{spec.key}/mean"] = mean_std(scored)[0]
         metrics[f"reward/{spec.key}/failures"] = float(fn_failures)
+    overflowed = 0
     for i, sample in enumerate(samples):
         sample.rewards = {spec.key: values[f][i] for f, spec in enumerate(specs)}
         weighted = [(spec.weight, sample.rewards[spec.key]) for spec in specs if spec.weight != 0]
-        unscored = any(v is None for _, v in weighted)
-        sample.reward = None if unscored else float(sum(w * v for w, v in weighted))
+        total = None
+        if all(v is not None for _, v in weighted):
+            total = float(sum(w * v for w, v in weighted))
+            if not math.isfinite(total):  # weights times huge values
+                total, overflowed = None, overflowed + 1
+        sample.reward = total
+    if overflowed:
+        log.warning("%d weighted total rewards overflowed the float range: unscored", overflowed)
     totals = [s.reward for s in samples if s.reward is not None]
     if totals:
-        mean = sum(totals) / len(totals)
-        metrics["reward/mean"] = mean
-        metrics["reward/std"] = math.sqrt(sum((r - mean) ** 2 for r in totals) / len(totals))
+        metrics["reward/mean"], metrics["reward/std"] = mean_std(totals)
     metrics["reward/failures"] = float(sum(failures))
     metrics["reward/unscored"] = float(len(samples) - len(totals))
     return metrics
-
-
-# ---- the worker process -------------------------------------------------------------------
-
-
-def worker_main(fd: int) -> None:
-    """Entry point of a worker: resolve the functions, then score chunks until EOF."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _exit_with_parent()
-    conn = Connection(fd)
-    with contextlib.suppress(EOFError, BrokenPipeError, ConnectionResetError):  # pool closed
-        _serve(conn)
-
-
-def _serve(conn: Connection) -> None:
-    _, sys_path, spec_dicts, timeout_s = conn.recv()
-    sys.path[:0] = [p for p in sys_path if p not in sys.path]
-    specs = [ResolvedReward(**d) for d in spec_dicts]
-    try:
-        functions = [resolve(s.name, s.file) for s in specs]
-        for name in {s.name for s in specs} & set(BUILTIN_NAMES):
-            from leangrpo.rewards import builtin
-
-            builtin.warm_up(name)
-    except Exception as e:
-        conn.send(("init_error", f"{type(e).__name__}: {e}"))
-        return
-    conn.send(("ready",))
-    call = _InterruptibleCall(timeout_s)
-    while True:
-        task_id, fn_index, prompts, completions, columns = conn.recv()
-        spec = specs[fn_index]
-        try:
-            raw = call(functions[fn_index], prompts, completions, **{**columns, **spec.kwargs})
-            conn.send(("ok", task_id, _validated(raw, len(completions), spec.key)))
-        except _SoftTimeout:
-            conn.send(("error", task_id, f"timed out after {timeout_s:g} s"))
-        except (Exception, SystemExit) as e:
-            conn.send(("error", task_id, f"{type(e).__name__}: {e}"))
-
-
-class _SoftTimeout(BaseException):
-    """Raised inside a reward call at its time limit (BaseException: user code that catches
-    Exception must not swallow it)."""
-
-
-class _InterruptibleCall:
-    """Run a call with a soft time limit: a timer thread sends SIGUSR1 to the main thread and
-    the handler raises _SoftTimeout in the main thread, which interrupts Python code and
-    sleeps. Not SIGALRM: math-verify uses alarm() for its own limits. Code stuck in C that
-    never returns to the interpreter is left to the parent's hard limit (kill)."""
-
-    def __init__(self, timeout_s: float):
-        self.timeout_s = timeout_s
-        self.active = False
-        signal.signal(signal.SIGUSR1, self._on_signal)
-
-    def _on_signal(self, signum: int, frame: object) -> None:
-        if self.active:  # a late signal after the call returned is ignored
-            self.active = False
-            raise _SoftTimeout
-
-    def _fire(self) -> None:
-        if self.active:
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
-
-    def __call__(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        timer = threading.Timer(self.timeout_s, self._fire)
-        self.active = True
-        timer.start()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            self.active = False
-            timer.cancel()
-
-
-def _validated(raw: Any, n: int, key: str) -> list[float | None]:
-    if not isinstance(raw, (list, tuple)) or len(raw) != n:
-        got = f"{len(raw)} values" if isinstance(raw, (list, tuple)) else f"a {type(raw).__name__}"
-        raise RewardError(f"reward '{key}' returned {got} for {n} samples; return a list of {n}")
-    out: list[float | None] = []
-    for j, value in enumerate(raw):
-        if value is not None and not isinstance(value, numbers.Real):
-            raise RewardError(
-                f"reward '{key}' returned {value!r} ({type(value).__name__}) for sample {j}; "
-                f"return floats or None"
-            )
-        if value is not None and not math.isfinite(float(value)):
-            raise RewardError(
-                f"reward '{key}' returned {value} for sample {j}; rewards must be finite"
-            )
-        out.append(None if value is None else float(value))
-    return out
-
-
-def _exit_with_parent() -> None:
-    """Exit even while stuck in user code if the trainer dies (it cannot close the pool)."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while True:
-            time.sleep(1.0)
-            if os.getppid() != parent:
-                os._exit(1)
-
-    threading.Thread(target=watch, daemon=True).start()

@@ -12,8 +12,10 @@ an aligned list under its own name, and the spec's `kwargs` are passed as keywor
 too (a kwarg wins over a data column of the same name).
 
 Functions travel to the worker processes as a `ResolvedReward` (name, resolved file path,
-kwargs) and are resolved again there, never pickled: closures and lambdas cannot cross a
-process boundary, and the worker must not depend on the trainer's memory.
+kwargs) and are resolved there only, never in the trainer and never pickled: importing user
+code may exit, hang or print (check.py imports it in a worker with a time limit), closures
+and lambdas cannot cross a process boundary, and the worker must not depend on the trainer's
+memory.
 """
 
 from __future__ import annotations
@@ -43,6 +45,15 @@ class RewardError(RuntimeError):
 
 class RewardSpecError(RewardError, ValueError):
     """A configured reward function cannot be resolved or its kwargs are wrong."""
+
+
+class RewardFailedError(RewardError):
+    """With rewards.fail_fast: a reward function failed on a sample (a user error: the CLI
+    prints it as one sentence)."""
+
+
+class PoolClosedError(RewardError):
+    """The pool was closed (by another thread, at shutdown) while or before scoring."""
 
 
 @dataclass(frozen=True)
@@ -123,9 +134,29 @@ def _display_name(name: str) -> str:
     return name if name in BUILTIN_NAMES else name.rpartition(":")[2]
 
 
-def check_rewards(rewards_cfg: Any) -> list[ResolvedReward]:
-    """Resolve every configured function now (in the trainer), so a typo fails before any
-    model loads; returns the specs the worker pool ships to its processes."""
+def _check_name(name: str) -> str | None:
+    """The absolute file of a file-form name (None otherwise), after the checks that need no
+    import: the form, identifiers, the file's existence. RewardSpecError if one fails."""
+    if name in BUILTIN_NAMES:
+        return None
+    target, sep, attr = name.rpartition(":")
+    if not sep or not target or not attr:
+        raise RewardSpecError(f"'{name}' is not a reward name")
+    if not attr.isidentifier():
+        raise RewardSpecError(f"'{attr}' is not a Python function name")
+    if target.endswith(".py"):
+        path = Path(target).expanduser().resolve()
+        if not path.is_file():
+            raise RewardSpecError(f"file {path} not found")
+        return str(path)
+    if not all(part.isidentifier() for part in target.split(".")):
+        raise RewardSpecError(f"'{target}' is not a module name")
+    return None
+
+
+def parse_specs(rewards_cfg: Any) -> list[ResolvedReward]:
+    """The configured functions as specs, after every check that imports nothing (names,
+    files, built-in kwargs, weights). `check_rewards` adds the import check in a worker."""
     functions = list(getattr(rewards_cfg, "functions", None) or [])
     if not functions:
         raise RewardSpecError("rewards.functions is empty; add at least one, e.g. {name: math}")
@@ -139,7 +170,7 @@ def check_rewards(rewards_cfg: Any) -> list[ResolvedReward]:
         if not math.isfinite(weight):
             raise RewardSpecError(f"{where}.weight = {weight} must be a finite number")
         try:
-            resolve(name)
+            file = _check_name(name)
         except RewardSpecError as e:
             raise RewardSpecError(
                 f"{where}.name = '{name}': {e}; accepted forms: {ACCEPTED_FORMS}"
@@ -151,8 +182,6 @@ def check_rewards(rewards_cfg: Any) -> list[ResolvedReward]:
                 builtin.check_kwargs(name, kwargs)
             except ValueError as e:
                 raise RewardSpecError(f"{where}.kwargs: {e}") from None
-        target = name.rpartition(":")[0]
-        file = str(Path(target).expanduser().resolve()) if target.endswith(".py") else None
         base = _display_name(name)
         seen[base] = seen.get(base, 0) + 1
         key = base if seen[base] == 1 else f"{base}_{seen[base]}"

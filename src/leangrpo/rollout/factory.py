@@ -21,6 +21,9 @@ class Engines:
     eval_shares_weights: bool
     sleep_while_training: bool = False  # colocated vLLM in sync mode frees its memory
     snapshot_device: str | None = None  # where async weight snapshots wait (None = in place)
+    # the generator may hold another run's weights (a `leangrpo serve`): the trainer pushes
+    # its own at start, before anything is generated
+    push_at_start: bool = False
 
     def close(self) -> None:
         for engine in {id(e): e for e in (self.rollout, self.eval)}.values():
@@ -50,4 +53,12 @@ def _vllm_engines(cfg, policy) -> Engines:
     v = cfg.rollout.vllm
     sleep = v.mode == "colocate" and v.enable_sleep_mode and cfg.pipeline.mode == "sync"
     # the engine reads weights from files written on the host: snapshots wait there too
-    return Engines(engine, engine, False, False, sleep_while_training=sleep, snapshot_device="cpu")
+    return Engines(
+        engine,
+        engine,
+        False,
+        False,
+        sleep_while_training=sleep,
+        snapshot_device="cpu",
+        push_at_start=v.mode == "server",
+    )

@@ -1,27 +1,28 @@
-"""In-process rollout engine on transformers' `generate` (small models, tests, CPU runs).
+"""In-process rollout engine on transformers models (small models, tests, CPU runs).
 
-Algorithm: prompts are left-padded into chunks of at most `max_batch_size` sequences (each
-prompt repeated n times by `num_return_sequences`) and sampled with KV cache, in eval mode,
-under no_grad. The behaviour log-prob of each token is log_softmax of the scores transformers
-returns (`output_scores`: logits after temperature, top-k, top-p, min-p), gathered at the
-sampled token: exactly `sampling.processed_logprobs` of the model's logits.
+Algorithm: prompts are left-padded into chunks of at most `max_batch_size` sequences and
+sampled by leangrpo's own KV-cached loop (`rollout/decode.py`: the model's forward with a
+transformers `DynamicCache`), in eval mode, under no_grad. Each token is drawn from
+softmax(`sampling.process_logits`(logits)) and its behaviour log-prob is
+log_softmax(process_logits(logits))[token]: exactly what the trainer recomputes.
 
 Choices:
-- The generation config is built from SamplingParams alone. During the call the model's own
-  `generation_config` (repetition penalty, a default top_k=50, ...) is set aside and only
-  its eos/pad/bos ids are kept, so nothing outside `sampling.process_logits` shapes the
-  distribution the trainer must reproduce.
+- Our loop instead of `model.generate`: generate draws from the global torch RNG (it has
+  no generator argument), which the trainer's dropout and checkpoint recomputation share;
+  and only SamplingParams shape the distribution (no model generation_config defaults
+  such as a repetition penalty or top_k=50 can slip in).
 - EOS is part of a completion (ids and log-probs): the policy must learn to stop. The text
   is decoded without special tokens.
-- Stop strings are checked on the decoded completion after every step (a StoppingCriteria);
-  a completion that produced one keeps the token that completed it (ids, log-probs) and its
-  text is cut before it, as vLLM does. Finish reason: "stop" (EOS or stop string), else
-  "length".
+- Stop strings: a completion that produced one keeps the token that completed it (ids,
+  log-probs) and its text is cut before it, as vLLM does. Finish reason: "stop" (EOS or
+  stop string), else "length".
 - Temperature 0 is greedy; its log-probs are the unfiltered temperature-1 ones.
-- Randomness: with params.seed set, each sampling call seeds torch from
-  (seed, version, index of the call at this version) inside `torch.random.fork_rng`, so
-  the global RNG stream is untouched and a resumed run replays the same samples.
-  Without a seed, sampling draws from the global RNG.
+- Randomness: every call samples from its own `torch.Generator` on the engine's device,
+  seeded from (params.seed, version) when params.seed is set, else from the OS. The
+  caller makes seeds distinct (the producer derives one per generation batch); no hidden
+  per-engine counter takes part, so evaluations or a resume in between change nothing.
+  The global RNG streams are never read or seeded, so an async producer thread cannot
+  race the trainer's dropout masks.
 - share_weights=True generates with the caller's model object (sync training: weight sync
   only moves the version tag); train mode and gradient checkpointing flags are restored
   afterwards. share_weights=False deep-copies the model at construction (async generation
@@ -38,9 +39,9 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
-from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from leangrpo.contracts import Completion, EngineVersionError, Prompt, SamplingParams
+from leangrpo.rollout.decode import DecodedRow, decode
 from leangrpo.rollout.sampling import check_sampling
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "base_model.model.")
@@ -48,7 +49,7 @@ _LORA_SEGMENTS = r"lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitud
 
 
 class HFEngine:
-    """`RolloutEngine` on `model.generate`; see the module docstring for the choices."""
+    """`RolloutEngine` on a transformers model; see the module docstring for the choices."""
 
     def __init__(
         self,
@@ -81,7 +82,6 @@ class HFEngine:
             for param in self.model.parameters():
                 param.grad = None  # the copy never trains: drop any copied gradients
         self._version = 0
-        self._calls_at_version = 0
         self._lock = threading.Lock()
         self._closed = False
 
@@ -108,12 +108,12 @@ class HFEngine:
                     f"asked to generate with policy version {version}, "
                     f"but this engine holds version {self._version}"
                 )
-            seed = self._next_seed(params)
-            with _generation_mode(self.model), _seeded(self.device, seed), torch.no_grad():
+            generator = self._generator(params)
+            with _generation_mode(self.model), torch.no_grad():
                 return [
                     group
                     for chunk in self._chunks(prompts, n)
-                    for group in self._generate_chunk(chunk, params, n)
+                    for group in self._generate_chunk(chunk, params, n, generator)
                 ]
 
     def update_weights(
@@ -161,15 +161,24 @@ class HFEngine:
             raise RuntimeError("this HFEngine was closed; create a new one")
 
     def _set_version(self, version: int) -> None:
-        if version != self._version:
-            self._calls_at_version = 0
         self._version = version
+
+    def _generator(self, params: SamplingParams) -> torch.Generator | None:
+        """This call's own random stream (None for greedy decoding, which draws nothing)."""
+        seed = self._next_seed(params)
+        if params.temperature == 0:
+            return None
+        generator = torch.Generator(device=self.device)
+        if seed is None:
+            generator.seed()  # non-deterministic, from the OS: the global RNG stays untouched
+        else:
+            generator.manual_seed(seed)
+        return generator
 
     def _next_seed(self, params: SamplingParams) -> int | None:
         if params.seed is None or params.temperature == 0:
             return None
-        key = f"{params.seed}:{self._version}:{self._calls_at_version}".encode()
-        self._calls_at_version += 1
+        key = f"{params.seed}:{self._version}".encode()
         return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1
 
     def _chunks(self, prompts: list[Prompt], n: int) -> Iterator[list[Prompt]]:
@@ -180,57 +189,33 @@ class HFEngine:
             yield prompts[start : start + per_chunk]
 
     def _generate_chunk(
-        self, prompts: list[Prompt], params: SamplingParams, n: int
+        self, prompts: list[Prompt], params: SamplingParams, n: int, generator
     ) -> list[list[Completion]]:
         input_ids, attention_mask = self._left_pad(prompts)  # (B, P) each
         copies = n if params.temperature == 0 else 1  # greedy: one sample, n identical copies
-        n_sampled = n // copies
-        config = self._generation_config(params, n_sampled)
-        stop = (
-            _StopStrings(self.tokenizer, params.stop, input_ids.shape[1]) if params.stop else None
+        rows = decode(
+            self.model,
+            input_ids,
+            attention_mask,
+            params,
+            n // copies,
+            eos_ids=_eos_ids(self.model, self.tokenizer),
+            generator=generator,
+            stop_text=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
         )
-        with _clean_generation_config(self.model, config):
-            out = self.model.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                generation_config=config,
-                stopping_criteria=StoppingCriteriaList([stop]) if stop else None,
-            )
-        generated = out.sequences[:, input_ids.shape[1] :]  # (B * n, L), prompt-major rows
-        logprobs = _sampled_logprobs(out.scores, generated)  # (B * n, L)
-        eos_ids = _eos_ids(self.model, self.tokenizer)
-        rows = [
-            self._completion(
-                generated[r].tolist(),
-                logprobs[r].tolist(),
-                stop.stopped_at.get(r) if stop else None,
-                eos_ids,
-                params,
-            )
-            for r in range(generated.shape[0])
-        ]
-        rows = [copy.deepcopy(row) for row in rows for _ in range(copies)]
-        return [rows[i * n : (i + 1) * n] for i in range(len(prompts))]
+        completions = [self._completion(row, params) for row in rows]
+        completions = [copy.deepcopy(c) for c in completions for _ in range(copies)]
+        return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    def _completion(
-        self,
-        ids: list[int],
-        logprobs: list[float],
-        stop_len: int | None,
-        eos_ids: set[int],
-        params: SamplingParams,
-    ) -> Completion:
-        eos_len = next((i + 1 for i, tok in enumerate(ids) if tok in eos_ids), None)
-        ends = [end for end in (eos_len, stop_len) if end is not None]
-        end = min(ends) if ends else len(ids)
-        text = self.tokenizer.decode(ids[:end], skip_special_tokens=True)
-        if stop_len is not None and end == stop_len:
+    def _completion(self, row: DecodedRow, params: SamplingParams) -> Completion:
+        text = self.tokenizer.decode(row.ids, skip_special_tokens=True)
+        if row.stopped == "stop":
             text = text[: min(text.find(s) for s in params.stop if s in text)]
         return Completion(
-            ids=ids[:end],
+            ids=row.ids,
             text=text,
-            logprobs=logprobs[:end],
-            finish_reason="stop" if ends else "length",
+            logprobs=row.logprobs,
+            finish_reason="length" if row.stopped is None else "stop",
             version=self._version,
         )
 
@@ -242,57 +227,6 @@ class HFEngine:
             input_ids[i, width - len(prompt.ids) :] = torch.tensor(prompt.ids)
             attention_mask[i, width - len(prompt.ids) :] = 1
         return input_ids.to(self.device), attention_mask.to(self.device)
-
-    def _generation_config(self, params: SamplingParams, n: int) -> GenerationConfig:
-        sampling = {}
-        if params.temperature > 0:
-            sampling = dict(
-                temperature=params.temperature,
-                top_k=params.top_k,
-                top_p=params.top_p,
-                min_p=params.min_p or None,
-            )
-        return GenerationConfig(
-            do_sample=params.temperature > 0,
-            **sampling,
-            max_new_tokens=params.max_new_tokens,
-            num_return_sequences=n,
-            use_cache=True,
-            output_scores=True,
-            return_dict_in_generate=True,
-            eos_token_id=sorted(_eos_ids(self.model, self.tokenizer)) or None,
-            pad_token_id=_pad_id(self.model, self.tokenizer),
-        )
-
-
-def _sampled_logprobs(scores: tuple[torch.Tensor, ...], generated: torch.Tensor) -> torch.Tensor:
-    """Log-prob (R, L) of each generated token under the processed scores (L x (R, V))."""
-    return torch.stack(
-        [
-            torch.log_softmax(step.float(), dim=-1).gather(-1, generated[:, t : t + 1])[:, 0]
-            for t, step in enumerate(scores)
-        ],
-        dim=1,
-    )
-
-
-class _StopStrings(StoppingCriteria):
-    """Stops a row once its decoded completion contains a stop string; records where."""
-
-    def __init__(self, tokenizer, stop: tuple[str, ...], prompt_width: int):
-        self.tokenizer, self.stop, self.prompt_width = tokenizer, stop, prompt_width
-        self.stopped_at: dict[int, int] = {}  # row -> completion tokens when the stop appeared
-
-    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        generated = input_ids[:, self.prompt_width :]  # (R, t)
-        for row in range(generated.shape[0]):
-            if row in self.stopped_at:
-                continue
-            text = self.tokenizer.decode(generated[row].tolist(), skip_special_tokens=True)
-            if any(s in text for s in self.stop):
-                self.stopped_at[row] = generated.shape[1]
-        done = [row in self.stopped_at for row in range(generated.shape[0])]
-        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
 def copy_named_tensors(
@@ -387,22 +321,6 @@ def _pad_id(model, tokenizer) -> int:
 
 
 @contextmanager
-def _clean_generation_config(model, config: GenerationConfig) -> Iterator[None]:
-    """Set the model's own generation defaults aside so only `config` shapes sampling."""
-    inner = _hf_model(model)
-    saved = inner.generation_config
-    inner.generation_config = GenerationConfig(
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
-        bos_token_id=saved.bos_token_id,
-    )
-    try:
-        yield
-    finally:
-        inner.generation_config = saved
-
-
-@contextmanager
 def _generation_mode(model) -> Iterator[None]:
     """Eval mode, gradient checkpointing off; every module's flags restored afterwards."""
     modules = list(model.modules())
@@ -422,21 +340,3 @@ def _generation_mode(model) -> Iterator[None]:
             module.gradient_checkpointing = flag
         for module, flag in zip(modules, training):
             module.training = flag
-
-
-@contextmanager
-def _seeded(device: torch.device, seed: int | None) -> Iterator[None]:
-    """Seed the generator(s) generate draws from, leaving the global streams untouched."""
-    if seed is None:
-        yield
-        return
-    cuda = device.type == "cuda"
-    index = (
-        device.index if device.index is not None else (torch.cuda.current_device() if cuda else 0)
-    )
-    with torch.random.fork_rng(devices=[index] if cuda else [], device_type="cuda"):
-        torch.random.default_generator.manual_seed(seed)
-        if cuda:
-            with torch.cuda.device(index):
-                torch.cuda.manual_seed(seed)
-        yield

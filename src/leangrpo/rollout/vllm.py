@@ -12,10 +12,18 @@ prompts round-robin. Both implement `contracts.RolloutEngine`:
   weights as safetensors buckets, and a worker extension (`vllm_worker.py`) feeds them to
   the model's own `load_weights` via `collective_rpc` (tensors never pass through vLLM's
   msgspec serialiser). In-flight requests drain first; the prefix cache is reset after.
-- LoRA sync: the adapter is published atomically (tmp dir + rename) as `adapters/v{N}` and
-  requested by name `LoRARequest(f"v{N}", N + 1, path)`, so requests admitted under the
-  previous version finish on the adapter they started with.
-- Versions live on both sides: `generate` refuses a version the engine does not hold.
+- LoRA sync: the adapter (config + safetensors only) is published atomically under a name
+  and integer id unique per run and version (`vllm_local.AdapterSlots`), so requests
+  admitted under the previous version finish on the adapter they started with, and a
+  cached adapter is never served for other weights.
+- Versions identify the run: the engine draws a run id (uuid) at construction and sends
+  (run id, version) with every push and generation; `version` is `NO_VERSION` (-1) until
+  this run has pushed weights to a server, `generate` refuses a version the engine does
+  not hold, and a completion tagged with any other version is an error (never a sample
+  with negative staleness).
+- Seeds: `params.seed` is the batch's seed; prompt i is seeded `seeding.prompt_seed`, a
+  hash with 16 low bits free for vLLM's per-sample `seed + k`, so no two samples of a run
+  share a seed.
 
 vLLM is imported lazily, so this module imports without it.
 """
@@ -28,6 +36,7 @@ import os
 import re
 import shutil
 import tempfile
+import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -36,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from leangrpo.contracts import Completion, EngineVersionError, Prompt, SamplingParams
 from leangrpo.rollout.vllm_local import (
     INSTALL_HINT,
+    NO_VERSION,
     WORKER_EXTENSION,
     LocalVLLM,
     VersionGate,
@@ -43,6 +53,7 @@ from leangrpo.rollout.vllm_local import (
     import_vllm,
     publish_adapter,
 )
+from leangrpo.seeding import prompt_seed
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -50,6 +61,7 @@ if TYPE_CHECKING:
 __all__ = [
     "INSTALL_HINT",
     "WORKER_EXTENSION",
+    "NO_VERSION",
     "LocalVLLM",
     "VLLMEngine",
     "VLLMSettings",
@@ -79,6 +91,8 @@ class VLLMSettings:
     enforce_eager: bool = False
     request_timeout_s: float = 600.0
     max_retries: int = 3
+    token_file: str | None = None  # server token; None: $LEANGRPO_SERVE_TOKEN
+    max_body_mb: int = 8192  # upload limit of a locally started server
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -203,11 +217,13 @@ class VLLMEngine:
         adapter_config: dict | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         owned_dir: Path | None = None,
+        run_id: str | None = None,
     ):
         self.backend = backend
         self.settings = settings
         self.adapter_config = adapter_config
         self.bucket_bytes = bucket_bytes
+        self.run_id = run_id or uuid.uuid4().hex  # this engine's policies: (run_id, version)
         self._owned_dir = owned_dir
 
     @classmethod
@@ -230,8 +246,9 @@ class VLLMEngine:
         s = VLLMSettings.from_section(cfg, **settings)
         kwargs = build_llm_kwargs(str(model_path), s, enable_lora, max_lora_rank, seed)
         root = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="leangrpo-vllm-"))
-        try:
-            backend = LocalVLLM(kwargs, root)
+        run_id = uuid.uuid4().hex
+        try:  # the weights on disk are this run's version 0
+            backend = LocalVLLM(kwargs, root, run=run_id)
         except BaseException:
             if not work_dir:
                 shutil.rmtree(root, ignore_errors=True)
@@ -242,6 +259,7 @@ class VLLMEngine:
             adapter_config=adapter_config,
             bucket_bytes=bucket_bytes,
             owned_dir=None if work_dir else root,
+            run_id=run_id,
         )
 
     @classmethod
@@ -260,13 +278,18 @@ class VLLMEngine:
         **settings: Any,
     ) -> VLLMEngine:
         """Servers at `urls` (default: `cfg.urls`); none given = start one local `leangrpo serve
-        model_path` on a free loopback port, stopped by `close()`."""
-        from leangrpo.rollout.vllm_server import ServerPool, start_local_server
+        model_path` on a free loopback port (with a fresh token), stopped by `close()`.
+        The servers hold none of this run's weights until the first `update_weights`."""
+        import secrets
+
+        from leangrpo.rollout.vllm_client import ServerPool, client_token, start_local_server
 
         s = VLLMSettings.from_section(cfg, **settings)
         urls = list(urls if urls is not None else s.urls)
+        token = client_token(s.token_file)
         process = None
         if not urls:
+            token = token or secrets.token_urlsafe(32)
             if model_path is None:
                 raise ValueError(
                     "rollout.vllm.urls is empty and no model_path was given to start a local `leangrpo serve`"
@@ -277,12 +300,17 @@ class VLLMEngine:
                 enable_lora=enable_lora,
                 max_lora_rank=max_lora_rank,
                 seed=seed,
+                token=token,
                 startup_timeout_s=startup_timeout_s,
             )
             urls = [url]
         try:
             pool = ServerPool(
-                urls, timeout_s=s.request_timeout_s, max_retries=s.max_retries, process=process
+                urls,
+                token=token,
+                timeout_s=s.request_timeout_s,
+                max_retries=s.max_retries,
+                process=process,
             )
         except BaseException:
             if process is not None:  # never leave a server we started behind
@@ -292,20 +320,33 @@ class VLLMEngine:
 
     @property
     def version(self) -> int:
-        return self.backend.version
+        """The version of this run the backend holds; NO_VERSION before this run's first push."""
+        run, version = self.backend.held
+        return version if run == self.run_id else NO_VERSION
 
     def generate(
         self, prompts: list[Prompt], params: SamplingParams, n: int, version: int
     ) -> list[list[Completion]]:
-        if version != self.backend.version:  # fail fast; the backend checks again under its lock
+        held = self.version
+        if held == NO_VERSION:
+            raise EngineVersionError(
+                f"run {self.run_id} has not pushed its weights to the engine yet; call "
+                "update_weights/load_adapter first (the trainer does at start)"
+            )
+        if version != held:  # fail fast; the backend checks again under its lock
             raise EngineVersionError(
                 f"generation requested for policy version {version}, but the engine holds version "
-                f"{self.backend.version}; sync the weights first (update_weights/load_adapter)"
+                f"{held}; sync the weights first (update_weights/load_adapter)"
             )
         if not prompts:
             return []
-        seeds = None if params.seed is None else [params.seed + i * n for i in range(len(prompts))]
-        return self.backend.generate([p.ids for p in prompts], params, n, version, seeds)
+        seeds = None
+        if params.seed is not None:
+            seeds = [prompt_seed(params.seed, i, n) for i in range(len(prompts))]
+        ids = [p.ids for p in prompts]
+        groups = self.backend.generate(ids, params, n, version, seeds, run=self.run_id)
+        check_groups(groups, len(prompts), n, version)
+        return groups
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         """Full weights (checkpoint names), or LoRA tensors by their peft names."""
@@ -323,15 +364,14 @@ class VLLMEngine:
                         "update_weights got LoRA tensors but the engine has no adapter_config; "
                         "pass adapter_config=peft_config.to_dict() or call load_adapter(path)"
                     )
-                self.backend.load_adapter(
-                    write_adapter(items, self.adapter_config, Path(tmp)), version
-                )
+                adapter = write_adapter(items, self.adapter_config, Path(tmp))
+                self.backend.load_adapter(adapter, version, run=self.run_id)
                 return
             paths = write_weight_buckets(items, Path(tmp), self.bucket_bytes)
-            self.backend.load_weight_files(paths, version)
+            self.backend.load_weight_files(paths, version, run=self.run_id)
 
     def load_adapter(self, path: str | os.PathLike, version: int) -> None:
-        self.backend.load_adapter(Path(path), version)
+        self.backend.load_adapter(Path(path), version, run=self.run_id)
 
     def sleep(self, level: int = 1) -> None:
         """Free accelerator memory while the trainer trains (no-op where unsupported)."""
@@ -350,6 +390,22 @@ class VLLMEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def check_groups(groups: list[list[Completion]], prompts: int, n: int, version: int) -> None:
+    """n completions per prompt, each tagged with the version asked for: a completion from
+    other weights would enter training with a wrong (possibly negative) staleness."""
+    if len(groups) != prompts or any(len(g) != n for g in groups):
+        raise RuntimeError(
+            f"the engine returned {[len(g) for g in groups]} completions for {prompts} prompts "
+            f"x n={n}"
+        )
+    wrong = sorted({c.version for g in groups for c in g} - {version})
+    if wrong:
+        raise EngineVersionError(
+            f"the engine returned completions of version(s) {wrong} for a request at version "
+            f"{version}; refusing samples from weights this run did not push"
+        )
 
 
 def _chain_first(first: Any, rest: Iterator[Any]) -> Iterator[Any]:

@@ -1,13 +1,24 @@
 """In-process vLLM with policy versions: the part shared by colocated mode and `leangrpo serve`.
 
-`LocalVLLM` wraps one `vllm.LLM` (not thread-safe, so one lock) with a `VersionGate`:
-requests are admitted only for the version held; a full-weight update holds new requests
-back and waits for those in flight (drain), loads the safetensors buckets through the
-worker extension (`collective_rpc("load_weights_from_files")`), resets the prefix cache
-(its KV came from the old weights) and only then holds the new version. A LoRA update
-needs no drain: the adapter is published as `adapters/v{N}` and requested by name, so
-requests admitted earlier finish on their own adapter; adapters two versions old are
-dropped once no request uses them.
+`LocalVLLM` wraps one `vllm.LLM` (not thread-safe, so one lock) with a `VersionGate`.
+A policy is identified by (run id, version): the client engine draws a run id (uuid) at
+construction and every update and generation carries it, so a long-lived server never
+mistakes another run's weights for this run's (a new run starts at version 0 like the
+last one did). Rules, enforced by the gate:
+
+- generation is admitted only for the (run, version) held;
+- an update from another run always loads; within a run versions only move forward:
+  the same version again is a retried update (nothing to do), an older one is refused.
+
+A full-weight update holds new requests back and waits for those in flight (drain), loads
+the safetensors buckets through the worker extension (`collective_rpc(
+"load_weights_from_files")`), resets the prefix cache (its KV came from the old weights)
+and only then holds the new version. A LoRA update needs no drain: each adapter gets a
+name and an integer id never used before in this process (vLLM caches loaded adapters by
+id, so reusing one would serve the old tensors), requests admitted earlier finish on
+their own adapter, and adapters beyond the two newest are dropped once no request uses
+them. Only `adapter_config.json` and `*.safetensors` files are published (never a
+pickled `adapter_model.bin`).
 """
 
 from __future__ import annotations
@@ -19,9 +30,9 @@ import shutil
 import tempfile
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -77,73 +88,165 @@ def completion_from_output(output: Any, version: int) -> Completion:
     )
 
 
-def publish_adapter(source: Path, adapters_root: Path, version: int) -> Path:
-    """Copy an adapter to `adapters_root/v{version}` atomically (tmp dir + rename)."""
+def adapter_files(source: Path) -> list[Path]:
+    """The files of a peft adapter directory that are served: its config and safetensors."""
     if not (source / "adapter_config.json").is_file():
         raise FileNotFoundError(
             f"no adapter_config.json in {source}; save the adapter with peft's model.save_pretrained(path)"
         )
+    weights = sorted(p for p in source.glob("*.safetensors") if p.is_file())
+    if not weights:
+        raise FileNotFoundError(
+            f"no .safetensors weights in {source} (a pickled adapter_model.bin is never loaded); "
+            "save the adapter with save_pretrained(path, safe_serialization=True)"
+        )
+    return [source / "adapter_config.json", *weights]
+
+
+def publish_adapter(source: Path, adapters_root: Path, name: str) -> Path:
+    """Copy an adapter's config and safetensors to `adapters_root/name` atomically."""
+    files = adapter_files(source)
     adapters_root.mkdir(parents=True, exist_ok=True)
-    final = adapters_root / f"v{version}"
+    final = adapters_root / name
     if final.exists():
         shutil.rmtree(final)
-    staging = Path(tempfile.mkdtemp(prefix=f".v{version}-", dir=adapters_root))
-    for item in source.iterdir():
-        if item.is_file():
-            shutil.copy2(item, staging / item.name)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=adapters_root))
+    for item in files:
+        shutil.copy2(item, staging / item.name)
     os.replace(staging, final)
     return final
+
+
+@dataclass(frozen=True)
+class AdapterSlot:
+    """One published adapter: what vLLM is asked for when (run, version) generates."""
+
+    key: tuple[str | None, int]  # (run id, version)
+    name: str  # unique per run and version: vLLM matches requests by name
+    int_id: int  # never reused by this process: vLLM caches loaded adapters by id
+    path: Path
+
+
+class AdapterSlots:
+    """Names, ids and directories of the adapters one `LocalVLLM` serves."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        shutil.rmtree(root, ignore_errors=True)  # an earlier process's adapters: never served
+        self._last_id = 0
+        self.slots: dict[tuple[str | None, int], AdapterSlot] = {}  # oldest first
+
+    def publish(self, source: Path, run: str | None, version: int) -> AdapterSlot:
+        self._last_id += 1
+        name = f"{run or 'base'}-v{version}-{self._last_id}"
+        path = publish_adapter(source, self.root, name)
+        return AdapterSlot((run, version), name, self._last_id, path)
+
+    def add(self, slot: AdapterSlot) -> None:
+        self.slots.pop(slot.key, None)
+        self.slots[slot.key] = slot
+
+    def retire(
+        self, keep: int, in_use: Callable[[tuple[str | None, int]], bool]
+    ) -> list[AdapterSlot]:
+        """Forget (and delete the files of) all but the `keep` newest adapters not in use."""
+        old = list(self.slots.values())[: max(len(self.slots) - keep, 0)]
+        gone = [slot for slot in old if not in_use(slot.key)]
+        for slot in gone:
+            del self.slots[slot.key]
+            shutil.rmtree(slot.path, ignore_errors=True)
+        return gone
 
 
 # --------------------------------------------------------------------------- versions
 
 
+NO_VERSION = -1  # an engine's version before this run has pushed any weights to it
+
+
 class VersionGate:
-    """Admits requests for the held version; an update waits for them (drain) and swaps.
+    """Admits requests for the held (run, version); an update waits for them and swaps.
 
     Requests admitted before an update always complete on the version they were admitted
-    under; requests arriving during an update wait for it, then are checked.
+    under; requests arriving during an update wait for it, then are checked. `run` None
+    stands for the weights loaded from disk at start-up, which no client run can claim.
     """
 
-    def __init__(self, version: int = 0):
+    def __init__(self, version: int = 0, run: str | None = None):
         self._cond = threading.Condition()
-        self._inflight: Counter[int] = Counter()
+        self._inflight: Counter[tuple[str | None, int]] = Counter()
         self._updating = False
+        self.run = run
         self.version = version
 
+    @property
+    def held(self) -> tuple[str | None, int]:
+        with self._cond:
+            return self.run, self.version
+
     @contextmanager
-    def admit(self, version: int) -> Iterator[None]:
+    def admit(self, version: int, run: str | None = None) -> Iterator[None]:
         with self._cond:
             self._cond.wait_for(lambda: not self._updating)
-            if version != self.version:
-                raise EngineVersionError(
-                    f"generation requested for policy version {version}, but the engine holds "
-                    f"version {self.version}; sync the weights first (update_weights/load_adapter)"
-                )
-            self._inflight[version] += 1
+            if (run, version) != (self.run, self.version):
+                raise EngineVersionError(self._refusal(run, version))
+            self._inflight[run, version] += 1
         try:
             yield
         finally:
             with self._cond:
-                self._inflight[version] -= 1
+                self._inflight[run, version] -= 1
                 self._cond.notify_all()
 
+    def _refusal(self, run: str | None, version: int) -> str:
+        if run == self.run:
+            return (
+                f"generation requested for policy version {version}, but the engine holds "
+                f"version {self.version}; sync the weights first (update_weights/load_adapter)"
+            )
+        held = "no run's weights" if self.run is None else f"run {self.run}'s weights"
+        return (
+            f"generation requested for run {run} version {version}, but the engine holds {held}; "
+            "the trainer pushes its weights at start, so another run has used this server since "
+            "(never share a `leangrpo serve` between two runs)"
+        )
+
+    def check_update(self, version: int, run: str | None) -> bool:
+        """Whether an update to (run, version) loads anything; refuses going backwards."""
+        if version < 0:
+            raise ValueError(f"policy versions are >= 0, got {version}")
+        with self._cond:
+            if run != self.run:
+                return True  # a new run's weights always load
+            if version < self.version:
+                raise EngineVersionError(
+                    f"update of run {run} to version {version} refused: the engine already holds "
+                    f"version {self.version} of this run, and versions never go backwards"
+                )
+            return version > self.version  # the same version again: a retried update
+
     @contextmanager
-    def update(self, new_version: int, drain: bool) -> Iterator[None]:
-        """Hold new requests back, optionally wait for in-flight ones, then hold `new_version`."""
+    def update(self, new_version: int, drain: bool, run: str | None = None) -> Iterator[bool]:
+        """Hold new requests back, optionally wait for in-flight ones, then hold `new_version`.
+
+        Yields whether there is anything to load (False: this run already holds it)."""
         with self._cond:
             self._cond.wait_for(lambda: not self._updating)
-            self._updating = True
-            if drain:
+            needed = self.check_update(new_version, run)
+            self._updating = needed
+            if needed and drain:
                 self._cond.wait_for(lambda: sum(self._inflight.values()) == 0)
+        if not needed:
+            yield False
+            return
         done = False
         try:
-            yield
+            yield True
             done = True
         finally:
             with self._cond:
                 if done:
-                    self.version = new_version
+                    self.run, self.version = run, new_version
                 self._updating = False
                 self._cond.notify_all()
 
@@ -152,9 +255,9 @@ class VersionGate:
         with self._cond:
             return sum(self._inflight.values())
 
-    def in_use(self, version: int) -> bool:
+    def in_use(self, key: tuple[str | None, int]) -> bool:
         with self._cond:
-            return self._inflight[version] > 0
+            return self._inflight[key] > 0
 
 
 # --------------------------------------------------------------------------- in-process vLLM
@@ -232,21 +335,30 @@ def build_llm_kwargs(
 
 
 class LocalVLLM:
-    """A `vllm.LLM` with versions, a lock (LLM is not thread-safe) and file-based sync."""
+    """A `vllm.LLM` with versions, a lock (LLM is not thread-safe) and file-based sync.
 
-    def __init__(self, llm_kwargs: dict, work_dir: Path):
+    `run`: the run whose version 0 the weights on disk are (colocated: the engine's own
+    run id); None for a server, which holds no run's weights until one pushes them."""
+
+    def __init__(self, llm_kwargs: dict, work_dir: Path, run: str | None = None):
         vllm = import_vllm()
         self.llm = vllm.LLM(**llm_kwargs)
         self.sleep_mode = bool(llm_kwargs.get("enable_sleep_mode"))
         self.work_dir = work_dir
-        self.gate = VersionGate(0)
+        self.gate = VersionGate(0, run)
+        self.adapters = AdapterSlots(work_dir / "adapters")
+        self._requests: dict[tuple[str | None, int], Any] = {}  # (run, version) -> LoRARequest
+        self._base_run: str | None = None  # whose full weights replaced the ones from disk
         self._lock = threading.Lock()
-        self._adapters: dict[int, Any] = {}  # version -> LoRARequest
         self._asleep = False
 
     @property
     def version(self) -> int:
         return self.gate.version
+
+    @property
+    def held(self) -> tuple[str | None, int]:
+        return self.gate.held
 
     def generate(
         self,
@@ -255,6 +367,8 @@ class LocalVLLM:
         n: int,
         version: int,
         seeds: list[int] | None = None,
+        *,
+        run: str | None,
     ) -> list[list[Completion]]:
         """`seeds`: one per prompt (vLLM seeds completion k of a prompt with seed + k)."""
         from vllm.inputs import TokensPrompt
@@ -267,42 +381,54 @@ class LocalVLLM:
         else:
             sampling = [to_vllm_sampling_params(replace(params, seed=s), n) for s in seeds]
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
-        with self.gate.admit(version), self._lock:
+        with self.gate.admit(version, run), self._lock:
             self._wake_locked()
             outputs = self.llm.generate(
-                prompts, sampling, use_tqdm=False, lora_request=self._adapters.get(version)
+                prompts, sampling, use_tqdm=False, lora_request=self._requests.get((run, version))
             )
         return [[completion_from_output(o, version) for o in req.outputs] for req in outputs]
 
-    def load_weight_files(self, paths: list[Path], version: int) -> None:
-        with self.gate.update(version, drain=True), self._lock:
-            self._wake_locked()
-            counts = self.llm.collective_rpc(
-                "load_weights_from_files", args=([str(p) for p in paths],)
-            )
-            self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
-            self._adapters.clear()
-        log.debug("vLLM loaded %s tensors per worker as version %d", counts, version)
+    def load_weight_files(self, paths: list[Path], version: int, *, run: str | None) -> None:
+        with self.gate.update(version, drain=True, run=run) as needed:
+            if not needed:
+                return
+            with self._lock:
+                self._wake_locked()
+                counts = self.llm.collective_rpc(
+                    "load_weights_from_files", args=([str(p) for p in paths],)
+                )
+                self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
+                self._retire_adapters(keep=0)  # adapters applied to the old base
+                self._base_run = run
+        log.debug("vLLM loaded %s tensors per worker as run %s version %d", counts, run, version)
 
-    def load_adapter(self, source: Path, version: int) -> None:
+    def load_adapter(self, source: Path, version: int, *, run: str | None) -> None:
         from vllm.lora.request import LoRARequest
 
-        path = publish_adapter(source, self.work_dir / "adapters", version)
-        request = LoRARequest(f"v{version}", version + 1, str(path))
-        with self.gate.update(version, drain=False), self._lock:
-            self._wake_locked()
-            if not self.llm.llm_engine.add_lora(request):
-                raise RuntimeError(
-                    f"vLLM refused LoRA adapter {path}; is enable_lora set and max_lora_rank large enough?"
+        with self.gate.update(version, drain=False, run=run) as needed:
+            if not needed:
+                return
+            if self._base_run not in (None, run):
+                raise EngineVersionError(
+                    f"run {self._base_run} replaced this engine's base weights; an adapter of run "
+                    f"{run} needs the original base: restart `leangrpo serve`"
                 )
-            self._adapters[version] = request
-            self._drop_old_adapters(version)
+            slot = self.adapters.publish(source, run, version)
+            request = LoRARequest(slot.name, slot.int_id, str(slot.path))
+            with self._lock:
+                self._wake_locked()
+                if not self.llm.llm_engine.add_lora(request):
+                    raise RuntimeError(
+                        f"vLLM refused LoRA adapter {slot.path}; is enable_lora set and max_lora_rank large enough?"
+                    )
+                self.adapters.add(slot)
+                self._requests[slot.key] = request
+                self._retire_adapters(keep=2)
 
-    def _drop_old_adapters(self, current: int) -> None:
-        for old in [v for v in self._adapters if v < current - 1 and not self.gate.in_use(v)]:
-            request = self._adapters.pop(old)
-            self.llm.llm_engine.remove_lora(request.lora_int_id)
-            shutil.rmtree(request.lora_path, ignore_errors=True)
+    def _retire_adapters(self, keep: int) -> None:
+        for slot in self.adapters.retire(keep, self.gate.in_use):
+            self._requests.pop(slot.key, None)
+            self.llm.llm_engine.remove_lora(slot.int_id)
 
     def sleep(self, level: int = 1) -> None:
         if not self.sleep_mode:

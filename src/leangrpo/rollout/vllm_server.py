@@ -1,259 +1,170 @@
-"""`leangrpo serve`: a vLLM rollout server, and `ServerPool`, the engine's client for it.
+"""`leangrpo serve`: a vLLM rollout server (its client, `ServerPool`, is in `vllm_client.py`).
 
 The server is a small stdlib HTTP server (threads) in front of one `LocalVLLM`, so it has
-exactly the colocated engine's semantics: versions checked on admission, weight updates
-drain the requests in flight, LoRA adapters published as `adapters/v{N}` and requested by
-name. Our own server rather than vLLM's OpenAI one: it returns token ids and processed
-log-probs directly, and weight sync needs no dev-mode endpoints. Wire format (JSON unless
-noted):
+exactly the colocated engine's semantics: (run id, version) checked on admission,
+versions monotonic within a run and a new run's weights always loaded, weight updates
+drain the requests in flight, adapters served under names and ids never reused. Our own
+server rather than vLLM's OpenAI one: it returns token ids and processed log-probs
+directly, and weight sync needs no dev-mode endpoints. Wire format (JSON unless noted):
 
-    GET  /health                         -> {"version", "model", "in_flight"}
-    POST /generate {prompts, params, n, version, seeds} -> {"completions": [[Completion...]]}
-    PUT  /weights/{version}/{index}      body: one safetensors bucket (binary)
-    POST /weights/{version}/commit {num_buckets}
-    PUT  /adapter/{version}              body: tar of the peft adapter directory
+    GET  /health                          -> {"run", "version", "model", "in_flight", "max_body_bytes"}
+    POST /generate {prompts, params, n, run, version, seeds} -> {"completions": [[Completion...]]}
+    PUT  /weights/{run}/{version}/{index} body: one safetensors bucket (binary, streamed to disk)
+    POST /weights/{run}/{version}/commit  {num_buckets}
+    PUT  /adapter/{run}/{version}         body: uncompressed tar of adapter_config.json + *.safetensors
     POST /sleep {level}, POST /wake_up
 
-Version mismatch -> 409 (EngineVersionError on the client); bad input -> 400.
-The client retries connection errors, timeouts and 5xx with exponential backoff, then
-raises one error naming the URL and `rollout.vllm.urls`.
+Security (the weights decide what the trainer learns from, so writes must be trusted):
+- a shared-secret token (`$LEANGRPO_SERVE_TOKEN` or `--token-file`), required on every
+  request when set (`Authorization: Bearer`, compared in constant time) and required to
+  start at all when binding beyond loopback;
+- bodies need a Content-Length within `--max-body-mb` (JSON bodies within 64 MiB):
+  missing -> 411, malformed or negative -> 400, too large -> 413, before reading a byte;
+- staging is emptied at start; staged buckets are deleted once a newer commit supersedes
+  them or after `--staging-timeout-s` without activity;
+- adapter archives may hold only regular files named `adapter_config.json` or
+  `*.safetensors` (no paths, links or pickles).
+
+Version or run mismatch -> 409 (EngineVersionError on the client); bad input -> 4xx.
 """
 
 from __future__ import annotations
 
 import argparse
+import hmac
 import io
+import ipaddress
 import json
 import logging
 import os
+import re
 import shutil
-import socket
-import subprocess
 import sys
 import tarfile
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from leangrpo.contracts import Completion, EngineVersionError, SamplingParams
+from leangrpo.contracts import EngineVersionError, SamplingParams
+from leangrpo.rollout.vllm_client import (  # noqa: F401 (re-exported: the client's old home)
+    TOKEN_ENV,
+    ServerPool,
+    VLLMServerError,
+    free_port,
+    read_token,
+    start_local_server,
+)
 
 log = logging.getLogger(__name__)
 
-
-class VLLMServerError(RuntimeError):
-    """A rollout server could not be reached, or failed a request."""
-
-
-# --------------------------------------------------------------------------- client
-
-
-class ServerPool:
-    """Client for one or more `leangrpo serve` processes; prompts spread round-robin."""
-
-    def __init__(
-        self,
-        urls: list[str],
-        timeout_s: float = 600.0,
-        max_retries: int = 3,
-        backoff_s: float = 0.5,
-        process: subprocess.Popen | None = None,
-    ):
-        if not urls:
-            raise ValueError(
-                "no vLLM server URLs; set rollout.vllm.urls or leave it empty to start one locally"
-            )
-        self.urls = [u.rstrip("/") for u in urls]
-        self.timeout_s = timeout_s
-        self.max_retries = max_retries
-        self.backoff_s = backoff_s
-        self.process = process
-        self._next = 0
-        self._pool = ThreadPoolExecutor(
-            max_workers=max(2, 2 * len(self.urls)), thread_name_prefix="vllm-client"
-        )
-        versions = {url: self.request(url, "GET", "/health")["version"] for url in self.urls}
-        if len(set(versions.values())) != 1:
-            raise VLLMServerError(
-                f"vLLM servers hold different policy versions {versions}; restart them together"
-            )
-        self.version = next(iter(versions.values()))
-
-    def request(
-        self,
-        url: str,
-        method: str,
-        path: str,
-        body: bytes | None = None,
-        content_type: str = "application/json",
-    ) -> Any:
-        """One HTTP call with retries; returns the decoded JSON reply."""
-        last: Exception | None = None
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            req = urllib.request.Request(
-                url + path, data=body, method=method, headers={"Content-Type": content_type}
-            )
-            try:
-                with urllib.request.urlopen(req, timeout=self.timeout_s) as reply:
-                    return json.loads(reply.read())
-            except urllib.error.HTTPError as err:
-                message = _error_message(err)
-                if err.code == 409:
-                    raise EngineVersionError(f"{url}: {message}") from None
-                if err.code < 500:
-                    raise VLLMServerError(
-                        f"{url}{path} refused the request ({err.code}): {message}"
-                    ) from None
-                last = VLLMServerError(f"{err.code}: {message}")
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as err:
-                last = err
-        raise VLLMServerError(
-            f"vLLM server {url} did not answer {method} {path} after {self.max_retries + 1} attempts "
-            f"(last error: {last}); check that `leangrpo serve` runs there and that rollout.vllm.urls is right"
-        )
-
-    def _post_json(self, url: str, path: str, payload: dict) -> Any:
-        return self.request(url, "POST", path, json.dumps(payload).encode())
-
-    def _broadcast(self, fn: Any) -> list[Any]:
-        return list(self._pool.map(fn, self.urls))
-
-    def generate(
-        self,
-        prompt_ids: list[list[int]],
-        params: SamplingParams,
-        n: int,
-        version: int,
-        seeds: list[int] | None = None,
-    ) -> list[list[Completion]]:
-        shares: dict[int, list[int]] = {}  # server index -> prompt indices
-        for i in range(len(prompt_ids)):
-            shares.setdefault((self._next + i) % len(self.urls), []).append(i)
-        self._next = (self._next + len(prompt_ids)) % len(self.urls)
-        wire_params = asdict(params) | {"stop": list(params.stop)}
-
-        def run(server: int) -> list[list[dict]]:
-            payload = {
-                "prompts": [prompt_ids[i] for i in shares[server]],
-                "params": wire_params,
-                "n": n,
-                "version": version,
-                "seeds": None if seeds is None else [seeds[i] for i in shares[server]],
-            }
-            return self._post_json(self.urls[server], "/generate", payload)["completions"]
-
-        results: list[list[Completion]] = [[] for _ in prompt_ids]
-        futures = {server: self._pool.submit(run, server) for server in shares}
-        for server, future in futures.items():
-            for i, group in zip(shares[server], future.result()):
-                results[i] = [Completion(**c) for c in group]
-        return results
-
-    def load_weight_files(self, paths: list[Path], version: int) -> None:
-        def push(url: str) -> None:
-            for index, path in enumerate(paths):
-                self.request(
-                    url,
-                    "PUT",
-                    f"/weights/{version}/{index}",
-                    path.read_bytes(),
-                    "application/octet-stream",
-                )
-            self._post_json(url, f"/weights/{version}/commit", {"num_buckets": len(paths)})
-
-        self._broadcast(push)
-        self.version = version
-
-    def load_adapter(self, source: Path, version: int) -> None:
-        if not (source / "adapter_config.json").is_file():
-            raise FileNotFoundError(
-                f"no adapter_config.json in {source}; save it with peft's save_pretrained"
-            )
-        buffer = io.BytesIO()
-        with tarfile.open(fileobj=buffer, mode="w") as tar:
-            for item in sorted(source.iterdir()):
-                if item.is_file():
-                    tar.add(item, arcname=item.name)
-        body = buffer.getvalue()
-        self._broadcast(
-            lambda url: self.request(url, "PUT", f"/adapter/{version}", body, "application/x-tar")
-        )
-        self.version = version
-
-    def sleep(self, level: int = 1) -> None:
-        self._broadcast(lambda url: self._post_json(url, "/sleep", {"level": level}))
-
-    def wake_up(self) -> None:
-        self._broadcast(lambda url: self._post_json(url, "/wake_up", {}))
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False)
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        self.process = None
+DEFAULT_MAX_BODY_MB = 8192  # a weight bucket is ~1 GiB plus at most one tensor
+MAX_JSON_BYTES = 64 << 20
+STAGING_TIMEOUT_S = 3600.0
+RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+NUMBER = re.compile(r"[0-9]{1,12}")
+ADAPTER_FILE = re.compile(r"adapter_config\.json|[A-Za-z0-9_-][A-Za-z0-9_.-]*\.safetensors")
+STAGED = re.compile(r"weights-([A-Za-z0-9_-]+)-v([0-9]+)")
+MAX_BUCKETS = 100_000
 
 
-def _error_message(err: urllib.error.HTTPError) -> str:
-    try:
-        return json.loads(err.read()).get("error", err.reason)
-    except Exception:
-        return str(err.reason)
+@dataclass
+class ServerState:
+    """What every request handler shares."""
+
+    local: Any  # a LocalVLLM (or a test double with the same methods)
+    staging: Path
+    model: str
+    token: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_MB << 20
+    staging_timeout_s: float = STAGING_TIMEOUT_S
 
 
-# --------------------------------------------------------------------------- server
+class Refused(Exception):
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
 
 
-def make_handler(local: Any, staging: Path, model: str) -> type[BaseHTTPRequestHandler]:
+class Body:
+    """A request body of a checked length, read at most once."""
+
+    def __init__(self, stream: BinaryIO, length: int):
+        self.stream, self.remaining = stream, length
+
+    def read(self) -> bytes:
+        data = self.stream.read(self.remaining)
+        if len(data) < self.remaining:
+            raise ValueError(f"the body ended after {len(data)} of {self.remaining} bytes")
+        self.remaining = 0
+        return data
+
+    def json(self) -> dict:
+        payload = json.loads(self.read() or b"{}")
+        if not isinstance(payload, dict):
+            raise ValueError("the body must be a JSON object")
+        return payload
+
+    def save(self, path: Path) -> int:
+        size = self.remaining
+        with path.open("wb") as out:
+            while self.remaining:
+                chunk = self.stream.read(min(self.remaining, 1 << 20))
+                if not chunk:
+                    raise ValueError(f"the body ended {self.remaining} bytes early")
+                out.write(chunk)
+                self.remaining -= len(chunk)
+        return size
+
+
+def make_handler(
+    local: Any,
+    staging: Path,
+    model: str,
+    *,
+    token: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_MB << 20,
+    staging_timeout_s: float = STAGING_TIMEOUT_S,
+) -> type[BaseHTTPRequestHandler]:
     """An HTTP handler class bound to one `LocalVLLM` and a staging directory."""
+    state = ServerState(local, staging, model, token, max_body_bytes, staging_timeout_s)
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        timeout = 300  # seconds a silent connection may hold a thread
 
         def log_message(self, fmt: str, *args: Any) -> None:
             log.debug("%s " + fmt, self.address_string(), *args)
 
-        def _reply(self, code: int, payload: dict) -> None:
+        def _reply(self, code: int, payload: dict, close: bool = False) -> None:
             data = json.dumps(payload).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if close:  # an unread body would be taken for the next request
+                self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(data)
 
-        def _body(self) -> bytes:
-            return self.rfile.read(int(self.headers.get("Content-Length", 0)))
-
-        def _dispatch(self, route: Any) -> None:
+        def _handle(self, method: str) -> None:
+            body = None
             try:
-                self._reply(200, route())
+                _authorize(self.headers.get("Authorization"), state.token)
+                body = _open_body(self.headers, self.rfile, method, state.max_body_bytes)
+                code, payload = 200, _route(method, self.path, body, state)
+            except Refused as err:
+                code, payload = err.code, {"error": str(err)}
             except EngineVersionError as err:
-                self._reply(409, {"error": str(err)})
-            except (ValueError, TypeError, KeyError, FileNotFoundError) as err:
-                self._reply(400, {"error": f"{type(err).__name__}: {err}"})
+                code, payload = 409, {"error": str(err)}
+            except (ValueError, TypeError, KeyError, FileNotFoundError, tarfile.TarError) as err:
+                code, payload = 400, {"error": f"{type(err).__name__}: {err}"}
             except Exception as err:  # the server must outlive one bad request
                 log.exception("request %s failed", self.path)
-                self._reply(500, {"error": f"{type(err).__name__}: {err}"})
-
-        def _handle(self, method: str) -> None:
-            body = self._body() if method != "GET" else b""
-            route = _route(method, self.path, body, local, staging, model)
-            if route is None:
-                self._reply(404, {"error": f"no route {method} {self.path}"})
-            else:
-                self._dispatch(route)
+                code, payload = 500, {"error": f"{type(err).__name__}: {err}"}
+            self._reply(code, payload, close=body is None or body.remaining > 0)
 
         def do_GET(self) -> None:
             self._handle("GET")
@@ -267,76 +178,204 @@ def make_handler(local: Any, staging: Path, model: str) -> type[BaseHTTPRequestH
     return Handler
 
 
-def _route(
-    method: str, path: str, body: bytes, local: Any, staging: Path, model: str
-) -> Callable[[], dict] | None:
-    """The server's routes: a zero-argument call producing the JSON reply, or None (404)."""
-    parts = path.strip("/").split("/")
-    if method == "GET" and parts == ["health"]:
-        return lambda: {"version": local.version, "model": model, "in_flight": local.gate.in_flight}
-    if method == "POST" and parts == ["generate"]:
-        return lambda: _generate(local, json.loads(body))
-    if method == "POST" and len(parts) == 3 and parts[0] == "weights" and parts[2] == "commit":
-        return lambda: _commit(local, staging, int(parts[1]), json.loads(body)["num_buckets"])
-    if method == "POST" and parts == ["sleep"]:
-        return lambda: local.sleep(json.loads(body).get("level", 1)) or {}
-    if method == "POST" and parts == ["wake_up"]:
-        return lambda: local.wake_up() or {}
-    if method == "PUT" and len(parts) == 3 and parts[0] == "weights":
-        return lambda: _stage_bucket(staging, int(parts[1]), int(parts[2]), body)
-    if method == "PUT" and len(parts) == 2 and parts[0] == "adapter":
-        return lambda: _load_adapter_tar(local, staging, int(parts[1]), body)
-    return None
+def _authorize(header: str | None, token: str | None) -> None:
+    if token is None:
+        return
+    scheme, _, given = (header or "").partition(" ")
+    if scheme != "Bearer" or not hmac.compare_digest(given.encode(), token.encode()):
+        raise Refused(401, "missing or wrong token (Authorization: Bearer <token>)")
+
+
+def _open_body(headers: Any, stream: BinaryIO, method: str, max_body_bytes: int) -> Body:
+    """The body, once its declared length is known to be acceptable (nothing read yet)."""
+    if method == "GET":
+        return Body(stream, 0)
+    if headers.get("Transfer-Encoding"):
+        raise Refused(411, "chunked bodies are not accepted; send a Content-Length")
+    lengths = headers.get_all("Content-Length") or []
+    if not lengths:
+        raise Refused(411, "a Content-Length is required")
+    if len(lengths) > 1 or not NUMBER.fullmatch(lengths[0].strip()):
+        raise Refused(400, f"malformed Content-Length {lengths}")
+    length = int(lengths[0])
+    limit = max_body_bytes if method == "PUT" else min(MAX_JSON_BYTES, max_body_bytes)
+    if length > limit:
+        raise Refused(
+            413, f"a body of {length} bytes exceeds this server's limit of {limit} (--max-body-mb)"
+        )
+    return Body(stream, length)
+
+
+def _route(method: str, path: str, body: Body, st: ServerState) -> dict:
+    """The server's routes: the JSON reply, or an error (Refused 404 for no route)."""
+    match (method, path.split("?")[0].strip("/").split("/")):
+        case ("GET", ["health"]):
+            run, version = st.local.held
+            return {
+                "run": run,
+                "version": version,
+                "model": st.model,
+                "in_flight": st.local.gate.in_flight,
+                "max_body_bytes": st.max_body_bytes,
+            }
+        case ("POST", ["generate"]):
+            return _generate(st.local, body.json())
+        case ("PUT", ["weights", run, version, index]):
+            return _stage_bucket(st, _run(run), _number(version), _number(index), body)
+        case ("POST", ["weights", run, version, "commit"]):
+            return _commit(st, _run(run), _number(version), body.json()["num_buckets"])
+        case ("PUT", ["adapter", run, version]):
+            return _load_adapter_tar(st, _run(run), _number(version), body.read())
+        case ("POST", ["sleep"]):
+            level = body.json().get("level", 1)
+            if level not in (1, 2):
+                raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+            st.local.sleep(level)
+            return {}
+        case ("POST", ["wake_up"]):
+            st.local.wake_up()
+            return {}
+    raise Refused(404, f"no route {method} {path}")
+
+
+def _run(text: Any) -> str:
+    if not isinstance(text, str) or not RUN_ID.fullmatch(text):
+        raise ValueError(f"a run id is 1-64 characters of [A-Za-z0-9_-], got {text!r}")
+    return text
+
+
+def _number(text: Any) -> int:
+    if isinstance(text, int) and not isinstance(text, bool) and text >= 0:
+        return text
+    if not isinstance(text, str) or not NUMBER.fullmatch(text):
+        raise ValueError(f"expected a non-negative integer, got {text!r}")
+    return int(text)
 
 
 def _generate(local: Any, payload: dict) -> dict:
     params = SamplingParams(
         **(payload["params"] | {"stop": tuple(payload["params"].get("stop", ()))})
     )
-    n, version = int(payload["n"]), int(payload["version"])
-    groups = local.generate(payload["prompts"], params, n, version, payload.get("seeds"))
+    prompts, seeds = payload["prompts"], payload.get("seeds")
+    if not isinstance(prompts, list) or not all(
+        isinstance(p, list) and all(type(t) is int for t in p) for p in prompts
+    ):
+        raise ValueError("prompts must be lists of token ids")
+    if seeds is not None and (len(seeds) != len(prompts) or any(type(s) is not int for s in seeds)):
+        raise ValueError("seeds must be one integer per prompt")
+    run, version, n = _run(payload["run"]), _number(payload["version"]), _number(payload["n"])
+    groups = local.generate(prompts, params, n, version, seeds, run=run)
     return {"completions": [[asdict(c) for c in group] for group in groups]}
 
 
-def _stage_bucket(staging: Path, version: int, index: int, body: bytes) -> dict:
-    directory = staging / f"weights-v{version}"
+# --------------------------------------------------------------------------- staging
+
+
+def _staged_dir(staging: Path, run: str, version: int) -> Path:
+    return staging / f"weights-{run}-v{version}"
+
+
+def _stage_bucket(st: ServerState, run: str, version: int, index: int, body: Body) -> dict:
+    if index >= MAX_BUCKETS:
+        raise ValueError(f"bucket index {index} >= {MAX_BUCKETS}")
+    st.local.gate.check_update(version, run)  # refuses a version older than the one held
+    sweep_staging(st.staging, st.staging_timeout_s)
+    directory = _staged_dir(st.staging, run, version)
     directory.mkdir(parents=True, exist_ok=True)
-    final = directory / f"bucket-{index:05d}.safetensors"
-    tmp = final.with_suffix(".tmp")
-    tmp.write_bytes(body)
-    os.replace(tmp, final)  # a retried upload never leaves half a bucket behind
-    return {"bytes": len(body)}
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".part")
+    os.close(fd)
+    try:
+        size = body.save(Path(tmp))
+        os.replace(tmp, directory / f"bucket-{index:05d}.safetensors")  # never half a bucket
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return {"bytes": size}
 
 
-def _commit(local: Any, staging: Path, version: int, num_buckets: int) -> dict:
-    if version == local.version:  # a retried commit
+def _commit(st: ServerState, run: str, version: int, num_buckets: Any) -> dict:
+    if st.local.held == (run, version):  # a retried commit
         return {"version": version}
-    directory = staging / f"weights-v{version}"
+    num_buckets = _number(num_buckets)
+    if not 1 <= num_buckets <= MAX_BUCKETS:
+        raise ValueError(f"num_buckets must be in [1, {MAX_BUCKETS}], got {num_buckets}")
+    directory = _staged_dir(st.staging, run, version)
     paths = [directory / f"bucket-{i:05d}.safetensors" for i in range(num_buckets)]
     missing = [p.name for p in paths if not p.is_file()]
     if missing:
         raise FileNotFoundError(
-            f"commit of version {version} is missing buckets {missing}; upload them first"
+            f"commit of run {run} version {version} is missing buckets {missing}; upload them first"
         )
-    local.load_weight_files(paths, version)
-    shutil.rmtree(directory, ignore_errors=True)
+    st.local.load_weight_files(paths, version, run=run)
+    drop_superseded(st.staging, run, version)
     return {"version": version}
 
 
-def _load_adapter_tar(local: Any, staging: Path, version: int, body: bytes) -> dict:
-    directory = Path(tempfile.mkdtemp(prefix=f"adapter-v{version}-", dir=staging))
+def sweep_staging(staging: Path, timeout_s: float) -> None:
+    """Delete staged uploads untouched for `timeout_s` (a client that never committed)."""
+    cutoff = time.time() - timeout_s
+    for entry in staging.iterdir():
+        try:
+            if entry.stat().st_mtime < cutoff:
+                shutil.rmtree(entry, ignore_errors=True)
+        except FileNotFoundError:
+            pass  # removed by another request meanwhile
+
+
+def drop_superseded(staging: Path, run: str, version: int) -> None:
+    """After (run, version) is loaded: every staged upload but this run's newer versions."""
+    for entry in staging.iterdir():
+        match = STAGED.fullmatch(entry.name)
+        if match and not (match[1] == run and int(match[2]) > version):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def prepare_staging(root: Path) -> Path:
+    """An empty staging directory: uploads of an earlier process are never committed."""
+    staging = root / "staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
+
+
+# --------------------------------------------------------------------------- adapters
+
+
+def _load_adapter_tar(st: ServerState, run: str, version: int, data: bytes) -> dict:
+    st.local.gate.check_update(version, run)
+    directory = Path(tempfile.mkdtemp(prefix="adapter-", dir=st.staging))
     try:
-        with tarfile.open(fileobj=io.BytesIO(body), mode="r") as tar:
-            for member in tar.getmembers():
-                if not member.isfile() or Path(member.name).name != member.name:
-                    raise ValueError(
-                        f"adapter archive entry {member.name!r} is not a plain file name"
-                    )
-                (directory / member.name).write_bytes(tar.extractfile(member).read())
-        local.load_adapter(directory, version)
+        extract_adapter(data, directory)
+        st.local.load_adapter(directory, version, run=run)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+    drop_superseded(st.staging, run, version)
     return {"version": version}
+
+
+def extract_adapter(data: bytes, directory: Path) -> None:
+    """Unpack an adapter archive: regular files named adapter_config.json or *.safetensors."""
+    names: set[str] = set()
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:  # uncompressed only
+        for member in tar.getmembers():
+            if not member.isreg():
+                raise ValueError(
+                    f"adapter archive entry {member.name!r} is not a regular file (links and "
+                    "directories are refused)"
+                )
+            if not ADAPTER_FILE.fullmatch(member.name) or member.name in names:
+                raise ValueError(
+                    f"adapter archive entry {member.name!r} refused: an adapter upload holds "
+                    "adapter_config.json and *.safetensors files once each, by plain name "
+                    "(a pickled adapter_model.bin is never loaded: save with safe_serialization=True)"
+                )
+            names.add(member.name)
+            (directory / member.name).write_bytes(tar.extractfile(member).read())
+    if "adapter_config.json" not in names or len(names) < 2:
+        raise ValueError(
+            f"an adapter upload needs adapter_config.json and a .safetensors file, got {sorted(names)}"
+        )
+    if not isinstance(json.loads((directory / "adapter_config.json").read_text()), dict):
+        raise ValueError("adapter_config.json must hold a JSON object")
 
 
 # --------------------------------------------------------------------------- `leangrpo serve`
@@ -346,7 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="leangrpo serve",
         description="Serve a model for leangrpo rollouts with vLLM. "
-        "Extra `--name value` flags are passed to vllm.LLM as name=value.",
+        "Extra `--name value` flags are passed to vllm.LLM as name=value. "
+        f"The shared-secret token comes from ${TOKEN_ENV} or --token-file; it is required "
+        "whenever --host is not a loopback address.",
     )
     p.add_argument("model", help="model directory or hub name")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
@@ -364,6 +405,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--work-dir",
         default=None,
         help="where adapters and staged weights go (default: a temp dir)",
+    )
+    p.add_argument(
+        "--token-file", default=None, help=f"file holding the token (default: ${TOKEN_ENV})"
+    )
+    p.add_argument(
+        "--max-body-mb",
+        type=int,
+        default=DEFAULT_MAX_BODY_MB,
+        help="largest upload (one weight bucket, one adapter) in MiB",
+    )
+    p.add_argument(
+        "--staging-timeout-s",
+        type=float,
+        default=STAGING_TIMEOUT_S,
+        help="delete uploads never committed after this many seconds without activity",
     )
     p.add_argument("--engine-kwargs", default="{}", help="JSON object of extra vllm.LLM arguments")
     return p
@@ -395,11 +451,39 @@ def parse_extra_flags(extra: list[str]) -> dict[str, Any]:
     return kwargs
 
 
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # "", "0.0.0.0"-like names or a host name: reachable from elsewhere
+
+
+def check_serve_args(args: argparse.Namespace) -> str | None:
+    """The token to require (None: none), or ValueError before anything expensive starts."""
+    token = read_token(args.token_file, "--token-file")
+    if token is None and not is_loopback(args.host):
+        raise ValueError(
+            f"--host {args.host} is reachable from other machines, and anyone who reaches the "
+            f"server can replace the policy's weights: set ${TOKEN_ENV} (or --token-file) to a "
+            "shared secret here and on the trainer"
+        )
+    if args.max_body_mb < 1:
+        raise ValueError(f"--max-body-mb must be >= 1, got {args.max_body_mb}")
+    return token
+
+
 def serve_main(argv: list[str] | None = None) -> int:
     """Entry point of `leangrpo serve MODEL --port P [vllm args]`; blocks until SIGTERM/Ctrl-C."""
     from leangrpo.rollout.vllm import LocalVLLM, VLLMSettings, build_llm_kwargs
 
-    args, extra = build_parser().parse_known_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    try:
+        token = check_serve_args(args)
+    except ValueError as err:
+        parser.error(str(err))
     engine_kwargs = json.loads(args.engine_kwargs) | parse_extra_flags(extra)
     settings = VLLMSettings(
         mode="server",
@@ -415,18 +499,28 @@ def serve_main(argv: list[str] | None = None) -> int:
     root = (
         Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="leangrpo-serve-"))
     )
-    local = LocalVLLM(
+    local = LocalVLLM(  # holds no run's weights until a trainer pushes them
         build_llm_kwargs(args.model, settings, args.enable_lora, args.max_lora_rank, args.seed),
         root,
     )
-    staging = root / "staging"
-    staging.mkdir(parents=True, exist_ok=True)
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(local, staging, args.model))
+    handler = make_handler(
+        local,
+        prepare_staging(root),
+        args.model,
+        token=token,
+        max_body_bytes=args.max_body_mb << 20,
+        staging_timeout_s=args.staging_timeout_s,
+    )
+    server = ThreadingHTTPServer((args.host, args.port), handler)
     server.daemon_threads = True
     import signal
 
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
-    print(f"leangrpo serve: ready on http://{args.host}:{server.server_address[1]}", flush=True)
+    auth = "token required" if token else "no token (loopback only)"
+    print(
+        f"leangrpo serve: ready on http://{args.host}:{server.server_address[1]} ({auth})",
+        flush=True,
+    )
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -437,74 +531,6 @@ def serve_main(argv: list[str] | None = None) -> int:
         if not args.work_dir:
             shutil.rmtree(root, ignore_errors=True)
     return 0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_local_server(
-    model_path: str,
-    settings: Any,
-    *,
-    enable_lora: bool = False,
-    max_lora_rank: int = 16,
-    seed: int = 0,
-    startup_timeout_s: float = 600.0,
-) -> tuple[subprocess.Popen, str]:
-    """Start `leangrpo serve` on a free loopback port; returns (process, url) once healthy."""
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "leangrpo.rollout.vllm_server",
-        model_path,
-        "--port",
-        str(port),
-        "--dtype",
-        settings.dtype,
-        "--kv-cache-dtype",
-        settings.kv_cache_dtype,
-        "--seed",
-        str(seed),
-        "--max-lora-rank",
-        str(max_lora_rank),
-        "--engine-kwargs",
-        json.dumps(settings.engine_kwargs),
-    ]
-    if settings.gpu_memory_utilization is not None:
-        cmd += ["--gpu-memory-utilization", str(settings.gpu_memory_utilization)]
-    if settings.max_model_len is not None:
-        cmd += ["--max-model-len", str(settings.max_model_len)]
-    cmd += [
-        flag
-        for flag, on in [
-            ("--enforce-eager", settings.enforce_eager),
-            ("--enable-lora", enable_lora),
-            ("--enable-sleep-mode", settings.enable_sleep_mode),
-        ]
-        if on
-    ]
-    process = subprocess.Popen(cmd)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + startup_timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise VLLMServerError(
-                f"local `leangrpo serve {model_path}` exited with code {process.returncode} "
-                "before it was ready; see its log above"
-            )
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5):
-                return process, url
-        except OSError:
-            time.sleep(0.5)
-    process.terminate()
-    raise VLLMServerError(
-        f"local `leangrpo serve {model_path}` was not ready after {startup_timeout_s:.0f} s"
-    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,107 @@
+"""Model shapes the benchmarks build with random weights (nothing is downloaded).
+
+The public configs of Qwen2.5-1.5B and Llama-3.1-8B, written out field by field, plus two
+tiny stand-ins of the same architectures for CPU dry runs. Rope scaling is left at its
+default (it changes neither memory nor time). Random initialisation is right for memory
+and speed, never for quality.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CONFIGS: dict[str, dict] = {
+    "qwen2.5-1.5b": dict(
+        arch="qwen2",
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+    ),
+    "llama-3.1-8b": dict(
+        arch="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+    ),
+    # CPU dry-run stand-ins: same architectures, a few hundred KB
+    "tiny-qwen2": dict(
+        arch="qwen2",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+    ),
+    "tiny-llama": dict(
+        arch="llama",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+    ),
+}
+
+
+def hf_config(name: str, max_tokens: int):
+    """The transformers config of `name`, long enough for `max_tokens` positions."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    fields = dict(CONFIGS[name])
+    config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[fields.pop("arch")]
+    return config_cls(max_position_embeddings=max(max_tokens, 4096), **fields)
+
+
+def build_model(
+    name: str,
+    max_tokens: int,
+    device: str | torch.device = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+):
+    """A randomly initialised causal LM of shape `name`, created directly on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(
+            hf_config(name, max_tokens), dtype=dtype, attn_implementation="sdpa"
+        )
+    return model.train()
+
+
+def planner_dims(name: str):
+    """`leangrpo.planner.Dims` of `name`, for `plan_memory(cfg, dims=...)`."""
+    from leangrpo.planner import Dims
+
+    c = CONFIGS[name]
+    return Dims(
+        vocab=c["vocab_size"],
+        hidden=c["hidden_size"],
+        intermediate=c["intermediate_size"],
+        layers=c["num_hidden_layers"],
+        heads=c["num_attention_heads"],
+        kv_heads=c["num_key_value_heads"],
+        head_dim=c["hidden_size"] // c["num_attention_heads"],
+        tied=c["tie_word_embeddings"],
+    )

@@ -1,0 +1,201 @@
+"""Local prompt files, read cheaply and checked row by row before any model loads.
+
+What `data.check_data` runs on `data.path` / `data.eval_path`, without `datasets` or
+torch: the file exists and has a supported type, it is UTF-8 text (a bad byte is named
+with its line), JSON lines parse one by one (a broken line is named), the prompt column
+and requested columns exist after `data.column_map`, and every prompt cell is a string
+(or a chat-message list) that is not empty or whitespace unless `data.empty_prompts` is
+'drop'. `check_prompt_cells` is shared with loading, where hub datasets get the same row
+checks.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from leangrpo.errors import UserError
+
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+class DataError(UserError, ValueError):
+    """The data settings or the data itself cannot be used; the message says how to fix it."""
+
+
+def check_file(path_str: str, key: str, data_cfg: Any) -> None:
+    path = Path(path_str).expanduser()
+    if not path.is_file():
+        raise DataError(f"{key} = '{path_str}': file not found ({path.resolve()})")
+    if path.suffix.lower() not in FILE_BUILDERS:
+        raise DataError(
+            f"{key} = '{path_str}': unsupported file type '{path.suffix}'; "
+            f"use one of {', '.join(FILE_BUILDERS)}"
+        )
+    columns = _file_columns(path)
+    if not columns:
+        raise DataError(f"{key} = '{path_str}' holds no rows (or no columns)")
+    check_columns(columns, str(path), data_cfg)
+    source_column = {v: k for k, v in data_cfg.column_map.items()}.get(
+        data_cfg.prompt_column, data_cfg.prompt_column
+    )
+    check_prompt_cells(_prompt_cells(path, source_column), f"{key} = '{path_str}'", data_cfg)
+
+
+def _file_columns(path: Path) -> list[str]:
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return list(pq.read_schema(path).names)
+    if suffix == ".csv":
+        return next(csv.reader(io.StringIO(read_utf8(path))), [])
+    if suffix == ".json":
+        rows = _read_json_rows(path)
+        return list(rows[0]) if rows else []
+    first = next(_jsonl_rows(path), None)
+    return list(first[2]) if first is not None else []
+
+
+def _prompt_cells(path: Path, column: str) -> Iterator[tuple[int, int | None, Any]]:
+    """(row index, line number or None, prompt value) of every row of a local file."""
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        values = pq.read_table(path, columns=[column]).column(0).to_pylist()
+        yield from ((i, None, v) for i, v in enumerate(values))
+    elif suffix == ".csv":
+        reader = csv.DictReader(io.StringIO(read_utf8(path)))
+        for i, row in enumerate(reader):
+            yield i, reader.line_num, row.get(column)
+    elif suffix == ".json":
+        yield from ((i, None, row.get(column)) for i, row in enumerate(_read_json_rows(path)))
+    else:
+        yield from ((i, line, row.get(column)) for i, line, row in _jsonl_rows(path))
+
+
+def read_utf8(path: Path) -> str:
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise DataError(
+            f"{path} is not UTF-8 text (byte {raw[e.start]:#04x} at line {line}); save it as UTF-8"
+        ) from None
+
+
+def _read_json_rows(path: Path) -> list:
+    """A .json file holds a JSON array of row objects, or JSON lines."""
+    text = read_utf8(path)
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as e:
+        if text.lstrip().startswith("["):
+            raise DataError(f"{path} is not valid JSON (line {e.lineno}: {e.msg})") from None
+        return [row for _, _, row in _jsonl_rows(path)]  # JSON lines under a .json name
+    if isinstance(rows, dict):
+        rows = [rows]  # one row: JSON lines with a single line
+    if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+        raise DataError(f"{path} must hold a JSON array of objects (one per row) or JSON lines")
+    return rows
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, int, dict]]:
+    """(row index, line number, row) of every non-blank line, each checked as it is read."""
+    with path.open("rb") as f:
+        index = 0
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{path} line {line_no} is not UTF-8 text (byte {raw[e.start]:#04x}); save the file as UTF-8"
+                ) from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(
+                    f"{path} line {line_no} is not valid JSON ({e.msg} at column {e.colno}); "
+                    f"each line must be one JSON object"
+                ) from None
+            if not isinstance(row, dict):
+                raise DataError(
+                    f"{path} line {line_no} is a {type(row).__name__}, not a JSON object"
+                )
+            yield index, line_no, row
+            index += 1
+
+
+def scan_jsonl(path: Path) -> dict | None:
+    """Parse every line (one object per line); return the first row."""
+    first = None
+    for _, _, row in _jsonl_rows(path):
+        first = row if first is None else first
+    return first
+
+
+def prompt_problem(value: Any, chat_template: bool) -> str | None:
+    """Why a raw prompt cell cannot be used ('empty' for blank text), or None."""
+    is_messages = isinstance(value, list) and all(isinstance(m, dict) for m in value)
+    if not (isinstance(value, str) or (is_messages and value)):
+        return (
+            f"holds {_short(value)}; a prompt must be a string (or, with "
+            f"data.chat_template, a list of chat messages)"
+        )
+    if is_messages and not chat_template:
+        return "is a list of chat messages; set data.chat_template = true"
+    text = value if isinstance(value, str) else "".join(str(m.get("content", "")) for m in value)
+    return "empty" if not text.strip() else None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_prompt_cells(
+    cells: Iterator[tuple[int, int | None, Any]], source: str, data_cfg: Any
+) -> None:
+    """Refuse a wrongly typed prompt, and an empty one unless data.empty_prompts is 'drop'."""
+    empty: list[tuple[int, int | None]] = []
+    for row, line, value in cells:
+        problem = prompt_problem(value, data_cfg.chat_template)
+        where = f"{source} row {row}" + (f" (line {line})" if line else "")
+        if problem == "empty":
+            empty.append((row, line))
+        elif problem is not None:
+            raise DataError(f"{where}: column '{data_cfg.prompt_column}' {problem}")
+    if empty and data_cfg.empty_prompts == "error":
+        row, line = empty[0]
+        more = f" (and {len(empty) - 1} more rows)" if len(empty) > 1 else ""
+        raise DataError(
+            f"{source} row {row}" + (f" (line {line})" if line else "") + f" has an empty "
+            f"prompt{more}; remove it, or set data.empty_prompts: drop to leave such rows out"
+        )
+
+
+def check_columns(columns: list[str], source: str, data_cfg: Any) -> None:
+    """The prompt and requested columns must exist after `data.column_map` renames."""
+    column_map = dict(data_cfg.column_map or {})
+    for src in column_map:
+        if src not in columns:
+            raise DataError(
+                f"data.column_map renames '{src}' but {source} has no such column "
+                f"(it has: {', '.join(columns) or 'none'})"
+            )
+    renamed = [column_map.get(c, c) for c in columns]
+    for needed in [data_cfg.prompt_column, *(data_cfg.columns or [])]:
+        if needed not in renamed:
+            hint = f"e.g. data.column_map = {{'{renamed[0]}': '{needed}'}}" if renamed else ""
+            raise DataError(
+                f"{source} has no column '{needed}' (it has: {', '.join(renamed) or 'none'}); "
+                f"rename one with data.column_map {hint}".rstrip()
+            )

@@ -1,0 +1,258 @@
+"""FSDP2 for the policy: sharding, gathered weights for sync, gradient clipping, padding.
+
+Units (`fully_shard` calls, bottom-up, all on one data-parallel mesh):
+- every decoder layer (the classes in the model's `_no_split_modules`); LoRA layers inside
+  are sharded with it, frozen and trainable parameters mixed in one unit;
+- untied models: the input embeddings, and the lm_head, replaced by a `ChunkedLMHead` so
+  that the chunked log-probs run inside its forward, where FSDP has gathered the weight;
+- the root: a `PackedScorer` around the model (final norm; embeddings and head when tied,
+  since one parameter cannot live in two units). Its forward is the packed scoring pass,
+  so nothing reads a sharded (DTensor) weight outside a unit's forward.
+
+Strategies: full_shard = reshard after forward; shard_grad_op = keep gathered parameters
+from forward to backward; no_shard = a 2-D (replicate=W, shard=1) mesh, i.e. replicated
+parameters and all-reduced gradients through the same code path. Gradients are averaged
+over ranks (FSDP's default), so losses use per-rank normalisers (global count / W).
+
+Activation checkpointing composes as it is: transformers checkpoints a decoder layer's
+`forward`, not its `__call__`, so FSDP's hooks stay outside the checkpointed region and the
+recompute in backward does not gather twice; the order of enabling checkpointing and
+sharding does not matter. The offload hooks (offload.py) see the same layer inputs.
+
+Weight sync (`gather_for_sync`): every rank gathers every tensor (`full_tensor()`) in the
+same fixed order, rank 0 keeps them, and only then does rank 0 send anything, so no
+all-gather is ever interleaved with a send (the deadlock of TRL #7103).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.distributed.tensor import DTensor
+
+from leangrpo.contracts import PackedBatch
+from leangrpo.distributed import DistContext
+from leangrpo.model import DTYPES, PackedScorer, causal_lm, install_chunked_head
+
+# Prefixes wrappers add to parameter names: checkpoint_wrapper, FSDP1, torch.compile.
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
+
+
+def clean_name(name: str) -> str:
+    """A parameter name as the unwrapped model (and the inference engine) spells it."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def shard_model(model: nn.Module, dist_cfg, ctx: DistContext) -> PackedScorer:
+    """Shard `model` (a transformers causal LM, or a peft model around one) in place.
+
+    Returns the root: call it (or `leangrpo.model.score(root, ...)`) for log-probs. Build the
+    optimizer after this, over the model's (now DTensor) parameters. Needs the process
+    group of `init_distributed` (world size >= 2); a single process is never sharded.
+    """
+    if not ctx.distributed:
+        raise ValueError(
+            "shard_model needs several ranks (torchrun); a single process is not sharded"
+        )
+    head = install_chunked_head(model)
+    embed = causal_lm(model).get_input_embeddings()
+    units = dict(
+        mesh=_mesh(ctx, dist_cfg.sharding),
+        mp_policy=_mixed_precision(dist_cfg),
+        offload_policy=_offload_policy(dist_cfg, ctx),
+    )
+    reshard = dist_cfg.sharding == "full_shard"
+    for layer in decoder_layers(model):
+        fully_shard(layer, reshard_after_forward=reshard, **units)
+    if embed.weight is not head.weight:  # untied: each big matrix is its own unit
+        fully_shard(embed, reshard_after_forward=reshard, **units)
+        fully_shard(head, reshard_after_forward=reshard, **units)
+    scorer = PackedScorer(model)
+    fully_shard(scorer, **units)  # root: stays gathered from forward to backward
+    return scorer
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks, named by transformers' `_no_split_modules`."""
+    lm = causal_lm(model)
+    names = set(getattr(lm, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
+    if not layers:
+        raise TypeError(
+            f"{type(lm).__name__} names no decoder-layer class in _no_split_modules; "
+            "leangrpo cannot tell which blocks to shard"
+        )
+    return layers
+
+
+def _mesh(ctx: DistContext, sharding: str):
+    """The data-parallel mesh, built on the default group so that it has its timeout.
+
+    (init_device_mesh may create new groups, which get torch's default timeout.) no_shard is
+    a (W, 1) mesh: replicate over every rank, shard over a group of one.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    kind = ctx.device.type
+    if sharding != "no_shard":
+        return DeviceMesh.from_group(dist.group.WORLD, kind, mesh_dim_names=("shard",))
+    timeout = timedelta(seconds=ctx.timeout_s)
+    alone = [dist.new_group([r], timeout=timeout) for r in range(ctx.world_size)]  # collective
+    return DeviceMesh.from_group(
+        [dist.group.WORLD, alone[ctx.rank]],
+        kind,
+        mesh=torch.arange(ctx.world_size).view(ctx.world_size, 1),
+        mesh_dim_names=("replicate", "shard"),
+    )
+
+
+def _mixed_precision(dist_cfg) -> MixedPrecisionPolicy:
+    if dist_cfg.param_dtype == "off":
+        return MixedPrecisionPolicy()
+    param = DTYPES[dist_cfg.param_dtype]
+    reduce = torch.float32 if dist_cfg.reduce_dtype == "float32" else param
+    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
+
+
+def _offload_policy(dist_cfg, ctx: DistContext) -> OffloadPolicy:
+    if not dist_cfg.cpu_offload:
+        return OffloadPolicy()
+    if ctx.device.type != "cuda":
+        raise ValueError(
+            "distributed.cpu_offload moves sharded state from the GPU to host memory, but "
+            "these ranks already run on the CPU; set distributed.cpu_offload: false"
+        )
+    return CPUOffloadPolicy(pin_memory=True)
+
+
+# ------------------------------------------------------------------------ weights for sync
+
+
+def gather_for_sync(
+    model: nn.Module,
+    ctx: DistContext,
+    *,
+    adapters_only: bool,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> list[tuple[str, torch.Tensor]]:
+    """Full tensors to send to the engine: on rank 0 a list, on the other ranks [].
+
+    Every rank must call it (each DTensor is all-gathered). Names and order are those of
+    `Policy.named_trainable_tensors` on the unsharded model: the trainable parameters for
+    LoRA (the adapter), the whole state dict otherwise; wrapper prefixes are stripped.
+    Tensors are cast to `dtype` (the engine's) and moved to `device` (default: where they
+    were gathered). Tied weights are gathered once and listed under each of their names.
+    """
+    if adapters_only:
+        entries = [(n, p.detach()) for n, p in model.named_parameters() if p.requires_grad]
+    else:
+        entries = list(model.state_dict().items())
+    gathered: dict[tuple, torch.Tensor | None] = {}  # the same keys on every rank
+    out = []
+    for name, tensor in entries:
+        key = _storage_key(tensor)
+        if key not in gathered:
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            gathered[key] = full.to(dtype=dtype or full.dtype, device=device or full.device)
+            if not ctx.is_main:
+                gathered[key] = None  # gathered only to take part; dropped at once
+        if ctx.is_main:
+            out.append((clean_name(name), gathered[key]))
+    return out
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(t.shape))
+
+
+# ------------------------------------------------------------------------- optimizer step
+
+
+def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float | None) -> float:
+    """Clip to `max_norm` (None: measure only); returns the global norm on every rank.
+
+    Sharded gradients are DTensors: their norm is reduced over ranks before clipping.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return 0.0
+    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if max_norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return float(total)
+
+
+# ----------------------------------------------------------------- padding micro-batches
+
+
+def padding_batch(token_id: int, device: torch.device | str = "cpu") -> PackedBatch:
+    """A one-token micro-batch for a rank with fewer real ones than its peers.
+
+    Every rank must run the same number of forwards and backwards, since each one gathers
+    and reduce-scatters parameters with the others. The padding batch runs both (see
+    `padding_pass`) and contributes exactly zero gradient.
+    """
+    ints = {
+        name: torch.tensor(value, dtype=torch.int64, device=device)
+        for name, value in {
+            "input_ids": [[token_id]],
+            "position_ids": [[0]],
+            "cu_seqlens": [0, 1],
+            "completion_index": [0],
+            "targets": [token_id],
+            "token_seq": [0],
+            "completion_lens": [1],
+            "sample_index": [-1],
+        }.items()
+    }
+    return PackedBatch(
+        max_seqlen=1,
+        advantages=torch.zeros(1, device=device),
+        truncated=torch.zeros(1, dtype=torch.bool, device=device),
+        behaviour_logprobs=torch.zeros(1, device=device),
+        **ints,
+    )
+
+
+def padding_pass(
+    scorer: nn.Module,
+    batch: PackedBatch,
+    sampling,
+    logprob_cfg,
+    *,
+    backward: bool,
+    with_entropy: bool = False,
+) -> None:
+    """Forward (and backward with a zero upstream gradient) through every unit."""
+    logprobs, entropy = scorer(batch, sampling, logprob_cfg, with_entropy=with_entropy)
+    if backward and torch.is_grad_enabled():
+        outputs = [t for t in (logprobs, entropy) if t is not None and t.requires_grad]
+        torch.autograd.backward(outputs, [torch.zeros_like(t) for t in outputs])
+
+
+def is_padding(batch: PackedBatch) -> bool:
+    return bool(batch.sample_index.numel() == 1 and int(batch.sample_index[0]) == -1)
+
+
+def local_param_bytes(model: nn.Module) -> int:
+    """Bytes of this rank's parameter shards (full sharding divides the total by W)."""
+    total = 0
+    for p in model.parameters():
+        t = p.to_local() if isinstance(p, DTensor) else p
+        total += t.numel() * t.element_size()
+    return total

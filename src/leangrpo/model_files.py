@@ -1,0 +1,216 @@
+"""Cheap checks of the model's files, before anything loads (no torch, no weights read).
+
+`check_model_files(cfg.model)` turns every way a model directory can be unusable into one
+sentence naming the file and the fix, where transformers would raise a chain of
+tracebacks after seconds of imports:
+
+- `model.name_or_path` is a local directory, or a Hugging Face hub id (`org/name`). A
+  path that does not exist and cannot be a hub id (it starts with `/`, `.` or `~`, or has
+  more than one `/`) is refused. For a hub id its config.json is read from the local
+  cache; with `fetch=True` (in the trainer's set-up, where the download is about to
+  happen anyway) it is fetched when not cached. The weights are left to transformers.
+- config.json must parse as a JSON object.
+- Weights must exist: model.safetensors, a sharded index whose shards all exist, or
+  pytorch_model.bin (and shards). A tokenizer file must exist too.
+- Every safetensors file's header is checked the way the library reads it: 8 bytes of
+  little-endian header length, a JSON header, and tensors whose byte ranges end exactly at
+  the end of the file. A truncated download or a corrupt header is named now.
+
+It also reads the model's context length (positions it can attend to), which the data
+checks compare prompt + rollout.max_new_tokens against. Rope scaling that extends the
+context (linear, dynamic, yarn with a factor) multiplies the original length.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from leangrpo.errors import UserError
+
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+)
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own limit
+
+
+class ModelFilesError(UserError):
+    """The model's files cannot be loaded; the message names the file and the fix."""
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """What the cheap checks learnt about the model."""
+
+    directory: Path | None  # local directory (or hub cache snapshot) holding config.json
+    context: int | None  # positions the model attends to; None = unknown
+    context_source: str = ""  # how `context` was read, for messages
+
+
+def check_model_files(model_cfg: Any, fetch: bool = False) -> ModelFiles:
+    name = model_cfg.name_or_path
+    key = f"model.name_or_path = {name!r}"
+    path = Path(name).expanduser()
+    if path.is_dir():
+        config = _read_config(path, key)
+        _check_weights(path, key)
+        _check_tokenizer(path, key)
+        return ModelFiles(path, *context_length(config))
+    if path.exists():
+        raise ModelFilesError(
+            f"{key} is a file; point it at the model's directory (config.json, weights, tokenizer)."
+        )
+    if name.startswith(("/", ".", "~")) or not HUB_ID.match(name):
+        raise ModelFilesError(
+            f"{key}: no such directory ({path.resolve()}); point it at a model directory or a Hugging Face hub id such as Qwen/Qwen2.5-0.5B-Instruct."
+        )
+    config_file = _hub_config(name, model_cfg.revision, key, fetch)
+    if config_file is None:
+        return ModelFiles(None, None)
+    return ModelFiles(config_file.parent, *context_length(_read_config(config_file.parent, key)))
+
+
+def _hub_config(repo: str, revision: str | None, key: str, fetch: bool) -> Path | None:
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+    cached = try_to_load_from_cache(repo, "config.json", revision=revision)
+    if isinstance(cached, str):
+        return Path(cached)
+    if not fetch:
+        return None
+    try:
+        return Path(hf_hub_download(repo, "config.json", revision=revision))
+    except Exception as exc:  # offline, unknown repo, gated, no network: all one sentence
+        raise ModelFilesError(
+            f"{key} is not a local directory, and its config.json could not be fetched from the Hugging Face hub ({type(exc).__name__}); check the path or the hub id, the network, and HF_TOKEN for gated models."
+        ) from None
+
+
+def _read_config(directory: Path, key: str) -> dict:
+    file = directory / "config.json"
+    if not file.is_file():
+        raise ModelFilesError(
+            f"{key} has no config.json ({file}); point it at a directory written by save_pretrained."
+        )
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ModelFilesError(
+            f"{file} is not UTF-8 text; the model directory is corrupt."
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise ModelFilesError(
+            f"{file} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); restore it from the model's source."
+        ) from None
+    if not isinstance(config, dict):
+        raise ModelFilesError(f"{file} must hold a JSON object, not a {type(config).__name__}.")
+    return config
+
+
+def _check_weights(directory: Path, key: str) -> None:
+    for index_name in INDEX_FILES:
+        index = directory / index_name
+        if index.is_file():
+            for shard in _index_shards(index):
+                _check_weight_file(directory / shard)
+            return
+    for name in WEIGHT_FILES:
+        if (directory / name).is_file():
+            _check_weight_file(directory / name)
+            return
+    raise ModelFilesError(
+        f"{key} holds no weights (model.safetensors, a sharded model.safetensors.index.json, or pytorch_model.bin); copy them there or fix the path."
+    )
+
+
+def _index_shards(index: Path) -> list[str]:
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        return sorted(set(weight_map.values()))
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        raise ModelFilesError(
+            f"{index} is not a valid weight index (JSON with a weight_map); restore it from the model's source."
+        ) from None
+
+
+def _check_weight_file(file: Path) -> None:
+    if not file.is_file():
+        raise ModelFilesError(f"weight file {file} is missing; the download is incomplete.")
+    if file.suffix == ".safetensors":
+        check_safetensors_header(file)
+    elif file.stat().st_size == 0:
+        raise ModelFilesError(f"weight file {file} is empty; the download is incomplete.")
+
+
+def check_safetensors_header(file: Path) -> None:
+    """Header length, JSON header and tensor byte ranges against the file size."""
+    size = file.stat().st_size
+    broken = f"{file} is not a valid safetensors file"
+    fix = "download or save the weights again"
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ModelFilesError(f"{broken} ({size} bytes, shorter than its header); {fix}.")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > MAX_HEADER_BYTES:
+            raise ModelFilesError(
+                f"{broken}: its header claims {header_len} bytes, more than any real one; {fix}."
+            )
+        if 8 + header_len > size:
+            raise ModelFilesError(
+                f"{file} is truncated ({size} bytes, its header alone needs {8 + header_len}); {fix}."
+            )
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, IndexError):
+        raise ModelFilesError(
+            f"{broken}: its header is not valid JSON tensor metadata; {fix}."
+        ) from None
+    expected = 8 + header_len + max(ends, default=0)
+    if expected != size:
+        what = "truncated" if size < expected else "longer than its header describes"
+        raise ModelFilesError(
+            f"{file} is {what} ({size} bytes, its header describes {expected}); {fix}."
+        )
+
+
+def _check_tokenizer(directory: Path, key: str) -> None:
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelFilesError(
+            f"{key} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...); save the tokenizer there too (tokenizer.save_pretrained)."
+        )
+
+
+def context_length(config: dict) -> tuple[int | None, str]:
+    """Positions the model attends to, from config.json, and where that number came from."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    for name in CONTEXT_KEYS:
+        value = text.get(name)
+        if isinstance(value, int) and value > 0:
+            break
+    else:
+        return None, ""
+    for rope_key in ("rope_scaling", "rope_parameters"):
+        rope = text.get(rope_key)
+        if not isinstance(rope, dict):
+            continue
+        kind = rope.get("rope_type", rope.get("type"))
+        factor = rope.get("factor")
+        if kind in ("linear", "dynamic", "yarn") and isinstance(factor, int | float) and factor > 1:
+            original = rope.get("original_max_position_embeddings") or value
+            return int(original * factor), f"config.json {name} with {kind} rope scaling x{factor}"
+    return value, f"config.json {name}"

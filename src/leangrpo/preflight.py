@@ -1,0 +1,154 @@
+"""The cheap checks, in one place: everything that can fail before the model loads.
+
+`preflight(cfg)` runs right after the config validates and imports no torch, so bad input
+costs a second, not a model load. In order (the run directory last, since locking and
+possibly cleaning it are the first things that touch the disk):
+
+1. data files: exist, UTF-8, columns, every prompt typed and non-empty (data.py);
+2. reward functions resolve (rewards/registry.py);
+3. model files: config.json, weights, safetensors headers, tokenizer (model_files.py),
+   and the prompt limit that follows from the model's context;
+4. the metrics backends are installed; options that do nothing in the chosen mode are
+   listed in one warning;
+5. the run directory is locked and classified: resume, finished, or a clean start
+   (rundir.py), config changes since the resume checkpoint checked.
+
+The trainer's set-up takes the returned `Preflight` over (it releases the lock at close)
+and, once prompts are tokenised, calls `check_micro_batch`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from leangrpo.config_io import ConfigError
+from leangrpo.data import PromptLimit, check_data
+from leangrpo.model_files import ModelFiles, check_model_files
+from leangrpo.rundir import RunDir, open_run_dir
+
+log = logging.getLogger("leangrpo")
+
+
+@dataclass
+class Preflight:
+    """What the cheap checks found; the run directory stays locked until `release()`."""
+
+    run_dir: RunDir
+    model: ModelFiles
+    prompt_limit: PromptLimit | None
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.run_dir.finished)
+
+    def finished_message(self) -> str:
+        return self.run_dir.finished
+
+    def release(self) -> None:
+        self.run_dir.release()
+
+
+def preflight(cfg: Any) -> Preflight:
+    from leangrpo.metrics import check_backends
+    from leangrpo.rewards import check_rewards
+
+    check_data(cfg.data)
+    check_rewards(cfg.rewards)
+    model = check_model_files(cfg.model)
+    limit = prompt_limit(cfg, model)
+    check_backends(list(cfg.logging.backends))
+    ignored = ignored_options(cfg)
+    if ignored:
+        log.warning("options ignored in this configuration: %s", "; ".join(ignored))
+    return Preflight(open_run_dir(cfg), model, limit)
+
+
+def prompt_limit(cfg: Any, model: ModelFiles) -> PromptLimit | None:
+    """The smaller of data.max_prompt_tokens and the room the context leaves a prompt."""
+    new_tokens = cfg.rollout.max_new_tokens
+    limits = []
+    if cfg.data.max_prompt_tokens is not None:
+        limits.append(
+            PromptLimit(
+                cfg.data.max_prompt_tokens, f"data.max_prompt_tokens = {cfg.data.max_prompt_tokens}"
+            )
+        )
+    contexts = []
+    if model.context is not None:
+        contexts.append(
+            (
+                model.context,
+                f"the model's context of {model.context} positions ({model.context_source})",
+            )
+        )
+    vllm_len = cfg.rollout.vllm.max_model_len
+    if cfg.rollout.engine == "vllm" and vllm_len is not None:
+        contexts.append((vllm_len, f"rollout.vllm.max_model_len = {vllm_len}"))
+    for context, what in contexts:
+        if context <= new_tokens:
+            raise ConfigError(
+                f"rollout.max_new_tokens ({new_tokens}) leaves no room for a prompt in {what}; lower rollout.max_new_tokens."
+            )
+        limits.append(
+            PromptLimit(context - new_tokens, f"{what} minus rollout.max_new_tokens = {new_tokens}")
+        )
+    return min(limits, key=lambda lim: lim.tokens, default=None)
+
+
+def check_micro_batch(prompts: list, cfg: Any) -> None:
+    """Every sequence (prompt + up to max_new_tokens) must fit one micro-batch."""
+    if not prompts:
+        return
+    longest = max(prompts, key=lambda p: len(p.ids))
+    need = len(longest.ids) + cfg.rollout.max_new_tokens
+    budget = cfg.train.micro_batch_tokens
+    if need > budget:
+        raise ConfigError(
+            f"train.micro_batch_tokens ({budget}) is smaller than the longest sequence a micro-batch must hold: prompt row {longest.uid} has {len(longest.ids)} tokens plus rollout.max_new_tokens = {cfg.rollout.max_new_tokens} makes {need}; raise train.micro_batch_tokens to at least {need} or lower data.max_prompt_tokens."
+        )
+
+
+# -- options that do nothing ----------------------------------------------------------------
+
+
+def ignored_options(cfg: Any) -> list[str]:
+    """'keys (why)' for every option set away from its default that this mode never reads."""
+    has_eval = cfg.data.eval_path or cfg.data.eval_split or cfg.data.eval_size > 0
+    tracker = {"wandb", "trackio"} & set(cfg.logging.backends)
+    engine, vllm_mode = cfg.rollout.engine, cfg.rollout.vllm.mode
+    rules = [
+        (cfg.pipeline.mode == "sync", "pipeline", ("prefetch_depth", "min_groups_per_step"), "pipeline.mode is sync"),
+        (engine == "hf", "rollout.vllm", None, "rollout.engine is hf"),
+        (engine == "vllm" and vllm_mode == "colocate", "rollout.vllm", ("urls", "request_timeout_s", "max_retries"), "rollout.vllm.mode is colocate"),
+        (cfg.offload.activations == "none", "offload", ("keep_last_layers", "min_tensor_bytes"), "offload.activations is none"),
+        (not has_eval, "eval", None, "there are no eval prompts: data.eval_path, data.eval_split and data.eval_size are unset"),
+        (not cfg.lora.enabled, "lora", None, "lora.enabled is false"),
+        (cfg.loss.is_correction == "none", "loss", ("is_mode", "is_cap", "is_min"), "loss.is_correction is none"),
+        (not cfg.pipeline.replay.enabled, "pipeline.replay", ("capacity",), "pipeline.replay.enabled is false"),
+        (not cfg.pipeline.reroll.enabled, "pipeline.reroll", ("max_attempts",), "pipeline.reroll.enabled is false"),
+        (not cfg.logprobs.chunked, "logprobs", ("row_tile", "vocab_tile"), "logprobs.chunked is false"),
+        (cfg.data.dataset is None, "data", ("dataset_config", "split"), "data.path is used, not data.dataset"),
+        (not tracker, "logging", ("wandb_project",), "logging.backends has neither wandb nor trackio"),
+    ]  # fmt: skip
+    found = []
+    for applies, path, names, why in rules:
+        if not applies:
+            continue
+        section = cfg
+        for part in path.split("."):
+            section = getattr(section, part)
+        changed = _changed(section, names)
+        if changed:
+            found.append(f"{', '.join(f'{path}.{name}' for name in changed)} ({why})")
+    return found
+
+
+def _changed(section: Any, names: tuple[str, ...] | None) -> list[str]:
+    fields = type(section).model_fields
+    return [
+        name
+        for name in (names or tuple(fields))
+        if getattr(section, name) != fields[name].get_default(call_default_factory=True)
+    ]

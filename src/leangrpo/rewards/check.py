@@ -1,0 +1,112 @@
+"""The start-up check of the reward functions: `check_rewards(cfg.rewards)`.
+
+First every check that imports nothing (registry.parse_specs: names, files, built-in
+kwargs, weights). Then, if any function is user code, one short-lived worker (worker.py in
+"check" mode) imports the functions and reports each by name, under
+`rewards.startup_timeout_s`: user code never runs in the trainer, so a file that calls
+`sys.exit`, `os._exit`, sleeps or prints at import cannot end, hang or clutter the trainer.
+Every failure is a RewardSpecError of one sentence naming the function, its file or module
+and what happened. Built-ins need no import check.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict
+from multiprocessing.connection import wait
+from typing import Any
+
+from leangrpo.rewards.process import OutputBudget, WorkerGone, WorkerProcess
+from leangrpo.rewards.protocol import InitError, Loading, ProtocolError, Ready
+from leangrpo.rewards.registry import (
+    BUILTIN_NAMES,
+    ResolvedReward,
+    RewardSpecError,
+    parse_specs,
+)
+
+DEFAULT_STARTUP_TIMEOUT_S = 60.0
+
+
+def check_rewards(rewards_cfg: Any) -> list[ResolvedReward]:
+    """Check the configured functions before any model loads; returns their specs."""
+    specs = parse_specs(rewards_cfg)
+    if any(s.name not in BUILTIN_NAMES for s in specs):
+        import_check(specs, rewards_cfg)
+    return specs
+
+
+def worker_init(specs: list[ResolvedReward], rewards_cfg: Any, mode: str) -> dict:
+    """The start-up message of a worker."""
+    return {
+        "mode": mode,
+        "sys_path": list(sys.path),
+        "specs": [asdict(s) for s in specs],
+        "timeout_s": float(rewards_cfg.timeout_s),
+        "cpu_time_limit_s": getattr(rewards_cfg, "cpu_time_limit_s", None),
+        "memory_limit_mb": getattr(rewards_cfg, "memory_limit_mb", None),
+    }
+
+
+def startup_timeout(rewards_cfg: Any) -> float:
+    return float(getattr(rewards_cfg, "startup_timeout_s", None) or DEFAULT_STARTUP_TIMEOUT_S)
+
+
+def import_check(specs: list[ResolvedReward], rewards_cfg: Any) -> None:
+    limit = startup_timeout(rewards_cfg)
+    budget = OutputBudget()
+    worker = WorkerProcess(worker_init(specs, rewards_cfg, "check"), "reward check", budget)
+    loading = 0
+    try:
+        deadline = time.monotonic() + limit
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RewardSpecError(did_not_start(specs, loading, limit))
+            ready = wait(worker.handles(), left)
+            if worker.out_fd in ready:
+                worker.relay_output()
+            if worker.sock not in ready:
+                continue
+            try:
+                replies = worker.receive()
+            except WorkerGone:
+                raise RewardSpecError(exited(specs, loading, worker.terminate())) from None
+            except ProtocolError as e:
+                raise RewardSpecError(f"{_where(specs, loading)}: {e}") from None
+            for reply in replies:
+                if isinstance(reply, Loading) and reply.fn < len(specs):
+                    loading = reply.fn
+                elif isinstance(reply, InitError):
+                    raise RewardSpecError(init_error(specs, reply))
+                elif isinstance(reply, Ready):
+                    return
+    finally:
+        worker.kill()
+        budget.reset()
+
+
+def _where(specs: list[ResolvedReward], i: int) -> str:
+    spec = specs[i]
+    source = spec.file or f"module '{spec.name.rpartition(':')[0]}'"
+    return f"rewards.functions[{i}].name = '{spec.name}': importing {source}"
+
+
+def init_error(specs: list[ResolvedReward], reply: InitError) -> str:
+    i = min(reply.fn, len(specs) - 1)
+    return f"rewards.functions[{i}].name = '{specs[i].name}': {reply.msg}"
+
+
+def exited(specs: list[ResolvedReward], loading: int, code: int | None) -> str:
+    return (
+        f"{_where(specs, loading)} ended the reward worker (exit code {code}); "
+        "a reward file must not exit at import"
+    )
+
+
+def did_not_start(specs: list[ResolvedReward], loading: int, limit: float) -> str:
+    return (
+        f"{_where(specs, loading)} did not finish within {limit:g} s; raise "
+        "rewards.startup_timeout_s if the import is just slow"
+    )

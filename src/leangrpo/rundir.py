@@ -1,0 +1,351 @@
+"""The run directory: one run at a time, never two runs in one set of files.
+
+`open_run_dir(cfg)` runs before any model loads and imports no torch. It decides what a
+run does with `run.output_dir`, in this order:
+
+1. The path must be a directory or creatable: a file, or a path under a file, is refused.
+2. An exclusive `fcntl.flock` on `output_dir/.lock` (which holds the pid) is taken for the
+   whole run. The OS drops it when the process ends, however it ends, so a crashed run
+   never leaves a stale lock; a second run in the same directory is refused naming the
+   holder's pid. The lock file itself is never deleted (deleting it would let two
+   processes lock two different inodes).
+3. Where to resume from: `run.resume: auto` takes the newest complete checkpoint of this
+   directory, an explicit path must be a complete checkpoint (checked now, not after the
+   model has loaded), `never` and `run.overwrite: true` take none.
+4. A resume checkpoint at or beyond `run.max_steps` (with final/ written, when
+   `checkpoint.save_final_model`) means the run is finished: the CLI says so and exits 0
+   without loading anything. Without final/ (a crash between the last checkpoint and
+   final/) the run resumes and only finishes: the last evaluation and final/.
+5. A run that does not resume from this directory's own checkpoints needs a directory
+   without an earlier run's files (metrics, samples, checkpoints, final model...):
+   starting over there would append a second run to the old metrics.jsonl and prune the
+   old checkpoints. It is refused, naming the files, unless `run.overwrite: true`, which
+   deletes exactly the files leangrpo writes (never anything else) and starts clean.
+6. A resume compares the config with the one stored in the checkpoint (config.yaml,
+   written by every save; the run directory's own config.yaml is rewritten each start).
+   Keys that only change where output goes or how often (HARMLESS_KEYS) are noted; any
+   other difference breaks exact resume and is refused, listing old -> new, unless
+   `run.allow_config_changes: true`, which resumes with a warning listing them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from leangrpo.errors import UserError
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; runs are not locked there
+    fcntl = None  # type: ignore[assignment]
+
+log = logging.getLogger("leangrpo")
+
+COMPLETE = "COMPLETE"
+STEP_DIR = re.compile(r"^step-(\d+)$")
+LOCK_FILE = ".lock"
+CHECKPOINT_CONFIG = "config.yaml"
+# What leangrpo writes into a run directory: what run.overwrite deletes, and what makes a
+# directory "hold an earlier run". config.yaml alone does not (a run that failed its data
+# checks has written it), nor do empty files or directories.
+RUN_FILES = (
+    "checkpoints",
+    "final",
+    "metrics.jsonl",
+    "samples.jsonl",
+    "tensorboard",
+    "wandb",
+    "report.png",
+    "config.yaml",
+)
+# Settings that change where output goes or how often, never what is trained.
+HARMLESS_KEYS = (
+    "run.max_steps",
+    "run.output_dir",
+    "run.resume",
+    "run.overwrite",
+    "run.allow_config_changes",
+    "run.num_threads",
+    "rewards.num_workers",
+    "logging.",
+    "eval.",
+    "checkpoint.",
+)
+
+
+class RunDirError(UserError):
+    """The run directory cannot be used as configured; the message says how to fix it."""
+
+
+# -- checkpoints on disk (no torch: the checkpoint files themselves are in checkpoint.py) ---
+
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete `step-N` directory under `root`, by step."""
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = STEP_DIR.match(child.name)
+        if match and child.is_dir() and (child / COMPLETE).is_file():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step in `output_dir`, or None."""
+    found = complete_checkpoints(Path(output_dir) / "checkpoints")
+    return found[-1][1] if found else None
+
+
+def checkpoint_step(path: Path) -> int:
+    match = STEP_DIR.match(path.name)
+    if match:
+        return int(match.group(1))
+    return int(json.loads((path / COMPLETE).read_text())["step"])
+
+
+# -- the lock -------------------------------------------------------------------------------
+
+
+class RunLock:
+    """An exclusive flock on `directory/.lock`, held until `release()` or process exit."""
+
+    def __init__(self, directory: Path):
+        self.path = directory / LOCK_FILE
+        self._fd: int | None = None
+        if fcntl is None:
+            return
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            who = (
+                "this process (a Trainer that was not closed)"
+                if holder == str(os.getpid())
+                else f"another leangrpo run (pid {holder})"
+            )
+            raise RunDirError(
+                f"run.output_dir {str(directory)!r} is in use by {who}; wait for it to end or give this run another run.output_dir."
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+# -- the decision ---------------------------------------------------------------------------
+
+
+@dataclass
+class RunDir:
+    """A locked run directory and what the run does with it."""
+
+    path: Path
+    lock: RunLock
+    resume_from: Path | None = None  # a complete checkpoint, or None = start fresh
+    resume_step: int | None = None
+    finished: str = ""  # set (to a sentence) when the resume checkpoint is at run.max_steps
+    config_notes: list[str] = field(default_factory=list)  # harmless config changes
+
+    def release(self) -> None:
+        self.lock.release()
+
+
+def open_run_dir(cfg: Any) -> RunDir:
+    """Validate, lock and classify `cfg.run.output_dir`; see the module docstring."""
+    path = Path(cfg.run.output_dir).expanduser()
+    make_directory(path)
+    run_dir = RunDir(path, RunLock(path))
+    try:
+        _classify(run_dir, cfg)
+    except BaseException:
+        run_dir.release()
+        raise
+    return run_dir
+
+
+def make_directory(path: Path) -> None:
+    key = f"run.output_dir = {str(path)!r}"
+    if path.exists() and not path.is_dir():
+        raise RunDirError(f"{key} is a file, not a directory; choose a directory path.")
+    blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise RunDirError(
+            f"{key} cannot be created because {str(blocker)!r} is a file; choose a directory path."
+        )
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RunDirError(f"{key} cannot be created: {exc.strerror or exc}.") from None
+
+
+def _classify(run_dir: RunDir, cfg: Any) -> None:
+    run = cfg.run
+    own = run_dir.path / "checkpoints"
+    fresh = run.resume == "never" or (run.overwrite and run.resume == "auto")
+    resume = None if fresh else _resume_checkpoint(run, own)
+    if run.overwrite and run.resume not in ("auto", "never") and _is_inside(Path(run.resume), own):
+        raise RunDirError(
+            f"run.overwrite: true would delete the checkpoint run.resume = {run.resume!r} resumes from; drop one of the two settings."
+        )
+    if resume is not None:
+        run_dir.resume_from, run_dir.resume_step = resume, checkpoint_step(resume)
+        final_missing = cfg.checkpoint.save_final_model and not (run_dir.path / "final").is_dir()
+        if run_dir.resume_step >= run.max_steps and not final_missing:
+            run_dir.finished = f"Run {str(run_dir.path)!r} is already finished: its checkpoint {resume.name} is at step {run_dir.resume_step} and run.max_steps is {run.max_steps}; nothing to do (raise run.max_steps to train on, or set run.overwrite: true to start again)."
+            return
+        run_dir.config_notes = check_config_changes(resume, cfg)
+    if resume is None or not _is_inside(resume, own):
+        _start_clean(run_dir.path, run.overwrite, run.resume)
+
+
+def _resume_checkpoint(run: Any, own: Path) -> Path | None:
+    if run.resume == "auto":
+        found = complete_checkpoints(own)
+        return found[-1][1] if found else None
+    path = Path(run.resume).expanduser()
+    if (path / COMPLETE).is_file():
+        return path
+    key = f"run.resume = {run.resume!r}"
+    inside = complete_checkpoints(path / "checkpoints") or complete_checkpoints(path)
+    if inside:
+        raise RunDirError(
+            f"{key} is not a checkpoint directory; did you mean {str(inside[-1][1])!r} (the newest there)?"
+        )
+    if path.exists():
+        raise RunDirError(
+            f"{key} is not a complete checkpoint (it has no {COMPLETE} marker: one interrupted while being written?); pass a checkpoints/step-N directory written by leangrpo."
+        )
+    raise RunDirError(
+        f"{key} does not exist; pass a checkpoints/step-N directory written by leangrpo, or 'auto'."
+    )
+
+
+def _is_inside(path: Path, root: Path) -> bool:
+    try:
+        path.expanduser().resolve().relative_to(root.resolve())
+    except ValueError:
+        return False
+    return True
+
+
+def earlier_run_files(path: Path) -> list[str]:
+    """Entries that hold an earlier run's output (see RUN_FILES), or anything unknown."""
+    found = []
+    for child in sorted(path.iterdir()):
+        if child.name in (LOCK_FILE, "config.yaml") or _is_empty(child):
+            continue
+        found.append(child.name + ("/" if child.is_dir() else ""))
+    return found
+
+
+def _is_empty(path: Path) -> bool:
+    if path.is_dir():
+        return all(_is_empty(child) for child in path.iterdir())
+    return path.is_file() and path.stat().st_size == 0
+
+
+def _start_clean(path: Path, overwrite: bool, resume: str) -> None:
+    files = earlier_run_files(path)
+    if not files:
+        return
+    if not overwrite:
+        shown = ", ".join(files[:4]) + (f" and {len(files) - 4} more" if len(files) > 4 else "")
+        why = {
+            "never": "run.resume is 'never'",
+            "auto": "it has no complete checkpoint to resume from",
+        }.get(resume, f"this run resumes from {resume!r}, outside it")
+        raise RunDirError(
+            f"run.output_dir {str(path)!r} already holds an earlier run ({shown}) and {why}, so a new run would mix with it; set run.overwrite: true to delete it first, or choose another run.output_dir."
+        )
+    for name in RUN_FILES:
+        target = path / name
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
+    for stale in path.glob(".tmp-final-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    left = earlier_run_files(path)
+    log.warning(
+        "run.overwrite: deleted the earlier run in %s%s",
+        path,
+        f" (kept files leangrpo did not write: {', '.join(left)})" if left else "",
+    )
+
+
+# -- config changes on resume ---------------------------------------------------------------
+
+
+def check_config_changes(checkpoint: Path, cfg: Any) -> list[str]:
+    """Refuse (or, if allowed, warn about) changes that break exact resume; return the
+    harmless ones as notes."""
+    saved_path = checkpoint / CHECKPOINT_CONFIG
+    if not saved_path.is_file():
+        log.warning(
+            "%s holds no config.yaml (saved by an older leangrpo), so config changes since it cannot be checked",
+            checkpoint,
+        )
+        return []
+    saved = yaml.safe_load(saved_path.read_text(encoding="utf-8")) or {}
+    changes = config_changes(saved, cfg.model_dump(mode="json"))
+    harmless = [c for c in changes if c[0].startswith(HARMLESS_KEYS)]
+    breaking = [c for c in changes if not c[0].startswith(HARMLESS_KEYS)]
+    notes = [_describe(c) for c in harmless]
+    if notes:
+        log.info("resuming with changed settings that do not affect training: %s", "; ".join(notes))
+    if breaking:
+        listed = "; ".join(_describe(c) for c in breaking)
+        if not cfg.run.allow_config_changes:
+            raise RunDirError(
+                f"Resuming from {str(checkpoint)!r} with settings that differ from its config ({listed}) would not continue the same run; restore them, set run.allow_config_changes: true to resume anyway, or start a new run in another run.output_dir."
+            )
+        log.warning(
+            "resuming from %s with changed settings (run.allow_config_changes): %s; the run is no longer an exact continuation",
+            checkpoint,
+            listed,
+        )
+    return notes
+
+
+MISSING = "(unset)"
+
+
+def config_changes(old: dict, new: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted key, old, new) for every leaf that differs; lists compare as whole values."""
+    changes = []
+    for key in [*new, *(k for k in old if k not in new)]:
+        a, b = old.get(key, MISSING), new.get(key, MISSING)
+        name = f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            changes += config_changes(a, b, f"{name}.")
+        elif a != b:
+            changes.append((name, a, b))
+    return changes
+
+
+def _describe(change: tuple[str, Any, Any]) -> str:
+    key, old, new = change
+
+    def short(value: Any) -> str:
+        text = value if value is MISSING else repr(value)
+        return text if len(text) <= 40 else text[:37] + "..."
+
+    return f"{key} {short(old)} -> {short(new)}"

@@ -1,0 +1,524 @@
+"""One rank of the 2-process CPU (gloo) tests in test_distributed.py, and their references.
+
+Run as `python tests/dist_worker.py SCENARIO ARG OUT_DIR [TIMEOUT_S]` with RANK, WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT set (the test launches one process per rank). Scenarios:
+
+- train MODE: shard the demo model (MODE = full: full fine-tuning with checkpointing and
+  hidden-state offload, plus a sharded reference; lora: LoRA), score the fixed batches,
+  train STEPS AdamW steps on groups dealt to ranks, gather weights for sync, save a DCP
+  checkpoint and the final HF directory. Rank 0 writes what it saw to OUT_DIR/result.pt.
+- resume MODE: fresh processes load that checkpoint; rank 0 writes the gathered state.
+- fail HOW: rank 1 raises (HOW = raise), is SIGKILLed (kill) or sleeps in phase
+  "generate" (hang) inside a sharded forward during phase "train"; rank 0 must exit with
+  one line naming rank 1 and the phase.
+
+The single-process reference (`reference_run`) uses the same batches, unsharded.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_MODEL = REPO / "examples" / "demo" / "model"
+STEPS = 3
+GROUPS, GROUP_SIZE = 6, 2
+TOKEN_BUDGET = 40  # per micro-batch: in step 0 one rank gets 3, the other 2 (+ padding)
+LR = 1e-2
+LOGPROBS = SimpleNamespace(chunked=True, row_tile=8, vocab_tile=16)
+DEVICE = os.environ.get("LEANGRPO_TEST_DEVICE", "cpu")  # "cuda": the GPU (nccl) variant
+
+
+def loss_cfg(mode: str) -> SimpleNamespace:
+    loss = SimpleNamespace(
+        type="grpo" if mode == "full" else "dapo",  # sequence and global-token normalisers
+        epsilon_low=0.2,
+        epsilon_high=0.2,
+        delta=None,
+        beta=0.0,
+        mask_truncated_completions=False,
+        is_correction="decoupled",
+        is_mode="token_truncate",
+        is_cap=2.0,
+        is_min=0.0,
+        scale_rewards="group",
+        mu=1,
+    )
+    return SimpleNamespace(loss=loss, logprobs=LOGPROBS, rollout=SimpleNamespace(max_new_tokens=8))
+
+
+def dist_cfg(
+    timeout_s: float = 60.0,
+    sharding: str = "full_shard",
+    param_dtype: str = "off",
+    cpu_offload: bool = False,
+) -> SimpleNamespace:
+    return SimpleNamespace(
+        sharding=sharding,
+        param_dtype=param_dtype,
+        reduce_dtype="float32",
+        cpu_offload=cpu_offload,
+        backend="auto",  # gloo on CPU (the CPU tests), nccl on GPUs
+        timeout_s=timeout_s,
+    )
+
+
+def batches() -> list[list[list]]:
+    """STEPS generation batches of GROUPS groups of GROUP_SIZE samples (demo vocab: 32)."""
+    from leangrpo.contracts import Completion, Prompt, RolloutSample
+
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for step in range(STEPS):
+        groups = []
+        for k in range(GROUPS):
+            gid = step * GROUPS + k
+            prompt = torch.randint(
+                2, 32, (int(torch.randint(3, 10, (1,), generator=g)),), generator=g
+            )
+            members = []
+            for j in range(GROUP_SIZE):
+                n = int(torch.randint(2, 9, (1,), generator=g))
+                comp = torch.randint(2, 32, (n,), generator=g).tolist()
+                behaviour = (-3.0 + 0.1 * torch.randn(n, generator=g)).tolist()
+                members.append(
+                    RolloutSample(
+                        gid,
+                        Prompt(gid, "", prompt.tolist()),
+                        Completion(comp, "", behaviour, "stop", 0),
+                        advantage=(1.0 if j % 2 == 0 else -1.0) * (1 + k / 10),
+                    )
+                )
+            groups.append(members)
+        out.append(groups)
+    return out
+
+
+def build_model(mode: str, *, checkpointing: bool, device="cpu"):
+    """The demo model (fp32) with packed attention; LoRA wrapped with a fixed seed;
+    mode "untied": full fine-tuning with an lm_head of its own (the demo model ties it)."""
+    from transformers import AutoModelForCausalLM
+
+    from leangrpo.attention import enable_packed_attention
+    from leangrpo.offload import enable_gradient_checkpointing
+
+    model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, dtype=torch.float32).to(device)
+    enable_packed_attention(model, "sdpa_segments")
+    if mode == "untied":
+        model.config.tie_word_embeddings = False
+        head = model.model.embed_tokens.weight.detach().flip(0) * 1.5  # a deterministic other
+        model.lm_head.weight = torch.nn.Parameter(head.contiguous())
+    if mode == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(7)
+        config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+        model = get_peft_model(model, config)
+        for name, p in model.named_parameters():  # move off the base so adapters matter
+            if "lora_B" in name:
+                p.data.normal_(0, 0.05)
+    offloader = None
+    if checkpointing:
+        offloader = enable_gradient_checkpointing(
+            model, offload="hidden_states", keep_on_device=1, min_tensor_bytes=0
+        )
+    return model.train(), offloader
+
+
+def micro_batches(samples: list, uids: list[int], device="cpu", budget: int = TOKEN_BUDGET) -> list:
+    """Packed micro-batches; each sequence's `sample_index` is its batch-wide uid."""
+    from leangrpo.packing import pack_samples, plan_micro_batches
+
+    plan = plan_micro_batches([s.num_tokens for s in samples], budget, "tokens")
+    return [
+        pack_samples(
+            [samples[i] for i in idx], sample_indices=[uids[i] for i in idx], device=device
+        )
+        for idx in plan
+    ]
+
+
+def flatten(groups: list[list], chosen: list[int]) -> tuple[list, list[int]]:
+    """Samples of the chosen groups and their uids (group index * GROUP_SIZE + member)."""
+    samples, uids = [], []
+    for g in chosen:
+        for j, sample in enumerate(groups[g]):
+            samples.append(sample)
+            uids.append(g * GROUP_SIZE + j)
+    return samples, uids
+
+
+def loss_backward(score_fn, mb, cfg, norm) -> float:
+    from leangrpo.loss import compute_loss
+    from leangrpo.step import loss_inputs
+
+    logprobs, entropy = score_fn(mb, with_entropy=True)
+    inputs, _ = loss_inputs(mb, logprobs, entropy, cfg)
+    loss = compute_loss(inputs, norm, cfg.loss).loss
+    loss.backward()
+    return float(loss.detach())
+
+
+def per_sample_logprobs(score_fn, mbs) -> dict[int, torch.Tensor]:
+    """{uid: (completion tokens,) log-probs} under no_grad."""
+    out = {}
+    with torch.no_grad():
+        for mb in mbs:
+            lp, _ = score_fn(mb)
+            for s, piece in enumerate(lp.split(mb.completion_lens.tolist())):
+                out[int(mb.sample_index[s])] = piece.detach().cpu().clone()
+    return out
+
+
+# ------------------------------------------------------------------------ the reference
+
+
+def reference_run(mode: str) -> dict:
+    """One process, unsharded, whole batches: what the 2-rank run must reproduce."""
+    import copy
+
+    from leangrpo.contracts import SamplingParams
+    from leangrpo.model import Policy, score
+    from leangrpo.step import normalisers
+
+    cfg, sampling = loss_cfg(mode), SamplingParams()
+    model, _ = build_model(mode, checkpointing=False)
+    reference = copy.deepcopy(model).eval().requires_grad_(False) if mode == "full" else None
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR)
+
+    def score_fn(mb, with_entropy=False):
+        return score(model, mb, sampling, LOGPROBS, with_entropy=with_entropy)
+
+    result: dict = {"grad_norms": []}
+    for step, groups in enumerate(batches()):
+        mbs = micro_batches(*flatten(groups, list(range(len(groups)))))
+        if step == 0:
+            result["logprobs"] = per_sample_logprobs(score_fn, mbs)
+            if reference is not None:
+                result["ref_logprobs"] = per_sample_logprobs(
+                    lambda mb, with_entropy=False: score(reference, mb, sampling, LOGPROBS), mbs
+                )
+        norm = normalisers(mbs, cfg)
+        for mb in mbs:
+            loss_backward(score_fn, mb, cfg, norm)
+        if step == 0:
+            result["grads"] = {
+                n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+            }
+        result["grad_norms"].append(float(torch.nn.utils.clip_grad_norm_(params, 1.0)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    policy = Policy(model, None, None, torch.device("cpu"), is_lora=mode == "lora")
+    result["sync"] = [(n, t.clone()) for n, t in policy.named_trainable_tensors()]
+    result["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return result
+
+
+def reference_step0_grads(mode: str) -> dict[str, torch.Tensor]:
+    """Step-0 gradients of the whole batch in one process (fp32)."""
+    from leangrpo.contracts import SamplingParams
+    from leangrpo.model import score
+    from leangrpo.step import normalisers
+
+    cfg = loss_cfg("full")
+    model, _ = build_model(mode, checkpointing=False)
+    mbs = micro_batches(*flatten(batches()[0], list(range(GROUPS))))
+    norm = normalisers(mbs, cfg)
+    for mb in mbs:
+        loss_backward(
+            lambda b, with_entropy=False: score(
+                model, b, SamplingParams(), LOGPROBS, with_entropy=with_entropy
+            ),
+            mb,
+            cfg,
+            norm,
+        )
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def reference_mixed_grads(world_size: int = 2) -> dict[str, torch.Tensor]:
+    """Step-0 gradients as FSDP's bf16 mixed precision forms them, in one process: each
+    rank's micro-batches (as dealt) through a bf16 copy of the weights, every micro-batch's
+    bf16 gradient upcast to fp32 and averaged over ranks."""
+    from leangrpo.contracts import SamplingParams
+    from leangrpo.distributed import deal_groups
+    from leangrpo.model import score
+    from leangrpo.step import normalisers
+
+    cfg = loss_cfg("full")
+    model, _ = build_model("full", checkpointing=False)
+    for p in model.parameters():  # parameters only: buffers (rotary inv_freq) stay fp32
+        p.data = p.data.to(torch.bfloat16)
+    groups = batches()[0]
+    deal = deal_groups([[s.num_tokens for s in g] for g in groups], world_size)
+    ranks = [micro_batches(*flatten(groups, deal.groups[r])) for r in range(world_size)]
+    totals = [sum(normalisers(mbs, cfg).sequences for mbs in ranks), 0.0]
+    totals[1] = float(sum(normalisers(mbs, cfg).tokens for mbs in ranks))
+    acc = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in model.named_parameters()}
+    for mbs in ranks:
+        norm = normalisers(mbs, cfg, world_size, lambda local: totals)
+        for mb in mbs:
+            model.zero_grad(set_to_none=True)
+            loss_backward(
+                lambda b, with_entropy=False: score(
+                    model, b, SamplingParams(), LOGPROBS, with_entropy=with_entropy
+                ),
+                mb,
+                cfg,
+                norm,
+            )
+            for n, p in model.named_parameters():
+                acc[n] += p.grad.float() / world_size
+    return acc
+
+
+# ----------------------------------------------------------------------------- the ranks
+
+
+def sharded_setup(mode: str, ctx, *, checkpointing: bool):
+    """The model sharded across the ranks, its scorer (the FSDP root) and AdamW."""
+    from leangrpo.fsdp import shard_model
+
+    model, offloader = build_model(mode, checkpointing=checkpointing, device=ctx.device)
+    scorer = shard_model(model, dist_cfg(), ctx)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return model, scorer, offloader, params, torch.optim.AdamW(params, lr=LR)
+
+
+def train_ranks(mode: str, out: Path) -> None:
+    from leangrpo.contracts import SamplingParams
+    from leangrpo.dist_checkpoint import save_final_sharded, save_sharded_checkpoint
+    from leangrpo.distributed import (
+        deal_groups,
+        equal_micro_batch_plan,
+        init_distributed,
+        reduce_metrics,
+    )
+    from leangrpo.fsdp import clip_grad_norm, gather_for_sync, padding_batch, shard_model
+    from leangrpo.model import score
+
+    ctx = init_distributed(dist_cfg(cpu_offload=DEVICE == "cuda"), DEVICE)
+    cfg, sampling = loss_cfg(mode), SamplingParams()
+    with ctx.phase("setup"):
+        model, scorer, offloader, params, opt = sharded_setup(
+            mode, ctx, checkpointing=mode == "full"
+        )
+        ref_scorer = None
+        if mode == "full":  # a sharded reference (beta > 0 with full fine-tuning)
+            plain, _ = build_model("full", checkpointing=False, device=ctx.device)
+            ref_scorer = shard_model(plain.eval().requires_grad_(False), dist_cfg(), ctx)
+
+    def score_fn(mb, with_entropy=False):
+        return scorer(mb, sampling, LOGPROBS, with_entropy=with_entropy)
+
+    result: dict = {"grad_norms": [], "padded": 0, "imbalance": [], "offloaded": 0}
+    try:  # the sharded model itself must not be scored: its root's weights are DTensors
+        score(model, micro_batches(*flatten(batches()[0], [0]), ctx.device)[0], sampling, LOGPROBS)
+    except RuntimeError as exc:
+        result["refused"] = str(exc)
+    for step, groups in enumerate(batches()):
+        deal = deal_groups([[s.num_tokens for s in g] for g in groups], ctx.world_size)
+        result["imbalance"].append(deal.imbalance)
+        samples, uids = flatten(groups, deal.groups[ctx.rank])
+        mbs = micro_batches(samples, uids, ctx.device)
+        plan = equal_micro_batch_plan(ctx, [[i] for i in range(len(mbs))])
+        padded = [mbs[idx[0]] if idx else padding_batch(0, ctx.device) for idx in plan]
+        result["padded"] += ctx.max_int(len(padded) - len(mbs))
+        if step == 0:
+            with ctx.phase("score"):  # padding batches too: the same forwards on every rank
+                mine = per_sample_logprobs(score_fn, padded)
+                ref = {}
+                if ref_scorer is not None:
+                    ref = per_sample_logprobs(
+                        lambda mb, with_entropy=False: ref_scorer(mb, sampling, LOGPROBS), padded
+                    )
+            gathered = ctx.gather_to_main((mine, ref))
+            if ctx.is_main:
+                result["logprobs"] = {k: v for m, _ in gathered for k, v in m.items() if k >= 0}
+                result["ref_logprobs"] = {k: v for _, r in gathered for k, v in r.items() if k >= 0}
+        with ctx.phase("train"):
+            result["offloaded"] += accumulate(scorer, offloader, mbs, padded, cfg, ctx)
+            if step == 0:
+                grads = {
+                    n: p.grad.full_tensor().cpu()
+                    for n, p in model.named_parameters()
+                    if p.grad is not None
+                }
+                if ctx.is_main:
+                    result["grads"] = grads
+            norm_value = clip_grad_norm(params, 1.0)
+            result["grad_norms"].append(norm_value)
+            if ctx.all_true(math.isfinite(norm_value)):
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+    with ctx.phase("sync"):
+        lora = mode == "lora"
+        result["sync"] = gather_for_sync(model, ctx, adapters_only=lora, device="cpu")
+        result["sync_bf16"] = gather_for_sync(
+            model, ctx, adapters_only=lora, dtype=torch.bfloat16, device="cpu"
+        )
+    with ctx.phase("checkpoint"):
+        result["checkpoint"] = str(
+            save_sharded_checkpoint(out / "run", STEPS, model, opt, None, {"note": mode}, 2, ctx)
+        )
+        result["optimizer"] = full_optimizer_state(model, opt, ctx)
+        save_final_sharded(out / "run", model, None, ctx)
+    if mode == "full":
+        with ctx.phase("train"):
+            result["strategy_grads"] = other_strategies(ctx)
+    result["reduced"] = reduce_metrics(ctx, {"rank": float(ctx.rank), "one": 1.0})
+    result["everyone"] = ctx.all_gather_object(ctx.rank)
+    if ctx.is_main:
+        torch.save(result, out / "result.pt")
+    ctx.shutdown()
+
+
+def accumulate(scorer, offloader, mbs, padded, cfg, ctx) -> int:
+    """Forward + backward of this rank's micro-batches (padded to the common count) with
+    all-reduced normalisers; returns the tensors the offloader moved."""
+    import contextlib
+
+    from leangrpo.contracts import SamplingParams
+    from leangrpo.fsdp import is_padding, padding_pass
+    from leangrpo.step import normalisers
+
+    sampling, offloaded = SamplingParams(), 0
+    norm = normalisers(mbs, cfg, ctx.world_size, ctx.all_reduce)
+    for mb in padded:
+        scope = offloader.step() if offloader is not None else contextlib.nullcontext()
+        with scope:
+            if is_padding(mb):
+                padding_pass(scorer, mb, sampling, LOGPROBS, backward=True, with_entropy=True)
+            else:
+                loss_backward(
+                    lambda b, with_entropy=False: scorer(b, sampling, LOGPROBS, with_entropy),
+                    mb,
+                    cfg,
+                    norm,
+                )
+        if offloader is not None:
+            offloaded += offloader.stats.offloaded
+    return offloaded
+
+
+def other_strategies(ctx) -> dict:
+    """Step-0 gradients under shard_grad_op, no_shard, bf16 mixed precision, untied head."""
+    from leangrpo.distributed import deal_groups, equal_micro_batch_plan
+    from leangrpo.fsdp import padding_batch, shard_model
+
+    groups = batches()[0]
+    deal = deal_groups([[s.num_tokens for s in g] for g in groups], ctx.world_size)
+    mbs = micro_batches(*flatten(groups, deal.groups[ctx.rank]), ctx.device)
+    plan = equal_micro_batch_plan(ctx, [[i] for i in range(len(mbs))])
+    padded = [mbs[idx[0]] if idx else padding_batch(0, ctx.device) for idx in plan]
+    out = {}
+    variants = [
+        ("shard_grad_op", "off", "full"),
+        ("no_shard", "off", "full"),
+        ("full_shard", "bfloat16", "full"),
+        ("full_shard", "off", "untied"),  # embeddings and lm_head as units of their own
+    ]
+    if ctx.device.type == "cuda":
+        variants.append(("full_shard", "off", "offload"))  # FSDP2 CPU offload
+    for sharding, param_dtype, mode in variants:
+        offload = mode == "offload"
+        model, _ = build_model("full" if offload else mode, checkpointing=False, device=ctx.device)
+        cfg = dist_cfg(sharding=sharding, param_dtype=param_dtype, cpu_offload=offload)
+        scorer = shard_model(model, cfg, ctx)
+        accumulate(scorer, None, mbs, padded, loss_cfg("full"), ctx)
+        grads = {n: p.grad.full_tensor().cpu() for n, p in model.named_parameters()}
+        out[f"{sharding}/{param_dtype}/{mode}"] = grads
+    return out
+
+
+def full_optimizer_state(model, opt, ctx) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_optimizer_state_dict(model, opt, options=options)
+    return state if ctx.is_main else {}
+
+
+def resume_ranks(mode: str, out: Path) -> None:
+    from leangrpo.dist_checkpoint import load_sharded_checkpoint
+    from leangrpo.distributed import init_distributed
+    from leangrpo.fsdp import gather_for_sync
+
+    ctx = init_distributed(dist_cfg(), DEVICE)
+    with ctx.phase("checkpoint"):
+        model, _, _, _, opt = sharded_setup(mode, ctx, checkpointing=False)
+        state = load_sharded_checkpoint(
+            out / "run" / "checkpoints" / f"step-{STEPS}", model, opt, None, ctx
+        )
+        result = {
+            "state": state,
+            "sync": gather_for_sync(model, ctx, adapters_only=False, device="cpu"),
+            "optimizer": full_optimizer_state(model, opt, ctx),
+        }
+    if ctx.is_main:
+        torch.save(result, out / "resume.pt")
+    ctx.shutdown()
+
+
+def fail_ranks(how: str, out: Path, timeout_s: float) -> None:
+    """Rank 1 fails inside a sharded forward of step 1; rank 0 must stop with one line."""
+    from leangrpo.contracts import SamplingParams
+    from leangrpo.distributed import DistributedError, init_distributed
+    from leangrpo.fsdp import decoder_layers
+
+    ctx = init_distributed(dist_cfg(timeout_s), DEVICE)
+    with ctx.phase("setup"):
+        model, scorer, _, _, _ = sharded_setup("full", ctx, checkpointing=False)
+    calls = {"n": 0}
+
+    def inject(module, args):
+        calls["n"] += 1
+        if ctx.rank == 1 and calls["n"] == 4:  # fourth step, inside the second layer
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if how == "hang":  # alive, but never joins the next collective
+                with ctx.phase("generate"):
+                    time.sleep(10 * timeout_s)
+            raise ValueError("injected failure")
+
+    decoder_layers(model)[1].register_forward_pre_hook(inject)
+    samples, uids = flatten(batches()[0], list(range(GROUPS)))
+    try:
+        for _ in range(10):
+            with ctx.phase("train"):
+                for mb in micro_batches(samples, uids, ctx.device)[:1]:
+                    lp, _ = scorer(mb, SamplingParams(), LOGPROBS)
+                    lp.sum().backward()
+                ctx.barrier()
+    except DistributedError as exc:
+        print(f"leangrpo: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    (out / f"finished-{ctx.rank}").write_text("no failure was seen")
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(REPO / "src"))
+    scenario, arg, out, *rest = sys.argv[1:]
+    out = Path(out)
+    if scenario == "train":
+        train_ranks(arg, out)
+    elif scenario == "resume":
+        resume_ranks(arg, out)
+    elif scenario == "fail":
+        fail_ranks(arg, out, float(rest[0]))
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""preflight.py: the cheap checks run before any model loads, and without torch."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from leangrpo.config import ConfigError, load_config
+from leangrpo.contracts import Prompt
+from leangrpo.model_files import ModelFiles
+from leangrpo.preflight import check_micro_batch, ignored_options, preflight, prompt_limit
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "examples" / "demo.yaml"
+
+
+def demo(tmp_path: Path, *overrides: str):
+    return load_config(DEMO, [f"run.output_dir={tmp_path / 'run'}", *overrides])
+
+
+def test_cheap_checks_pass_without_importing_torch(tmp_path: Path) -> None:
+    code = (
+        "import sys\n"
+        "from leangrpo.config import load_config\n"
+        "from leangrpo.preflight import preflight\n"
+        f"checked = preflight(load_config({str(DEMO)!r}, ['run.output_dir={tmp_path / 'run'}']))\n"
+        "assert checked.model.context == 64 and checked.prompt_limit.tokens == 58\n"
+        "assert 'torch' not in sys.modules, 'torch was imported by the cheap checks'\n"
+        "assert 'transformers' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_prompt_limit_is_the_tightest_of_context_vllm_and_max_prompt_tokens(
+    tmp_path: Path,
+) -> None:
+    files = ModelFiles(Path("m"), 64, "config.json max_position_embeddings")
+    limit = prompt_limit(demo(tmp_path), files)
+    assert limit.tokens == 58
+    assert "the model's context of 64 positions" in limit.reason
+    assert "minus rollout.max_new_tokens = 6" in limit.reason
+    limit = prompt_limit(demo(tmp_path, "data.max_prompt_tokens=20"), files)
+    assert (limit.tokens, limit.reason) == (20, "data.max_prompt_tokens = 20")
+    cfg = demo(tmp_path, "rollout.engine=vllm", "rollout.vllm.max_model_len=32")
+    assert prompt_limit(cfg, files).tokens == 26
+    assert prompt_limit(demo(tmp_path), ModelFiles(None, None)) is None
+    with pytest.raises(ConfigError, match=r"rollout.max_new_tokens \(64\) leaves no room"):
+        prompt_limit(demo(tmp_path, "rollout.max_new_tokens=64"), files)
+
+
+def test_micro_batch_must_hold_the_longest_sequence(tmp_path: Path) -> None:
+    cfg = demo(tmp_path, "train.micro_batch_tokens=20")
+    prompts = [Prompt(uid=3, text="", ids=[1] * 10), Prompt(uid=7, text="", ids=[1] * 15)]
+    with pytest.raises(ConfigError) as err:
+        check_micro_batch(prompts, cfg)
+    assert "prompt row 7 has 15 tokens plus rollout.max_new_tokens = 6 makes 21" in str(err.value)
+    assert "at least 21" in str(err.value)
+    check_micro_batch(prompts, demo(tmp_path, "train.micro_batch_tokens=21"))
+
+
+def test_options_that_do_nothing_are_listed(tmp_path: Path, caplog) -> None:
+    assert ignored_options(demo(tmp_path)) == []
+    cfg = demo(
+        tmp_path,
+        "pipeline.prefetch_depth=3",
+        "rollout.vllm.gpu_memory_utilization=0.5",
+        "offload.keep_last_layers=2",
+        "lora.r=4",
+        "data.eval_path=null",
+        "eval.every_steps=5",
+    )
+    assert ignored_options(cfg) == [
+        "pipeline.prefetch_depth (pipeline.mode is sync)",
+        "rollout.vllm.gpu_memory_utilization (rollout.engine is hf)",
+        "offload.keep_last_layers (offload.activations is none)",
+        "eval.every_steps, eval.num_prompts (there are no eval prompts: data.eval_path, "
+        "data.eval_split and data.eval_size are unset)",
+        "lora.r (lora.enabled is false)",
+    ]
+    with caplog.at_level(logging.WARNING, logger="leangrpo"):
+        preflight(cfg).release()
+    assert "options ignored in this configuration: pipeline.prefetch_depth" in caplog.text
+    used = demo(tmp_path, "pipeline.mode=async", "pipeline.prefetch_depth=3", "lora.enabled=true")
+    assert ignored_options(used) == []
+
+
+def test_data_errors_come_before_the_run_directory_is_touched(tmp_path: Path) -> None:
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": ""}) + "\n")
+    cfg = demo(tmp_path, f"data.path={data}")
+    with pytest.raises(Exception, match="empty prompt"):
+        preflight(cfg)
+    assert not (tmp_path / "run").exists()
+
+
+def test_preflight_checks_the_model_files_and_the_metrics_backends(
+    tmp_path: Path, monkeypatch
+) -> None:
+    cfg = demo(tmp_path, f"model.name_or_path={tmp_path / 'missing'}")
+    with pytest.raises(Exception, match="no such directory"):
+        preflight(cfg)
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
+    with pytest.raises(ConfigError, match="the wandb package is not installed"):
+        preflight(demo(tmp_path, "logging.backends=[jsonl, wandb]"))
+    assert not (tmp_path / "run").exists()  # refused before the run directory was touched
