@@ -35,7 +35,7 @@ from leangrpo.trainer import Trainer
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "demo"
 STEPS = 10
-BUDGET = 48  # tokens per micro-batch per rank; the single process gets 2 x BUDGET
+BUDGET = 32  # tokens per micro-batch per rank; the single process gets 2 x BUDGET
 
 
 def demo_config(out: Path, mode: str, world_size: int, **sections) -> dict:
@@ -58,9 +58,13 @@ def demo_config(out: Path, mode: str, world_size: int, **sections) -> dict:
         "logging": {"progress_bar": False, "samples_every": 0},
         "distributed": {"timeout_s": 60},
     }  # fmt: skip
-    if mode == "full_sync":
-        cfg["loss"] = {"mu": 2}
+    if mode == "full_sync":  # + a KL term (a sharded reference) and checkpointed layers;
+        # 3 groups: one rank trains 2 micro-batches, the other 1 and a padding one
+        cfg["rollout"]["prompts_per_batch"] = 3
+        cfg["loss"] = {"mu": 2, "beta": 0.05}
         cfg["pipeline"] = {"mode": "sync"}
+        cfg["model"]["gradient_checkpointing"] = True
+        cfg["train"]["learning_rate"] = 3e-4  # 1e-3 moves all weights too far for the KL
     else:  # lora_async
         cfg["lora"] = {"enabled": True, "r": 4, "alpha": 8}
         cfg["loss"] = {"mu": 1}
@@ -159,6 +163,8 @@ def test_the_two_rank_run_logs_once_and_writes_a_loadable_final_model(runs):
     steps = [r["step"] for r in rows if "loss" in r]
     assert steps == list(range(1, STEPS + 1))  # one row per step: rank 0 alone writes
     assert all(r["dist/imbalance"] >= 1.0 and "dist/wait_max" in r for r in rows if "loss" in r)
+    if mode == "full_sync":  # the padding micro-batch really ran
+        assert sum(r["dist/padding_micro_batches"] for r in rows if "loss" in r) > 0
     assert log.count("packed attention: backend") == 1  # rank 1 logs warnings only
     final = tmp / "two" / "final"
     if mode == "full_sync":
@@ -373,3 +379,119 @@ def test_two_gpus_with_nccl_and_bf16_mixed_precision_train_and_save(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert moved(model.state_dict()) > 0
+
+
+# ---------------------------------------------------------------- units: no processes
+
+
+def test_torchrun_refuses_what_its_ranks_cannot_agree_on():
+    from leangrpo.config_io import ConfigError
+    from leangrpo.preflight import check_world
+
+    def cfg(**sections):
+        return config_from_dict(demo_config(Path("/tmp/unused"), "full_sync", 2, **sections))
+
+    colocate = cfg(rollout={"engine": "vllm"})
+    check_world(colocate, 1)  # one process: fine
+    with pytest.raises(ConfigError, match="rollout.vllm.mode is 'colocate'.*mode: server"):
+        check_world(colocate, 2)
+    streaming = {"mode": "async", "min_groups_per_step": 2}
+    with pytest.raises(ConfigError, match="pipeline.min_groups_per_step"):
+        check_world(cfg(pipeline=streaming), 4)
+    served = {"engine": "vllm", "vllm": {"mode": "server"}}
+    check_world(cfg(pipeline=streaming, rollout=served), 4)  # rank 0 decides: fine
+
+
+class _Follower:
+    """A DistContext of a rank > 0 whose broadcast delivers rank 0's message."""
+
+    distributed, is_main = True, False
+
+    def __init__(self, message):
+        self.message = message
+
+    def broadcast_object(self, obj):
+        return self.message
+
+
+def test_ranks_follow_rank_0s_run_directory_without_its_lock(tmp_path, monkeypatch):
+    from leangrpo.preflight import open_shared_run_dir
+    from leangrpo.rundir import RunDir, RunDirError, check_world_size, open_run_dir
+
+    cfg = config_from_dict(demo_config(tmp_path / "run", "full_sync", 2))
+    leader = open_run_dir(cfg)
+    follower = open_shared_run_dir(cfg, _Follower(leader.decision()))
+    assert follower.decision() == leader.decision()
+    follower.release()  # no lock: releasing it leaves rank 0's alone
+    with pytest.raises(RunDirError, match="in use"):
+        open_run_dir(cfg)
+    leader.release()
+    with pytest.raises(RunDirError, match="^already holds"):
+        open_shared_run_dir(cfg, _Follower({"error": "already holds"}))
+    step = tmp_path / "ckpt"
+    step.mkdir()
+    (step / "trainer_state.json").write_text('{"step": 3, "world_size": 2}')
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    check_world_size(step)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(RunDirError, match="written by 2 process.*has 4.*torchrun on 2"):
+        check_world_size(step)
+    assert isinstance(RunDir.follower(leader.decision()).resume_from, type(None))
+
+
+def test_a_batch_gathered_from_shares_has_the_whole_batchs_metrics():
+    from leangrpo.contracts import Completion, Prompt, RolloutSample
+    from leangrpo.dist_rollout import merge_share_metrics
+
+    rewards = [1.0, 0.0, None, 0.5, 0.25, 1.0]
+    samples = [
+        RolloutSample(i // 2, Prompt(i // 2, "", [1]), Completion([2], "", [-1.0], "stop", 0),
+                      rewards={"math": r}, reward=r)
+        for i, r in enumerate(rewards)
+    ]  # fmt: skip
+    per_rank = [
+        {"reward/math/failures": 1.0, "reward/unscored": 1.0, "time/generate": 2.0,
+         "time/rewards": 1.0, "reward/mean": 123.0},
+        {"reward/math/failures": 0.0, "reward/unscored": 0.0, "time/generate": 1.0,
+         "time/rewards": 0.5},
+    ]  # fmt: skip
+    merged = merge_share_metrics(per_rank, samples)
+    scored = [r for r in rewards if r is not None]
+    mean = sum(scored) / len(scored)
+    assert merged["reward/mean"] == pytest.approx(mean)  # over the batch, not a rank's
+    std = (sum((r - mean) ** 2 for r in scored) / len(scored)) ** 0.5
+    assert merged["reward/std"] == pytest.approx(std)
+    assert merged["reward/math/mean"] == pytest.approx(mean)
+    assert merged["reward/math/failures"] == 1.0 and merged["reward/unscored"] == 1.0
+    assert merged["time/generate"] == 2.0 and merged["dist/wait_generate"] == 1.5
+
+
+def test_steps_are_dealt_to_ranks_whole_and_padded_to_one_count():
+    from conftest import make_tiny_model
+
+    from leangrpo.contracts import Completion, Prompt, RolloutSample
+    from leangrpo.fsdp import is_padding
+    from leangrpo.model import Policy
+    from leangrpo.step import plan_steps
+
+    cfg = config_from_dict(
+        demo_config(Path("/tmp/unused"), "full_sync", 2, packing={"shared_prefix": "off"})
+    )
+    policy = Policy(make_tiny_model(), None, None, torch.device("cpu"), is_lora=False)
+    lengths = [[3, 3, 3, 3], [9, 8, 9, 9], [1, 1, 1, 1]]  # completion tokens per sample
+    samples = [
+        RolloutSample(g, Prompt(g, "", [1, 2]), Completion([5] * n, "", [-1.0] * n, "stop", g))
+        for g, group in enumerate(lengths)
+        for n in group
+    ]
+    ranks = [plan_steps(samples, cfg, policy, rank, 2) for rank in range(2)]
+    assert [len(steps) for steps in ranks] == [1, 1]  # steps_per_generation = 1
+    mbs = [steps[0].micro_batches for steps in ranks]
+    assert len(mbs[0]) == len(mbs[1])  # the same forward/backward count on every rank
+    real = [[mb for mb in rank if not is_padding(mb)] for rank in mbs]
+    assert len(real[0]) != len(real[1])  # ... which needed a padding micro-batch
+    tokens = sorted(int(mb.completion_lens.sum()) for rank in real for mb in rank)
+    assert sum(tokens) == sum(map(sum, lengths))  # every sample once, over both ranks
+    metrics = ranks[0][0].metrics
+    assert metrics["dist/padding_micro_batches"] == abs(len(real[0]) - len(real[1]))
+    assert ranks[0][0].versions == ranks[1][0].versions == [s.version for s in samples]

@@ -208,8 +208,12 @@ def _rank_share(step_samples, cfg, prefix: bool, rank: int, world_size: int):
         [step_samples[i] for g in deal.groups[r] for i in groups[g]] for r in range(world_size)
     ]
     plans = [_plan(share, cfg, prefix) if share else [] for share in shares]
-    padding = max(len(p) for p in plans) - len(plans[rank])
-    return shares[rank], plans[rank], padding, deal.metrics()
+    count = max(len(p) for p in plans)
+    dealt = {
+        **deal.metrics(),
+        "dist/padding_micro_batches": float(sum(count - len(p) for p in plans)),
+    }
+    return shares[rank], plans[rank], count - len(plans[rank]), dealt
 
 
 def use_shared_prefix(samples: list[RolloutSample], cfg, policy: Policy) -> bool:

@@ -464,11 +464,19 @@ def sample_rows(batch: RolloutBatch, groups: int = 2, per_group: int = 3) -> lis
 def train(
     cfg: Config, checked: Preflight | None = None, ctx: DistContext | None = None
 ) -> dict[str, float]:
-    """Run `cfg` to run.max_steps; a run already finished does nothing and returns {}."""
+    """Run `cfg` to run.max_steps; a run already finished does nothing and returns {}.
+
+    `ctx`: the caller's torchrun context (it ends it); without one, the environment's is
+    made here and ended after a successful run."""
+    own = ctx is None
     ctx = ctx if ctx is not None else init_distributed(cfg.distributed, cfg.run.device)
     checked = checked if checked is not None else preflight(cfg, ctx)
+    final = {}
     if checked.finished:
         checked.release()
         log.info(checked.finished_message())
-        return {}
-    return Trainer(cfg, checked, ctx).train()
+    else:
+        final = Trainer(cfg, checked, ctx).train()
+    if own:
+        ctx.shutdown()
+    return final
