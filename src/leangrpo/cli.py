@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as exc:  # user errors: one sentence, no traceback
         if _is_user_error(exc):
-            print(f"leangrpo: error: {exc}", file=sys.stderr)
+            if not getattr(exc, "shown_by_rank_0", False):  # torchrun: one copy of rank 0's
+                print(f"leangrpo: error: {exc}", file=sys.stderr)
             return 2
         if _is_distributed_error(exc):  # another rank failed: it printed its own error
             print(f"leangrpo: error: {exc}", file=sys.stderr, flush=True)

@@ -151,7 +151,8 @@ def close_rank_producer(producer, share: RankShare, ctx: DistContext, clean: boo
     """
     stop_entering = getattr(producer, "stop_entering", None)
     if clean and stop_entering is not None and ctx.distributed:
-        entered = stop_entering()
-        if entered < ctx.max_int(entered):  # a peer's thread waits in that batch's exchange
-            share.abort()
+        with ctx.phase("shutdown"):
+            entered = stop_entering()
+            if entered < ctx.max_int(entered):  # a peer's thread waits in that exchange
+                share.abort()
     producer.close()

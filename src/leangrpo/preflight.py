@@ -99,7 +99,9 @@ def open_shared_run_dir(cfg: Any, ctx: Any = None) -> RunDir:
     if not ctx.is_main:
         decision = ctx.broadcast_object(None)
         if "error" in decision:
-            raise RunDirError(decision["error"])
+            error = RunDirError(decision["error"])
+            error.shown_by_rank_0 = True  # type: ignore[attr-defined]  # the CLI prints it once
+            raise error
         return RunDir.follower(decision)
     try:
         run_dir = open_run_dir(cfg)
