@@ -380,14 +380,7 @@ def train_step(
         if policy.offloader is not None:  # per micro-batch counts add up to the step's
             for k, v in policy.offloader.metrics().items():
                 sums_offload[k] = v if k == "offload/pool_bytes" else sums_offload[k] + v
-    if ranks is not None:
-        ranks.barrier()  # idle time for the slowest rank shows here (counted in wait_s)
-    if ranks is not None:  # sharded gradients: the norm is reduced over ranks, then clipped
-        from leangrpo.fsdp import clip_grad_norm
-
-        grad_norm = clip_grad_norm(policy.trainable_parameters(), cfg.train.max_grad_norm)
-    else:
-        grad_norm = _clip_gradients(policy, cfg.train.max_grad_norm)
+    grad_norm = _step_gradients(policy, cfg.train.max_grad_norm, ranks)
     updated = math.isfinite(total_loss) and math.isfinite(grad_norm)
     if ranks is not None:  # every rank steps, or none does
         updated = ranks.all_true(updated)
@@ -403,6 +396,18 @@ def _offload_scope(policy: Policy):
     import contextlib
 
     return policy.offloader.step() if policy.offloader is not None else contextlib.nullcontext()
+
+
+def _step_gradients(policy: Policy, max_norm: float | None, ranks) -> float:
+    """The step's gradient norm, clipped. Torchrun: after a barrier (the time fast ranks
+    wait for the slowest shows there, in wait_s), the norm of the sharded gradients is
+    reduced over ranks before clipping."""
+    if ranks is None:
+        return _clip_gradients(policy, max_norm)
+    from leangrpo.fsdp import clip_grad_norm
+
+    ranks.barrier()
+    return clip_grad_norm(policy.trainable_parameters(), max_norm)
 
 
 def _clip_gradients(policy: Policy, max_norm: float | None) -> float:
