@@ -357,6 +357,22 @@ def test_a_killed_rank_stops_the_other_with_one_line_and_no_orphans(tmp_path):
     assert not [pid for pid in family if _alive(pid)], "processes outlived the run"
 
 
+@pytest.mark.slow
+def test_per_rank_producers_stop_together_when_one_waits_in_an_exchange(tmp_path):
+    """Rank 0's producer thread has started a batch (it waits in the batch's exchange) that
+    rank 1's never starts: at the end of the run, rank 1 joins that exchange with an abort,
+    so both threads end at once instead of rank 0's waiting for distributed.timeout_s."""
+    from test_distributed import _assert_ok, launch
+
+    _assert_ok(launch(tmp_path, "stop", "-", str(tmp_path), limit_s=120.0))
+    rank0, rank1 = torch.load(tmp_path / "stop.pt", weights_only=False)
+    assert rank0["entered"] == 1 and rank1["entered"] == 0  # the situation under test
+    assert rank0["groups"] == rank1["groups"] == 2  # batch 0: both shares, on both ranks
+    for seen in (rank0, rank1):
+        assert not seen["alive"] and seen["error"] == "None", seen
+        assert seen["took"] < 10.0, seen  # without the abort: the 30 s join, then a hang
+
+
 # ------------------------------------------------------------------------------- GPU
 
 

@@ -17,9 +17,9 @@ Two arrangements (docs/ARCHITECTURE.md "Distributed"):
   same progress, rank 0's admission and staleness checks hold for all.
 
 Shutdown of per-rank async producers: each batch's exchange needs every rank, and a
-thread may stop one batch earlier than its peer's. `close_rank_producer` agrees on the
+thread may stop one batch earlier than its peer's. `stop_rank_producer` agrees on the
 last batch any thread started and lets a rank that stopped short join that exchange with
-an abort marker, so no exchange is left waiting for its timeout.
+an abort marker (`stop_rank_producer`), so no exchange is left waiting for its timeout.
 """
 
 from __future__ import annotations
@@ -143,16 +143,16 @@ class MainRankProducer:
             self.inner.close()
 
 
-def close_rank_producer(producer, share: RankShare, ctx: DistContext, clean: bool) -> None:
+def stop_rank_producer(producer, share: RankShare, ctx: DistContext) -> None:
     """Stop a per-rank async producer so that no peer is left in a batch exchange.
 
-    `clean`: every rank is closing normally (it takes one all-reduce). After a failure
-    the producer is only stopped; the failure handling ends the process group.
+    Call it on every rank when the run ends normally, before the reward pool closes (a
+    thread still making its batch must reach that batch's exchange). One all-reduce.
     """
     stop_entering = getattr(producer, "stop_entering", None)
-    if clean and stop_entering is not None and ctx.distributed:
-        with ctx.phase("shutdown"):
-            entered = stop_entering()
-            if entered < ctx.max_int(entered):  # a peer's thread waits in that exchange
-                share.abort()
-    producer.close()
+    if stop_entering is None or not ctx.distributed:
+        return
+    with ctx.phase("shutdown"):
+        entered = stop_entering()
+        if entered < ctx.max_int(entered):  # a peer's thread waits in that exchange
+            share.abort()

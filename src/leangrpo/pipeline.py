@@ -379,7 +379,7 @@ class AsyncProducer:
 
         Torchrun: ranks' producers exchange samples inside each batch, so at shutdown a
         rank whose thread stopped one batch short joins that exchange to abort it
-        (dist_rollout.close_rank_producer).
+        (dist_rollout.stop_rank_producer).
         """
         with self._enter_lock:
             self._stop.set()

@@ -385,15 +385,14 @@ class Trainer:
         """The reward pool first: a producer thread waiting in `score()` gets PoolClosedError
         at once instead of finishing a reward's timeout; then the producer (it may be
         mid-call into the engines), then the engines. `clean`: the run ended normally on
-        every rank (torchrun: per-rank producers then stop in step, see dist_rollout)."""
+        every rank (torchrun: per-rank producers first stop in step, see dist_rollout)."""
+        if self.per_rank and clean:
+            from leangrpo.dist_rollout import stop_rank_producer
+
+            stop_rank_producer(self.producer, self.share, self.ctx)
         if self.rewards is not None:
             self.rewards.close()
-        if self.per_rank:
-            from leangrpo.dist_rollout import close_rank_producer
-
-            close_rank_producer(self.producer, self.share, self.ctx, clean)
-        else:
-            self.producer.close()
+        self.producer.close()
         if self.engines is not None:
             self.engines.close()
         self.logger.close()
