@@ -42,7 +42,7 @@ class TimedEngine:
         self.version = 0
         self.busy_s = 0.0
 
-    def generate(self, prompts, params, n, version):
+    def generate(self, prompts, params, n, version, prompt_offset=0):
         time.sleep(self.gen_s)
         self.busy_s += self.gen_s
         return [

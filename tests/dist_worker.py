@@ -11,6 +11,8 @@ MASTER_ADDR and MASTER_PORT set (the test launches one process per rank). Scenar
 - fail HOW: rank 1 raises (HOW = raise), is SIGKILLed (kill) or sleeps in phase
   "generate" (hang) inside a sharded forward during phase "train"; rank 0 must exit with
   one line naming rank 1 and the phase.
+- stop -: per-rank async producers stopped while one rank's thread waits in a batch
+  exchange the other's never joins (dist_rollout.stop_rank_producer).
 
 The single-process reference (`reference_run`) uses the same batches, unsharded.
 """
@@ -505,6 +507,72 @@ def fail_ranks(how: str, out: Path, timeout_s: float) -> None:
     (out / f"finished-{ctx.rank}").write_text("no failure was seen")
 
 
+class _InstantEngine:
+    """Completions at once; only the versions it is pushed matter."""
+
+    def __init__(self):
+        self.version = 0
+
+    def generate(self, prompts, params, n, version, prompt_offset=0):
+        from leangrpo.contracts import Completion
+
+        return [[Completion([3, 4], "x", [-1.0, -1.0], "stop", version)] * n for _ in prompts]
+
+    def update_weights(self, named_tensors, version):
+        self.version = version
+
+
+class _OneRewards:
+    def score(self, samples):
+        for s in samples:
+            s.rewards, s.reward = {"one": 1.0}, 1.0
+        return {}
+
+
+def stop_ranks(out: Path) -> None:
+    """Per-rank async producers at shutdown: rank 0's thread has started batch 1 (it waits
+    in its exchange), rank 1's never will (no admissible weights). stop_rank_producer must
+    let both stop at once; rank 0 writes what it saw to OUT_DIR/stop.pt."""
+    from leangrpo.contracts import Prompt, SamplingParams
+    from leangrpo.data import PromptSampler
+    from leangrpo.dist_rollout import RankShare, stop_rank_producer
+    from leangrpo.distributed import init_distributed
+    from leangrpo.pipeline import AsyncProducer, BatchFinisher, RolloutSettings, RolloutWorker
+
+    ctx = init_distributed(dist_cfg(timeout_s=60.0), "cpu")
+    share = RankShare(ctx, ctx.new_group())
+    prompts = [Prompt(i, str(i), [5, 6]) for i in range(8)]
+    settings = RolloutSettings(2, 2, SamplingParams(max_new_tokens=2), "group", 0)
+    worker = RolloutWorker(
+        _InstantEngine(), _OneRewards(), PromptSampler(prompts, 2), settings, share=share
+    )
+    producer = AsyncProducer(worker, BatchFinisher(settings, 0), 1, 0, stall_timeout_s=60)
+    producer.start()
+    whole = producer.next_batch(0)  # batch 0, exchanged by both threads
+    if ctx.rank == 0:  # batch 1 needs version 1 (staleness 0): only rank 0's engine gets it
+        producer.push_weights(1, lambda: [])
+    deadline = time.monotonic() + 20
+    while producer.entered < 1 and ctx.rank == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)  # rank 0's thread now waits in batch 1's exchange
+    start = time.monotonic()
+    stop_rank_producer(producer, share, ctx)
+    producer.close()
+    took = time.monotonic() - start
+    seen = ctx.gather_to_main(
+        {
+            "entered": producer.entered,
+            "alive": producer._thread.is_alive(),
+            "took": took,
+            "error": repr(producer._error),
+            "groups": len(whole.groups()),
+        }  # fmt: skip
+    )
+    if ctx.is_main:
+        torch.save(seen, out / "stop.pt")
+    ctx.shutdown()
+
+
 def main() -> None:
     torch.set_num_threads(1)
     sys.path.insert(0, str(REPO / "src"))
@@ -516,6 +584,8 @@ def main() -> None:
         resume_ranks(arg, out)
     elif scenario == "fail":
         fail_ranks(arg, out, float(rest[0]))
+    elif scenario == "stop":
+        stop_ranks(out)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
 

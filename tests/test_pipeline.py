@@ -27,7 +27,7 @@ class FakeEngine:
         self.fail_at = fail_at
         self.calls = 0
 
-    def generate(self, prompts, params, n, version):
+    def generate(self, prompts, params, n, version, prompt_offset=0):
         if version != self.version:
             raise EngineVersionError(f"holds {self.version}, asked {version}")
         self.calls += 1

@@ -5,12 +5,18 @@ directory) print one sentence and exit with status 2; everything else keeps its
 traceback. `train` runs every cheap check (preflight.py) before it imports the trainer, so
 torch is never imported for a run that cannot start; a finished run prints one line and
 exits 0.
+
+Under torchrun (WORLD_SIZE > 1) every rank runs the input checks first (no torch), then
+joins the process group; rank 0 alone locks and classifies the run directory and tells
+the others. A rank stopped by another rank's failure prints one line naming that rank
+and the phase and exits 1; ranks > 0 log warnings and errors only.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
@@ -65,8 +71,12 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as exc:  # user errors: one sentence, no traceback
         if _is_user_error(exc):
-            print(f"leangrpo: error: {exc}", file=sys.stderr)
+            if not getattr(exc, "shown_by_rank_0", False):  # torchrun: one copy of rank 0's
+                print(f"leangrpo: error: {exc}", file=sys.stderr)
             return 2
+        if _is_distributed_error(exc):  # another rank failed: it printed its own error
+            print(f"leangrpo: error: {exc}", file=sys.stderr, flush=True)
+            return 1
         raise
 
 
@@ -91,6 +101,8 @@ def _train(args) -> int:
     from leangrpo.preflight import preflight
 
     cfg = load_config(args.config, args.overrides)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return _train_ranks(cfg)
     checked = preflight(cfg)  # holds the run directory's lock from here on
     if checked.finished:
         checked.release()
@@ -101,6 +113,43 @@ def _train(args) -> int:
     final = train(cfg, checked)
     print({k: round(v, 4) for k, v in final.items()})
     return 0
+
+
+def _train_ranks(cfg) -> int:
+    """One torchrun rank: cheap checks, the process group, rank 0's run directory, train."""
+    from leangrpo.preflight import Preflight, check_inputs, open_shared_run_dir
+
+    rank = int(os.environ.get("RANK", "0"))
+    if rank > 0:  # rank 0 reports progress; the others only warnings and errors
+        logging.getLogger("leangrpo").setLevel(logging.WARNING)
+    model, limit = check_inputs(cfg, warn=rank == 0)
+    from leangrpo.distributed import init_distributed  # torch loads from here on
+
+    if rank > 0:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+    ctx = init_distributed(cfg.distributed, cfg.run.device)
+    checked = Preflight(open_shared_run_dir(cfg, ctx), model, limit)
+    if checked.finished:
+        checked.release()
+        if ctx.is_main:
+            print(f"leangrpo: {checked.finished_message()}")
+        ctx.shutdown()
+        return 0
+    from leangrpo.trainer import train
+
+    final = train(cfg, checked, ctx)
+    ctx.shutdown()
+    if ctx.is_main:
+        print({k: round(v, 4) for k, v in final.items()})
+    return 0
+
+
+def _is_distributed_error(exc: Exception) -> bool:
+    module = sys.modules.get("leangrpo.distributed")  # loaded only if a process group was
+    return module is not None and isinstance(exc, module.DistributedError)
 
 
 def _is_user_error(exc: Exception) -> bool:

@@ -383,6 +383,11 @@ class RolloutConfig(Section):
         description="Longest completion; longer ones are truncated (finish reason 'length').",
     )
     stop: list[str] = Field(default_factory=list, description="Strings that end a completion.")
+    hf_prompts_per_forward: int | None = Field(
+        None,
+        ge=1,
+        description="hf engine: prompts decoded together in one batched forward (each with its n completions); null = all prompts of a call. 1 makes a group's completions bitwise independent of which prompts share its forward, so a torchrun run samples exactly what one process does (slower).",
+    )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM settings.")
 
     @field_validator("stop")

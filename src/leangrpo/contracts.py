@@ -190,9 +190,19 @@ class RolloutEngine(Protocol):
     def version(self) -> int: ...
 
     def generate(
-        self, prompts: list[Prompt], params: SamplingParams, n: int, version: int
+        self,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        n: int,
+        version: int,
+        prompt_offset: int = 0,
     ) -> list[list[Completion]]:
-        """n completions per prompt, in prompt order."""
+        """n completions per prompt, in prompt order.
+
+        `prompt_offset` is the index of `prompts[0]` in its generation batch: per-prompt
+        seeds derive from (params.seed, batch index of the prompt), so a share of a batch
+        (one torchrun rank's) is sampled as the whole batch would be.
+        """
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:

@@ -6,6 +6,8 @@ A sharded checkpoint is `output_dir/checkpoints/step-N/`:
     rng-<rank>.pt       each rank's generator states (ranks draw different numbers)
     scheduler.pt        rank 0
     trainer_state.json  rank 0: {"step": N, "world_size": W, ...the trainer's state}
+    trainer_state.pt    rank 0 (optional): bulky state, as checkpoint.py's
+    config.yaml, ...    rank 0: `extra_files`
     COMPLETE            written last, by rank 0
 
 Atomic as checkpoint.py: rank 0 creates `checkpoints/.tmp-step-N-<random>/` and broadcasts
@@ -40,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from leangrpo.checkpoint import (
+    BULKY_STATE,
     COMPLETE,
     CheckpointError,
     _atomic_directory,
@@ -64,8 +67,14 @@ def save_sharded_checkpoint(
     trainer_state: dict[str, Any],
     keep_last: int,
     ctx: DistContext,
+    extra_files: dict[str, str] | None = None,
+    bulky_state: dict[str, Any] | None = None,
 ) -> Path:
-    """Every rank calls this; returns `output_dir/checkpoints/step-{step}`."""
+    """Every rank calls this; returns `output_dir/checkpoints/step-{step}`.
+
+    `trainer_state`, `extra_files` and `bulky_state` are rank 0's (the other ranks' are
+    ignored): pass what is the same on every rank, or gathered to rank 0.
+    """
     if keep_last < 1:
         raise CheckpointError(
             f"keep_last must be >= 1 (got {keep_last}); set checkpoint.keep_last."
@@ -85,6 +94,10 @@ def save_sharded_checkpoint(
         if scheduler is not None:
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         (tmp / "trainer_state.json").write_text(state_json)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text, encoding="utf-8")
+        if bulky_state is not None:
+            torch.save(bulky_state, tmp / BULKY_STATE)
         ctx.barrier()  # every rank's files are in place
         (tmp / COMPLETE).write_text(json.dumps({"step": step}) + "\n")
     _prune(root, step, keep_last)

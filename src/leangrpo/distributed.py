@@ -77,7 +77,7 @@ class DistContext:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: str | None = None
     timeout_s: float = 600.0
-    wait_s: float = 0.0  # seconds spent in this context's barriers (idle at step ends)
+    wait_s: float = 0.0  # seconds spent in this context's collectives (mostly waiting)
     _watch: _Watch | None = field(default=None, repr=False)
 
     @property
@@ -118,13 +118,22 @@ class DistContext:
         finally:
             self._watch.leave(outer)
 
+    @contextlib.contextmanager
+    def _timed(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.wait_s += time.perf_counter() - start
+
     def all_reduce(self, values: Sequence[float], op: str = "sum") -> list[float]:
         """Element-wise sum / max / min of `values` over ranks (float64)."""
         if not self.distributed:
             return [float(v) for v in values]
         ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
         t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.comm_device)
-        dist.all_reduce(t, op=ops[op])
+        with self._timed():
+            dist.all_reduce(t, op=ops[op])
         return t.tolist()
 
     def all_true(self, flag: bool) -> bool:
@@ -140,15 +149,14 @@ class DistContext:
             return 0.0
         start = time.perf_counter()
         self.all_reduce([0.0])  # a tiny all-reduce: a barrier that honours the timeout everywhere
-        waited = time.perf_counter() - start
-        self.wait_s += waited
-        return waited
+        return time.perf_counter() - start
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         if not self.distributed:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        with self._timed():
+            dist.all_gather_object(out, obj)
         return out
 
     def gather_to_main(self, obj: Any) -> list[Any] | None:
@@ -156,15 +164,25 @@ class DistContext:
         if not self.distributed:
             return [obj]
         out: list[Any] | None = [None] * self.world_size if self.is_main else None
-        dist.gather_object(obj, out, dst=0)
+        with self._timed():
+            dist.gather_object(obj, out, dst=0)
         return out
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         if not self.distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=src)
+        with self._timed():
+            dist.broadcast_object_list(box, src=src)
         return box[0]
+
+    def new_group(self) -> Any:
+        """Another process group over every rank, on the host (gloo), with the timeout: for
+        collectives another thread runs (the async producer's sample exchange), which
+        must not share a sequence of operations with the main thread's. Every rank calls it."""
+        if not self.distributed:
+            return None
+        return dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
 
     def shutdown(self) -> None:
         """Leave the group: the last collective, then the process group goes away."""

@@ -3,6 +3,9 @@
 Greedy by default (`eval.temperature = 0`), so the curve moves only when the policy does.
 Rewards that fail are counted and left out of the mean, as in training; means are
 overflow-safe like training's (rewards of +-1e308 average to a finite number, not nan).
+Under torchrun with per-rank engines (`share`), each rank evaluates its slice of the
+prompts and the scored samples are all-gathered, so the figures are the whole set's;
+`eval/version` is the oldest version a rank evaluated.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ class Evaluator:
         engine_lock: threading.Lock,
         reward_lock: threading.Lock,
         shared_weights: bool,
+        share=None,  # torchrun: a dist_rollout.RankShare on the main thread's group
     ):
+        self.share = share
         self.engine = engine
         self.rewards = rewards
         limit = cfg.eval.num_prompts
@@ -45,18 +50,26 @@ class Evaluator:
     def run(self, version: int, step: int) -> dict[str, float]:
         if not self.prompts:
             return {}
+        start, stop = self.share.bounds(len(self.prompts)) if self.share else (0, len(self.prompts))
+        prompts = self.prompts[start:stop]
         with self.engine_lock:
             if self.shared_weights:  # same weights object as the trainer: only the tag moves
                 self.engine.update_weights((), version)
-            groups = self.engine.generate(self.prompts, self.params, self.n, self.engine.version)
             evaluated_version = self.engine.version
+            groups = self.engine.generate(
+                prompts, self.params, self.n, evaluated_version, prompt_offset=start
+            )
         samples = [
-            RolloutSample(group_id=i, prompt=p, completion=c)
-            for i, (p, cs) in enumerate(zip(self.prompts, groups))
+            RolloutSample(group_id=start + i, prompt=p, completion=c)
+            for i, (p, cs) in enumerate(zip(prompts, groups))
             for c in cs
         ]
         with self.reward_lock:
             self.rewards.score(samples)
+        if self.share:
+            parts = self.share.exchange((samples, evaluated_version))
+            samples = [s for part, _ in parts for s in part]
+            evaluated_version = min(v for _, v in parts)
         return eval_metrics(samples, evaluated_version)
 
 

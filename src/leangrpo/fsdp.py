@@ -146,8 +146,10 @@ def gather_for_sync(
     adapters_only: bool,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
+    to_all: bool = False,
 ) -> list[tuple[str, torch.Tensor]]:
-    """Full tensors to send to the engine: on rank 0 a list, on the other ranks [].
+    """Full tensors to send to the engine: on rank 0 a list, on the other ranks [] (or,
+    with `to_all`, the same list on every rank: per-rank engines each need them).
 
     Every rank must call it (each DTensor is all-gathered). Names and order are those of
     `Policy.named_trainable_tensors` on the unsharded model: the trainable parameters for
@@ -159,6 +161,7 @@ def gather_for_sync(
         entries = [(n, p.detach()) for n, p in model.named_parameters() if p.requires_grad]
     else:
         entries = list(model.state_dict().items())
+    keep = ctx.is_main or to_all
     gathered: dict[tuple, torch.Tensor | None] = {}  # the same keys on every rank
     out = []
     for name, tensor in entries:
@@ -166,9 +169,9 @@ def gather_for_sync(
         if key not in gathered:
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             gathered[key] = full.to(dtype=dtype or full.dtype, device=device or full.device)
-            if not ctx.is_main:
+            if not keep:
                 gathered[key] = None  # gathered only to take part; dropped at once
-        if ctx.is_main:
+        if keep:
             out.append((clean_name(name), gathered[key]))
     return out
 
@@ -256,3 +259,12 @@ def local_param_bytes(model: nn.Module) -> int:
         t = p.to_local() if isinstance(p, DTensor) else p
         total += t.numel() * t.element_size()
     return total
+
+
+def shard_policy(policy, dist_cfg, ctx: DistContext) -> None:
+    """Shard a loaded policy in place: `policy.root` becomes its FSDP root, and a full
+    fine-tuning reference (beta > 0) is sharded the same way (no full copy per rank).
+    Build the optimizer afterwards."""
+    policy.root = shard_model(policy.model, dist_cfg, ctx)
+    if policy.reference is not None:
+        policy.reference = shard_model(policy.reference, dist_cfg, ctx)

@@ -47,6 +47,12 @@ class Policy:
     is_lora: bool
     offloader: ActivationOffloader | None = None
     attention_backend: str = "sdpa_segments"
+    root: nn.Module | None = None  # torchrun: the FSDP root (a PackedScorer around model)
+
+    @property
+    def scoring_module(self) -> nn.Module:
+        """What scoring passes call: the model, or its FSDP root once sharded."""
+        return self.root if self.root is not None else self.model
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -368,7 +374,7 @@ def reference_logprobs(policy: Policy, batch: PackedBatch, sampling, logprob_cfg
     if not policy.is_lora:
         raise RuntimeError("a reference pass was asked for but no reference policy exists")
     with policy.model.disable_adapter():
-        return score(policy.model, batch, sampling, logprob_cfg)[0]
+        return score(policy.scoring_module, batch, sampling, logprob_cfg)[0]
 
 
 @contextlib.contextmanager

@@ -26,7 +26,11 @@ serves a prompt again. `state_dict` describes the producer as of the last batch 
 (next index, sampler, re-roll attempts, prompts re-queued since, replay buffer): batches
 prefetched but not handed out are made again after a resume, with the same seeds. A
 producer started after a resume admits nothing older than the resumed trainer's version.
-See docs/ARCHITECTURE.md "Choices".
+Torchrun (hf engine): every rank runs the same producer on the same prompts and makes
+its share of each batch (`RolloutWorker.share`, see dist_rollout.py): it generates and
+scores its slice of the prompts, then an all-gather hands every rank the whole scored
+batch before re-rolls, so samplers, re-rolls, replay and advantages stay identical on
+every rank. See docs/ARCHITECTURE.md "Choices" and "Distributed".
 """
 
 from __future__ import annotations
@@ -51,6 +55,10 @@ _STOP_POLL_S = 0.1
 
 class PipelineStallError(RunError):
     """The trainer waits for a batch that the producer can never start."""
+
+
+class ProductionAborted(Exception):
+    """Another rank stopped producing (shutdown): the batch being exchanged is abandoned."""
 
 
 @dataclass
@@ -82,7 +90,9 @@ class RolloutWorker:
         settings: RolloutSettings,
         reward_lock: threading.Lock | None = None,
         reroll_attempts: int = 0,  # 0 = re-roll off
+        share=None,  # torchrun: a dist_rollout.RankShare (this rank's slice + the exchange)
     ):
+        self.share = share
         self.engine = engine
         self.rewards = rewards
         self.sampler = sampler
@@ -98,26 +108,31 @@ class RolloutWorker:
             prompts = self.sampler.next_batch()
         t0 = time.perf_counter()
         params = _seeded(self.settings.sampling, self.settings.seed, index)
+        start, stop = self.share.bounds(len(prompts)) if self.share else (0, len(prompts))
         groups = self.engine.generate(
-            prompts, params, self.settings.group_size, self.engine.version
+            prompts[start:stop],
+            params,
+            self.settings.group_size,
+            self.engine.version,
+            prompt_offset=start,
         )
         t1 = time.perf_counter()
         samples = [
-            RolloutSample(group_id=index * len(prompts) + i, prompt=p, completion=c)
-            for i, (p, completions) in enumerate(zip(prompts, groups))
+            RolloutSample(group_id=index * len(prompts) + start + i, prompt=p, completion=c)
+            for i, (p, completions) in enumerate(zip(prompts[start:stop], groups))
             for c in completions
         ]
-        batch = RolloutBatch(samples, self.settings.group_size)
         with self.reward_lock:
-            batch.metrics.update(self.rewards.score(samples))
-        t2 = time.perf_counter()
+            metrics = self.rewards.score(samples)
+        metrics.update({"time/generate": t1 - t0, "time/rewards": time.perf_counter() - t1})
+        if self.share:  # every rank's scored share: the whole batch on every rank
+            samples, metrics = self.share.gather(samples, metrics)
+        batch = RolloutBatch(samples, self.settings.group_size, metrics)
         with self.sampler_lock:
             requeued = self._reroll_failed(batch.groups())
             after = self.state_dict(index + 1)
             self.made = index + 1
-        batch.metrics.update(
-            {"time/generate": t1 - t0, "time/rewards": t2 - t1, "reroll/requeued": requeued}
-        )
+        batch.metrics["reroll/requeued"] = requeued
         return ProducedBatch(batch, index, after)
 
     def _reroll_failed(self, groups: list[list[RolloutSample]]) -> float:
@@ -313,6 +328,8 @@ class AsyncProducer:
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._index = 0  # next batch the thread will produce
+        self._enter_lock = threading.Lock()
+        self.entered = -1  # the last batch the thread started (torchrun: see stop_entering)
         self._consumed_state: dict = {}
         self._late_requeues: list[tuple[int, list[int]]] = []  # (worker.made then, uids)
         self._thread: threading.Thread | None = None
@@ -323,6 +340,7 @@ class AsyncProducer:
         with self.worker.sampler_lock:
             self._consumed_state = self.worker.state_dict(self._index)
             self.worker.made = self._index
+        self.entered = self._index - 1
         threads = torch.get_num_threads()
         self._thread = threading.Thread(
             target=self._run, args=(threads,), name="leangrpo-producer", daemon=True
@@ -337,15 +355,35 @@ class AsyncProducer:
         try:
             while not self._stop.is_set():
                 idle = self._wait_for_admission(self._index)
-                if self._stop.is_set():
+                if not self._enter(self._index):
                     return
                 with self.engine_lock:
                     produced = self.worker.produce(self._index)
                 produced.idle_s = idle
                 self._index += 1
                 self._put(produced)
+        except ProductionAborted:  # torchrun shutdown: another rank stopped producing
+            return
         except BaseException as exc:  # surfaced to the trainer by next_batch
             self._error = exc
+
+    def _enter(self, index: int) -> bool:
+        with self._enter_lock:
+            if self._stop.is_set():
+                return False
+            self.entered = index
+            return True
+
+    def stop_entering(self) -> int:
+        """Start no further batch; returns the last batch the thread started (-1: none).
+
+        Torchrun: ranks' producers exchange samples inside each batch, so at shutdown a
+        rank whose thread stopped one batch short joins that exchange to abort it
+        (dist_rollout.stop_rank_producer).
+        """
+        with self._enter_lock:
+            self._stop.set()
+            return self.entered
 
     def _wait_for_admission(self, index: int) -> float:
         """Block until the engine's weights are fresh enough for batch `index`."""

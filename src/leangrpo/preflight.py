@@ -15,18 +15,23 @@ possibly cleaning it are the first things that touch the disk):
 
 The trainer's set-up takes the returned `Preflight` over (it releases the lock at close)
 and, once prompts are tokenised, calls `check_micro_batch`.
+
+Under torchrun every rank runs checks 1-4 (`check_inputs`; only rank 0 warns), then rank
+0 alone opens the run directory and broadcasts its decision, or its error, which every
+rank then raises (`open_shared_run_dir`): the other ranks never take or wait for the lock.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from leangrpo.config_io import ConfigError
 from leangrpo.data import PromptLimit, check_data
 from leangrpo.model_files import ModelFiles, check_model_files
-from leangrpo.rundir import RunDir, open_run_dir
+from leangrpo.rundir import RunDir, RunDirError, open_run_dir
 
 log = logging.getLogger("leangrpo")
 
@@ -50,7 +55,14 @@ class Preflight:
         self.run_dir.release()
 
 
-def preflight(cfg: Any) -> Preflight:
+def preflight(cfg: Any, ctx: Any = None) -> Preflight:
+    """Every check; `ctx` (a DistContext) when running under torchrun."""
+    model, limit = check_inputs(cfg, warn=ctx is None or ctx.is_main)
+    return Preflight(open_shared_run_dir(cfg, ctx), model, limit)
+
+
+def check_inputs(cfg: Any, warn: bool = True) -> tuple[ModelFiles, PromptLimit | None]:
+    """Checks 1-4: everything but the run directory."""
     from leangrpo.metrics import check_backends
     from leangrpo.rewards import check_rewards
 
@@ -59,10 +71,46 @@ def preflight(cfg: Any) -> Preflight:
     model = check_model_files(cfg.model)
     limit = prompt_limit(cfg, model)
     check_backends(list(cfg.logging.backends))
+    check_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     ignored = ignored_options(cfg)
-    if ignored:
+    if ignored and warn:
         log.warning("options ignored in this configuration: %s", "; ".join(ignored))
-    return Preflight(open_run_dir(cfg), model, limit)
+    return model, limit
+
+
+def check_world(cfg: Any, world_size: int) -> None:
+    """What torchrun runs cannot do (yet), in one sentence each."""
+    if world_size < 2:
+        return
+    if cfg.rollout.engine == "vllm" and cfg.rollout.vllm.mode == "colocate":
+        raise ConfigError(
+            f"rollout.vllm.mode is 'colocate', which runs vLLM inside one trainer process, but this run has {world_size} torchrun processes; start `leangrpo serve` on other GPUs or nodes and set rollout.vllm.mode: server with rollout.vllm.urls, or use rollout.engine: hf."
+        )
+    if cfg.rollout.engine == "hf" and cfg.pipeline.min_groups_per_step is not None:
+        raise ConfigError(
+            f"pipeline.min_groups_per_step (streaming) lets each process take whatever chunks are ready, which {world_size} torchrun processes generating their own shares with the hf engine cannot agree on; unset it, or generate with vLLM servers (rollout.vllm.mode: server), where rank 0 decides."
+        )
+
+
+def open_shared_run_dir(cfg: Any, ctx: Any = None) -> RunDir:
+    """open_run_dir on rank 0; its decision (or error) broadcast to the other ranks."""
+    if ctx is None or not ctx.distributed:
+        return open_run_dir(cfg)
+    if not ctx.is_main:
+        decision = ctx.broadcast_object(None)
+        if "error" in decision:
+            error = RunDirError(decision["error"])
+            error.shown_by_rank_0 = True  # type: ignore[attr-defined]  # the CLI prints it once
+            raise error
+        return RunDir.follower(decision)
+    try:
+        run_dir = open_run_dir(cfg)
+    except Exception as exc:
+        told = str(exc) if isinstance(exc, RunDirError) else f"rank 0 failed to open it: {exc}"
+        ctx.broadcast_object({"error": told})
+        raise
+    ctx.broadcast_object(run_dir.decision())
+    return run_dir
 
 
 def prompt_limit(cfg: Any, model: ModelFiles) -> PromptLimit | None:
@@ -122,6 +170,7 @@ def ignored_options(cfg: Any) -> list[str]:
         (cfg.pipeline.mode == "sync", "pipeline", ("prefetch_depth", "min_groups_per_step"), "pipeline.mode is sync"),
         (cfg.generates_with_live_weights(), "pipeline", ("sync_interval",), "the hf engine in sync mode generates with the trainer's live weights"),
         (engine == "hf", "rollout.vllm", None, "rollout.engine is hf"),
+        (engine == "vllm", "rollout", ("hf_prompts_per_forward",), "rollout.engine is vllm"),
         (engine == "vllm" and vllm_mode == "colocate", "rollout.vllm", ("urls", "request_timeout_s", "max_retries"), "rollout.vllm.mode is colocate"),
         (cfg.offload.activations == "none", "offload", ("keep_last_layers", "min_tensor_bytes"), "offload.activations is none"),
         (not has_eval, "eval", None, "there are no eval prompts: data.eval_path, data.eval_split and data.eval_size are unset"),

@@ -21,11 +21,17 @@ run does with `run.output_dir`, in this order:
    starting over there would append a second run to the old metrics.jsonl and prune the
    old checkpoints. It is refused, naming the files, unless `run.overwrite: true`, which
    deletes exactly the files leangrpo writes (never anything else) and starts clean.
-6. A resume compares the config with the one stored in the checkpoint (config.yaml,
+6. A checkpoint written by another number of processes (torchrun ranks; 1 without
+   torchrun) is refused: the sharded state and the per-rank RNG streams fit only the
+   world size that wrote them.
+7. A resume compares the config with the one stored in the checkpoint (config.yaml,
    written by every save; the run directory's own config.yaml is rewritten each start).
    Keys that only change where output goes or how often (HARMLESS_KEYS) are noted; any
    other difference breaks exact resume and is refused, listing old -> new, unless
    `run.allow_config_changes: true`, which resumes with a warning listing them.
+
+Under torchrun only rank 0 opens (locks, cleans, classifies) the directory; the others
+receive its decision (`follower`) and never touch the lock (preflight.py).
 """
 
 from __future__ import annotations
@@ -167,6 +173,32 @@ class RunDir:
     def release(self) -> None:
         self.lock.release()
 
+    def decision(self) -> dict[str, Any]:
+        """What other torchrun ranks need to know (plain data, see `follower`)."""
+        resume = None if self.resume_from is None else str(self.resume_from)
+        return {"path": str(self.path), "resume_from": resume, "resume_step": self.resume_step,
+                "finished": self.finished, "config_notes": list(self.config_notes)}  # fmt: skip
+
+    @classmethod
+    def follower(cls, decision: dict[str, Any]) -> RunDir:
+        """Rank 0's decision on a rank > 0: the same run directory, without the lock."""
+        resume = decision["resume_from"]
+        return cls(
+            Path(decision["path"]),
+            _NoLock(),  # type: ignore[arg-type]
+            None if resume is None else Path(resume),
+            decision["resume_step"],
+            decision["finished"],
+            list(decision["config_notes"]),
+        )
+
+
+class _NoLock:
+    """A torchrun rank > 0: rank 0 holds the run directory's lock for the whole run."""
+
+    def release(self) -> None:
+        pass
+
 
 def open_run_dir(cfg: Any) -> RunDir:
     """Validate, lock and classify `cfg.run.output_dir`; see the module docstring."""
@@ -211,6 +243,7 @@ def _classify(run_dir: RunDir, cfg: Any) -> None:
         if run_dir.resume_step >= run.max_steps and not final_missing:
             run_dir.finished = f"Run {str(run_dir.path)!r} is already finished: its checkpoint {resume.name} is at step {run_dir.resume_step} and run.max_steps is {run.max_steps}; nothing to do (raise run.max_steps to train on, or set run.overwrite: true to start again)."
             return
+        check_world_size(resume)
         run_dir.config_notes = check_config_changes(resume, cfg)
     if resume is None or not _is_inside(resume, own):
         _start_clean(run_dir.path, run.overwrite, run.resume)
@@ -289,6 +322,20 @@ def _start_clean(path: Path, overwrite: bool, resume: str) -> None:
         path,
         f" (kept files leangrpo did not write: {', '.join(left)})" if left else "",
     )
+
+
+def check_world_size(checkpoint: Path) -> None:
+    """The checkpoint's writers (trainer_state.json world_size; 1 when absent) = this run's."""
+    state_file = checkpoint / "trainer_state.json"
+    if not state_file.is_file():
+        return
+    saved = int(json.loads(state_file.read_text()).get("world_size", 1))
+    now = int(os.environ.get("WORLD_SIZE", "1"))
+    if saved != now:
+        how = "without torchrun" if saved == 1 else f"with torchrun on {saved} processes"
+        raise RunDirError(
+            f"Checkpoint {str(checkpoint)!r} was written by {saved} process(es) but this run has {now}; its sharded state and per-rank random streams fit only that number, so resume it {how} (or start a new run in another run.output_dir)."
+        )
 
 
 # -- config changes on resume ---------------------------------------------------------------

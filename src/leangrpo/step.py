@@ -19,6 +19,16 @@ averaged over micro-batches weighted by their tokens (min/max over them).
 The loss of each micro-batch is already divided by normalisers counted over the whole
 step, so summing micro-batch gradients gives the step's exact gradient.
 
+Under torchrun (world_size > 1) every rank holds the whole generation batch; each step's
+groups are dealt to ranks (`distributed.deal_groups`, by tokens or attention cost), each
+rank packs only its share, and every rank's plan is padded with one-token padding
+micro-batches to the largest count (computed locally: every rank can plan every rank's
+share), since each forward and backward gathers parameters with all ranks. A padding
+micro-batch runs forward and a zero-gradient backward (`fsdp.padding_pass`), never the
+loss. Normalisers are all-reduced once per step, the gradient norm is global, the
+non-finite-skip decision is all-reduced and the step's loss metrics are combined over
+ranks, so every rank takes the same decision and rank 0 logs global figures.
+
 A batch being trained on is a `BatchInProgress`: its planned steps (old/reference
 log-probs attached) and how many of its mu x steps optimizer steps are done. A checkpoint
 taken inside a batch saves it whole, so a resume continues with the same micro-batches
@@ -57,8 +67,9 @@ class StepResult:
 
 @dataclass
 class PlannedStep:
-    micro_batches: list[PackedBatch]
-    metrics: dict[str, float]  # packing metrics of this step
+    micro_batches: list[PackedBatch]  # this rank's, padding micro-batches included (torchrun)
+    metrics: dict[str, float]  # packing metrics of this step (this rank's share)
+    versions: list[int] = field(default_factory=list)  # of every sample of the step, all ranks
 
 
 # what the no-grad passes attach to a micro-batch: a checkpoint inside a batch keeps them
@@ -101,9 +112,13 @@ class BatchInProgress:
         }
 
     @classmethod
-    def from_state(cls, state: dict, cfg, policy: Policy) -> BatchInProgress:
+    def from_state(
+        cls, state: dict, cfg, policy: Policy, rank: int = 0, world_size: int = 1
+    ) -> BatchInProgress:
+        """`state["attached"]` must be this rank's (the trainer keeps one list per rank)."""
         batch = RolloutBatch([sample_from_state(s) for s in state["samples"]], state["group_size"])
-        steps = plan_steps([s for s in batch.samples if s.reward is not None], cfg, policy)
+        scored = [s for s in batch.samples if s.reward is not None]
+        steps = plan_steps(scored, cfg, policy, rank, world_size)
         micro_batches = [mb for step in steps for mb in step.micro_batches]
         attached = [fields for step in state["attached"] for fields in step]
         fits = len(attached) == len(micro_batches) and all(
@@ -126,39 +141,79 @@ def _cpu(value):
     return value.cpu() if value is not None else None
 
 
-def plan_steps(samples: list[RolloutSample], cfg, policy: Policy) -> list[PlannedStep]:
+def plan_steps(
+    samples: list[RolloutSample], cfg, policy: Policy, rank: int = 0, world_size: int = 1
+) -> list[PlannedStep]:
     """Cut a batch into optimizer steps of whole groups, each into packed micro-batches.
 
-    No samples (every reward failed): no steps.
+    No samples (every reward failed): no steps. With world_size > 1, each step's groups
+    are dealt to ranks and this rank's share is planned, padded to the largest count.
     """
     prefix = use_shared_prefix(samples, cfg, policy)
     steps = []
     for step_samples in _split_by_groups(samples, cfg.train.steps_per_generation):
         if not step_samples:
             continue
+        versions = [s.version for s in step_samples]
+        if world_size > 1:
+            step_samples, plan, padding, dealt = _rank_share(
+                step_samples, cfg, prefix, rank, world_size
+            )
+        else:
+            plan, padding, dealt = _plan(step_samples, cfg, prefix), 0, {}
         lengths = [s.num_tokens for s in step_samples]
-        groups = _group_indices(step_samples) if prefix else None
-        prompt_lens = [len(step_samples[g[0]].prompt.ids) for g in groups] if prefix else None
-        plan = plan_micro_batches(
-            lengths,
-            cfg.train.micro_batch_tokens,
-            cfg.packing.balance,
-            groups=groups,
-            prompt_lens=prompt_lens,
-        )
         micro_batches = [
             pack_samples([step_samples[i] for i in idx], shared_prefix=prefix, device=policy.device)
             for idx in plan
         ]
-        metrics = packing_metrics(
-            lengths,
-            plan,
-            cfg.packing.balance,
-            packed_tokens=[mb.num_tokens for mb in micro_batches],
-        )
+        metrics = _packing_metrics(lengths, plan, cfg, micro_batches)
         metrics["packing/shared_prefix"] = float(prefix)
-        steps.append(PlannedStep(micro_batches, metrics))
+        if padding:
+            from leangrpo.fsdp import padding_batch
+
+            micro_batches += [padding_batch(0, policy.device) for _ in range(padding)]
+        steps.append(PlannedStep(micro_batches, {**metrics, **dealt}, versions))
     return steps
+
+
+def _packing_metrics(lengths, plan, cfg, micro_batches) -> dict[str, float]:
+    if not plan:  # torchrun: a rank dealt no group in this step (it runs padding only)
+        return {"packing/tokens": 0.0, "packing/micro_batches": 0.0}
+    tokens = [mb.num_tokens for mb in micro_batches]
+    return packing_metrics(lengths, plan, cfg.packing.balance, packed_tokens=tokens)
+
+
+def _plan(step_samples: list[RolloutSample], cfg, prefix: bool) -> list[list[int]]:
+    lengths = [s.num_tokens for s in step_samples]
+    groups = _group_indices(step_samples) if prefix else None
+    prompt_lens = [len(step_samples[g[0]].prompt.ids) for g in groups] if prefix else None
+    return plan_micro_batches(
+        lengths,
+        cfg.train.micro_batch_tokens,
+        cfg.packing.balance,
+        groups=groups,
+        prompt_lens=prompt_lens,
+    )
+
+
+def _rank_share(step_samples, cfg, prefix: bool, rank: int, world_size: int):
+    """This rank's samples of the step, its plan, the padding micro-batches it needs and
+    the dealing metrics. Every rank plans every rank's share (no collective)."""
+    from leangrpo.distributed import deal_groups
+
+    groups = _group_indices(step_samples)
+    lengths = [[step_samples[i].num_tokens for i in g] for g in groups]
+    deal = deal_groups(lengths, world_size, cfg.packing.balance)
+    shares = [
+        [step_samples[i] for g in deal.groups[r] for i in groups[g]] for r in range(world_size)
+    ]
+    plans = [_plan(share, cfg, prefix) if share else [] for share in shares]
+    count = max(len(p) for p in plans)
+    dealt = {
+        **deal.metrics(),
+        "dist/padding_micro_batches": float(sum(count - len(p) for p in plans)),
+    }
+    return shares[rank], plans[rank], count - len(plans[rank]), dealt
 
 
 def use_shared_prefix(samples: list[RolloutSample], cfg, policy: Policy) -> bool:
@@ -200,10 +255,11 @@ def attach_old_and_ref(policy: Policy, steps: list[PlannedStep], cfg, sampling) 
     want_ref = cfg.loss.beta > 0
     if not (want_old or want_ref):
         return
-    with eval_mode(policy.model):
+    with eval_mode(policy.model):  # torchrun: padding micro-batches run these passes too
         for mb in (mb for step in steps for mb in step.micro_batches):
             if want_old:
-                mb.old_logprobs = score(policy.model, mb, sampling, cfg.logprobs)[0].float()
+                module = policy.scoring_module
+                mb.old_logprobs = score(module, mb, sampling, cfg.logprobs)[0].float()
             if want_ref:
                 mb.ref_logprobs = reference_logprobs(policy, mb, sampling, cfg.logprobs).float()
 
@@ -285,17 +341,34 @@ def loss_inputs(mb: PackedBatch, logprobs, entropy, cfg) -> tuple[LossInputs, di
 
 
 def train_step(
-    policy: Policy, micro_batches: list[PackedBatch], optimizer, cfg, sampling, loss_cfg
+    policy: Policy,
+    micro_batches: list[PackedBatch],
+    optimizer,
+    cfg,
+    sampling,
+    loss_cfg,
+    ctx=None,  # a DistContext; torchrun ranks take the distributed hooks
 ) -> StepResult:
     """Accumulate gradients over the micro-batches, clip, and step unless non-finite."""
-    norm = normalisers(micro_batches, cfg)
+    ranks = ctx if ctx is not None and ctx.distributed else None
+    if ranks is not None:
+        from leangrpo.fsdp import is_padding, padding_pass
+
+        real = [mb for mb in micro_batches if not is_padding(mb)]
+        norm = normalisers(real, cfg, ranks.world_size, ranks.all_reduce)
+    else:
+        norm = normalisers(micro_batches, cfg)
     sums: dict[str, float] = defaultdict(float)
     is_metrics: list[dict[str, float]] = []  # one per micro-batch
     sums_offload: dict[str, float] = defaultdict(float)
     total_loss = 0.0
     for mb in micro_batches:
+        module = policy.scoring_module
         with _offload_scope(policy):
-            logprobs, entropy = score(policy.model, mb, sampling, cfg.logprobs, with_entropy=True)
+            if ranks is not None and is_padding(mb):  # the same FSDP collectives, no loss
+                padding_pass(module, mb, sampling, cfg.logprobs, backward=True, with_entropy=True)
+                continue
+            logprobs, entropy = score(module, mb, sampling, cfg.logprobs, with_entropy=True)
             inputs, mb_is = loss_inputs(mb, logprobs, entropy, cfg)
             out = compute_loss(inputs, norm, loss_cfg)
             out.loss.backward()
@@ -307,8 +380,11 @@ def train_step(
         if policy.offloader is not None:  # per micro-batch counts add up to the step's
             for k, v in policy.offloader.metrics().items():
                 sums_offload[k] = v if k == "offload/pool_bytes" else sums_offload[k] + v
-    grad_norm = _clip_gradients(policy, cfg.train.max_grad_norm)
+    grad_norm = _step_gradients(policy, cfg.train.max_grad_norm, ranks)
     updated = math.isfinite(total_loss) and math.isfinite(grad_norm)
+    if ranks is not None:  # every rank steps, or none does
+        updated = ranks.all_true(updated)
+        sums, is_metrics, total_loss = _combine_ranks(ranks, sums, is_metrics, total_loss)
     if updated:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -322,12 +398,36 @@ def _offload_scope(policy: Policy):
     return policy.offloader.step() if policy.offloader is not None else contextlib.nullcontext()
 
 
+def _step_gradients(policy: Policy, max_norm: float | None, ranks) -> float:
+    """The step's gradient norm, clipped. Torchrun: after a barrier (the time fast ranks
+    wait for the slowest shows there, in wait_s), the norm of the sharded gradients is
+    reduced over ranks before clipping."""
+    if ranks is None:
+        return _clip_gradients(policy, max_norm)
+    from leangrpo.fsdp import clip_grad_norm
+
+    ranks.barrier()
+    return clip_grad_norm(policy.trainable_parameters(), max_norm)
+
+
 def _clip_gradients(policy: Policy, max_norm: float | None) -> float:
     params = [p for p in policy.trainable_parameters() if p.grad is not None]
     if not params:
         return 0.0
     limit = max_norm if max_norm is not None else float("inf")
     return float(torch.nn.utils.clip_grad_norm_(params, limit))
+
+
+def _combine_ranks(ranks, sums, is_metrics, total_loss):
+    """Loss-metric sums added over ranks, IS metrics pooled, the loss averaged: each rank's
+    loss carries the normaliser share global / W, so their mean is the step's loss."""
+    gathered = ranks.all_gather_object((dict(sums), is_metrics, total_loss))
+    combined: dict[str, float] = defaultdict(float)
+    for rank_sums, _, _ in gathered:
+        for k, v in rank_sums.items():
+            combined[k] += v
+    pooled = [m for _, rank_is, _ in gathered for m in rank_is]
+    return combined, pooled, sum(loss for _, _, loss in gathered) / ranks.world_size
 
 
 def _step_metrics(sums, is_metrics, total_loss, grad_norm, micro_batches) -> dict[str, float]:

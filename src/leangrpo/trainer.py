@@ -14,6 +14,13 @@ Guards: a batch with no scored sample is skipped (counted, consumed); a run stop
 sentence after `train.max_consecutive_skipped_steps` non-finite steps or
 `pipeline.max_consecutive_skipped_batches` unscored batches in a row. A checkpoint taken
 inside a batch holds that batch (`BatchInProgress`), so resume is exact at any step.
+
+Torchrun (`ctx.distributed`, docs/ARCHITECTURE.md "Distributed"): every rank runs this
+loop on the same global batch; the policy is FSDP-sharded after the engines are built,
+each step's groups are dealt to ranks (step.py), weights are gathered before any sync,
+checkpoints are DCP-sharded, rank 0 logs, and each phase runs inside `ctx.phase(...)` so
+a rank that fails stops the others within `distributed.timeout_s`, naming it and the
+phase. World size 1 takes none of these paths.
 """
 
 from __future__ import annotations
@@ -21,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
-import threading
 import time
 from pathlib import Path
 
@@ -31,25 +37,24 @@ import torch
 from leangrpo import checkpoint as ckpt
 from leangrpo.config import Config
 from leangrpo.contracts import RolloutBatch
-from leangrpo.data import PromptSampler, load_prompts
+from leangrpo.data import load_prompts
+from leangrpo.distributed import DistContext, init_distributed
 from leangrpo.errors import RunError
-from leangrpo.evaluation import Evaluator
 from leangrpo.loss import LossConfig
 from leangrpo.metrics import MetricsLogger
 from leangrpo.model import Policy, load_policy, load_tokenizer, resolve_device
 from leangrpo.model_files import check_model_files
-from leangrpo.pipeline import (
-    AsyncProducer,
-    BatchFinisher,
-    ReplayBuffer,
-    RolloutSettings,
-    RolloutWorker,
-    SyncProducer,
-)
 from leangrpo.preflight import Preflight, check_micro_batch, preflight, prompt_limit
+from leangrpo.production import make_production
 from leangrpo.rewards import RewardPool
 from leangrpo.rollout.factory import make_engines
-from leangrpo.step import BatchInProgress, attach_old_and_ref, plan_steps, train_step
+from leangrpo.step import (
+    BatchInProgress,
+    PlannedStep,
+    attach_old_and_ref,
+    plan_steps,
+    train_step,
+)
 
 log = logging.getLogger("leangrpo")
 
@@ -66,14 +71,19 @@ def seed_everything(seed: int) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, checked: Preflight | None = None):
-        """`checked`: the CLI's preflight result (its run-directory lock passes to us)."""
-        self.checked = checked if checked is not None else preflight(cfg)
+    def __init__(
+        self, cfg: Config, checked: Preflight | None = None, ctx: DistContext | None = None
+    ):
+        """`checked`: the CLI's preflight result (its run-directory lock passes to us);
+        `ctx`: the torchrun context (default: from the environment; the caller ends it)."""
+        self.ctx = ctx if ctx is not None else init_distributed(cfg.distributed, cfg.run.device)
+        self.checked = checked if checked is not None else preflight(cfg, self.ctx)
         try:
             self.loss_cfg = validate_inputs(cfg)
             self.cfg = cfg
             self.out = self.checked.run_dir.path
-            cfg.save(self.out / "config.yaml")
+            if self.ctx.is_main:
+                cfg.save(self.out / "config.yaml")
             if cfg.run.num_threads:
                 torch.set_num_threads(cfg.run.num_threads)
             seed_everything(cfg.run.seed)
@@ -89,7 +99,8 @@ class Trainer:
 
     # -- set-up --------------------------------------------------------------------------
     def _build(self, cfg: Config) -> None:
-        device = resolve_device(cfg.run.device)
+        ctx = self.ctx
+        device = ctx.device if ctx.distributed else resolve_device(cfg.run.device)
         limit = self.checked.prompt_limit
         if self.checked.model.directory is None:  # a hub model not cached yet: fetch config.json
             limit = prompt_limit(cfg, check_model_files(cfg.model, fetch=True))
@@ -98,6 +109,13 @@ class Trainer:
         check_micro_batch(prompts.train, cfg)
         train_prompts, eval_prompts = prompts.train, prompts.eval
         self.policy: Policy = load_policy(cfg, tokenizer, device)
+        # per-rank hf engines copy the full model, so they come before sharding
+        self.engines = engines = make_engines(cfg, self.policy, ctx)
+        self.per_rank = ctx.distributed and cfg.rollout.engine == "hf"  # else rank 0 generates
+        if ctx.distributed:
+            from leangrpo.fsdp import shard_policy
+
+            shard_policy(self.policy, cfg.distributed, ctx)
         self.optimizer = torch.optim.AdamW(
             self.policy.trainable_parameters(),
             lr=cfg.train.learning_rate,
@@ -107,26 +125,23 @@ class Trainer:
         )
         self.scheduler = make_scheduler(self.optimizer, cfg)
         self.sampling = cfg.rollout.sampling_params()  # per-batch seeds are set by the producer
-        self.rewards = RewardPool(cfg.rewards)
-        self.engines = engines = make_engines(cfg, self.policy)
-        self.live_engine = engines.rollout_shares_weights
-        reward_lock = threading.Lock()  # the producer thread and evaluation share the pool
-        self.producer = self._make_producer(cfg, engines, train_prompts, reward_lock)
-        eval_lock = (
-            self.producer.engine_lock if engines.eval is engines.rollout else threading.Lock()
-        )
-        self.evaluator = Evaluator(
-            engines.eval,
-            self.rewards,
-            eval_prompts,
-            cfg,
-            engine_lock=eval_lock,
-            reward_lock=reward_lock,
-            shared_weights=engines.eval_shares_weights,
-        )
-        resumed = self._maybe_resume()
-        if engines.push_at_start and not resumed:  # a server may hold another run's weights
-            engines.rollout.update_weights(self.policy.named_trainable_tensors(), self.version)
+        self.rewards = RewardPool(cfg.rewards) if engines is not None else None
+        self.sync_every_version = cfg.generates_with_live_weights()  # hf sync: every version
+        made = make_production(cfg, ctx, engines, self.rewards, train_prompts, eval_prompts)
+        self.producer, self.evaluator, self.share = made.producer, made.evaluator, made.share
+        with ctx.phase("checkpoint"):
+            resumed = self._maybe_resume()
+        server = cfg.rollout.engine == "vllm" and cfg.rollout.vllm.mode == "server"
+        if server and not resumed:  # a server may hold another run's weights
+            with ctx.phase("sync"):
+                named = self._sync_tensors()
+                if engines is not None:
+                    engines.rollout.update_weights(named, self.version)
+        if not ctx.is_main:
+            from leangrpo.dist_trainer import NullLogger
+
+            self.logger = NullLogger()
+            return
         self.logger = MetricsLogger(
             self.out,
             cfg.logging.backends,
@@ -140,85 +155,67 @@ class Trainer:
         if not resumed:
             self.logger.stage(prompts.metrics)  # merged into the step-0 row
 
-    def _make_producer(self, cfg: Config, engines, prompts, reward_lock):
-        pipe = cfg.pipeline
-        streaming = pipe.mode == "async" and pipe.min_groups_per_step is not None
-        chunk = pipe.min_groups_per_step if streaming else cfg.rollout.prompts_per_batch
-        sampler = PromptSampler(prompts, chunk, cfg.run.seed, cfg.data.shuffle)
-        settings = RolloutSettings(
-            group_size=cfg.rollout.num_generations,
-            prompts_per_batch=cfg.rollout.prompts_per_batch,
-            sampling=self.sampling,
-            scale_rewards=cfg.loss.scale_rewards,
-            seed=cfg.run.seed,
-            updates_per_batch=cfg.loss.mu * cfg.train.steps_per_generation,
-        )
-        worker = RolloutWorker(
-            engines.rollout,
-            self.rewards,
-            sampler,
-            settings,
-            reward_lock,
-            reroll_attempts=pipe.reroll.max_attempts if pipe.reroll.enabled else 0,
-        )
-        finisher = BatchFinisher(
-            settings,
-            max_staleness=pipe.max_staleness,  # also bounds replayed groups in sync mode
-            replay=ReplayBuffer(pipe.replay.capacity) if pipe.replay.enabled else None,
-        )
-        if pipe.mode == "async":
-            return AsyncProducer(
-                worker,
-                finisher,
-                pipe.prefetch_depth,
-                pipe.max_staleness,
-                streaming=streaming,
-                snapshot_device=engines.snapshot_device,
-                stall_timeout_s=pipe.stall_timeout_s,
-            )
-        return SyncProducer(worker, finisher)
-
     def _maybe_resume(self) -> bool:
         path = self.checked.run_dir.resume_from
         if path is None:
             return False
-        state = ckpt.load_checkpoint(path, self.policy.model, self.optimizer, self.scheduler)
+        ctx = self.ctx
+        if ctx.distributed:
+            from leangrpo.dist_checkpoint import load_sharded_checkpoint
+
+            model, opt, sched = self.policy.model, self.optimizer, self.scheduler
+            state = load_sharded_checkpoint(path, model, opt, sched, ctx)
+        else:
+            state = ckpt.load_checkpoint(path, self.policy.model, self.optimizer, self.scheduler)
         bulky = ckpt.load_bulky_state(path)
         self.step, self.version, self.skipped = state["step"], state["version"], state["skipped"]
         self.skips = RunSkips(**state.get("skips", {}))
         self.producer.load_state_dict(bulky.get("producer", state.get("producer")))
         if "inflight" in bulky:
-            self.inflight = BatchInProgress.from_state(bulky["inflight"], self.cfg, self.policy)
+            inflight = bulky["inflight"]
+            if ctx.distributed:
+                from leangrpo.dist_trainer import inflight_to_load
+
+                inflight = inflight_to_load(ctx, inflight)
+            self.inflight = BatchInProgress.from_state(
+                inflight, self.cfg, self.policy, ctx.rank, ctx.world_size
+            )
         # the engine gets these weights before it generates anything (async: a floor)
         self.producer.report_progress(self.version, self._steps_left())
-        self.producer.push_weights(self.version, self.policy.named_trainable_tensors)
+        self.producer.push_weights(self.version, self._sync_tensors)
         log.info("resumed from %s at step %d", path, self.step)
         return True
 
     # -- the loop ------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
-        if self.step == 0:
-            self.logger.log(0, self.evaluator.run(self.version, step=0))
-        if isinstance(self.producer, AsyncProducer):
-            self.producer.start()
+        ctx, clean = self.ctx, False
         try:
+            if self.step == 0:
+                self.logger.log(0, self.evaluate(step=0))
+            if hasattr(self.producer, "start"):  # async (rank 0's only, behind a broadcast)
+                self.producer.start()
             while self.step < self.cfg.run.max_steps:
-                batch = self.producer.next_batch(self.version) if self.inflight is None else None
-                if self.engines.sleep_while_training:  # it wakes itself for the next request
-                    self.engines.rollout.sleep()
+                batch = None
+                if self.inflight is None:
+                    with ctx.phase("generate"):
+                        batch = self.producer.next_batch(self.version)
+                if self.engines is not None and self.engines.sleep_while_training:
+                    self.engines.rollout.sleep()  # it wakes itself for the next request
                 if batch is not None:
-                    self.inflight = self.start_batch(batch)
+                    with ctx.phase("score"):
+                        self.inflight = self.start_batch(batch)
                 self.continue_batch()
             final = self.finish()
+            clean = True
         finally:
-            self.close()
+            self.close(clean)
         return final
 
     def start_batch(self, batch: RolloutBatch) -> BatchInProgress | None:
         """Plan the batch's steps and fill in old/reference log-probs; None: skipped."""
         t0 = time.perf_counter()
         samples = [s for s in batch.samples if s.reward is not None]
-        steps = plan_steps(samples, self.cfg, self.policy)
+        steps = plan_steps(samples, self.cfg, self.policy, self.ctx.rank, self.ctx.world_size)
         if not steps:
             self.skip_batch(batch)
             return None
@@ -238,7 +235,7 @@ class Trainer:
             planned, metrics = work.take()
             if not work.remaining:  # a checkpoint at this step holds no batch in progress
                 self.inflight = None
-            self.optimizer_step(planned.micro_batches, metrics, work.batch)
+            self.optimizer_step(planned, metrics, work.batch)
 
     def skip_batch(self, batch: RolloutBatch) -> None:
         """Every sample unscored (a reward outage): consumed, counted, not trained on."""
@@ -254,12 +251,20 @@ class Trainer:
                 f"the last {limit} generation batches had no scored sample, so there is nothing to train on (pipeline.max_consecutive_skipped_batches = {limit}); check the reward functions: reward/*/failures in {self.out / 'metrics.jsonl'} counts their failures"
             )
 
-    def optimizer_step(self, micro_batches, batch_metrics: dict, batch: RolloutBatch) -> None:
-        t0 = time.perf_counter()
-        staleness = staleness_metrics(micro_batches, self.version)  # at this update
-        result = train_step(
-            self.policy, micro_batches, self.optimizer, self.cfg, self.sampling, self.loss_cfg
-        )
+    def optimizer_step(self, planned: PlannedStep, batch_metrics: dict, batch) -> None:
+        ctx, micro_batches = self.ctx, planned.micro_batches
+        t0, waited = time.perf_counter(), ctx.wait_s
+        staleness = staleness_metrics(planned.versions, self.version)  # at this update
+        with ctx.phase("train"):
+            result = train_step(
+                self.policy,
+                micro_batches,
+                self.optimizer,
+                self.cfg,
+                self.sampling,
+                self.loss_cfg,
+                ctx,
+            )
         self.step += 1
         if result.updated:
             self.scheduler.step()
@@ -271,8 +276,9 @@ class Trainer:
             log.warning("step %d skipped: non-finite loss or gradient", self.step)
         train_s = time.perf_counter() - t0
         self.producer.report_progress(self.version, self._steps_left())
-        sync_s = self.sync_weights()
-        tokens = sum(mb.num_tokens for mb in micro_batches)
+        with ctx.phase("sync"):
+            sync_s = self.sync_weights()
+        tokens = planned.metrics.get("packing/tokens", 0.0)  # this rank's, padding left out
         metrics = {
             **batch_metrics,
             **result.metrics,
@@ -285,6 +291,13 @@ class Trainer:
             "time/weight_sync": sync_s,
             "throughput/train_tokens_per_s": tokens / max(train_s, 1e-9),
         }
+        if ctx.distributed:
+            from leangrpo.dist_trainer import reduce_rank_metrics
+
+            with ctx.phase("train"):
+                metrics = reduce_rank_metrics(
+                    ctx, {**metrics, "_tokens": tokens}, ctx.wait_s - waited
+                )
         self.on_step_end(metrics, batch)
         self._stop_if_every_step_skips()
 
@@ -300,14 +313,29 @@ class Trainer:
 
     def sync_weights(self) -> float:
         """New weights to the generator every sync_interval updates (a live engine: every one)."""
-        if not self.live_engine and self.version % self.cfg.pipeline.sync_interval:
+        if not self.sync_every_version and self.version % self.cfg.pipeline.sync_interval:
             return 0.0
-        return self.producer.push_weights(self.version, self.policy.named_trainable_tensors)
+        return self.producer.push_weights(self.version, self._sync_tensors)
+
+    def _sync_tensors(self) -> list:
+        """What the engine receives; under torchrun gathered from the shards (collective)."""
+        if not self.ctx.distributed:
+            return self.policy.named_trainable_tensors()
+        from leangrpo.dist_trainer import sync_tensors
+
+        return sync_tensors(self.policy, self.ctx, to_all=self.per_rank)
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Evaluation metrics ({} on torchrun ranks that do not evaluate)."""
+        if self.evaluator is None:
+            return {}
+        with self.ctx.phase("generate"):
+            return self.evaluator.run(self.version, step=step)
 
     def on_step_end(self, metrics: dict, batch: RolloutBatch) -> None:
         cfg = self.cfg
         if _due(self.step, cfg.eval.every_steps) and self.step < cfg.run.max_steps:
-            metrics.update(self.evaluator.run(self.version, step=self.step))
+            metrics.update(self.evaluate(step=self.step))
         self.logger.log(self.step, metrics)
         if _due(self.step, cfg.logging.samples_every):
             self.logger.log_samples(self.step, sample_rows(batch))
@@ -315,11 +343,17 @@ class Trainer:
             self.save_checkpoint()
 
     def finish(self) -> dict[str, float]:
-        final = self.evaluator.run(self.version, step=self.step)
+        final = self.evaluate(step=self.step)
         self.logger.log(self.step, final)
         self.save_checkpoint()
         if self.cfg.checkpoint.save_final_model:
-            ckpt.save_final_model(self.out, self.policy.model, self.policy.tokenizer)
+            with self.ctx.phase("checkpoint"):
+                if self.ctx.distributed:
+                    from leangrpo.dist_checkpoint import save_final_sharded
+
+                    save_final_sharded(self.out, self.policy.model, self.policy.tokenizer, self.ctx)
+                else:
+                    ckpt.save_final_model(self.out, self.policy.model, self.policy.tokenizer)
         return final
 
     def save_checkpoint(self) -> Path:
@@ -330,27 +364,37 @@ class Trainer:
             "skips": dataclasses.asdict(self.skips),
         }
         bulky = {"producer": self.producer.state_dict()}
-        if self.inflight is not None:
-            bulky["inflight"] = self.inflight.state_dict()
-        return ckpt.save_checkpoint(
-            self.out,
-            self.step,
-            self.policy.model,
-            self.optimizer,
-            self.scheduler,
-            state,
-            self.cfg.checkpoint.keep_last,
-            extra_files={"config.yaml": self.cfg.to_yaml()},  # compared on resume (rundir.py)
-            bulky_state=bulky,
-        )
+        extra = {"config.yaml": self.cfg.to_yaml()}  # compared on resume (rundir.py)
+        args = (self.out, self.step, self.policy.model, self.optimizer, self.scheduler, state)
+        keep = self.cfg.checkpoint.keep_last
+        with self.ctx.phase("checkpoint"):
+            if not self.ctx.distributed:
+                if self.inflight is not None:
+                    bulky["inflight"] = self.inflight.state_dict()
+                return ckpt.save_checkpoint(*args, keep, extra_files=extra, bulky_state=bulky)
+            from leangrpo.dist_checkpoint import save_sharded_checkpoint
+            from leangrpo.dist_trainer import inflight_to_save
 
-    def close(self) -> None:
+            if self.inflight is not None:
+                bulky["inflight"] = inflight_to_save(self.ctx, self.inflight.state_dict())
+            return save_sharded_checkpoint(
+                *args, keep, self.ctx, extra_files=extra, bulky_state=bulky
+            )
+
+    def close(self, clean: bool = False) -> None:
         """The reward pool first: a producer thread waiting in `score()` gets PoolClosedError
         at once instead of finishing a reward's timeout; then the producer (it may be
-        mid-call into the engines), then the engines."""
-        self.rewards.close()
+        mid-call into the engines), then the engines. `clean`: the run ended normally on
+        every rank (torchrun: per-rank producers first stop in step, see dist_rollout)."""
+        if self.per_rank and clean:
+            from leangrpo.dist_rollout import stop_rank_producer
+
+            stop_rank_producer(self.producer, self.share, self.ctx)
+        if self.rewards is not None:
+            self.rewards.close()
         self.producer.close()
-        self.engines.close()
+        if self.engines is not None:
+            self.engines.close()
         self.logger.close()
         self.checked.release()
 
@@ -400,10 +444,11 @@ def rollout_metrics(batch: RolloutBatch, trainer_version: int) -> dict[str, floa
     }
 
 
-def staleness_metrics(micro_batches, version: int) -> dict[str, float]:
-    """Age of the samples of one optimizer step at this update (trainer version - theirs)."""
-    ages = version - torch.cat([mb.versions for mb in micro_batches]).float()
-    return {"staleness/mean": float(ages.mean()), "staleness/max": float(ages.max())}
+def staleness_metrics(versions: list[int], version: int) -> dict[str, float]:
+    """Age of the samples of one optimizer step at this update (trainer version - theirs);
+    `versions`: every sample of the step (on every rank under torchrun)."""
+    ages = [version - v for v in versions] or [0]
+    return {"staleness/mean": float(np.mean(ages)), "staleness/max": float(max(ages))}
 
 
 def sample_rows(batch: RolloutBatch, groups: int = 2, per_group: int = 3) -> list[dict]:
@@ -415,11 +460,22 @@ def sample_rows(batch: RolloutBatch, groups: int = 2, per_group: int = 3) -> lis
     ]
 
 
-def train(cfg: Config, checked: Preflight | None = None) -> dict[str, float]:
-    """Run `cfg` to run.max_steps; a run already finished does nothing and returns {}."""
-    checked = checked if checked is not None else preflight(cfg)
+def train(
+    cfg: Config, checked: Preflight | None = None, ctx: DistContext | None = None
+) -> dict[str, float]:
+    """Run `cfg` to run.max_steps; a run already finished does nothing and returns {}.
+
+    `ctx`: the caller's torchrun context (it ends it); without one, the environment's is
+    made here and ended after a successful run."""
+    own = ctx is None
+    ctx = ctx if ctx is not None else init_distributed(cfg.distributed, cfg.run.device)
+    checked = checked if checked is not None else preflight(cfg, ctx)
+    final = {}
     if checked.finished:
         checked.release()
         log.info(checked.finished_message())
-        return {}
-    return Trainer(cfg, checked).train()
+    else:
+        final = Trainer(cfg, checked, ctx).train()
+    if own:
+        ctx.shutdown()
+    return final

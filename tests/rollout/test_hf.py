@@ -345,3 +345,20 @@ def test_producer_thread_does_not_race_checkpointed_dropout(tokenizer, prompts):
         thread.join(30)
     assert calls[0] > 0  # the producer really ran alongside
     assert bad == 0, f"backward used another dropout mask than forward in {bad}/150 steps"
+
+
+def test_a_group_samples_the_same_whichever_prompts_share_its_call(tokenizer, prompts):
+    """Per-prompt streams seeded from (seed, version, index in the batch): a torchrun rank
+    generating its share (prompt_offset) draws what one process drawing the whole batch
+    does. One group per forward (max_batch_size = n) makes the logits bitwise equal too."""
+    model = with_eos_bias(tiny(tokenizer), tokenizer.eos_token_id, 0.0)  # rows of all lengths
+    engine = HFEngine(model, tokenizer, max_batch_size=4)
+    params = SamplingParams(temperature=1.3, max_new_tokens=6, seed=11)
+    whole = engine.generate(prompts, params, 4, 0)
+    shares = engine.generate(prompts[:1], params, 4, 0) + engine.generate(
+        prompts[1:], params, 4, 0, prompt_offset=1
+    )
+    as_lists = [[(c.ids, c.logprobs) for c in g] for g in whole]
+    assert as_lists == [[(c.ids, c.logprobs) for c in g] for g in shares]
+    shifted = engine.generate(prompts[1:], params, 4, 0)  # the same prompts at other indices
+    assert [[c.ids for c in g] for g in shifted] != [[c.ids for c in g] for g in whole[1:]]

@@ -6,7 +6,7 @@ times (prompt-major rows), so a prompt is forwarded once, not n times. Each step
 
 1. turns the last logits (b, V) into scores with `sampling.process_logits` (temperature,
    top-k, top-p, min-p, in the order the trainer reproduces);
-2. samples one token per row with `torch.multinomial(..., generator=generator)` (argmax at
+2. samples one token per row with `torch.multinomial(..., generator=...)` (argmax at
    temperature 0) and records its log-prob, score[token] - logsumexp(scores) (b,): the
    full (b, V) log-softmax is never stored;
 3. moves the tokens to the host (the one sync per step: EOS and stop strings are checked
@@ -16,8 +16,12 @@ times (prompt-major rows), so a prompt is forwarded once, not n times. Each step
    position ids continuing each row's own count (left padding shifts nothing).
 
 Choices:
-- Randomness comes only from `generator`: the global torch RNG is never read or seeded,
-  so a producer thread cannot disturb the trainer's dropout masks (or the reverse).
+- Randomness comes only from the generators passed in: the global torch RNG is never read
+  or seeded, so a producer thread cannot disturb the trainer's dropout masks (or the
+  reverse). With one generator per prompt, a prompt's rows draw from their own stream
+  (one `multinomial` per prompt and step), so a group's samples do not depend on which
+  prompts share the call: a torchrun rank generating its share of a batch draws what one
+  process generating the whole batch draws (given the same logits).
 - A row finishes on an EOS id (kept in its ids: the policy must learn to stop), on a stop
   string in its decoded text (the completing token is kept), or at max_new_tokens.
 - Stop strings are checked on the whole decoded completion of each running row after
@@ -29,6 +33,8 @@ Choices:
 from __future__ import annotations
 
 import inspect
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,10 +73,13 @@ def decode(
     n: int,
     *,
     eos_ids: set[int],
-    generator: torch.Generator | None,
+    generator: torch.Generator | Sequence[torch.Generator] | None,
     stop_text=None,  # callable(ids) -> decoded text, needed when params.stop
 ) -> list[DecodedRow]:
-    """B * n rows (prompt-major) of at most params.max_new_tokens tokens each."""
+    """B * n rows (prompt-major) of at most params.max_new_tokens tokens each.
+
+    `generator`: one stream for the whole call, or one per prompt (B of them).
+    """
     cache, cache_kwarg = _new_cache(model), _cache_kwarg(model)
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
     logits = _forward(model, cache_kwarg, input_ids, attention_mask, positions, cache)  # (B, V)
@@ -83,7 +92,7 @@ def decode(
     state = _Running(list(range(len(out))), attention_mask, positions[:, -1])
     steps: list[tuple[list[int], torch.Tensor]] = []  # (rows, log-probs (b,)) per step
     for t in range(params.max_new_tokens):
-        tokens, logprobs = sample_next(logits, params, generator)  # (b,), (b,)
+        tokens, logprobs = _sample_rows(logits, params, generator, state.rows, n)  # (b,), (b,)
         steps.append((state.rows, logprobs))
         host = tokens.tolist()
         keep = [i for i, (row, token) in enumerate(zip(state.rows, host))
@@ -118,6 +127,20 @@ def sample_next(
         probs = (scores - log_z[:, None]).exp_()  # filtered entries are exactly 0
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)
     return tokens, scores.gather(1, tokens[:, None]).squeeze(1) - log_z
+
+
+def _sample_rows(logits, params, generator, rows: list[int], n: int):
+    """sample_next over the running rows, each prompt's rows with that prompt's generator."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return sample_next(logits, params, generator)
+    tokens, logprobs, start = [], [], 0
+    for prompt, run in itertools.groupby(rows, key=lambda row: row // n):  # prompt-major
+        stop = start + len(list(run))
+        t, lp = sample_next(logits[start:stop], params, generator[prompt])
+        tokens.append(t)
+        logprobs.append(lp)
+        start = stop
+    return torch.cat(tokens), torch.cat(logprobs)
 
 
 def _finished(row: DecodedRow, token: int, eos_ids: set[int], stop, stop_text) -> bool:

@@ -4,6 +4,12 @@
 - hf, async: the producer thread generates from its own copy of the weights, refreshed by
   weight sync; evaluation uses the trainer's model in the main thread.
 - vllm: one engine (colocated or servers) used for both, under the producer's lock.
+
+Under torchrun (`ctx.distributed`): the hf engine is one own copy per rank, made before
+the policy is sharded (a sharded model cannot generate without collectives whose count
+would depend on each rank's completion lengths), used for generation and evaluation and
+refreshed from gathered weights (every version in sync mode); vLLM servers are driven by
+rank 0 alone (other ranks hold no engine); colocated vLLM is refused by preflight.
 """
 
 from __future__ import annotations
@@ -30,19 +36,32 @@ class Engines:
             engine.close()
 
 
-def make_engines(cfg, policy) -> Engines:
+def make_engines(cfg, policy, ctx=None) -> Engines | None:
+    """The engines; None on torchrun ranks > 0 when rank 0 drives vLLM servers. Under
+    torchrun, call it before the policy is sharded."""
+    distributed = ctx is not None and ctx.distributed
     if cfg.rollout.engine == "hf":
-        return _hf_engines(cfg, policy)
+        return _hf_engines(cfg, policy, per_rank_copy=distributed)
+    if distributed and not ctx.is_main:
+        return None
     return _vllm_engines(cfg, policy)
 
 
-def _hf_engines(cfg, policy) -> Engines:
+def _hf_engines(cfg, policy, per_rank_copy: bool) -> Engines:
     from leangrpo.rollout.hf import HFEngine
 
-    live = HFEngine(policy.model, policy.tokenizer, share_weights=True, device=policy.device)
+    per_forward = cfg.rollout.hf_prompts_per_forward
+    common = dict(
+        device=policy.device,
+        max_batch_size=None if per_forward is None else per_forward * cfg.rollout.num_generations,
+    )
+    if per_rank_copy:
+        own = HFEngine(policy.model, policy.tokenizer, share_weights=False, **common)
+        return Engines(own, own, False, False)
+    live = HFEngine(policy.model, policy.tokenizer, share_weights=True, **common)
     if cfg.pipeline.mode == "sync":
         return Engines(live, live, True, True)
-    own = HFEngine(policy.model, policy.tokenizer, share_weights=False, device=policy.device)
+    own = HFEngine(policy.model, policy.tokenizer, share_weights=False, **common)
     return Engines(own, live, False, True)
 
 

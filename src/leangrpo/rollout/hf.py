@@ -17,12 +17,17 @@ Choices:
   log-probs) and its text is cut before it, as vLLM does. Finish reason: "stop" (EOS or
   stop string), else "length".
 - Temperature 0 is greedy; its log-probs are the unfiltered temperature-1 ones.
-- Randomness: every call samples from its own `torch.Generator` on the engine's device,
-  seeded from (params.seed, version) when params.seed is set, else from the OS. The
-  caller makes seeds distinct (the producer derives one per generation batch); no hidden
-  per-engine counter takes part, so evaluations or a resume in between change nothing.
-  The global RNG streams are never read or seeded, so an async producer thread cannot
-  race the trainer's dropout masks.
+- Randomness: each prompt samples from its own `torch.Generator` on the engine's device,
+  seeded from (params.seed, version, the prompt's index in the generation batch) when
+  params.seed is set (`prompt_offset` is the index of the call's first prompt: a torchrun
+  rank generating its share of a batch passes where its share starts), else one stream
+  from the OS for the call. So a group's samples depend neither on the call's other
+  prompts nor on how a batch is split over calls or ranks (the batched forward still
+  rounds by its batch: `max_batch_size` = n, one group per forward, makes it bitwise).
+  The caller makes seeds distinct (the producer derives one per generation batch); no
+  hidden per-engine counter takes part, so evaluations or a resume in between change
+  nothing. The global RNG streams are never read or seeded, so an async producer thread
+  cannot race the trainer's dropout masks.
 - share_weights=True generates with the caller's model object (sync training: weight sync
   only moves the version tag); train mode and gradient checkpointing flags are restored
   afterwards. share_weights=False deep-copies the model at construction (async generation
@@ -32,7 +37,6 @@ Choices:
 from __future__ import annotations
 
 import copy
-import hashlib
 import re
 import threading
 from collections.abc import Iterable, Iterator
@@ -43,6 +47,7 @@ import torch
 from leangrpo.contracts import Completion, EngineVersionError, Prompt, SamplingParams
 from leangrpo.rollout.decode import DecodedRow, decode
 from leangrpo.rollout.sampling import check_sampling
+from leangrpo.seeding import derive_seed
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "base_model.model.")
 _LORA_SEGMENTS = r"lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector"
@@ -90,9 +95,17 @@ class HFEngine:
         return self._version
 
     def generate(
-        self, prompts: list[Prompt], params: SamplingParams, n: int, version: int
+        self,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        n: int,
+        version: int,
+        prompt_offset: int = 0,
     ) -> list[list[Completion]]:
-        """n completions per prompt, in prompt order, tagged with `version`."""
+        """n completions per prompt, in prompt order, tagged with `version`.
+
+        `prompt_offset`: the index of `prompts[0]` in its generation batch (seeds).
+        """
         check_sampling(params.temperature, params.top_k, params.top_p, params.min_p)
         if n < 1 or params.max_new_tokens < 1:
             raise ValueError(
@@ -108,12 +121,14 @@ class HFEngine:
                     f"asked to generate with policy version {version}, "
                     f"but this engine holds version {self._version}"
                 )
-            generator = self._generator(params)
+            generators = self._generators(params, len(prompts), prompt_offset)
             with _generation_mode(self.model), torch.no_grad():
                 return [
                     group
-                    for chunk in self._chunks(prompts, n)
-                    for group in self._generate_chunk(chunk, params, n, generator)
+                    for start, chunk in self._chunks(prompts, n)
+                    for group in self._generate_chunk(
+                        chunk, params, n, _chunk_of(generators, start, len(chunk))
+                    )
                 ]
 
     def update_weights(
@@ -163,30 +178,28 @@ class HFEngine:
     def _set_version(self, version: int) -> None:
         self._version = version
 
-    def _generator(self, params: SamplingParams) -> torch.Generator | None:
-        """This call's own random stream (None for greedy decoding, which draws nothing)."""
-        seed = self._next_seed(params)
+    def _generators(self, params: SamplingParams, count: int, offset: int):
+        """One random stream per prompt (seeded), one for the call (unseeded), or None
+        (greedy decoding draws nothing)."""
         if params.temperature == 0:
             return None
-        generator = torch.Generator(device=self.device)
-        if seed is None:
+        if params.seed is None:
+            generator = torch.Generator(device=self.device)
             generator.seed()  # non-deterministic, from the OS: the global RNG stays untouched
-        else:
-            generator.manual_seed(seed)
-        return generator
+            return generator
+        return [
+            torch.Generator(device=self.device).manual_seed(
+                derive_seed(params.seed, self._version, offset + i)
+            )
+            for i in range(count)
+        ]
 
-    def _next_seed(self, params: SamplingParams) -> int | None:
-        if params.seed is None or params.temperature == 0:
-            return None
-        key = f"{params.seed}:{self._version}".encode()
-        return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1
-
-    def _chunks(self, prompts: list[Prompt], n: int) -> Iterator[list[Prompt]]:
+    def _chunks(self, prompts: list[Prompt], n: int) -> Iterator[tuple[int, list[Prompt]]]:
         per_chunk = (
             len(prompts) if self.max_batch_size is None else max(1, self.max_batch_size // n)
         )
         for start in range(0, len(prompts), per_chunk):
-            yield prompts[start : start + per_chunk]
+            yield start, prompts[start : start + per_chunk]
 
     def _generate_chunk(
         self, prompts: list[Prompt], params: SamplingParams, n: int, generator
@@ -227,6 +240,13 @@ class HFEngine:
             input_ids[i, width - len(prompt.ids) :] = torch.tensor(prompt.ids)
             attention_mask[i, width - len(prompt.ids) :] = 1
         return input_ids.to(self.device), attention_mask.to(self.device)
+
+
+def _chunk_of(generators, start: int, count: int):
+    """The generators of prompts [start, start + count): a per-prompt list is sliced."""
+    if isinstance(generators, list):
+        return generators[start : start + count]
+    return generators
 
 
 def copy_named_tensors(

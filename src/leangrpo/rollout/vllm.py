@@ -325,7 +325,12 @@ class VLLMEngine:
         return version if run == self.run_id else NO_VERSION
 
     def generate(
-        self, prompts: list[Prompt], params: SamplingParams, n: int, version: int
+        self,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        n: int,
+        version: int,
+        prompt_offset: int = 0,
     ) -> list[list[Completion]]:
         held = self.version
         if held == NO_VERSION:
@@ -342,7 +347,7 @@ class VLLMEngine:
             return []
         seeds = None
         if params.seed is not None:
-            seeds = [prompt_seed(params.seed, i, n) for i in range(len(prompts))]
+            seeds = [prompt_seed(params.seed, prompt_offset + i, n) for i in range(len(prompts))]
         ids = [p.ids for p in prompts]
         groups = self.backend.generate(ids, params, n, version, seeds, run=self.run_id)
         check_groups(groups, len(prompts), n, version)

@@ -1,0 +1,104 @@
+"""What the trainer does differently under torchrun (world size > 1; never imported otherwise
+by a single process's code paths, which call none of this).
+
+- Weights for the generator: `sync_tensors` gathers every shard on every rank in one fixed
+  order (fsdp.gather_for_sync) before anything is sent; per-rank hf engines keep the full
+  tensors on every rank, rank 0 alone keeps them for vLLM servers.
+- The batch in progress at a checkpoint: its samples are the same on every rank, its
+  old/reference log-probs are per rank (each rank's micro-batches), so they are gathered
+  to rank 0 (`attached_by_rank`) and each rank takes its own back on resume.
+- Metrics: rank 0 logs. Figures measured per rank are combined once per step
+  (`reduce_rank_metrics`): token and micro-batch counts added, times and the packing
+  balance the worst rank's, and `dist/wait_max` / `dist/wait_mean`: seconds ranks spent in
+  leangrpo's own collectives during the step (sample exchanges, count all-reduces, the
+  step-end barrier), i.e. waiting for the slowest rank. FSDP's gathers inside forward and
+  backward are not in it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from leangrpo.distributed import DistContext
+
+RANK_SUM = ("packing/tokens", "packing/micro_batches", "offload/bytes", "offload/tensors",
+            "offload/prefetched", "_tokens")  # fmt: skip
+RANK_MAX = ("packing/balance", "packing/padding_ratio", "time/train", "time/score",
+            "time/weight_sync", "time/trainer_wait", "time/producer_idle",
+            "offload/pool_bytes", "dist/wait_max")  # fmt: skip
+RANK_MEAN = ("packing/padding_ratio_avoided", "dist/wait_mean")
+
+
+def sync_tensors(policy, ctx: DistContext, *, to_all: bool) -> list[tuple[str, Any]]:
+    """The weights the engine(s) receive, gathered from the shards (every rank calls it).
+
+    `to_all`: every rank keeps them (its own hf engine copy); else rank 0 keeps them in
+    host memory (what vLLM uploads are written from) and the others get [].
+    """
+    from leangrpo.fsdp import gather_for_sync
+
+    return gather_for_sync(
+        policy.model,
+        ctx,
+        adapters_only=policy.is_lora,
+        device=None if to_all else "cpu",
+        to_all=to_all,
+    )
+
+
+def inflight_to_save(ctx: DistContext, state: dict) -> dict:
+    """A BatchInProgress state with every rank's attached log-probs (on rank 0)."""
+    state = dict(state)
+    state["attached_by_rank"] = ctx.gather_to_main(state.pop("attached"))
+    return state
+
+
+def inflight_to_load(ctx: DistContext, state: dict) -> dict:
+    """This rank's view of a saved batch in progress."""
+    by_rank = state.get("attached_by_rank")
+    if by_rank is None or len(by_rank) != ctx.world_size:
+        from leangrpo.errors import RunError
+
+        raise RunError(
+            "the checkpoint's batch in progress was saved by another number of ranks; "
+            "resume with the world size it was written with"
+        )
+    return {**{k: v for k, v in state.items() if k != "attached_by_rank"},
+            "attached": by_rank[ctx.rank]}  # fmt: skip
+
+
+def reduce_rank_metrics(ctx: DistContext, metrics: dict, wait_s: float) -> dict:
+    """Combine the per-rank figures of one step (one all-gather); the rest is already
+    the same on every rank. `wait_s`: this rank's seconds in collectives this step."""
+    mine = {k: v for k, v in metrics.items() if k in RANK_SUM + RANK_MAX + RANK_MEAN}
+    mine["dist/wait_max"] = mine["dist/wait_mean"] = wait_s
+    parts = ctx.all_gather_object(mine)
+    out = dict(metrics)
+    for key in {k for part in parts for k in part}:
+        values = [part[key] for part in parts if key in part]
+        if key in RANK_SUM:
+            out[key] = sum(values)
+        elif key in RANK_MAX:
+            out[key] = max(values)
+        else:
+            out[key] = sum(values) / len(values)
+    tokens = out.pop("_tokens", None)
+    if tokens is not None:
+        out["throughput/train_tokens_per_s"] = tokens / max(out.get("time/train", 0.0), 1e-9)
+    return out
+
+
+class NullLogger:
+    """Torchrun ranks > 0: rank 0 writes metrics.jsonl and shows the progress bar."""
+
+    def stage(self, metrics) -> None:
+        pass
+
+    def log(self, step: int, metrics) -> None:
+        pass
+
+    def log_samples(self, step: int, rows) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

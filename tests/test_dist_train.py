@@ -1,0 +1,513 @@
+"""`leangrpo train` under torchrun on 2 CPU ranks (gloo), against one process.
+
+- exactness: a 2-rank run and a 1-rank run of the demo with the same global batch (same
+  prompts, per-group seeds, one group per hf forward, twice the micro-batch budget for the
+  single process) end with the same parameters: full fine-tuning in sync mode (mu = 2, so
+  old log-prob passes and padding micro-batches run), LoRA in async mode at staleness 0;
+- the final directory loads with from_pretrained / PeftModel;
+- a 2-rank run killed (both processes) and resumed ends bitwise equal to the uninterrupted
+  one; resuming it with another number of processes is refused in one sentence;
+- a rank killed mid-run makes the other exit within distributed.timeout_s with one line
+  naming it and the phase, leaving no process behind (reward workers included).
+
+The multi-process tests are marked slow (each 2-rank run takes ~20-40 s on 2 busy cores).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from leangrpo.config import config_from_dict
+from leangrpo.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "examples" / "demo"
+STEPS = 10
+BUDGET = 32  # tokens per micro-batch per rank; the single process gets 2 x BUDGET
+
+
+def demo_config(out: Path, mode: str, world_size: int, **sections) -> dict:
+    """The demo, small: 4 prompts x 4 completions per batch, 6 new tokens, 10 steps."""
+    cfg = {
+        "run": {"output_dir": str(out), "seed": 5, "max_steps": STEPS, "device": "cpu",
+                "num_threads": 1},
+        "model": {"name_or_path": str(DEMO / "model"), "dtype": "float32"},
+        "data": {"path": str(DEMO / "train.jsonl"), "eval_path": str(DEMO / "eval.jsonl")},
+        "rewards": {"functions": [{"name": "math"}], "num_workers": 1, "timeout_s": 30},
+        # temperature 1.5: varied groups, so every step moves the weights
+        "rollout": {"num_generations": 4, "prompts_per_batch": 4, "max_new_tokens": 6,
+                    "temperature": 1.5, "hf_prompts_per_forward": 1},
+        # adam_eps 1e-6: Adam divides tiny gradients by their own size; a larger eps keeps
+        # reduction-order noise in near-zero gradient elements from becoming whole updates
+        "train": {"learning_rate": 1e-3, "micro_batch_tokens": BUDGET * (3 - world_size),
+                  "adam_eps": 1e-6},
+        "eval": {"every_steps": 0, "num_prompts": 4},
+        "checkpoint": {"every_steps": 3, "keep_last": 5},
+        "logging": {"progress_bar": False, "samples_every": 0},
+        "distributed": {"timeout_s": 60},
+    }  # fmt: skip
+    if mode == "full_sync":  # + a KL term (a sharded reference) and checkpointed layers;
+        # 3 groups: one rank trains 2 micro-batches, the other 1 and a padding one
+        cfg["rollout"]["prompts_per_batch"] = 3
+        cfg["loss"] = {"mu": 2, "beta": 0.05}
+        cfg["pipeline"] = {"mode": "sync"}
+        cfg["model"]["gradient_checkpointing"] = True
+        cfg["train"]["learning_rate"] = 3e-4  # 1e-3 moves all weights too far for the KL
+    else:  # lora_async
+        cfg["lora"] = {"enabled": True, "r": 4, "alpha": 8}
+        cfg["loss"] = {"mu": 1}
+        cfg["pipeline"] = {"mode": "async", "max_staleness": 0, "stall_timeout_s": 60}
+    for name, values in sections.items():
+        cfg.setdefault(name, {}).update(values)
+    return cfg
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(cfg: dict, *, limit_s: float = 300.0) -> subprocess.Popen:
+    """`torchrun --standalone --nproc_per_node 2 -m leangrpo train cfg.yaml`, own session."""
+    path = Path(cfg["run"]["output_dir"]).with_suffix(".yaml")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "2", "-m", "leangrpo", "train", str(path)]  # fmt: skip
+    log = open(path.with_suffix(".log"), "w")  # noqa: SIM115 (the process owns it)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, cfg: dict, limit_s: float = 300.0) -> str:
+    """Wait for a torchrun started by `torchrun`; its log, asserting it exited 0."""
+    try:
+        proc.wait(timeout=limit_s)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+            proc.wait()
+    log = Path(cfg["run"]["output_dir"]).with_suffix(".log").read_text()
+    assert proc.returncode == 0, log[-4000:]
+    return log
+
+
+def final_tensors(out: Path) -> dict[str, torch.Tensor]:
+    """The final model's weights as loaded (full: every state-dict key, tied ones too)."""
+    final = out / "final"
+    if (final / "adapter_config.json").is_file():
+        return load_file(final / "adapter_model.safetensors")
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(final).state_dict()
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    assert sorted(a) == sorted(b)
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="module", params=["full_sync", "lora_async"])
+def runs(request, tmp_path_factory):
+    """The 2-rank run (torchrun) and the 1-rank run of the same batches (in this process,
+    overlapping the 2-rank one's start-up)."""
+    mode, tmp = request.param, tmp_path_factory.mktemp(request.param)
+    two = demo_config(tmp / "two", mode, 2)
+    proc = torchrun(two)
+    one = demo_config(tmp / "one", mode, 1)
+    start = time.monotonic()
+    Trainer(config_from_dict(one)).train()
+    one_s = time.monotonic() - start
+    log = finish(proc, two)
+    return mode, tmp, two, log, one_s
+
+
+@pytest.mark.slow
+def test_two_ranks_end_with_the_parameters_of_one_process(runs):
+    mode, tmp, _, _, _ = runs
+    two, one = final_tensors(tmp / "two"), final_tensors(tmp / "one")
+    diff = max_abs_diff(two, one)
+    print(f"{mode}: max |param(2 ranks) - param(1 process)| = {diff:.3g}")
+    assert diff <= 1e-5
+    assert moved(one) > 1e-3, "training did not move the weights: the comparison proves nothing"
+
+
+def moved(trained: dict[str, torch.Tensor]) -> float:
+    """How far training moved the weights from the demo model (LoRA: lora_B starts at 0)."""
+    if any("lora_B" in k for k in trained):
+        return max(float(v.abs().max()) for k, v in trained.items() if "lora_B" in k)
+    start = load_file(DEMO / "model" / "model.safetensors")
+    return max(float((trained[k] - start[k]).abs().max()) for k in start if k in trained)
+
+
+@pytest.mark.slow
+def test_the_two_rank_run_logs_once_and_writes_a_loadable_final_model(runs):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    mode, tmp, two, log, _ = runs
+    rows = [json.loads(x) for x in (tmp / "two" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if "loss" in r]
+    assert steps == list(range(1, STEPS + 1))  # one row per step: rank 0 alone writes
+    assert all(r["dist/imbalance"] >= 1.0 and "dist/wait_max" in r for r in rows if "loss" in r)
+    if mode == "full_sync":  # the padding micro-batch really ran
+        assert sum(r["dist/padding_micro_batches"] for r in rows if "loss" in r) > 0
+    assert log.count("packed attention: backend") == 1  # rank 1 logs warnings only
+    final = tmp / "two" / "final"
+    if mode == "full_sync":
+        model = AutoModelForCausalLM.from_pretrained(final)
+        state = model.state_dict()
+        for name, t in final_tensors(tmp / "two").items():
+            assert torch.equal(state[name], t), name
+        return
+    from peft import PeftModel
+
+    base = AutoModelForCausalLM.from_pretrained(DEMO / "model")
+    model = PeftModel.from_pretrained(base, final)
+    assert any("lora_B" in n and p.abs().max() > 0 for n, p in model.named_parameters())
+
+
+@pytest.mark.slow
+def test_a_killed_two_rank_run_resumes_exactly(runs):
+    """Both processes SIGKILLed after a checkpoint (inside a batch with mu = 2), then the
+    same command again: the final parameters equal the uninterrupted run's bitwise."""
+    mode, tmp, two, _, _ = runs
+    if mode != "full_sync":
+        pytest.skip("run once: full fine-tuning, mu = 2, sync")
+    cfg = demo_config(tmp / "killed", mode, 2)
+    proc = torchrun(cfg)
+    marker = tmp / "killed" / "checkpoints" / "step-3" / "COMPLETE"
+    deadline = time.monotonic() + 240
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    kill_tree(proc)  # the agent and both ranks at once
+    proc.wait()
+    assert marker.exists()
+    saved = sorted(int(p.parent.name[5:]) for p in marker.parents[1].glob("step-*/COMPLETE"))
+    assert saved[-1] < STEPS and not (tmp / "killed" / "final").exists()
+    log = finish(torchrun(cfg), cfg)
+    assert f"at step {saved[-1]}" in log and "resumed from" in log
+    assert max_abs_diff(final_tensors(tmp / "killed"), final_tensors(tmp / "two")) == 0.0
+    # another number of processes: one sentence, before any model loads
+    out = subprocess.run(
+        [sys.executable, "-m", "leangrpo", "train", str((tmp / "killed").with_suffix(".yaml")),
+         "--set", f"run.max_steps={STEPS + 2}"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr[-2000:]
+    line = out.stderr.strip().splitlines()[-1]
+    assert "written by 2 process(es) but this run has 1" in line, line
+
+
+@pytest.mark.slow
+def test_with_vllm_servers_rank_0_generates_and_broadcasts(tmp_path):
+    """rollout.vllm.mode: server under torchrun: rank 0 alone talks to the server (a real
+    `leangrpo serve` handler around a scripted engine) and broadcasts each batch; the 2-rank
+    run ends with the parameters of one process using the same server."""
+    sys.path.insert(0, str(ROOT / "tests" / "rollout"))
+    from vllm_fakes import FakeLocal, Served
+
+    class Varied(FakeLocal):  # completion k of a prompt reads "k": a reward with a spread
+        def generate(self, prompt_ids, params, n, version, seeds=None, *, run):
+            groups = super().generate(prompt_ids, params, n, version, seeds, run=run)
+            for group in groups:
+                for k, c in enumerate(group):
+                    c.text = str(k)
+            return groups
+
+    servers = [Served(Varied(), tmp_path / f"staging{i}") for i in range(2)]
+    odd = {"functions": [{"name": "format", "kwargs": {"pattern": "^[13]"}}]}
+    try:
+        cfgs = [
+            demo_config(
+                tmp_path / name,
+                "full_sync",
+                world,
+                rollout={"engine": "vllm", "vllm": {"mode": "server", "urls": [server.url]}},
+                rewards=odd,
+                loss={"mu": 1},
+                run={"max_steps": 4},
+            )
+            for name, world, server in (("two", 2, servers[0]), ("one", 1, servers[1]))
+        ]
+        for cfg in cfgs:
+            del cfg["rollout"]["hf_prompts_per_forward"]
+        proc = torchrun(cfgs[0])
+        Trainer(config_from_dict(cfgs[1])).train()
+        finish(proc, cfgs[0])
+    finally:
+        for server in servers:
+            server.close()
+    assert servers[0].local.served == servers[1].local.served  # the same prompts, once each
+    held = [server.local.held[1] for server in servers]
+    assert held == [4, 4]  # rank 0 pushed every version
+    two, one = final_tensors(tmp_path / "two"), final_tensors(tmp_path / "one")
+    assert moved(one) > 1e-3
+    diff = max_abs_diff(two, one)
+    print(f"vllm server: max |param(2 ranks) - param(1 process)| = {diff:.3g}")
+    assert diff <= 1e-5
+
+
+# ------------------------------------------------------------------- a rank that dies
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a process and every descendant (torchrun puts each rank in its own session)."""
+    for pid in [proc.pid, *_descendants(proc.pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process tree from /proc")
+def test_a_killed_rank_stops_the_other_with_one_line_and_no_orphans(tmp_path):
+    """Ranks launched as torchrun would (RANK, WORLD_SIZE, MASTER_ADDR/PORT) but without
+    its agent, which would otherwise SIGTERM the survivor itself."""
+    timeout_s = 20
+    cfg = demo_config(
+        tmp_path / "run",
+        "full_sync",
+        2,
+        run={"max_steps": 1000},
+        distributed={"timeout_s": timeout_s},
+    )
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    procs, logs = [], []
+    for rank in range(2):
+        logs.append(open(tmp_path / f"rank{rank}.log", "w"))  # noqa: SIM115
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "leangrpo", "train", str(path)],
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True,
+        ))  # fmt: skip
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+            if metrics.exists() and metrics.read_text().count('"loss"') >= 2:
+                break
+            time.sleep(0.1)
+        assert all(p.poll() is None for p in procs), "a rank ended before the kill"
+        family = _descendants(procs[0].pid) | _descendants(procs[1].pid)
+        assert family, "no reward worker found under the ranks"
+        killed_at = time.monotonic()
+        os.kill(procs[1].pid, signal.SIGKILL)
+        procs[0].wait(timeout=timeout_s + 30)
+        took = time.monotonic() - killed_at
+        procs[1].wait(timeout=10)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for log in logs:
+            log.close()
+    rank0 = (tmp_path / "rank0.log").read_text()
+    assert procs[0].returncode == 1, rank0[-3000:]
+    assert took <= timeout_s, f"rank 0 took {took:.1f} s to stop"
+    lines = [x for x in rank0.splitlines() if x.startswith("leangrpo: error:")]
+    assert len(lines) == 1, rank0[-3000:]
+    assert "rank 1 (in " in lines[0] and "stopped answering" in lines[0], lines[0]
+    assert any(f"during {p}" in lines[0] for p in ("generate", "score", "train", "sync")), lines[0]
+    deadline = time.monotonic() + 10  # reward workers notice their parent's death within ~1 s
+    while any(_alive(pid) for pid in family) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in family if _alive(pid)], "processes outlived the run"
+
+
+@pytest.mark.slow
+def test_per_rank_producers_stop_together_when_one_waits_in_an_exchange(tmp_path):
+    """Rank 0's producer thread has started a batch (it waits in the batch's exchange) that
+    rank 1's never starts: at the end of the run, rank 1 joins that exchange with an abort,
+    so both threads end at once instead of rank 0's waiting for distributed.timeout_s."""
+    from test_distributed import _assert_ok, launch
+
+    _assert_ok(launch(tmp_path, "stop", "-", str(tmp_path), limit_s=120.0))
+    rank0, rank1 = torch.load(tmp_path / "stop.pt", weights_only=False)
+    assert rank0["entered"] == 1 and rank1["entered"] == 0  # the situation under test
+    assert rank0["groups"] == rank1["groups"] == 2  # batch 0: both shares, on both ranks
+    for seen in (rank0, rank1):
+        assert not seen["alive"] and seen["error"] == "None", seen
+        assert seen["took"] < 10.0, seen  # without the abort: the 30 s join, then a hang
+
+
+# ------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_two_gpus_with_nccl_and_bf16_mixed_precision_train_and_save(tmp_path):
+    """The full path on 2 GPUs: nccl, bf16 compute with fp32 master weights and reduction;
+    the run finishes, learns something and its final model loads. (bf16 is not bitwise
+    comparable with one fp32 process; the CPU tests prove exactness.)"""
+    from transformers import AutoModelForCausalLM
+
+    cfg = demo_config(
+        tmp_path / "run",
+        "full_sync",
+        2,
+        run={"device": "cuda", "max_steps": 6},
+        distributed={"param_dtype": "bfloat16", "reduce_dtype": "float32"},
+    )
+    finish(torchrun(cfg), cfg)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert moved(model.state_dict()) > 0
+
+
+# ---------------------------------------------------------------- units: no processes
+
+
+def test_torchrun_refuses_what_its_ranks_cannot_agree_on():
+    from leangrpo.config_io import ConfigError
+    from leangrpo.preflight import check_world
+
+    def cfg(**sections):
+        return config_from_dict(demo_config(Path("/tmp/unused"), "full_sync", 2, **sections))
+
+    colocate = cfg(rollout={"engine": "vllm"})
+    check_world(colocate, 1)  # one process: fine
+    with pytest.raises(ConfigError, match="rollout.vllm.mode is 'colocate'.*mode: server"):
+        check_world(colocate, 2)
+    streaming = {"mode": "async", "min_groups_per_step": 2}
+    with pytest.raises(ConfigError, match="pipeline.min_groups_per_step"):
+        check_world(cfg(pipeline=streaming), 4)
+    served = {"engine": "vllm", "vllm": {"mode": "server"}}
+    check_world(cfg(pipeline=streaming, rollout=served), 4)  # rank 0 decides: fine
+
+
+class _Follower:
+    """A DistContext of a rank > 0 whose broadcast delivers rank 0's message."""
+
+    distributed, is_main = True, False
+
+    def __init__(self, message):
+        self.message = message
+
+    def broadcast_object(self, obj):
+        return self.message
+
+
+def test_ranks_follow_rank_0s_run_directory_without_its_lock(tmp_path, monkeypatch):
+    from leangrpo.preflight import open_shared_run_dir
+    from leangrpo.rundir import RunDir, RunDirError, check_world_size, open_run_dir
+
+    cfg = config_from_dict(demo_config(tmp_path / "run", "full_sync", 2))
+    leader = open_run_dir(cfg)
+    follower = open_shared_run_dir(cfg, _Follower(leader.decision()))
+    assert follower.decision() == leader.decision()
+    follower.release()  # no lock: releasing it leaves rank 0's alone
+    with pytest.raises(RunDirError, match="in use"):
+        open_run_dir(cfg)
+    leader.release()
+    with pytest.raises(RunDirError, match="^already holds"):
+        open_shared_run_dir(cfg, _Follower({"error": "already holds"}))
+    step = tmp_path / "ckpt"
+    step.mkdir()
+    (step / "trainer_state.json").write_text('{"step": 3, "world_size": 2}')
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    check_world_size(step)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(RunDirError, match="written by 2 process.*has 4.*torchrun on 2"):
+        check_world_size(step)
+    assert isinstance(RunDir.follower(leader.decision()).resume_from, type(None))
+
+
+def test_a_batch_gathered_from_shares_has_the_whole_batchs_metrics():
+    from leangrpo.contracts import Completion, Prompt, RolloutSample
+    from leangrpo.dist_rollout import merge_share_metrics
+
+    rewards = [1.0, 0.0, None, 0.5, 0.25, 1.0]
+    samples = [
+        RolloutSample(i // 2, Prompt(i // 2, "", [1]), Completion([2], "", [-1.0], "stop", 0),
+                      rewards={"math": r}, reward=r)
+        for i, r in enumerate(rewards)
+    ]  # fmt: skip
+    per_rank = [
+        {"reward/math/failures": 1.0, "reward/unscored": 1.0, "time/generate": 2.0,
+         "time/rewards": 1.0, "reward/mean": 123.0},
+        {"reward/math/failures": 0.0, "reward/unscored": 0.0, "time/generate": 1.0,
+         "time/rewards": 0.5},
+    ]  # fmt: skip
+    merged = merge_share_metrics(per_rank, samples)
+    scored = [r for r in rewards if r is not None]
+    mean = sum(scored) / len(scored)
+    assert merged["reward/mean"] == pytest.approx(mean)  # over the batch, not a rank's
+    std = (sum((r - mean) ** 2 for r in scored) / len(scored)) ** 0.5
+    assert merged["reward/std"] == pytest.approx(std)
+    assert merged["reward/math/mean"] == pytest.approx(mean)
+    assert merged["reward/math/failures"] == 1.0 and merged["reward/unscored"] == 1.0
+    assert merged["time/generate"] == 2.0 and merged["dist/wait_generate"] == 1.5
+
+
+def test_steps_are_dealt_to_ranks_whole_and_padded_to_one_count():
+    from conftest import make_tiny_model
+
+    from leangrpo.contracts import Completion, Prompt, RolloutSample
+    from leangrpo.fsdp import is_padding
+    from leangrpo.model import Policy
+    from leangrpo.step import plan_steps
+
+    cfg = config_from_dict(
+        demo_config(Path("/tmp/unused"), "full_sync", 2, packing={"shared_prefix": "off"})
+    )
+    policy = Policy(make_tiny_model(), None, None, torch.device("cpu"), is_lora=False)
+    lengths = [[3, 3, 3, 3], [9, 8, 9, 9], [1, 1, 1, 1]]  # completion tokens per sample
+    samples = [
+        RolloutSample(g, Prompt(g, "", [1, 2]), Completion([5] * n, "", [-1.0] * n, "stop", g))
+        for g, group in enumerate(lengths)
+        for n in group
+    ]
+    ranks = [plan_steps(samples, cfg, policy, rank, 2) for rank in range(2)]
+    assert [len(steps) for steps in ranks] == [1, 1]  # steps_per_generation = 1
+    mbs = [steps[0].micro_batches for steps in ranks]
+    assert len(mbs[0]) == len(mbs[1])  # the same forward/backward count on every rank
+    real = [[mb for mb in rank if not is_padding(mb)] for rank in mbs]
+    assert len(real[0]) != len(real[1])  # ... which needed a padding micro-batch
+    tokens = sorted(int(mb.completion_lens.sum()) for rank in real for mb in rank)
+    assert sum(tokens) == sum(map(sum, lengths))  # every sample once, over both ranks
+    metrics = ranks[0][0].metrics
+    assert metrics["dist/padding_micro_batches"] == abs(len(real[0]) - len(real[1]))
+    assert ranks[0][0].versions == ranks[1][0].versions == [s.version for s in samples]
