@@ -318,7 +318,7 @@ def _run_packed(q, k, v, cu, max_len, layout, scale, dropout) -> Tensor:
                 "kernel; running this forward with per-segment SDPA.",
                 logging.WARNING,
             )
-        return kernels.sdpa_prefix(q, k, v, layout, scale, dropout)
+        return kernels.batched_prefix(q, k, v, layout, scale, dropout)
     if max_len is None:
         max_len = int((cu[1:] - cu[:-1]).max())
     if backend in ("flash_varlen", "torch_varlen") and q.dtype not in (
@@ -337,7 +337,7 @@ def _run_packed(q, k, v, cu, max_len, layout, scale, dropout) -> Tensor:
         return kernels.torch_varlen(q, k, v, cu, max_len, scale, dropout)
     if backend == "flex":
         return kernels.flex_plain(q, k, v, cu, scale, dropout)
-    return kernels.sdpa_segments(q, k, v, kernels.host_bounds(cu), scale, dropout)
+    return kernels.batched_segments(q, k, v, cu, scale, dropout)
 
 
 # ------------------------------------------- implicit packing (position ids, no kwargs)
