@@ -31,6 +31,25 @@ def test_math_reward_hand_picked():
     assert got == [expected for _, _, expected in cases]
 
 
+def test_math_reward_verifies_each_distinct_pair_once(monkeypatch):
+    """A group shares its reference and repeats answers: each (reference, completion) pair
+    is parsed and verified once per call, with the same values as one sample per call."""
+    import math_verify
+
+    refs = ["60", "60", "60", 60, "60", None, "12", "12"]
+    comps = ["60", "60", "61", "60", "x", "60", "60", "12"]
+    want = [math_reward(["q"], [c], answer=[r])[0] for r, c in zip(refs, comps)]
+    calls = []
+    real_parse = math_verify.parse
+    monkeypatch.setattr(
+        math_verify, "parse", lambda s, *a, **k: calls.append(s) or real_parse(s, *a, **k)
+    )
+    assert math_reward(["q"] * len(refs), comps, answer=refs) == want == [1, 1, 0, 1, 0, None, 0, 1]
+    # references "60" and "12" once each; completions of the pairs (60,60) (60,61) (60,x)
+    # (12,60) (12,12) once each; the None reference parses nothing
+    assert sorted(calls) == sorted(["60", "12", "60", "61", "x", "60", "12"])
+
+
 def test_math_reward_answer_column():
     assert math_reward(["q"], ["7"], answer_column="gold", gold=["7"]) == [1.0]
     with pytest.raises(ValueError, match=r"column 'answer' but the data has only \['solution'\]"):
