@@ -121,6 +121,7 @@ def test_greedy_is_argmax_and_repeated(tokenizer, prompts):
     )
     for prompt, (a, b) in zip(prompts, groups):
         assert a.ids == b.ids and a is not b
+        assert a.ids is not b.ids and a.logprobs is not b.logprobs  # independent copies
         ids = list(prompt.ids)
         for token in a.ids:
             with torch.no_grad():

@@ -32,6 +32,7 @@ Choices:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import re
 import threading
@@ -204,7 +205,8 @@ class HFEngine:
             stop_text=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
         )
         completions = [self._completion(row, params) for row in rows]
-        completions = [copy.deepcopy(c) for c in completions for _ in range(copies)]
+        if copies > 1:  # independent lists per copy: a caller may edit one completion
+            completions = [_copy(c) for c in completions for _ in range(copies)]
         return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _completion(self, row: DecodedRow, params: SamplingParams) -> Completion:
@@ -289,6 +291,10 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return (a.index if a.index is not None else current) == (
         b.index if b.index is not None else current
     )
+
+
+def _copy(c: Completion) -> Completion:
+    return dataclasses.replace(c, ids=list(c.ids), logprobs=list(c.logprobs))
 
 
 def _hf_model(model):
