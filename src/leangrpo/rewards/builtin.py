@@ -36,11 +36,26 @@ def math_reward(
     for reference, completion in zip(columns[answer_column], completions):
         ref = None if reference is None else str(reference)
         if (ref, completion) not in scores:
-            if ref not in golds:
-                golds[ref] = _parse_reference(ref)
-            scores[ref, completion] = _score_answer(golds[ref], completion)
+            scores[ref, completion] = _integer_pair(ref, completion)
+            if scores[ref, completion] is None and ref is not None:
+                if ref not in golds:
+                    golds[ref] = _parse_reference(ref)
+                scores[ref, completion] = _score_answer(golds[ref], completion)
         out.append(scores[ref, completion])
     return out
+
+
+_INTEGER = re.compile(r"-?[0-9]{1,15}")
+
+
+def _integer_pair(reference: str | None, completion: str) -> float | None:
+    """1.0 / 0.0 when both are plain integers (math-verify's verdict there), else None."""
+    if reference is None:
+        return None
+    gold, answer = reference.rpartition("####")[2].strip(), completion.strip()
+    if _INTEGER.fullmatch(gold) and _INTEGER.fullmatch(answer):
+        return 1.0 if int(gold) == int(answer) else 0.0
+    return None
 
 
 def _score_answer(gold: list, completion: str) -> float | None:
