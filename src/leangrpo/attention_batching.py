@@ -148,17 +148,18 @@ def _causal_calls(starts: list[int], lengths: list[int], per_call: float, n_toke
     return calls
 
 
-def _offsets(lens: Tensor) -> Tensor:
+def _offsets(lens: list[int]) -> Tensor:
     """(sum lens,) 0..len-1 within each length."""
-    return torch.arange(int(lens.sum())) - torch.repeat_interleave(
-        torch.cumsum(lens, 0) - lens, lens
+    lens_t = torch.tensor(lens)
+    return torch.arange(sum(lens)) - torch.repeat_interleave(
+        torch.cumsum(lens_t, 0) - lens_t, lens_t
     )
 
 
 def _causal_bucket(starts: list[int], lens: list[int], n_tokens: int) -> Bucket:
     rows, width = len(lens), max(lens)
     lens_t = torch.tensor(lens)
-    offsets = _offsets(lens_t)
+    offsets = _offsets(lens)
     src = torch.repeat_interleave(torch.tensor(starts), lens_t) + offsets
     keep = torch.repeat_interleave(torch.arange(rows) * width, lens_t) + offsets
     q_index = torch.full((rows * width,), n_tokens, dtype=torch.int64)
@@ -173,7 +174,7 @@ def _prefix_bucket(
     pw, cw = max(p for p, _ in items), max(n for _, n in items)
     p_lens = torch.tensor([p for p, _ in items])
     c_lens = torch.tensor([n for _, n in items])
-    c_off, p_off = _offsets(c_lens), _offsets(p_lens)
+    c_off, p_off = _offsets([n for _, n in items]), _offsets([p for p, _ in items])
     src = torch.repeat_interleave(torch.tensor([c0 for _, c0 in where]), c_lens) + c_off
     keep = torch.repeat_interleave(torch.arange(rows) * cw, c_lens) + c_off
     q_index = torch.full((rows * cw,), n_tokens, dtype=torch.int64)
