@@ -204,13 +204,13 @@ class HFEngine:
             generator=generator,
             stop_text=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
         )
-        completions = [self._completion(row, params) for row in rows]
+        texts = self.tokenizer.batch_decode([row.ids for row in rows], skip_special_tokens=True)
+        completions = [self._completion(row, text, params) for row, text in zip(rows, texts)]
         if copies > 1:  # independent lists per copy: a caller may edit one completion
             completions = [_copy(c) for c in completions for _ in range(copies)]
         return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    def _completion(self, row: DecodedRow, params: SamplingParams) -> Completion:
-        text = self.tokenizer.decode(row.ids, skip_special_tokens=True)
+    def _completion(self, row: DecodedRow, text: str, params: SamplingParams) -> Completion:
         if row.stopped == "stop":
             text = text[: min(text.find(s) for s in params.stop if s in text)]
         return Completion(
