@@ -60,6 +60,9 @@ class IdTokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return " ".join(map(str, ids))
 
+    def batch_decode(self, rows, skip_special_tokens: bool = True) -> list[str]:
+        return [self.decode(ids, skip_special_tokens) for ids in rows]
+
 
 def prompts_for(shape: dict, vocab: int, seed: int = 0) -> list[Prompt]:
     rng = random.Random(seed)

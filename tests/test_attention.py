@@ -7,6 +7,7 @@ import torch
 from conftest import make_tiny_model
 from test_packing import make_samples
 
+from leangrpo import attention_batching
 from leangrpo.attention import (
     PackedAttentionError,
     choose_shared_prefix,
@@ -81,8 +82,19 @@ def models(request):
     return ref, packed
 
 
+@pytest.fixture(params=["measured", "views", "one_call"])
+def batching_rule(request, monkeypatch):
+    """The sdpa_segments backend's batching: the measured cost model, or forced to its ends
+    (one SDPA call per segment except equal lengths; everything in one padded call)."""
+    if request.param != "measured":
+        cost = 0.0 if request.param == "views" else 1e15
+        monkeypatch.setattr(attention_batching, "CALL_COST_GRAD", cost)
+        monkeypatch.setattr(attention_batching, "CALL_COST_NO_GRAD", cost)
+    return request.param
+
+
 @pytest.mark.parametrize("dist", list(DISTRIBUTIONS))
-def test_packed_equals_padded(models, dist):
+def test_packed_equals_padded(models, dist, batching_rule):
     ref, packed = models
     samples = make_samples(DISTRIBUTIONS[dist])
     batch = pack_samples(samples)
@@ -96,7 +108,7 @@ def test_packed_equals_padded(models, dist):
 
 
 @pytest.mark.parametrize("backend", ["sdpa_segments", "flex"])
-def test_shared_prefix_equals_plain_packed(backend):
+def test_shared_prefix_equals_plain_packed(backend, batching_rule):
     model = make_tiny_model("qwen2").train()
     samples = make_samples([(7, [3, 1, 5]), (12, [2, 6, 1, 1]), (1, [4])], seed=2)
     enable_packed_attention(model, "sdpa_segments")

@@ -144,19 +144,31 @@ def test_other_strategies_and_mixed_precision_give_the_same_gradients(run):
         assert (mixed - grad).norm() <= 1e-5 * grad.norm() + 1e-7, name
 
 
+# Parameters after W.STEPS AdamW steps: AdamW moves an entry whose gradient is ~0 (a key
+# bias, which softmax ignores) by up to lr x grad / eps, so rounding-level gradient
+# differences (the ranks' micro-batches are padded into other SDPA shapes than the single
+# process's) reach ~lr / 300 (measured 3e-5 at lr 1e-2), and the later steps' gradients
+# (norms 1e-5 relative apart) start from those weights; step 0's gradients are compared
+# at 1e-6 above.
+PARAM_TOL = 1e-2 * W.LR
+
+
 @pytest.mark.slow
 def test_sharded_training_ends_with_the_same_parameters(run):
     sharded, ref = run.sharded, run.reference
-    assert sharded["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5)
+    # step 0 on the same weights; later steps on weights PARAM_TOL apart (see above)
+    assert sharded["grad_norms"][0] == pytest.approx(ref["grad_norms"][0], rel=1e-5)
+    assert sharded["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-4)
     full = dict(sharded["sync"]) if run.mode == "full" else None
+    tol = PARAM_TOL
     for name, param in ref["params"].items():
         if full is not None:
-            assert (full[name] - param).abs().max() <= 1e-5, name
+            assert (full[name] - param).abs().max() <= tol, name
     if run.mode == "lora":
         adapters = dict(sharded["sync"])
         for name in ref["params"]:
             if "lora_" in name:
-                assert (adapters[name] - ref["params"][name]).abs().max() <= 1e-5, name
+                assert (adapters[name] - ref["params"][name]).abs().max() <= tol, name
 
 
 @pytest.mark.slow
@@ -167,7 +179,7 @@ def test_weight_sync_gathers_what_the_unsharded_policy_sends(run):
     assert [n for n, _ in got] == [n for n, _ in want]  # names and order
     for (name, g), (_, w) in zip(got, want):
         assert g.shape == w.shape and g.dtype == w.dtype, name
-        assert (g - w).abs().max() <= 1e-5, name
+        assert (g - w).abs().max() <= PARAM_TOL, name
     for (name, g16), (_, g) in zip(sharded["sync_bf16"], got):
         assert g16.dtype == torch.bfloat16 and torch.equal(g16, g.to(torch.bfloat16)), name
     if run.mode == "lora":

@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from leangrpo.contracts import Completion, EngineVersionError, Prompt, SamplingParams
 from leangrpo.errors import RunError
@@ -456,3 +457,25 @@ def test_async_state_keeps_prompts_requeued_after_the_snapshot():
     resumed = RolloutWorker(FakeEngine(), FakeRewards(), FakeSampler(1), settings)
     AsyncProducer(resumed, BatchFinisher(settings, 0), 4, 0, streaming=True).load_state_dict(state)
     assert [resumed.sampler.next_batch()[0].uid for _ in range(2)] == [2, 4], "prompt 2 lost"
+
+
+class SharedWeightsEngine(FakeEngine):
+    """Like HFEngine(share_weights=True): the version moves, the tensors are never read."""
+
+    def update_weights(self, named_tensors, version):
+        self.version = version
+
+
+def test_sync_push_reads_the_tensors_only_when_the_engine_does():
+    reads = []
+
+    def tensors():
+        reads.append(1)
+        return [("w", torch.zeros(2))]
+
+    for engine, expected in ((SharedWeightsEngine(), 0), (FakeEngine(), 1)):
+        reads.clear()
+        worker, settings = make_worker(engine)
+        producer = SyncProducer(worker, BatchFinisher(settings, max_staleness=0))
+        producer.push_weights(1, tensors)
+        assert engine.version == 1 and len(reads) == expected

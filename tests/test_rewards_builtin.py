@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 import re
 import textwrap
 from types import SimpleNamespace
@@ -29,6 +30,50 @@ def test_math_reward_hand_picked():
     ]
     got = math_reward(["q"] * len(cases), [c for _, c, _ in cases], answer=[r for r, _, _ in cases])
     assert got == [expected for _, _, expected in cases]
+
+
+def test_math_reward_verifies_each_distinct_pair_once(monkeypatch):
+    """A group shares its reference and repeats answers: each (reference, completion) pair
+    is parsed and verified once per call, with the same values as one sample per call."""
+    import math_verify
+
+    refs = ["0.5", "0.5", "0.5", 0.5, "0.5", None, "1.5", "1.5"]  # not integers: math-verify
+    comps = ["0.5", "0.5", "0.25", "0.5", "x", "0.5", "0.5", "1.5"]
+    want = [math_reward(["q"], [c], answer=[r])[0] for r, c in zip(refs, comps)]
+    calls = []
+    real_parse = math_verify.parse
+    monkeypatch.setattr(
+        math_verify, "parse", lambda s, *a, **k: calls.append(s) or real_parse(s, *a, **k)
+    )
+    assert math_reward(["q"] * len(refs), comps, answer=refs) == want == [1, 1, 0, 1, 0, None, 0, 1]
+    # references "0.5" and "1.5" once each; the completions of the pairs (0.5, 0.5)
+    # (0.5, 0.25) (0.5, x) (1.5, 0.5) (1.5, 1.5) once each; the None reference parses nothing
+    assert sorted(calls) == sorted(["0.5", "1.5", "0.5", "0.25", "x", "0.5", "1.5"])
+
+
+def test_math_reward_integer_pairs_equal_math_verify():
+    """The integer shortcut gives math-verify's own verdict on every pair it takes."""
+    from leangrpo.rewards.builtin import _integer_pair, _parse_reference, _score_answer
+
+    rng = random.Random(0)
+    pairs = [("60", "60"), ("60", "060"), ("0", "-0"), ("-5", "5"), ("7", " 7\n"), ("9", "\t9 ")]
+    pairs += [("x #### 72", "72"), ("123456789012345", "123456789012345"), ("15", "16")]
+    pairs += [
+        (str(a), str(a + rng.choice([0, 0, 1, -1, 100])))
+        for a in rng.sample(range(-3000, 3000), 60)
+    ]
+    for ref, comp in pairs:
+        assert _integer_pair(ref, comp) == _score_answer(_parse_reference(ref), comp), (ref, comp)
+    # not taken: more than 15 digits, a sign or separator, other digits, text, no reference
+    for ref, comp in [
+        ("1" * 16, "1" * 16),
+        ("+5", "5"),
+        ("1,000", "1000"),
+        ("٣", "3"),
+        ("5", "5 apples"),
+        (None, "5"),
+    ]:
+        assert _integer_pair(ref, comp) is None
 
 
 def test_math_reward_answer_column():

@@ -136,6 +136,8 @@ def test_columns_kwargs_and_module_form(user_module, monkeypatch):
         ]
         pool._seconds_per_sample = [pool.timeout_s, None, None]  # 1 timeout per sample ...
         assert pool._chunk_sizes(64) == [1, 16, 16]  # ... is sent one sample per call
+        pool._seconds_per_sample = [pool.timeout_s, 1e-4, None]  # a measured fast function
+        assert pool._chunk_sizes(64) == [1, 64, 16]  # ... one round trip per worker
     finally:
         pool.close()
     with pytest.raises(RewardError, match="closed"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -205,3 +206,44 @@ def test_normalisers_across_ranks_give_each_rank_its_share_of_the_global_counts(
     assert seen == [[2.0, float(local.tokens)]]  # one reduction of the local counts
     assert norm.sequences == (2 + 5) / 2 and norm.tokens == (local.tokens + 17) / 2
     assert norm.global_tokens == local.tokens + 17 and norm.world_size == 2
+
+
+class StepHostReads(torch.overrides.TorchFunctionMode):
+    """Counts tensor -> Python reads (item, tolist, float/int/bool of a tensor) made by
+    step.py itself (the model, the log-probs and the optimizer have their own)."""
+
+    NAMES = {"item", "tolist", "__float__", "__int__", "__bool__"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.NAMES:
+            frame = sys._getframe(1)  # the direct caller, past torch's Tensor wrappers
+            while frame.f_code.co_filename.endswith(("torch/overrides.py", "torch/_tensor.py")):
+                frame = frame.f_back
+            self.count += frame.f_code.co_filename.endswith("leangrpo/step.py")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mask_truncated", [False, True])
+def test_step_host_reads_do_not_grow_with_micro_batches(mask_truncated):
+    """Loss, metrics and IS metrics of every micro-batch reach the host in one copy."""
+    cfg = SimpleNamespace(**vars(CFG))
+    cfg.loss = SimpleNamespace(**{**vars(CFG.loss), "mask_truncated_completions": mask_truncated})
+    samples = make_samples([1.0, -1.0, 0.5, -0.5, 0.25, -0.25])
+    counts, results = [], []
+    for split in ([samples], [samples[:2], samples[2:4], samples[4:]]):
+        policy, optimizer = policy_and_optimizer()
+        batches = [pack_samples(part) for part in split]
+        with StepHostReads() as reads:
+            result = train_step(
+                policy, batches, optimizer, cfg, SamplingParams(), LossConfig.from_config(cfg.loss)
+            )
+        counts.append(reads.count)
+        results.append(result.metrics)
+    # the metrics, the gradient norm, and the loss tokens when truncated ones are masked
+    assert counts[0] == counts[1] == 2 + mask_truncated
+    torch.testing.assert_close(results[1]["loss"], results[0]["loss"], rtol=1e-5, atol=1e-6)
+    assert results[0]["is/weight_mean"] == pytest.approx(results[1]["is/weight_mean"])

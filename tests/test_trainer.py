@@ -473,3 +473,32 @@ def test_async_resume_generates_with_the_resumed_weights(tmp_path):
     resumed.train()
     row = next(r for r in read_metrics(tmp_path / "run") if r["step"] == 3 and "loss" in r)
     assert row["staleness/consumed_max"] == 0.0  # generated at version 2, not with old weights
+
+
+@pytest.mark.parametrize("kind", ["constant", "linear", "cosine"])
+def test_lr_schedule_is_transformers_formula_with_warmup(tmp_path, kind):
+    """make_scheduler equals transformers' get_scheduler (linear, cosine; constant with
+    transformers' own warmup schedule, which its plain 'constant' skips)."""
+    from transformers import get_scheduler
+
+    from leangrpo.trainer import make_scheduler
+
+    cfg = config_from_dict(
+        tiny_run(tmp_path, run={"max_steps": 9}, train={"warmup_steps": 3, "lr_scheduler": kind})
+    )
+
+    def lrs(make) -> list[float]:
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        sched = make(opt)
+        out = []
+        for _ in range(11):  # past max_steps: stays at its last value, never negative
+            out.append(sched.get_last_lr()[0])
+            opt.step()
+            sched.step()
+        return out
+
+    name = "constant_with_warmup" if kind == "constant" else kind
+    want = lrs(lambda o: get_scheduler(name, o, num_warmup_steps=3, num_training_steps=9))
+    got = lrs(lambda o: make_scheduler(o, cfg))
+    assert got == want
+    assert got[:4] == [0.0, 0.1 / 3, 0.2 / 3, 0.1]  # the warmup, for every kind

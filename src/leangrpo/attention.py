@@ -180,11 +180,12 @@ def choose_shared_prefix(setting: str, backend: str, stats: dict[str, float] | N
     """Whether to pack with a shared prompt prefix.
 
     `stats`: "prompt_fraction" (prompt tokens / plain packed tokens) and "group_size".
-    "auto" is on only where benchmarks/packing.py measured the layout faster: the
-    sdpa_segments backend (CPU: 1.9x at prompt fraction 0.59, 1.05-1.1x at 0.16), with
-    prompts >= AUTO_MIN_PROMPT_FRACTION of the tokens and groups of >= 2; flex implements it
-    but has no measurement yet (use "on"). "on" with a backend that cannot take the layout
-    falls back to plain packing with a one-time log.
+    "auto" is on only where the layout was measured faster: the sdpa_segments backend with
+    prompts >= AUTO_MIN_PROMPT_FRACTION of the tokens and groups of >= 2. Re-measured with
+    the batched kernels (benchmarks/prefix_rule.py, CPU, training forward + backward):
+    prefix / plain time 0.34-0.86 at prompt fractions 0.11-0.81, 0.94-1.03 at 0.02-0.09
+    (break-even near 0.05). flex implements it but has no measurement yet (use "on"). "on"
+    with a backend that cannot take the layout falls back to plain packing with a log.
     """
     if setting not in ("auto", "on", "off"):
         raise ValueError(f"packing.shared_prefix must be auto, on or off (got {setting!r}).")
@@ -318,7 +319,7 @@ def _run_packed(q, k, v, cu, max_len, layout, scale, dropout) -> Tensor:
                 "kernel; running this forward with per-segment SDPA.",
                 logging.WARNING,
             )
-        return kernels.sdpa_prefix(q, k, v, layout, scale, dropout)
+        return kernels.batched_prefix(q, k, v, layout, scale, dropout)
     if max_len is None:
         max_len = int((cu[1:] - cu[:-1]).max())
     if backend in ("flash_varlen", "torch_varlen") and q.dtype not in (
@@ -337,7 +338,7 @@ def _run_packed(q, k, v, cu, max_len, layout, scale, dropout) -> Tensor:
         return kernels.torch_varlen(q, k, v, cu, max_len, scale, dropout)
     if backend == "flex":
         return kernels.flex_plain(q, k, v, cu, scale, dropout)
-    return kernels.sdpa_segments(q, k, v, kernels.host_bounds(cu), scale, dropout)
+    return kernels.batched_segments(q, k, v, cu, scale, dropout)
 
 
 # ------------------------------------------- implicit packing (position ids, no kwargs)

@@ -5,6 +5,9 @@ completion to its group's prompt plus its own earlier tokens:
 
 * `sdpa_segments` / `sdpa_prefix`: one causal SDPA call per segment (per completion over
   [prompt; completion] with a (n, P + n) mask); exact, any device, the reference.
+* `batched_segments` / `batched_prefix`: the same attention with segments grouped into a
+  few right-padded SDPA calls by a measured cost model (`attention_batching.py`); what the
+  `sdpa_segments` backend runs. The plan is built once per batch and shared by the layers.
 * `flash_varlen`: flash-attn's varlen kernel on cu_seqlens (CUDA, fp16/bf16).
 * `torch_varlen`: torch.nn.attention.varlen.varlen_attn (CUDA, fp16/bf16); both the
   torch 2.10/2.11 signature (is_causal) and the 2.12+ one (window_size) are handled.
@@ -22,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from leangrpo import attention_batching as batching
 from leangrpo.packing import PrefixLayout
 
 
@@ -78,6 +82,34 @@ def sdpa_prefix(q, k, v, layout: PrefixLayout, scale: float, dropout: float) -> 
             mask = _prefix_mask(layout, g.prompt_len, n, q.device)
             outs.append(_sdpa(q[:, :, c0 : c0 + n], keys, values, scale, dropout, mask))
     return torch.cat(outs, dim=1)
+
+
+_BATCHED_PLANS: dict[str, Any] = {}
+
+
+def batched_segments(q, k, v, cu: Tensor, scale: float, dropout: float) -> Tensor:
+    """sdpa_segments' attention, segments batched into padded calls (plan cached per cu)."""
+    key = _plan_key(q, k)
+    cached = _BATCHED_PLANS.get("cu")
+    if cached is None or cached[0]() is not cu or cached[1] != key:
+        plan = batching.plan_causal(host_bounds(cu), key[1], q.device)
+        cached = _BATCHED_PLANS["cu"] = (weakref.ref(cu), key, plan)
+    return batching.run_plan(q, k, v, cached[2], scale, dropout)
+
+
+def batched_prefix(q, k, v, layout: PrefixLayout, scale: float, dropout: float) -> Tensor:
+    """sdpa_prefix's attention, batched into padded calls (plan cached on the layout)."""
+    key = ("batched", *_plan_key(q, k))
+    plan = layout._device_cache.get(key)
+    if plan is None:
+        plan = layout._device_cache[key] = batching.plan_prefix(layout, key[2], q.device)
+    return batching.run_plan(q, k, v, plan, scale, dropout)
+
+
+def _plan_key(q: Tensor, k: Tensor) -> tuple[str, float]:
+    """What the plan depends on: the device, and one call's cost (H x D, backward or not)."""
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+    return (str(q.device), batching.call_cost(q.shape[1] * q.shape[-1], grad))
 
 
 def _prefix_mask(layout: PrefixLayout, prompt_len: int, n: int, device) -> Tensor:

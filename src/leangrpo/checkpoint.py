@@ -41,6 +41,7 @@ import json
 import os
 import random
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -175,6 +176,8 @@ def save_final_model(output_dir: str | Path, model: torch.nn.Module, tokenizer: 
 
 
 def is_peft_model(model: torch.nn.Module) -> bool:
+    if "peft" not in sys.modules:  # no PeftModel can exist; importing peft costs ~40 MB
+        return False
     from peft import PeftModel
 
     return isinstance(model, PeftModel)

@@ -490,7 +490,8 @@ class TrainConfig(Section):
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
     adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
-        "constant", description="Schedule after warmup (transformers get_scheduler)."
+        "constant",
+        description="Schedule after the linear warmup: constant, linear to 0 or cosine to 0 at run.max_steps (transformers' formulas).",
     )
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
     max_grad_norm: float | None = Field(

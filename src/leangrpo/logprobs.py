@@ -98,11 +98,13 @@ def _check_tensors(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor
         raise ValueError(
             f"logprobs: all inputs must be on one device; got {sorted(map(str, devices))}"
         )
-    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= weight.shape[0]):
-        raise ValueError(
-            f"logprobs: targets must be token ids in [0, {weight.shape[0]}); got range "
-            f"[{int(targets.min())}, {int(targets.max())}] (drop padding/ignore ids first)"
-        )
+    if targets.numel():
+        low, high = torch.stack(torch.aminmax(targets)).tolist()  # one device read
+        if low < 0 or high >= weight.shape[0]:
+            raise ValueError(
+                f"logprobs: targets must be token ids in [0, {weight.shape[0]}); got range "
+                f"[{low}, {high}] (drop padding/ignore ids first)"
+            )
 
 
 def _validate(

@@ -39,7 +39,7 @@ import collections
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -274,8 +274,8 @@ class SyncProducer:
 
     def push_weights(self, version: int, tensors: Callable[[], Iterable]) -> float:
         t0 = time.perf_counter()
-        with self.engine_lock:
-            self.worker.engine.update_weights(tensors(), version)
+        with self.engine_lock:  # lazily: an engine sharing the weights never reads them
+            self.worker.engine.update_weights(_lazily(tensors), version)
         return time.perf_counter() - t0
 
     def state_dict(self) -> dict:
@@ -290,6 +290,10 @@ class SyncProducer:
 
     def close(self) -> None:
         """Nothing runs in the background; the engines are closed by their owner."""
+
+
+def _lazily(tensors: Callable[[], Iterable]) -> Iterator:
+    yield from tensors()
 
 
 class AsyncProducer:

@@ -277,7 +277,7 @@ def normalisers(
     gradients, so the ranks' losses must add up to W times the loss of one process.
     """
     sequences = sum(mb.num_sequences for mb in micro_batches)
-    tokens = int(sum(token_mask(mb, cfg).sum().item() for mb in micro_batches))
+    tokens = _loss_tokens(micro_batches, cfg)
     if sum_over_ranks is None:
         return LossNormalisers(
             sequences=sequences,
@@ -296,6 +296,15 @@ def normalisers(
     )
 
 
+def _loss_tokens(micro_batches: list[PackedBatch], cfg) -> int:
+    """Tokens in the loss over the step: host counts, or one device sum when truncated
+    completions are masked."""
+    if not cfg.loss.mask_truncated_completions:
+        return sum(mb.num_completion_tokens for mb in micro_batches)
+    counts = [token_mask(mb, cfg).sum() for mb in micro_batches]
+    return int(torch.stack(counts).sum().item())
+
+
 def token_mask(mb: PackedBatch, cfg) -> torch.Tensor:
     """(T,) 1.0 for tokens in the loss; truncated completions drop out when asked."""
     mask = torch.ones_like(mb.behaviour_logprobs, dtype=torch.float32)
@@ -304,8 +313,11 @@ def token_mask(mb: PackedBatch, cfg) -> torch.Tensor:
     return mask
 
 
-def loss_inputs(mb: PackedBatch, logprobs, entropy, cfg) -> tuple[LossInputs, dict[str, float]]:
-    """The loss's view of a micro-batch, with the off-policy correction chosen in config."""
+def loss_inputs(
+    mb: PackedBatch, logprobs, entropy, cfg
+) -> tuple[LossInputs, dict[str, torch.Tensor]]:
+    """The loss's view of a micro-batch, with the off-policy correction chosen in config
+    (and its IS metrics, 0-d tensors on the device)."""
     mask = token_mask(mb, cfg)
     behaviour = mb.behaviour_logprobs
     old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach().float()
@@ -325,7 +337,7 @@ def loss_inputs(mb: PackedBatch, logprobs, entropy, cfg) -> tuple[LossInputs, di
             cap=cfg.loss.is_cap,
             min_weight=cfg.loss.is_min,
         )
-        metrics = {k: float(v) for k, v in is_metrics.items()}
+        metrics = is_metrics
     inputs = LossInputs(
         logprobs=logprobs.float(),
         old_logprobs=old,
@@ -358,10 +370,8 @@ def train_step(
         norm = normalisers(real, cfg, ranks.world_size, ranks.all_reduce)
     else:
         norm = normalisers(micro_batches, cfg)
-    sums: dict[str, float] = defaultdict(float)
-    is_metrics: list[dict[str, float]] = []  # one per micro-batch
+    on_device = []  # per micro-batch: (loss, loss metrics, IS metrics), 0-d tensors
     sums_offload: dict[str, float] = defaultdict(float)
-    total_loss = 0.0
     for mb in micro_batches:
         module = policy.scoring_module
         with _offload_scope(policy):
@@ -372,14 +382,11 @@ def train_step(
             inputs, mb_is = loss_inputs(mb, logprobs, entropy, cfg)
             out = compute_loss(inputs, norm, loss_cfg)
             out.loss.backward()
-        total_loss += float(out.loss.detach())
-        for k, v in out.metrics.items():
-            sums[k] += float(v)
-        if mb_is:
-            is_metrics.append(mb_is)
+        on_device.append((out.loss.detach(), out.metrics, mb_is))
         if policy.offloader is not None:  # per micro-batch counts add up to the step's
             for k, v in policy.offloader.metrics().items():
                 sums_offload[k] = v if k == "offload/pool_bytes" else sums_offload[k] + v
+    total_loss, sums, is_metrics = _sum_on_host(on_device)  # the step's one device sync
     grad_norm = _step_gradients(policy, cfg.train.max_grad_norm, ranks)
     updated = math.isfinite(total_loss) and math.isfinite(grad_norm)
     if ranks is not None:  # every rank steps, or none does
@@ -390,6 +397,31 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     metrics = _step_metrics(sums, is_metrics, total_loss, grad_norm, micro_batches)
     return StepResult({**metrics, **sums_offload}, updated)
+
+
+def _sum_on_host(on_device: list[tuple]) -> tuple[float, dict[str, float], list[dict]]:
+    """The step's loss, summed loss metrics and per-micro-batch IS metrics, as floats."""
+    total_loss, sums, is_metrics = 0.0, defaultdict(float), []
+    for loss, mb_metrics, mb_is in _to_host(on_device):
+        total_loss += loss
+        for k, v in mb_metrics.items():
+            sums[k] += v
+        if mb_is:
+            is_metrics.append(mb_is)
+    return total_loss, sums, is_metrics
+
+
+def _to_host(per_micro_batch: list[tuple]) -> list[tuple[float, dict, dict]]:
+    """(loss, metrics, IS metrics) of every micro-batch as floats, in one device -> host
+    copy (float64: each value is exactly what float() of its tensor gives)."""
+    flat = [t for loss, m, i in per_micro_batch for t in (loss, *m.values(), *i.values())]
+    if not flat:
+        return []
+    values = iter(torch.stack([t.reshape(()).to(torch.float64) for t in flat]).tolist())
+    return [
+        (next(values), {k: next(values) for k in m}, {k: next(values) for k in i})
+        for _, m, i in per_micro_batch
+    ]
 
 
 def _offload_scope(policy: Policy):

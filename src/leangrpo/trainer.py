@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import random
 import time
 from pathlib import Path
@@ -415,15 +416,24 @@ def _due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
 
 
-def make_scheduler(optimizer, cfg: Config):
-    from transformers import get_scheduler
+def make_scheduler(optimizer, cfg: Config) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup over train.warmup_steps, then constant, linear to 0 or half a cosine
+    to 0 at run.max_steps: transformers' get_scheduler formulas, written out (importing
+    them pulls transformers.trainer_utils and peft: 0.2 s, 8 MB). Unlike transformers'
+    "constant", which ignores the warmup, "constant" warms up as train.warmup_steps says."""
+    warmup, total, kind = cfg.train.warmup_steps, cfg.run.max_steps, cfg.train.lr_scheduler
 
-    return get_scheduler(
-        cfg.train.lr_scheduler,
-        optimizer,
-        num_warmup_steps=cfg.train.warmup_steps,
-        num_training_steps=cfg.run.max_steps,
-    )
+    def factor(step: int) -> float:
+        if step < warmup:
+            return float(step) / float(max(1, warmup))
+        if kind == "constant":
+            return 1.0
+        if kind == "linear":
+            return max(0.0, float(total - step) / float(max(1, total - warmup)))
+        progress = float(step - warmup) / float(max(1, total - warmup))
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def rollout_metrics(batch: RolloutBatch, trainer_version: int) -> dict[str, float]:

@@ -12,7 +12,9 @@ from conftest import make_tiny_model
 from transformers import AutoTokenizer
 
 from leangrpo.contracts import EngineVersionError, Prompt, SamplingParams
+from leangrpo.rollout import decode as decode_module
 from leangrpo.rollout.hf import HFEngine
+from leangrpo.rollout.kv_cache import PreallocatedLayer
 from leangrpo.rollout.sampling import process_logits, processed_logprobs
 
 DEMO_MODEL = Path(__file__).resolve().parents[2] / "examples" / "demo" / "model"
@@ -69,7 +71,9 @@ def test_shapes_and_version_tags(tokenizer, prompts):
         SamplingParams(temperature=1.3, top_p=0.8, max_new_tokens=6, seed=3),  # rows of 2 lengths
     ],
 )
-def test_behaviour_logprobs_match_teacher_forced(tokenizer, prompts, params):
+@pytest.mark.parametrize("compact", [0.0, 0.25, 1.01])  # drop at once / the rule / never
+def test_behaviour_logprobs_match_teacher_forced(tokenizer, prompts, params, compact, monkeypatch):
+    monkeypatch.setattr(decode_module, "COMPACT_FRACTION", compact)
     model = with_eos_bias(tiny(tokenizer), tokenizer.eos_token_id, 0.0)  # lengths 1 to 6
     engine = HFEngine(model, tokenizer, max_batch_size=8)  # 2 chunks of 2 prompts x 4
     groups = engine.generate(prompts, params, n=4, version=0)
@@ -79,6 +83,46 @@ def test_behaviour_logprobs_match_teacher_forced(tokenizer, prompts, params):
         for c in group:
             expected = teacher_forced(model, prompt, c.ids, params)
             torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-5, rtol=0)
+
+
+def test_finished_rows_riding_along_change_no_sample(tokenizer, prompts, monkeypatch):
+    """Finished rows kept in the batch are never sampled: the same draws as dropping them."""
+    model = with_eos_bias(tiny(tokenizer), tokenizer.eos_token_id, 1.0)
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=5)
+    outputs = []
+    for compact in (0.0, 0.5, 1.01):
+        monkeypatch.setattr(decode_module, "COMPACT_FRACTION", compact)
+        groups = HFEngine(model, tokenizer).generate(prompts, params, n=6, version=0)
+        outputs.append([(c.ids, c.logprobs) for g in groups for c in g])
+    assert len({len(ids) for ids, _ in outputs[0]}) > 2  # rows finish at several steps
+    for other in outputs[1:]:
+        assert [ids for ids, _ in other] == [ids for ids, _ in outputs[0]]
+        for (_, a), (_, b) in zip(other, outputs[0]):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+
+
+def test_preallocated_cache_layer_equals_dynamic_layer():
+    """Updates past the capacity, row repeats and row selection: same keys and values."""
+    from transformers.cache_utils import DynamicLayer
+
+    g = torch.Generator().manual_seed(0)
+    ours, ref = PreallocatedLayer(capacity=5), DynamicLayer()
+    steps = [("update", 3), ("repeat", 2), ("update", 1), ("select", [0, 3, 5]), ("update", 4)]
+    for op, arg in steps:  # 3 + 1 + 4 positions: the last update outgrows capacity 5
+        if op == "update":
+            b = ref.keys.shape[0] if ref.is_initialized and ref.keys.numel() else 3
+            k, v = torch.randn(b, 2, arg, 4, generator=g), torch.randn(b, 2, arg, 6, generator=g)
+            got, want = ours.update(k, v), ref.update(k, v)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+        elif op == "repeat":
+            ours.batch_repeat_interleave(arg), ref.batch_repeat_interleave(arg)
+        else:
+            index = torch.tensor(arg)
+            ours.batch_select_indices(index), ref.batch_select_indices(index)
+        for a, b in ((ours.keys, ref.keys), (ours.values, ref.values)):
+            assert torch.equal(a, b)
+        assert ours.get_seq_length() == ref.get_seq_length()
+    assert ours.get_seq_length() == 8 and ours.buffers[0].shape[2] >= 8
 
 
 def test_finish_reasons_eos_and_length(tokenizer, prompts):
@@ -121,6 +165,7 @@ def test_greedy_is_argmax_and_repeated(tokenizer, prompts):
     )
     for prompt, (a, b) in zip(prompts, groups):
         assert a.ids == b.ids and a is not b
+        assert a.ids is not b.ids and a.logprobs is not b.logprobs  # independent copies
         ids = list(prompt.ids)
         for token in a.ids:
             with torch.no_grad():

@@ -30,28 +30,49 @@ def math_reward(
             f"data has only {sorted(columns) or 'no extra columns'}; set data.column_map or "
             f"the reward's kwargs.answer_column"
         )
-    return [
-        _score_answer(reference, completion)
-        for reference, completion in zip(columns[answer_column], completions)
-    ]
+    golds: dict[str | None, list] = {}
+    scores: dict[tuple[str | None, str], float | None] = {}
+    out = []
+    for reference, completion in zip(columns[answer_column], completions):
+        ref = None if reference is None else str(reference)
+        if (ref, completion) not in scores:
+            scores[ref, completion] = _integer_pair(ref, completion)
+            if scores[ref, completion] is None and ref is not None:
+                if ref not in golds:
+                    golds[ref] = _parse_reference(ref)
+                scores[ref, completion] = _score_answer(golds[ref], completion)
+        out.append(scores[ref, completion])
+    return out
 
 
-def _score_answer(reference: Any, completion: str) -> float | None:
+_INTEGER = re.compile(r"-?[0-9]{1,15}")
+
+
+def _integer_pair(reference: str | None, completion: str) -> float | None:
+    """1.0 / 0.0 when both are plain integers (math-verify's verdict there), else None."""
+    if reference is None:
+        return None
+    gold, answer = reference.rpartition("####")[2].strip(), completion.strip()
+    if _INTEGER.fullmatch(gold) and _INTEGER.fullmatch(answer):
+        return 1.0 if int(gold) == int(answer) else 0.0
+    return None
+
+
+def _score_answer(gold: list, completion: str) -> float | None:
     from math_verify import parse, verify  # imported on first use: sympy takes a second
 
-    gold = _parse_reference(reference)
     if not gold:
         return None
     predicted = parse(completion)
     return 1.0 if predicted and verify(gold, predicted) else 0.0
 
 
-def _parse_reference(reference: Any) -> list:
-    from math_verify import parse
+def _parse_reference(reference: str | None) -> list:
+    from math_verify import parse  # imported on first use: sympy takes a second
 
     if reference is None:
         return []
-    text = str(reference).rpartition("####")[2].strip()
+    text = reference.rpartition("####")[2].strip()
     if not text:
         return []
     gold = parse(text)

@@ -6,9 +6,10 @@ manager rather than a `ProcessPoolExecutor`, because an executor cannot stop a r
 
 - Workers (worker.py, started by process.py in their own sessions) resolve every function
   once and report ready; time limits start only then, so imports never count against them.
-- `score` splits the samples into chunks of at most `chunk_size` and sends each chunk to an
-  idle worker as one message covering every function (functions whose measured speed calls
-  for smaller chunks get their own). The worker answers per function, and the pool waits on
+- `score` splits the samples into one chunk per worker (at most `chunk_size` samples while
+  a function's speed is unknown) and sends each chunk to an idle worker as one message
+  covering every function (functions whose measured speed calls for smaller chunks get
+  their own). The worker answers per function, and the pool waits on
   all workers at once.
 - Failures are per sample: a value that is not a finite number or None is that sample's
   failure. A call that raises, returns the wrong shape, kills its worker, garbles its reply
@@ -164,11 +165,13 @@ class RewardPool:
         ]
 
     def _chunk_sizes(self, n: int) -> list[int]:
-        """Per function: spread over the workers, at most chunk_size, and small enough that
-        a chunk takes about a quarter of timeout_s at the function's measured speed."""
-        even = min(self.chunk_size, -(-n // self.num_workers))
+        """Per function: one chunk per worker, small enough that a chunk takes about a
+        quarter of timeout_s at the function's measured speed; at most chunk_size while
+        its speed is unknown (its first call). Each chunk is a round trip (~0.5-1 ms on a
+        busy 2-core machine): a fast function costs one round trip per worker and call."""
+        even = -(-n // self.num_workers)
         return [
-            even
+            min(even, self.chunk_size)
             if per_sample is None
             else max(1, min(even, int(0.25 * self.timeout_s / per_sample)))
             for per_sample in self._seconds_per_sample

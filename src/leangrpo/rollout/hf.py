@@ -37,6 +37,7 @@ Choices:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 import threading
 from collections.abc import Iterable, Iterator
@@ -216,12 +217,13 @@ class HFEngine:
             generator=generator,
             stop_text=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
         )
-        completions = [self._completion(row, params) for row in rows]
-        completions = [copy.deepcopy(c) for c in completions for _ in range(copies)]
+        texts = self.tokenizer.batch_decode([row.ids for row in rows], skip_special_tokens=True)
+        completions = [self._completion(row, text, params) for row, text in zip(rows, texts)]
+        if copies > 1:  # independent lists per copy: a caller may edit one completion
+            completions = [_copy(c) for c in completions for _ in range(copies)]
         return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    def _completion(self, row: DecodedRow, params: SamplingParams) -> Completion:
-        text = self.tokenizer.decode(row.ids, skip_special_tokens=True)
+    def _completion(self, row: DecodedRow, text: str, params: SamplingParams) -> Completion:
         if row.stopped == "stop":
             text = text[: min(text.find(s) for s in params.stop if s in text)]
         return Completion(
@@ -309,6 +311,10 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return (a.index if a.index is not None else current) == (
         b.index if b.index is not None else current
     )
+
+
+def _copy(c: Completion) -> Completion:
+    return dataclasses.replace(c, ids=list(c.ids), logprobs=list(c.logprobs))
 
 
 def _hf_model(model):
