@@ -154,6 +154,30 @@ def test_load_raw_prompts_with_column_map(tmp_path, tokenizer):
     assert train[3].columns == {"answer": "3"}
 
 
+def test_json_lines_keep_their_types_and_missing_keys_read_none(tmp_path, tokenizer):
+    rows = [{"prompt": "q1", "answer": 42}, {"prompt": "q2", "answer": 4.5, "hint": "h"}]
+    train, _ = load_prompts(data_cfg(path=write_jsonl(tmp_path / "d.jsonl", rows)), tokenizer)
+    assert [p.columns for p in train] == [
+        {"answer": 42, "hint": None},  # `datasets` would give 42.0 (a float64 column)
+        {"answer": 4.5, "hint": "h"},
+    ]
+    assert type(train[0].columns["answer"]) is int
+
+
+def test_local_json_lines_load_without_importing_datasets(tmp_path):
+    import subprocess
+    import sys
+
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    code = (
+        "import sys; from types import SimpleNamespace as N; from leangrpo.data import _load_rows;"
+        f"rows = _load_rows(N(column_map={{'question': 'prompt'}}), {path!r}, None);"
+        "assert rows[1] == {'prompt': 'q0 q1', 'answer': '1', 'level': 1}, rows[1];"
+        "assert 'datasets' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def test_load_with_chat_template_and_system_prompt(tmp_path, tokenizer):
     path = write_jsonl(
         tmp_path / "d.jsonl", [{"prompt": "q1 q2"}, {"prompt": [{"role": "user", "content": "q3"}]}]

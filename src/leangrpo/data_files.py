@@ -90,6 +90,19 @@ def read_utf8(path: Path) -> str:
         ) from None
 
 
+def read_json_table(path: Path) -> list[dict]:
+    """Every row of a .json / .jsonl file, over the union of the rows' keys (in the order
+    they first appear); a key a row lacks reads None, as `datasets` fills it. Values keep
+    their JSON types (no column-wide casts)."""
+    rows = (
+        _read_json_rows(path)
+        if path.suffix.lower() == ".json"
+        else [r for _, _, r in _jsonl_rows(path)]
+    )
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    return [{key: row.get(key) for key in columns} for row in rows]
+
+
 def _read_json_rows(path: Path) -> list:
     """A .json file holds a JSON array of row objects, or JSON lines."""
     text = read_utf8(path)
@@ -132,14 +145,6 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, int, dict]]:
                 )
             yield index, line_no, row
             index += 1
-
-
-def scan_jsonl(path: Path) -> dict | None:
-    """Parse every line (one object per line); return the first row."""
-    first = None
-    for _, _, row in _jsonl_rows(path):
-        first = row if first is None else first
-    return first
 
 
 def prompt_problem(value: Any, chat_template: bool) -> str | None:
