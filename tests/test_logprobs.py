@@ -375,7 +375,8 @@ def test_autocast_matmul_in_autocast_dtype_forward_and_backward():
 
 def _backward_both_orders(dtype_h, dtype_w, **kw):
     """Gradients of one chunked backward with rows outer and with the vocabulary outer."""
-    from leangrpo.logprobs import _backward, _forward, _validate
+    from leangrpo.logprobs import _validate
+    from leangrpo.logprobs_tiles import _backward, _forward
 
     hidden, weight, bias, g = make_inputs(37, 16, 90, seed=3)
     hidden, weight = hidden.detach().to(dtype_h), weight.detach().to(dtype_w)
@@ -422,7 +423,7 @@ def _large_fp32_allocations(fn, limit: int) -> list[tuple]:
 def test_trained_bf16_head_gets_no_full_fp32_gradient_copy(monkeypatch):
     """A bf16 lm_head that requires grad (as FSDP gathers it under mixed precision) never
     gets a (V, H) fp32 gradient buffer; forcing the other loop order shows the check bites."""
-    from leangrpo import logprobs as lp_mod
+    from leangrpo import logprobs_tiles as lp_mod
 
     v, h, n = 512, 16, 24
     hidden, weight, _, g = make_inputs(n, h, v, bias=False, dtype=torch.bfloat16)

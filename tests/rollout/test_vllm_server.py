@@ -22,7 +22,7 @@ import torch
 from vllm_fakes import FakeLocal, Served
 
 from leangrpo.contracts import Completion, EngineVersionError, Prompt, SamplingParams
-from leangrpo.pipeline import _seeded
+from leangrpo.pipeline_batch import _seeded
 from leangrpo.rollout.vllm import VLLMEngine, VLLMSettings, check_groups
 from leangrpo.rollout.vllm_client import TOKEN_ENV, ServerPool, VLLMServerError
 from leangrpo.rollout.vllm_local import AdapterSlots, VersionGate
