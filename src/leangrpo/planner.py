@@ -32,11 +32,13 @@ defined as benchmarks/grpo_step.py measures it (train-pass peak - weights - grad
 head's own peak), so the GPU suite compares like with like.
 
 Estimated, and why: the backward working set and the loss vectors (small, measured
-coefficients); the full-logits path (kernel temporaries); FSDP sharding (weights / W plus two
-gathered layers); torch_varlen on a torch without enable_gqa repeats K and V (pass
-kernel="varlen_repeat_kv"). Not counted: the CUDA context and allocator fragmentation on GPU,
-the Python process itself on CPU (`process_baseline`: shown apart, never in the total), the
-decode loop's per-step logits and the prefill's transient activations.
+coefficients); the shared-prefix layout's extra K and V (prefix_kv_bytes); the full-logits
+path (kernel temporaries); FSDP sharding (weights / W plus two gathered layers);
+torch_varlen on a torch without enable_gqa repeats K and V (pass kernel="varlen_repeat_kv").
+Not counted: the CUDA context and allocator fragmentation on GPU; on CPU the Python process
+itself (PROCESS_BASELINE_CPU, printed apart, never in the total) and the memory glibc keeps
+after frees (RSS above the live bytes); the decode loop's per-step logits and the
+prefill's transient activations.
 """
 
 from __future__ import annotations
@@ -251,7 +253,7 @@ def plan_memory(
     ) // shard.divisor
     head_grad = 0 if s.lora else d.vocab * d.hidden * s.b // shard.divisor
     grads = (layer_grad, head_grad, trainable // shard.divisor)
-    activations, host = _activations(cfg, d, s, n, rows, head, grads)
+    activations, host = _activations(cfg, d, s, n, rows, head, grads, prompt)
     plan = {
         "weights": weights,
         "reference_copy": base if (cfg.loss.beta > 0 and not s.lora) else 0,
@@ -349,7 +351,7 @@ def _lm_head(cfg, d: Dims, s: Setup, rows: int, device: str) -> int:
 
 
 def _activations(
-    cfg, d: Dims, s: Setup, n: int, rows: int, head: int, grads: tuple[int, int, int]
+    cfg, d: Dims, s: Setup, n: int, rows: int, head: int, grads: tuple[int, int, int], prompt: int
 ) -> tuple[int, int]:
     """(device bytes of the activation term, bytes offloaded to the host).
 
@@ -364,14 +366,15 @@ def _activations(
     rope = n * rotary_bytes(d, s)
     head_rest = n * final_norm_bytes(d, s) + rows * (s.b * d.hidden + LOSS_BYTES_PER_TOKEN)
     extra = n * backward_extra(d, s)
-    working = n * layer_saved(d, s) + extra  # a recomputed layer's backward
+    prefix = prefix_kv_bytes(cfg, d, s, n, prompt)  # per layer, shared-prefix layout only
+    working = n * layer_saved(d, s) + prefix + extra  # a recomputed layer's backward
     kept = L
     if mode == "hidden_states" and layer_input >= cfg.offload.min_tensor_bytes:
         kept = min(L, cfg.offload.keep_last_layers)
     host = (L - kept) * layer_input if mode == "hidden_states" else 0
 
     def saved_up_to(i: int) -> int:  # without checkpointing: layers 0..i keep everything
-        return n * (layer_saved(d, s, first=True) + i * layer_saved(d, s))
+        return n * (layer_saved(d, s, first=True) + i * layer_saved(d, s)) + (i + 1) * prefix
 
     def at_layer(i: int) -> int:
         if mode == "none" and not cfg.model.gradient_checkpointing:
@@ -393,6 +396,18 @@ def _activations(
     moments = [before_head + head, all_grads]
     moments += [at_layer(i) + head_grad + (L - i) * layer_grad for i in range(L)]
     return max(0, max(moments) - all_grads - head), host
+
+
+def prefix_kv_bytes(cfg, d: Dims, s: Setup, tokens: int, prompt: int) -> int:
+    """Per layer, what the shared-prefix layout saves beyond plain packing (estimated): the
+    per-segment kernel gathers each completion's keys and values as [its group's prompt;
+    its own tokens], so a prompt laid once is saved G times in K and V. The buckets' masks,
+    indices and padding (a few % more, measured on CPU) are left out."""
+    if not shared_prefix(cfg, prompt, s.kernel):
+        return 0
+    new, group = cfg.rollout.max_new_tokens, cfg.rollout.num_generations
+    groups = tokens / (prompt + group * new)
+    return math.ceil(groups * group * prompt * 2 * d.kv_heads * d.head_dim * s.b)
 
 
 def _kv_cache(cfg, d: Dims, s: Setup, prompt: int, world_size: int) -> int:
