@@ -214,9 +214,19 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def plan_for(model_name: str, cfg: Config) -> dict[str, int]:
+    """`leangrpo plan` for this case: its micro-batch, its prompt length, its model's shape."""
+    return plan_memory(
+        cfg,
+        tokens=cfg.train.micro_batch_tokens,
+        dims=planner_dims(model_name),
+        prompt_tokens=SHAPES[model_name]["prompt"],
+    )
+
+
 def add_plan(row: dict, model_name: str, cfg: Config) -> None:
     """`leangrpo plan`'s figure for every term, and measured / planned where both exist."""
-    plan = plan_memory(cfg, tokens=cfg.train.micro_batch_tokens, dims=planner_dims(model_name))
+    plan = plan_for(model_name, cfg)
     measured = row["measured"]
     peak = row.get("train_peak_bytes")
     if peak is not None and measured.get("lm_head") is not None:
@@ -253,7 +263,7 @@ def case_rows(model_name: str, device: torch.device, variants=VARIANTS):
             row.update(time_s=None, peak_bytes=None, error=f"{type(err).__name__}: {err}"[:300])
         free_memory(device)
         if row.get("oom"):
-            planned = plan_memory(cfg, cfg.train.micro_batch_tokens, planner_dims(model_name))
+            planned = plan_for(model_name, cfg)
             row["planned_total"] = sum(planned[t] for t in TERMS)
         elif "error" not in row:
             _summarise(row, base, model_name, cfg)

@@ -91,17 +91,11 @@ def build_model(
 
 
 def planner_dims(name: str):
-    """`leangrpo.planner.Dims` of `name`, for `plan_memory(cfg, dims=...)`."""
-    from leangrpo.planner import Dims
+    """`leangrpo.planner.Dims` of `name`, for `plan_memory(cfg, dims=...)`: read the way
+    `leangrpo plan` reads a config.json (Qwen2's q/k/v biases included)."""
+    from leangrpo.planner import dims_from_json
 
-    c = CONFIGS[name]
-    return Dims(
-        vocab=c["vocab_size"],
-        hidden=c["hidden_size"],
-        intermediate=c["intermediate_size"],
-        layers=c["num_hidden_layers"],
-        heads=c["num_attention_heads"],
-        kv_heads=c["num_key_value_heads"],
-        head_dim=c["hidden_size"] // c["num_attention_heads"],
-        tied=c["tie_word_embeddings"],
+    fields = dict(CONFIGS[name])
+    return dims_from_json(
+        {"model_type": fields.pop("arch"), **fields}, f"benchmarks/models.py {name}"
     )

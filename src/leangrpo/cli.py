@@ -46,6 +46,18 @@ def _parser() -> argparse.ArgumentParser:
                 default=None,
                 help="tokens per micro-batch to plan for (default: train.micro_batch_tokens)",
             )
+            p.add_argument(
+                "--prompt-tokens",
+                type=int,
+                default=None,
+                help="longest prompt in tokens (default: data.max_prompt_tokens, else 512)",
+            )
+            p.add_argument(
+                "--world-size",
+                type=int,
+                default=None,
+                help="torchrun ranks, sharded with FSDP (default: $WORLD_SIZE, else 1)",
+            )
     rep = sub.add_parser(
         "report", help="summarise a run directory (and plot it if matplotlib is installed)"
     )
@@ -85,10 +97,12 @@ def _dispatch(args) -> int:
         return _train(args)
     if args.command == "plan":
         from leangrpo.config import load_config
-        from leangrpo.planner import plan_memory, render_plan
+        from leangrpo.planner import plan_memory, render_plan, world_size_from_env
 
         cfg = load_config(args.config, args.overrides)
-        print(render_plan(plan_memory(cfg, tokens=args.tokens)))
+        world = args.world_size or world_size_from_env()
+        given = dict(tokens=args.tokens, prompt_tokens=args.prompt_tokens, world_size=world)
+        print(render_plan(plan_memory(cfg, **given), cfg, **given))
         return 0
     from leangrpo.report import report
 

@@ -82,6 +82,21 @@ def check_model_files(model_cfg: Any, fetch: bool = False) -> ModelFiles:
     return ModelFiles(config_file.parent, *context_length(_read_config(config_file.parent, key)))
 
 
+def read_model_config(model_cfg: Any) -> dict:
+    """config.json of `model.name_or_path` (a local directory, or a hub id fetched when not
+    cached) as a dict, without torch or transformers (`leangrpo plan`)."""
+    name = model_cfg.name_or_path
+    key = f"model.name_or_path = {name!r}"
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return _read_config(path, key)
+    if name.startswith(("/", ".", "~")) or not HUB_ID.match(name):
+        raise ModelFilesError(
+            f"{key}: no such directory ({path.resolve()}); point it at a model directory or a Hugging Face hub id such as Qwen/Qwen2.5-0.5B-Instruct."
+        )
+    return _read_config(_hub_config(name, model_cfg.revision, key, fetch=True).parent, key)
+
+
 def _hub_config(repo: str, revision: str | None, key: str, fetch: bool) -> Path | None:
     from huggingface_hub import hf_hub_download, try_to_load_from_cache
 

@@ -1,0 +1,192 @@
+"""What one training pass keeps alive, in bytes per token: the inventory behind `leangrpo plan`.
+
+Read off the code paths the trainer runs (transformers' Llama / Qwen2 / Qwen3 decoder
+layers, peft's LoRA Linear, leangrpo's attention kernels, chunked log-probs and loss) and
+checked on CPU against the tensors autograd really saves (tests/test_planner_measured.py).
+Notation per token: H hidden, A = heads x head_dim (queries), K = kv_heads x head_dim,
+I intermediate, r LoRA rank, b bytes of the model dtype, a bytes of the adapters.
+
+Saved for backward by one decoder layer (exact, given the flags of `Setup`):
+- RMSNorm: its input in fp32 (a copy when b < 4) and the (N, 1) rsqrt, when its input needs
+  a gradient (not layer 0's first norm under LoRA: the frozen embeddings need none); plus
+  the normalised input in b when its weight trains (full fine-tuning).
+- The input X of a linear: once, in b, when the base weight trains, or when LoRA adapts it
+  and uses X as is (adapters in the model dtype, no dropout). peft keeps adapters in fp32
+  when the base is bf16/fp16 (`autocast_adapter_dtype=True`) and casts X to fp32 for each
+  adapted linear: one fp32 copy per adapter (q, k and v each copy the same input). With
+  lora.dropout > 0 each adapter saves its dropped-out input (a) and the mask (a bool mask
+  on CUDA's fused dropout, a mask in a on CPU, where dropout is a multiply).
+  Each adapter also saves its (N, r) down-projection, in a.
+- Attention: q and k after rotary, v, the kernel's output (A) and its log-sum-exp (fp32,
+  one per head); the per-segment SDPA and flex kernels return a transposed output that is
+  copied once more before o_proj, the varlen kernels (flash, torch) do not.
+- MLP: gate output, its SiLU and the up output (3 I in b), and the product, down's input.
+Outside the layers: rotary cos and sin (2 x head_dim in b, shared by every layer) and the
+per-segment kernel's two int64 token indices, the
+final norm, the (T, H) hidden rows gathered for the lm_head, and the loss's per-token
+vectors (estimated, LOSS_BYTES_PER_TOKEN). Tensors the batch already holds (ids,
+positions, indices) are not counted.
+
+Backward working set of one layer (`backward_extra`): what a layer's backward allocates
+beyond its saved tensors at its worst moment, measured on CPU (the same autograd graph
+runs on CUDA): the gradient flowing in, the MLP's (N, I) gradients, and under LoRA with
+fp32 adapters their fp32 gradients. An estimate, within a few % of the measured peaks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTN_IN, MLP_IN = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
+LOSS_BYTES_PER_TOKEN = 32  # the loss's (T,) vectors saved for backward: 14-27 measured
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The switches the inventory depends on."""
+
+    b: int  # bytes per element of the model dtype
+    lora: bool
+    adapted: frozenset[str]  # the LoRA-adapted linears of each layer (empty: full FT)
+    r: int
+    a: int  # bytes per adapter element
+    dropout_mask: int  # bytes per element of a LoRA dropout mask (0: no dropout)
+    kernel: str  # "varlen" | "varlen_repeat_kv" | "segments" (see attention_kernel)
+
+    @property
+    def cast(self) -> bool:
+        """peft casts each adapter's input to the adapter dtype (a copy)."""
+        return self.lora and self.a != self.b
+
+
+def adapted_linears(target_modules) -> frozenset[str]:
+    """peft's 'all-linear' is every linear but the head; a list names modules by suffix."""
+    if target_modules == "all-linear":
+        return frozenset(LINEARS)
+    return frozenset(n for n in LINEARS if any(n == t or n.endswith(t) for t in target_modules))
+
+
+def attention_kernel(backend: str, device: str, b: int) -> str:
+    """The attention path's memory class: varlen kernels need bf16/fp16 on CUDA (fp32 falls
+    back to per-segment SDPA); 'auto' on CPU is per-segment SDPA. torch_varlen without
+    enable_gqa (older torch) would repeat K and V: pass "varlen_repeat_kv" explicitly."""
+    if device == "cpu" or b == 4:
+        return "segments"
+    return "segments" if backend in ("sdpa_segments", "flex") else "varlen"
+
+
+def _norm(s: Setup, width: int, input_grad: bool) -> int:
+    saved = 4 * width + 4 if input_grad else 0  # fp32 input, (N, 1) rsqrt
+    return saved + (0 if s.lora else s.b * width)  # normalised input, for the weight's grad
+
+
+def _inputs(s: Setup, width: int, consumers: tuple[str, ...], input_grad: bool = True) -> int:
+    """Bytes per token saved for the linears reading one input of `width` features (a
+    dropout mask only matters, and is only saved, when the input needs a gradient)."""
+    if not s.lora:
+        return s.b * width
+    adapted = [c for c in consumers if c in s.adapted]
+    shared = bool(adapted) and not s.cast and not s.dropout_mask
+    out = s.b * width if shared else 0
+    for _ in adapted:
+        if s.dropout_mask:
+            out += (s.a + (s.dropout_mask if input_grad else 0)) * width  # dropped input, mask
+        elif s.cast:
+            out += s.a * width
+        out += s.a * s.r  # lora_A's output, read by lora_B
+    return out
+
+
+def layer_saved(d, s: Setup, first: bool = False) -> int:
+    """Bytes per token one decoder layer saves for backward (`first`: layer 0)."""
+    H, A, K, b = d.hidden, d.heads * d.head_dim, d.kv_heads * d.head_dim, s.b
+    grad_in = not (s.lora and first)  # under LoRA layer 0's input needs no gradient
+    attn = _norm(s, H, grad_in) + _inputs(s, H, ATTN_IN, grad_in)
+    if d.qk_norm:  # per-head RMSNorm on q and k before rotary
+        attn += 4 * (A + K) + 4 * (d.heads + d.kv_heads) + (0 if s.lora else b * (A + K))
+    kv = 2 * b * A if s.kernel == "varlen_repeat_kv" else 2 * b * K  # k after rotary, v
+    attn += b * A + kv + b * A + 4 * d.heads  # q after rotary, k, v, output, log-sum-exp
+    o_in = _inputs(s, A, ("o_proj",))
+    if s.kernel != "segments" and o_in >= b * A and (not s.lora or not (s.cast or s.dropout_mask)):
+        o_in -= b * A  # o_proj reads the kernel's own output: already counted
+    mlp = _norm(s, H, input_grad=True) + _inputs(s, H, MLP_IN) + 3 * b * d.intermediate
+    return attn + o_in + mlp + _inputs(s, d.intermediate, ("down_proj",))
+
+
+def rotary_bytes(d, s: Setup) -> int:
+    """Per token, what one forward builds once for every layer: rotary cos and sin, (N,
+    head_dim) each in the model dtype, and with the per-segment kernel the batched SDPA's two
+    int64 token indices (into the buckets and back). Under checkpointing the layers' frames
+    hold them rather than autograd's saved tensors: alive all the same."""
+    return 2 * d.head_dim * s.b + (16 if s.kernel == "segments" else 0)
+
+
+def final_norm_bytes(d, s: Setup) -> int:
+    return _norm(s, d.hidden, input_grad=True)
+
+
+def backward_extra(d, s: Setup) -> int:
+    """Bytes per token one layer's backward holds beyond its saved tensors (estimate)."""
+    H, I, b = d.hidden, d.intermediate, s.b  # noqa: E741
+    g = 4 if s.cast else b  # gradients through fp32 adapters are fp32
+    return b * H + g * I + b * I + 4 * H
+
+
+def head_bytes(
+    rows: int,
+    hidden: int,
+    vocab: int,
+    b: int,
+    tiles: tuple[int, int] | None,
+    weight_grad: bool,
+    filtered: bool = False,
+) -> int:
+    """Peak extra bytes of the log-prob head (forward, then backward, with entropy) over
+    `rows` completion rows of hidden (its input: counted with the activations).
+
+    Chunked (`tiles` = (row_tile, vocab_tile)): at worst three fp32 tiles are alive (forward:
+    a tile's logits and exponentials while the next tile's logits or the entropy product
+    are made; backward: the previous tile's gradient, this tile's logits and
+    probabilities), plus in backward the previous gradient's copy in b for the matmuls
+    when b < 4, and two bool tiles when a top-k / min-p filter is on. Then the gradients:
+      rows outer:  hidden's gradient (N, H) in b, one row tile's fp32 accumulator and its
+                   matmul's output in b (when b < 4); a trained weight's fp32 (V, H)
+                   gradient (converted to b at the end when b < 4);
+      vocab outer (a trained bf16/fp16 weight and N < V): an fp32 (N, H) hidden gradient,
+                   an fp32 (vocab_tile, H) weight tile, the (V, H) gradient in b;
+    and the (N,) fp32 vectors: log-probs, entropy, log-normaliser (+ the filter threshold)
+    and, in backward, their two incoming gradients. Full logits (`tiles` None): measured
+    FULL_LOGITS_BYTES per (row, vocab) element (the (N, V) logits in fp32, scaled,
+    log-softmaxed, their exponentials and gradients), plus the vectors.
+    """
+    vectors = rows * 4 * (5 + filtered)
+    if tiles is None:
+        return rows * vocab * FULL_LOGITS_BYTES + vectors + rows * hidden * b
+    row_tile, vocab_tile = min(tiles[0], rows), min(tiles[1], vocab)
+    tile = row_tile * vocab_tile
+    lower = b if b < 4 else 0  # a copy in the model dtype exists only when it differs
+    tiles_bytes = (3 * 4 + 2 * filtered) * tile
+    matmul_out = row_tile * hidden * lower
+    if weight_grad and lower and rows < vocab:  # vocabulary outer
+        grads = rows * hidden * 4 + vocab_tile * hidden * 4 + vocab * hidden * b
+        end = rows * hidden * (4 + b) + vocab * hidden * b
+    else:
+        weight = vocab * hidden * 4 if weight_grad else 0
+        grads = rows * hidden * b + row_tile * hidden * 4 + weight
+        end = rows * hidden * b + weight + (vocab * hidden * b if weight_grad and lower else 0)
+    backward = tiles_bytes + lower * tile + matmul_out + grads
+    return vectors + max(backward, end)
+
+
+# bytes per (row, vocab) element at the full-logits path's peak (measured on CPU, fp32 and
+# bf16 alike: the logits are upcast to fp32 at once)
+FULL_LOGITS_BYTES = 20
+
+
+def kv_cache_bytes(d, rows: int, length: int, b: int) -> int:
+    """transformers' DynamicCache after `length` positions: K and V per layer, (rows,
+    kv_heads, length, head_dim) in the model dtype, plus one layer's K while
+    `torch.cat` grows it (the old and the new tensor coexist)."""
+    per_layer = rows * length * d.kv_heads * d.head_dim * b
+    return 2 * d.layers * per_layer + per_layer
