@@ -1,10 +1,12 @@
-"""hf-engine generation alone on the demo and padding-heavy cases, A/B (issue 12).
+"""hf-engine generation alone on the demo, padding-heavy and large-vocabulary cases, A/B.
 
     python benchmarks/hf_decode.py --case padding --baseline-src /tmp/base/src
+    python benchmarks/hf_decode.py --case vocab --baseline-src /tmp/base/src
     python benchmarks/hf_decode.py --case padding --compact 0,0.25,0.5,1.01
 
 Each run loads the case's model and prompts (benchmarks/step_overhead.py builds the
-padding case), then times `HFEngine.generate(prompts, temperature 1, seed=rep, n=8)`
+padding case; `vocab` is vs_trl's case (c) model: a random 4-layer Llama with SmolLM2's
+49,152-token vocabulary and tokenizer, 4 prompts, 64 new tokens), then times `HFEngine.generate(prompts, temperature 1, seed=rep, n=8)`
 `--reps` times: wall and process CPU seconds (on a shared machine CPU seconds are the
 steadier figure for a one-thread run), completion tokens per second (wall). Runs of the
 variants alternate (baseline in a subprocess per repeat). `--compact` sweeps
@@ -31,6 +33,15 @@ def case_files(case: str, workdir: Path) -> tuple[Path, Path, int, int]:
     """(model dir, train file, prompts, max new tokens) as step_overhead.py runs them."""
     if case == "demo":
         return ROOT / "examples/demo/model", ROOT / "examples/demo/train.jsonl", 16, 6
+    if case == "vocab":
+        from vs_trl_cases import random_model
+
+        from leangrpo.smollm2 import smollm2_dir
+
+        model = workdir / "vocab" / "model"
+        if not (model / "config.json").exists():
+            random_model(model, smollm2_dir(), 49152, eos=2, pad=2, bos=1)
+        return model, ROOT / "examples/demo/train.jsonl", 4, 64
     from step_overhead import padding_case
 
     model, train, _ = padding_case(workdir)
@@ -100,7 +111,7 @@ def in_subprocess(src: Path, args, workdir: Path) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--case", default="padding", choices=["demo", "padding"])
+    p.add_argument("--case", default="padding", choices=["demo", "padding", "vocab"])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3, help="alternations of the variants")
     p.add_argument("--baseline-src", type=Path)

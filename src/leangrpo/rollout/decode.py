@@ -9,9 +9,9 @@ rows), so a prompt is forwarded once, not n times. Each step then:
 1. turns the last logits of the running rows (b, V) into scores with
    `sampling.process_logits` (temperature, top-k, top-p, min-p, in the order the trainer
    reproduces);
-2. samples one token per running row with `torch.multinomial(..., generator=...)`
-   (argmax at temperature 0) and records its log-prob, score[token] - logsumexp(scores)
-   (b,): the full (b, V) log-softmax is never stored;
+2. samples one token per running row by inverse CDF with one uniform from the row's
+   generator (`sample_categorical`; argmax at temperature 0) and records its log-prob,
+   score[token] - logsumexp(scores) (b,): the full (b, V) log-softmax is never stored;
 3. moves the tokens to the host (the one sync per step: EOS and stop strings are checked
    there). Finished rows stay in the batch, fed their last token and never sampled, until
    they are COMPACT_FRACTION of it; then they leave the batch and the cache (one copy), so
@@ -23,7 +23,7 @@ Choices:
 - Randomness comes only from the generators passed in: the global torch RNG is never read
   or seeded, so a producer thread cannot disturb the trainer's dropout masks (or the
   reverse). With one generator per prompt, a prompt's rows draw from their own stream
-  (one `multinomial` per prompt and step), so a group's samples do not depend on which
+  (one draw per prompt and step), so a group's samples do not depend on which
   prompts share the call: a torchrun rank generating its share of a batch draws what one
   process generating the whole batch draws (given the same logits). Only running rows
   draw, in row order, so when finished rows leave the batch changes no draw.
@@ -115,6 +115,8 @@ def decode(
         tokens, logprobs = _sample_rows(live_logits, params, generator, live_rows, n)  # (live,)
         steps.append((live_rows, logprobs))
         host = tokens.tolist()
+        if host and min(host) < 0:
+            raise RuntimeError("the model's logits are not finite: no token can be sampled")
         running = [i for i, token in zip(state.live, host)
                    if not _finished(out[state.rows[i]], token, eos_ids, params.stop, stop_text)]  # fmt: skip
         if not running or t + 1 == params.max_new_tokens:
@@ -160,13 +162,47 @@ def sample_next(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(b, V) logits -> sampled tokens (b,) and their processed log-probs (b,) in float32."""
     scores = process_logits(logits, params.temperature, params.top_k, params.top_p, params.min_p)
-    log_z = torch.logsumexp(scores, dim=-1)  # (b,)
     if params.temperature == 0:
         tokens = scores.argmax(dim=-1)
-    else:
-        probs = (scores - log_z[:, None]).exp_()  # filtered entries are exactly 0
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-    return tokens, scores.gather(1, tokens[:, None]).squeeze(1) - log_z
+        return tokens, scores.gather(1, tokens[:, None]).squeeze(1) - scores.logsumexp(-1)
+    peak = scores.amax(dim=-1, keepdim=True)  # (b, 1)
+    weights = (scores - peak).exp_()  # (b, V) in (0, 1], filtered entries exactly 0
+    tokens, total = sample_categorical(weights, generator)  # (b,), (b,) float64
+    log_z = peak.squeeze(1) + total.log().float()
+    return tokens, scores.gather(1, tokens.clamp(min=0)[:, None]).squeeze(1) - log_z
+
+
+def sample_categorical(
+    weights: torch.Tensor, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One draw per row from unnormalised weights (b, V) >= 0, by inverse CDF in float64.
+
+    Two levels, so no (b, V) float64 tensor is built: block sums (b, V / BLOCK) pick the
+    block, a cumulative sum inside that block picks the token. A zero weight is never
+    drawn (the CDF does not rise there) and one uniform per row is the only randomness,
+    where `torch.multinomial` draws V exponentials per row (on CPU most of a large-vocab
+    decode step). Returns the tokens (b,), -1 for a row whose weights are not finite, and
+    the weight totals (b,).
+    """
+    b, vocab = weights.shape
+    blocks = torch.nn.functional.pad(weights, (0, -vocab % BLOCK)).view(b, -1, BLOCK)
+    block_cdf = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # (b, nb)
+    total = block_cdf[:, -1:]  # (b, 1)
+    u = torch.rand(b, 1, generator=generator, dtype=torch.float64, device=weights.device)
+    x = torch.minimum(u * total, total * _BELOW_ONE)  # (b, 1) in [0, total)
+    block = torch.searchsorted(block_cdf, x, right=True)  # (b, 1): the first cdf > x
+    block = block.clamp_(max=block_cdf.shape[1] - 1)  # reached only by a NaN row
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+    inner = blocks.gather(1, block[:, :, None].expand(b, 1, BLOCK)).squeeze(1)  # (b, BLOCK)
+    inner_cdf = inner.cumsum(-1, dtype=torch.float64)
+    rest = torch.minimum((x - before).clamp(min=0), inner_cdf[:, -1:] * _BELOW_ONE)
+    offset = torch.searchsorted(inner_cdf, rest, right=True)  # (b, 1), < BLOCK
+    tokens = torch.where(torch.isfinite(total), block * BLOCK + offset, -1)  # -1: NaN/inf row
+    return tokens.squeeze(1), total.squeeze(1)
+
+
+BLOCK = 256  # tokens per first-level block of sample_categorical
+_BELOW_ONE = 1.0 - 2.0**-52  # keeps a draw strictly below its total despite rounding
 
 
 def _sample_rows(logits, params, generator, rows: list[int], n: int):
