@@ -221,3 +221,9 @@ def test_device_transfer_keeps_shapes_and_dtypes():
             other = getattr(moved, name)
             assert other.device.type == "meta", name
             assert (other.shape, other.dtype) == (value.shape, value.dtype), name
+
+
+def test_metrics_of_an_empty_plan_are_defined():
+    """empty_batch.py: a batch with no scored sample plans no micro-batch."""
+    metrics = packing_metrics([], [], "attention", packed_tokens=[])
+    assert metrics["packing/tokens"] == 0.0 and metrics["packing/balance"] == 1.0

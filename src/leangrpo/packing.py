@@ -392,5 +392,5 @@ def packing_metrics(
         "packing/padding_ratio": 0.0,
         "packing/tokens": float(sum(tokens)),
         "packing/micro_batches": float(len(plan)),
-        "packing/balance": max(cost) / max(1, min(cost)),
+        "packing/balance": max(cost) / max(1, min(cost)) if cost else 1.0,  # no micro-batch
     }

@@ -54,6 +54,7 @@ from leangrpo.pipeline_batch import (  # noqa: F401  (re-exported: leangrpo.pipe
     ReplayBuffer,
     RolloutSettings,
     RolloutWorker,
+    _seeded,
     check_staleness,
 )
 
