@@ -87,27 +87,9 @@ def padding_case(workdir: Path) -> tuple[Path, Path, Path]:
                 }
             lines.append(json.dumps(row))
         (out / name).write_text("\n".join(lines) + "\n")
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+    from vs_trl_cases import random_model  # the same seeded model vs_trl's case (b) runs
 
-    config = LlamaConfig(
-        vocab_size=32,
-        hidden_size=128,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        eos_token_id=1,
-        pad_token_id=0,
-        bos_token_id=None,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 1, 0
-    model.save_pretrained(out / "model")
-    AutoTokenizer.from_pretrained(demo / "model").save_pretrained(out / "model")
+    random_model(out / "model", demo / "model", 32, eos=1, pad=0, bos=None)
     (out / "done").write_text("")
     return out / "model", out / "train.jsonl", out / "eval.jsonl"
 
