@@ -43,6 +43,8 @@ def test_rows_draw_independently_and_reproducibly_from_their_generator():
     a, _ = sample_categorical(w, torch.Generator().manual_seed(1))
     b, _ = sample_categorical(w, torch.Generator().manual_seed(1))
     assert torch.equal(a, b)
+    whole = torch.rand(1, 2 * BLOCK).expand(3, -1)  # whole blocks, not contiguous
+    assert sample_categorical(whole, torch.Generator().manual_seed(1))[0].shape == (3,)
     one_hot = torch.full((2, 700), 0.0)
     one_hot[0, 3], one_hot[1, 699] = 1.0, 1e-30  # a lone weight is drawn however small
     tokens, _ = sample_categorical(one_hot, torch.Generator().manual_seed(2))

@@ -185,7 +185,8 @@ def sample_categorical(
     the weight totals (b,).
     """
     b, vocab = weights.shape
-    blocks = torch.nn.functional.pad(weights, (0, -vocab % BLOCK)).view(b, -1, BLOCK)
+    padded = torch.nn.functional.pad(weights, (0, -vocab % BLOCK)) if vocab % BLOCK else weights
+    blocks = padded.reshape(b, -1, BLOCK)  # (b, nb, BLOCK), zero weights in the padding
     block_cdf = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # (b, nb)
     total = block_cdf[:, -1:]  # (b, 1)
     u = torch.rand(b, 1, generator=generator, dtype=torch.float64, device=weights.device)
