@@ -30,6 +30,9 @@ import torch
 
 from leangrpo.logprobs import DEFAULT_TILES, chunked_logprobs, naive_logprobs
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from device_info import device_name  # noqa: E402
+
 BENCH = "logprob_memory"
 
 
@@ -277,16 +280,6 @@ def measure_inprocess(case: Case, variant: str, frozen: bool, tiles: dict, warmu
 def resolve_tiles(case: Case, args: argparse.Namespace) -> tuple[int, int]:
     rows, vocab = DEFAULT_TILES.get(case.device, DEFAULT_TILES["cuda"])
     return args.row_tile or rows, args.vocab_tile or vocab
-
-
-def device_name(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name()
-    with open("/proc/cpuinfo") as f:
-        model = next(
-            (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "cpu"
-        )
-    return f"{model} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
 
 
 def main() -> None:

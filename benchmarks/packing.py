@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import random
 import sys
 import time
@@ -29,6 +28,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from device_info import device_name  # noqa: E402
 
 from leangrpo.attention import (  # noqa: E402
     PREFIX_BACKENDS,
@@ -112,7 +114,7 @@ def layout_rows(model, samples, device, repeats: int, backends, chunked: bool = 
     padding = 1 - plain.num_tokens / padded_tokens
     info = {
         "bench": "packing",
-        "device": _device_name(device),
+        "device": device_name(device.type),
         "sequences": len(samples),
         "padding_fraction": round(padding, 4),
         "ideal_speedup": round(1 / (1 - padding), 4),
@@ -343,7 +345,7 @@ def main() -> None:
     prompt_tokens = sum(len(s.prompt.ids) for s in samples)
     info = {
         "bench": "packing",
-        "device": _device_name(device),
+        "device": device_name(device.type),
         "dtype": str(dtype).split(".")[-1],
         "backend": backend,
         "sequences": len(samples),
@@ -390,12 +392,6 @@ def _check_agreement(model, padded, plain, prefix, dtype, backend, prefix_backen
     err = max((a - b).abs().max().item(), (b - c).abs().max().item())
     if err > tol:
         raise SystemExit(f"packed log-probs disagree with padded ones by {err:.3g} (> {tol})")
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from device_info import device_name  # noqa: E402
 from vs_trl_cases import prepare_case  # noqa: E402
 
 BENCH = "vs_trl"
@@ -182,7 +183,7 @@ def summarise(case: Case, variant: str, runs: list[dict], device: str) -> dict:
 
 def run_case(case: Case, args) -> list[dict]:
     variants = [v for v in VARIANTS if args.only in (None, v)]
-    device = device_name(args.device)
+    device = device_name(args.device, threads=1)  # every run uses one thread on CPU
     with tempfile.TemporaryDirectory(prefix=f"vs_trl_{case.name}_") as tmp:
         workdir = Path(tmp)
         prepare_case(case, workdir, ROOT)
@@ -205,18 +206,6 @@ def run_case(case: Case, args) -> list[dict]:
                 if "error" not in a and "error" not in b
             ]
     return rows
-
-
-def device_name(device: str) -> str:
-    import torch
-
-    if device == "cuda":
-        return torch.cuda.get_device_name()
-    with open("/proc/cpuinfo") as f:
-        model = next(
-            (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "cpu"
-        )
-    return f"{model} ({os.cpu_count()} cores, 1 torch thread, load {os.getloadavg()[0]:.1f})"
 
 
 def main() -> None:
