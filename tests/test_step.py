@@ -247,3 +247,68 @@ def test_step_host_reads_do_not_grow_with_micro_batches(mask_truncated):
     assert counts[0] == counts[1] == 2 + mask_truncated
     torch.testing.assert_close(results[1]["loss"], results[0]["loss"], rtol=1e-5, atol=1e-6)
     assert results[0]["is/weight_mean"] == pytest.approx(results[1]["is/weight_mean"])
+
+
+def group_samples(prompt_len: int, comp_lens: list[list[int]]) -> list[RolloutSample]:
+    """One group per entry of comp_lens, each with its own prompt of prompt_len tokens."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for gid, lens in enumerate(comp_lens):
+        prompt = torch.randint(2, 64, (prompt_len,), generator=g).tolist()
+        for n in lens:
+            comp = torch.randint(2, 64, (n,), generator=g).tolist()
+            lps = (-torch.rand(n, generator=g) * 3 - 1).tolist()
+            adv = float(torch.randn(1, generator=g))
+            out.append(
+                RolloutSample(
+                    gid,
+                    Prompt(gid, "", prompt),
+                    Completion(comp, "", lps, "stop", 0),
+                    reward=adv,
+                    advantage=adv,
+                )
+            )
+    return out
+
+
+def step_gradient(samples, loss_type: str, shared_prefix: str, budget: int):
+    """The step's plan, loss, metrics and accumulated gradient (lr 0: read at the step)."""
+    cfg = plan_cfg(1)
+    cfg.loss = SimpleNamespace(**{**vars(CFG.loss), "type": loss_type})
+    cfg.train.micro_batch_tokens = budget
+    cfg.packing.shared_prefix = shared_prefix
+    policy, _ = policy_and_optimizer()
+    optimizer = torch.optim.SGD(policy.model.parameters(), lr=0.0)
+    grads = {}
+
+    def keep(model=policy.model):
+        grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+
+    optimizer.step = keep
+    (step,) = plan_steps(samples, cfg, policy)
+    result = train_step(
+        policy, step.micro_batches, optimizer, cfg, SamplingParams(), LossConfig.from_config(cfg.loss)
+    )
+    return step, result.metrics, grads
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_a_split_shared_prefix_group_trains_like_the_plain_and_unsplit_layouts(loss_type):
+    """prefix_budget.py: a group over train.micro_batch_tokens is split across micro-batches,
+    its prompt once in each; loss, IS metrics and gradient equal the other layouts."""
+    samples = group_samples(10, [[3, 6, 4, 5], [2, 5, 6]])  # groups of 28 and 23 tokens
+    budget = 24
+    split, split_metrics, split_grads = step_gradient(samples, loss_type, "on", budget)
+    assert split.metrics["packing/shared_prefix"] == 1.0
+    assert split.metrics["packing/split_groups"] == 1.0  # only the 28-token group
+    assert [mb.num_tokens for mb in split.micro_batches] == [24, 14, 23]  # 10 + 14 and 10 + 4
+    assert max(float(g.abs().max()) for g in split_grads.values()) > 1e-3  # a real gradient
+    for reference in (("off", budget), ("on", 1000)):  # plain; shared prefix, one micro-batch
+        ref, ref_metrics, ref_grads = step_gradient(samples, loss_type, *reference)
+        assert ref.metrics["packing/split_groups"] == 0.0
+        names = ("loss", "grad_norm", "loss/tokens", "loss/sequences", "loss/entropy")
+        for name in (*names, "is/weight_mean", "is/mismatch_kl"):
+            assert split_metrics[name] == pytest.approx(ref_metrics[name], rel=1e-5, abs=1e-6)
+        assert split_grads.keys() == ref_grads.keys()
+        for name in ref_grads:
+            torch.testing.assert_close(split_grads[name], ref_grads[name], atol=1e-6, rtol=1e-5)
