@@ -14,7 +14,14 @@ from leangrpo.contracts import Completion, Prompt, RolloutBatch, RolloutSample, 
 from leangrpo.loss import LossConfig
 from leangrpo.model import Policy
 from leangrpo.packing import pack_samples
-from leangrpo.step import BatchInProgress, normalisers, plan_steps, reduce_is_metrics, train_step
+from leangrpo.step import (
+    BatchInProgress,
+    loss_inputs,
+    normalisers,
+    plan_steps,
+    reduce_is_metrics,
+    train_step,
+)
 
 CFG = SimpleNamespace(
     loss=SimpleNamespace(
@@ -312,3 +319,37 @@ def test_a_split_shared_prefix_group_trains_like_the_plain_and_unsplit_layouts(l
         assert split_grads.keys() == ref_grads.keys()
         for name in ref_grads:
             torch.testing.assert_close(split_grads[name], ref_grads[name], atol=1e-6, rtol=1e-5)
+
+
+def test_bypass_applies_no_is_weight_whatever_the_is_mode():
+    """bypass_ignores_is_mode.py: in bypass the behaviour log-probs are the old ones, so no IS
+    weight exists and is_mode / is_cap / is_min change nothing (preflight lists them as
+    ignored); the same settings do change a decoupled step."""
+    samples = make_samples([1.0, -1.0, 0.5, -0.5])
+    modes = [("token_truncate", 2.0, 0.0), ("token_mask", 1.05, 0.95), ("sequence_mask", 1.01, 0.99)]
+    results = {}
+    for correction in ("bypass", "decoupled"):
+        for mode, cap, low in modes:
+            cfg = SimpleNamespace(**vars(CFG))
+            setting = {"is_correction": correction, "is_mode": mode, "is_cap": cap, "is_min": low}
+            cfg.loss = SimpleNamespace(**{**vars(CFG.loss), **setting})
+            policy, _ = policy_and_optimizer()
+            optimizer = torch.optim.SGD(policy.model.parameters(), lr=0.0)
+            grads = {}
+            optimizer.step = lambda m=policy.model, g=grads: g.update(
+                {n: p.grad.clone() for n, p in m.named_parameters()}
+            )
+            batch = pack_samples(samples)
+            logprobs = torch.full((batch.num_completion_tokens,), -3.0)
+            inputs, is_metrics = loss_inputs(batch, logprobs, None, cfg)
+            if correction == "bypass":
+                assert inputs.is_weights is None and is_metrics == {}
+                assert torch.equal(inputs.old_logprobs, batch.behaviour_logprobs)
+            loss_cfg = LossConfig.from_config(cfg.loss)
+            train_step(policy, [batch], optimizer, cfg, SamplingParams(), loss_cfg)
+            results[correction, mode] = grads
+    for correction, equal in (("bypass", True), ("decoupled", False)):
+        first = results[correction, modes[0][0]]
+        for mode, _, _ in modes[1:]:
+            same = all(torch.equal(first[n], results[correction, mode][n]) for n in first)
+            assert same == equal, (correction, mode)

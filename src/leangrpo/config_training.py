@@ -170,11 +170,11 @@ class LossConfig(Section):
     mu: int = Field(1, ge=1, description="Optimisation passes over each generation batch.")
     is_correction: Literal["decoupled", "bypass", "none"] = Field(
         "decoupled",
-        description="Off-policy correction: 'decoupled' = trainer old log-probs + behaviour IS weights; 'bypass' = ratio against behaviour log-probs; 'none'.",
+        description="Off-policy correction: 'decoupled' = trainer old log-probs + behaviour IS weights; 'bypass' = the clipped ratio against the behaviour log-probs, no IS weights (is_mode, is_cap, is_min unused); 'none'.",
     )
     is_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field(
         "token_truncate",
-        description="IS weight level (token or sequence) and how large weights are handled (truncated at is_cap, or masked out).",
+        description="IS weight level (token or sequence) and how large weights are handled (truncated at is_cap, or masked out); decoupled mode only.",
     )
     is_cap: float = Field(
         2.0, gt=0, description="Largest IS weight kept (truncate) or allowed (mask)."
