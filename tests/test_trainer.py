@@ -500,5 +500,31 @@ def test_lr_schedule_is_transformers_formula_with_warmup(tmp_path, kind):
     name = "constant_with_warmup" if kind == "constant" else kind
     want = lrs(lambda o: get_scheduler(name, o, num_warmup_steps=3, num_training_steps=9))
     got = lrs(lambda o: make_scheduler(o, cfg))
-    assert got == want
+    assert got[:10] == want[:10]  # steps 0..max_steps
     assert got[:4] == [0.0, 0.1 / 3, 0.2 / 3, 0.1]  # the warmup, for every kind
+    # past the horizon: linear and cosine stay at 0 (transformers' cosine rises again)
+    assert got[10:] == ([0.1] if kind == "constant" else [0.0])
+    if kind == "cosine":
+        assert want[10] > 0.0
+
+
+@pytest.mark.parametrize("kind", ["linear", "cosine"])
+def test_extending_max_steps_keeps_the_lr_schedule_it_started_with(tmp_path, kind):
+    """max_steps_lr.py: a run resumed from its final checkpoint with a larger run.max_steps
+    re-stretched its schedule, so the LR jumped back up after reaching 0. The horizon is
+    the one the run started with: the first 4 steps are the 4-step run's, then LR 0."""
+    lrs = {}
+    for name, steps in (("straight", [4]), ("extended", [4, 6])):
+        for max_steps in steps:
+            cfg = tiny_run(
+                tmp_path / name, run={"max_steps": max_steps}, train={"lr_scheduler": kind}
+            )
+            cfg["checkpoint"]["save_final_model"] = False
+            Trainer(config_from_dict(cfg)).train()
+        lrs[name] = [r["lr"] for r in read_metrics(tmp_path / name / "run") if "lr" in r]
+    assert len(lrs["straight"]) == 4 and lrs["straight"][-1] == 0.0
+    assert lrs["extended"] == lrs["straight"] + [0.0, 0.0]
+    state = json.loads(
+        (tmp_path / "extended" / "run" / "checkpoints" / "step-6" / "trainer_state.json").read_text()
+    )
+    assert state["schedule_steps"] == 4

@@ -208,7 +208,7 @@ class TrainConfig(Section):
     adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
         "constant",
-        description="Schedule after the linear warmup: constant, linear to 0 or cosine to 0 at run.max_steps (transformers' formulas).",
+        description="Schedule after the linear warmup: constant, linear to 0 or cosine to 0 at run.max_steps as the run started (transformers' formulas; 0 past it; a resume that changes run.max_steps keeps that horizon).",
     )
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
     max_grad_norm: float | None = Field(
