@@ -92,7 +92,7 @@ class RolloutConfig(Section):
         0.0,
         ge=0,
         le=1,
-        description="Drop tokens with probability below min_p x the top token's; 0 = off.",
+        description="Drop tokens with probability below min_p x the top token's; 0 = off; below 1 (1 keeps only the top token).",
     )
     max_new_tokens: int = Field(
         256,
@@ -117,12 +117,17 @@ class RolloutConfig(Section):
         return value
 
     @model_validator(mode="after")
-    def _refuse_top_p(self) -> RolloutConfig:
+    def _refuse_top_p_and_greedy_min_p(self) -> RolloutConfig:
         if self.top_p < 1.0:
             raise rule_error(
                 f"rollout.top_p = {self.top_p} < 1 is not supported for training, because the trainer computes "
                 "log-probs with a chunked lm_head that cannot apply a nucleus filter exactly and would bias the "
                 "importance ratio; set rollout.top_p: 1.0 and use rollout.top_k or rollout.min_p instead."
+            )
+        if self.min_p >= 1.0:
+            raise rule_error(
+                f"rollout.min_p = {self.min_p} keeps only the most likely token, so sampling is greedy and every "
+                "filtered log-prob is 0, which leaves nothing to learn; set rollout.min_p below 1 (e.g. 0.1), or 0 to turn it off."
             )
         return self
 
