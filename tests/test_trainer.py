@@ -442,6 +442,51 @@ def test_a_batch_with_no_scored_sample_is_skipped(tmp_path, always):
     assert trainer.producer.worker.sampler.position == 3 * batches
 
 
+OUTAGE_BY_CONTENT = """
+import json, pathlib
+SEEN = pathlib.Path({seen!r})
+
+def outage(prompts, completions, **columns):
+    if len(prompts) <= 4:  # evaluation
+        return [1.0] * len(prompts)
+    seen = json.loads(SEEN.read_text()) if SEEN.exists() else {{}}
+    key = "|".join(prompts) + "#" + "|".join(completions)
+    if key not in seen:  # a batch's fate is decided once: a resume generates it again
+        seen[key] = len(seen) + 1 in (3, 4, 5)
+        SEEN.write_text(json.dumps(seen))
+    return [None] * len(prompts) if seen[key] else [1.0] * len(prompts)
+"""
+
+
+def test_skipped_batches_after_a_checkpoint_are_logged_once_after_a_resume(tmp_path):
+    """Batches 3-5 are unscored after the step-2 checkpoint, logged under step 2; killed at
+    step 3 and resumed from step 2, the run skips them again. Their rows were kept by the
+    resume and logged again: 6 skip rows at step 2 against 3."""
+    reward_file = tmp_path / "outage.py"
+    reward_file.write_text(OUTAGE_BY_CONTENT.format(seen=str(tmp_path / "seen.json")))
+    cfg = tiny_run(
+        tmp_path,
+        rewards={"functions": [{"name": "math"}, {"name": f"{reward_file}:outage"}]},
+        pipeline={"max_consecutive_skipped_batches": 5},
+        run={"max_steps": 4},
+        loss={"mu": 1},
+        checkpoint={"every_steps": 2, "save_final_model": False},
+    )
+
+    class StopAt3(StopAfter):
+        stop_at = 3
+
+    with pytest.raises(_Interrupt):
+        StopAt3(config_from_dict(cfg)).train()
+    Trainer(config_from_dict(cfg)).train()
+    rows = read_metrics(tmp_path / "run")
+    skips = [(r["step"], r["pipeline/skipped_batches"]) for r in rows if "loss" not in r and
+             "pipeline/skipped_batches" in r]  # fmt: skip
+    assert skips == [(2, 1.0), (2, 2.0), (2, 3.0)]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    assert [r for r in rows if "loss" in r][-1]["pipeline/skipped_batches"] == 3.0
+
+
 def test_staleness_is_reported_at_each_update(tmp_path):
     """With U = mu = 2 a batch's second update sees its samples one version older.
 

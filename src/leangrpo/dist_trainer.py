@@ -97,6 +97,9 @@ class NullLogger:
     def log(self, step: int, metrics) -> None:
         pass
 
+    def rows_logged_at(self, step: int) -> int:
+        return 0  # rank 0's count is the one its checkpoint saves
+
     def log_samples(self, step: int, rows) -> None:
         pass
 

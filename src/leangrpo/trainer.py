@@ -94,6 +94,7 @@ class Trainer:
             self.skipped = 0
             self.skips = RunSkips()
             self.inflight: BatchInProgress | None = None  # the batch being trained on
+            self.resume_rows: int | None = None  # metrics rows of the resumed step to keep
             self._build(cfg)
         except BaseException:
             self.checked.release()
@@ -154,6 +155,7 @@ class Trainer:
             config_dict=cfg.model_dump(mode="json"),
             project=cfg.logging.wandb_project,
             resume_step=self.step if resumed else None,
+            resume_rows=self.resume_rows if resumed else None,
         )
         if not resumed:
             self.logger.stage(prompts.metrics)  # merged into the step-0 row
@@ -191,6 +193,7 @@ class Trainer:
             state = ckpt.load_checkpoint(path, self.policy.model, self.optimizer, self.scheduler)
         bulky = ckpt.load_bulky_state(path)
         self.step, self.version, self.skipped = state["step"], state["version"], state["skipped"]
+        self.resume_rows = state.get("metrics_rows_at_step")  # None: an older checkpoint
         self.skips = RunSkips(**state.get("skips", {}))
         self.producer.load_state_dict(bulky.get("producer", state.get("producer")))
         if "inflight" in bulky:
@@ -385,6 +388,8 @@ class Trainer:
             "skipped": self.skipped,
             "skips": dataclasses.asdict(self.skips),
             "schedule_steps": self.schedule_steps,  # the LR schedule's horizon (resume keeps it)
+            # rows logged at this step so far: a resume drops the ones logged after it
+            "metrics_rows_at_step": self.logger.rows_logged_at(self.step),
         }
         bulky = {"producer": self.producer.state_dict()}
         extra = {"config.yaml": self.cfg.to_yaml()}  # compared on resume (rundir.py)
