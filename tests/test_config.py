@@ -94,6 +94,15 @@ def test_top_p_refused_with_reason(config_file: Path) -> None:
     assert "chunked lm_head" in msg and "rollout.top_k or rollout.min_p" in msg
 
 
+def test_min_p_of_one_refused_in_one_sentence(config_file: Path) -> None:
+    """rollout.min_p: 1.0 passed the config, then the trainer's log-probs raised a raw
+    ValueError after the model had loaded."""
+    msg = error_for(["rollout.min_p=1.0"], config_file)
+    assert msg.startswith("rollout.min_p = 1.0 keeps only the most likely token")
+    assert "set rollout.min_p below 1" in msg
+    assert load_config(config_file, ["rollout.min_p=0.99"]).rollout.min_p == 0.99
+
+
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [

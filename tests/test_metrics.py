@@ -91,6 +91,33 @@ def test_resume_drops_rows_after_checkpoint(tmp_path: Path) -> None:
     assert [s["step"] for s in samples] == [0, 1, 2, 3]
 
 
+def test_resume_drops_the_rows_logged_after_the_checkpoint_under_its_step(tmp_path: Path) -> None:
+    """Skipped batches after the step-3 checkpoint are logged under step 3 and done again
+    by the resumed run: only the rows the checkpoint counted (rows_logged_at) are kept."""
+    console, _ = quiet_console()
+    with MetricsLogger(tmp_path, ["jsonl"], False, 10, console=console) as logger:
+        for step in range(4):
+            logger.log(step, {"loss": float(step)})
+        logger.log(3, {"eval/reward": 0.5})
+        saved = logger.rows_logged_at(3)  # what the checkpoint at step 3 stores
+        assert (saved, logger.rows_logged_at(2)) == (2, 0)
+        logger.log(3, {"pipeline/skipped_batches": 1.0})  # after the checkpoint
+        logger.log(3, {"pipeline/skipped_batches": 2.0})
+        logger.log(4, {"loss": 4.0})
+    with MetricsLogger(
+        tmp_path, ["jsonl"], False, 10, resume_step=3, resume_rows=saved, console=console
+    ) as logger:
+        assert logger.rows_logged_at(3) == 2
+        logger.log(3, {"pipeline/skipped_batches": 1.0})  # the resumed run skips it again
+        assert logger.rows_logged_at(3) == 3
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 3, 3]
+    assert [r.get("pipeline/skipped_batches") for r in rows[3:]] == [None, None, 1.0]
+    with MetricsLogger(tmp_path, ["jsonl"], False, 10, resume_step=3, console=console):
+        pass  # an older checkpoint (no count) keeps every row of its step
+    assert len(read_metrics(tmp_path)) == 6
+
+
 def test_non_terminal_prints_a_compact_line_every_tenth(tmp_path: Path) -> None:
     console, out = quiet_console(terminal=False)
     with MetricsLogger(tmp_path, ["jsonl"], True, 20, console=console) as logger:

@@ -6,6 +6,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from leangrpo.contracts import Completion, Prompt, RolloutSample
 from leangrpo.packing import (
@@ -193,6 +195,53 @@ def test_plan_keeps_groups_whole_and_counts_shared_prompt_once():
         )
     with pytest.raises(ValueError, match="exactly once"):
         plan_micro_batches(lens, 1000, groups=groups[:-1])
+
+
+def plan_shared(samples, budget, balance="tokens"):
+    """The micro-batches step.py plans for a shared-prefix layout, packed."""
+    groups: dict[int, list[int]] = {}
+    for i, s in enumerate(samples):
+        groups.setdefault(s.group_id, []).append(i)
+    members = list(groups.values())
+    prompt_lens = [len(samples[g[0]].prompt.ids) for g in members]
+    lens = [s.num_tokens for s in samples]
+    plan = plan_micro_batches(lens, budget, balance, groups=members, prompt_lens=prompt_lens)
+    packed = [pack_samples([samples[i] for i in mb], shared_prefix=True) for mb in plan]
+    return plan, packed, members
+
+
+def test_a_group_over_the_budget_is_split_with_its_prompt_once_per_micro_batch():
+    """prefix_budget.py: P=1000, G=8, R=512 at a budget of 4096 made one 5,096-token
+    micro-batch; now two, each with the prompt once: 1000 + 6 x 512 and 1000 + 2 x 512."""
+    samples = make_samples([(1000, [512] * 8)])
+    plan, packed, _ = plan_shared(samples, 4096)
+    assert sorted(mb.num_tokens for mb in packed) == [2024, 4072]
+    assert sorted(i for mb in plan for i in mb) == list(range(8))
+    assert all(mb.prefix is not None and len(mb.prefix.groups) == 1 for mb in packed)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    spec=st.lists(
+        st.tuples(st.integers(1, 60), st.lists(st.integers(1, 24), min_size=1, max_size=12)),
+        min_size=1,
+        max_size=6,
+    ),
+    slack=st.integers(0, 200),
+    balance=st.sampled_from(["tokens", "attention"]),
+)
+def test_no_shared_prefix_micro_batch_exceeds_the_budget(spec, slack, balance):
+    """Any P, G, R that passes preflight (longest prompt + max_new_tokens <= budget)."""
+    max_new = max(n for _, comps in spec for n in comps)
+    budget = max(p for p, _ in spec) + max_new + slack
+    samples = make_samples(spec)
+    plan, packed, members = plan_shared(samples, budget, balance)
+    assert sorted(i for mb in plan for i in mb) == list(range(len(samples)))
+    assert max(mb.num_tokens for mb in packed) <= budget
+    where = {i: b for b, mb in enumerate(plan) for i in mb}
+    for g, (plen, comps) in zip(members, spec):
+        if plen + sum(comps) <= budget:  # a group that fits stays whole
+            assert len({where[i] for i in g}) == 1
 
 
 def test_plan_rejects_bad_input():

@@ -97,6 +97,19 @@ def test_options_that_do_nothing_are_listed(tmp_path: Path, caplog) -> None:
     assert ignored_options(used) == []
 
 
+@pytest.mark.parametrize("correction", ["none", "bypass"])
+def test_is_options_are_ignored_without_decoupled_weights(tmp_path: Path, correction) -> None:
+    """bypass_ignores_is_mode.py: bypass applies no IS weight, so is_mode / is_cap / is_min
+    are listed as ignored, as with none (test_step pins that they change nothing)."""
+    keys = ["loss.is_mode=token_mask", "loss.is_cap=1.05", "loss.is_min=0.95"]
+    ignored = ignored_options(demo(tmp_path, f"loss.is_correction={correction}", *keys))
+    assert len(ignored) == 1
+    assert ignored[0].startswith(
+        f"loss.is_mode, loss.is_cap, loss.is_min (loss.is_correction is {correction}"
+    )
+    assert ignored_options(demo(tmp_path, "loss.is_correction=decoupled", *keys)) == []
+
+
 def test_data_errors_come_before_the_run_directory_is_touched(tmp_path: Path) -> None:
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"prompt": ""}) + "\n")

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from leangrpo.config import config_from_dict
-from leangrpo.rundir import RunDirError, config_changes, open_run_dir
+from leangrpo.rundir import RunDirError, config_changes, open_run_dir, schedule_horizon
 
 
 def make_cfg(out: Path, **run):
@@ -220,6 +220,18 @@ def test_checkpoint_without_config_is_resumed_with_a_warning(tmp_path: Path, cap
     assert run_dir.resume_step == 2
     run_dir.release()
     assert "cannot be checked" in caplog.text
+
+
+def test_schedule_horizon_is_the_one_the_run_started_with(tmp_path: Path) -> None:
+    """max_steps_lr.py: trainer_state.json's schedule_steps; a checkpoint saved before it
+    existed falls back to its own config's run.max_steps, not the resuming config's."""
+    path = fake_checkpoint(tmp_path / "run", 4, make_cfg(tmp_path / "run", max_steps=4))
+    assert schedule_horizon(path, default=8) == 4
+    (path / "trainer_state.json").write_text('{"step": 4, "schedule_steps": 3}')
+    assert schedule_horizon(path, default=8) == 3
+    (path / "trainer_state.json").unlink()
+    (path / "config.yaml").unlink()
+    assert schedule_horizon(path, default=8) == 8
 
 
 def test_config_changes_walks_sections_and_compares_lists_whole() -> None:

@@ -14,7 +14,14 @@ from leangrpo.contracts import Completion, Prompt, RolloutBatch, RolloutSample, 
 from leangrpo.loss import LossConfig
 from leangrpo.model import Policy
 from leangrpo.packing import pack_samples
-from leangrpo.step import BatchInProgress, normalisers, plan_steps, reduce_is_metrics, train_step
+from leangrpo.step import (
+    BatchInProgress,
+    loss_inputs,
+    normalisers,
+    plan_steps,
+    reduce_is_metrics,
+    train_step,
+)
 
 CFG = SimpleNamespace(
     loss=SimpleNamespace(
@@ -247,3 +254,102 @@ def test_step_host_reads_do_not_grow_with_micro_batches(mask_truncated):
     assert counts[0] == counts[1] == 2 + mask_truncated
     torch.testing.assert_close(results[1]["loss"], results[0]["loss"], rtol=1e-5, atol=1e-6)
     assert results[0]["is/weight_mean"] == pytest.approx(results[1]["is/weight_mean"])
+
+
+def group_samples(prompt_len: int, comp_lens: list[list[int]]) -> list[RolloutSample]:
+    """One group per entry of comp_lens, each with its own prompt of prompt_len tokens."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for gid, lens in enumerate(comp_lens):
+        prompt = torch.randint(2, 64, (prompt_len,), generator=g).tolist()
+        for n in lens:
+            comp = torch.randint(2, 64, (n,), generator=g).tolist()
+            lps = (-torch.rand(n, generator=g) * 3 - 1).tolist()
+            adv = float(torch.randn(1, generator=g))
+            out.append(
+                RolloutSample(
+                    gid,
+                    Prompt(gid, "", prompt),
+                    Completion(comp, "", lps, "stop", 0),
+                    reward=adv,
+                    advantage=adv,
+                )
+            )
+    return out
+
+
+def step_gradient(samples, loss_type: str, shared_prefix: str, budget: int):
+    """The step's plan, loss, metrics and accumulated gradient (lr 0: read at the step)."""
+    cfg = plan_cfg(1)
+    cfg.loss = SimpleNamespace(**{**vars(CFG.loss), "type": loss_type})
+    cfg.train.micro_batch_tokens = budget
+    cfg.packing.shared_prefix = shared_prefix
+    policy, _ = policy_and_optimizer()
+    optimizer = torch.optim.SGD(policy.model.parameters(), lr=0.0)
+    grads = {}
+
+    def keep(model=policy.model):
+        grads.update({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+
+    optimizer.step = keep
+    (step,) = plan_steps(samples, cfg, policy)
+    result = train_step(
+        policy, step.micro_batches, optimizer, cfg, SamplingParams(), LossConfig.from_config(cfg.loss)
+    )
+    return step, result.metrics, grads
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_a_split_shared_prefix_group_trains_like_the_plain_and_unsplit_layouts(loss_type):
+    """prefix_budget.py: a group over train.micro_batch_tokens is split across micro-batches,
+    its prompt once in each; loss, IS metrics and gradient equal the other layouts."""
+    samples = group_samples(10, [[3, 6, 4, 5], [2, 5, 6]])  # groups of 28 and 23 tokens
+    budget = 24
+    split, split_metrics, split_grads = step_gradient(samples, loss_type, "on", budget)
+    assert split.metrics["packing/shared_prefix"] == 1.0
+    assert split.metrics["packing/split_groups"] == 1.0  # only the 28-token group
+    assert [mb.num_tokens for mb in split.micro_batches] == [24, 14, 23]  # 10 + 14 and 10 + 4
+    assert max(float(g.abs().max()) for g in split_grads.values()) > 1e-3  # a real gradient
+    for reference in (("off", budget), ("on", 1000)):  # plain; shared prefix, one micro-batch
+        ref, ref_metrics, ref_grads = step_gradient(samples, loss_type, *reference)
+        assert ref.metrics["packing/split_groups"] == 0.0
+        names = ("loss", "grad_norm", "loss/tokens", "loss/sequences", "loss/entropy")
+        for name in (*names, "is/weight_mean", "is/mismatch_kl"):
+            assert split_metrics[name] == pytest.approx(ref_metrics[name], rel=1e-5, abs=1e-6)
+        assert split_grads.keys() == ref_grads.keys()
+        for name in ref_grads:
+            torch.testing.assert_close(split_grads[name], ref_grads[name], atol=1e-6, rtol=1e-5)
+
+
+def test_bypass_applies_no_is_weight_whatever_the_is_mode():
+    """bypass_ignores_is_mode.py: in bypass the behaviour log-probs are the old ones, so no IS
+    weight exists and is_mode / is_cap / is_min change nothing (preflight lists them as
+    ignored); the same settings do change a decoupled step."""
+    samples = make_samples([1.0, -1.0, 0.5, -0.5])
+    modes = [("token_truncate", 2.0, 0.0), ("token_mask", 1.05, 0.95), ("sequence_mask", 1.01, 0.99)]
+    results = {}
+    for correction in ("bypass", "decoupled"):
+        for mode, cap, low in modes:
+            cfg = SimpleNamespace(**vars(CFG))
+            setting = {"is_correction": correction, "is_mode": mode, "is_cap": cap, "is_min": low}
+            cfg.loss = SimpleNamespace(**{**vars(CFG.loss), **setting})
+            policy, _ = policy_and_optimizer()
+            optimizer = torch.optim.SGD(policy.model.parameters(), lr=0.0)
+            grads = {}
+            optimizer.step = lambda m=policy.model, g=grads: g.update(
+                {n: p.grad.clone() for n, p in m.named_parameters()}
+            )
+            batch = pack_samples(samples)
+            logprobs = torch.full((batch.num_completion_tokens,), -3.0)
+            inputs, is_metrics = loss_inputs(batch, logprobs, None, cfg)
+            if correction == "bypass":
+                assert inputs.is_weights is None and is_metrics == {}
+                assert torch.equal(inputs.old_logprobs, batch.behaviour_logprobs)
+            loss_cfg = LossConfig.from_config(cfg.loss)
+            train_step(policy, [batch], optimizer, cfg, SamplingParams(), loss_cfg)
+            results[correction, mode] = grads
+    for correction, equal in (("bypass", True), ("decoupled", False)):
+        first = results[correction, modes[0][0]]
+        for mode, _, _ in modes[1:]:
+            same = all(torch.equal(first[n], results[correction, mode][n]) for n in first)
+            assert same == equal, (correction, mode)

@@ -442,6 +442,51 @@ def test_a_batch_with_no_scored_sample_is_skipped(tmp_path, always):
     assert trainer.producer.worker.sampler.position == 3 * batches
 
 
+OUTAGE_BY_CONTENT = """
+import json, pathlib
+SEEN = pathlib.Path({seen!r})
+
+def outage(prompts, completions, **columns):
+    if len(prompts) <= 4:  # evaluation
+        return [1.0] * len(prompts)
+    seen = json.loads(SEEN.read_text()) if SEEN.exists() else {{}}
+    key = "|".join(prompts) + "#" + "|".join(completions)
+    if key not in seen:  # a batch's fate is decided once: a resume generates it again
+        seen[key] = len(seen) + 1 in (3, 4, 5)
+        SEEN.write_text(json.dumps(seen))
+    return [None] * len(prompts) if seen[key] else [1.0] * len(prompts)
+"""
+
+
+def test_skipped_batches_after_a_checkpoint_are_logged_once_after_a_resume(tmp_path):
+    """Batches 3-5 are unscored after the step-2 checkpoint, logged under step 2; killed at
+    step 3 and resumed from step 2, the run skips them again. Their rows were kept by the
+    resume and logged again: 6 skip rows at step 2 against 3."""
+    reward_file = tmp_path / "outage.py"
+    reward_file.write_text(OUTAGE_BY_CONTENT.format(seen=str(tmp_path / "seen.json")))
+    cfg = tiny_run(
+        tmp_path,
+        rewards={"functions": [{"name": "math"}, {"name": f"{reward_file}:outage"}]},
+        pipeline={"max_consecutive_skipped_batches": 5},
+        run={"max_steps": 4},
+        loss={"mu": 1},
+        checkpoint={"every_steps": 2, "save_final_model": False},
+    )
+
+    class StopAt3(StopAfter):
+        stop_at = 3
+
+    with pytest.raises(_Interrupt):
+        StopAt3(config_from_dict(cfg)).train()
+    Trainer(config_from_dict(cfg)).train()
+    rows = read_metrics(tmp_path / "run")
+    skips = [(r["step"], r["pipeline/skipped_batches"]) for r in rows if "loss" not in r and
+             "pipeline/skipped_batches" in r]  # fmt: skip
+    assert skips == [(2, 1.0), (2, 2.0), (2, 3.0)]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    assert [r for r in rows if "loss" in r][-1]["pipeline/skipped_batches"] == 3.0
+
+
 def test_staleness_is_reported_at_each_update(tmp_path):
     """With U = mu = 2 a batch's second update sees its samples one version older.
 
@@ -500,5 +545,31 @@ def test_lr_schedule_is_transformers_formula_with_warmup(tmp_path, kind):
     name = "constant_with_warmup" if kind == "constant" else kind
     want = lrs(lambda o: get_scheduler(name, o, num_warmup_steps=3, num_training_steps=9))
     got = lrs(lambda o: make_scheduler(o, cfg))
-    assert got == want
+    assert got[:10] == want[:10]  # steps 0..max_steps
     assert got[:4] == [0.0, 0.1 / 3, 0.2 / 3, 0.1]  # the warmup, for every kind
+    # past the horizon: linear and cosine stay at 0 (transformers' cosine rises again)
+    assert got[10:] == ([0.1] if kind == "constant" else [0.0])
+    if kind == "cosine":
+        assert want[10] > 0.0
+
+
+@pytest.mark.parametrize("kind", ["linear", "cosine"])
+def test_extending_max_steps_keeps_the_lr_schedule_it_started_with(tmp_path, kind):
+    """max_steps_lr.py: a run resumed from its final checkpoint with a larger run.max_steps
+    re-stretched its schedule, so the LR jumped back up after reaching 0. The horizon is
+    the one the run started with: the first 4 steps are the 4-step run's, then LR 0."""
+    lrs = {}
+    for name, steps in (("straight", [4]), ("extended", [4, 6])):
+        for max_steps in steps:
+            cfg = tiny_run(
+                tmp_path / name, run={"max_steps": max_steps}, train={"lr_scheduler": kind}
+            )
+            cfg["checkpoint"]["save_final_model"] = False
+            Trainer(config_from_dict(cfg)).train()
+        lrs[name] = [r["lr"] for r in read_metrics(tmp_path / name / "run") if "lr" in r]
+    assert len(lrs["straight"]) == 4 and lrs["straight"][-1] == 0.0
+    assert lrs["extended"] == lrs["straight"] + [0.0, 0.0]
+    state = json.loads(
+        (tmp_path / "extended" / "run" / "checkpoints" / "step-6" / "trainer_state.json").read_text()
+    )
+    assert state["schedule_steps"] == 4

@@ -41,7 +41,11 @@ class RunConfig(Section):
         le=MAX_SEED,
         description="Seed for python, numpy and torch RNGs and the data order (0 to 2**32 - 1).",
     )
-    max_steps: int = Field(100, ge=1, description="Optimizer steps to train for.")
+    max_steps: int = Field(
+        100,
+        ge=1,
+        description="Optimizer steps to train for; changing it on resume moves only the stop, not the LR schedule's horizon.",
+    )
     resume: str = Field(
         "auto",
         min_length=1,

@@ -92,7 +92,7 @@ class RolloutConfig(Section):
         0.0,
         ge=0,
         le=1,
-        description="Drop tokens with probability below min_p x the top token's; 0 = off.",
+        description="Drop tokens with probability below min_p x the top token's; 0 = off; below 1 (1 keeps only the top token).",
     )
     max_new_tokens: int = Field(
         256,
@@ -117,12 +117,17 @@ class RolloutConfig(Section):
         return value
 
     @model_validator(mode="after")
-    def _refuse_top_p(self) -> RolloutConfig:
+    def _refuse_top_p_and_greedy_min_p(self) -> RolloutConfig:
         if self.top_p < 1.0:
             raise rule_error(
                 f"rollout.top_p = {self.top_p} < 1 is not supported for training, because the trainer computes "
                 "log-probs with a chunked lm_head that cannot apply a nucleus filter exactly and would bias the "
                 "importance ratio; set rollout.top_p: 1.0 and use rollout.top_k or rollout.min_p instead."
+            )
+        if self.min_p >= 1.0:
+            raise rule_error(
+                f"rollout.min_p = {self.min_p} keeps only the most likely token, so sampling is greedy and every "
+                "filtered log-prob is 0, which leaves nothing to learn; set rollout.min_p below 1 (e.g. 0.1), or 0 to turn it off."
             )
         return self
 
@@ -170,11 +175,11 @@ class LossConfig(Section):
     mu: int = Field(1, ge=1, description="Optimisation passes over each generation batch.")
     is_correction: Literal["decoupled", "bypass", "none"] = Field(
         "decoupled",
-        description="Off-policy correction: 'decoupled' = trainer old log-probs + behaviour IS weights; 'bypass' = ratio against behaviour log-probs; 'none'.",
+        description="Off-policy correction: 'decoupled' = trainer old log-probs + behaviour IS weights; 'bypass' = the clipped ratio against the behaviour log-probs, no IS weights (is_mode, is_cap, is_min unused); 'none'.",
     )
     is_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field(
         "token_truncate",
-        description="IS weight level (token or sequence) and how large weights are handled (truncated at is_cap, or masked out).",
+        description="IS weight level (token or sequence) and how large weights are handled (truncated at is_cap, or masked out); decoupled mode only.",
     )
     is_cap: float = Field(
         2.0, gt=0, description="Largest IS weight kept (truncate) or allowed (mask)."
@@ -208,7 +213,7 @@ class TrainConfig(Section):
     adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
         "constant",
-        description="Schedule after the linear warmup: constant, linear to 0 or cosine to 0 at run.max_steps (transformers' formulas).",
+        description="Schedule after the linear warmup: constant, linear to 0 or cosine to 0 at run.max_steps as the run started (transformers' formulas; 0 past it; a resume that changes run.max_steps keeps that horizon).",
     )
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
     max_grad_norm: float | None = Field(

@@ -21,8 +21,8 @@ from typing import Any
 
 from leangrpo.distributed import DistContext
 
-RANK_SUM = ("packing/tokens", "packing/micro_batches", "offload/bytes", "offload/tensors",
-            "offload/prefetched", "_tokens")  # fmt: skip
+RANK_SUM = ("packing/tokens", "packing/micro_batches", "packing/split_groups", "offload/bytes",
+            "offload/tensors", "offload/prefetched", "_tokens")  # fmt: skip
 RANK_MAX = ("packing/balance", "packing/padding_ratio", "time/train", "time/score",
             "time/weight_sync", "time/trainer_wait", "time/producer_idle",
             "offload/pool_bytes", "dist/wait_max")  # fmt: skip
@@ -96,6 +96,9 @@ class NullLogger:
 
     def log(self, step: int, metrics) -> None:
         pass
+
+    def rows_logged_at(self, step: int) -> int:
+        return 0  # rank 0's count is the one its checkpoint saves
 
     def log_samples(self, step: int, rows) -> None:
         pass

@@ -39,8 +39,10 @@ Choices:
 - IS correction modes: "decoupled" = the trainer computes old log-probs with a no-grad
   pass and `importance_weights(old, behaviour, ...)` gives detached weights that multiply
   the policy term; "bypass" = the trainer passes the behaviour log-probs as
-  `old_logprobs` and no weights (the ratio itself corrects); "none" = no weights.
-  `importance_weights` is only used in decoupled mode.
+  `old_logprobs` and no weights (the ratio itself corrects, bounded by the clip); "none" =
+  no weights. `importance_weights` is only used in decoupled mode: its weight old /
+  behaviour is 1 by construction in bypass mode, so `is_mode`, `is_cap` and `is_min` do
+  nothing there, and preflight lists them among the ignored options as for "none".
 - Sequence-level ratios (gspo and the sequence IS modes) are geometric means, i.e. means
   of per-token log-ratios, never sums (a sum makes them depend on the length).
 - Metrics are sums over the micro-batch (0-dim tensors, no host sync) so they aggregate

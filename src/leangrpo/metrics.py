@@ -14,8 +14,11 @@ it) with a warning naming file and line. Choices:
   eval/reward), never a wall of text. When stdout is not a terminal (CI, nohup) it prints
   one compact line about every tenth of the run instead.
 - `resume_step=N` drops rows with step > N from existing files, so a resumed run's log has
-  no duplicated or orphaned steps. A fresh run never appends to an earlier run's file:
-  rundir.py refuses (or, with run.overwrite, empties) a directory holding one.
+  no duplicated or orphaned steps; `resume_rows=k` (what `rows_logged_at(N)` said when the
+  checkpoint was saved) also drops the step-N rows after its first k: rows logged after
+  the checkpoint under the same step (skipped batches) belong to work the resumed run
+  does again. A fresh run never appends to an earlier run's file: rundir.py refuses (or,
+  with run.overwrite, empties) a directory holding one.
 - `stage(metrics)` holds values logged once (the data counts) until the next row, so they
   land in the step-0 row instead of a row of their own.
 """
@@ -67,6 +70,7 @@ class MetricsLogger:
         *,
         project: str | None = None,
         resume_step: int | None = None,
+        resume_rows: int | None = None,
         console: Console | None = None,
     ):
         backends = list(dict.fromkeys(backends))
@@ -75,9 +79,11 @@ class MetricsLogger:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.dir / "metrics.jsonl"
         self.samples_path = self.dir / "samples.jsonl"
+        self._last_step, self._rows_at_last_step = 0, 0  # rows logged under the latest step
         if resume_step is not None:
-            for path in (self.metrics_path, self.samples_path):
-                drop_rows_after(path, resume_step)
+            kept = drop_rows_after(self.metrics_path, resume_step, resume_rows)
+            drop_rows_after(self.samples_path, resume_step)
+            self._last_step, self._rows_at_last_step = resume_step, kept
         self.console = console or Console()
         self._file = open(self.metrics_path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close)
         project = project or "leangrpo"
@@ -98,10 +104,17 @@ class MetricsLogger:
         self._staged = {}
         self._file.write(json.dumps({"step": step, **flat}) + "\n")
         self._file.flush()
+        if step != self._last_step:
+            self._last_step, self._rows_at_last_step = step, 0
+        self._rows_at_last_step += 1
         finite = {k: v for k, v in flat.items() if v is not None}
         for sink in self._sinks:
             sink.log(step, finite)
         self._progress.update(step, flat)
+
+    def rows_logged_at(self, step: int) -> int:
+        """metrics.jsonl rows with this step so far (a checkpoint saves it: `resume_rows`)."""
+        return self._rows_at_last_step if step == self._last_step else 0
 
     def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         """Append rows (prompt, completion, reward, ...) to samples.jsonl and print a table."""
@@ -202,21 +215,29 @@ def _json_value(value: Any) -> Any:
         return str(value)
 
 
-def drop_rows_after(path: Path, step: int) -> None:
-    """Rewrite a JSONL file without rows whose step is above `step` (and any torn line)."""
+def drop_rows_after(path: Path, step: int, rows_at_step: int | None = None) -> int:
+    """Rewrite a JSONL file without rows whose step is above `step` (and any torn line),
+    keeping only the first `rows_at_step` rows of `step` itself when given; returns how
+    many rows of `step` are kept."""
     if not path.is_file():
-        return
-    kept = []
+        return 0
+    kept, at_step = [], 0
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(row, dict) and row.get("step", 0) <= step:
-            kept.append(line + "\n")
+        if not isinstance(row, dict) or row.get("step", 0) > step:
+            continue
+        if row.get("step", 0) == step:
+            if rows_at_step is not None and at_step >= rows_at_step:
+                continue
+            at_step += 1
+        kept.append(line + "\n")
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text("".join(kept), encoding="utf-8")
     os.replace(tmp, path)
+    return at_step
 
 
 # -- trackers -------------------------------------------------------------------------------

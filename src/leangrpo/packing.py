@@ -16,7 +16,12 @@ cumulative logical lengths P_i + R_i) so that `num_sequences` is still the sampl
 Micro-batches: whole units (a sample, or a group when the prefix is shared) are assigned
 greedily, heaviest first, to the least loaded of k bins that still fits the token budget,
 k being the first-fit-decreasing bin count (a new bin opens when none fits). The load is
-the token count ("tokens") or the sum of squared sequence lengths ("attention").
+the token count ("tokens") or the sum of squared sequence lengths ("attention"). A group
+larger than the budget is split first into the fewest chunks first-fit-decreasing finds,
+each chunk carrying the prompt once: `train.micro_batch_tokens` is a memory bound, so a
+shared prompt never buys a micro-batch over it (its price: the prompt is forwarded once
+per micro-batch the group spans). Any two chunks of one group exceed the budget together,
+so they never share a micro-batch and the planned token counts are the packed ones.
 """
 
 from __future__ import annotations
@@ -302,15 +307,17 @@ def plan_micro_batches(
 ) -> list[list[int]]:
     """Split sequence indices into micro-batches of at most `token_budget` real tokens.
 
-    `groups` (lists of indices) are kept whole; with `prompt_lens` (one per group) a group
-    is costed as a shared-prefix unit: its prompt counted once. A unit longer than the
-    budget gets a micro-batch of its own. Deterministic: ties break by index.
+    `groups` (lists of indices) are kept whole while they fit the budget; with
+    `prompt_lens` (one per group) a group is costed as a shared-prefix unit: its prompt
+    counted once. A group over the budget is split into chunks that fit, each costed with
+    its prompt once (see the module docstring); only a single sequence longer than the
+    budget gets a micro-batch of its own over it. Deterministic: ties break by index.
     """
-    units, tokens, costs = _units(seq_lens, groups, prompt_lens, balance)
     if token_budget < 1:
         raise ValueError(
             f"token_budget must be >= 1 (got {token_budget}); set train.micro_batch_tokens."
         )
+    units, tokens, costs = _units(seq_lens, groups, prompt_lens, balance, token_budget)
     order = sorted(range(len(units)), key=lambda u: (-costs[u], -tokens[u], u))
     num_bins = _first_fit_decreasing_bins(tokens, order, token_budget)
     bins: list[list[int]] = [[] for _ in range(num_bins)]
@@ -333,7 +340,7 @@ def plan_micro_batches(
 
 
 def _units(
-    seq_lens, groups, prompt_lens, balance
+    seq_lens, groups, prompt_lens, balance, token_budget
 ) -> tuple[list[list[int]], list[int], list[float]]:
     if any(n < 1 for n in seq_lens):
         raise ValueError(
@@ -350,6 +357,7 @@ def _units(
             "plan_micro_batches: prompt_lens needs groups, one prompt length per group."
         )
     shared = [0] * len(units) if prompt_lens is None else list(prompt_lens)
+    units, shared = _split_over_budget(units, shared, seq_lens, token_budget)
     tokens = [sum(seq_lens[i] for i in u) - (len(u) - 1) * p for u, p in zip(units, shared)]
     if balance == "tokens":
         costs = [float(t) for t in tokens]
@@ -359,6 +367,33 @@ def _units(
             for u, p in zip(units, shared)
         ]
     return units, tokens, costs
+
+
+def _split_over_budget(
+    units: list[list[int]], shared: list[int], seq_lens: list[int], budget: int
+) -> tuple[list[list[int]], list[int]]:
+    """Units over the budget cut into chunks of the same group that fit (first fit
+    decreasing over its sequences, each chunk holding the shared prompt once)."""
+    out_units, out_shared = [], []
+    for unit, prompt in zip(units, shared):
+        if sum(seq_lens[i] for i in unit) - (len(unit) - 1) * prompt <= budget:
+            out_units.append(unit)
+            out_shared.append(prompt)
+            continue
+        chunks: list[list[int]] = []
+        loads: list[int] = []  # tokens of each chunk, its prompt once
+        for i in sorted(unit, key=lambda i: (-seq_lens[i], i)):
+            own = seq_lens[i] - prompt  # what the sequence adds to a chunk holding the prompt
+            fit = next((c for c, load in enumerate(loads) if load + own <= budget), None)
+            if fit is None:
+                chunks.append([i])
+                loads.append(seq_lens[i])
+            else:
+                chunks[fit].append(i)
+                loads[fit] += own
+        out_units.extend(sorted(c) for c in chunks)
+        out_shared.extend([prompt] * len(chunks))
+    return out_units, out_shared
 
 
 def _first_fit_decreasing_bins(tokens: list[int], order: list[int], budget: int) -> int:

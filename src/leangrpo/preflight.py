@@ -176,6 +176,7 @@ def ignored_options(cfg: Any) -> list[str]:
         (not has_eval, "eval", None, "there are no eval prompts: data.eval_path, data.eval_split and data.eval_size are unset"),
         (not cfg.lora.enabled, "lora", None, "lora.enabled is false"),
         (cfg.loss.is_correction == "none", "loss", ("is_mode", "is_cap", "is_min"), "loss.is_correction is none"),
+        (cfg.loss.is_correction == "bypass", "loss", ("is_mode", "is_cap", "is_min"), "loss.is_correction is bypass: the clipped ratio against the behaviour log-probs is the correction, no IS weight is applied"),
         (not cfg.pipeline.replay.enabled, "pipeline.replay", ("capacity",), "pipeline.replay.enabled is false"),
         (not cfg.pipeline.reroll.enabled, "pipeline.reroll", ("max_attempts",), "pipeline.reroll.enabled is false"),
         (not cfg.logprobs.chunked, "logprobs", ("row_tile", "vocab_tile"), "logprobs.chunked is false"),

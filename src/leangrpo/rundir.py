@@ -29,6 +29,8 @@ run does with `run.output_dir`, in this order:
    Keys that only change where output goes or how often (HARMLESS_KEYS) are noted; any
    other difference breaks exact resume and is refused, listing old -> new, unless
    `run.allow_config_changes: true`, which resumes with a warning listing them.
+   `run.max_steps` only says where to stop: the LR schedule keeps the horizon the run
+   started with (`schedule_horizon`, saved in every checkpoint's trainer_state.json).
 
 Under torchrun only rank 0 opens (locks, cleans, classifies) the directory; the others
 receive its decision (`follower`) and never touch the lock (preflight.py).
@@ -75,7 +77,7 @@ RUN_FILES = (
 )
 # Settings that change where output goes or how often, never what is trained.
 HARMLESS_KEYS = (
-    "run.max_steps",
+    "run.max_steps",  # the LR schedule's horizon stays the first one (schedule_horizon)
     "run.output_dir",
     "run.resume",
     "run.overwrite",
@@ -336,6 +338,23 @@ def check_world_size(checkpoint: Path) -> None:
         raise RunDirError(
             f"Checkpoint {str(checkpoint)!r} was written by {saved} process(es) but this run has {now}; its sharded state and per-rank random streams fit only that number, so resume it {how} (or start a new run in another run.output_dir)."
         )
+
+
+def schedule_horizon(checkpoint: Path, default: int) -> int:
+    """The LR schedule's horizon a run started with (trainer_state.json `schedule_steps`;
+    for a checkpoint written before it was saved, its config's run.max_steps)."""
+    state_file = checkpoint / "trainer_state.json"
+    if state_file.is_file():
+        state = json.loads(state_file.read_text())
+        if "schedule_steps" in state:
+            return int(state["schedule_steps"])
+    saved_path = checkpoint / CHECKPOINT_CONFIG
+    if saved_path.is_file():
+        saved = yaml.safe_load(saved_path.read_text(encoding="utf-8")) or {}
+        steps = (saved.get("run") or {}).get("max_steps")
+        if isinstance(steps, int):
+            return steps
+    return default
 
 
 # -- config changes on resume ---------------------------------------------------------------

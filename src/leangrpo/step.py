@@ -168,6 +168,7 @@ def plan_steps(
         ]
         metrics = _packing_metrics(lengths, plan, cfg, micro_batches)
         metrics["packing/shared_prefix"] = float(prefix)
+        metrics["packing/split_groups"] = float(split_groups(step_samples, plan) if prefix else 0)
         if padding:
             from leangrpo.fsdp import padding_batch
 
@@ -194,6 +195,16 @@ def _plan(step_samples: list[RolloutSample], cfg, prefix: bool) -> list[list[int
         groups=groups,
         prompt_lens=prompt_lens,
     )
+
+
+def split_groups(step_samples: list[RolloutSample], plan: list[list[int]]) -> int:
+    """Groups whose sequences span more than one micro-batch: a shared-prefix group over
+    `train.micro_batch_tokens`, whose prompt is forwarded once per micro-batch it spans."""
+    spans: dict[int, set[int]] = defaultdict(set)
+    for b, idx in enumerate(plan):
+        for i in idx:
+            spans[step_samples[i].group_id].add(b)
+    return sum(len(bins) > 1 for bins in spans.values())
 
 
 def _rank_share(step_samples, cfg, prefix: bool, rank: int, world_size: int):

@@ -49,6 +49,7 @@ from leangrpo.preflight import Preflight, check_micro_batch, preflight, prompt_l
 from leangrpo.production import make_production
 from leangrpo.rewards import RewardPool
 from leangrpo.rollout.factory import make_engines
+from leangrpo.rundir import schedule_horizon
 from leangrpo.step import (
     BatchInProgress,
     PlannedStep,
@@ -93,6 +94,7 @@ class Trainer:
             self.skipped = 0
             self.skips = RunSkips()
             self.inflight: BatchInProgress | None = None  # the batch being trained on
+            self.resume_rows: int | None = None  # metrics rows of the resumed step to keep
             self._build(cfg)
         except BaseException:
             self.checked.release()
@@ -124,7 +126,8 @@ class Trainer:
             eps=cfg.train.adam_eps,
             weight_decay=cfg.train.weight_decay,
         )
-        self.scheduler = make_scheduler(self.optimizer, cfg)
+        self.schedule_steps = self._schedule_horizon()
+        self.scheduler = make_scheduler(self.optimizer, cfg, self.schedule_steps)
         self.sampling = cfg.rollout.sampling_params()  # per-batch seeds are set by the producer
         self.rewards = RewardPool(cfg.rewards) if engines is not None else None
         self.sync_every_version = cfg.generates_with_live_weights()  # hf sync: every version
@@ -152,9 +155,29 @@ class Trainer:
             config_dict=cfg.model_dump(mode="json"),
             project=cfg.logging.wandb_project,
             resume_step=self.step if resumed else None,
+            resume_rows=self.resume_rows if resumed else None,
         )
         if not resumed:
             self.logger.stage(prompts.metrics)  # merged into the step-0 row
+
+    def _schedule_horizon(self) -> int:
+        """The steps the LR schedule spans: run.max_steps as the run was started, kept when
+        a resume changes it (run.max_steps only says where to stop)."""
+        cfg, path = self.cfg, self.checked.run_dir.resume_from
+        horizon = cfg.run.max_steps if path is None else schedule_horizon(path, cfg.run.max_steps)
+        if horizon != cfg.run.max_steps and cfg.train.lr_scheduler != "constant":
+            log.warning(
+                "the %s learning-rate schedule keeps the horizon this run started with, %d steps, "
+                "although run.max_steps is now %d%s",
+                cfg.train.lr_scheduler,
+                horizon,
+                cfg.run.max_steps,
+                f": the learning rate is 0 from step {horizon} on; to train on with a new "
+                "schedule, start a new run from this run's final model"
+                if cfg.run.max_steps > horizon
+                else "",
+            )
+        return horizon
 
     def _maybe_resume(self) -> bool:
         path = self.checked.run_dir.resume_from
@@ -170,6 +193,7 @@ class Trainer:
             state = ckpt.load_checkpoint(path, self.policy.model, self.optimizer, self.scheduler)
         bulky = ckpt.load_bulky_state(path)
         self.step, self.version, self.skipped = state["step"], state["version"], state["skipped"]
+        self.resume_rows = state.get("metrics_rows_at_step")  # None: an older checkpoint
         self.skips = RunSkips(**state.get("skips", {}))
         self.producer.load_state_dict(bulky.get("producer", state.get("producer")))
         if "inflight" in bulky:
@@ -363,6 +387,9 @@ class Trainer:
             "version": self.version,
             "skipped": self.skipped,
             "skips": dataclasses.asdict(self.skips),
+            "schedule_steps": self.schedule_steps,  # the LR schedule's horizon (resume keeps it)
+            # rows logged at this step so far: a resume drops the ones logged after it
+            "metrics_rows_at_step": self.logger.rows_logged_at(self.step),
         }
         bulky = {"producer": self.producer.state_dict()}
         extra = {"config.yaml": self.cfg.to_yaml()}  # compared on resume (rundir.py)
@@ -416,12 +443,18 @@ def _due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
 
 
-def make_scheduler(optimizer, cfg: Config) -> torch.optim.lr_scheduler.LambdaLR:
+def make_scheduler(
+    optimizer, cfg: Config, horizon: int | None = None
+) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warmup over train.warmup_steps, then constant, linear to 0 or half a cosine
-    to 0 at run.max_steps: transformers' get_scheduler formulas, written out (importing
-    them pulls transformers.trainer_utils and peft: 0.2 s, 8 MB). Unlike transformers'
-    "constant", which ignores the warmup, "constant" warms up as train.warmup_steps says."""
-    warmup, total, kind = cfg.train.warmup_steps, cfg.run.max_steps, cfg.train.lr_scheduler
+    to 0 at `horizon` (default run.max_steps; a resumed run passes the one it started
+    with, `rundir.schedule_horizon`): transformers' get_scheduler formulas, written out
+    (importing them pulls transformers.trainer_utils and peft: 0.2 s, 8 MB). Unlike
+    transformers' "constant", which ignores the warmup, "constant" warms up as
+    train.warmup_steps says; unlike its cosine, which rises again past the horizon, linear
+    and cosine stay at 0 there."""
+    warmup, kind = cfg.train.warmup_steps, cfg.train.lr_scheduler
+    total = cfg.run.max_steps if horizon is None else horizon
 
     def factor(step: int) -> float:
         if step < warmup:
@@ -430,7 +463,7 @@ def make_scheduler(optimizer, cfg: Config) -> torch.optim.lr_scheduler.LambdaLR:
             return 1.0
         if kind == "linear":
             return max(0.0, float(total - step) / float(max(1, total - warmup)))
-        progress = float(step - warmup) / float(max(1, total - warmup))
+        progress = min(1.0, float(step - warmup) / float(max(1, total - warmup)))
         return max(0.0, 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress)))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
