@@ -8,17 +8,26 @@ import time
 import pytest
 import torch
 
-from leangrpo.contracts import Completion, EngineVersionError, Prompt, SamplingParams
+from leangrpo.contracts import (
+    Completion,
+    EngineVersionError,
+    Prompt,
+    RolloutBatch,
+    RolloutSample,
+    SamplingParams,
+)
 from leangrpo.errors import RunError
 from leangrpo.pipeline import (
     AsyncProducer,
     BatchFinisher,
     PipelineStallError,
+    ProducedBatch,
     ReplayBuffer,
     RolloutSettings,
     RolloutWorker,
     SyncProducer,
 )
+from leangrpo.step import _group_indices
 
 
 class FakeEngine:
@@ -194,6 +203,57 @@ def test_replay_swaps_zero_variance_groups_within_the_bound():
     second = producer.next_batch(1)  # prompts 2, 3 are flat: replaced by 0 and 1
     assert second.metrics["replay/groups_used"] == 2
     assert all(s.replayed and s.version == 0 for s in second.samples)
+
+
+def scored_group(uid: int, rewards: list[float], version: int = 0) -> list:
+    """One generated group of len(rewards) samples, group id = prompt uid."""
+    prompt = Prompt(uid, f"p{uid}", [5, 6])
+    return [
+        RolloutSample(
+            uid, prompt, Completion([1, 2], f"{uid}-{i}", [-0.5, -0.25], "stop", version), reward=r
+        )
+        for i, r in enumerate(rewards)
+    ]
+
+
+def finished(finisher, groups, index: int, version: int):
+    batch = RolloutBatch([s for g in groups for s in g], len(groups[0]))
+    return finisher.finish(ProducedBatch(batch, index, {}), trainer_version=version)
+
+
+def test_replay_stands_in_with_groups_of_earlier_batches_only():
+    """replay_dup.py: a flat group was replaced by a copy of a group of the same batch,
+    which then shared its group id (one 2G-sample group) and was trained on twice."""
+    settings = RolloutSettings(2, 2, SamplingParams(), "group", seed=0)
+    finisher = BatchFinisher(settings, max_staleness=1, replay=ReplayBuffer(8))
+    first = finished(finisher, [scored_group(0, [0.0, 1.0]), scored_group(1, [1.0, 1.0])], 0, 0)
+    assert first.metrics["replay/groups_used"] == 0  # nothing from an earlier batch yet
+    assert [s.group_id for s in first.samples] == [0, 0, 1, 1]
+    assert not any(s.replayed for s in first.samples)
+    flat = [scored_group(2, [0.0, 0.0], 1), scored_group(3, [1.0, 1.0], 1)]
+    second = finished(finisher, flat, 1, 1)
+    assert second.metrics["replay/groups_used"] == 1  # batch 0's group 0, once only
+    stand_in, kept = second.groups()
+    assert [s.completion for s in stand_in] == [s.completion for s in first.groups()[0]]
+    assert all(s.replayed and s.version == 0 for s in stand_in)  # versions, log-probs kept
+    assert {s.group_id for s in stand_in} == {-1} and [s.group_id for s in kept] == [3, 3]
+    assert [s.advantage for s in stand_in] == [s.advantage for s in first.groups()[0]] != [0, 0]
+    assert _group_indices(second.samples) == [[0, 1], [2, 3]]
+    third = finished(finisher, [scored_group(4, [0.0, 0.0], 2)], 2, 2)
+    assert third.metrics["replay/groups_used"] == 0  # a replayed group never re-enters
+
+
+def test_replayed_group_ids_never_repeat_across_a_resume():
+    settings = RolloutSettings(2, 1, SamplingParams(), "group", seed=0)
+    finisher = BatchFinisher(settings, max_staleness=3, replay=ReplayBuffer(8))
+    for index in range(2):
+        finished(finisher, [scored_group(index, [0.0, 1.0], index)], index, index)
+    replayed = finished(finisher, [scored_group(9, [0.0, 0.0], 2)], 2, 2)
+    assert {s.group_id for s in replayed.samples} == {-1}
+    resumed = BatchFinisher(settings, max_staleness=3, replay=ReplayBuffer(8))
+    resumed.load_state_dict(saved(finisher.state_dict()))
+    again = finished(resumed, [scored_group(10, [0.0, 0.0], 3)], 3, 3)
+    assert {(s.group_id, s.prompt.uid) for s in again.samples} == {(-2, 1)}
 
 
 def test_replay_buffer_evicts_groups_beyond_the_staleness_bound():
@@ -386,7 +446,8 @@ def test_sync_mode_refuses_samples_beyond_the_bound():
 
 def batch_key(batch):
     return [
-        (s.prompt.uid, s.completion.text, s.version, s.advantage, s.replayed) for s in batch.samples
+        (s.group_id, s.prompt.uid, s.completion.text, s.version, s.advantage, s.replayed)
+        for s in batch.samples
     ]
 
 
@@ -433,7 +494,7 @@ def test_sync_producer_state_holds_replay_buffer_and_reroll_attempts():
     state = saved(straight.state_dict())
     rest = [batch_key(straight.next_batch(0)) for _ in range(3)]
     assert first.metrics["reroll/requeued"] == 1
-    assert [uid for uid, *_ in rest[1][::3]] == [3, 4]  # prompt 1 failed again: no 2nd re-roll
+    assert [key[1] for key in rest[1][::3]] == [3, 4]  # prompt 1 failed again: no 2nd re-roll
     assert any(key[-1] for key in rest[0])  # prompt 2 is flat: prompt 0's group replayed
     resumed = make_sync(rewards)
     resumed.load_state_dict(state)

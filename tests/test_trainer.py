@@ -260,6 +260,41 @@ def test_replay_and_reroll_run_inside_the_trainer(tmp_path):
     assert used == sum(r["samples/replayed"] for r in replayed) / 4  # whole groups of G = 4
 
 
+class BatchProbe(Trainer):
+    """Keeps every batch the trainer starts on."""
+
+    def start_batch(self, batch):
+        self.started = [*getattr(self, "started", []), batch]
+        return super().start_batch(batch)
+
+
+def test_replayed_groups_come_from_earlier_batches_and_are_trained_once(tmp_path):
+    """replay_trainer_dup.py: 6 of 10 stand-ins were copies of a group of the same batch,
+    trained on twice in one step as one 2G-sample group (both copies had its group id)."""
+    reward_file = tmp_path / "picky.py"
+    reward_file.write_text(PICKY_REWARD)
+    cfg = tiny_run(
+        tmp_path,
+        run={"max_steps": 6, "seed": 11},
+        rewards={"functions": [{"name": f"{reward_file}:picky"}]},
+        rollout={"prompts_per_batch": 6},
+        loss={"mu": 1},
+        pipeline={"max_staleness": 1, "replay": {"enabled": True, "capacity": 8}},
+    )
+    trainer = BatchProbe(config_from_dict(cfg))
+    trainer.train()
+    replayed = 0
+    for batch in trainer.started:
+        ids = [s.group_id for s in batch.samples]
+        assert all(ids.count(g) == 4 for g in ids)  # G = 4: no two groups share an id
+        assert len({id(s.completion) for s in batch.samples}) == len(batch.samples)
+        replayed += sum(s.replayed for s in batch.samples)
+    assert replayed > 0  # stand-ins really happened
+    rows = [r for r in read_metrics(tmp_path / "run") if "replay/groups_used" in r]
+    assert sum(r["replay/groups_used"] for r in rows) == replayed / 4
+    assert max(r["staleness/consumed_max"] for r in rows) <= 1
+
+
 def test_top_k_and_min_p_runs_stay_finite(tmp_path):
     """Sampling filters with a KL term and mu = 2: sampled tokens fall outside the trainer's
     filtered set once the weights move, and outside the reference's; every step stays
@@ -307,7 +342,9 @@ def exact_resume_config(tmp_path: Path, mode: str, reward_file: Path, **run) -> 
         train={"steps_per_generation": 2, "lr_scheduler": "constant"},  # U = mu x 2 = 4
         pipeline={
             "mode": mode,
-            "max_staleness": 0,
+            # exact: sync at any bound, async at 0. A stand-in comes from an earlier batch,
+            # U = 4 versions old, so sync's bound of U lets replay happen; at 0 it cannot
+            "max_staleness": 4 if mode == "sync" else 0,
             "replay": {"enabled": True, "capacity": 8},
             "reroll": {"enabled": True},
             "stall_timeout_s": 60,
@@ -331,7 +368,8 @@ def test_resume_is_exact_inside_a_batch(tmp_path, mode):
     straight.train()
     rows = read_metrics(tmp_path / "a" / "run")
     assert sum(r.get("reroll/requeued", 0) for r in rows) > 0  # re-rolls really happened
-    assert sum(r.get("replay/groups_used", 0) for r in rows) > 0  # and replays
+    if mode == "sync":
+        assert sum(r.get("replay/groups_used", 0) for r in rows) > 0  # and replays
 
     interrupted = exact_resume_config(tmp_path / "b", mode, reward_file)
     first = Trainer(

@@ -283,8 +283,13 @@ class OffloadConfig(Section):
 
 
 class ReplayConfig(Section):
-    enabled: bool = Field(False, description="Replay high-signal groups when a batch falls short.")
-    capacity: int = Field(64, ge=1, description="Groups the replay buffer holds.")
+    enabled: bool = Field(
+        False,
+        description="Swap each flat group (scored, no reward variance) for a group with signal from an earlier batch, each buffered group used once and never older than pipeline.max_staleness when consumed (so a bound below loss.mu x train.steps_per_generation, one batch's updates, leaves nothing to replay).",
+    )
+    capacity: int = Field(
+        64, ge=1, description="Groups with signal the replay buffer holds (the oldest leave first)."
+    )
 
 
 class RerollConfig(Section):

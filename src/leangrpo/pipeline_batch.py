@@ -6,9 +6,11 @@
   torchrun each rank generates and scores its share, then an all-gather gives every rank
   the whole batch before re-rolls. Its `state_dict` (next index, sampler, re-roll counts)
   is taken with each batch, so a checkpoint describes the last batch handed out.
-- `BatchFinisher.finish`: replay (a zero-variance group is swapped for a recent group with
-  signal from `ReplayBuffer`, never older than max_staleness), the staleness check
-  (`check_staleness` raises rather than train beyond the bound), group advantages.
+- `BatchFinisher.finish`: replay (a flat group, scored without reward variance, is swapped
+  for a group with signal of an earlier batch from `ReplayBuffer`, each buffered group used
+  once, under a group id of its own, never older than max_staleness at consumption; the
+  batch's own groups join the buffer after), the staleness check (`check_staleness` raises
+  rather than train beyond the bound), group advantages.
 - `RolloutSettings` and `ProducedBatch` are what flows between them and the producers.
 """
 
@@ -132,28 +134,40 @@ def _seeded(params: SamplingParams, seed: int, index: int) -> SamplingParams:
 
 
 class ReplayBuffer:
-    """Recent groups with reward variance, to stand in for zero-variance groups."""
+    """Groups with reward variance from batches already finished, to stand in for flat ones.
+
+    A group is added once its own batch is finished, so a stand-in always comes from an
+    earlier batch; `take` hands each group out once, as a copy with a group id of its own
+    (-1, -2, ...: generated ids are >= 0), its versions and behaviour log-probs kept.
+    """
 
     def __init__(self, capacity: int):
         self.groups: collections.deque[list[RolloutSample]] = collections.deque(maxlen=capacity)
+        self.taken = 0  # stand-ins handed out so far: the next one's group id is -(taken + 1)
 
     def add(self, group: list[RolloutSample]) -> None:
-        if _has_signal(group):
+        if _has_signal(group) and not any(s.replayed for s in group):
             self.groups.append(group)
 
     def take(self, min_version: int) -> list[RolloutSample] | None:
+        """The oldest buffered group generated at `min_version` or later (older ones are
+        discarded on the way), or None."""
         while self.groups:
             group = self.groups.popleft()
             if min(s.version for s in group) >= min_version:
-                return [_as_replayed(s) for s in group]
+                self.taken += 1
+                return [_as_replayed(s, -self.taken) for s in group]
         return None
 
-    def state_dict(self) -> list:
-        return [[sample_state(s) for s in group] for group in self.groups]
+    def state_dict(self) -> dict:
+        return {"groups": [[sample_state(s) for s in g] for g in self.groups], "taken": self.taken}
 
-    def load_state_dict(self, state: list) -> None:
+    def load_state_dict(self, state: dict | list) -> None:
+        if isinstance(state, list):  # checkpoints before stand-ins had ids of their own
+            state = {"groups": state, "taken": 0}
         self.groups.clear()
-        self.groups.extend([sample_from_state(s) for s in group] for group in state)
+        self.groups.extend([sample_from_state(s) for s in g] for g in state["groups"])
+        self.taken = state["taken"]
 
 
 def _has_signal(group: list[RolloutSample]) -> bool:
@@ -161,8 +175,13 @@ def _has_signal(group: list[RolloutSample]) -> bool:
     return len(rewards) >= 2 and max(rewards) > min(rewards)
 
 
-def _as_replayed(sample: RolloutSample) -> RolloutSample:
-    return replace(sample, replayed=True)
+def _is_flat(group: list[RolloutSample]) -> bool:
+    """Scored, but without reward variance: every advantage of the group is 0."""
+    return any(s.reward is not None for s in group) and not _has_signal(group)
+
+
+def _as_replayed(sample: RolloutSample, group_id: int) -> RolloutSample:
+    return replace(sample, group_id=group_id, replayed=True, advantage=0.0)
 
 
 @dataclass
@@ -186,16 +205,16 @@ class BatchFinisher:
         return batch
 
     def _apply_replay(self, groups, trainer_version: int):
-        used = 0
-        out = []
+        """Flat groups swapped for buffered groups of earlier batches within the bound;
+        then this batch's groups with signal join the buffer."""
+        min_version = trainer_version - self.max_staleness  # the age at consumption
+        out, used = [], 0
         for group in groups:
-            if _has_signal(group) or not any(s.reward is not None for s in group):
-                self.replay.add(group)
-                out.append(group)
-                continue
-            stand_in = self.replay.take(min_version=trainer_version - self.max_staleness)
+            stand_in = self.replay.take(min_version) if _is_flat(group) else None
             used += stand_in is not None
             out.append(stand_in or group)
+        for group in groups:
+            self.replay.add(group)
         return out, float(used)
 
     def state_dict(self) -> dict:
