@@ -292,7 +292,7 @@ def test_streaming_steps_start_with_the_groups_that_are_ready():
     staleness = [v - s.version for v, b in batches for s in b.samples]
     assert max(staleness) <= 1
     uids = [s.prompt.uid for _, b in batches for s in b.samples[::3]]
-    assert len(uids) == len(set(uids)) or producer.dropped_stale > 0
+    assert uids == list(range(len(uids)))  # no chunk made to go stale: prompts in order
 
 
 # -- admission from the versions the trainer really reaches ---------------------------------
@@ -332,8 +332,16 @@ def test_skipped_steps_never_stall_the_async_producer(max_staleness, skipped):
     assert len(ages) == 40 * 6 and max(ages) <= max_staleness
 
 
-def fake_trainer(producer, batches: int, updates: int, version: int = 0, steps_left: int = 0):
-    """Takes `updates` steps per batch, reporting progress and pushing after each."""
+def fake_trainer(
+    producer,
+    batches: int,
+    updates: int,
+    version: int = 0,
+    steps_left: int = 0,
+    train_s: float = 0.0,
+):
+    """Takes `updates` steps per batch (`train_s` each), reporting progress and pushing
+    after each."""
     consumed = []
     for _ in range(steps_left):  # the rest of a batch a resumed trainer still holds
         version += 1
@@ -343,6 +351,7 @@ def fake_trainer(producer, batches: int, updates: int, version: int = 0, steps_l
         batch = producer.next_batch(version)
         consumed.append((version, batch))
         for left in reversed(range(updates)):
+            time.sleep(train_s)
             version += 1
             producer.report_progress(version, left)
             producer.push_weights(version, lambda: [])
@@ -501,23 +510,47 @@ def test_sync_producer_state_holds_replay_buffer_and_reroll_attempts():
     assert [batch_key(resumed.next_batch(0)) for _ in range(3)] == rest
 
 
-def test_async_state_keeps_prompts_requeued_after_the_snapshot():
-    """A streamed chunk dropped as stale goes back to the sampler; a checkpoint keeps it."""
-    engine = FakeEngine()
-    settings = RolloutSettings(3, 2, SamplingParams(), "group", seed=0)
+def streaming_producer(engine, max_staleness: int, updates: int = 2) -> AsyncProducer:
+    """Chunks of one group, batches of up to 2; U = `updates` for a batch of one chunk."""
+    settings = RolloutSettings(3, 2, SamplingParams(), "group", 0, updates, updates)
     worker = RolloutWorker(engine, FakeRewards(), FakeSampler(1), settings)
-    producer = AsyncProducer(worker, BatchFinisher(settings, 0), 4, 0, streaming=True)
-    for index in range(3):  # what the thread would make: chunks 0, 1, 2 at version 0 ...
-        producer.queue.put(worker.produce(index))
-    assert [s.prompt.uid for s in producer.next_batch(0).samples[::3]] == [0, 1]
-    engine.version = 1
-    producer.queue.put(worker.produce(3))  # ... and chunk 3 at version 1
-    batch = producer.next_batch(1)  # chunk 2 is dropped as stale after chunk 3 was made
-    assert [s.prompt.uid for s in batch.samples[::3]] == [3] and producer.dropped_stale == 1
-    state = saved(producer.state_dict())  # as of chunk 3, when prompt 2 was still drawn
-    resumed = RolloutWorker(FakeEngine(), FakeRewards(), FakeSampler(1), settings)
-    AsyncProducer(resumed, BatchFinisher(settings, 0), 4, 0, streaming=True).load_state_dict(state)
-    assert [resumed.sampler.next_batch()[0].uid for _ in range(2)] == [2, 4], "prompt 2 lost"
+    finisher = BatchFinisher(settings, max_staleness)
+    return AsyncProducer(worker, finisher, 4, max_staleness, streaming=True, stall_timeout_s=5)
+
+
+def test_streaming_at_zero_staleness_is_sync_schedule_whatever_the_timing():
+    """streaming_resume.py: chunks made while the trainer was inside a batch went stale and
+    were re-queued, a number that timing decided (and a resume remade them fresh)."""
+    engine = FakeEngine(delay=0.002)
+    producer = streaming_producer(engine, max_staleness=0)
+    producer.start()
+    result = []
+    try:
+        trainer = lambda: result.extend(fake_trainer(producer, 5, updates=2, train_s=0.02))  # noqa: E731
+        assert run_trainer(trainer)
+    finally:
+        producer.close()
+    assert [v for v, _ in result] == [0, 2, 4, 6, 8]  # one chunk per batch, U = 2 each
+    assert [[s.prompt.uid for s in b.samples[::3]] for _, b in result] == [[k] for k in range(5)]
+    assert [{s.version for s in b.samples} for _, b in result] == [{v} for v in (0, 2, 4, 6, 8)]
+    assert engine.calls <= 6, "chunks were generated only to be thrown away"
+
+
+def test_streaming_chunks_merge_within_the_bound_and_none_goes_stale():
+    """A loose bound lets chunks run ahead and merge; each is admitted as if trained alone."""
+    engine = FakeEngine()
+    producer = streaming_producer(engine, max_staleness=4)
+    producer.start()
+    time.sleep(0.3)  # the producer runs ahead: chunks 0 and 1 fit the bound at version 0
+    result = []
+    try:
+        assert run_trainer(lambda: result.extend(fake_trainer(producer, 4, updates=2)))
+    finally:
+        producer.close()
+    ages = [v - s.version for v, b in result for s in b.samples]
+    assert max(ages) <= 4 and len(result[0][1].groups()) == 2  # merged
+    uids = [s.prompt.uid for _, b in result for s in b.samples[::3]]
+    assert uids == list(range(len(uids)))
 
 
 class SharedWeightsEngine(FakeEngine):

@@ -329,7 +329,7 @@ class PipelineConfig(Section):
     min_groups_per_step: int | None = Field(
         None,
         ge=1,
-        description="Async streaming: a step starts as soon as this many complete groups are ready (up to rollout.prompts_per_batch); null = wait for whole generation batches.",
+        description="Async streaming: prompts are generated in chunks of this many groups, and a step starts as soon as one chunk is ready, taking every other ready chunk up to rollout.prompts_per_batch groups; a chunk is generated ahead only as far as pipeline.max_staleness allows if each chunk before it were trained alone (at 0, every batch is one chunk); null = wait for whole generation batches.",
     )
     replay: ReplayConfig = Field(default_factory=ReplayConfig, description="Replay buffer.")
     reroll: RerollConfig = Field(

@@ -35,6 +35,9 @@ class RolloutSettings:
     scale_rewards: str
     seed: int
     updates_per_batch: int = 1  # U: optimizer updates made from one generation batch
+    # streaming: the updates of a batch of one chunk (mu x min(steps_per_generation, chunk
+    # groups)); None: updates_per_batch
+    updates_per_chunk: int | None = None
 
 
 @dataclass
@@ -64,10 +67,9 @@ class RolloutWorker:
         self.sampler = sampler
         self.settings = settings
         self.reward_lock = reward_lock or threading.Lock()
-        self.sampler_lock = threading.Lock()  # the producer draws, the trainer may re-queue
+        self.sampler_lock = threading.Lock()  # the producer draws; a checkpoint reads its state
         self.reroll_attempts = reroll_attempts
         self.attempts: dict[int, int] = {}  # prompt uid -> re-rolls so far
-        self.made = 0  # batches whose state_after was taken (under sampler_lock)
 
     def produce(self, index: int) -> ProducedBatch:
         with self.sampler_lock:
@@ -97,7 +99,6 @@ class RolloutWorker:
         with self.sampler_lock:
             requeued = self._reroll_failed(batch.groups())
             after = self.state_dict(index + 1)
-            self.made = index + 1
         batch.metrics["reroll/requeued"] = requeued
         return ProducedBatch(batch, index, after)
 
@@ -122,9 +123,9 @@ class RolloutWorker:
     def load_state_dict(self, state: dict) -> None:
         with self.sampler_lock:
             self.sampler.load_state_dict(state["sampler"])
+            # streamed chunks dropped as stale, in checkpoints of versions that dropped them
             self.sampler.requeue_uids(state.get("requeued_late", []))
             self.attempts = {int(uid): int(n) for uid, n in state.get("reroll_attempts", [])}
-            self.made = state["index"]
 
 
 def _seeded(params: SamplingParams, seed: int, index: int) -> SamplingParams:
