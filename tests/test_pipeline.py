@@ -193,6 +193,47 @@ def test_failed_groups_are_rerolled_and_really_reinjected():
     assert 0 not in {s.prompt.uid for s in third.samples}  # attempts are capped
 
 
+def test_flat_groups_are_rerolled_then_dropped_and_never_trained_on():
+    """reroll_flat.py: only groups whose every reward was None were re-rolled, though
+    pipeline.reroll promised prompts whose group carried no signal."""
+    worker, settings = make_worker(FakeEngine(), FakeRewards(flat_uids={0}), reroll=1)
+    producer = SyncProducer(worker, BatchFinisher(settings, 0, leave_out_flat=True))
+    first = producer.next_batch(0)
+    assert (first.metrics["reroll/requeued"], first.metrics["reroll/dropped"]) == (1, 0)
+    assert [s.prompt.uid for s in first.samples[::3]] == [1]  # the flat group is left out
+    assert first.metrics["reroll/left_out"] == 1 and first.metrics["frac_reward_zero_std"] == 0.5
+    second = producer.next_batch(0)  # prompt 0 again first, flat again: re-rolls used up
+    assert (second.metrics["reroll/requeued"], second.metrics["reroll/dropped"]) == (0, 1)
+    assert [s.prompt.uid for s in second.samples[::3]] == [2]
+    third = producer.next_batch(0)
+    assert [s.prompt.uid for s in third.samples[::3]] == [3, 4]
+
+
+def test_leaving_out_flat_groups_keeps_signal_stand_ins_and_unscored_groups():
+    settings = RolloutSettings(2, 4, SamplingParams(), "batch", seed=0)
+
+    def finish_second_batch(leave_out_flat: bool):
+        finisher = BatchFinisher(settings, 1, ReplayBuffer(4), leave_out_flat=leave_out_flat)
+        finished(finisher, [scored_group(0, [0.0, 1.0])], 0, 0)  # buffered
+        groups = [
+            scored_group(1, [1.0, 1.0], 1),  # flat: batch 0's group stands in
+            scored_group(2, [2.0, 2.0], 1),  # flat, the buffer empty: left out
+            scored_group(3, [None, None], 1),  # unscored: kept, the trainer leaves it out
+            scored_group(4, [0.0, 3.0], 1),
+        ]
+        return finished(finisher, groups, 1, 1)
+
+    plain, batch = finish_second_batch(False), finish_second_batch(True)
+    assert [s.prompt.uid for s in plain.samples[::2]] == [0, 2, 3, 4]
+    assert [s.prompt.uid for s in batch.samples[::2]] == [0, 3, 4]
+    assert batch.metrics["reroll/left_out"] == 1 and batch.metrics["replay/groups_used"] == 1
+    # advantages (batch-scaled here) and reward figures are those of the batch with every
+    # group in it: leaving out a group whose advantages are all 0 changes nothing else
+    kept = [s.advantage for s in plain.samples if s.prompt.uid != 2]
+    assert [s.advantage for s in batch.samples] == kept
+    assert {k: batch.metrics[k] for k in plain.metrics} == plain.metrics
+
+
 def test_replay_swaps_zero_variance_groups_within_the_bound():
     engine = FakeEngine()
     worker, settings = make_worker(engine, FakeRewards(flat_uids={2, 3}))
@@ -460,9 +501,10 @@ def batch_key(batch):
     ]
 
 
-def test_async_rerolls_are_served_by_the_same_batch_as_in_sync():
+@pytest.mark.parametrize("no_signal", ["failing_uids", "flat_uids"])
+def test_async_rerolls_are_served_by_the_same_batch_as_in_sync(no_signal):
     """Re-rolls happen when a batch is made, not when the trainer takes it: no timing."""
-    rewards = FakeRewards(failing_uids={0, 3})
+    rewards = FakeRewards(**{no_signal: {0, 3}})
     worker, settings = make_worker(FakeEngine(), rewards, reroll=1)
     sync = [b for _, b in consume(SyncProducer(worker, BatchFinisher(settings, 4)), 6)]
     worker2, settings2 = make_worker(FakeEngine(), rewards, reroll=1)
@@ -503,7 +545,8 @@ def test_sync_producer_state_holds_replay_buffer_and_reroll_attempts():
     state = saved(straight.state_dict())
     rest = [batch_key(straight.next_batch(0)) for _ in range(3)]
     assert first.metrics["reroll/requeued"] == 1
-    assert [key[1] for key in rest[1][::3]] == [3, 4]  # prompt 1 failed again: no 2nd re-roll
+    # prompt 1 failed again: no 2nd re-roll; prompt 2 was flat: re-rolled once, first
+    assert [key[1] for key in rest[1][::3]] == [2, 3]
     assert any(key[-1] for key in rest[0])  # prompt 2 is flat: prompt 0's group replayed
     resumed = make_sync(rewards)
     resumed.load_state_dict(state)

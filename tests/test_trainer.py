@@ -334,10 +334,11 @@ PICKY_REWARD = textwrap.dedent(
 def exact_resume_config(tmp_path: Path, mode: str, reward_file: Path, **run) -> dict:
     return tiny_run(
         tmp_path,
-        # seed 11: re-rolls and replays both happen, and the first batch has its full U = 4
-        # steps (re-rolled groups shrink a batch), which the stop points below rely on
-        # (per-prompt hf seeds since the torchrun merge changed the draw)
-        run={"max_steps": 9, "seed": 11, **run},
+        # seed 0, 6 prompts: re-rolls and replays both happen, and the first batch has its
+        # full U = 4 steps (groups without signal are not trained on, re-rolled instead, so
+        # they shrink a batch), which the stop points below rely on
+        run={"max_steps": 9, "seed": 0, **run},
+        rollout={"prompts_per_batch": 6},
         rewards={"functions": [{"name": f"{reward_file}:picky"}]},
         train={"steps_per_generation": 2, "lr_scheduler": "constant"},  # U = mu x 2 = 4
         pipeline={
@@ -390,6 +391,46 @@ def test_resume_is_exact_inside_a_batch(tmp_path, mode):
     assert max_abs_diff(trained_params(straight), trained_params(resumed)) == 0.0
 
 
+def test_flat_groups_are_rerolled_and_never_trained_on(tmp_path):
+    """reroll_flat.py through the trainer: a flat group (answers ending in 4-5 score 0.5 for
+    every completion) was trained on and never re-rolled; only all-None groups were."""
+    reward_file = tmp_path / "picky.py"
+    reward_file.write_text(PICKY_REWARD)
+    cfg = tiny_run(
+        tmp_path,
+        run={"max_steps": 6, "seed": 0},
+        rewards={"functions": [{"name": f"{reward_file}:picky"}]},
+        rollout={"prompts_per_batch": 6},
+        loss={"mu": 1},
+        pipeline={"reroll": {"enabled": True, "max_attempts": 1}},
+    )
+    trainer = BatchProbe(config_from_dict(cfg))
+    trainer.train()
+    for batch in trainer.started:
+        scored = [g for g in batch.groups() if any(s.reward is not None for s in g)]
+        assert all(len({s.reward for s in g if s.reward is not None}) > 1 for g in scored)
+    rows = read_metrics(tmp_path / "run")
+    for key in ("reroll/requeued", "reroll/dropped", "reroll/left_out"):
+        assert sum(r.get(key, 0) for r in rows) > 0, key  # every path really happened
+
+
+def test_a_run_whose_groups_are_all_flat_stops_with_one_sentence(tmp_path):
+    from leangrpo.errors import RunError
+
+    reward_file = tmp_path / "same.py"
+    reward_file.write_text("def same(prompts, completions, **columns):\n    return [1.0] * len(prompts)\n")
+    cfg = tiny_run(
+        tmp_path,
+        rewards={"functions": [{"name": f"{reward_file}:same"}]},
+        pipeline={"reroll": {"enabled": True}, "max_consecutive_skipped_batches": 3},
+    )
+    with pytest.raises(RunError, match="no scored sample with reward variance"):
+        Trainer(config_from_dict(cfg)).train()
+    rows = read_metrics(tmp_path / "run")
+    assert max(r.get("pipeline/skipped_batches", 0) for r in rows) == 3
+    assert not any("loss" in r for r in rows)
+
+
 def step_rows(run_dir: Path) -> dict[int, dict]:
     """The last row logged for each trained step (a resumed run logs a step once more only
     if it was logged before its checkpoint)."""
@@ -409,8 +450,7 @@ def test_streaming_resume_is_exact_at_zero_staleness(tmp_path):
 
     def streaming(out: Path) -> dict:
         cfg = exact_resume_config(out, "async", reward_file, max_steps=10)
-        cfg["rollout"]["prompts_per_batch"] = 4
-        cfg["pipeline"]["min_groups_per_step"] = 2
+        cfg["pipeline"]["min_groups_per_step"] = 3
         return cfg
 
     straight = Trainer(config_from_dict(streaming(tmp_path / "a")))

@@ -294,9 +294,12 @@ class ReplayConfig(Section):
 
 class RerollConfig(Section):
     enabled: bool = Field(
-        False, description="Generate again for prompts whose group carried no signal."
+        False,
+        description="Generate again, in the next batch, for prompts whose group carried no signal: flat (every scored completion rewarded the same) or not scored at all. Such a group is not trained on (all its advantages are 0): a flat group is left out of its batch unless the replay buffer stands in for it; once its prompt has used its re-rolls it is dropped (counted in reroll/dropped).",
     )
-    max_attempts: int = Field(2, ge=1, description="Re-rolls per prompt.")
+    max_attempts: int = Field(
+        2, ge=1, description="Re-rolls per prompt over the whole run (a resume keeps the count)."
+    )
 
 
 class PipelineConfig(Section):
@@ -324,7 +327,7 @@ class PipelineConfig(Section):
     max_consecutive_skipped_batches: int = Field(
         10,
         ge=1,
-        description="Stop the run after this many generation batches in a row had no scored sample (e.g. the reward functions all fail).",
+        description="Stop the run after this many generation batches in a row had nothing to train on: no scored sample (e.g. the reward functions all fail), or with pipeline.reroll only flat groups.",
     )
     min_groups_per_step: int | None = Field(
         None,
@@ -333,7 +336,8 @@ class PipelineConfig(Section):
     )
     replay: ReplayConfig = Field(default_factory=ReplayConfig, description="Replay buffer.")
     reroll: RerollConfig = Field(
-        default_factory=RerollConfig, description="Re-rolls of flat groups."
+        default_factory=RerollConfig,
+        description="Re-rolls of prompts whose group had no signal (flat or unscored).",
     )
 
 

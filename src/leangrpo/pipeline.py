@@ -1,8 +1,8 @@
 """Rollout production, synchronous or overlapped with training.
 
 A producer turns prompts into scored rollout batches: sample prompts -> generate G
-completions each -> rewards (worker pool) -> re-roll prompts whose group failed -> replay
--> group-relative advantages. sync: the batch is made when the trainer asks. async: a
+completions each -> rewards (worker pool) -> re-roll prompts whose group had no signal
+-> replay -> group-relative advantages. sync: the batch is made when the trainer asks. async: a
 background thread keeps up to `prefetch_depth` batches ready.
 
 Staleness. Every sample carries the version that generated it. `max_staleness` bounds its
@@ -356,7 +356,7 @@ def _merge(chunks: list[ProducedBatch]) -> ProducedBatch:
     for c in chunks:  # times and counts add up; means are weighted by samples
         share = len(c.batch.samples) / total
         for k, v in c.batch.metrics.items():
-            additive = k.startswith("time/") or k.endswith(("failures", "requeued"))
+            additive = k.startswith("time/") or k.endswith(("failures", "requeued", "dropped"))
             batch.metrics[k] = batch.metrics.get(k, 0.0) + (v if additive else v * share)
     idle = sum(c.idle_s for c in chunks)
     return ProducedBatch(batch, last.index, last.state_after, idle)

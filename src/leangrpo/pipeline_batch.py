@@ -2,7 +2,8 @@
 
 - `RolloutWorker.produce(index)`: sample prompts -> generate G completions each (seeded by
   a hash of (run seed, batch index), so a resume remakes a batch exactly) -> rewards ->
-  re-queue prompts whose whole group failed (at most `reroll_attempts` times each). Under
+  re-roll: re-queue the prompt of every group without signal (flat, or no score at all) at
+  most `reroll_attempts` times, then count such a group as dropped. Under
   torchrun each rank generates and scores its share, then an all-gather gives every rank
   the whole batch before re-rolls. Its `state_dict` (next index, sampler, re-roll counts)
   is taken with each batch, so a checkpoint describes the last batch handed out.
@@ -10,7 +11,8 @@
   for a group with signal of an earlier batch from `ReplayBuffer`, each buffered group used
   once, under a group id of its own, never older than max_staleness at consumption; the
   batch's own groups join the buffer after), the staleness check (`check_staleness` raises
-  rather than train beyond the bound), group advantages.
+  rather than train beyond the bound), group advantages; with re-rolls on, the flat groups
+  left (re-queued or dropped, all advantages 0) are taken out of the batch.
 - `RolloutSettings` and `ProducedBatch` are what flows between them and the producers.
 """
 
@@ -97,20 +99,22 @@ class RolloutWorker:
             samples, metrics = self.share.gather(samples, metrics)
         batch = RolloutBatch(samples, self.settings.group_size, metrics)
         with self.sampler_lock:
-            requeued = self._reroll_failed(batch.groups())
+            requeued, dropped = self._reroll(batch.groups())
             after = self.state_dict(index + 1)
-        batch.metrics["reroll/requeued"] = requeued
+        batch.metrics.update({"reroll/requeued": requeued, "reroll/dropped": dropped})
         return ProducedBatch(batch, index, after)
 
-    def _reroll_failed(self, groups: list[list[RolloutSample]]) -> float:
+    def _reroll(self, groups: list[list[RolloutSample]]) -> tuple[float, float]:
+        """Re-queue the prompts of groups without signal (flat, or not scored at all) that
+        have re-rolls left; returns (re-queued, dropped: their prompt's re-rolls used up)."""
         if not self.reroll_attempts:
-            return 0.0
-        failed = [g[0].prompt for g in groups if all(s.reward is None for s in g)]
-        retry = [p for p in failed if self.attempts.get(p.uid, 0) < self.reroll_attempts]
+            return 0.0, 0.0
+        no_signal = [g[0].prompt for g in groups if not _has_signal(g)]
+        retry = [p for p in no_signal if self.attempts.get(p.uid, 0) < self.reroll_attempts]
         for prompt in retry:
             self.attempts[prompt.uid] = self.attempts.get(prompt.uid, 0) + 1
         self.sampler.requeue(retry)
-        return float(len(retry))
+        return float(len(retry)), float(len(no_signal) - len(retry))
 
     def state_dict(self, index: int) -> dict:
         """Call under sampler_lock: `index` is the next batch to make."""
@@ -187,11 +191,12 @@ def _as_replayed(sample: RolloutSample, group_id: int) -> RolloutSample:
 
 @dataclass
 class BatchFinisher:
-    """Turns a generated batch into a training batch: replay, advantages."""
+    """Turns a generated batch into a training batch: replay, advantages, flat groups out."""
 
     settings: RolloutSettings
     max_staleness: int
     replay: ReplayBuffer | None = None
+    leave_out_flat: bool = False  # re-rolls on: a flat group is re-queued or dropped
 
     def finish(self, produced: ProducedBatch, trainer_version: int) -> RolloutBatch:
         batch = produced.batch
@@ -201,8 +206,13 @@ class BatchFinisher:
             groups, used = self._apply_replay(groups, trainer_version)
         batch.samples = [s for g in groups for s in g]
         check_staleness(batch.samples, trainer_version, self.max_staleness)
+        # reward and advantage figures describe every group, as without re-rolls
         batch.metrics.update(compute_advantages(batch, self.settings.scale_rewards))
         batch.metrics["replay/groups_used"] = used
+        if self.leave_out_flat:
+            kept = [g for g in groups if not _is_flat(g)]
+            batch.samples = [s for g in kept for s in g]
+            batch.metrics["reroll/left_out"] = float(len(groups) - len(kept))
         return batch
 
     def _apply_replay(self, groups, trainer_version: int):

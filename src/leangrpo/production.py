@@ -99,6 +99,7 @@ def _producer(cfg, engines, rewards, prompts, reward_lock, share=None):
         settings,
         max_staleness=pipe.max_staleness,  # also bounds replayed groups in sync mode
         replay=ReplayBuffer(pipe.replay.capacity) if pipe.replay.enabled else None,
+        leave_out_flat=pipe.reroll.enabled,
     )
     if pipe.mode == "async":
         return AsyncProducer(

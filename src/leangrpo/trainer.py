@@ -239,17 +239,29 @@ class Trainer:
             self.optimizer_step(planned, metrics, work.batch)
 
     def skip_batch(self, batch: RolloutBatch) -> None:
-        """Every sample unscored (a reward outage): consumed, counted, not trained on."""
+        """Nothing to train on: every sample unscored (a reward outage), or with re-rolls
+        every scored group flat and left out (pipeline_batch.py). Consumed, counted."""
         self.skips.batches += 1
         self.skips.batches_in_a_row += 1
-        log.warning(
-            "generation batch skipped: none of its %d samples was scored", len(batch.samples)
-        )
+        flat = int(batch.metrics.get("reroll/left_out", 0))
+        if flat:
+            log.warning(
+                "generation batch skipped: its %d scored groups were flat (no reward variance),"
+                " which pipeline.reroll leaves out",
+                flat,
+            )
+        else:
+            log.warning(
+                "generation batch skipped: none of its %d samples was scored", len(batch.samples)
+            )
         self.logger.log(self.step, {**batch.metrics, **self.skips.metrics()})
         limit = self.cfg.pipeline.max_consecutive_skipped_batches
         if self.skips.batches_in_a_row >= limit:
+            why = "had no scored sample"
+            if flat:
+                why += " with reward variance (pipeline.reroll leaves flat groups out)"
             raise RunError(
-                f"the last {limit} generation batches had no scored sample, so there is nothing to train on (pipeline.max_consecutive_skipped_batches = {limit}); check the reward functions: reward/*/failures in {self.out / 'metrics.jsonl'} counts their failures"
+                f"the last {limit} generation batches {why}, so there is nothing to train on (pipeline.max_consecutive_skipped_batches = {limit}); check the reward functions: reward/*/failures and frac_reward_zero_std in {self.out / 'metrics.jsonl'} count their failures and the groups they scored all alike"
             )
 
     def optimizer_step(self, planned: PlannedStep, batch_metrics: dict, batch) -> None:
