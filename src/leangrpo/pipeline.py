@@ -2,8 +2,8 @@
 
 A producer turns prompts into scored rollout batches: sample prompts -> generate G
 completions each -> rewards (worker pool) -> re-roll prompts whose group had no signal
--> replay -> group-relative advantages. sync: the batch is made when the trainer asks. async: a
-background thread keeps up to `prefetch_depth` batches ready.
+-> replay -> group-relative advantages. sync: the batch is made when the trainer asks.
+async: a background thread keeps up to `prefetch_depth` batches ready.
 
 Staleness. Every sample carries the version that generated it. `max_staleness` bounds its
 age when its batch is consumed (the batch's first update; its later updates, U = mu x
@@ -27,8 +27,8 @@ Weights reach the generator through `push_weights` (a snapshot applied between
 generations). Re-rolls happen when a batch is made, so timing never decides which batch
 serves a prompt again. `state_dict` describes the producer as of the last batch handed out
 (next index, sampler, re-roll attempts, replay buffer): batches prefetched but not handed
-out are made again after a resume, with the same seeds. A
-producer started after a resume admits nothing older than the resumed trainer's version.
+out are made again after a resume, with the same seeds. A producer started after a resume
+admits nothing older than the resumed trainer's version.
 Torchrun (hf engine): every rank runs the same producer on the same prompts and makes
 its share of each batch (`RolloutWorker.share`, see dist_rollout.py): it generates and
 scores its slice of the prompts, then an all-gather hands every rank the whole scored
