@@ -10,9 +10,10 @@ weights to the generator, and log, evaluate and checkpoint on schedule.
 The policy version counts successful optimizer updates; every sample carries the version
 that generated it, so staleness is measured, never assumed (`staleness/*` at each update).
 
-Guards: a batch with no scored sample is skipped (counted, consumed); a run stops with one
-sentence after `train.max_consecutive_skipped_steps` non-finite steps or
-`pipeline.max_consecutive_skipped_batches` unscored batches in a row. A checkpoint taken
+Guards: a batch with no scored sample (with re-rolls: no scored group with signal) is
+skipped (counted, consumed); a run stops with one sentence after
+`train.max_consecutive_skipped_steps` non-finite steps or
+`pipeline.max_consecutive_skipped_batches` such batches in a row. A checkpoint taken
 inside a batch holds that batch (`BatchInProgress`), so resume is exact at any step.
 
 Torchrun (`ctx.distributed`, docs/ARCHITECTURE.md "Distributed"): every rank runs this
