@@ -8,17 +8,26 @@ import time
 import pytest
 import torch
 
-from leangrpo.contracts import Completion, EngineVersionError, Prompt, SamplingParams
+from leangrpo.contracts import (
+    Completion,
+    EngineVersionError,
+    Prompt,
+    RolloutBatch,
+    RolloutSample,
+    SamplingParams,
+)
 from leangrpo.errors import RunError
 from leangrpo.pipeline import (
     AsyncProducer,
     BatchFinisher,
     PipelineStallError,
+    ProducedBatch,
     ReplayBuffer,
     RolloutSettings,
     RolloutWorker,
     SyncProducer,
 )
+from leangrpo.step import _group_indices
 
 
 class FakeEngine:
@@ -184,6 +193,47 @@ def test_failed_groups_are_rerolled_and_really_reinjected():
     assert 0 not in {s.prompt.uid for s in third.samples}  # attempts are capped
 
 
+def test_flat_groups_are_rerolled_then_dropped_and_never_trained_on():
+    """reroll_flat.py: only groups whose every reward was None were re-rolled, though
+    pipeline.reroll promised prompts whose group carried no signal."""
+    worker, settings = make_worker(FakeEngine(), FakeRewards(flat_uids={0}), reroll=1)
+    producer = SyncProducer(worker, BatchFinisher(settings, 0, leave_out_flat=True))
+    first = producer.next_batch(0)
+    assert (first.metrics["reroll/requeued"], first.metrics["reroll/dropped"]) == (1, 0)
+    assert [s.prompt.uid for s in first.samples[::3]] == [1]  # the flat group is left out
+    assert first.metrics["reroll/left_out"] == 1 and first.metrics["frac_reward_zero_std"] == 0.5
+    second = producer.next_batch(0)  # prompt 0 again first, flat again: re-rolls used up
+    assert (second.metrics["reroll/requeued"], second.metrics["reroll/dropped"]) == (0, 1)
+    assert [s.prompt.uid for s in second.samples[::3]] == [2]
+    third = producer.next_batch(0)
+    assert [s.prompt.uid for s in third.samples[::3]] == [3, 4]
+
+
+def test_leaving_out_flat_groups_keeps_signal_stand_ins_and_unscored_groups():
+    settings = RolloutSettings(2, 4, SamplingParams(), "batch", seed=0)
+
+    def finish_second_batch(leave_out_flat: bool):
+        finisher = BatchFinisher(settings, 1, ReplayBuffer(4), leave_out_flat=leave_out_flat)
+        finished(finisher, [scored_group(0, [0.0, 1.0])], 0, 0)  # buffered
+        groups = [
+            scored_group(1, [1.0, 1.0], 1),  # flat: batch 0's group stands in
+            scored_group(2, [2.0, 2.0], 1),  # flat, the buffer empty: left out
+            scored_group(3, [None, None], 1),  # unscored: kept, the trainer leaves it out
+            scored_group(4, [0.0, 3.0], 1),
+        ]
+        return finished(finisher, groups, 1, 1)
+
+    plain, batch = finish_second_batch(False), finish_second_batch(True)
+    assert [s.prompt.uid for s in plain.samples[::2]] == [0, 2, 3, 4]
+    assert [s.prompt.uid for s in batch.samples[::2]] == [0, 3, 4]
+    assert batch.metrics["reroll/left_out"] == 1 and batch.metrics["replay/groups_used"] == 1
+    # advantages (batch-scaled here) and reward figures are those of the batch with every
+    # group in it: leaving out a group whose advantages are all 0 changes nothing else
+    kept = [s.advantage for s in plain.samples if s.prompt.uid != 2]
+    assert [s.advantage for s in batch.samples] == kept
+    assert {k: batch.metrics[k] for k in plain.metrics} == plain.metrics
+
+
 def test_replay_swaps_zero_variance_groups_within_the_bound():
     engine = FakeEngine()
     worker, settings = make_worker(engine, FakeRewards(flat_uids={2, 3}))
@@ -194,6 +244,57 @@ def test_replay_swaps_zero_variance_groups_within_the_bound():
     second = producer.next_batch(1)  # prompts 2, 3 are flat: replaced by 0 and 1
     assert second.metrics["replay/groups_used"] == 2
     assert all(s.replayed and s.version == 0 for s in second.samples)
+
+
+def scored_group(uid: int, rewards: list[float], version: int = 0) -> list:
+    """One generated group of len(rewards) samples, group id = prompt uid."""
+    prompt = Prompt(uid, f"p{uid}", [5, 6])
+    return [
+        RolloutSample(
+            uid, prompt, Completion([1, 2], f"{uid}-{i}", [-0.5, -0.25], "stop", version), reward=r
+        )
+        for i, r in enumerate(rewards)
+    ]
+
+
+def finished(finisher, groups, index: int, version: int):
+    batch = RolloutBatch([s for g in groups for s in g], len(groups[0]))
+    return finisher.finish(ProducedBatch(batch, index, {}), trainer_version=version)
+
+
+def test_replay_stands_in_with_groups_of_earlier_batches_only():
+    """replay_dup.py: a flat group was replaced by a copy of a group of the same batch,
+    which then shared its group id (one 2G-sample group) and was trained on twice."""
+    settings = RolloutSettings(2, 2, SamplingParams(), "group", seed=0)
+    finisher = BatchFinisher(settings, max_staleness=1, replay=ReplayBuffer(8))
+    first = finished(finisher, [scored_group(0, [0.0, 1.0]), scored_group(1, [1.0, 1.0])], 0, 0)
+    assert first.metrics["replay/groups_used"] == 0  # nothing from an earlier batch yet
+    assert [s.group_id for s in first.samples] == [0, 0, 1, 1]
+    assert not any(s.replayed for s in first.samples)
+    flat = [scored_group(2, [0.0, 0.0], 1), scored_group(3, [1.0, 1.0], 1)]
+    second = finished(finisher, flat, 1, 1)
+    assert second.metrics["replay/groups_used"] == 1  # batch 0's group 0, once only
+    stand_in, kept = second.groups()
+    assert [s.completion for s in stand_in] == [s.completion for s in first.groups()[0]]
+    assert all(s.replayed and s.version == 0 for s in stand_in)  # versions, log-probs kept
+    assert {s.group_id for s in stand_in} == {-1} and [s.group_id for s in kept] == [3, 3]
+    assert [s.advantage for s in stand_in] == [s.advantage for s in first.groups()[0]] != [0, 0]
+    assert _group_indices(second.samples) == [[0, 1], [2, 3]]
+    third = finished(finisher, [scored_group(4, [0.0, 0.0], 2)], 2, 2)
+    assert third.metrics["replay/groups_used"] == 0  # a replayed group never re-enters
+
+
+def test_replayed_group_ids_never_repeat_across_a_resume():
+    settings = RolloutSettings(2, 1, SamplingParams(), "group", seed=0)
+    finisher = BatchFinisher(settings, max_staleness=3, replay=ReplayBuffer(8))
+    for index in range(2):
+        finished(finisher, [scored_group(index, [0.0, 1.0], index)], index, index)
+    replayed = finished(finisher, [scored_group(9, [0.0, 0.0], 2)], 2, 2)
+    assert {s.group_id for s in replayed.samples} == {-1}
+    resumed = BatchFinisher(settings, max_staleness=3, replay=ReplayBuffer(8))
+    resumed.load_state_dict(saved(finisher.state_dict()))
+    again = finished(resumed, [scored_group(10, [0.0, 0.0], 3)], 3, 3)
+    assert {(s.group_id, s.prompt.uid) for s in again.samples} == {(-2, 1)}
 
 
 def test_replay_buffer_evicts_groups_beyond_the_staleness_bound():
@@ -232,7 +333,7 @@ def test_streaming_steps_start_with_the_groups_that_are_ready():
     staleness = [v - s.version for v, b in batches for s in b.samples]
     assert max(staleness) <= 1
     uids = [s.prompt.uid for _, b in batches for s in b.samples[::3]]
-    assert len(uids) == len(set(uids)) or producer.dropped_stale > 0
+    assert uids == list(range(len(uids)))  # no chunk made to go stale: prompts in order
 
 
 # -- admission from the versions the trainer really reaches ---------------------------------
@@ -272,8 +373,16 @@ def test_skipped_steps_never_stall_the_async_producer(max_staleness, skipped):
     assert len(ages) == 40 * 6 and max(ages) <= max_staleness
 
 
-def fake_trainer(producer, batches: int, updates: int, version: int = 0, steps_left: int = 0):
-    """Takes `updates` steps per batch, reporting progress and pushing after each."""
+def fake_trainer(
+    producer,
+    batches: int,
+    updates: int,
+    version: int = 0,
+    steps_left: int = 0,
+    train_s: float = 0.0,
+):
+    """Takes `updates` steps per batch (`train_s` each), reporting progress and pushing
+    after each."""
     consumed = []
     for _ in range(steps_left):  # the rest of a batch a resumed trainer still holds
         version += 1
@@ -283,6 +392,7 @@ def fake_trainer(producer, batches: int, updates: int, version: int = 0, steps_l
         batch = producer.next_batch(version)
         consumed.append((version, batch))
         for left in reversed(range(updates)):
+            time.sleep(train_s)
             version += 1
             producer.report_progress(version, left)
             producer.push_weights(version, lambda: [])
@@ -386,13 +496,15 @@ def test_sync_mode_refuses_samples_beyond_the_bound():
 
 def batch_key(batch):
     return [
-        (s.prompt.uid, s.completion.text, s.version, s.advantage, s.replayed) for s in batch.samples
+        (s.group_id, s.prompt.uid, s.completion.text, s.version, s.advantage, s.replayed)
+        for s in batch.samples
     ]
 
 
-def test_async_rerolls_are_served_by_the_same_batch_as_in_sync():
+@pytest.mark.parametrize("no_signal", ["failing_uids", "flat_uids"])
+def test_async_rerolls_are_served_by_the_same_batch_as_in_sync(no_signal):
     """Re-rolls happen when a batch is made, not when the trainer takes it: no timing."""
-    rewards = FakeRewards(failing_uids={0, 3})
+    rewards = FakeRewards(**{no_signal: {0, 3}})
     worker, settings = make_worker(FakeEngine(), rewards, reroll=1)
     sync = [b for _, b in consume(SyncProducer(worker, BatchFinisher(settings, 4)), 6)]
     worker2, settings2 = make_worker(FakeEngine(), rewards, reroll=1)
@@ -433,30 +545,55 @@ def test_sync_producer_state_holds_replay_buffer_and_reroll_attempts():
     state = saved(straight.state_dict())
     rest = [batch_key(straight.next_batch(0)) for _ in range(3)]
     assert first.metrics["reroll/requeued"] == 1
-    assert [uid for uid, *_ in rest[1][::3]] == [3, 4]  # prompt 1 failed again: no 2nd re-roll
+    # prompt 1 failed again: no 2nd re-roll; prompt 2 was flat: re-rolled once, first
+    assert [key[1] for key in rest[1][::3]] == [2, 3]
     assert any(key[-1] for key in rest[0])  # prompt 2 is flat: prompt 0's group replayed
     resumed = make_sync(rewards)
     resumed.load_state_dict(state)
     assert [batch_key(resumed.next_batch(0)) for _ in range(3)] == rest
 
 
-def test_async_state_keeps_prompts_requeued_after_the_snapshot():
-    """A streamed chunk dropped as stale goes back to the sampler; a checkpoint keeps it."""
-    engine = FakeEngine()
-    settings = RolloutSettings(3, 2, SamplingParams(), "group", seed=0)
+def streaming_producer(engine, max_staleness: int, updates: int = 2) -> AsyncProducer:
+    """Chunks of one group, batches of up to 2; U = `updates` for a batch of one chunk."""
+    settings = RolloutSettings(3, 2, SamplingParams(), "group", 0, updates, updates)
     worker = RolloutWorker(engine, FakeRewards(), FakeSampler(1), settings)
-    producer = AsyncProducer(worker, BatchFinisher(settings, 0), 4, 0, streaming=True)
-    for index in range(3):  # what the thread would make: chunks 0, 1, 2 at version 0 ...
-        producer.queue.put(worker.produce(index))
-    assert [s.prompt.uid for s in producer.next_batch(0).samples[::3]] == [0, 1]
-    engine.version = 1
-    producer.queue.put(worker.produce(3))  # ... and chunk 3 at version 1
-    batch = producer.next_batch(1)  # chunk 2 is dropped as stale after chunk 3 was made
-    assert [s.prompt.uid for s in batch.samples[::3]] == [3] and producer.dropped_stale == 1
-    state = saved(producer.state_dict())  # as of chunk 3, when prompt 2 was still drawn
-    resumed = RolloutWorker(FakeEngine(), FakeRewards(), FakeSampler(1), settings)
-    AsyncProducer(resumed, BatchFinisher(settings, 0), 4, 0, streaming=True).load_state_dict(state)
-    assert [resumed.sampler.next_batch()[0].uid for _ in range(2)] == [2, 4], "prompt 2 lost"
+    finisher = BatchFinisher(settings, max_staleness)
+    return AsyncProducer(worker, finisher, 4, max_staleness, streaming=True, stall_timeout_s=5)
+
+
+def test_streaming_at_zero_staleness_is_sync_schedule_whatever_the_timing():
+    """streaming_resume.py: chunks made while the trainer was inside a batch went stale and
+    were re-queued, a number that timing decided (and a resume remade them fresh)."""
+    engine = FakeEngine(delay=0.002)
+    producer = streaming_producer(engine, max_staleness=0)
+    producer.start()
+    result = []
+    try:
+        trainer = lambda: result.extend(fake_trainer(producer, 5, updates=2, train_s=0.02))  # noqa: E731
+        assert run_trainer(trainer)
+    finally:
+        producer.close()
+    assert [v for v, _ in result] == [0, 2, 4, 6, 8]  # one chunk per batch, U = 2 each
+    assert [[s.prompt.uid for s in b.samples[::3]] for _, b in result] == [[k] for k in range(5)]
+    assert [{s.version for s in b.samples} for _, b in result] == [{v} for v in (0, 2, 4, 6, 8)]
+    assert engine.calls <= 6, "chunks were generated only to be thrown away"
+
+
+def test_streaming_chunks_merge_within_the_bound_and_none_goes_stale():
+    """A loose bound lets chunks run ahead and merge; each is admitted as if trained alone."""
+    engine = FakeEngine()
+    producer = streaming_producer(engine, max_staleness=4)
+    producer.start()
+    time.sleep(0.3)  # the producer runs ahead: chunks 0 and 1 fit the bound at version 0
+    result = []
+    try:
+        assert run_trainer(lambda: result.extend(fake_trainer(producer, 4, updates=2)))
+    finally:
+        producer.close()
+    ages = [v - s.version for v, b in result for s in b.samples]
+    assert max(ages) <= 4 and len(result[0][1].groups()) == 2  # merged
+    uids = [s.prompt.uid for _, b in result for s in b.samples[::3]]
+    assert uids == list(range(len(uids)))
 
 
 class SharedWeightsEngine(FakeEngine):

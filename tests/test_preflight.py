@@ -110,6 +110,17 @@ def test_is_options_are_ignored_without_decoupled_weights(tmp_path: Path, correc
     assert ignored_options(demo(tmp_path, "loss.is_correction=decoupled", *keys)) == []
 
 
+def test_replay_that_the_staleness_bound_rules_out_is_listed(tmp_path: Path) -> None:
+    """A stand-in comes from an earlier batch, U = mu x steps_per_generation versions old."""
+    args = ("pipeline.replay.enabled=true", "loss.mu=2", "train.steps_per_generation=2")
+    assert ignored_options(demo(tmp_path, *args, "pipeline.max_staleness=4")) == []
+    assert ignored_options(demo(tmp_path, *args, "pipeline.max_staleness=3")) == [
+        "pipeline.replay.enabled (a replayed group comes from an earlier batch, normally 4 "
+        "versions old (loss.mu x train.steps_per_generation updates per batch), beyond "
+        "pipeline.max_staleness = 3)"
+    ]
+
+
 def test_data_errors_come_before_the_run_directory_is_touched(tmp_path: Path) -> None:
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"prompt": ""}) + "\n")

@@ -260,6 +260,41 @@ def test_replay_and_reroll_run_inside_the_trainer(tmp_path):
     assert used == sum(r["samples/replayed"] for r in replayed) / 4  # whole groups of G = 4
 
 
+class BatchProbe(Trainer):
+    """Keeps every batch the trainer starts on."""
+
+    def start_batch(self, batch):
+        self.started = [*getattr(self, "started", []), batch]
+        return super().start_batch(batch)
+
+
+def test_replayed_groups_come_from_earlier_batches_and_are_trained_once(tmp_path):
+    """replay_trainer_dup.py: 6 of 10 stand-ins were copies of a group of the same batch,
+    trained on twice in one step as one 2G-sample group (both copies had its group id)."""
+    reward_file = tmp_path / "picky.py"
+    reward_file.write_text(PICKY_REWARD)
+    cfg = tiny_run(
+        tmp_path,
+        run={"max_steps": 6, "seed": 11},
+        rewards={"functions": [{"name": f"{reward_file}:picky"}]},
+        rollout={"prompts_per_batch": 6},
+        loss={"mu": 1},
+        pipeline={"max_staleness": 1, "replay": {"enabled": True, "capacity": 8}},
+    )
+    trainer = BatchProbe(config_from_dict(cfg))
+    trainer.train()
+    replayed = 0
+    for batch in trainer.started:
+        ids = [s.group_id for s in batch.samples]
+        assert all(ids.count(g) == 4 for g in ids)  # G = 4: no two groups share an id
+        assert len({id(s.completion) for s in batch.samples}) == len(batch.samples)
+        replayed += sum(s.replayed for s in batch.samples)
+    assert replayed > 0  # stand-ins really happened
+    rows = [r for r in read_metrics(tmp_path / "run") if "replay/groups_used" in r]
+    assert sum(r["replay/groups_used"] for r in rows) == replayed / 4
+    assert max(r["staleness/consumed_max"] for r in rows) <= 1
+
+
 def test_top_k_and_min_p_runs_stay_finite(tmp_path):
     """Sampling filters with a KL term and mu = 2: sampled tokens fall outside the trainer's
     filtered set once the weights move, and outside the reference's; every step stays
@@ -299,15 +334,18 @@ PICKY_REWARD = textwrap.dedent(
 def exact_resume_config(tmp_path: Path, mode: str, reward_file: Path, **run) -> dict:
     return tiny_run(
         tmp_path,
-        # seed 11: re-rolls and replays both happen, and the first batch has its full U = 4
-        # steps (re-rolled groups shrink a batch), which the stop points below rely on
-        # (per-prompt hf seeds since the torchrun merge changed the draw)
-        run={"max_steps": 9, "seed": 11, **run},
+        # seed 0, 6 prompts: re-rolls and replays both happen, and the first batch has its
+        # full U = 4 steps (groups without signal are not trained on, re-rolled instead, so
+        # they shrink a batch), which the stop points below rely on
+        run={"max_steps": 9, "seed": 0, **run},
+        rollout={"prompts_per_batch": 6},
         rewards={"functions": [{"name": f"{reward_file}:picky"}]},
         train={"steps_per_generation": 2, "lr_scheduler": "constant"},  # U = mu x 2 = 4
         pipeline={
             "mode": mode,
-            "max_staleness": 0,
+            # exact: sync at any bound, async at 0. A stand-in comes from an earlier batch,
+            # U = 4 versions old, so sync's bound of U lets replay happen; at 0 it cannot
+            "max_staleness": 4 if mode == "sync" else 0,
             "replay": {"enabled": True, "capacity": 8},
             "reroll": {"enabled": True},
             "stall_timeout_s": 60,
@@ -331,7 +369,8 @@ def test_resume_is_exact_inside_a_batch(tmp_path, mode):
     straight.train()
     rows = read_metrics(tmp_path / "a" / "run")
     assert sum(r.get("reroll/requeued", 0) for r in rows) > 0  # re-rolls really happened
-    assert sum(r.get("replay/groups_used", 0) for r in rows) > 0  # and replays
+    if mode == "sync":
+        assert sum(r.get("replay/groups_used", 0) for r in rows) > 0  # and replays
 
     interrupted = exact_resume_config(tmp_path / "b", mode, reward_file)
     first = Trainer(
@@ -350,6 +389,83 @@ def test_resume_is_exact_inside_a_batch(tmp_path, mode):
     resumed.train()
     assert resumed.version == straight.version
     assert max_abs_diff(trained_params(straight), trained_params(resumed)) == 0.0
+
+
+def test_flat_groups_are_rerolled_and_never_trained_on(tmp_path):
+    """reroll_flat.py through the trainer: a flat group (answers ending in 4-5 score 0.5 for
+    every completion) was trained on and never re-rolled; only all-None groups were."""
+    reward_file = tmp_path / "picky.py"
+    reward_file.write_text(PICKY_REWARD)
+    cfg = tiny_run(
+        tmp_path,
+        run={"max_steps": 6, "seed": 0},
+        rewards={"functions": [{"name": f"{reward_file}:picky"}]},
+        rollout={"prompts_per_batch": 6},
+        loss={"mu": 1},
+        pipeline={"reroll": {"enabled": True, "max_attempts": 1}},
+    )
+    trainer = BatchProbe(config_from_dict(cfg))
+    trainer.train()
+    for batch in trainer.started:
+        scored = [g for g in batch.groups() if any(s.reward is not None for s in g)]
+        assert all(len({s.reward for s in g if s.reward is not None}) > 1 for g in scored)
+    rows = read_metrics(tmp_path / "run")
+    for key in ("reroll/requeued", "reroll/dropped", "reroll/left_out"):
+        assert sum(r.get(key, 0) for r in rows) > 0, key  # every path really happened
+
+
+def test_a_run_whose_groups_are_all_flat_stops_with_one_sentence(tmp_path):
+    from leangrpo.errors import RunError
+
+    reward_file = tmp_path / "same.py"
+    reward_file.write_text("def same(prompts, completions, **columns):\n    return [1.0] * len(prompts)\n")
+    cfg = tiny_run(
+        tmp_path,
+        rewards={"functions": [{"name": f"{reward_file}:same"}]},
+        pipeline={"reroll": {"enabled": True}, "max_consecutive_skipped_batches": 3},
+    )
+    with pytest.raises(RunError, match="no scored sample with reward variance"):
+        Trainer(config_from_dict(cfg)).train()
+    rows = read_metrics(tmp_path / "run")
+    assert max(r.get("pipeline/skipped_batches", 0) for r in rows) == 3
+    assert not any("loss" in r for r in rows)
+
+
+def step_rows(run_dir: Path) -> dict[int, dict]:
+    """The last row logged for each trained step (a resumed run logs a step once more only
+    if it was logged before its checkpoint)."""
+    return {r["step"]: r for r in read_metrics(run_dir) if "loss" in r}
+
+
+COUNTERS = ("version", "train/skipped_steps", "pipeline/skipped_batches")
+
+
+@pytest.mark.slow
+def test_streaming_resume_is_exact_at_zero_staleness(tmp_path):
+    """streaming_resume.py: chunks made while the trainer was inside a batch went stale and
+    were re-queued at the back in the straight run, but were made fresh after a resume, so
+    the prompt order (and the weights, by 1e-3) differed."""
+    reward_file = tmp_path / "picky.py"
+    reward_file.write_text(PICKY_REWARD)
+
+    def streaming(out: Path) -> dict:
+        cfg = exact_resume_config(out, "async", reward_file, max_steps=10)
+        cfg["pipeline"]["min_groups_per_step"] = 3
+        return cfg
+
+    straight = Trainer(config_from_dict(streaming(tmp_path / "a")))
+    straight.train()
+    crashing = type("Stop", (StopAfter,), {"stop_at": 4})(config_from_dict(streaming(tmp_path / "b")))
+    with pytest.raises(_Interrupt):
+        crashing.train()
+    resumed = Trainer(config_from_dict(streaming(tmp_path / "b")))
+    assert resumed.step == 4
+    resumed.train()
+    assert max_abs_diff(trained_params(straight), trained_params(resumed)) == 0.0
+    a, b = step_rows(tmp_path / "a" / "run"), step_rows(tmp_path / "b" / "run")
+    assert sorted(a) == sorted(b) == list(range(1, 11))
+    keys = ("loss", "reward/mean", "reroll/requeued", *COUNTERS)
+    assert [[a[s].get(k) for k in keys] for s in a] == [[b[s].get(k) for k in keys] for s in a]
 
 
 def nan_gradient_at(calls: set[int] | None):

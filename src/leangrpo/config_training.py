@@ -288,15 +288,23 @@ class OffloadConfig(Section):
 
 
 class ReplayConfig(Section):
-    enabled: bool = Field(False, description="Replay high-signal groups when a batch falls short.")
-    capacity: int = Field(64, ge=1, description="Groups the replay buffer holds.")
+    enabled: bool = Field(
+        False,
+        description="Swap each flat group (scored, no reward variance) for a group with signal from an earlier batch, each buffered group used once and never older than pipeline.max_staleness when consumed (so a bound below loss.mu x train.steps_per_generation, one batch's updates, leaves nothing to replay).",
+    )
+    capacity: int = Field(
+        64, ge=1, description="Groups with signal the replay buffer holds (the oldest leave first)."
+    )
 
 
 class RerollConfig(Section):
     enabled: bool = Field(
-        False, description="Generate again for prompts whose group carried no signal."
+        False,
+        description="Generate again, in the next batch, for prompts whose group carried no signal: flat (every scored completion rewarded the same) or not scored at all. Such a group is not trained on (all its advantages are 0): a flat group is left out of its batch unless the replay buffer stands in for it; once its prompt has used its re-rolls it is dropped (counted in reroll/dropped).",
     )
-    max_attempts: int = Field(2, ge=1, description="Re-rolls per prompt.")
+    max_attempts: int = Field(
+        2, ge=1, description="Re-rolls per prompt over the whole run (a resume keeps the count)."
+    )
 
 
 class PipelineConfig(Section):
@@ -324,16 +332,17 @@ class PipelineConfig(Section):
     max_consecutive_skipped_batches: int = Field(
         10,
         ge=1,
-        description="Stop the run after this many generation batches in a row had no scored sample (e.g. the reward functions all fail).",
+        description="Stop the run after this many generation batches in a row had nothing to train on: no scored sample (e.g. the reward functions all fail), or with pipeline.reroll only flat groups.",
     )
     min_groups_per_step: int | None = Field(
         None,
         ge=1,
-        description="Async streaming: a step starts as soon as this many complete groups are ready (up to rollout.prompts_per_batch); null = wait for whole generation batches.",
+        description="Async streaming: prompts are generated in chunks of this many groups, and a step starts as soon as one chunk is ready, taking every other ready chunk up to rollout.prompts_per_batch groups; a chunk is generated ahead only as far as pipeline.max_staleness allows if each chunk before it were trained alone (at 0, every batch is one chunk); null = wait for whole generation batches.",
     )
     replay: ReplayConfig = Field(default_factory=ReplayConfig, description="Replay buffer.")
     reroll: RerollConfig = Field(
-        default_factory=RerollConfig, description="Re-rolls of flat groups."
+        default_factory=RerollConfig,
+        description="Re-rolls of prompts whose group had no signal (flat or unscored).",
     )
 
 

@@ -1,9 +1,9 @@
 """Rollout production, synchronous or overlapped with training.
 
 A producer turns prompts into scored rollout batches: sample prompts -> generate G
-completions each -> rewards (worker pool) -> re-roll prompts whose group failed -> replay
--> group-relative advantages. sync: the batch is made when the trainer asks. async: a
-background thread keeps up to `prefetch_depth` batches ready.
+completions each -> rewards (worker pool) -> re-roll prompts whose group had no signal
+-> replay -> group-relative advantages. sync: the batch is made when the trainer asks.
+async: a background thread keeps up to `prefetch_depth` batches ready.
 
 Staleness. Every sample carries the version that generated it. `max_staleness` bounds its
 age when its batch is consumed (the batch's first update; its later updates, U = mu x
@@ -16,16 +16,19 @@ every step. Batch k, with j batches to hand out before it, is consumed within
 `version + steps_left + j x U - max_staleness`, re-evaluated on every report. Skipped
 steps and short or skipped batches only make samples fresher, so they cannot deadlock it;
 a trainer waiting `stall_timeout_s` for a batch that cannot start stops the run with the
-reason. max_staleness = 0 degenerates to sync, sample for sample. Streaming chunks
-(`min_groups_per_step`) are admitted against the trainer's current version; a chunk stale
-when taken is dropped and its prompts re-queued.
+reason. max_staleness = 0 degenerates to sync, sample for sample. Streaming
+(`min_groups_per_step`): a step takes the first chunk not handed out and every other one
+ready, up to a full batch; chunk k is admitted by the same rule, with j the chunks before
+it and U_chunk the updates of a batch of one chunk. Merging only makes a chunk fresher
+than that plan, so no chunk is ever stale when taken (none is made to be thrown away), and
+at max_staleness 0 every batch is exactly one chunk: sync's schedule, whatever the timing.
 
 Weights reach the generator through `push_weights` (a snapshot applied between
 generations). Re-rolls happen when a batch is made, so timing never decides which batch
 serves a prompt again. `state_dict` describes the producer as of the last batch handed out
-(next index, sampler, re-roll attempts, prompts re-queued since, replay buffer): batches
-prefetched but not handed out are made again after a resume, with the same seeds. A
-producer started after a resume admits nothing older than the resumed trainer's version.
+(next index, sampler, re-roll attempts, replay buffer): batches prefetched but not handed
+out are made again after a resume, with the same seeds. A producer started after a resume
+admits nothing older than the resumed trainer's version.
 Torchrun (hf engine): every rank runs the same producer on the same prompts and makes
 its share of each batch (`RolloutWorker.share`, see dist_rollout.py): it generates and
 scores its slice of the prompts, then an all-gather hands every rank the whole scored
@@ -134,7 +137,6 @@ class AsyncProducer:
         self.streaming = streaming
         self.snapshot_device = snapshot_device  # None: snapshots stay on the weights' device
         self.stall_timeout_s = stall_timeout_s
-        self.dropped_stale = 0
         self.queue: queue.Queue[ProducedBatch] = queue.Queue(maxsize=prefetch_depth)
         self.engine_lock = threading.Lock()
         self._pending: tuple[int, list] | None = None
@@ -152,7 +154,6 @@ class AsyncProducer:
         self._enter_lock = threading.Lock()
         self.entered = -1  # the last batch the thread started (torchrun: see stop_entering)
         self._consumed_state: dict = {}
-        self._late_requeues: list[tuple[int, list[int]]] = []  # (worker.made then, uids)
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -160,7 +161,6 @@ class AsyncProducer:
             self._floor = self._trainer_version
         with self.worker.sampler_lock:
             self._consumed_state = self.worker.state_dict(self._index)
-            self.worker.made = self._index
         self.entered = self._index - 1
         threads = torch.get_num_threads()
         self._thread = threading.Thread(
@@ -228,13 +228,12 @@ class AsyncProducer:
 
         Call under _progress. See the module docstring for the rule.
         """
-        if self.streaming:
-            planned = self._trainer_version
-        else:
-            batches_before = index - self._handed
-            steps = self._steps_left + batches_before * self.worker.settings.updates_per_batch
-            planned = self._trainer_version + steps
-        return max(self._floor, planned - self.max_staleness)
+        settings = self.worker.settings
+        per_batch = settings.updates_per_batch
+        if self.streaming and settings.updates_per_chunk is not None:
+            per_batch = settings.updates_per_chunk  # each chunk as a batch of its own
+        steps = self._steps_left + (index - self._handed) * per_batch
+        return max(self._floor, self._trainer_version + steps - self.max_staleness)
 
     def _apply_pending_weights(self) -> None:
         with self._pending_lock:
@@ -262,47 +261,32 @@ class AsyncProducer:
     def next_batch(self, trainer_version: int) -> RolloutBatch:
         t0 = time.perf_counter()
         self.report_progress(trainer_version, 0)
-        produced = self._take_streamed(trainer_version) if self.streaming else self._get()
+        produced = self._take_streamed() if self.streaming else self._get()
         with self._progress:  # until the trainer reports, assume it takes U steps on it
             self._handed = produced.index + 1
             self._steps_left = self.worker.settings.updates_per_batch
         waited = time.perf_counter() - t0
         self._consumed_state = produced.state_after
-        self._late_requeues = [(n, u) for n, u in self._late_requeues if n > produced.index]
         batch = self.finisher.finish(produced, trainer_version)
         batch.metrics.update(
             {
                 "time/trainer_wait": waited,
                 "time/producer_idle": produced.idle_s,
                 "pipeline/queue": float(self.queue.qsize()),
-                "pipeline/dropped_stale": float(self.dropped_stale),
             }
         )
         return batch
 
-    def _take_streamed(self, trainer_version: int) -> ProducedBatch:
-        """At least one ready chunk, plus every other ready one up to a full batch."""
+    def _take_streamed(self) -> ProducedBatch:
+        """The next chunk, plus every other ready one up to a full batch."""
         target = self.worker.settings.prompts_per_batch
-        while True:
-            chunks = [self._get()]
-            while sum(len(c.batch.groups()) for c in chunks) < target:
-                try:
-                    chunks.append(self.queue.get_nowait())
-                except queue.Empty:
-                    break
-            fresh = [c for c in chunks if self._fresh(c, trainer_version)]
-            if fresh:
-                return _merge(fresh)
-
-    def _fresh(self, chunk: ProducedBatch, trainer_version: int) -> bool:
-        if all(trainer_version - s.version <= self.max_staleness for s in chunk.batch.samples):
-            return True
-        self.dropped_stale += 1
-        prompts = [g[0].prompt for g in chunk.batch.groups()]
-        with self.worker.sampler_lock:  # after the state of batches made so far: see state_dict
-            self.worker.sampler.requeue(prompts)
-            self._late_requeues.append((self.worker.made, [p.uid for p in prompts]))
-        return False
+        chunks = [self._get()]
+        while sum(len(c.batch.groups()) for c in chunks) < target:
+            try:
+                chunks.append(self.queue.get_nowait())
+            except queue.Empty:
+                break
+        return _merge(chunks)
 
     def _get(self) -> ProducedBatch:
         waiting_since = time.monotonic()
@@ -349,9 +333,8 @@ class AsyncProducer:
         return time.perf_counter() - t0
 
     def state_dict(self) -> dict:
-        """As of the last batch handed out, plus prompts re-queued after it was made."""
-        late = [uid for _, uids in self._late_requeues for uid in uids]
-        return {**self._consumed_state, "requeued_late": late, **self.finisher.state_dict()}
+        """As of the last batch handed out (the batches made after it are made again)."""
+        return {**self._consumed_state, **self.finisher.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self._index = self._handed = state["index"]
@@ -373,7 +356,7 @@ def _merge(chunks: list[ProducedBatch]) -> ProducedBatch:
     for c in chunks:  # times and counts add up; means are weighted by samples
         share = len(c.batch.samples) / total
         for k, v in c.batch.metrics.items():
-            additive = k.startswith("time/") or k.endswith(("failures", "requeued"))
+            additive = k.startswith("time/") or k.endswith(("failures", "requeued", "dropped"))
             batch.metrics[k] = batch.metrics.get(k, 0.0) + (v if additive else v * share)
     idle = sum(c.idle_s for c in chunks)
     return ProducedBatch(batch, last.index, last.state_after, idle)

@@ -2,13 +2,17 @@
 
 - `RolloutWorker.produce(index)`: sample prompts -> generate G completions each (seeded by
   a hash of (run seed, batch index), so a resume remakes a batch exactly) -> rewards ->
-  re-queue prompts whose whole group failed (at most `reroll_attempts` times each). Under
+  re-roll: re-queue the prompt of every group without signal (flat, or no score at all) at
+  most `reroll_attempts` times, then count such a group as dropped. Under
   torchrun each rank generates and scores its share, then an all-gather gives every rank
   the whole batch before re-rolls. Its `state_dict` (next index, sampler, re-roll counts)
   is taken with each batch, so a checkpoint describes the last batch handed out.
-- `BatchFinisher.finish`: replay (a zero-variance group is swapped for a recent group with
-  signal from `ReplayBuffer`, never older than max_staleness), the staleness check
-  (`check_staleness` raises rather than train beyond the bound), group advantages.
+- `BatchFinisher.finish`: replay (a flat group, scored without reward variance, is swapped
+  for a group with signal of an earlier batch from `ReplayBuffer`, each buffered group used
+  once, under a group id of its own, never older than max_staleness at consumption; the
+  batch's own groups join the buffer after), the staleness check (`check_staleness` raises
+  rather than train beyond the bound), group advantages; with re-rolls on, the flat groups
+  left (re-queued or dropped, all advantages 0) are taken out of the batch.
 - `RolloutSettings` and `ProducedBatch` are what flows between them and the producers.
 """
 
@@ -33,6 +37,9 @@ class RolloutSettings:
     scale_rewards: str
     seed: int
     updates_per_batch: int = 1  # U: optimizer updates made from one generation batch
+    # streaming: the updates of a batch of one chunk (mu x min(steps_per_generation, chunk
+    # groups)); None: updates_per_batch
+    updates_per_chunk: int | None = None
 
 
 @dataclass
@@ -62,10 +69,9 @@ class RolloutWorker:
         self.sampler = sampler
         self.settings = settings
         self.reward_lock = reward_lock or threading.Lock()
-        self.sampler_lock = threading.Lock()  # the producer draws, the trainer may re-queue
+        self.sampler_lock = threading.Lock()  # the producer draws; a checkpoint reads its state
         self.reroll_attempts = reroll_attempts
         self.attempts: dict[int, int] = {}  # prompt uid -> re-rolls so far
-        self.made = 0  # batches whose state_after was taken (under sampler_lock)
 
     def produce(self, index: int) -> ProducedBatch:
         with self.sampler_lock:
@@ -93,21 +99,22 @@ class RolloutWorker:
             samples, metrics = self.share.gather(samples, metrics)
         batch = RolloutBatch(samples, self.settings.group_size, metrics)
         with self.sampler_lock:
-            requeued = self._reroll_failed(batch.groups())
+            requeued, dropped = self._reroll(batch.groups())
             after = self.state_dict(index + 1)
-            self.made = index + 1
-        batch.metrics["reroll/requeued"] = requeued
+        batch.metrics.update({"reroll/requeued": requeued, "reroll/dropped": dropped})
         return ProducedBatch(batch, index, after)
 
-    def _reroll_failed(self, groups: list[list[RolloutSample]]) -> float:
+    def _reroll(self, groups: list[list[RolloutSample]]) -> tuple[float, float]:
+        """Re-queue the prompts of groups without signal (flat, or not scored at all) that
+        have re-rolls left; returns (re-queued, dropped: their prompt's re-rolls used up)."""
         if not self.reroll_attempts:
-            return 0.0
-        failed = [g[0].prompt for g in groups if all(s.reward is None for s in g)]
-        retry = [p for p in failed if self.attempts.get(p.uid, 0) < self.reroll_attempts]
+            return 0.0, 0.0
+        no_signal = [g[0].prompt for g in groups if not _has_signal(g)]
+        retry = [p for p in no_signal if self.attempts.get(p.uid, 0) < self.reroll_attempts]
         for prompt in retry:
             self.attempts[prompt.uid] = self.attempts.get(prompt.uid, 0) + 1
         self.sampler.requeue(retry)
-        return float(len(retry))
+        return float(len(retry)), float(len(no_signal) - len(retry))
 
     def state_dict(self, index: int) -> dict:
         """Call under sampler_lock: `index` is the next batch to make."""
@@ -120,9 +127,9 @@ class RolloutWorker:
     def load_state_dict(self, state: dict) -> None:
         with self.sampler_lock:
             self.sampler.load_state_dict(state["sampler"])
+            # streamed chunks dropped as stale, in checkpoints of versions that dropped them
             self.sampler.requeue_uids(state.get("requeued_late", []))
             self.attempts = {int(uid): int(n) for uid, n in state.get("reroll_attempts", [])}
-            self.made = state["index"]
 
 
 def _seeded(params: SamplingParams, seed: int, index: int) -> SamplingParams:
@@ -132,28 +139,40 @@ def _seeded(params: SamplingParams, seed: int, index: int) -> SamplingParams:
 
 
 class ReplayBuffer:
-    """Recent groups with reward variance, to stand in for zero-variance groups."""
+    """Groups with reward variance from batches already finished, to stand in for flat ones.
+
+    A group is added once its own batch is finished, so a stand-in always comes from an
+    earlier batch; `take` hands each group out once, as a copy with a group id of its own
+    (-1, -2, ...: generated ids are >= 0), its versions and behaviour log-probs kept.
+    """
 
     def __init__(self, capacity: int):
         self.groups: collections.deque[list[RolloutSample]] = collections.deque(maxlen=capacity)
+        self.taken = 0  # stand-ins handed out so far: the next one's group id is -(taken + 1)
 
     def add(self, group: list[RolloutSample]) -> None:
-        if _has_signal(group):
+        if _has_signal(group) and not any(s.replayed for s in group):
             self.groups.append(group)
 
     def take(self, min_version: int) -> list[RolloutSample] | None:
+        """The oldest buffered group generated at `min_version` or later (older ones are
+        discarded on the way), or None."""
         while self.groups:
             group = self.groups.popleft()
             if min(s.version for s in group) >= min_version:
-                return [_as_replayed(s) for s in group]
+                self.taken += 1
+                return [_as_replayed(s, -self.taken) for s in group]
         return None
 
-    def state_dict(self) -> list:
-        return [[sample_state(s) for s in group] for group in self.groups]
+    def state_dict(self) -> dict:
+        return {"groups": [[sample_state(s) for s in g] for g in self.groups], "taken": self.taken}
 
-    def load_state_dict(self, state: list) -> None:
+    def load_state_dict(self, state: dict | list) -> None:
+        if isinstance(state, list):  # checkpoints before stand-ins had ids of their own
+            state = {"groups": state, "taken": 0}
         self.groups.clear()
-        self.groups.extend([sample_from_state(s) for s in group] for group in state)
+        self.groups.extend([sample_from_state(s) for s in g] for g in state["groups"])
+        self.taken = state["taken"]
 
 
 def _has_signal(group: list[RolloutSample]) -> bool:
@@ -161,17 +180,23 @@ def _has_signal(group: list[RolloutSample]) -> bool:
     return len(rewards) >= 2 and max(rewards) > min(rewards)
 
 
-def _as_replayed(sample: RolloutSample) -> RolloutSample:
-    return replace(sample, replayed=True)
+def _is_flat(group: list[RolloutSample]) -> bool:
+    """Scored, but without reward variance: every advantage of the group is 0."""
+    return any(s.reward is not None for s in group) and not _has_signal(group)
+
+
+def _as_replayed(sample: RolloutSample, group_id: int) -> RolloutSample:
+    return replace(sample, group_id=group_id, replayed=True, advantage=0.0)
 
 
 @dataclass
 class BatchFinisher:
-    """Turns a generated batch into a training batch: replay, advantages."""
+    """Turns a generated batch into a training batch: replay, advantages, flat groups out."""
 
     settings: RolloutSettings
     max_staleness: int
     replay: ReplayBuffer | None = None
+    leave_out_flat: bool = False  # re-rolls on: a flat group is re-queued or dropped
 
     def finish(self, produced: ProducedBatch, trainer_version: int) -> RolloutBatch:
         batch = produced.batch
@@ -181,21 +206,26 @@ class BatchFinisher:
             groups, used = self._apply_replay(groups, trainer_version)
         batch.samples = [s for g in groups for s in g]
         check_staleness(batch.samples, trainer_version, self.max_staleness)
+        # reward and advantage figures describe every group, as without re-rolls
         batch.metrics.update(compute_advantages(batch, self.settings.scale_rewards))
         batch.metrics["replay/groups_used"] = used
+        if self.leave_out_flat:
+            kept = [g for g in groups if not _is_flat(g)]
+            batch.samples = [s for g in kept for s in g]
+            batch.metrics["reroll/left_out"] = float(len(groups) - len(kept))
         return batch
 
     def _apply_replay(self, groups, trainer_version: int):
-        used = 0
-        out = []
+        """Flat groups swapped for buffered groups of earlier batches within the bound;
+        then this batch's groups with signal join the buffer."""
+        min_version = trainer_version - self.max_staleness  # the age at consumption
+        out, used = [], 0
         for group in groups:
-            if _has_signal(group) or not any(s.reward is not None for s in group):
-                self.replay.add(group)
-                out.append(group)
-                continue
-            stand_in = self.replay.take(min_version=trainer_version - self.max_staleness)
+            stand_in = self.replay.take(min_version) if _is_flat(group) else None
             used += stand_in is not None
             out.append(stand_in or group)
+        for group in groups:
+            self.replay.add(group)
         return out, float(used)
 
     def state_dict(self) -> dict:

@@ -166,6 +166,7 @@ def ignored_options(cfg: Any) -> list[str]:
     has_eval = cfg.data.eval_path or cfg.data.eval_split or cfg.data.eval_size > 0
     tracker = {"wandb", "trackio"} & set(cfg.logging.backends)
     engine, vllm_mode = cfg.rollout.engine, cfg.rollout.vllm.mode
+    replay_age = _replay_age(cfg)
     rules = [
         (cfg.pipeline.mode == "sync", "pipeline", ("prefetch_depth", "min_groups_per_step"), "pipeline.mode is sync"),
         (cfg.generates_with_live_weights(), "pipeline", ("sync_interval",), "the hf engine in sync mode generates with the trainer's live weights"),
@@ -179,6 +180,7 @@ def ignored_options(cfg: Any) -> list[str]:
         (cfg.loss.is_correction == "bypass", "loss", ("is_mode", "is_cap", "is_min"), "loss.is_correction is bypass: the clipped ratio against the behaviour log-probs is the correction, no IS weight is applied"),
         (not cfg.pipeline.replay.enabled, "pipeline.replay", ("capacity",), "pipeline.replay.enabled is false"),
         (not cfg.pipeline.reroll.enabled, "pipeline.reroll", ("max_attempts",), "pipeline.reroll.enabled is false"),
+        (replay_age > cfg.pipeline.max_staleness, "pipeline.replay", ("enabled",), f"a replayed group comes from an earlier batch, normally {replay_age} versions old (loss.mu x train.steps_per_generation updates per batch), beyond pipeline.max_staleness = {cfg.pipeline.max_staleness}"),
         (not cfg.logprobs.chunked, "logprobs", ("row_tile", "vocab_tile"), "logprobs.chunked is false"),
         (cfg.data.dataset is None, "data", ("dataset_config", "split"), "data.path is used, not data.dataset"),
         (not tracker, "logging", ("wandb_project",), "logging.backends has neither wandb nor trackio"),
@@ -194,6 +196,13 @@ def ignored_options(cfg: Any) -> list[str]:
         if changed:
             found.append(f"{', '.join(f'{path}.{name}' for name in changed)} ({why})")
     return found
+
+
+def _replay_age(cfg: Any) -> int:
+    """Versions between a batch and the next at full size: the youngest a stand-in can be."""
+    streaming = cfg.pipeline.mode == "async" and cfg.pipeline.min_groups_per_step is not None
+    groups = cfg.pipeline.min_groups_per_step if streaming else cfg.rollout.prompts_per_batch
+    return cfg.loss.mu * min(cfg.train.steps_per_generation, groups)
 
 
 def _changed(section: Any, names: tuple[str, ...] | None) -> list[str]:

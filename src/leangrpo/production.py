@@ -84,6 +84,7 @@ def _producer(cfg, engines, rewards, prompts, reward_lock, share=None):
         scale_rewards=cfg.loss.scale_rewards,
         seed=cfg.run.seed,
         updates_per_batch=cfg.loss.mu * cfg.train.steps_per_generation,
+        updates_per_chunk=cfg.loss.mu * min(cfg.train.steps_per_generation, chunk),
     )
     worker = RolloutWorker(
         engines.rollout,
@@ -98,6 +99,7 @@ def _producer(cfg, engines, rewards, prompts, reward_lock, share=None):
         settings,
         max_staleness=pipe.max_staleness,  # also bounds replayed groups in sync mode
         replay=ReplayBuffer(pipe.replay.capacity) if pipe.replay.enabled else None,
+        leave_out_flat=pipe.reroll.enabled,
     )
     if pipe.mode == "async":
         return AsyncProducer(

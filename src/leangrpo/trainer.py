@@ -10,9 +10,10 @@ weights to the generator, and log, evaluate and checkpoint on schedule.
 The policy version counts successful optimizer updates; every sample carries the version
 that generated it, so staleness is measured, never assumed (`staleness/*` at each update).
 
-Guards: a batch with no scored sample is skipped (counted, consumed); a run stops with one
-sentence after `train.max_consecutive_skipped_steps` non-finite steps or
-`pipeline.max_consecutive_skipped_batches` unscored batches in a row. A checkpoint taken
+Guards: a batch with no scored sample (with re-rolls: no scored group with signal) is
+skipped (counted, consumed); a run stops with one sentence after
+`train.max_consecutive_skipped_steps` non-finite steps or
+`pipeline.max_consecutive_skipped_batches` such batches in a row. A checkpoint taken
 inside a batch holds that batch (`BatchInProgress`), so resume is exact at any step.
 
 Torchrun (`ctx.distributed`, docs/ARCHITECTURE.md "Distributed"): every rank runs this
@@ -263,17 +264,29 @@ class Trainer:
             self.optimizer_step(planned, metrics, work.batch)
 
     def skip_batch(self, batch: RolloutBatch) -> None:
-        """Every sample unscored (a reward outage): consumed, counted, not trained on."""
+        """Nothing to train on: every sample unscored (a reward outage), or with re-rolls
+        every scored group flat and left out (pipeline_batch.py). Consumed, counted."""
         self.skips.batches += 1
         self.skips.batches_in_a_row += 1
-        log.warning(
-            "generation batch skipped: none of its %d samples was scored", len(batch.samples)
-        )
+        flat = int(batch.metrics.get("reroll/left_out", 0))
+        if flat:
+            log.warning(
+                "generation batch skipped: its %d scored groups were flat (no reward variance),"
+                " which pipeline.reroll leaves out",
+                flat,
+            )
+        else:
+            log.warning(
+                "generation batch skipped: none of its %d samples was scored", len(batch.samples)
+            )
         self.logger.log(self.step, {**batch.metrics, **self.skips.metrics()})
         limit = self.cfg.pipeline.max_consecutive_skipped_batches
         if self.skips.batches_in_a_row >= limit:
+            why = "had no scored sample"
+            if flat:
+                why += " with reward variance (pipeline.reroll leaves flat groups out)"
             raise RunError(
-                f"the last {limit} generation batches had no scored sample, so there is nothing to train on (pipeline.max_consecutive_skipped_batches = {limit}); check the reward functions: reward/*/failures in {self.out / 'metrics.jsonl'} counts their failures"
+                f"the last {limit} generation batches {why}, so there is nothing to train on (pipeline.max_consecutive_skipped_batches = {limit}); check the reward functions: reward/*/failures and frac_reward_zero_std in {self.out / 'metrics.jsonl'} count their failures and the groups they scored all alike"
             )
 
     def optimizer_step(self, planned: PlannedStep, batch_metrics: dict, batch) -> None:
