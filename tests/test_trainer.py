@@ -673,15 +673,25 @@ def test_lr_schedule_is_transformers_formula_with_warmup(tmp_path, kind):
 def test_extending_max_steps_keeps_the_lr_schedule_it_started_with(tmp_path, kind):
     """max_steps_lr.py: a run resumed from its final checkpoint with a larger run.max_steps
     re-stretched its schedule, so the LR jumped back up after reaching 0. The horizon is
-    the one the run started with: the first 4 steps are the 4-step run's, then LR 0."""
+    the one the run started with: steps past it (LR 0) are refused in one sentence before
+    the model loads, and with run.allow_config_changes the first 4 steps are the 4-step
+    run's, then LR 0."""
+    from leangrpo.rundir import RunDirError
+
+    def run_cfg(name, max_steps, **run):
+        cfg = tiny_run(
+            tmp_path / name, run={"max_steps": max_steps, **run}, train={"lr_scheduler": kind}
+        )
+        cfg["checkpoint"]["save_final_model"] = False
+        return config_from_dict(cfg)
+
+    Trainer(run_cfg("extended", 4)).train()
+    with pytest.raises(RunDirError, match=r"past the end of this run's \w+ learning-rate schedule \(4 steps"):
+        Trainer(run_cfg("extended", 6))
     lrs = {}
-    for name, steps in (("straight", [4]), ("extended", [4, 6])):
+    for name, steps in (("straight", [4]), ("extended", [6])):
         for max_steps in steps:
-            cfg = tiny_run(
-                tmp_path / name, run={"max_steps": max_steps}, train={"lr_scheduler": kind}
-            )
-            cfg["checkpoint"]["save_final_model"] = False
-            Trainer(config_from_dict(cfg)).train()
+            Trainer(run_cfg(name, max_steps, allow_config_changes=True)).train()
         lrs[name] = [r["lr"] for r in read_metrics(tmp_path / name / "run") if "lr" in r]
     assert len(lrs["straight"]) == 4 and lrs["straight"][-1] == 0.0
     assert lrs["extended"] == lrs["straight"] + [0.0, 0.0]

@@ -375,6 +375,7 @@ def check_config_changes(checkpoint: Path, cfg: Any) -> list[str]:
     harmless = [c for c in changes if c[0].startswith(HARMLESS_KEYS)]
     breaking = [c for c in changes if not c[0].startswith(HARMLESS_KEYS)]
     notes = [_describe(c) for c in harmless]
+    _check_schedule_extension(checkpoint, cfg)
     if notes:
         log.info("resuming with changed settings that do not affect training: %s", "; ".join(notes))
     if breaking:
@@ -389,6 +390,18 @@ def check_config_changes(checkpoint: Path, cfg: Any) -> list[str]:
             listed,
         )
     return notes
+
+
+def _check_schedule_extension(checkpoint: Path, cfg: Any) -> None:
+    """A decaying LR schedule keeps its first horizon, so steps past it would train at a
+    learning rate of 0: refused unless the user allows config changes."""
+    horizon = schedule_horizon(checkpoint, cfg.run.max_steps)
+    if cfg.train.lr_scheduler == "constant" or cfg.run.max_steps <= horizon:
+        return
+    if not cfg.run.allow_config_changes:
+        raise RunDirError(
+            f"run.max_steps ({cfg.run.max_steps}) goes past the end of this run's {cfg.train.lr_scheduler} learning-rate schedule ({horizon} steps, kept from when the run started), so every step after {horizon} would train at a learning rate of 0; start a new run from {str(checkpoint.parent.parent / 'final')!r} (model.name_or_path) with its own schedule, or set run.allow_config_changes: true to run those steps anyway."
+        )
 
 
 MISSING = "(unset)"
