@@ -518,3 +518,61 @@ def test_sigterm_saves_the_step_it_reached_and_the_resumed_run_equals_the_straig
     expected, got = final_weights(tmp_path / "straight"), final_weights(out)
     assert sorted(expected) == sorted(got)
     assert all(torch.equal(expected[k], got[k]) for k in expected), "resume is not exact"
+
+
+# The CLI, with the stop checkpoint's save slowed down once it has written the model files
+SLOW_STOP_SAVE = """
+import os, sys, time
+from pathlib import Path
+from leangrpo import checkpoint, stopping
+from leangrpo.cli import main
+
+real = checkpoint.save_model_weights
+
+def slow(model, directory, for_resume):
+    real(model, directory, for_resume)
+    if stopping._active is not None and stopping._active.requested:  # the stop's save
+        Path(os.environ["LEANGRPO_TEST_MARK"]).write_text(str(Path(directory).parent))
+        time.sleep(120)
+
+checkpoint.save_model_weights = slow
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_second_sigterm_during_the_stop_checkpoint_exits_at_once_leaving_the_last_one(
+    tmp_path,
+):
+    import os
+
+    from leangrpo.rundir import latest_checkpoint
+
+    out, mark = tmp_path / "run", tmp_path / "saving"
+    sets = {**STOP_DEMO, "checkpoint.every_steps": 2}
+    proc = subprocess.Popen(
+        demo_command(out, sets, SLOW_STOP_SAVE), cwd=ROOT, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True, env={**os.environ, "LEANGRPO_TEST_MARK": str(mark)},
+    )  # fmt: skip
+    wait_for_step(proc, out, 3)
+    proc.send_signal(signal.SIGTERM)
+    first = time.monotonic()
+    while not mark.exists() and proc.poll() is None and time.monotonic() < first + 60:
+        time.sleep(0.02)
+    assert mark.exists(), proc.communicate()[1][-3000:]
+    half = Path(mark.read_text())  # the stop checkpoint's directory, model files written
+    time.sleep(max(0.0, first + 1.5 - time.monotonic()))  # past the repeat window
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=20)  # the save sleeps 120 s: it did not wait
+    assert proc.returncode == 143, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == (
+        "leangrpo: second SIGTERM: exiting now; the last complete checkpoint is intact"
+    )
+    assert half.name.startswith(".tmp-step-") and (half / "model").is_dir()
+    last = latest_checkpoint(out)  # the half-written one is not taken for a checkpoint
+    assert last is not None and last.name in {"step-2", "step-4", "step-6", "step-8"}
+    assert int(last.name[5:]) < int(half.name.split("-")[2])
+    again = subprocess.run(demo_command(out, sets), cwd=ROOT, capture_output=True, text=True,
+                           timeout=300)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {last} at step {last.name[5:]}" in again.stderr
+    assert not half.exists()  # the next save removed it
