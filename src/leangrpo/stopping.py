@@ -87,8 +87,8 @@ class StopSignals:
 
     def __exit__(self, *exc: object) -> None:
         global _active
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+        for signum, handler in self._previous.items():  # None: not installed from Python
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
         self._previous = {}
         if _active is self:
             _active = None
