@@ -428,8 +428,8 @@ def test_ctrl_c_ends_the_run_promptly_without_orphans(tmp_path, mode):
 
 # -- stop signals: a checkpoint at the step reached, then exit 128 + signal ------------------
 
-STOP_DEMO = {  # 12 steps of 2 per batch (mu 2): a stop can fall inside a batch
-    "run.max_steps": 12,
+STOP_DEMO = {  # 8 steps of 2 per batch (mu 2): a stop can fall inside a batch
+    "run.max_steps": 8,
     "loss.mu": 2,
     "checkpoint.every_steps": 5,
     "checkpoint.keep_last": 3,
@@ -486,7 +486,7 @@ def test_sigterm_saves_the_step_it_reached_and_the_resumed_run_equals_the_straig
     tmp_path, mode
 ):
     """SIGTERM (what SLURM, Kubernetes and spot instances send) used to end the run with
-    nothing saved since the last scheduled checkpoint (step 5 here)."""
+    nothing saved since the last scheduled checkpoint (step 5 here, if any)."""
     import torch
 
     sets = {**STOP_DEMO, "pipeline.mode": mode, "pipeline.max_staleness": 0}
@@ -504,7 +504,7 @@ def test_sigterm_saves_the_step_it_reached_and_the_resumed_run_equals_the_straig
     found = STOPPED.match(line)
     assert found, line
     step = int(found.group(1))
-    assert 3 <= step < 12 and Path(found.group(2)) == out / "checkpoints" / f"step-{step}"
+    assert 3 <= step < 8 and Path(found.group(2)) == out / "checkpoints" / f"step-{step}"
     assert (out / "checkpoints" / f"step-{step}" / "COMPLETE").is_file()
     assert not (out / "final").exists() and "Traceback" not in stderr
     assert max(metric_steps_so_far(out / "metrics.jsonl")) == step
@@ -514,7 +514,7 @@ def test_sigterm_saves_the_step_it_reached_and_the_resumed_run_equals_the_straig
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"at step {step}" in resumed.stderr and "resumed from" in resumed.stderr
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 13))  # each step once
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 9))  # each step once
     expected, got = final_weights(tmp_path / "straight"), final_weights(out)
     assert sorted(expected) == sorted(got)
     assert all(torch.equal(expected[k], got[k]) for k in expected), "resume is not exact"
@@ -569,7 +569,7 @@ def test_a_second_sigterm_during_the_stop_checkpoint_exits_at_once_leaving_the_l
     )
     assert half.name.startswith(".tmp-step-") and (half / "model").is_dir()
     last = latest_checkpoint(out)  # the half-written one is not taken for a checkpoint
-    assert last is not None and last.name in {"step-2", "step-4", "step-6", "step-8"}
+    assert last is not None and last.name in {"step-2", "step-4", "step-6"}
     assert int(last.name[5:]) < int(half.name.split("-")[2])
     again = subprocess.run(demo_command(out, sets), cwd=ROOT, capture_output=True, text=True,
                            timeout=300)  # fmt: skip
