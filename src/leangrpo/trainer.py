@@ -540,7 +540,7 @@ def train(
     else:
         try:
             final = Trainer(cfg, checked, ctx).train()
-        except RunStopped:
+        except RunStopped:  # every rank stopped at one step: they leave the group together
             if own:
                 ctx.shutdown()
             raise
