@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -371,11 +373,12 @@ def sleepy(prompts, completions, **columns):
 """
 
 
-def test_ctrl_c_ends_the_run_promptly_without_orphans(tmp_path):
-    """Ctrl-C in async mode while a reward call is in flight: the run used to wait for the
-    reward's own time limit (here 300 s) before exiting."""
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_ctrl_c_ends_the_run_promptly_without_orphans(tmp_path, mode):
+    """Ctrl-C while a reward call is in flight: the run used to wait for the reward's own
+    time limit (here 300 s) before exiting (async). The batch being made is abandoned (sync:
+    in the main thread; async: the trainer's wait for it) and the step reached, 0, saved."""
     import os
-    import signal
 
     import psutil
 
@@ -384,7 +387,7 @@ def test_ctrl_c_ends_the_run_promptly_without_orphans(tmp_path):
     sets = {
         "run.output_dir": out,
         "run.max_steps": 500,
-        "pipeline.mode": "async",
+        "pipeline.mode": mode,
         "logging.progress_bar": "false",
         "rewards.functions": f"[{tmp_path / 'sleepy.py'}:sleepy]",
         "rewards.timeout_s": 300,
@@ -412,7 +415,164 @@ def test_ctrl_c_ends_the_run_promptly_without_orphans(tmp_path):
         proc.kill()  # (not communicate(): orphans would hold its stderr open)
         proc.wait()
         pytest.fail("Ctrl-C waited on the reward in flight")
-    assert proc.returncode == 130
-    assert "interrupted" in stderr and "Traceback" not in stderr
+    assert proc.returncode == 130, stderr[-3000:]
+    line = stderr.strip().splitlines()[-1]
+    saved = out / "checkpoints" / "step-0"
+    assert line == f"leangrpo: stopped by SIGINT at step 0: checkpoint saved to {saved}; " + (
+        "run the same command to resume"
+    )
+    assert (saved / "COMPLETE").is_file() and "Traceback" not in stderr
     gone, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, f"orphans left: {alive}"
+
+
+# -- stop signals: a checkpoint at the step reached, then exit 128 + signal ------------------
+
+STOP_DEMO = {  # 8 steps of 2 per batch (mu 2): a stop can fall inside a batch
+    "run.max_steps": 8,
+    "loss.mu": 2,
+    "checkpoint.every_steps": 5,
+    "checkpoint.keep_last": 3,
+    "eval.every_steps": 0,
+    "eval.num_prompts": 8,
+    "logging.progress_bar": "false",
+    "logging.samples_every": 0,
+}
+STOPPED = re.compile(
+    r"^leangrpo: stopped by SIGTERM at step (\d+): checkpoint saved to (\S+); "
+    r"run the same command to resume$"
+)
+
+
+def demo_command(out: Path, sets: dict, script: str | None = None) -> list[str]:
+    head = ["-c", script] if script else ["-m", "leangrpo"]
+    sets = {**sets, "run.output_dir": out}
+    return [sys.executable, *head, "train", "examples/demo.yaml"] + [
+        arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")
+    ]
+
+
+def start_demo(out: Path, sets: dict, script: str | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        demo_command(out, sets, script), cwd=ROOT, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def wait_for_step(proc: subprocess.Popen, out: Path, step: int, limit_s: float = 120) -> None:
+    """Until metrics.jsonl has a row for `step` (the run is training)."""
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + limit_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        if metrics.exists() and step in metric_steps_so_far(metrics):
+            return
+        time.sleep(0.02)
+    proc.kill()
+    pytest.fail(f"the run never logged step {step}: {proc.communicate()[1][-2000:]}")
+
+
+def metric_steps_so_far(metrics: Path) -> set[int]:
+    lines = metrics.read_text().splitlines()
+    return {json.loads(x)["step"] for x in lines if x.endswith("}")}  # the last may be torn
+
+
+def final_weights(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(out / "final" / "model.safetensors")
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigterm_saves_the_step_it_reached_and_the_resumed_run_equals_the_straight_one(
+    tmp_path, mode
+):
+    """SIGTERM (what SLURM, Kubernetes and spot instances send) used to end the run with
+    nothing saved since the last scheduled checkpoint (step 5 here, if any)."""
+    import torch
+
+    sets = {**STOP_DEMO, "pipeline.mode": mode, "pipeline.max_staleness": 0}
+    straight = subprocess.run(demo_command(tmp_path / "straight", sets), cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    out = tmp_path / "stopped"
+    proc = start_demo(out, sets)
+    wait_for_step(proc, out, 3)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143, stderr[-3000:]
+    line = stderr.strip().splitlines()[-1]
+    found = STOPPED.match(line)
+    assert found, line
+    step = int(found.group(1))
+    assert 3 <= step < 8 and Path(found.group(2)) == out / "checkpoints" / f"step-{step}"
+    assert (out / "checkpoints" / f"step-{step}" / "COMPLETE").is_file()
+    assert not (out / "final").exists() and "Traceback" not in stderr
+    assert max(metric_steps_so_far(out / "metrics.jsonl")) == step
+
+    resumed = subprocess.run(demo_command(out, sets), cwd=ROOT, capture_output=True,
+                             text=True, timeout=300)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"at step {step}" in resumed.stderr and "resumed from" in resumed.stderr
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 9))  # each step once
+    expected, got = final_weights(tmp_path / "straight"), final_weights(out)
+    assert sorted(expected) == sorted(got)
+    assert all(torch.equal(expected[k], got[k]) for k in expected), "resume is not exact"
+
+
+# The CLI, with the stop checkpoint's save slowed down once it has written the model files
+SLOW_STOP_SAVE = """
+import os, sys, time
+from pathlib import Path
+from leangrpo import checkpoint, stopping
+from leangrpo.cli import main
+
+real = checkpoint.save_model_weights
+
+def slow(model, directory, for_resume):
+    real(model, directory, for_resume)
+    if stopping._active is not None and stopping._active.requested:  # the stop's save
+        Path(os.environ["LEANGRPO_TEST_MARK"]).write_text(str(Path(directory).parent))
+        time.sleep(120)
+
+checkpoint.save_model_weights = slow
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_second_sigterm_during_the_stop_checkpoint_exits_at_once_leaving_the_last_one(
+    tmp_path,
+):
+    import os
+
+    from leangrpo.rundir import latest_checkpoint
+
+    out, mark = tmp_path / "run", tmp_path / "saving"
+    sets = {**STOP_DEMO, "checkpoint.every_steps": 2}
+    proc = subprocess.Popen(
+        demo_command(out, sets, SLOW_STOP_SAVE), cwd=ROOT, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True, env={**os.environ, "LEANGRPO_TEST_MARK": str(mark)},
+    )  # fmt: skip
+    wait_for_step(proc, out, 3)
+    proc.send_signal(signal.SIGTERM)
+    first = time.monotonic()
+    while not mark.exists() and proc.poll() is None and time.monotonic() < first + 60:
+        time.sleep(0.02)
+    assert mark.exists(), proc.communicate()[1][-3000:]
+    half = Path(mark.read_text())  # the stop checkpoint's directory, model files written
+    time.sleep(max(0.0, first + 1.5 - time.monotonic()))  # past the repeat window
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=20)  # the save sleeps 120 s: it did not wait
+    assert proc.returncode == 143, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == (
+        "leangrpo: second SIGTERM: exiting now; the last complete checkpoint is intact"
+    )
+    assert half.name.startswith(".tmp-step-") and (half / "model").is_dir()
+    last = latest_checkpoint(out)  # the half-written one is not taken for a checkpoint
+    assert last is not None and last.name in {"step-2", "step-4", "step-6"}
+    assert int(last.name[5:]) < int(half.name.split("-")[2])
+    again = subprocess.run(demo_command(out, sets), cwd=ROOT, capture_output=True, text=True,
+                           timeout=300)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {last} at step {last.name[5:]}" in again.stderr
+    assert not half.exists()  # the next save removed it

@@ -16,6 +16,7 @@ The multi-process tests are marked slow (each 2-rank run takes ~20-40 s on 2 bus
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -154,8 +155,6 @@ def moved(trained: dict[str, torch.Tensor]) -> float:
 
 @pytest.mark.slow
 def test_the_two_rank_run_logs_once_and_writes_a_loadable_final_model(runs):
-    import json
-
     from transformers import AutoModelForCausalLM
 
     mode, tmp, two, log, _ = runs
@@ -297,6 +296,24 @@ def _alive(pid: int) -> bool:
     return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def start_ranks(cfg: dict, tmp_path: Path) -> tuple[list[subprocess.Popen], list]:
+    """Two ranks launched as torchrun would (RANK, WORLD_SIZE, MASTER_ADDR/PORT, each in its
+    own session) but without its agent; logs in tmp_path/rank<r>.log (close them)."""
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    procs, logs = [], []
+    for rank in range(2):
+        logs.append(open(tmp_path / f"rank{rank}.log", "w"))  # noqa: SIM115
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "leangrpo", "train", str(path)],
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True,
+        ))  # fmt: skip
+    return procs, logs
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process tree from /proc")
 def test_a_killed_rank_stops_the_other_with_one_line_and_no_orphans(tmp_path):
@@ -310,18 +327,7 @@ def test_a_killed_rank_stops_the_other_with_one_line_and_no_orphans(tmp_path):
         run={"max_steps": 1000},
         distributed={"timeout_s": timeout_s},
     )
-    path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}  # fmt: skip
-    procs, logs = [], []
-    for rank in range(2):
-        logs.append(open(tmp_path / f"rank{rank}.log", "w"))  # noqa: SIM115
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "leangrpo", "train", str(path)],
-            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True,
-        ))  # fmt: skip
+    procs, logs = start_ranks(cfg, tmp_path)
     metrics = tmp_path / "run" / "metrics.jsonl"
     try:
         deadline = time.monotonic() + 240
@@ -355,6 +361,79 @@ def test_a_killed_rank_stops_the_other_with_one_line_and_no_orphans(tmp_path):
     while any(_alive(pid) for pid in family) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [pid for pid in family if _alive(pid)], "processes outlived the run"
+
+
+def logged_steps(metrics: Path) -> list[int]:
+    if not metrics.exists():
+        return []
+    lines = metrics.read_text().splitlines()
+    return [json.loads(x)["step"] for x in lines if x.endswith("}")]  # the last may be torn
+
+
+def wait_for_logged_step(procs: list[subprocess.Popen], metrics: Path, step: int) -> None:
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+        if step in logged_steps(metrics):
+            return
+        time.sleep(0.05)
+    pytest.fail(f"step {step} was never logged (exit codes {[p.poll() for p in procs]})")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("who", ["rank 1 only", "torchrun's agent"])
+def test_sigterm_stops_every_rank_at_one_step_with_its_checkpoint_and_resumes_exactly(
+    runs, tmp_path, who
+):
+    """A SIGTERM reaching one rank (its peer learns of it in the all-reduce at the next
+    step boundary), or torchrun's agent (which forwards it to every worker): every rank
+    saves the same step, exits 143, rank 0 says so in one line, and the same command
+    resumes it to the uninterrupted 2-rank run's parameters, bitwise."""
+    import re
+
+    mode, tmp, _, _, _ = runs
+    if mode != "full_sync":
+        pytest.skip("run once: full fine-tuning, mu = 2, sync")
+    cfg = demo_config(tmp_path / "run", mode, 2)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    if who == "rank 1 only":
+        procs, logs = start_ranks(cfg, tmp_path)
+        try:
+            wait_for_logged_step(procs, metrics, 4)
+            os.kill(procs[1].pid, signal.SIGTERM)
+            codes = [p.wait(timeout=120) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+            for log in logs:
+                log.close()
+        texts = [(tmp_path / f"rank{r}.log").read_text() for r in range(2)]
+        assert codes == [143, 143], texts[0][-2000:] + texts[1][-2000:]
+        log = texts[0]
+        assert "stopped by" not in texts[1]  # rank 0 alone says it
+    else:
+        proc = torchrun(cfg)
+        try:
+            wait_for_logged_step([proc], metrics, 4)
+            proc.send_signal(signal.SIGTERM)  # the agent: it forwards SIGTERM to each rank
+            proc.wait(timeout=120)  # torchrun SIGKILLs ranks still there after 30 s
+        finally:
+            if proc.poll() is None:
+                kill_tree(proc)
+                proc.wait()
+        log = (tmp_path / "run").with_suffix(".log").read_text()
+    found = re.findall(r"leangrpo: stopped by SIGTERM at step (\d+): checkpoint saved to "
+                       r"(\S+); run the same command to resume", log)  # fmt: skip
+    assert len(found) == 1, log[-4000:]
+    step = int(found[0][0])
+    saved = tmp_path / "run" / "checkpoints" / f"step-{step}"
+    assert 4 <= step < STEPS and found[0][1] == str(saved)
+    assert (saved / "COMPLETE").is_file() and max(logged_steps(metrics)) == step
+    assert sorted(p.name for p in saved.glob("rng-*.pt")) == ["rng-0.pt", "rng-1.pt"]
+    log = finish(torchrun(cfg), cfg)
+    assert f"at step {step}" in log and "resumed from" in log
+    assert max_abs_diff(final_tensors(tmp_path / "run"), final_tensors(tmp / "two")) == 0.0
 
 
 @pytest.mark.slow

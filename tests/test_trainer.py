@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import textwrap
 from pathlib import Path
 
@@ -699,3 +701,54 @@ def test_extending_max_steps_keeps_the_lr_schedule_it_started_with(tmp_path, kin
         (tmp_path / "extended" / "run" / "checkpoints" / "step-6" / "trainer_state.json").read_text()
     )
     assert state["schedule_steps"] == 4
+
+
+# -- a stop signal: a checkpoint at the step reached, resumed exactly ------------------------
+
+
+class SignalAt(Trainer):
+    """Sends itself `signum` at the end of step `at` (0: during the step-0 evaluation)."""
+
+    at, signum = 3, signal.SIGTERM
+
+    def evaluate(self, step):
+        if step == 0 == self.at:
+            self._send()
+        return super().evaluate(step)
+
+    def on_step_end(self, metrics, batch):
+        super().on_step_end(metrics, batch)
+        if self.step == self.at:
+            self._send()
+
+    def _send(self):
+        # never SIGTERM pytest itself: the trainer's handler must be the one installed
+        assert signal.getsignal(self.signum) == self.signals._on_signal
+        os.kill(os.getpid(), self.signum)
+
+
+@pytest.mark.parametrize(("at", "signum"), [(3, signal.SIGTERM), (0, signal.SIGINT)])
+def test_a_stop_signal_saves_the_step_reached_and_resume_is_exact(tmp_path, at, signum):
+    """Step 3 falls inside a batch (mu 2): the checkpoint holds it. Step 0: the signal
+    arrives during the first evaluation, before any batch; the resume does not log a second
+    step-0 row. Either way the resumed run ends with the straight run's parameters."""
+    from leangrpo.stopping import RunStopped
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    straight = Trainer(config_from_dict(tiny_run(tmp_path / "a", run={"max_steps": 6})))
+    straight.train()
+    cfg = tiny_run(tmp_path / "b", run={"max_steps": 6}, checkpoint={"every_steps": 2})
+    stopping = type("Stop", (SignalAt,), {"at": at, "signum": signum})(config_from_dict(cfg))
+    with pytest.raises(RunStopped) as stopped:
+        stopping.train()
+    assert {s: signal.getsignal(s) for s in before} == before  # the handlers are restored
+    out = tmp_path / "b" / "run"
+    assert stopped.value.step == at and stopped.value.exit_code == 128 + signum
+    assert stopped.value.checkpoint == out / "checkpoints" / f"step-{at}"
+    assert f"stopped by {signal.Signals(signum).name} at step {at}" in str(stopped.value)
+    resumed = Trainer(config_from_dict(cfg))
+    assert resumed.step == at and (resumed.inflight and resumed.inflight.done) == (at % 2 or None)
+    resumed.train()
+    assert [r["step"] for r in read_metrics(out)].count(0) == 1
+    assert [r["step"] for r in read_metrics(out) if "loss" in r] == list(range(1, 7))
+    assert max_abs_diff(trained_params(straight), trained_params(resumed)) == 0.0

@@ -4,7 +4,8 @@ Errors that are the user's to fix (config, data, reward functions, model files, 
 directory) print one sentence and exit with status 2; everything else keeps its
 traceback. `train` runs every cheap check (preflight.py) before it imports the trainer, so
 torch is never imported for a run that cannot start; a finished run prints one line and
-exits 0.
+exits 0. A run stopped by SIGTERM or Ctrl-C once training has begun saves a checkpoint at
+the step it reached, prints one line and exits 128 + the signal (143, 130; stopping.py).
 
 Under torchrun (WORLD_SIZE > 1) every rank runs the input checks first (no torch), then
 joins the process group; rank 0 alone locks and classifies the run directory and tells
@@ -18,6 +19,8 @@ import argparse
 import logging
 import os
 import sys
+
+from leangrpo.stopping import RunStopped  # no torch: stdlib only
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -78,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         return _dispatch(args)
+    except RunStopped as stop:  # a signal during training: the checkpoint is saved
+        if stop.show:  # torchrun: rank 0's line
+            print(f"leangrpo: {stop}", file=sys.stderr, flush=True)
+        return stop.exit_code
     except KeyboardInterrupt:
         print("leangrpo: interrupted; the last complete checkpoint is intact", file=sys.stderr)
         return 130
@@ -154,7 +161,11 @@ def _train_ranks(cfg) -> int:
         return 0
     from leangrpo.trainer import train
 
-    final = train(cfg, checked, ctx)
+    try:
+        final = train(cfg, checked, ctx)
+    except RunStopped:  # every rank stopped at the same step and saved it
+        ctx.shutdown()
+        raise
     ctx.shutdown()
     if ctx.is_main:
         print({k: round(v, 4) for k, v in final.items()})

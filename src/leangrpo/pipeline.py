@@ -29,6 +29,8 @@ serves a prompt again. `state_dict` describes the producer as of the last batch 
 (next index, sampler, re-roll attempts, replay buffer): batches prefetched but not handed
 out are made again after a resume, with the same seeds. A producer started after a resume
 admits nothing older than the resumed trainer's version.
+That is also why the trainer's wait for a batch (sync: its making; async: the queue) is
+`stopping.abandonable()`: a stop signal may cut it short and the checkpoint is still exact.
 Torchrun (hf engine): every rank runs the same producer on the same prompts and makes
 its share of each batch (`RolloutWorker.share`, see dist_rollout.py): it generates and
 scores its slice of the prompts, then an all-gather hands every rank the whole scored
@@ -60,6 +62,7 @@ from leangrpo.pipeline_batch import (  # noqa: F401  (re-exported: leangrpo.pipe
     _seeded,
     check_staleness,
 )
+from leangrpo.stopping import abandonable
 
 _STOP_POLL_S = 0.1
 
@@ -80,11 +83,15 @@ class SyncProducer:
         self.finisher = finisher
         self.index = 0
         self.engine_lock = threading.Lock()
+        self._handed_state: dict | None = None  # the worker's, after the last batch handed out
 
     def next_batch(self, trainer_version: int) -> RolloutBatch:
-        with self.engine_lock:
+        if self._handed_state is None:  # what state_dict says if this batch is abandoned
+            self._handed_state = self._worker_state()
+        with self.engine_lock, abandonable():
             produced = self.worker.produce(self.index)
         self.index += 1
+        self._handed_state = produced.state_after
         batch = self.finisher.finish(produced, trainer_version)
         batch.metrics.update({"time/producer_idle": 0.0, "pipeline/queue": 0.0})
         return batch
@@ -99,12 +106,17 @@ class SyncProducer:
         return time.perf_counter() - t0
 
     def state_dict(self) -> dict:
-        with self.worker.sampler_lock:
-            state = self.worker.state_dict(self.index)
+        """As of the last batch handed out (not of one abandoned while it was made)."""
+        state = self._handed_state if self._handed_state is not None else self._worker_state()
         return {**state, **self.finisher.state_dict()}
+
+    def _worker_state(self) -> dict:
+        with self.worker.sampler_lock:
+            return self.worker.state_dict(self.index)
 
     def load_state_dict(self, state: dict) -> None:
         self.index = state["index"]
+        self._handed_state = None
         self.worker.load_state_dict(state)
         self.finisher.load_state_dict(state)
 
@@ -289,6 +301,10 @@ class AsyncProducer:
         return _merge(chunks)
 
     def _get(self) -> ProducedBatch:
+        with abandonable():  # abandoned: the batch is lost, state_dict is as it was
+            return self._wait_for_batch()
+
+    def _wait_for_batch(self) -> ProducedBatch:
         waiting_since = time.monotonic()
         while True:
             if self._error is not None:

@@ -16,6 +16,10 @@ skipped (counted, consumed); a run stops with one sentence after
 `pipeline.max_consecutive_skipped_batches` such batches in a row. A checkpoint taken
 inside a batch holds that batch (`BatchInProgress`), so resume is exact at any step.
 
+Stop signals (stopping.py): during `train()` a first SIGTERM or Ctrl-C is checked at each
+optimizer-step boundary (a wait for a batch in one process is cut short: the batch is
+abandoned); the run then saves a checkpoint at that step, closes, and raises `RunStopped`.
+
 Torchrun (`ctx.distributed`, docs/ARCHITECTURE.md "Distributed"): every rank runs this
 loop on the same global batch; the policy is FSDP-sharded after the engines are built,
 each step's groups are dealt to ranks (step.py), weights are gathered before any sync,
@@ -58,6 +62,7 @@ from leangrpo.step import (
     plan_steps,
     train_step,
 )
+from leangrpo.stopping import RunStopped, StopRequested, StopSignals
 
 log = logging.getLogger("leangrpo")
 
@@ -96,6 +101,9 @@ class Trainer:
             self.skips = RunSkips()
             self.inflight: BatchInProgress | None = None  # the batch being trained on
             self.resume_rows: int | None = None  # metrics rows of the resumed step to keep
+            self.saved: tuple[int, Path] | None = None  # this run's last checkpoint: step, path
+            self.signals = StopSignals()  # the one train() installs
+            self.stop_signal = 0  # the signal the ranks agreed to stop on (0: none)
             self._build(cfg)
         except BaseException:
             self.checked.release()
@@ -135,7 +143,7 @@ class Trainer:
         made = make_production(cfg, ctx, engines, self.rewards, train_prompts, eval_prompts)
         self.producer, self.evaluator, self.share = made.producer, made.evaluator, made.share
         with ctx.phase("checkpoint"):
-            resumed = self._maybe_resume()
+            self.resumed = resumed = self._maybe_resume()
         server = cfg.rollout.engine == "vllm" and cfg.rollout.vllm.mode == "server"
         if server and not resumed:  # a server may hold another run's weights
             with ctx.phase("sync"):
@@ -209,33 +217,72 @@ class Trainer:
         # the engine gets these weights before it generates anything (async: a floor)
         self.producer.report_progress(self.version, self._steps_left())
         self.producer.push_weights(self.version, self._sync_tensors)
+        if Path(path).parent == self.out / "checkpoints":
+            self.saved = (self.step, Path(path))
         log.info("resumed from %s at step %d", path, self.step)
         return True
 
     # -- the loop ------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
-        ctx, clean = self.ctx, False
+        """Train to run.max_steps and return the final evaluation; on a stop signal, save
+        a checkpoint at the step reached and raise RunStopped (stopping.py)."""
+        with StopSignals(abandon=not self.ctx.distributed) as self.signals:
+            return self._train()
+
+    def _train(self) -> dict[str, float]:
+        clean, stopped = False, None
         try:
-            if self.step == 0:
+            if self.step == 0 and not self.resumed:
                 self.logger.log(0, self.evaluate(step=0))
             if hasattr(self.producer, "start"):  # async (rank 0's only, behind a broadcast)
                 self.producer.start()
-            while self.step < self.cfg.run.max_steps:
-                batch = None
-                if self.inflight is None:
-                    with ctx.phase("generate"):
-                        batch = self.producer.next_batch(self.version)
-                if self.engines is not None and self.engines.sleep_while_training:
-                    self.engines.rollout.sleep()  # it wakes itself for the next request
-                if batch is not None:
-                    with ctx.phase("score"):
-                        self.inflight = self.start_batch(batch)
-                self.continue_batch()
-            final = self.finish()
+            try:
+                self._loop()
+            except StopRequested:  # one process: the batch being waited for is abandoned
+                self.stop_signal = self.signals.requested
+            if self.stop_signal:
+                stopped = self.save_on_stop()
+            else:
+                final = self.finish()
             clean = True
         finally:
             self.close(clean)
+        if stopped is not None:
+            raise stopped
         return final
+
+    def _loop(self) -> None:
+        ctx = self.ctx
+        while self.step < self.cfg.run.max_steps and not self.stop_requested():
+            batch = None
+            if self.inflight is None:
+                with ctx.phase("generate"):
+                    batch = self.producer.next_batch(self.version)
+            if self.engines is not None and self.engines.sleep_while_training:
+                self.engines.rollout.sleep()  # it wakes itself for the next request
+            if batch is not None:
+                with ctx.phase("score"):
+                    self.inflight = self.start_batch(batch)
+            self.continue_batch()
+
+    def stop_requested(self) -> bool:
+        """At an optimizer-step boundary: has a stop signal arrived? Under torchrun: on
+        any rank (every rank calls this at the same boundaries; one all-reduce)."""
+        if not self.stop_signal:
+            signum = self.signals.requested
+            if self.ctx.distributed:
+                with self.ctx.phase("train"):
+                    signum = self.ctx.max_int(signum)
+            self.stop_signal = signum
+        return self.stop_signal > 0
+
+    def save_on_stop(self) -> RunStopped:
+        """The checkpoint at the step the run stopped at (unless it has one already)."""
+        if self.saved is not None and self.saved[0] == self.step:
+            path = self.saved[1]
+        else:
+            path = self.save_checkpoint()
+        return RunStopped(self.stop_signal, self.step, path, show=self.ctx.is_main)
 
     def start_batch(self, batch: RolloutBatch) -> BatchInProgress | None:
         """Plan the batch's steps and fill in old/reference log-probs; None: skipped."""
@@ -255,8 +302,11 @@ class Trainer:
         return BatchInProgress(batch, steps, self.cfg.loss.mu, metrics=batch_metrics)
 
     def continue_batch(self) -> None:
-        """Optimizer steps on the batch in hand until it is done or max_steps is reached."""
+        """Optimizer steps on the batch in hand until it is done, max_steps is reached or
+        a stop is requested."""
         while self.inflight is not None and self.step < self.cfg.run.max_steps:
+            if self.stop_requested():
+                return
             work = self.inflight
             planned, metrics = work.take()
             if not work.remaining:  # a checkpoint at this step holds no batch in progress
@@ -412,15 +462,18 @@ class Trainer:
             if not self.ctx.distributed:
                 if self.inflight is not None:
                     bulky["inflight"] = self.inflight.state_dict()
-                return ckpt.save_checkpoint(*args, keep, extra_files=extra, bulky_state=bulky)
-            from leangrpo.dist_checkpoint import save_sharded_checkpoint
-            from leangrpo.dist_trainer import inflight_to_save
+                path = ckpt.save_checkpoint(*args, keep, extra_files=extra, bulky_state=bulky)
+            else:
+                from leangrpo.dist_checkpoint import save_sharded_checkpoint
+                from leangrpo.dist_trainer import inflight_to_save
 
-            if self.inflight is not None:
-                bulky["inflight"] = inflight_to_save(self.ctx, self.inflight.state_dict())
-            return save_sharded_checkpoint(
-                *args, keep, self.ctx, extra_files=extra, bulky_state=bulky
-            )
+                if self.inflight is not None:
+                    bulky["inflight"] = inflight_to_save(self.ctx, self.inflight.state_dict())
+                path = save_sharded_checkpoint(
+                    *args, keep, self.ctx, extra_files=extra, bulky_state=bulky
+                )
+        self.saved = (self.step, path)
+        return path
 
     def close(self, clean: bool = False) -> None:
         """The reward pool first: a producer thread waiting in `score()` gets PoolClosedError
@@ -531,7 +584,12 @@ def train(
         checked.release()
         log.info(checked.finished_message())
     else:
-        final = Trainer(cfg, checked, ctx).train()
+        try:
+            final = Trainer(cfg, checked, ctx).train()
+        except RunStopped:  # every rank stopped at one step: they leave the group together
+            if own:
+                ctx.shutdown()
+            raise
     if own:
         ctx.shutdown()
     return final
