@@ -298,11 +298,12 @@ def normalisers(
 
 def _loss_tokens(micro_batches: list[PackedBatch], cfg) -> int:
     """Tokens in the loss over the step: host counts, or one device sum when truncated
-    completions are masked."""
+    completions are masked. No micro-batch (a torchrun rank dealt no group in this step,
+    which then trains on padding only): 0 tokens."""
     if not cfg.loss.mask_truncated_completions:
         return sum(mb.num_completion_tokens for mb in micro_batches)
     counts = [token_mask(mb, cfg).sum() for mb in micro_batches]
-    return int(torch.stack(counts).sum().item())
+    return int(torch.stack(counts).sum().item()) if counts else 0
 
 
 def token_mask(mb: PackedBatch, cfg) -> torch.Tensor:
