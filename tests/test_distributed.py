@@ -9,11 +9,13 @@ resume + the reference) takes ~50 s per mode and each failure case ~23 s.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -374,3 +376,85 @@ def test_padding_micro_batch_changes_no_gradient():
     assert seen  # it did run the layers (and so would gather each FSDP unit)
     for name, p in model.named_parameters():
         assert torch.equal(p.grad, before[name]), name
+
+
+def test_a_ranks_own_error_is_its_own_whatever_words_it_holds():
+    """dist_own_error_misread.py: an error of this rank whose text says "timeout" (a
+    PipelineStallError names pipeline.stall_timeout_s) was taken for a failed collective,
+    so the rank blamed a healthy peer ("a collective failed and no rank reported why")
+    and exited 1 instead of printing its own sentence (exit 2). Classified by type now."""
+    import threading
+
+    import torch.distributed as dist
+
+    from leangrpo.dist_watch import _Watch, looks_like_comm_error
+    from leangrpo.pipeline import PipelineStallError
+
+    stall = PipelineStallError("waited 600 s ... (pipeline.stall_timeout_s = 600)")
+    own = [stall, RuntimeError("socket timeout: gloo connection reset"), TimeoutError("http")]
+    assert [looks_like_comm_error(exc) for exc in own] == [False, False, False]
+
+    store = dist.HashStore()
+    watch = _Watch(rank=0, world_size=2, timeout_s=4.0, store=store)
+    stop = threading.Event()
+
+    def peer_beats():  # rank 1: alive, waiting in the next broadcast
+        n = 0
+        while not stop.is_set():
+            n += 1
+            store.set(f"{watch.prefix}beat/1", f"{n} generate")
+            time.sleep(0.05)
+
+    threading.Thread(target=peer_beats, daemon=True).start()
+    try:
+        time.sleep(0.2)
+        victim_error = watch.failure("generate", stall)
+    finally:  # failure() is fatal: stop the backstop before its grace period ends
+        stop.set()
+        watch._stop.set()
+    assert victim_error is None  # this rank is the origin: its own error is re-raised (exit 2)
+    record = json.loads(store.get(f"{watch.prefix}failures").decode())
+    assert record["origin"] and record["error"].startswith("PipelineStallError")
+
+
+def test_a_failed_collective_is_told_by_its_type_and_origin():
+    """A peer's failure: torch.distributed's error types, PeerStopped (ProductionAborted),
+    a RuntimeError raised inside a torch.distributed communication call (what gloo raises),
+    or an error explicitly caused by one of those."""
+    import torch.distributed as dist
+
+    from leangrpo.dist_watch import PeerStopped, looks_like_comm_error
+    from leangrpo.pipeline import ProductionAborted
+
+    try:
+        raise RuntimeError("rollout producer failed") from ProductionAborted("peer stopped")
+    except RuntimeError as exc:
+        caused_by_a_peer = exc
+    gloo_timeout = _gloo_timeout()
+    assert type(gloo_timeout) is RuntimeError and "Timed out" in str(gloo_timeout)
+    peers = [dist.DistNetworkError("x"), PeerStopped("x"), caused_by_a_peer, gloo_timeout]
+    assert [looks_like_comm_error(exc) for exc in peers] == [True] * 4
+
+
+def _gloo_timeout() -> RuntimeError:
+    """What gloo raises when a peer never joins: a 2-member group in this process (one
+    thread per member to connect), then an all-reduce that only member 0 enters."""
+    import threading
+
+    import torch.distributed as dist
+
+    store, groups = dist.HashStore(), {}
+
+    def join(rank: int) -> None:
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=0.5))
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        dist.all_reduce(torch.zeros(1), group=groups[0])
+    except RuntimeError as exc:
+        return exc
+    raise AssertionError("the all-reduce without its peer did not fail")

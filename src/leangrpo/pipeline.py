@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from leangrpo.contracts import RolloutBatch
+from leangrpo.dist_watch import PeerStopped
 from leangrpo.errors import RunError, user_error_types
 from leangrpo.pipeline_batch import (  # noqa: F401  (re-exported: leangrpo.pipeline.<Name> keeps working)
     BatchFinisher,
@@ -65,7 +66,7 @@ class PipelineStallError(RunError):
     """The trainer waits for a batch that the producer can never start."""
 
 
-class ProductionAborted(Exception):
+class ProductionAborted(PeerStopped):
     """Another rank stopped producing (shutdown): the batch being exchanged is abandoned."""
 
 
