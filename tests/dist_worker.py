@@ -13,6 +13,8 @@ MASTER_ADDR and MASTER_PORT set (the test launches one process per rank). Scenar
   one line naming rank 1 and the phase.
 - stop -: per-rank async producers stopped while one rank's thread waits in a batch
   exchange the other's never joins (dist_rollout.stop_rank_producer).
+- stop_mid_batch -: both threads entered the last batch, and one rank's share of it fails
+  before the exchange (on the reward pool closed at shutdown, or earlier).
 
 The single-process reference (`reference_run`) uses the same batches, unsharded.
 """
@@ -573,6 +575,87 @@ def stop_ranks(out: Path) -> None:
     ctx.shutdown()
 
 
+class _SlowOnRank1(_InstantEngine):
+    """Rank 1's share of batch 1 takes `delay_s` longer to generate."""
+
+    def __init__(self, rank: int, delay_s: float):
+        super().__init__()
+        self.rank, self.delay_s = rank, delay_s
+
+    def generate(self, prompts, params, n, version, prompt_offset=0):
+        if self.rank == 1 and version >= 1:
+            time.sleep(self.delay_s)
+        return super().generate(prompts, params, n, version, prompt_offset)
+
+
+class _ClosableRewards(_OneRewards):
+    """Raises as RewardPool does once closed; on rank 1, `fail_at` raises at batch 1."""
+
+    def __init__(self, rank: int, fail_at: bool):
+        self.rank, self.fail_at, self.closed, self.calls = rank, fail_at, False, 0
+
+    def score(self, samples):
+        from leangrpo.rewards.pool import PoolClosedError
+
+        self.calls += 1
+        if self.closed:
+            raise PoolClosedError("this RewardPool is closed")
+        if self.fail_at and self.rank == 1 and self.calls == 2:
+            raise RuntimeError("injected reward failure")
+        return super().score(samples)
+
+    def close(self):
+        self.closed = True
+
+
+def stop_mid_batch_ranks(out: Path) -> None:
+    """Both threads entered batch 1 when the run ends, and rank 1's share of it fails
+    before its exchange, where rank 0's thread waits: (a) "closed": rank 1 still generates
+    at shutdown and then scores on the closed reward pool (PoolClosedError), (b) "failed":
+    rank 1's reward raised before shutdown. Each rank closes as Trainer.close does
+    (stop_rank_producer, rewards.close, producer.close); rank 0 writes OUT_DIR/stop_mid.pt."""
+    from leangrpo.contracts import Prompt, SamplingParams
+    from leangrpo.data import PromptSampler
+    from leangrpo.dist_rollout import RankShare, stop_rank_producer
+    from leangrpo.distributed import init_distributed
+    from leangrpo.pipeline import AsyncProducer, BatchFinisher, RolloutSettings, RolloutWorker
+
+    ctx = init_distributed(dist_cfg(timeout_s=60.0), "cpu")
+    seen = {}
+    for case in ("closed", "failed"):
+        share = RankShare(ctx, ctx.new_group())
+        prompts = [Prompt(i, str(i), [5, 6]) for i in range(8)]
+        settings = RolloutSettings(2, 2, SamplingParams(max_new_tokens=2), "group", 0)
+        engine = _SlowOnRank1(ctx.rank, 3.0 if case == "closed" else 0.0)
+        rewards = _ClosableRewards(ctx.rank, fail_at=case == "failed")
+        worker = RolloutWorker(engine, rewards, PromptSampler(prompts, 2), settings, share=share)
+        producer = AsyncProducer(worker, BatchFinisher(settings, 0), 1, 0, stall_timeout_s=60)
+        producer.start()
+        producer.next_batch(0)
+        producer.push_weights(1, lambda: [])  # batch 1 is admitted on both ranks
+        deadline = time.monotonic() + 20
+        while producer.entered < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # rank 0's thread waits in batch 1's exchange; rank 1's generates
+        if case == "failed":  # ... or has failed already
+            while producer._error is None and ctx.rank == 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        start = time.monotonic()
+        stop_rank_producer(producer, share, ctx)
+        rewards.close()
+        producer.close()
+        seen[case] = {
+            "entered": producer.entered,
+            "alive": producer._thread.is_alive(),
+            "took": time.monotonic() - start,
+            "error": repr(producer._error),
+        }
+    gathered = ctx.gather_to_main(seen)
+    if ctx.is_main:
+        torch.save(gathered, out / "stop_mid.pt")
+    ctx.shutdown()
+
+
 def main() -> None:
     torch.set_num_threads(1)
     sys.path.insert(0, str(REPO / "src"))
@@ -586,6 +669,8 @@ def main() -> None:
         fail_ranks(arg, out, float(rest[0]))
     elif scenario == "stop":
         stop_ranks(out)
+    elif scenario == "stop_mid_batch":
+        stop_mid_batch_ranks(out)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
 

@@ -373,6 +373,28 @@ def test_per_rank_producers_stop_together_when_one_waits_in_an_exchange(tmp_path
         assert seen["took"] < 10.0, seen  # without the abort: the 30 s join, then a hang
 
 
+@pytest.mark.slow
+def test_per_rank_producers_stop_when_a_share_of_the_last_batch_fails(tmp_path):
+    """dist_stop_mid_batch.py: both threads entered the last batch; rank 1's share of it
+    fails before the exchange rank 0's thread waits in, either on the reward pool that
+    shutdown closes while rank 1 still generates, or earlier. The failing thread (or, when
+    it failed before shutdown, its main thread) joins the exchange with an abort marker:
+    both ranks close at once and exit 0, instead of rank 0 joining its thread for 30 s and
+    then aborting (SIGABRT) on the gloo operation still pending at exit."""
+    from test_distributed import _assert_ok, launch
+
+    _assert_ok(launch(tmp_path, "stop_mid_batch", "-", str(tmp_path), limit_s=150.0))
+    rank0, rank1 = torch.load(tmp_path / "stop_mid.pt", weights_only=False)
+    for case in ("closed", "failed"):
+        assert rank0[case]["entered"] == rank1[case]["entered"] == 1, case  # the situation
+        assert "RewardPool is closed" in rank1["closed"]["error"]
+        assert "injected reward failure" in rank1["failed"]["error"]
+        for seen in (rank0[case], rank1[case]):
+            assert not seen["alive"], (case, seen)
+            assert seen["took"] < 10.0, (case, seen)  # rank 1 generates for 3 s in "closed"
+        assert rank0[case]["error"] == "None", rank0[case]
+
+
 # ------------------------------------------------------------------------------- GPU
 
 

@@ -126,6 +126,7 @@ class AsyncProducer:
         streaming: bool = False,
         snapshot_device: str | None = None,
         stall_timeout_s: float = 600.0,
+        close_timeout_s: float = 30.0,
     ):
         self.worker = worker
         self.finisher = finisher
@@ -135,6 +136,9 @@ class AsyncProducer:
         self.streaming = streaming
         self.snapshot_device = snapshot_device  # None: snapshots stay on the weights' device
         self.stall_timeout_s = stall_timeout_s
+        # how long close() waits for the thread; torchrun: at least distributed.timeout_s,
+        # so that no exchange it is in is still pending when the process exits
+        self.close_timeout_s = close_timeout_s
         self.dropped_stale = 0
         self.queue: queue.Queue[ProducedBatch] = queue.Queue(maxsize=prefetch_depth)
         self.engine_lock = threading.Lock()
@@ -184,7 +188,9 @@ class AsyncProducer:
                 produced.idle_s = idle
                 self._index += 1
                 self._put(produced)
-        except ProductionAborted:  # torchrun shutdown: another rank stopped producing
+        except ProductionAborted as exc:  # torchrun shutdown: another rank stopped producing
+            if not self._stop.is_set():  # not at shutdown: a peer's failure, surfaced
+                self._error = exc
             return
         except BaseException as exc:  # surfaced to the trainer by next_batch
             self._error = exc
@@ -364,7 +370,7 @@ class AsyncProducer:
         with self._progress:
             self._progress.notify_all()
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=self.close_timeout_s)
 
 
 def _merge(chunks: list[ProducedBatch]) -> ProducedBatch:

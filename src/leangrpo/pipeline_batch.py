@@ -68,6 +68,27 @@ class RolloutWorker:
         self.made = 0  # batches whose state_after was taken (under sampler_lock)
 
     def produce(self, index: int) -> ProducedBatch:
+        if self.share:  # torchrun: this rank owes the batch's exchange, even if it fails
+            self.share.begin_batch()
+        try:
+            samples, metrics = self._make_share(index)
+        except Exception:
+            if self.share:  # peers wait in this batch's exchange (see RankShare)
+                self.share.failed_before_exchange()
+            raise
+        if self.share:  # every rank's scored share: the whole batch on every rank
+            samples, metrics = self.share.gather(samples, metrics)
+        batch = RolloutBatch(samples, self.settings.group_size, metrics)
+        with self.sampler_lock:
+            requeued = self._reroll_failed(batch.groups())
+            after = self.state_dict(index + 1)
+            self.made = index + 1
+        batch.metrics["reroll/requeued"] = requeued
+        return ProducedBatch(batch, index, after)
+
+    def _make_share(self, index: int) -> tuple[list[RolloutSample], dict[str, float]]:
+        """This rank's share of the batch's prompts (all of them in one process), generated
+        and scored, and its metrics."""
         with self.sampler_lock:
             prompts = self.sampler.next_batch()
         t0 = time.perf_counter()
@@ -89,15 +110,7 @@ class RolloutWorker:
         with self.reward_lock:
             metrics = self.rewards.score(samples)
         metrics.update({"time/generate": t1 - t0, "time/rewards": time.perf_counter() - t1})
-        if self.share:  # every rank's scored share: the whole batch on every rank
-            samples, metrics = self.share.gather(samples, metrics)
-        batch = RolloutBatch(samples, self.settings.group_size, metrics)
-        with self.sampler_lock:
-            requeued = self._reroll_failed(batch.groups())
-            after = self.state_dict(index + 1)
-            self.made = index + 1
-        batch.metrics["reroll/requeued"] = requeued
-        return ProducedBatch(batch, index, after)
+        return samples, metrics
 
     def _reroll_failed(self, groups: list[list[RolloutSample]]) -> float:
         if not self.reroll_attempts:

@@ -386,7 +386,9 @@ class Trainer:
         """The reward pool first: a producer thread waiting in `score()` gets PoolClosedError
         at once instead of finishing a reward's timeout; then the producer (it may be
         mid-call into the engines), then the engines. `clean`: the run ended normally on
-        every rank (torchrun: per-rank producers first stop in step, see dist_rollout)."""
+        every rank (torchrun: per-rank producers first stop in step, see dist_rollout; a
+        thread whose share of its last batch then fails on the closed pool aborts that
+        batch's exchange, so no peer's thread is left waiting in it)."""
         if self.per_rank and clean:
             from leangrpo.dist_rollout import stop_rank_producer
 
