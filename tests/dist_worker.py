@@ -13,6 +13,8 @@ MASTER_ADDR and MASTER_PORT set (the test launches one process per rank). Scenar
   one line naming rank 1 and the phase.
 - stop -: per-rank async producers stopped while one rank's thread waits in a batch
   exchange the other's never joins (dist_rollout.stop_rank_producer).
+- reshard -: which parameters of the sharded policy and reference are held whole
+  between passes (after the no-grad passes, after each optimizer step).
 - stop_mid_batch -: both threads entered the last batch, and one rank's share of it fails
   before the exchange (on the reward pool closed at shutdown, or earlier).
 
@@ -656,6 +658,62 @@ def stop_mid_batch_ranks(out: Path) -> None:
     ctx.shutdown()
 
 
+def unsharded_parameters(module) -> list[str]:
+    """Names of parameters held whole (gathered) right now: none between passes."""
+    from torch.distributed.tensor import DTensor
+
+    return [n for n, p in module.named_parameters() if not isinstance(p, DTensor)]
+
+
+def reshard_ranks(out: Path) -> None:
+    """The trainer's pieces (build_policy, shard_policy, plan_steps, attach_old_and_ref,
+    train_step) on the demo, full fine-tuning with beta > 0, per sharding strategy: which
+    parameters of the policy and of its reference are held whole after the no-grad passes
+    and after each optimizer step. Rank 0 writes OUT_DIR/reshard.pt."""
+    from test_dist_train import demo_config
+    from transformers import AutoModelForCausalLM
+
+    from leangrpo.config import config_from_dict
+    from leangrpo.distributed import init_distributed
+    from leangrpo.fsdp import shard_policy
+    from leangrpo.loss import LossConfig
+    from leangrpo.model import build_policy
+    from leangrpo.step import attach_old_and_ref, plan_steps, train_step
+
+    ctx = init_distributed(dist_cfg(), "cpu")
+    samples = [s for g in batches()[0] for s in g]
+    for s in samples:
+        s.reward = 0.0
+    seen: dict = {}
+    for sharding in ("full_shard", "shard_grad_op", "no_shard"):
+        raw = demo_config(out / "unused", "full_sync", 2, distributed={"sharding": sharding})
+        cfg = config_from_dict(raw)
+        model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, dtype=torch.float32)
+        policy = build_policy(model, cfg, None, torch.device("cpu"))
+        shard_policy(policy, cfg.distributed, ctx)
+        opt = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-4)
+        sampling, loss = cfg.rollout.sampling_params(), LossConfig.from_config(cfg.loss)
+        stages = seen[sharding] = {}
+
+        def record(stage: str, policy=policy, stages=stages) -> None:
+            stages[stage] = {
+                "policy": unsharded_parameters(policy.root),
+                "reference": unsharded_parameters(policy.reference),
+            }
+
+        steps = plan_steps(samples, cfg, policy, ctx.rank, ctx.world_size)
+        attach_old_and_ref(policy, steps, cfg, sampling)
+        record("after the no-grad passes")
+        for _ in range(cfg.loss.mu):  # mu = 2: the old pass ran, and two updates follow
+            for step in steps:
+                train_step(policy, step.micro_batches, opt, cfg, sampling, loss, ctx)
+                record(f"after update {len(stages)}")
+    gathered = ctx.gather_to_main(seen)
+    if ctx.is_main:
+        torch.save(gathered, out / "reshard.pt")
+    ctx.shutdown()
+
+
 def main() -> None:
     torch.set_num_threads(1)
     sys.path.insert(0, str(REPO / "src"))
@@ -671,6 +729,8 @@ def main() -> None:
         stop_ranks(out)
     elif scenario == "stop_mid_batch":
         stop_mid_batch_ranks(out)
+    elif scenario == "reshard":
+        reshard_ranks(out)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
 

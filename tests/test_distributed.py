@@ -256,6 +256,22 @@ def test_two_gpus_with_nccl_match_one_process(tmp_path):
         assert (mixed[name] - grad).norm() <= 1e-2 * grad.norm() + 1e-6, name
 
 
+@pytest.mark.slow
+def test_no_parameter_of_policy_or_reference_stays_gathered_between_passes(tmp_path):
+    """dist_ref_root_memory.py: FSDP2 never reshards a root after a no-grad forward, so the
+    sharded reference kept its root unit (embeddings, tied lm_head, final norm) gathered
+    on every rank for the whole run, and the policy kept it until its first backward
+    (under shard_grad_op every unit stayed gathered). After the no-grad passes and after
+    every step, every parameter of both is a shard again, under every strategy."""
+    _assert_ok(launch(tmp_path, "reshard", "-", str(tmp_path), limit_s=240.0))
+    for rank, seen in enumerate(torch.load(tmp_path / "reshard.pt", weights_only=False)):
+        assert sorted(seen) == ["full_shard", "no_shard", "shard_grad_op"]
+        for sharding, stages in seen.items():
+            assert len(stages) >= 3, stages  # the no-grad passes and at least 2 steps
+            for stage, held in stages.items():
+                assert held == {"policy": [], "reference": []}, (rank, sharding, stage)
+
+
 # ------------------------------------------------------------------------------ failures
 
 

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
+    FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
@@ -80,6 +81,20 @@ def shard_model(model: nn.Module, dist_cfg, ctx: DistContext) -> PackedScorer:
     scorer = PackedScorer(model)
     fully_shard(scorer, **units)  # root: stays gathered from forward to backward
     return scorer
+
+
+def reshard(module: nn.Module) -> None:
+    """Free every gathered parameter of `module`'s FSDP units (no collective).
+
+    FSDP2 reshards a unit after its backward, and after its forward only when
+    `reshard_after_forward` holds, which it never does for the root: after a no-grad pass
+    (old and reference log-probs) the root, with the embeddings, a tied lm_head and the
+    final norm, and under shard_grad_op every unit, would stay gathered until the next
+    backward, which a frozen reference never has.
+    """
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

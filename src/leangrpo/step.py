@@ -25,7 +25,9 @@ rank packs only its share, and every rank's plan is padded with one-token paddin
 micro-batches to the largest count (computed locally: every rank can plan every rank's
 share), since each forward and backward gathers parameters with all ranks. A padding
 micro-batch runs forward and a zero-gradient backward (`fsdp.padding_pass`), never the
-loss. Normalisers are all-reduced once per step, the gradient norm is global, the
+loss. After the no-grad passes every FSDP unit of the policy and the reference is
+resharded (`fsdp.reshard`): with no backward to follow, FSDP2 would keep the root (and
+under shard_grad_op every unit) gathered. Normalisers are all-reduced once per step, the gradient norm is global, the
 non-finite-skip decision is all-reduced and the step's loss metrics are combined over
 ranks, so every rank takes the same decision and rank 0 logs global figures.
 
@@ -262,6 +264,12 @@ def attach_old_and_ref(policy: Policy, steps: list[PlannedStep], cfg, sampling) 
                 mb.old_logprobs = score(module, mb, sampling, cfg.logprobs)[0].float()
             if want_ref:
                 mb.ref_logprobs = reference_logprobs(policy, mb, sampling, cfg.logprobs).float()
+    if policy.root is not None:  # torchrun: no backward follows to reshard what was gathered
+        from leangrpo.fsdp import reshard
+
+        reshard(policy.root)
+        if policy.reference is not None:
+            reshard(policy.reference)
 
 
 def normalisers(
