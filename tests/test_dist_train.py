@@ -218,15 +218,23 @@ def test_with_vllm_servers_rank_0_generates_and_broadcasts(tmp_path):
     `leangrpo serve` handler around a scripted engine) and broadcasts each batch; the 2-rank
     run ends with the parameters of one process using the same server."""
     sys.path.insert(0, str(ROOT / "tests" / "rollout"))
+    from transformers import AutoModelForCausalLM
     from vllm_fakes import FakeLocal, Served
 
     class Varied(FakeLocal):  # completion k of a prompt reads "k": a reward with a spread
+        uploads: dict[int, dict[str, torch.Tensor]]  # version -> the weights it then held
+
         def generate(self, prompt_ids, params, n, version, seeds=None, *, run):
             groups = super().generate(prompt_ids, params, n, version, seeds, run=run)
             for group in groups:
                 for k, c in enumerate(group):
                     c.text = str(k)
             return groups
+
+        def load_weight_files(self, paths, version, *, run):
+            super().load_weight_files(paths, version, run=run)
+            self.uploads = getattr(self, "uploads", {})
+            self.uploads[version] = {k: v.clone() for k, v in self.weights.items()}
 
     servers = [Served(Varied(), tmp_path / f"staging{i}") for i in range(2)]
     odd = {"functions": [{"name": "format", "kwargs": {"pattern": "^[13]"}}]}
@@ -259,6 +267,19 @@ def test_with_vllm_servers_rank_0_generates_and_broadcasts(tmp_path):
     diff = max_abs_diff(two, one)
     print(f"vllm server: max |param(2 ranks) - param(1 process)| = {diff:.3g}")
     assert diff <= 1e-5
+    # what rank 0 uploaded is the policy's gathered weights: version 0 the demo model's,
+    # the last one the final model's (bitwise), every version the one process's uploads
+    uploads = [server.local.uploads for server in servers]
+    assert sorted(uploads[0]) == sorted(uploads[1]) == [0, 1, 2, 3, 4]
+    start = AutoModelForCausalLM.from_pretrained(DEMO / "model").state_dict()
+    assert set(start) == set(two)
+    # a tied weight is written once, under its first name (rollout/vllm.py)
+    assert set(uploads[0][0]) == set(start) - {"lm_head.weight"}
+    for name, tensor in uploads[0][0].items():
+        assert torch.equal(tensor, start[name]), name
+        assert torch.equal(uploads[0][4][name], two[name]), name
+    for version in range(1, 5):
+        assert max_abs_diff(uploads[0][version], uploads[1][version]) <= 1e-5, version
 
 
 # ------------------------------------------------------------------- a rank that dies
