@@ -13,6 +13,8 @@ MASTER_ADDR and MASTER_PORT set (the test launches one process per rank). Scenar
   one line naming rank 1 and the phase.
 - stop -: per-rank async producers stopped while one rank's thread waits in a batch
   exchange the other's never joins (dist_rollout.stop_rank_producer).
+- unshared -: a sharded checkpoint whose rank 1 writes its files where rank 0 cannot
+  see them: no COMPLETE marker, one CheckpointError on every rank.
 - reshard -: which parameters of the sharded policy and reference are held whole
   between passes (after the no-grad passes, after each optimizer step).
 - stop_mid_batch -: both threads entered the last batch, and one rank's share of it fails
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import signal
 import sys
 import time
@@ -658,6 +661,41 @@ def stop_mid_batch_ranks(out: Path) -> None:
     ctx.shutdown()
 
 
+def unshared_ranks(out: Path) -> None:
+    """A sharded checkpoint whose rank 1 writes its part onto a disk of its own (an
+    output_dir that is not one filesystem for every rank): every rank must stop with the
+    same CheckpointError, and no COMPLETE marker may exist. Rank 0 writes
+    OUT_DIR/unshared.pt."""
+    from leangrpo import dist_checkpoint
+    from leangrpo.checkpoint import CheckpointError
+    from leangrpo.distributed import DistributedError, init_distributed
+
+    ctx = init_distributed(dist_cfg(timeout_s=10.0), "cpu")
+    model, _, _, _, opt = sharded_setup("full", ctx, checkpointing=False)
+    if ctx.rank == 1:  # rank 1's files land where rank 0 cannot see them
+        write = dist_checkpoint._write_rank_files
+        own_disk = out / "rank1-disk"
+
+        def elsewhere(tmp, model, optimizer, ctx):
+            (own_disk / tmp.name).mkdir(parents=True)
+            write(own_disk / tmp.name, model, optimizer, ctx)
+
+        dist_checkpoint._write_rank_files = elsewhere
+    error = None
+    try:
+        with ctx.phase("checkpoint"):
+            dist_checkpoint.save_sharded_checkpoint(out / "run", 1, model, opt, None, {}, 2, ctx)
+    except (CheckpointError, DistributedError) as exc:  # rank 1: its own, or rank 0's line
+        error = f"{type(exc).__name__}: {exc}"
+    markers = sorted(str(p.relative_to(out)) for p in out.rglob("COMPLETE"))
+    (out / f"unshared-{ctx.rank}.pt").write_bytes(
+        pickle.dumps({"error": error, "markers": markers})
+    )
+    if error is not None:  # fatal inside ctx.phase: the backstop ends the process (exit 1)
+        time.sleep(60)
+    ctx.shutdown()
+
+
 def unsharded_parameters(module) -> list[str]:
     """Names of parameters held whole (gathered) right now: none between passes."""
     from torch.distributed.tensor import DTensor
@@ -731,6 +769,8 @@ def main() -> None:
         stop_mid_batch_ranks(out)
     elif scenario == "reshard":
         reshard_ranks(out)
+    elif scenario == "unshared":
+        unshared_ranks(out)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
 

@@ -272,6 +272,51 @@ def test_no_parameter_of_policy_or_reference_stays_gathered_between_passes(tmp_p
                 assert held == {"policy": [], "reference": []}, (rank, sharding, stage)
 
 
+@pytest.mark.slow
+def test_a_checkpoint_missing_a_ranks_files_is_never_marked_complete(tmp_path):
+    """Rank 1 writes its part of a sharded checkpoint where rank 0 cannot see it (an
+    output_dir that is not one filesystem for every rank): rank 0 used to write COMPLETE
+    after the barrier all the same. Now both ranks stop with the sentence naming rank 1's
+    missing files, and no COMPLETE marker exists."""
+    import pickle
+
+    ranks = launch(tmp_path, "unshared", "-", str(tmp_path), limit_s=120.0)
+    assert [rank.code for rank in ranks] == [1, 1]  # a failure inside ctx.phase is fatal
+    rank0, rank1 = (pickle.loads((tmp_path / f"unshared-{r}.pt").read_bytes()) for r in (0, 1))
+    assert rank0["markers"] == rank1["markers"] == []
+    assert not (tmp_path / "run" / "checkpoints" / "step-1").exists()
+    sentence = rank0["error"]
+    assert sentence.startswith("CheckpointError: checkpoint .tmp-step-1-")
+    assert "rng-1.pt, dcp/__1_0.distcp missing in" in sentence and "rng-0.pt" not in sentence
+    assert "one filesystem that every rank sees" in sentence
+    # rank 1 raises the same sentence, or (rank 0 recorded it first) the line naming rank 0
+    assert rank1["error"] == sentence or rank1["error"].startswith(
+        "DistributedError: rank 1 stops during checkpoint: rank 0 failed during checkpoint: "
+        "CheckpointError: checkpoint .tmp-step-1-"
+    ), rank1["error"]
+
+
+def test_missing_rank_files_are_named_from_the_dcp_metadata(tmp_path):
+    """Every rank's rng file, and every file DCP's metadata names, at least as long as it
+    says: what rank 0 checks before it marks a sharded checkpoint COMPLETE."""
+    import torch.distributed.checkpoint as dcp
+
+    from leangrpo.dist_checkpoint import _missing_rank_files
+
+    tmp = tmp_path / ".tmp-step-3-x"
+    dcp.save({"a": torch.arange(6.0), "b": torch.ones(4)}, checkpoint_id=tmp / "dcp")
+    for rank in range(2):
+        torch.save({}, tmp / f"rng-{rank}.pt")
+    assert _missing_rank_files(tmp, 2) is None
+    (tmp / "rng-1.pt").unlink()
+    shard = tmp / "dcp" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-1])  # one byte short of what the metadata says
+    missing = _missing_rank_files(tmp, 2)
+    assert "rng-1.pt, dcp/__0_0.distcp missing in" in missing and "not marked COMPLETE" in missing
+    (tmp / "dcp" / ".metadata").unlink()
+    assert "dcp/.metadata" in _missing_rank_files(tmp, 2)
+
+
 # ------------------------------------------------------------------------------ failures
 
 
