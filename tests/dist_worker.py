@@ -13,6 +13,8 @@ MASTER_ADDR and MASTER_PORT set (the test launches one process per rank). Scenar
   one line naming rank 1 and the phase.
 - stop -: per-rank async producers stopped while one rank's thread waits in a batch
   exchange the other's never joins (dist_rollout.stop_rank_producer).
+- setup_memory -: the tensor bytes alive on each rank after each stage of the trainer's
+  set-up (full fine-tuning with a reference and LoRA, both with per-rank hf engines).
 - unshared -: a sharded checkpoint whose rank 1 writes its files where rank 0 cannot
   see them: no COMPLETE marker, one CheckpointError on every rank.
 - reshard -: which parameters of the sharded policy and reference are held whole
@@ -661,6 +663,83 @@ def stop_mid_batch_ranks(out: Path) -> None:
     ctx.shutdown()
 
 
+def gathered_held_at_once(built) -> int:
+    """Run one weight sync of `built` (a Trainer) into its per-rank hf engine, and return
+    the most bytes of gathered tensors alive at once while the engine takes them in."""
+    import weakref
+
+    engine = built.engines.rollout
+    update = engine.update_weights
+    seen: list[tuple] = []  # (weak reference, storage pointer, bytes) of every tensor given
+    peak = 0
+
+    def watched(named):
+        nonlocal peak
+        for name, tensor in named:
+            storage = tensor.untyped_storage()
+            seen.append((weakref.ref(tensor), storage.data_ptr(), storage.nbytes()))
+            alive = {ptr: size for ref, ptr, size in seen if ref() is not None}
+            peak = max(peak, sum(alive.values()))
+            yield name, tensor
+
+    engine.update_weights = lambda named, version: update(watched(named), version)
+    with built.ctx.phase("sync"):
+        built.sync_weights()
+    engine.update_weights = update
+    assert seen, "the sync sent no tensor"
+    return peak
+
+
+def setup_memory_ranks(out: Path) -> None:
+    """The trainer's set-up on the demo (full fine-tuning with a reference and the hf
+    engine in sync mode; LoRA with the hf engine in async mode), measuring the bytes of
+    tensor storages alive on this rank (`fsdp.tensor_bytes_alive`: whole tensors and FSDP
+    shards) before it and after each stage: the policy loaded, sharded, the engines built,
+    the trainer built; and (sync mode) the storages a weight sync into the per-rank engine
+    allocates, at their peak. Every rank writes OUT_DIR/setup-<rank>.pt."""
+    import gc
+    import pickle
+
+    from test_dist_train import demo_config
+
+    from leangrpo import fsdp, trainer
+    from leangrpo.config import config_from_dict
+    from leangrpo.distributed import init_distributed
+
+    ctx = init_distributed(dist_cfg(), "cpu")
+    seen: dict[str, dict[str, dict[str, int]]] = {}
+
+    def measure(stage: str) -> None:
+        gc.collect()
+        seen[mode][stage] = fsdp.tensor_bytes_alive()
+
+    def after(module, name: str, stage: str) -> None:
+        original = getattr(module, name)
+
+        def measured(*args, **kwargs):
+            result = original(*args, **kwargs)
+            measure(stage)
+            return result
+
+        setattr(module, name, measured)
+
+    after(trainer, "load_policy", "loaded")
+    after(fsdp, "shard_policy", "sharded")
+    after(trainer, "make_engines", "engines")
+    for mode in ("full_sync", "lora_async"):
+        seen[mode] = {}
+        cfg = config_from_dict(demo_config(out / mode, mode, ctx.world_size))
+        measure("before")
+        built = trainer.Trainer(cfg, ctx=ctx)
+        measure("built")
+        if mode == "full_sync":  # a weight sync into the engine (sync mode, every version)
+            seen[mode]["sync"] = {"held_at_once": gathered_held_at_once(built)}
+        built.close()
+        del built
+    (out / f"setup-{ctx.rank}.pt").write_bytes(pickle.dumps(seen))
+    ctx.shutdown()
+
+
 def unshared_ranks(out: Path) -> None:
     """A sharded checkpoint whose rank 1 writes its part onto a disk of its own (an
     output_dir that is not one filesystem for every rank): every rank must stop with the
@@ -769,6 +848,8 @@ def main() -> None:
         stop_mid_batch_ranks(out)
     elif scenario == "reshard":
         reshard_ranks(out)
+    elif scenario == "setup_memory":
+        setup_memory_ranks(out)
     elif scenario == "unshared":
         unshared_ranks(out)
     else:

@@ -416,6 +416,48 @@ def test_per_rank_producers_stop_when_a_share_of_the_last_batch_fails(tmp_path):
         assert rank0[case]["error"] == "None", rank0[case]
 
 
+def one_full_copy(mode: str) -> int:
+    """Bytes of the policy's parameters and buffers as one process builds it (LoRA: with
+    its adapters): one full copy of the weights."""
+    from leangrpo.model import load_policy
+
+    cfg = config_from_dict(demo_config(Path("/tmp/unused"), mode, 1))
+    model = load_policy(cfg, None, torch.device("cpu")).model
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+@pytest.mark.slow
+def test_no_rank_holds_more_than_one_full_copy_during_set_up(tmp_path):
+    """Every rank loaded the full model, deep-copied a full reference (beta > 0) and
+    copied it again for its hf engine before sharding: 3 full copies per rank at the peak
+    (2 with LoRA). Now the reference starts on the meta device and gets its shards from
+    the policy's, and the engine's copy is built from the shards after sharding: after
+    every stage of the set-up a rank holds at most one full copy in whole tensors (the
+    storages alive, counted), plus the shards of the policy and the reference. A weight
+    sync into the engine (sync mode) held every gathered tensor at once (a second full
+    copy); the engine now copies each in as it is gathered."""
+    import pickle
+
+    from test_distributed import _assert_ok, launch
+
+    _assert_ok(launch(tmp_path, "setup_memory", "-", str(tmp_path), limit_s=240.0))
+    for rank in range(2):
+        seen = pickle.loads((tmp_path / f"setup-{rank}.pt").read_bytes())
+        for mode, sharded_models in (("full_sync", 2), ("lora_async", 1)):
+            copy = one_full_copy(mode)
+            stages = seen[mode]
+            sync = stages.pop("sync", None)
+            assert set(stages) == {"before", "loaded", "sharded", "engines", "built"}, stages
+            base = stages["before"]["whole"]
+            for stage, alive in stages.items():
+                assert alive["whole"] - base <= 1.01 * copy, (rank, mode, stage, alive, copy)
+                assert alive["shards"] <= 1.01 * sharded_models * copy / 2, (rank, mode, stage)
+            assert stages["built"]["whole"] - base >= copy  # the engine's copy is counted
+            if mode == "full_sync":  # the engine takes each gathered tensor as it comes
+                assert 0 < sync["held_at_once"] <= 0.25 * copy, (rank, sync, copy)
+
+
 # ------------------------------------------------------------------------------- GPU
 
 
