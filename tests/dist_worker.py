@@ -633,7 +633,7 @@ def stop_mid_batch_ranks(out: Path) -> None:
         share = RankShare(ctx, ctx.new_group())
         prompts = [Prompt(i, str(i), [5, 6]) for i in range(8)]
         settings = RolloutSettings(2, 2, SamplingParams(max_new_tokens=2), "group", 0)
-        engine = _SlowOnRank1(ctx.rank, 3.0 if case == "closed" else 0.0)
+        engine = _SlowOnRank1(ctx.rank, 5.0 if case == "closed" else 0.0)
         rewards = _ClosableRewards(ctx.rank, fail_at=case == "failed")
         worker = RolloutWorker(engine, rewards, PromptSampler(prompts, 2), settings, share=share)
         producer = AsyncProducer(worker, BatchFinisher(settings, 0), 1, 0, stall_timeout_s=60)
