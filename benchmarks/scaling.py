@@ -1,5 +1,5 @@
 """Training throughput and per-rank memory at 1 and 2 (or N) torchrun ranks.
-python benchmarks/scaling.py [--quick] [--ranks 1,2]
+python benchmarks/scaling.py [--quick] [--ranks 1,2] [--beta 0.04]
 
 The trainer's own step on every rank: the same global batch of synthetic GRPO samples
 (groups of G completions with varied lengths), dealt to ranks by step.plan_steps, one
@@ -7,12 +7,19 @@ optimizer step by step.train_step (FSDP2 full_shard under several ranks: all-red
 normalisers, padding micro-batches, global gradient norm), AdamW. Random weights of a
 benchmarks/models.py shape; generation is left out (it scales with the engine, not the
 trainer). The micro-batch budget per rank is fixed, so each rank trains 1/W of the batch.
+`--beta` > 0 adds the full fine-tuning reference, built and sharded as the trainer builds
+it under torchrun (on the meta device, then given the policy's shards), and its no-grad
+pass before each step (not timed).
 
 Per world size one row (baseline = `ranks=1`): `time_s` (median step), `tokens_per_s`
 (global tokens / step), `peak_bytes` (largest over ranks: CUDA max allocated, or the
 process's peak RSS on CPU, where the runtime dominates), `state_bytes_per_rank` (the
 largest rank's parameters + gradients + AdamW state, local shards: what full sharding
-divides by W), `dist/imbalance` (most / least loaded rank's tokens, mean over steps), and
+divides by W), `peak_param_bytes_per_rank` (the largest rank's tensor storages alive after
+each set-up stage, the model built and then sharded: the weights and a reference, whole
+or as shards, `fsdp.tensor_bytes_alive`) and `param_copies_per_rank` (that over the
+model's parameter bytes: at most 1.0 + the shards, since no rank ever holds a second full
+copy), `dist/imbalance` (most / least loaded rank's tokens, mean over steps), and
 `time_ratio`, `mem_ratio`, `state_ratio` against the baseline.
 
 CPU (gloo) with `--quick`: tiny-qwen2 shape, 2 cores at most, so no speed-up is expected,
@@ -24,6 +31,7 @@ starts itself (RANK, WORLD_SIZE, MASTER_ADDR/PORT as torchrun sets them).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -56,7 +64,7 @@ def settings(quick: bool, cuda: bool) -> dict:
                 budget=2048, steps=5)  # fmt: skip
 
 
-def config(s: dict):
+def config(s: dict, beta: float = 0.0):
     from leangrpo.config import config_from_dict
 
     return config_from_dict(
@@ -71,7 +79,7 @@ def config(s: dict):
             },  # fmt: skip
             "train": {"micro_batch_tokens": s["budget"], "learning_rate": 1e-5},
             "packing": {"shared_prefix": "off"},
-            "loss": {"type": "dapo"},
+            "loss": {"type": "dapo", "beta": beta},
         }
     )
 
@@ -109,24 +117,36 @@ def state_bytes(params: list, optimizer) -> int:
     return total
 
 
+def setup_bytes() -> int:
+    """Bytes of every tensor storage alive on this rank, whole or sharded."""
+    from leangrpo.fsdp import tensor_bytes_alive
+
+    gc.collect()
+    return sum(tensor_bytes_alive().values())
+
+
 def run_rank(s: dict, out: Path) -> None:
     """One rank: build, shard (W > 1), train s["steps"] + 1 steps, write its figures."""
     from models import build_model
 
     from leangrpo.distributed import init_distributed
     from leangrpo.model import build_policy
-    from leangrpo.step import plan_steps, train_step
+    from leangrpo.step import attach_old_and_ref, plan_steps, train_step
 
-    cfg = config(s)
+    cfg = config(s, s["beta"])
     cuda = torch.cuda.is_available()
     ctx = init_distributed(cfg.distributed, "cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
+    before = setup_bytes()
     model = build_model(s["model"], s["prompt"] + s["completion"], ctx.device, dtype)
-    policy = build_policy(model, cfg, None, ctx.device)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    policy = build_policy(model, cfg, None, ctx.device, reference_on_meta=ctx.distributed)
+    setup = [setup_bytes() - before]  # the model built (and a reference: on meta if W > 1)
     if ctx.distributed:
         from leangrpo.fsdp import shard_policy
 
         shard_policy(policy, cfg.distributed, ctx)
+        setup.append(setup_bytes() - before)  # the policy and the reference sharded
     params = policy.trainable_parameters()
     optimizer = torch.optim.AdamW(params, lr=1e-5)
     sampling = cfg.rollout.sampling_params()
@@ -136,6 +156,7 @@ def run_rank(s: dict, out: Path) -> None:
     for step in range(s["steps"] + 1):  # step 0 warms up
         samples = batch(s, model.config.vocab_size, step)
         planned = plan_steps(samples, cfg, policy, ctx.rank, ctx.world_size)[0]
+        attach_old_and_ref(policy, [planned], cfg, sampling)  # the reference's pass, if any
         ctx.barrier()
         if cuda:
             torch.cuda.synchronize()
@@ -153,7 +174,8 @@ def run_rank(s: dict, out: Path) -> None:
     ).ru_maxrss * 1024  # fmt: skip
     tokens = sum(x.num_tokens for x in batch(s, model.config.vocab_size, 1))
     figures = dict(time_s=statistics.median(times), tokens=tokens, peak_bytes=peak,
-                   state_bytes=peak_state, imbalance=statistics.mean(imbalance))  # fmt: skip
+                   state_bytes=peak_state, imbalance=statistics.mean(imbalance),
+                   setup_bytes=max(setup), model_bytes=model_bytes)  # fmt: skip
     (out / f"rank{ctx.rank}.json").write_text(json.dumps(figures))
     ctx.shutdown()
 
@@ -167,7 +189,8 @@ def launch(world: int, args, out: Path) -> list[dict]:
            "WORLD_SIZE": str(world), "OMP_NUM_THREADS": str(args.threads)}  # fmt: skip
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, "--rank-of", str(out), *(["--quick"] if args.quick else [])],
+            [sys.executable, __file__, "--rank-of", str(out), "--beta", str(args.beta),
+             *(["--quick"] if args.quick else [])],  # fmt: skip
             env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -185,7 +208,8 @@ def row(world: int, s: dict, device: str, ranks: list[dict], base: dict | None) 
     time_s = max(r["time_s"] for r in ranks)
     out = {
         "bench": BENCH,
-        "case": f"{s['model']}/{s['groups']}x{s['group_size']}",
+        "case": f"{s['model']}/{s['groups']}x{s['group_size']}"
+        + (f"/beta={s['beta']:g}" if s["beta"] else ""),
         "device": device,
         "variant": f"ranks={world}",
         "baseline": "ranks=1",
@@ -193,6 +217,9 @@ def row(world: int, s: dict, device: str, ranks: list[dict], base: dict | None) 
         "peak_bytes": max(r["peak_bytes"] for r in ranks),
         "tokens_per_s": ranks[0]["tokens"] / time_s,
         "state_bytes_per_rank": max(r["state_bytes"] for r in ranks),
+        "peak_param_bytes_per_rank": max(r["setup_bytes"] for r in ranks),
+        "param_copies_per_rank": max(r["setup_bytes"] for r in ranks) / ranks[0]["model_bytes"],
+        "loss/beta": s["beta"],
         "dist/imbalance": ranks[0]["imbalance"],
         "micro_batch_tokens_per_rank": s["budget"],
     }
@@ -208,10 +235,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="CPU-sized (tiny-qwen2)")
     parser.add_argument("--ranks", default="1,2", help="world sizes to measure, e.g. 1,2,4")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    parser.add_argument("--beta", type=float, default=0.0, help="> 0: with a KL reference")
     parser.add_argument("--rank-of", default=None, help=argparse.SUPPRESS)  # a rank's run
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
-    s = settings(args.quick, cuda)
+    s = {**settings(args.quick, cuda), "beta": args.beta}
     if args.rank_of is not None:
         torch.set_num_threads(args.threads)
         run_rank(s, Path(args.rank_of))

@@ -13,6 +13,14 @@ MASTER_ADDR and MASTER_PORT set (the test launches one process per rank). Scenar
   one line naming rank 1 and the phase.
 - stop -: per-rank async producers stopped while one rank's thread waits in a batch
   exchange the other's never joins (dist_rollout.stop_rank_producer).
+- setup_memory -: the tensor bytes alive on each rank after each stage of the trainer's
+  set-up (full fine-tuning with a reference and LoRA, both with per-rank hf engines).
+- unshared -: a sharded checkpoint whose rank 1 writes its files where rank 0 cannot
+  see them: no COMPLETE marker, one CheckpointError on every rank.
+- reshard -: which parameters of the sharded policy and reference are held whole
+  between passes (after the no-grad passes, after each optimizer step).
+- stop_mid_batch -: both threads entered the last batch, and one rank's share of it fails
+  before the exchange (on the reward pool closed at shutdown, or earlier).
 
 The single-process reference (`reference_run`) uses the same batches, unsharded.
 """
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import signal
 import sys
 import time
@@ -573,6 +582,255 @@ def stop_ranks(out: Path) -> None:
     ctx.shutdown()
 
 
+class _SlowOnRank1(_InstantEngine):
+    """Rank 1's share of batch 1 takes `delay_s` longer to generate."""
+
+    def __init__(self, rank: int, delay_s: float):
+        super().__init__()
+        self.rank, self.delay_s = rank, delay_s
+
+    def generate(self, prompts, params, n, version, prompt_offset=0):
+        if self.rank == 1 and version >= 1:
+            time.sleep(self.delay_s)
+        return super().generate(prompts, params, n, version, prompt_offset)
+
+
+class _ClosableRewards(_OneRewards):
+    """Raises as RewardPool does once closed; on rank 1, `fail_at` raises at batch 1."""
+
+    def __init__(self, rank: int, fail_at: bool):
+        self.rank, self.fail_at, self.closed, self.calls = rank, fail_at, False, 0
+
+    def score(self, samples):
+        from leangrpo.rewards.pool import PoolClosedError
+
+        self.calls += 1
+        if self.closed:
+            raise PoolClosedError("this RewardPool is closed")
+        if self.fail_at and self.rank == 1 and self.calls == 2:
+            raise RuntimeError("injected reward failure")
+        return super().score(samples)
+
+    def close(self):
+        self.closed = True
+
+
+def stop_mid_batch_ranks(out: Path) -> None:
+    """Both threads entered batch 1 when the run ends, and rank 1's share of it fails
+    before its exchange, where rank 0's thread waits: (a) "closed": rank 1 still generates
+    at shutdown and then scores on the closed reward pool (PoolClosedError), (b) "failed":
+    rank 1's reward raised before shutdown. Each rank closes as Trainer.close does
+    (stop_rank_producer, rewards.close, producer.close); rank 0 writes OUT_DIR/stop_mid.pt."""
+    from leangrpo.contracts import Prompt, SamplingParams
+    from leangrpo.data import PromptSampler
+    from leangrpo.dist_rollout import RankShare, stop_rank_producer
+    from leangrpo.distributed import init_distributed
+    from leangrpo.pipeline import AsyncProducer, BatchFinisher, RolloutSettings, RolloutWorker
+
+    ctx = init_distributed(dist_cfg(timeout_s=60.0), "cpu")
+    seen = {}
+    for case in ("closed", "failed"):
+        share = RankShare(ctx, ctx.new_group())
+        prompts = [Prompt(i, str(i), [5, 6]) for i in range(8)]
+        settings = RolloutSettings(2, 2, SamplingParams(max_new_tokens=2), "group", 0)
+        engine = _SlowOnRank1(ctx.rank, 5.0 if case == "closed" else 0.0)
+        rewards = _ClosableRewards(ctx.rank, fail_at=case == "failed")
+        worker = RolloutWorker(engine, rewards, PromptSampler(prompts, 2), settings, share=share)
+        producer = AsyncProducer(worker, BatchFinisher(settings, 0), 1, 0, stall_timeout_s=60)
+        producer.start()
+        producer.next_batch(0)
+        producer.push_weights(1, lambda: [])  # batch 1 is admitted on both ranks
+        deadline = time.monotonic() + 20
+        while producer.entered < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # rank 0's thread waits in batch 1's exchange; rank 1's generates
+        if case == "failed":  # ... or has failed already
+            while producer._error is None and ctx.rank == 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        start = time.monotonic()
+        stop_rank_producer(producer, share, ctx)
+        rewards.close()
+        producer.close()
+        seen[case] = {
+            "entered": producer.entered,
+            "alive": producer._thread.is_alive(),
+            "took": time.monotonic() - start,
+            "error": repr(producer._error),
+        }
+    gathered = ctx.gather_to_main(seen)
+    if ctx.is_main:
+        torch.save(gathered, out / "stop_mid.pt")
+    ctx.shutdown()
+
+
+def gathered_held_at_once(built) -> int:
+    """Run one weight sync of `built` (a Trainer) into its per-rank hf engine, and return
+    the most bytes of gathered tensors alive at once while the engine takes them in."""
+    import weakref
+
+    engine = built.engines.rollout
+    update = engine.update_weights
+    seen: list[tuple] = []  # (weak reference, storage pointer, bytes) of every tensor given
+    peak = 0
+
+    def watched(named):
+        nonlocal peak
+        for name, tensor in named:
+            storage = tensor.untyped_storage()
+            seen.append((weakref.ref(tensor), storage.data_ptr(), storage.nbytes()))
+            alive = {ptr: size for ref, ptr, size in seen if ref() is not None}
+            peak = max(peak, sum(alive.values()))
+            yield name, tensor
+
+    engine.update_weights = lambda named, version: update(watched(named), version)
+    with built.ctx.phase("sync"):
+        built.sync_weights()
+    engine.update_weights = update
+    assert seen, "the sync sent no tensor"
+    return peak
+
+
+def setup_memory_ranks(out: Path) -> None:
+    """The trainer's set-up on the demo (full fine-tuning with a reference and the hf
+    engine in sync mode; LoRA with the hf engine in async mode), measuring the bytes of
+    tensor storages alive on this rank (`fsdp.tensor_bytes_alive`: whole tensors and FSDP
+    shards) before it and after each stage: the policy loaded, sharded, the engines built,
+    the trainer built; and (sync mode) the storages a weight sync into the per-rank engine
+    allocates, at their peak. Every rank writes OUT_DIR/setup-<rank>.pt."""
+    import gc
+    import pickle
+
+    from test_dist_train import demo_config
+
+    from leangrpo import fsdp, trainer
+    from leangrpo.config import config_from_dict
+    from leangrpo.distributed import init_distributed
+
+    ctx = init_distributed(dist_cfg(), "cpu")
+    seen: dict[str, dict[str, dict[str, int]]] = {}
+
+    def measure(stage: str) -> None:
+        gc.collect()
+        seen[mode][stage] = fsdp.tensor_bytes_alive()
+
+    def after(module, name: str, stage: str) -> None:
+        original = getattr(module, name)
+
+        def measured(*args, **kwargs):
+            result = original(*args, **kwargs)
+            measure(stage)
+            return result
+
+        setattr(module, name, measured)
+
+    after(trainer, "load_policy", "loaded")
+    after(fsdp, "shard_policy", "sharded")
+    after(trainer, "make_engines", "engines")
+    for mode in ("full_sync", "lora_async"):
+        seen[mode] = {}
+        cfg = config_from_dict(demo_config(out / mode, mode, ctx.world_size))
+        measure("before")
+        built = trainer.Trainer(cfg, ctx=ctx)
+        measure("built")
+        if mode == "full_sync":  # a weight sync into the engine (sync mode, every version)
+            seen[mode]["sync"] = {"held_at_once": gathered_held_at_once(built)}
+        built.close()
+        del built
+    (out / f"setup-{ctx.rank}.pt").write_bytes(pickle.dumps(seen))
+    ctx.shutdown()
+
+
+def unshared_ranks(out: Path) -> None:
+    """A sharded checkpoint whose rank 1 writes its part onto a disk of its own (an
+    output_dir that is not one filesystem for every rank): every rank must stop with the
+    same CheckpointError, and no COMPLETE marker may exist. Rank 0 writes
+    OUT_DIR/unshared.pt."""
+    from leangrpo import dist_checkpoint
+    from leangrpo.checkpoint import CheckpointError
+    from leangrpo.distributed import DistributedError, init_distributed
+
+    ctx = init_distributed(dist_cfg(timeout_s=10.0), "cpu")
+    model, _, _, _, opt = sharded_setup("full", ctx, checkpointing=False)
+    if ctx.rank == 1:  # rank 1's files land where rank 0 cannot see them
+        write = dist_checkpoint._write_rank_files
+        own_disk = out / "rank1-disk"
+
+        def elsewhere(tmp, model, optimizer, ctx):
+            (own_disk / tmp.name).mkdir(parents=True)
+            write(own_disk / tmp.name, model, optimizer, ctx)
+
+        dist_checkpoint._write_rank_files = elsewhere
+    error = None
+    try:
+        with ctx.phase("checkpoint"):
+            dist_checkpoint.save_sharded_checkpoint(out / "run", 1, model, opt, None, {}, 2, ctx)
+    except (CheckpointError, DistributedError) as exc:  # rank 1: its own, or rank 0's line
+        error = f"{type(exc).__name__}: {exc}"
+    markers = sorted(str(p.relative_to(out)) for p in out.rglob("COMPLETE"))
+    (out / f"unshared-{ctx.rank}.pt").write_bytes(
+        pickle.dumps({"error": error, "markers": markers})
+    )
+    if error is not None:  # fatal inside ctx.phase: the backstop ends the process (exit 1)
+        time.sleep(60)
+    ctx.shutdown()
+
+
+def unsharded_parameters(module) -> list[str]:
+    """Names of parameters held whole (gathered) right now: none between passes."""
+    from torch.distributed.tensor import DTensor
+
+    return [n for n, p in module.named_parameters() if not isinstance(p, DTensor)]
+
+
+def reshard_ranks(out: Path) -> None:
+    """The trainer's pieces (build_policy, shard_policy, plan_steps, attach_old_and_ref,
+    train_step) on the demo, full fine-tuning with beta > 0, per sharding strategy: which
+    parameters of the policy and of its reference are held whole after the no-grad passes
+    and after each optimizer step. Rank 0 writes OUT_DIR/reshard.pt."""
+    from test_dist_train import demo_config
+    from transformers import AutoModelForCausalLM
+
+    from leangrpo.config import config_from_dict
+    from leangrpo.distributed import init_distributed
+    from leangrpo.fsdp import shard_policy
+    from leangrpo.loss import LossConfig
+    from leangrpo.model import build_policy
+    from leangrpo.step import attach_old_and_ref, plan_steps, train_step
+
+    ctx = init_distributed(dist_cfg(), "cpu")
+    samples = [s for g in batches()[0] for s in g]
+    for s in samples:
+        s.reward = 0.0
+    seen: dict = {}
+    for sharding in ("full_shard", "shard_grad_op", "no_shard"):
+        raw = demo_config(out / "unused", "full_sync", 2, distributed={"sharding": sharding})
+        cfg = config_from_dict(raw)
+        model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, dtype=torch.float32)
+        policy = build_policy(model, cfg, None, torch.device("cpu"))
+        shard_policy(policy, cfg.distributed, ctx)
+        opt = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-4)
+        sampling, loss = cfg.rollout.sampling_params(), LossConfig.from_config(cfg.loss)
+        stages = seen[sharding] = {}
+
+        def record(stage: str, policy=policy, stages=stages) -> None:
+            stages[stage] = {
+                "policy": unsharded_parameters(policy.root),
+                "reference": unsharded_parameters(policy.reference),
+            }
+
+        steps = plan_steps(samples, cfg, policy, ctx.rank, ctx.world_size)
+        attach_old_and_ref(policy, steps, cfg, sampling)
+        record("after the no-grad passes")
+        for _ in range(cfg.loss.mu):  # mu = 2: the old pass ran, and two updates follow
+            for step in steps:
+                train_step(policy, step.micro_batches, opt, cfg, sampling, loss, ctx)
+                record(f"after update {len(stages)}")
+    gathered = ctx.gather_to_main(seen)
+    if ctx.is_main:
+        torch.save(gathered, out / "reshard.pt")
+    ctx.shutdown()
+
+
 def main() -> None:
     torch.set_num_threads(1)
     sys.path.insert(0, str(REPO / "src"))
@@ -586,6 +844,14 @@ def main() -> None:
         fail_ranks(arg, out, float(rest[0]))
     elif scenario == "stop":
         stop_ranks(out)
+    elif scenario == "stop_mid_batch":
+        stop_mid_batch_ranks(out)
+    elif scenario == "reshard":
+        reshard_ranks(out)
+    elif scenario == "setup_memory":
+        setup_memory_ranks(out)
+    elif scenario == "unshared":
+        unshared_ranks(out)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
 

@@ -217,15 +217,23 @@ def test_with_vllm_servers_rank_0_generates_and_broadcasts(tmp_path):
     `leangrpo serve` handler around a scripted engine) and broadcasts each batch; the 2-rank
     run ends with the parameters of one process using the same server."""
     sys.path.insert(0, str(ROOT / "tests" / "rollout"))
+    from transformers import AutoModelForCausalLM
     from vllm_fakes import FakeLocal, Served
 
     class Varied(FakeLocal):  # completion k of a prompt reads "k": a reward with a spread
+        uploads: dict[int, dict[str, torch.Tensor]]  # version -> the weights it then held
+
         def generate(self, prompt_ids, params, n, version, seeds=None, *, run):
             groups = super().generate(prompt_ids, params, n, version, seeds, run=run)
             for group in groups:
                 for k, c in enumerate(group):
                     c.text = str(k)
             return groups
+
+        def load_weight_files(self, paths, version, *, run):
+            super().load_weight_files(paths, version, run=run)
+            self.uploads = getattr(self, "uploads", {})
+            self.uploads[version] = {k: v.clone() for k, v in self.weights.items()}
 
     servers = [Served(Varied(), tmp_path / f"staging{i}") for i in range(2)]
     odd = {"functions": [{"name": "format", "kwargs": {"pattern": "^[13]"}}]}
@@ -258,6 +266,19 @@ def test_with_vllm_servers_rank_0_generates_and_broadcasts(tmp_path):
     diff = max_abs_diff(two, one)
     print(f"vllm server: max |param(2 ranks) - param(1 process)| = {diff:.3g}")
     assert diff <= 1e-5
+    # what rank 0 uploaded is the policy's gathered weights: version 0 the demo model's,
+    # the last one the final model's (bitwise), every version the one process's uploads
+    uploads = [server.local.uploads for server in servers]
+    assert sorted(uploads[0]) == sorted(uploads[1]) == [0, 1, 2, 3, 4]
+    start = AutoModelForCausalLM.from_pretrained(DEMO / "model").state_dict()
+    assert set(start) == set(two)
+    # a tied weight is written once, under its first name (rollout/vllm.py)
+    assert set(uploads[0][0]) == set(start) - {"lm_head.weight"}
+    for name, tensor in uploads[0][0].items():
+        assert torch.equal(tensor, start[name]), name
+        assert torch.equal(uploads[0][4][name], two[name]), name
+    for version in range(1, 5):
+        assert max_abs_diff(uploads[0][version], uploads[1][version]) <= 1e-5, version
 
 
 # ------------------------------------------------------------------- a rank that dies
@@ -450,6 +471,70 @@ def test_per_rank_producers_stop_together_when_one_waits_in_an_exchange(tmp_path
     for seen in (rank0, rank1):
         assert not seen["alive"] and seen["error"] == "None", seen
         assert seen["took"] < 10.0, seen  # without the abort: the 30 s join, then a hang
+
+
+@pytest.mark.slow
+def test_per_rank_producers_stop_when_a_share_of_the_last_batch_fails(tmp_path):
+    """dist_stop_mid_batch.py: both threads entered the last batch; rank 1's share of it
+    fails before the exchange rank 0's thread waits in, either on the reward pool that
+    shutdown closes while rank 1 still generates, or earlier. The failing thread (or, when
+    it failed before shutdown, its main thread) joins the exchange with an abort marker:
+    both ranks close at once and exit 0, instead of rank 0 joining its thread for 30 s and
+    then aborting (SIGABRT) on the gloo operation still pending at exit."""
+    from test_distributed import _assert_ok, launch
+
+    _assert_ok(launch(tmp_path, "stop_mid_batch", "-", str(tmp_path), limit_s=150.0))
+    rank0, rank1 = torch.load(tmp_path / "stop_mid.pt", weights_only=False)
+    for case in ("closed", "failed"):
+        assert rank0[case]["entered"] == rank1[case]["entered"] == 1, case  # the situation
+        assert "RewardPool is closed" in rank1["closed"]["error"]
+        assert "injected reward failure" in rank1["failed"]["error"]
+        for seen in (rank0[case], rank1[case]):
+            assert not seen["alive"], (case, seen)
+            assert seen["took"] < 10.0, (case, seen)  # rank 1 generates for 5 s in "closed"
+        assert rank0[case]["error"] == "None", rank0[case]
+
+
+def one_full_copy(mode: str) -> int:
+    """Bytes of the policy's parameters and buffers as one process builds it (LoRA: with
+    its adapters): one full copy of the weights."""
+    from leangrpo.model import load_policy
+
+    cfg = config_from_dict(demo_config(Path("/tmp/unused"), mode, 1))
+    model = load_policy(cfg, None, torch.device("cpu")).model
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+@pytest.mark.slow
+def test_no_rank_holds_more_than_one_full_copy_during_set_up(tmp_path):
+    """Every rank loaded the full model, deep-copied a full reference (beta > 0) and
+    copied it again for its hf engine before sharding: 3 full copies per rank at the peak
+    (2 with LoRA). Now the reference starts on the meta device and gets its shards from
+    the policy's, and the engine's copy is built from the shards after sharding: after
+    every stage of the set-up a rank holds at most one full copy in whole tensors (the
+    storages alive, counted), plus the shards of the policy and the reference. A weight
+    sync into the engine (sync mode) held every gathered tensor at once (a second full
+    copy); the engine now copies each in as it is gathered."""
+    import pickle
+
+    from test_distributed import _assert_ok, launch
+
+    _assert_ok(launch(tmp_path, "setup_memory", "-", str(tmp_path), limit_s=240.0))
+    for rank in range(2):
+        seen = pickle.loads((tmp_path / f"setup-{rank}.pt").read_bytes())
+        for mode, sharded_models in (("full_sync", 2), ("lora_async", 1)):
+            copy = one_full_copy(mode)
+            stages = seen[mode]
+            sync = stages.pop("sync", None)
+            assert set(stages) == {"before", "loaded", "sharded", "engines", "built"}, stages
+            base = stages["before"]["whole"]
+            for stage, alive in stages.items():
+                assert alive["whole"] - base <= 1.01 * copy, (rank, mode, stage, alive, copy)
+                assert alive["shards"] <= 1.01 * sharded_models * copy / 2, (rank, mode, stage)
+            assert stages["built"]["whole"] - base >= copy  # the engine's copy is counted
+            if mode == "full_sync":  # the engine takes each gathered tensor as it comes
+                assert 0 < sync["held_at_once"] <= 0.25 * copy, (rank, sync, copy)
 
 
 # ------------------------------------------------------------------------------- GPU

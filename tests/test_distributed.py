@@ -9,11 +9,13 @@ resume + the reference) takes ~50 s per mode and each failure case ~23 s.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -254,6 +256,70 @@ def test_two_gpus_with_nccl_match_one_process(tmp_path):
         assert (mixed[name] - grad).norm() <= 1e-2 * grad.norm() + 1e-6, name
 
 
+@pytest.mark.slow
+def test_no_parameter_of_policy_or_reference_stays_gathered_between_passes(tmp_path):
+    """dist_ref_root_memory.py: FSDP2 never reshards a root after a no-grad forward, so the
+    sharded reference kept its root unit (embeddings, tied lm_head, final norm) gathered
+    on every rank for the whole run, and the policy kept it until its first backward
+    (under shard_grad_op every unit stayed gathered). After the no-grad passes and after
+    every step, every parameter of both is a shard again, under every strategy."""
+    _assert_ok(launch(tmp_path, "reshard", "-", str(tmp_path), limit_s=240.0))
+    for rank, seen in enumerate(torch.load(tmp_path / "reshard.pt", weights_only=False)):
+        assert sorted(seen) == ["full_shard", "no_shard", "shard_grad_op"]
+        for sharding, stages in seen.items():
+            assert len(stages) >= 3, stages  # the no-grad passes and at least 2 steps
+            for stage, held in stages.items():
+                assert held == {"policy": [], "reference": []}, (rank, sharding, stage)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_missing_a_ranks_files_is_never_marked_complete(tmp_path):
+    """Rank 1 writes its part of a sharded checkpoint where rank 0 cannot see it (an
+    output_dir that is not one filesystem for every rank): rank 0 used to write COMPLETE
+    after the barrier all the same. Now both ranks stop with the sentence naming rank 1's
+    missing files, and no COMPLETE marker exists."""
+    import pickle
+
+    ranks = launch(tmp_path, "unshared", "-", str(tmp_path), limit_s=120.0)
+    assert [rank.code for rank in ranks] == [1, 1]  # a failure inside ctx.phase is fatal
+    rank0, rank1 = (pickle.loads((tmp_path / f"unshared-{r}.pt").read_bytes()) for r in (0, 1))
+    assert rank0["markers"] == rank1["markers"] == []
+    assert not (tmp_path / "run" / "checkpoints" / "step-1").exists()
+    # every rank raises the sentence; the one that records it second in the store then
+    # reports the other's instead ("rank R stops during checkpoint: rank P failed ...")
+    own = [seen["error"] for seen in (rank0, rank1) if seen["error"].startswith("Checkpoint")]
+    assert own, (rank0, rank1)
+    sentence = own[0]
+    assert sentence.startswith("CheckpointError: checkpoint .tmp-step-1-")
+    assert "rng-1.pt, dcp/__1_0.distcp missing in" in sentence and "rng-0.pt" not in sentence
+    assert "one filesystem that every rank sees" in sentence
+    for rank, seen in enumerate((rank0, rank1)):
+        peer = f"rank {rank} stops during checkpoint: rank {1 - rank} failed during checkpoint"
+        victim = f"DistributedError: {peer}: CheckpointError: checkpoint .tmp-step-1-"
+        assert seen["error"] == sentence or seen["error"].startswith(victim), seen["error"]
+
+
+def test_missing_rank_files_are_named_from_the_dcp_metadata(tmp_path):
+    """Every rank's rng file, and every file DCP's metadata names, at least as long as it
+    says: what rank 0 checks before it marks a sharded checkpoint COMPLETE."""
+    import torch.distributed.checkpoint as dcp
+
+    from leangrpo.dist_checkpoint import _missing_rank_files
+
+    tmp = tmp_path / ".tmp-step-3-x"
+    dcp.save({"a": torch.arange(6.0), "b": torch.ones(4)}, checkpoint_id=tmp / "dcp")
+    for rank in range(2):
+        torch.save({}, tmp / f"rng-{rank}.pt")
+    assert _missing_rank_files(tmp, 2) is None
+    (tmp / "rng-1.pt").unlink()
+    shard = tmp / "dcp" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-1])  # one byte short of what the metadata says
+    missing = _missing_rank_files(tmp, 2)
+    assert "rng-1.pt, dcp/__0_0.distcp missing in" in missing and "not marked COMPLETE" in missing
+    (tmp / "dcp" / ".metadata").unlink()
+    assert "dcp/.metadata" in _missing_rank_files(tmp, 2)
+
+
 # ------------------------------------------------------------------------------ failures
 
 
@@ -374,3 +440,85 @@ def test_padding_micro_batch_changes_no_gradient():
     assert seen  # it did run the layers (and so would gather each FSDP unit)
     for name, p in model.named_parameters():
         assert torch.equal(p.grad, before[name]), name
+
+
+def test_a_ranks_own_error_is_its_own_whatever_words_it_holds():
+    """dist_own_error_misread.py: an error of this rank whose text says "timeout" (a
+    PipelineStallError names pipeline.stall_timeout_s) was taken for a failed collective,
+    so the rank blamed a healthy peer ("a collective failed and no rank reported why")
+    and exited 1 instead of printing its own sentence (exit 2). Classified by type now."""
+    import threading
+
+    import torch.distributed as dist
+
+    from leangrpo.dist_watch import _Watch, looks_like_comm_error
+    from leangrpo.pipeline import PipelineStallError
+
+    stall = PipelineStallError("waited 600 s ... (pipeline.stall_timeout_s = 600)")
+    own = [stall, RuntimeError("socket timeout: gloo connection reset"), TimeoutError("http")]
+    assert [looks_like_comm_error(exc) for exc in own] == [False, False, False]
+
+    store = dist.HashStore()
+    watch = _Watch(rank=0, world_size=2, timeout_s=4.0, store=store)
+    stop = threading.Event()
+
+    def peer_beats():  # rank 1: alive, waiting in the next broadcast
+        n = 0
+        while not stop.is_set():
+            n += 1
+            store.set(f"{watch.prefix}beat/1", f"{n} generate")
+            time.sleep(0.05)
+
+    threading.Thread(target=peer_beats, daemon=True).start()
+    try:
+        time.sleep(0.2)
+        victim_error = watch.failure("generate", stall)
+    finally:  # failure() is fatal: stop the backstop before its grace period ends
+        stop.set()
+        watch._stop.set()
+    assert victim_error is None  # this rank is the origin: its own error is re-raised (exit 2)
+    record = json.loads(store.get(f"{watch.prefix}failures").decode())
+    assert record["origin"] and record["error"].startswith("PipelineStallError")
+
+
+def test_a_failed_collective_is_told_by_its_type_and_origin():
+    """A peer's failure: torch.distributed's error types, PeerStopped (ProductionAborted),
+    a RuntimeError raised inside a torch.distributed communication call (what gloo raises),
+    or an error explicitly caused by one of those."""
+    import torch.distributed as dist
+
+    from leangrpo.dist_watch import PeerStopped, looks_like_comm_error
+    from leangrpo.pipeline import ProductionAborted
+
+    try:
+        raise RuntimeError("rollout producer failed") from ProductionAborted("peer stopped")
+    except RuntimeError as exc:
+        caused_by_a_peer = exc
+    gloo_timeout = _gloo_timeout()
+    assert type(gloo_timeout) is RuntimeError and "Timed out" in str(gloo_timeout)
+    peers = [dist.DistNetworkError("x"), PeerStopped("x"), caused_by_a_peer, gloo_timeout]
+    assert [looks_like_comm_error(exc) for exc in peers] == [True] * 4
+
+
+def _gloo_timeout() -> RuntimeError:
+    """What gloo raises when a peer never joins: a 2-member group in this process (one
+    thread per member to connect), then an all-reduce that only member 0 enters."""
+    import threading
+
+    import torch.distributed as dist
+
+    store, groups = dist.HashStore(), {}
+
+    def join(rank: int) -> None:
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=0.5))
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        dist.all_reduce(torch.zeros(1), group=groups[0])
+    except RuntimeError as exc:
+        return exc
+    raise AssertionError("the all-reduce without its peer did not fail")

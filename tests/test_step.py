@@ -353,3 +353,50 @@ def test_bypass_applies_no_is_weight_whatever_the_is_mode():
         for mode, _, _ in modes[1:]:
             same = all(torch.equal(first[n], results[correction, mode][n]) for n in first)
             assert same == equal, (correction, mode)
+
+
+class _PeerRank:
+    """A DistContext of rank 1 of 2 whose peer trained 3 sequences of 20 loss tokens."""
+
+    distributed, world_size, rank = True, 2, 1
+
+    def __init__(self):
+        self.reduced: list[list[float]] = []
+
+    def all_reduce(self, values, op="sum"):
+        self.reduced.append([float(v) for v in values])
+        return [values[0] + 3.0, values[1] + 20.0] if op == "sum" else list(values)
+
+    def all_true(self, flag):
+        return flag
+
+    def barrier(self):
+        return 0.0
+
+    def all_gather_object(self, obj):
+        return [({"clip_frac": 0.0}, [], 0.5), obj]
+
+
+@pytest.mark.parametrize("mask_truncated", [False, True])
+def test_a_rank_dealt_no_group_trains_padding_only_with_truncated_completions_masked(
+    mask_truncated,
+):
+    """dist_empty_share_mask.py: fewer groups than ranks leaves a rank with padding
+    micro-batches only; with loss.mask_truncated_completions its loss-token count was
+    torch.stack([]) and the step raised. It counts 0 and runs the padding passes."""
+    from leangrpo.fsdp import padding_batch
+    from leangrpo.model import PackedScorer, install_chunked_head
+
+    cfg = SimpleNamespace(**vars(CFG))
+    cfg.loss = SimpleNamespace(**{**vars(CFG.loss), "mask_truncated_completions": mask_truncated})
+    assert normalisers([], cfg, 2, lambda counts: [3.0, 20.0]).tokens == 10.0
+    policy, optimizer = policy_and_optimizer()
+    install_chunked_head(policy.model)
+    policy.root = PackedScorer(policy.model)
+    ctx = _PeerRank()
+    result = train_step(
+        policy, [padding_batch(0)] * 2, optimizer, cfg, SamplingParams(),
+        LossConfig.from_config(cfg.loss), ctx,
+    )  # fmt: skip
+    assert ctx.reduced[0] == [0.0, 0.0]  # this rank's sequences and loss tokens
+    assert result.updated and result.metrics["loss"] == 0.25  # the peer's loss, averaged

@@ -12,9 +12,12 @@ A sharded checkpoint is `output_dir/checkpoints/step-N/`:
 
 Atomic as checkpoint.py: rank 0 creates `checkpoints/.tmp-step-N-<random>/` and broadcasts
 its name, every rank writes its part there (DCP and the rng file are fsynced by the rank
-that wrote them), a barrier, then rank 0 fsyncs the tree, writes COMPLETE and renames the
-directory to `step-N`, and a last barrier keeps every rank from reading `latest_checkpoint`
-before the rename. `output_dir` must be one filesystem every rank sees (DCP's
+that wrote them), a barrier, then rank 0 checks that every rank's files are there (each
+`rng-<rank>.pt`, and every file DCP's metadata names, at least as long as it says) and
+broadcasts the verdict: a file missing (ranks that do not share one filesystem) stops
+every rank with one CheckpointError and no COMPLETE marker. Otherwise rank 0 fsyncs the
+tree, writes COMPLETE and renames the directory to `step-N`, and a last barrier keeps
+every rank from reading `latest_checkpoint` before the rename. `output_dir` must be one filesystem every rank sees (DCP's
 FileSystemWriter needs that too). State dicts come from `get_state_dict` (FQNs of the
 unwrapped model, sharded DTensors), so a resume at the same world size is exact; resuming
 at another world size is refused, since per-rank RNG streams cannot be split or merged.
@@ -84,8 +87,11 @@ def save_sharded_checkpoint(
     final = root / f"step-{step}"
     if not ctx.is_main:
         _write_rank_files(Path(ctx.broadcast_object(None)), model, optimizer, ctx)
-        ctx.barrier()  # rank 0 renames after this one ...
-        ctx.barrier()  # ... and before this one
+        ctx.barrier()  # rank 0 checks every rank's files after this one ...
+        missing = ctx.broadcast_object(None)
+        if missing:
+            raise CheckpointError(missing)
+        ctx.barrier()  # ... renames before this one
         return final
     _remove_stale_tmp(root)
     with _atomic_directory(final) as tmp:
@@ -98,11 +104,40 @@ def save_sharded_checkpoint(
             (tmp / name).write_text(text, encoding="utf-8")
         if bulky_state is not None:
             torch.save(bulky_state, tmp / BULKY_STATE)
-        ctx.barrier()  # every rank's files are in place
+        ctx.barrier()  # every rank's files are in place ...
+        missing = _missing_rank_files(tmp, ctx.world_size)  # ... where rank 0 sees them
+        ctx.broadcast_object(missing)
+        if missing:
+            raise CheckpointError(missing)
         (tmp / COMPLETE).write_text(json.dumps({"step": step}) + "\n")
     _prune(root, step, keep_last)
     ctx.barrier()
     return final
+
+
+def _missing_rank_files(tmp: Path, world_size: int) -> str | None:
+    """None when every rank's part of the checkpoint in `tmp` is there (as rank 0 sees
+    it), else the sentence to raise: which files are missing or short."""
+    missing = [f"rng-{r}.pt" for r in range(world_size) if not (tmp / f"rng-{r}.pt").is_file()]
+    shards = tmp / "dcp"
+    if (shards / ".metadata").is_file():
+        ends: dict[str, int] = {}  # every file DCP's metadata names -> the bytes it must hold
+        for info in dcp.FileSystemReader(shards).read_metadata().storage_data.values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+        for name, end in sorted(ends.items()):
+            path = shards / name
+            if not path.is_file() or path.stat().st_size < end:
+                missing.append(f"dcp/{name}")
+    else:
+        missing.append("dcp/.metadata")
+    if not missing:
+        return None
+    listed = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+    return (
+        f"checkpoint {tmp.name} is incomplete after every rank wrote its part: {listed} "
+        f"missing in {tmp}, so it was not marked {COMPLETE}; run.output_dir must be one "
+        "filesystem that every rank sees (a shared disk)"
+    )
 
 
 def _write_rank_files(tmp: Path, model: nn.Module, optimizer, ctx: DistContext) -> None:

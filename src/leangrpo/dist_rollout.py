@@ -16,10 +16,15 @@ Two arrangements (docs/ARCHITECTURE.md "Distributed"):
   sample keeps the version that generated it, and since every rank's trainer reports the
   same progress, rank 0's admission and staleness checks hold for all.
 
-Shutdown of per-rank async producers: each batch's exchange needs every rank, and a
-thread may stop one batch earlier than its peer's. `stop_rank_producer` agrees on the
-last batch any thread started and lets a rank that stopped short join that exchange with
-an abort marker (`stop_rank_producer`), so no exchange is left waiting for its timeout.
+Shutdown of per-rank async producers: each batch's exchange needs every rank once, and a
+thread may stop one batch earlier than its peer's, or fail inside its batch before the
+exchange (the reward pool closes at shutdown: PoolClosedError). `stop_rank_producer`
+agrees on the last batch any thread started and lets a rank that stopped short join that
+exchange with an abort marker; a thread whose share of a batch fails once shutdown has
+begun joins its exchange with the marker itself, and one that failed before is stood in
+for by its main thread (`RankShare` tracks, under a lock, whether this rank still owes
+the current batch's exchange). So no exchange is left waiting for its timeout, and no
+rank's exit blocks on a pending collective.
 """
 
 from __future__ import annotations
@@ -45,6 +50,11 @@ class RankShare:
         self.ctx = ctx
         self.group = group  # None: the default group (main-thread callers only)
         self.wait_s = 0.0  # seconds spent in exchanges (waiting for the slowest rank)
+        # the producer thread's batch in hand vs. its main thread at shutdown (see below)
+        self._lock = threading.Lock()
+        self._owed = False  # this rank has not joined the current batch's exchange yet
+        self._orphaned = False  # ... and the thread making it failed: it never will
+        self._stopping = False  # shutdown has begun (stop_rank_producer)
 
     def bounds(self, count: int) -> tuple[int, int]:
         """[start, stop) of this rank's prompts among `count` (contiguous, near-equal)."""
@@ -55,6 +65,8 @@ class RankShare:
         """Every rank's `obj`, in rank order; raises ProductionAborted if a rank aborted."""
         import torch.distributed as dist
 
+        with self._lock:
+            self._owed = False
         out: list[Any] = [None] * self.ctx.world_size
         start = time.perf_counter()
         dist.all_gather_object(out, obj, group=self.group)
@@ -75,6 +87,38 @@ class RankShare:
         """Join the exchange a peer's producer is waiting in, abandoning its batch."""
         with contextlib.suppress(ProductionAborted):
             self.exchange(_ABORT)
+
+    # -- a batch's exchange is owed once by every rank -----------------------------------
+
+    def begin_batch(self) -> None:
+        """The producing thread starts a batch: this rank owes its exchange."""
+        with self._lock:
+            self._owed, self._orphaned = True, False
+
+    def failed_before_exchange(self) -> None:
+        """The producing thread's share of its batch failed before the exchange. Peers'
+        threads wait in (or head for) that exchange: once shutdown has begun, join it with
+        the abort marker now; before, leave it to `stop` (the error reaches this rank's
+        trainer, or the run ends and the main thread stands in)."""
+        with self._lock:
+            if not self._owed:
+                return
+            if not self._stopping:
+                self._orphaned = True
+                return
+            self._owed = False
+        with contextlib.suppress(Exception):  # a peer gone already: nothing left to release
+            self.abort()
+
+    def stop(self) -> bool:
+        """Shutdown begins (main thread). True: the producing thread failed before its
+        batch's exchange and will not join it, so the caller must (`abort`)."""
+        with self._lock:
+            self._stopping = True
+            stand_in = self._owed and self._orphaned
+            if stand_in:
+                self._owed = False
+            return stand_in
 
 
 def merge_share_metrics(per_rank: list[dict[str, float]], samples: list[RolloutSample]) -> dict:
@@ -146,13 +190,16 @@ class MainRankProducer:
 def stop_rank_producer(producer, share: RankShare, ctx: DistContext) -> None:
     """Stop a per-rank async producer so that no peer is left in a batch exchange.
 
-    Call it on every rank when the run ends normally, before the reward pool closes (a
-    thread still making its batch must reach that batch's exchange). One all-reduce.
+    Call it on every rank when the run ends normally, before the reward pool closes: a
+    thread still making its batch then either reaches that batch's exchange or, failing
+    on the closed pool, joins it with the abort marker (`RankShare.failed_before_exchange`).
+    One all-reduce.
     """
     stop_entering = getattr(producer, "stop_entering", None)
     if stop_entering is None or not ctx.distributed:
         return
     with ctx.phase("shutdown"):
         entered = stop_entering()
-        if entered < ctx.max_int(entered):  # a peer's thread waits in that exchange
+        stand_in = share.stop()  # this rank's thread failed before the exchange it owes
+        if entered < ctx.max_int(entered) or stand_in:  # a peer's thread waits in it
             share.abort()

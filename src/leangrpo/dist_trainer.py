@@ -1,9 +1,16 @@
 """What the trainer does differently under torchrun (world size > 1; never imported otherwise
 by a single process's code paths, which call none of this).
 
+- Set-up (`shard_for_training`): every rank loads the full model once (the reference of
+  full fine-tuning is a `model.meta_copy`, without storage); the policy and the reference
+  are sharded (the reference's shards copied from the policy's), and only then is the
+  per-rank hf engine's own copy built from the shards, one gathered tensor at a time. So
+  a rank holds at most one full copy of the weights at any moment of the set-up (tested by
+  counting the storages alive after each stage).
 - Weights for the generator: `sync_tensors` gathers every shard on every rank in one fixed
-  order (fsdp.gather_for_sync) before anything is sent; per-rank hf engines keep the full
-  tensors on every rank, rank 0 alone keeps them for vLLM servers.
+  order (fsdp.gather_for_sync); per-rank hf engines copy each tensor in as it is gathered
+  (sync mode: no second full copy; async mode: the snapshot waiting for the producer
+  thread is one), rank 0 alone keeps them for vLLM servers, sent after the last gather.
 - The batch in progress at a checkpoint: its samples are the same on every rank, its
   old/reference log-probs are per rank (each rank's micro-batches), so they are gathered
   to rank 0 (`attached_by_rank`) and each rank takes its own back on resume.
@@ -17,6 +24,7 @@ by a single process's code paths, which call none of this).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from leangrpo.distributed import DistContext
@@ -29,21 +37,35 @@ RANK_MAX = ("packing/balance", "packing/padding_ratio", "time/train", "time/scor
 RANK_MEAN = ("packing/padding_ratio_avoided", "dist/wait_mean")
 
 
-def sync_tensors(policy, ctx: DistContext, *, to_all: bool) -> list[tuple[str, Any]]:
+def shard_for_training(policy, cfg, ctx: DistContext):
+    """Shard `policy` (and its reference) in place; returns the per-rank hf engine's own
+    unsharded copy (`fsdp.unsharded_copy`), or None when rank 0 drives vLLM servers.
+
+    The engine copy's structure is taken before sharding (`model.meta_copy`: the policy as
+    built, with its plain lm_head), its tensors after, from the shards."""
+    from leangrpo.fsdp import shard_policy, unsharded_copy
+    from leangrpo.model import meta_copy
+
+    structure = meta_copy(policy.model) if cfg.rollout.engine == "hf" else None
+    shard_policy(policy, cfg.distributed, ctx)
+    if structure is None:
+        return None
+    return unsharded_copy(structure, policy.model, policy.device)
+
+
+def sync_tensors(policy, ctx: DistContext, *, to_all: bool) -> Iterable[tuple[str, Any]]:
     """The weights the engine(s) receive, gathered from the shards (every rank calls it).
 
-    `to_all`: every rank keeps them (its own hf engine copy); else rank 0 keeps them in
-    host memory (what vLLM uploads are written from) and the others get [].
+    `to_all`: every rank receives them (its own hf engine copy), one tensor at a time as
+    the engine copies them in (`fsdp.iter_gathered`: no second full copy; every rank's
+    engine consumes them all); else rank 0 keeps them, as a list, in host memory (what vLLM
+    uploads are written from, only after the last gather) and the others get [].
     """
-    from leangrpo.fsdp import gather_for_sync
+    from leangrpo.fsdp import gather_for_sync, iter_gathered
 
-    return gather_for_sync(
-        policy.model,
-        ctx,
-        adapters_only=policy.is_lora,
-        device=None if to_all else "cpu",
-        to_all=to_all,
-    )
+    if to_all:
+        return iter_gathered(policy.model, ctx, adapters_only=policy.is_lora, to_all=True)
+    return gather_for_sync(policy.model, ctx, adapters_only=policy.is_lora, device="cpu")
 
 
 def inflight_to_save(ctx: DistContext, state: dict) -> dict:

@@ -4,7 +4,8 @@ the rank that failed. Internal to distributed.py, whose `DistContext.phase` driv
 - Each rank publishes a heartbeat (a counter and its current phase) in the rendezvous store
   from a daemon thread. When an exception leaves `ctx.phase(...)`, the rank either is the
   origin (it records "rank R failed during P: error" in the store and re-raises its own
-  error) or it is a victim of a collective that failed: it then raises `DistributedError`
+  error) or it is a victim of a collective that failed (told by the exception's type and
+  where it was raised, never by its words: `looks_like_comm_error`): it then raises `DistributedError`
   with one line naming the rank that failed and its phase, read from the store: a recorded
   failure, a rank whose heartbeat stopped (killed, or stuck outside Python), or the ranks
   still in another phase when a collective timed out.
@@ -29,17 +30,15 @@ import time
 import torch.distributed as dist
 
 DONE = "done"  # the heartbeat's phase once a rank has shut down
-_COMM_ERROR_HINTS = (
-    "gloo",
-    "nccl",
-    "connection closed",
-    "connection reset",
-    "broken pipe",
-    "timed out",
-    "timeout",
-    "processgroup",
-    "socket",
-)
+# torch.distributed modules whose calls are the communication itself: an error raised there
+# (the innermost torch.distributed frame of its traceback) is a collective that failed
+_COLLECTIVE_MODULES = ("distributed_c10d", "_functional_collectives", "_fsdp_collectives")
+_TORCH_DISTRIBUTED = os.path.dirname(os.path.abspath(dist.__file__))
+
+
+class PeerStopped(Exception):  # noqa: N818 (what happened, not an error of this rank)
+    """Raised by code that learnt that another rank stopped or failed: never this rank's
+    own failure (e.g. pipeline.ProductionAborted)."""
 
 
 class DistributedError(RuntimeError):
@@ -53,11 +52,43 @@ def _first_line(exc: BaseException, limit: int = 200) -> str:
 
 
 def looks_like_comm_error(exc: BaseException) -> bool:
-    """A collective that failed (peer gone, timeout), as opposed to this rank's own bug."""
-    if isinstance(exc, dist.DistError | TimeoutError | ConnectionError):
+    """A collective that failed (peer gone, timeout), as opposed to this rank's own error.
+
+    Told by type and origin, never by words in the message (a rank's own error may well
+    say "timeout"): leangrpo's user errors are always this rank's own; a failed
+    collective is a `torch.distributed.DistError`, a `PeerStopped`, or a RuntimeError /
+    OSError raised inside torch.distributed's communication calls (gloo raises plain
+    RuntimeErrors), itself or as the explicit cause (`raise ... from`) of the error seen.
+    """
+    from leangrpo.errors import user_error_types
+
+    if isinstance(exc, user_error_types()):
+        return False
+    chain: list[BaseException] = []
+    while exc is not None and exc not in chain:
+        chain.append(exc)
+        exc = exc.__cause__
+    return any(_is_collective_failure(e) for e in chain)
+
+
+def _is_collective_failure(exc: BaseException) -> bool:
+    if isinstance(exc, dist.DistError | PeerStopped):
         return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(hint in text for hint in _COMM_ERROR_HINTS)
+    return isinstance(exc, RuntimeError | OSError) and _raised_in_collective(exc)
+
+
+def _raised_in_collective(exc: BaseException) -> bool:
+    """The innermost torch.distributed frame of the traceback is a communication call."""
+    innermost = None
+    tb = exc.__traceback__
+    while tb is not None:
+        filename = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        if filename.startswith(_TORCH_DISTRIBUTED + os.sep):
+            innermost = filename
+        tb = tb.tb_next
+    if innermost is None:
+        return False
+    return os.path.splitext(os.path.basename(innermost))[0] in _COLLECTIVE_MODULES
 
 
 def _cause(records: list[dict]) -> str:

@@ -26,12 +26,14 @@ all-gather is ever interleaved with a send (the deadlock of TRL #7103).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
+    FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
@@ -80,6 +82,20 @@ def shard_model(model: nn.Module, dist_cfg, ctx: DistContext) -> PackedScorer:
     scorer = PackedScorer(model)
     fully_shard(scorer, **units)  # root: stays gathered from forward to backward
     return scorer
+
+
+def reshard(module: nn.Module) -> None:
+    """Free every gathered parameter of `module`'s FSDP units (no collective).
+
+    FSDP2 reshards a unit after its backward, and after its forward only when
+    `reshard_after_forward` holds, which it never does for the root: after a no-grad pass
+    (old and reference log-probs) the root, with the embeddings, a tied lm_head and the
+    final norm, and under shard_grad_op every unit, would stay gathered until the next
+    backward, which a frozen reference never has.
+    """
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -157,23 +173,44 @@ def gather_for_sync(
     Tensors are cast to `dtype` (the engine's) and moved to `device` (default: where they
     were gathered). Tied weights are gathered once and listed under each of their names.
     """
+    named = iter_gathered(
+        model, ctx, adapters_only=adapters_only, dtype=dtype, device=device, to_all=to_all
+    )
+    return list(named)
+
+
+def iter_gathered(
+    model: nn.Module,
+    ctx: DistContext,
+    *,
+    adapters_only: bool,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    to_all: bool = False,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`gather_for_sync` one tensor at a time: each is gathered when the caller asks for
+    it, and a tied one is kept only until its last name, so a consumer that copies each
+    into its own model (a per-rank engine) never holds a second full copy. Every rank must
+    consume it to the end (one all-gather per tensor); ranks other than 0 yield nothing
+    unless `to_all`."""
     if adapters_only:
         entries = [(n, p.detach()) for n, p in model.named_parameters() if p.requires_grad]
     else:
         entries = list(model.state_dict().items())
     keep = ctx.is_main or to_all
-    gathered: dict[tuple, torch.Tensor | None] = {}  # the same keys on every rank
-    out = []
-    for name, tensor in entries:
-        key = _storage_key(tensor)
+    keys = [_storage_key(tensor) for _, tensor in entries]  # the same on every rank
+    uses_left = {key: keys.count(key) for key in keys}
+    gathered: dict[tuple, torch.Tensor | None] = {}
+    for (name, tensor), key in zip(entries, keys):
         if key not in gathered:
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             gathered[key] = full.to(dtype=dtype or full.dtype, device=device or full.device)
             if not keep:
                 gathered[key] = None  # gathered only to take part; dropped at once
+        uses_left[key] -= 1
+        value = gathered[key] if uses_left[key] else gathered.pop(key)
         if keep:
-            out.append((clean_name(name), gathered[key]))
-    return out
+            yield clean_name(name), value
 
 
 def _storage_key(t: torch.Tensor) -> tuple:
@@ -263,8 +300,73 @@ def local_param_bytes(model: nn.Module) -> int:
 
 def shard_policy(policy, dist_cfg, ctx: DistContext) -> None:
     """Shard a loaded policy in place: `policy.root` becomes its FSDP root, and a full
-    fine-tuning reference (beta > 0) is sharded the same way (no full copy per rank).
-    Build the optimizer afterwards."""
+    fine-tuning reference (beta > 0) is sharded the same way (no full copy per rank). A
+    reference still on the meta device (`model.meta_copy`) is sharded there and its shards
+    are then copied from the policy's: the same values, never a second full copy. Build
+    the optimizer afterwards."""
     policy.root = shard_model(policy.model, dist_cfg, ctx)
     if policy.reference is not None:
-        policy.reference = shard_model(policy.reference, dist_cfg, ctx)
+        on_meta = any(p.is_meta for p in policy.reference.parameters())
+        reference = shard_model(policy.reference, dist_cfg, ctx)
+        if on_meta:
+            _copy_shards(reference, policy.root)
+        policy.reference = reference
+
+
+def _copy_shards(target: nn.Module, source: nn.Module) -> None:
+    """Give `target` (sharded on the meta device) storage for its shards where `source`'s
+    live, and copy `source`'s shards (the same model, sharded alike) into them; buffers
+    (real already) are kept."""
+    buffers = [(m, n, b) for m in target.modules() for n, b in m._buffers.items() if b is not None]
+    shards = {clean_name(n): p for n, p in source.named_parameters()}
+    target.to_empty(device=_local(next(iter(shards.values()))).device)
+    for module, name, buffer in buffers:
+        module._buffers[name] = buffer
+    with torch.no_grad():
+        for name, param in target.named_parameters():
+            _local(param).copy_(_local(shards[clean_name(name)]))
+
+
+def unsharded_copy(meta_model: nn.Module, sharded: nn.Module, device) -> nn.Module:
+    """Fill `meta_model`, a `model.meta_copy` of `sharded` taken before it was sharded,
+    with whole tensors gathered from its shards, one tensor at a time (each gathered
+    tensor becomes the copy's parameter: no second full copy exists meanwhile). The per-
+    rank hf engine's own copy. Every rank must call it (one all-gather per tensor, in the
+    same order)."""
+    sources = {clean_name(n): p for n, p in sharded.named_parameters()}
+    whole: dict[int, nn.Parameter] = {}
+    with torch.no_grad():
+        for name, param in meta_model.named_parameters():
+            source = sources[clean_name(name)]
+            full = source.full_tensor() if isinstance(source, DTensor) else source.clone()
+            whole[id(param)] = nn.Parameter(full.to(device), requires_grad=param.requires_grad)
+    for module in meta_model.modules():  # tied parameters: every module holding one
+        for name, param in list(module._parameters.items()):
+            if param is not None and id(param) in whole:
+                module._parameters[name] = whole[id(param)]
+    return meta_model
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def tensor_bytes_alive() -> dict[str, int]:
+    """Bytes of the distinct tensor storages alive in this process (a walk over the
+    garbage collector's objects, ~0.2 s: for tests and benchmarks, never in a run), split
+    into FSDP shards (DTensor local tensors) and whole tensors; meta tensors hold none."""
+    import gc
+
+    shards: dict[int, int] = {}
+    whole: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.Tensor) or obj.is_meta:
+            continue
+        into, tensor = (shards, obj.to_local()) if isinstance(obj, DTensor) else (whole, obj)
+        if tensor.is_meta:
+            continue
+        storage = tensor.untyped_storage()
+        into[storage.data_ptr()] = storage.nbytes()
+    for ptr in shards:
+        whole.pop(ptr, None)  # a shard's local tensor is also seen as a plain tensor
+    return {"shards": sum(shards.values()), "whole": sum(whole.values())}

@@ -106,8 +106,13 @@ def load_tokenizer(model_cfg) -> Any:
     return tokenizer
 
 
-def load_policy(cfg, tokenizer, device: torch.device) -> Policy:
-    """Model from cfg.model, wrapped with LoRA if asked, packed attention, checkpointing."""
+def load_policy(
+    cfg, tokenizer, device: torch.device, *, reference_on_meta: bool = False
+) -> Policy:
+    """Model from cfg.model, wrapped with LoRA if asked, packed attention, checkpointing.
+
+    `reference_on_meta` (torchrun): a full fine-tuning reference is a `meta_copy`, filled
+    from the policy's shards once sharded (fsdp.shard_policy), not a second full copy."""
     from transformers import AutoModelForCausalLM
 
     from leangrpo.model_files import ModelFilesError
@@ -129,7 +134,7 @@ def load_policy(cfg, tokenizer, device: torch.device) -> Policy:
         ) from None
     model = model.to(device)
     refuse_broken_weights(model, info, name)
-    return build_policy(model, cfg, tokenizer, device)
+    return build_policy(model, cfg, tokenizer, device, reference_on_meta=reference_on_meta)
 
 
 def refuse_broken_weights(model: nn.Module, info: dict, name: str) -> None:
@@ -163,13 +168,17 @@ def refuse_broken_weights(model: nn.Module, info: dict, name: str) -> None:
         )
 
 
-def build_policy(model: nn.Module, cfg, tokenizer, device: torch.device) -> Policy:
-    """Wrap a loaded causal LM as cfg asks (benchmarks pass randomly initialised ones)."""
+def build_policy(
+    model: nn.Module, cfg, tokenizer, device: torch.device, *, reference_on_meta: bool = False
+) -> Policy:
+    """Wrap a loaded causal LM as cfg asks (benchmarks pass randomly initialised ones).
+    `reference_on_meta`: see `load_policy`."""
     refuse_scaled_logits(model.config)
     backend = enable_packed_attention(model, cfg.packing.attention_backend)
     reference = None
     if cfg.loss.beta > 0 and not cfg.lora.enabled:
-        reference = copy.deepcopy(model).eval().requires_grad_(False)
+        frozen = meta_copy(model) if reference_on_meta else copy.deepcopy(model)
+        reference = frozen.eval().requires_grad_(False)
     if cfg.lora.enabled:
         model = _wrap_lora(model, cfg.lora)
     if cfg.model.disable_dropout:
@@ -184,6 +193,18 @@ def build_policy(model: nn.Module, cfg, tokenizer, device: torch.device) -> Poli
         )
     model.train()
     return Policy(model, tokenizer, reference, device, cfg.lora.enabled, offloader, backend)
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of `model` whose parameters are on the meta device (no storage), each
+    with its source's shape, dtype and requires_grad (tied ones stay tied); buffers are
+    copied. Torchrun: the reference and the hf engine's own copy start as this and are
+    filled from the policy's shards (fsdp.py), so no rank holds a second full copy."""
+    memo: dict[int, Any] = {
+        id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        for p in model.parameters()
+    }
+    return copy.deepcopy(model, memo)
 
 
 def disable_dropout(model: nn.Module) -> int:

@@ -52,6 +52,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from leangrpo.contracts import RolloutBatch
+from leangrpo.dist_watch import PeerStopped
 from leangrpo.errors import RunError, user_error_types
 from leangrpo.pipeline_batch import (  # noqa: F401  (re-exported: leangrpo.pipeline.<Name> keeps working)
     BatchFinisher,
@@ -71,7 +72,7 @@ class PipelineStallError(RunError):
     """The trainer waits for a batch that the producer can never start."""
 
 
-class ProductionAborted(Exception):
+class ProductionAborted(PeerStopped):
     """Another rank stopped producing (shutdown): the batch being exchanged is abandoned."""
 
 
@@ -140,6 +141,7 @@ class AsyncProducer:
         streaming: bool = False,
         snapshot_device: str | None = None,
         stall_timeout_s: float = 600.0,
+        close_timeout_s: float = 30.0,
     ):
         self.worker = worker
         self.finisher = finisher
@@ -149,6 +151,9 @@ class AsyncProducer:
         self.streaming = streaming
         self.snapshot_device = snapshot_device  # None: snapshots stay on the weights' device
         self.stall_timeout_s = stall_timeout_s
+        # how long close() waits for the thread; torchrun: at least distributed.timeout_s,
+        # so that no exchange it is in is still pending when the process exits
+        self.close_timeout_s = close_timeout_s
         self.queue: queue.Queue[ProducedBatch] = queue.Queue(maxsize=prefetch_depth)
         self.engine_lock = threading.Lock()
         self._pending: tuple[int, list] | None = None
@@ -195,7 +200,9 @@ class AsyncProducer:
                 produced.idle_s = idle
                 self._index += 1
                 self._put(produced)
-        except ProductionAborted:  # torchrun shutdown: another rank stopped producing
+        except ProductionAborted as exc:  # torchrun shutdown: another rank stopped producing
+            if not self._stop.is_set():  # not at shutdown: a peer's failure, surfaced
+                self._error = exc
             return
         except BaseException as exc:  # surfaced to the trainer by next_batch
             self._error = exc
@@ -362,7 +369,7 @@ class AsyncProducer:
         with self._progress:
             self._progress.notify_all()
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=self.close_timeout_s)
 
 
 def _merge(chunks: list[ProducedBatch]) -> ProducedBatch:

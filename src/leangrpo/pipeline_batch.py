@@ -74,6 +74,26 @@ class RolloutWorker:
         self.attempts: dict[int, int] = {}  # prompt uid -> re-rolls so far
 
     def produce(self, index: int) -> ProducedBatch:
+        if self.share:  # torchrun: this rank owes the batch's exchange, even if it fails
+            self.share.begin_batch()
+        try:
+            samples, metrics = self._make_share(index)
+        except Exception:
+            if self.share:  # peers wait in this batch's exchange (see RankShare)
+                self.share.failed_before_exchange()
+            raise
+        if self.share:  # every rank's scored share: the whole batch on every rank
+            samples, metrics = self.share.gather(samples, metrics)
+        batch = RolloutBatch(samples, self.settings.group_size, metrics)
+        with self.sampler_lock:
+            requeued, dropped = self._reroll(batch.groups())
+            after = self.state_dict(index + 1)
+        batch.metrics.update({"reroll/requeued": requeued, "reroll/dropped": dropped})
+        return ProducedBatch(batch, index, after)
+
+    def _make_share(self, index: int) -> tuple[list[RolloutSample], dict[str, float]]:
+        """This rank's share of the batch's prompts (all of them in one process), generated
+        and scored, and its metrics."""
         with self.sampler_lock:
             prompts = self.sampler.next_batch()
         t0 = time.perf_counter()
@@ -95,14 +115,7 @@ class RolloutWorker:
         with self.reward_lock:
             metrics = self.rewards.score(samples)
         metrics.update({"time/generate": t1 - t0, "time/rewards": time.perf_counter() - t1})
-        if self.share:  # every rank's scored share: the whole batch on every rank
-            samples, metrics = self.share.gather(samples, metrics)
-        batch = RolloutBatch(samples, self.settings.group_size, metrics)
-        with self.sampler_lock:
-            requeued, dropped = self._reroll(batch.groups())
-            after = self.state_dict(index + 1)
-        batch.metrics.update({"reroll/requeued": requeued, "reroll/dropped": dropped})
-        return ProducedBatch(batch, index, after)
+        return samples, metrics
 
     def _reroll(self, groups: list[list[RolloutSample]]) -> tuple[float, float]:
         """Re-queue the prompts of groups without signal (flat, or not scored at all) that

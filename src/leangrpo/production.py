@@ -110,5 +110,7 @@ def _producer(cfg, engines, rewards, prompts, reward_lock, share=None):
             streaming=streaming,
             snapshot_device=engines.snapshot_device,
             stall_timeout_s=pipe.stall_timeout_s,
+            # torchrun: its thread may wait in an exchange for up to distributed.timeout_s
+            close_timeout_s=max(30.0, cfg.distributed.timeout_s) if share else 30.0,
         )
     return SyncProducer(worker, finisher)

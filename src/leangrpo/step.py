@@ -25,7 +25,9 @@ rank packs only its share, and every rank's plan is padded with one-token paddin
 micro-batches to the largest count (computed locally: every rank can plan every rank's
 share), since each forward and backward gathers parameters with all ranks. A padding
 micro-batch runs forward and a zero-gradient backward (`fsdp.padding_pass`), never the
-loss. Normalisers are all-reduced once per step, the gradient norm is global, the
+loss. After the no-grad passes every FSDP unit of the policy and the reference is
+resharded (`fsdp.reshard`): with no backward to follow, FSDP2 would keep the root (and
+under shard_grad_op every unit) gathered. Normalisers are all-reduced once per step, the gradient norm is global, the
 non-finite-skip decision is all-reduced and the step's loss metrics are combined over
 ranks, so every rank takes the same decision and rank 0 logs global figures.
 
@@ -273,6 +275,12 @@ def attach_old_and_ref(policy: Policy, steps: list[PlannedStep], cfg, sampling) 
                 mb.old_logprobs = score(module, mb, sampling, cfg.logprobs)[0].float()
             if want_ref:
                 mb.ref_logprobs = reference_logprobs(policy, mb, sampling, cfg.logprobs).float()
+    if policy.root is not None:  # torchrun: no backward follows to reshard what was gathered
+        from leangrpo.fsdp import reshard
+
+        reshard(policy.root)
+        if policy.reference is not None:
+            reshard(policy.reference)
 
 
 def normalisers(
@@ -309,11 +317,12 @@ def normalisers(
 
 def _loss_tokens(micro_batches: list[PackedBatch], cfg) -> int:
     """Tokens in the loss over the step: host counts, or one device sum when truncated
-    completions are masked."""
+    completions are masked. No micro-batch (a torchrun rank dealt no group in this step,
+    which then trains on padding only): 0 tokens."""
     if not cfg.loss.mask_truncated_completions:
         return sum(mb.num_completion_tokens for mb in micro_batches)
     counts = [token_mask(mb, cfg).sum() for mb in micro_batches]
-    return int(torch.stack(counts).sum().item())
+    return int(torch.stack(counts).sum().item()) if counts else 0
 
 
 def token_mask(mb: PackedBatch, cfg) -> torch.Tensor:

@@ -21,8 +21,8 @@ optimizer-step boundary (a wait for a batch in one process is cut short: the bat
 abandoned); the run then saves a checkpoint at that step, closes, and raises `RunStopped`.
 
 Torchrun (`ctx.distributed`, docs/ARCHITECTURE.md "Distributed"): every rank runs this
-loop on the same global batch; the policy is FSDP-sharded after the engines are built,
-each step's groups are dealt to ranks (step.py), weights are gathered before any sync,
+loop on the same global batch; the policy is FSDP-sharded before the engines are built
+(a per-rank hf engine's copy is made from the shards), each step's groups are dealt to ranks (step.py), weights are gathered before any sync,
 checkpoints are DCP-sharded, rank 0 logs, and each phase runs inside `ctx.phase(...)` so
 a rank that fails stops the others within `distributed.timeout_s`, naming it and the
 phase. World size 1 takes none of these paths.
@@ -120,14 +120,15 @@ class Trainer:
         prompts = load_prompts(cfg.data, tokenizer, cfg.run.seed, limit)
         check_micro_batch(prompts.train, cfg)
         train_prompts, eval_prompts = prompts.train, prompts.eval
-        self.policy: Policy = load_policy(cfg, tokenizer, device)
-        # per-rank hf engines copy the full model, so they come before sharding
-        self.engines = engines = make_engines(cfg, self.policy, ctx)
-        self.per_rank = ctx.distributed and cfg.rollout.engine == "hf"  # else rank 0 generates
+        # torchrun: one full copy per rank at most (the reference starts on the meta device)
+        self.policy: Policy = load_policy(cfg, tokenizer, device, reference_on_meta=ctx.distributed)
+        own_copy = None  # torchrun, hf engine: the rank's unsharded copy, made from the shards
         if ctx.distributed:
-            from leangrpo.fsdp import shard_policy
+            from leangrpo.dist_trainer import shard_for_training
 
-            shard_policy(self.policy, cfg.distributed, ctx)
+            own_copy = shard_for_training(self.policy, cfg, ctx)
+        self.engines = engines = make_engines(cfg, self.policy, ctx, own_copy)
+        self.per_rank = ctx.distributed and cfg.rollout.engine == "hf"  # else rank 0 generates
         self.optimizer = torch.optim.AdamW(
             self.policy.trainable_parameters(),
             lr=cfg.train.learning_rate,
@@ -405,7 +406,7 @@ class Trainer:
             return 0.0
         return self.producer.push_weights(self.version, self._sync_tensors)
 
-    def _sync_tensors(self) -> list:
+    def _sync_tensors(self):
         """What the engine receives; under torchrun gathered from the shards (collective)."""
         if not self.ctx.distributed:
             return self.policy.named_trainable_tensors()
@@ -479,7 +480,9 @@ class Trainer:
         """The reward pool first: a producer thread waiting in `score()` gets PoolClosedError
         at once instead of finishing a reward's timeout; then the producer (it may be
         mid-call into the engines), then the engines. `clean`: the run ended normally on
-        every rank (torchrun: per-rank producers first stop in step, see dist_rollout)."""
+        every rank (torchrun: per-rank producers first stop in step, see dist_rollout; a
+        thread whose share of its last batch then fails on the closed pool aborts that
+        batch's exchange, so no peer's thread is left waiting in it)."""
         if self.per_rank and clean:
             from leangrpo.dist_rollout import stop_rank_producer
 

@@ -5,11 +5,13 @@
   weight sync; evaluation uses the trainer's model in the main thread.
 - vllm: one engine (colocated or servers) used for both, under the producer's lock.
 
-Under torchrun (`ctx.distributed`): the hf engine is one own copy per rank, made before
-the policy is sharded (a sharded model cannot generate without collectives whose count
-would depend on each rank's completion lengths), used for generation and evaluation and
-refreshed from gathered weights (every version in sync mode); vLLM servers are driven by
-rank 0 alone (other ranks hold no engine); colocated vLLM is refused by preflight.
+Under torchrun (`ctx.distributed`): the hf engine is one own copy per rank (a sharded
+model cannot generate without collectives whose count would depend on each rank's
+completion lengths), built from the policy's shards after sharding (`own_copy`, from
+`dist_trainer.shard_for_training`: the only full copy a rank holds), used for generation
+and evaluation and refreshed from gathered weights (every version in sync mode); vLLM
+servers are driven by rank 0 alone (other ranks hold no engine); colocated vLLM is refused
+by preflight.
 """
 
 from __future__ import annotations
@@ -36,18 +38,21 @@ class Engines:
             engine.close()
 
 
-def make_engines(cfg, policy, ctx=None) -> Engines | None:
+def make_engines(cfg, policy, ctx=None, own_copy=None) -> Engines | None:
     """The engines; None on torchrun ranks > 0 when rank 0 drives vLLM servers. Under
-    torchrun, call it before the policy is sharded."""
+    torchrun with the hf engine, `own_copy` is the rank's unsharded copy of the policy
+    (`dist_trainer.shard_for_training`), which the engine takes as its own."""
     distributed = ctx is not None and ctx.distributed
     if cfg.rollout.engine == "hf":
-        return _hf_engines(cfg, policy, per_rank_copy=distributed)
+        if distributed and own_copy is None:
+            raise ValueError("torchrun: the hf engine needs the rank's own unsharded copy")
+        return _hf_engines(cfg, policy, own_copy if distributed else None)
     if distributed and not ctx.is_main:
         return None
     return _vllm_engines(cfg, policy)
 
 
-def _hf_engines(cfg, policy, per_rank_copy: bool) -> Engines:
+def _hf_engines(cfg, policy, own_copy) -> Engines:
     from leangrpo.rollout.hf import HFEngine
 
     per_forward = cfg.rollout.hf_prompts_per_forward
@@ -55,8 +60,8 @@ def _hf_engines(cfg, policy, per_rank_copy: bool) -> Engines:
         device=policy.device,
         max_batch_size=None if per_forward is None else per_forward * cfg.rollout.num_generations,
     )
-    if per_rank_copy:
-        own = HFEngine(policy.model, policy.tokenizer, share_weights=False, **common)
+    if own_copy is not None:  # torchrun: every rank generates its share with its own copy
+        own = HFEngine(own_copy, policy.tokenizer, share_weights=False, owned=True, **common)
         return Engines(own, own, False, False)
     live = HFEngine(policy.model, policy.tokenizer, share_weights=True, **common)
     if cfg.pipeline.mode == "sync":

@@ -31,7 +31,9 @@ Choices:
 - share_weights=True generates with the caller's model object (sync training: weight sync
   only moves the version tag); train mode and gradient checkpointing flags are restored
   afterwards. share_weights=False deep-copies the model at construction (async generation
-  in a background thread); `update_weights` copies tensors in by name under a lock.
+  in a background thread), unless `owned=True` says the model is the engine's own already
+  (torchrun: built from the policy's shards, `fsdp.unsharded_copy`); `update_weights`
+  copies tensors in by name under a lock.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class HFEngine:
         share_weights: bool = True,
         device=None,
         max_batch_size: int | None = None,
+        owned: bool = False,  # share_weights=False: `model` is this engine's own, not copied
     ):
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size}")
@@ -80,6 +83,8 @@ class HFEngine:
                     f"({model_device}), not {self.device}; pass device=None or share_weights=False"
                 )
             self.device, self.model = model_device, model
+        elif owned:
+            self.model = model.to(self.device).eval()
         else:
             # requires_grad is kept as in the source: under no_grad it changes no memory, but
             # some CPU kernels round differently for frozen weights, and a copy that rounds
