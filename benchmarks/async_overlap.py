@@ -25,13 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from leangrpo.contracts import Completion, Prompt, SamplingParams  # noqa: E402
-from leangrpo.pipeline import (  # noqa: E402
-    AsyncProducer,
-    BatchFinisher,
-    RolloutSettings,
-    RolloutWorker,
-    SyncProducer,
-)
+from leangrpo.pipeline.batch import BatchFinisher, RolloutSettings, RolloutWorker  # noqa: E402
+from leangrpo.pipeline.producers import AsyncProducer, SyncProducer  # noqa: E402
 
 
 class TimedEngine:
@@ -156,7 +151,7 @@ def sim_cases(steps: int) -> list[dict]:
 
 def demo_cases(steps: int) -> list[dict]:
     from leangrpo.config import load_config
-    from leangrpo.trainer import Trainer
+    from leangrpo.train import Trainer
 
     rows, base_time = [], None
     runs = (

@@ -73,7 +73,7 @@ def fit(reps: int) -> None:
 
 
 def layouts(reps: int) -> None:
-    from leangrpo import attention_batching as batching
+    from leangrpo.ops.attention import batching
 
     rng = random.Random(0)
     cases = {

@@ -46,11 +46,11 @@ from models import build_model, planner_dims  # noqa: E402
 
 from leangrpo.config import Config, config_from_dict  # noqa: E402
 from leangrpo.contracts import Completion, Prompt, RolloutSample  # noqa: E402
-from leangrpo.logprobs import token_logprobs  # noqa: E402
-from leangrpo.loss import LossConfig  # noqa: E402
-from leangrpo.model import build_policy  # noqa: E402
-from leangrpo.planner import plan_memory  # noqa: E402
-from leangrpo.step import attach_old_and_ref, plan_steps, train_step  # noqa: E402
+from leangrpo.model.policy import build_policy  # noqa: E402
+from leangrpo.ops.logprobs.api import token_logprobs  # noqa: E402
+from leangrpo.planner.plan import plan_memory  # noqa: E402
+from leangrpo.train.loss import LossConfig  # noqa: E402
+from leangrpo.train.step import attach_old_and_ref, plan_steps, train_step  # noqa: E402
 
 BENCH = "grpo_step"
 BASELINE = "all_off"

@@ -36,7 +36,7 @@ def case_files(case: str, workdir: Path) -> tuple[Path, Path, int, int]:
     if case == "vocab":
         from vs_trl_cases import random_model
 
-        from leangrpo.smollm2 import smollm2_dir
+        from leangrpo.model.smollm2 import smollm2_dir
 
         model = workdir / "vocab" / "model"
         if not (model / "config.json").exists():
@@ -52,10 +52,10 @@ def measure(case: str, workdir: Path, reps: int, compact: float | None) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from leangrpo.attention import enable_packed_attention
     from leangrpo.contracts import Prompt, SamplingParams
-    from leangrpo.rollout import decode
-    from leangrpo.rollout.hf import HFEngine
+    from leangrpo.ops.attention.adapter import enable_packed_attention
+    from leangrpo.rollout.hf.decode import decode
+    from leangrpo.rollout.hf.engine import HFEngine
 
     torch.set_num_threads(1)
     model_dir, train, n_prompts, new = case_files(case, workdir)

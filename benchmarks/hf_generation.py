@@ -37,10 +37,10 @@ from grpo_step import Meter, free_memory, step_config  # noqa: E402
 from models import build_model  # noqa: E402
 
 from leangrpo.contracts import Prompt, RolloutSample  # noqa: E402
-from leangrpo.loss import LossConfig  # noqa: E402
-from leangrpo.model import build_policy  # noqa: E402
-from leangrpo.rollout.hf import HFEngine  # noqa: E402
-from leangrpo.step import attach_old_and_ref, plan_steps, train_step  # noqa: E402
+from leangrpo.model.policy import build_policy  # noqa: E402
+from leangrpo.rollout.hf.engine import HFEngine  # noqa: E402
+from leangrpo.train.loss import LossConfig  # noqa: E402
+from leangrpo.train.step import attach_old_and_ref, plan_steps, train_step  # noqa: E402
 
 BENCH = "hf_generation"
 SIM_SLOT_S = 0.15  # simulated seconds of the longer phase

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from leangrpo.logprobs import DEFAULT_TILES, chunked_logprobs, naive_logprobs
+from leangrpo.ops.logprobs.api import DEFAULT_TILES, chunked_logprobs, naive_logprobs
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from device_info import device_name  # noqa: E402

@@ -93,7 +93,7 @@ def build_model(
 def planner_dims(name: str):
     """`leangrpo.planner.Dims` of `name`, for `plan_memory(cfg, dims=...)`: read the way
     `leangrpo plan` reads a config.json (Qwen2's q/k/v biases included)."""
-    from leangrpo.planner import dims_from_json
+    from leangrpo.planner.plan import dims_from_json
 
     fields = dict(CONFIGS[name])
     return dims_from_json(

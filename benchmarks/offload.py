@@ -37,8 +37,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from leangrpo.logprobs import chunked_logprobs  # noqa: E402
-from leangrpo.offload import enable_gradient_checkpointing  # noqa: E402
+from leangrpo.ops.logprobs.api import chunked_logprobs  # noqa: E402
+from leangrpo.ops.offload import enable_gradient_checkpointing  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import CONFIGS  # noqa: E402

@@ -32,16 +32,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from device_info import device_name  # noqa: E402
 
-from leangrpo.attention import (  # noqa: E402
+from leangrpo.contracts import Completion, Prompt, RolloutSample  # noqa: E402
+from leangrpo.ops.attention.adapter import (  # noqa: E402
     PREFIX_BACKENDS,
     backend_unavailable_reason,
     enable_packed_attention,
     packed_model_kwargs,
     register_packed_attention,
 )
-from leangrpo.contracts import Completion, Prompt, RolloutSample  # noqa: E402
-from leangrpo.logprobs import chunked_logprobs  # noqa: E402
-from leangrpo.packing import pack_samples  # noqa: E402
+from leangrpo.ops.logprobs.api import chunked_logprobs  # noqa: E402
+from leangrpo.train.packing import pack_samples  # noqa: E402
 
 
 def make_batch(groups, group_size, median, vocab, prompt_range=(50, 300), seed=0):

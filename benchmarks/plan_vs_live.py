@@ -29,11 +29,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from memory_probe import LiveBytes, group, train_pass  # noqa: E402
 
-from leangrpo.attention import choose_shared_prefix  # noqa: E402
 from leangrpo.config import load_config  # noqa: E402
-from leangrpo.model import load_policy, load_tokenizer  # noqa: E402
-from leangrpo.packing import pack_samples  # noqa: E402
-from leangrpo.planner import plan_memory  # noqa: E402
+from leangrpo.model.policy import load_policy, load_tokenizer  # noqa: E402
+from leangrpo.ops.attention.adapter import choose_shared_prefix  # noqa: E402
+from leangrpo.planner.plan import plan_memory  # noqa: E402
+from leangrpo.train.packing import pack_samples  # noqa: E402
 
 GIB = 2**30
 

@@ -62,7 +62,7 @@ def models():
 
 def timed(model, packed) -> float:
     from leangrpo.contracts import SamplingParams
-    from leangrpo.model import score
+    from leangrpo.model.scoring import score
 
     model.zero_grad(set_to_none=True)
     t0 = time.process_time()
@@ -76,8 +76,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--shapes", help="model:P:R,... instead of the default grid")
     args = p.parse_args()
-    from leangrpo.attention import enable_packed_attention
-    from leangrpo.packing import pack_samples
+    from leangrpo.ops.attention.adapter import enable_packed_attention
+    from leangrpo.train.packing import pack_samples
 
     torch.set_num_threads(1)
     shapes = {

@@ -79,7 +79,7 @@ def usable_by_vllm(model_path: Path) -> str | None:
     if not (model_path / "config.json").is_file():
         return "no model there"
     if DEVICE == "cpu":
-        from leangrpo.rollout.vllm_local import check_cpu_head_size
+        from leangrpo.rollout.vllm.local import check_cpu_head_size
 
         try:
             check_cpu_head_size(str(model_path))
@@ -157,7 +157,7 @@ def run_engine(name, engine, model, adapter_dir, prompts, params, n, repeats, ba
 
 def hf_engine(model, tokenizer):
     try:
-        from leangrpo.rollout.hf import HFEngine
+        from leangrpo.rollout.hf.engine import HFEngine
     except ImportError:
         print(
             json.dumps(
@@ -178,7 +178,7 @@ def hf_engine(model, tokenizer):
 
 
 def vllm_engine(model_path: Path, work: Path):
-    from leangrpo.rollout.vllm import VLLMEngine
+    from leangrpo.rollout.vllm.engine import VLLMEngine
 
     return VLLMEngine.colocated(
         model_path,

@@ -119,7 +119,7 @@ def state_bytes(params: list, optimizer) -> int:
 
 def setup_bytes() -> int:
     """Bytes of every tensor storage alive on this rank, whole or sharded."""
-    from leangrpo.fsdp import tensor_bytes_alive
+    from leangrpo.distributed.fsdp import tensor_bytes_alive
 
     gc.collect()
     return sum(tensor_bytes_alive().values())
@@ -129,9 +129,9 @@ def run_rank(s: dict, out: Path) -> None:
     """One rank: build, shard (W > 1), train s["steps"] + 1 steps, write its figures."""
     from models import build_model
 
-    from leangrpo.distributed import init_distributed
-    from leangrpo.model import build_policy
-    from leangrpo.step import attach_old_and_ref, plan_steps, train_step
+    from leangrpo.distributed.context import init_distributed
+    from leangrpo.model.policy import build_policy
+    from leangrpo.train.step import attach_old_and_ref, plan_steps, train_step
 
     cfg = config(s, s["beta"])
     cuda = torch.cuda.is_available()
@@ -143,7 +143,7 @@ def run_rank(s: dict, out: Path) -> None:
     policy = build_policy(model, cfg, None, ctx.device, reference_on_meta=ctx.distributed)
     setup = [setup_bytes() - before]  # the model built (and a reference: on meta if W > 1)
     if ctx.distributed:
-        from leangrpo.fsdp import shard_policy
+        from leangrpo.distributed.fsdp import shard_policy
 
         shard_policy(policy, cfg.distributed, ctx)
         setup.append(setup_bytes() - before)  # the policy and the reference sharded

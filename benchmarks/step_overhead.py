@@ -102,7 +102,7 @@ def child(args) -> None:
 
     import leangrpo
     from leangrpo.config import load_config
-    from leangrpo.trainer import Trainer
+    from leangrpo.train import Trainer
 
     config, overrides = case_overrides(args.case, Path(args.workdir), args.steps)
     out_dir = Path(args.workdir) / f"run-{os.getpid()}"

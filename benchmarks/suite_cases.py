@@ -201,7 +201,7 @@ def packing_case(ctx: Ctx, backends=("torch_varlen", "sdpa_segments")):
     compiles its kernels on first use)."""
     import packing
 
-    from leangrpo.attention import enable_packed_attention
+    from leangrpo.ops.attention.adapter import enable_packed_attention
 
     if ctx.dry:
         name, groups, width, prompts, repeats = "tiny-qwen2", 2, 64, (8, 16), 1

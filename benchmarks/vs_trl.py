@@ -238,7 +238,7 @@ def main() -> None:
             )
         )
         return
-    from leangrpo.smollm2 import missing_reason
+    from leangrpo.model.smollm2 import missing_reason
 
     args.repeats = args.repeats or (1 if args.quick else None)
     for name in args.case or sorted(CASES):

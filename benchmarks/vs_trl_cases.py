@@ -91,7 +91,7 @@ def prepare_case(case, workdir: Path, root: Path) -> dict:
             random_model(workdir / "model", demo / "model", 32, eos=1, pad=0, bos=None)
         )
     elif case.model in ("random_smollm2_vocab", "smollm2"):
-        from leangrpo.smollm2 import smollm2_dir
+        from leangrpo.model.smollm2 import smollm2_dir
 
         real = smollm2_dir()
         if case.model == "smollm2":

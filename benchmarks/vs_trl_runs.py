@@ -255,8 +255,8 @@ def check_same_work(cfg, case) -> None:
 
 
 def run_leangrpo(case, paths: dict, workdir: Path, device: str) -> dict:
-    from leangrpo.model import causal_lm
-    from leangrpo.trainer import Trainer
+    from leangrpo.model.scoring import causal_lm
+    from leangrpo.train import Trainer
 
     clock, children = StepClock(), ChildMemory()
 

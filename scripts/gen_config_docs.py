@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from leangrpo.config import Config
-from leangrpo.config_io import section_type
+from leangrpo.config.io import section_type
 
 DOCS_PATH = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 HEADER = """# Configuration reference

@@ -17,7 +17,7 @@ import tempfile
 import time
 
 from leangrpo.config import load_config
-from leangrpo.trainer import Trainer
+from leangrpo.train import Trainer
 
 
 def main() -> None:

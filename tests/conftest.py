@@ -4,36 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.models import make_tiny_model
 
 # Tiny models on 2 shared cores: one intra-op thread is many times faster than two.
 torch.set_num_threads(1)
-
-
-def make_tiny_model(
-    arch: str = "qwen2",
-    vocab_size: int = 64,
-    hidden_size: int = 32,
-    num_layers: int = 2,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-):
-    """A randomly initialised Qwen2- or Llama-architecture model, a few hundred KB."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
-
-    config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
-    config = config_cls(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.eval()
 
 
 @pytest.fixture

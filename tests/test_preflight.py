@@ -12,7 +12,7 @@ import pytest
 
 from leangrpo.config import ConfigError, load_config
 from leangrpo.contracts import Prompt
-from leangrpo.model_files import ModelFiles
+from leangrpo.model.files import ModelFiles
 from leangrpo.preflight import check_micro_batch, ignored_options, preflight, prompt_limit
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
-        from leangrpo.rollout.vllm import serve_main
+        from leangrpo.rollout.vllm.server import serve_main
 
         return serve_main(argv[1:])
     args = _parser().parse_args(argv)
@@ -95,8 +95,17 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if _is_distributed_error(exc):  # another rank failed: it printed its own error
             print(f"leangrpo: error: {exc}", file=sys.stderr, flush=True)
-            return 1
+            _exit_now(1)
         raise
+
+
+def _exit_now(code: int) -> None:
+    """Exit without interpreter teardown: after a peer failed, gloo's threads may still hold
+    a collective in flight, and destroying them at exit aborts the process (SIGABRT)
+    instead of the exit status torchrun should see."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _dispatch(args) -> int:
@@ -104,14 +113,14 @@ def _dispatch(args) -> int:
         return _train(args)
     if args.command == "plan":
         from leangrpo.config import load_config
-        from leangrpo.planner import plan_memory, render_plan, world_size_from_env
+        from leangrpo.planner.plan import plan_memory, render_plan, world_size_from_env
 
         cfg = load_config(args.config, args.overrides)
         world = args.world_size or world_size_from_env()
         given = dict(tokens=args.tokens, prompt_tokens=args.prompt_tokens, world_size=world)
         print(render_plan(plan_memory(cfg, **given), cfg, **given))
         return 0
-    from leangrpo.report import report
+    from leangrpo.metrics.report import report
 
     print(report(args.run_dir))
     return 0
@@ -129,7 +138,7 @@ def _train(args) -> int:
         checked.release()
         print(f"leangrpo: {checked.finished_message()}")
         return 0
-    from leangrpo.trainer import train  # torch and transformers load from here on
+    from leangrpo.train import train
 
     final = train(cfg, checked)
     print({k: round(v, 4) for k, v in final.items()})
@@ -144,7 +153,7 @@ def _train_ranks(cfg) -> int:
     if rank > 0:  # rank 0 reports progress; the others only warnings and errors
         logging.getLogger("leangrpo").setLevel(logging.WARNING)
     model, limit = check_inputs(cfg, warn=rank == 0)
-    from leangrpo.distributed import init_distributed  # torch loads from here on
+    from leangrpo.distributed.context import init_distributed  # torch loads from here on
 
     if rank > 0:
         from transformers.utils import logging as hf_logging
@@ -159,7 +168,7 @@ def _train_ranks(cfg) -> int:
             print(f"leangrpo: {checked.finished_message()}")
         ctx.shutdown()
         return 0
-    from leangrpo.trainer import train
+    from leangrpo.train import train
 
     try:
         final = train(cfg, checked, ctx)
@@ -173,7 +182,7 @@ def _train_ranks(cfg) -> int:
 
 
 def _is_distributed_error(exc: Exception) -> bool:
-    module = sys.modules.get("leangrpo.distributed")  # loaded only if a process group was
+    module = sys.modules.get("leangrpo.distributed.watch")  # loaded only if a process group was
     return module is not None and isinstance(exc, module.DistributedError)
 
 

@@ -28,10 +28,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from leangrpo.config_io import ConfigError
-from leangrpo.data import PromptLimit, check_data
-from leangrpo.model_files import ModelFiles, check_model_files
-from leangrpo.rundir import RunDir, RunDirError, open_run_dir
+from leangrpo.checkpoint.rundir import RunDir, RunDirError, open_run_dir
+from leangrpo.config import ConfigError
+from leangrpo.data.prompts import PromptLimit, check_data
+from leangrpo.model.files import ModelFiles, check_model_files
 
 log = logging.getLogger("leangrpo")
 
@@ -63,7 +63,7 @@ def preflight(cfg: Any, ctx: Any = None) -> Preflight:
 
 def check_inputs(cfg: Any, warn: bool = True) -> tuple[ModelFiles, PromptLimit | None]:
     """Checks 1-4: everything but the run directory."""
-    from leangrpo.metrics import check_backends
+    from leangrpo.metrics.logger import check_backends
     from leangrpo.rewards import check_rewards
 
     check_data(cfg.data)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from leangrpo.contracts import SamplingParams
-from leangrpo.rollout.decode import BLOCK, decode, sample_categorical, sample_next
+from leangrpo.rollout.hf.decode import BLOCK, decode, sample_categorical, sample_next
 from leangrpo.rollout.sampling import processed_logprobs
 
 

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from support.models import make_tiny_model
 from transformers import AutoTokenizer
 
 from leangrpo.contracts import EngineVersionError, Prompt, SamplingParams
-from leangrpo.rollout import decode as decode_module
-from leangrpo.rollout.hf import HFEngine
-from leangrpo.rollout.kv_cache import PreallocatedLayer
+from leangrpo.rollout.hf import decode as decode_module
+from leangrpo.rollout.hf.engine import HFEngine
+from leangrpo.rollout.hf.kv_cache import PreallocatedLayer
 from leangrpo.rollout.sampling import process_logits, processed_logprobs
 
 DEMO_MODEL = Path(__file__).resolve().parents[2] / "examples" / "demo" / "model"

@@ -23,26 +23,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_model
 from safetensors.torch import load_file
-from vllm_fakes import FakeLocal, Served
+from support.models import make_tiny_model
+from support.vllm_fakes import FakeLocal, Served
 
 from leangrpo.contracts import EngineVersionError, Prompt, SamplingParams
-from leangrpo.rollout.vllm import (
-    VLLMEngine,
-    VLLMSettings,
-    make_vllm_engine,
-    saved_lora_name,
-    write_adapter,
-    write_weight_buckets,
-)
-from leangrpo.rollout.vllm_local import VersionGate, publish_adapter
-from leangrpo.rollout.vllm_server import (
-    ServerPool,
-    VLLMServerError,
-    free_port,
-    parse_extra_flags,
-)
+from leangrpo.rollout.vllm.client import ServerPool, VLLMServerError, free_port
+from leangrpo.rollout.vllm.engine import VLLMEngine, make_vllm_engine
+from leangrpo.rollout.vllm.files import saved_lora_name, write_adapter, write_weight_buckets
+from leangrpo.rollout.vllm.local import VersionGate, publish_adapter
+from leangrpo.rollout.vllm.server import parse_extra_flags
+from leangrpo.rollout.vllm.settings import VLLMSettings
 from leangrpo.seeding import prompt_seed
 
 # --------------------------------------------------------------------------- no vLLM needed
@@ -533,7 +524,7 @@ def test_server_mode_over_loopback_sync_while_two_requests_are_in_flight(char_mo
 
 @pytest.mark.vllm
 def test_unsupported_cpu_head_size_is_refused_before_start_up(tmp_path):
-    from leangrpo.rollout.vllm_local import check_cpu_head_size
+    from leangrpo.rollout.vllm.local import check_cpu_head_size
 
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 4}))
     with pytest.raises(ValueError, match="head size 16.*rollout.engine=hf"):
@@ -548,7 +539,7 @@ def test_unsupported_cpu_head_size_is_refused_before_start_up(tmp_path):
 def test_grpo_with_the_vllm_engine_learns_on_the_demo(tmp_path):
     """The whole trainer with colocated vLLM generation: eval reward rises, IS ratio ~ 1."""
     from leangrpo.config import load_config
-    from leangrpo.trainer import Trainer
+    from leangrpo.train import Trainer
 
     root = Path(__file__).resolve().parents[2]
     cfg = load_config(

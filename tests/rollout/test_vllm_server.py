@@ -19,21 +19,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from vllm_fakes import FakeLocal, Served
+from support.vllm_fakes import FakeLocal, Served
 
 from leangrpo.contracts import Completion, EngineVersionError, Prompt, SamplingParams
-from leangrpo.pipeline_batch import _seeded
-from leangrpo.rollout.vllm import VLLMEngine, VLLMSettings, check_groups
-from leangrpo.rollout.vllm_client import TOKEN_ENV, ServerPool, VLLMServerError
-from leangrpo.rollout.vllm_local import AdapterSlots, VersionGate
-from leangrpo.rollout.vllm_server import (
-    build_parser,
-    check_serve_args,
-    drop_superseded,
-    extract_adapter,
-    prepare_staging,
-    serve_main,
-)
+from leangrpo.pipeline.batch import _seeded
+from leangrpo.rollout.vllm.client import TOKEN_ENV, ServerPool, VLLMServerError
+from leangrpo.rollout.vllm.engine import VLLMEngine, check_groups
+from leangrpo.rollout.vllm.http import drop_superseded, extract_adapter, prepare_staging
+from leangrpo.rollout.vllm.local import AdapterSlots, VersionGate
+from leangrpo.rollout.vllm.server import build_parser, check_serve_args, serve_main
+from leangrpo.rollout.vllm.settings import VLLMSettings
 from leangrpo.seeding import SAMPLE_BITS, derive_seed, prompt_seed
 
 TOKEN = "s3cret-token-of-32-characters-xx"
@@ -123,10 +118,10 @@ def test_engine_refuses_completions_from_other_weights():
 
 
 def test_the_trainer_pushes_its_weights_to_a_reused_server_at_start(served, tmp_path):
-    from test_trainer import tiny_run
+    from support.configs import tiny_run
 
     from leangrpo.config import config_from_dict
-    from leangrpo.trainer import Trainer
+    from leangrpo.train import Trainer
 
     server = served(FakeLocal(version=80, run="previousrun"))
     cfg = tiny_run(
@@ -329,7 +324,7 @@ def test_serve_start_up_errors_are_one_line_before_the_model_loads(
     """Each was a traceback, the port in use only after vLLM had loaded the model."""
     import importlib.util
 
-    import leangrpo.rollout.vllm as vllm_module
+    import leangrpo.rollout.vllm.engine as vllm_module
 
     def no_load(*a, **k):
         raise AssertionError("vLLM was started")

@@ -19,12 +19,7 @@ from typing import Any
 
 from leangrpo.rewards.process import OutputBudget, WorkerGone, WorkerProcess
 from leangrpo.rewards.protocol import InitError, Loading, ProtocolError, Ready
-from leangrpo.rewards.registry import (
-    BUILTIN_NAMES,
-    ResolvedReward,
-    RewardSpecError,
-    parse_specs,
-)
+from leangrpo.rewards.registry import BUILTIN_NAMES, ResolvedReward, RewardSpecError, parse_specs
 
 DEFAULT_STARTUP_TIMEOUT_S = 60.0
 

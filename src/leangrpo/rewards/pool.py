@@ -41,14 +41,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any
 
-from leangrpo.advantages import mean_std
-from leangrpo.rewards.check import (
-    did_not_start,
-    exited,
-    init_error,
-    startup_timeout,
-    worker_init,
-)
+from leangrpo.pipeline.advantages import mean_std
+from leangrpo.rewards.check import did_not_start, exited, init_error, startup_timeout, worker_init
 from leangrpo.rewards.process import OutputBudget, WorkerGone, WorkerProcess
 from leangrpo.rewards.protocol import (
     CallError,

@@ -53,7 +53,7 @@ def make_engines(cfg, policy, ctx=None, own_copy=None) -> Engines | None:
 
 
 def _hf_engines(cfg, policy, own_copy) -> Engines:
-    from leangrpo.rollout.hf import HFEngine
+    from leangrpo.rollout.hf.engine import HFEngine
 
     per_forward = cfg.rollout.hf_prompts_per_forward
     common = dict(
@@ -71,7 +71,7 @@ def _hf_engines(cfg, policy, own_copy) -> Engines:
 
 
 def _vllm_engines(cfg, policy) -> Engines:
-    from leangrpo.rollout.vllm import make_vllm_engine
+    from leangrpo.rollout.vllm.engine import make_vllm_engine
 
     engine = make_vllm_engine(cfg, policy)
     v = cfg.rollout.vllm

@@ -1,0 +1,411 @@
+"""Atomic checkpoints and exact resume.
+
+A checkpoint is `output_dir/checkpoints/step-N/`:
+
+    model/              peft adapter (save_pretrained) or full weights (safetensors)
+    optimizer.pt        optimizer.state_dict()
+    scheduler.pt        scheduler.state_dict()
+    rng.pt              python, numpy, torch CPU (and CUDA) generator states
+    trainer_state.json  {"step": N, ...whatever JSON-able state the trainer passes}
+    config.yaml         the run's resolved config (compared with the config of a resume)
+    trainer_state.pt    bulky state (optional): the batch being trained on, the replay buffer,
+                        ...; tensors, lists, dicts, numbers and strings (`torch.save`)
+    COMPLETE            written last
+
+Atomicity: everything is written into `checkpoints/.tmp-step-N-<random>/`, every file and
+directory is fsynced, `COMPLETE` is the last file written, then the directory is renamed to
+`step-N` and the parent fsynced. A crash at any point leaves either no `step-N` or a
+complete one. `latest_checkpoint` only accepts `step-N` directories holding `COMPLETE`.
+Leftover `.tmp-*` directories are removed by the next save.
+
+Choices:
+- Full models are saved with `save_original_format=False` (transformers 5), so the files
+  hold exactly `model.state_dict()`'s keys and reload with `load_state_dict`. Tied
+  weights, which save_pretrained stores once, are accepted as missing.
+- Saving step N deletes complete checkpoints with a step above N. They belong to a history
+  abandoned by resuming from an older checkpoint, and `latest_checkpoint` must not pick
+  them. Then only the newest `keep_last` are kept.
+- Everything is loaded with `torch.load(weights_only=True)`. The RNG states are stored as
+  tensors and tuples so that this works, and `sample_state` turns the rollout samples a
+  checkpoint holds into such plain data.
+  A prompt's extra columns are not kept: they only feed reward functions, and a saved
+  sample has been scored already.
+- Only one process (rank 0) may call these functions. FSDP-sharded models must be gathered
+  first.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from leangrpo.checkpoint.rundir import COMPLETE, STEP_DIR, complete_checkpoints, latest_checkpoint
+
+# Finding checkpoints needs no torch: the CLI does it before the model loads (rundir.py).
+from leangrpo.contracts import Completion, Prompt, RolloutSample
+
+BULKY_STATE = "trainer_state.pt"
+
+__all__ = [
+    "BULKY_STATE",
+    "COMPLETE",
+    "STEP_DIR",
+    "CheckpointError",
+    "capture_rng_state",
+    "complete_checkpoints",
+    "is_peft_model",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_model_weights",
+    "restore_rng_state",
+    "save_checkpoint",
+    "save_final_model",
+    "save_model_weights",
+]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or does not fit the model being resumed."""
+
+
+# -- public API -----------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    output_dir: str | Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any | None,
+    trainer_state: dict[str, Any],
+    keep_last: int,
+    extra_files: dict[str, str] | None = None,
+    bulky_state: dict[str, Any] | None = None,
+) -> Path:
+    """Write `output_dir/checkpoints/step-{step}/` atomically; return its path.
+
+    `trainer_state` goes to trainer_state.json (small, readable); `bulky_state`, when
+    given, to trainer_state.pt (plain data and tensors, see `sample_state`);
+    `extra_files` maps file names to text written alongside (e.g. the run's config.yaml).
+    """
+    if keep_last < 1:
+        raise CheckpointError(
+            f"keep_last must be >= 1 (got {keep_last}); set checkpoint.keep_last."
+        )
+    if trainer_state.get("step", step) != step:
+        raise CheckpointError(
+            f"trainer_state['step'] = {trainer_state['step']} disagrees with step = {step}."
+        )
+    state_json = _to_json({**trainer_state, "step": step})
+    root = Path(output_dir) / "checkpoints"
+    _remove_stale_tmp(root)
+    with _atomic_directory(root / f"step-{step}") as tmp:
+        save_model_weights(model, tmp / "model", for_resume=True)
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        if scheduler is not None:
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        torch.save(capture_rng_state(), tmp / "rng.pt")
+        (tmp / "trainer_state.json").write_text(state_json)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text, encoding="utf-8")
+        if bulky_state is not None:
+            torch.save(bulky_state, tmp / BULKY_STATE)
+        (tmp / COMPLETE).write_text(json.dumps({"step": step}) + "\n")
+    _prune(root, step, keep_last)
+    return root / f"step-{step}"
+
+
+def load_checkpoint(
+    path: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any | None = None,
+) -> dict[str, Any]:
+    """Restore weights (in place), optimizer, scheduler and RNGs; return the trainer state."""
+    path = Path(path)
+    if not (path / COMPLETE).is_file():
+        raise CheckpointError(
+            f"{path} is not a complete checkpoint (no {COMPLETE} marker); pass a checkpoints/step-N directory written by leangrpo."
+        )
+    load_model_weights(model, path / "model")
+    for obj, name in ((optimizer, "optimizer.pt"), (scheduler, "scheduler.pt")):
+        if obj is None:
+            continue
+        if not (path / name).is_file():
+            raise CheckpointError(
+                f"{path} has no {name}; it was saved without one, so this run cannot resume it exactly."
+            )
+        obj.load_state_dict(torch.load(path / name, map_location="cpu", weights_only=True))
+    restore_rng_state(torch.load(path / "rng.pt", weights_only=True))
+    return json.loads((path / "trainer_state.json").read_text())
+
+
+def load_bulky_state(path: str | Path) -> dict[str, Any]:
+    """The `bulky_state` saved with a checkpoint ({} when it was saved without one)."""
+    file = Path(path) / BULKY_STATE
+    if not file.is_file():
+        return {}
+    return torch.load(file, map_location="cpu", weights_only=True)
+
+
+def save_final_model(output_dir: str | Path, model: torch.nn.Module, tokenizer: Any | None) -> Path:
+    """Write `output_dir/final/` atomically, loadable by from_pretrained (full) or PeftModel."""
+    output_dir = Path(output_dir)
+    _remove_stale_tmp(output_dir, prefix=".tmp-final-")
+    with _atomic_directory(output_dir / "final") as tmp:
+        save_model_weights(model, tmp, for_resume=False)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    return output_dir / "final"
+
+
+# -- model weights --------------------------------------------------------------------------
+
+
+def is_peft_model(model: torch.nn.Module) -> bool:
+    if "peft" not in sys.modules:  # no PeftModel can exist; importing peft costs ~40 MB
+        return False
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def save_model_weights(model: Any, directory: Path, for_resume: bool) -> None:
+    """peft: the adapter only; full model: safetensors (resume: state_dict key names)."""
+    params = inspect.signature(model.save_pretrained).parameters
+    keep_names = for_resume and not is_peft_model(model) and "save_original_format" in params
+    kwargs = {"save_original_format": False} if keep_names else {}
+    with _quiet_transformers_progress():
+        model.save_pretrained(directory, **kwargs)
+
+
+@contextmanager
+def _quiet_transformers_progress() -> Iterator[None]:
+    """No "Writing model shards" bar under the training progress bar."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def load_model_weights(model: Any, directory: Path) -> None:
+    adapter_file = directory / "adapter_model.safetensors"
+    peft = is_peft_model(model)
+    if adapter_file.is_file() != peft:
+        held = "a LoRA adapter" if adapter_file.is_file() else "full model weights"
+        raise CheckpointError(
+            f"{directory} holds {held} but the model is {'a peft' if peft else 'not a peft'} model; resume with the same lora.enabled setting the checkpoint was saved with."
+        )
+    if peft:
+        _load_adapter(model, adapter_file)
+    else:
+        _load_full(model, directory)
+
+
+def _load_adapter(model: Any, adapter_file: Path) -> None:
+    from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+
+    saved = load_file(adapter_file)
+    expected = set(get_peft_model_state_dict(model))
+    if expected != set(saved):
+        diff = sorted(expected.symmetric_difference(saved))[:3]
+        raise CheckpointError(
+            f"adapter in {adapter_file.parent} does not match the model's LoRA layers (e.g. {diff}); resume with the lora.r and lora.target_modules it was saved with."
+        )
+    set_peft_model_state_dict(model, saved)
+
+
+def _load_full(model: torch.nn.Module, directory: Path) -> None:
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory} holds no .safetensors weights.")
+    saved: dict[str, torch.Tensor] = {}
+    for file in files:
+        saved.update(load_file(file))
+    current = model.state_dict()
+    wrong = [k for k, v in saved.items() if k in current and v.shape != current[k].shape]
+    if wrong:
+        name = wrong[0]
+        raise CheckpointError(
+            f"weights in {directory} do not fit the model: {name} has shape {tuple(saved[name].shape)} there but {tuple(current[name].shape)} in the model; resume with the model.name_or_path they were saved from."
+        )
+    result = model.load_state_dict(saved, strict=False)
+    untied = _untied_missing(model, result.missing_keys, loaded=set(saved))
+    if untied or result.unexpected_keys:
+        raise CheckpointError(
+            f"weights in {directory} do not match the model (missing {untied[:3]}, unexpected {result.unexpected_keys[:3]}); resume with the model.name_or_path they were saved from."
+        )
+
+
+def _untied_missing(model: torch.nn.Module, missing: list[str], loaded: set[str]) -> list[str]:
+    """Missing keys that do not share storage with a loaded tensor (tied weights are fine)."""
+    by_name = model.state_dict(keep_vars=True)
+    loaded_ptrs = {by_name[name].data_ptr() for name in loaded if name in by_name}
+    return [name for name in missing if by_name[name].data_ptr() not in loaded_ptrs]
+
+
+# -- records as plain data -----------------------------------------------------------------
+
+
+def sample_state(sample: RolloutSample) -> dict[str, Any]:
+    """A scored rollout sample as plain data (its prompt's reward columns left out)."""
+    p, c = sample.prompt, sample.completion
+    return {
+        "group_id": sample.group_id,
+        "prompt": {"uid": p.uid, "text": p.text, "ids": list(p.ids)},
+        "completion": {
+            "ids": list(c.ids),
+            "text": c.text,
+            "logprobs": list(c.logprobs),
+            "finish_reason": c.finish_reason,
+            "version": c.version,
+        },
+        "rewards": dict(sample.rewards),
+        "reward": sample.reward,
+        "advantage": sample.advantage,
+        "replayed": sample.replayed,
+    }
+
+
+def sample_from_state(state: dict[str, Any]) -> RolloutSample:
+    return RolloutSample(
+        group_id=state["group_id"],
+        prompt=Prompt(**state["prompt"]),
+        completion=Completion(**state["completion"]),
+        rewards=dict(state["rewards"]),
+        reward=state["reward"],
+        advantage=state["advantage"],
+        replayed=state["replayed"],
+    )
+
+
+# -- RNG ------------------------------------------------------------------------------------
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Every generator a run draws from, in types `torch.load(weights_only=True)` accepts."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+# -- files ----------------------------------------------------------------------------------
+
+
+@contextmanager
+def _atomic_directory(final: Path) -> Iterator[Path]:
+    """Yield a temporary sibling of `final`; on success fsync it and rename it to `final`.
+
+    On an exception the temporary directory is left as a crash would leave it; the next
+    save removes it.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    yield tmp
+    _fsync_tree(tmp)
+    if final.exists():  # re-saving a step: swap the old one out, then delete it
+        old = Path(tempfile.mkdtemp(prefix=f".tmp-old-{final.name}-", dir=final.parent))
+        os.replace(final, old / final.name)
+        os.rename(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    if os.name != "posix":  # directories cannot be opened for fsync on Windows
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_stale_tmp(root: Path, prefix: str = ".tmp-") -> None:
+    if root.is_dir():
+        for child in root.iterdir():
+            if child.name.startswith(prefix) and child.is_dir():
+                shutil.rmtree(child, ignore_errors=True)
+
+
+def _prune(root: Path, step: int, keep_last: int) -> None:
+    checkpoints = complete_checkpoints(root)
+    abandoned = [path for s, path in checkpoints if s > step]
+    kept_history = [path for s, path in checkpoints if s <= step]
+    for path in abandoned + kept_history[:-keep_last]:
+        shutil.rmtree(path)
+
+
+def _to_json(state: dict[str, Any]) -> str:
+    try:
+        return json.dumps(state, indent=1, sort_keys=True)
+    except TypeError:
+        where, value = _first_unjsonable(state, "trainer_state")
+        raise CheckpointError(
+            f"{where} is a {type(value).__name__}, which JSON cannot hold; convert it to numbers, strings, lists or dicts before saving."
+        ) from None
+
+
+def _first_unjsonable(value: Any, where: str) -> tuple[str, Any]:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str | int | float | bool) and key is not None:
+                return f"{where} key {key!r}", key
+            found = _first_unjsonable(item, f"{where}[{key!r}]")
+            if found[0]:
+                return found
+        return "", None
+    if isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            found = _first_unjsonable(item, f"{where}[{i}]")
+            if found[0]:
+                return found
+        return "", None
+    if value is None or isinstance(value, str | int | float | bool):
+        return "", None
+    return where, value

@@ -1,0 +1,219 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP), and the final model.
+
+A sharded checkpoint is `output_dir/checkpoints/step-N/`:
+
+    dcp/                model + optimizer state: one file per rank and DCP's metadata
+    rng-<rank>.pt       each rank's generator states (ranks draw different numbers)
+    scheduler.pt        rank 0
+    trainer_state.json  rank 0: {"step": N, "world_size": W, ...the trainer's state}
+    trainer_state.pt    rank 0 (optional): bulky state, as checkpoint.py's
+    config.yaml, ...    rank 0: `extra_files`
+    COMPLETE            written last, by rank 0
+
+Atomic as checkpoint.py: rank 0 creates `checkpoints/.tmp-step-N-<random>/` and broadcasts
+its name, every rank writes its part there (DCP and the rng file are fsynced by the rank
+that wrote them), a barrier, then rank 0 checks that every rank's files are there (each
+`rng-<rank>.pt`, and every file DCP's metadata names, at least as long as it says) and
+broadcasts the verdict: a file missing (ranks that do not share one filesystem) stops
+every rank with one CheckpointError and no COMPLETE marker. Otherwise rank 0 fsyncs the
+tree, writes COMPLETE and renames the directory to `step-N`, and a last barrier keeps
+every rank from reading `latest_checkpoint` before the rename. `output_dir` must be one filesystem every rank sees (DCP's
+FileSystemWriter needs that too). State dicts come from `get_state_dict` (FQNs of the
+unwrapped model, sharded DTensors), so a resume at the same world size is exact; resuming
+at another world size is refused, since per-rank RNG streams cannot be split or merged.
+
+The final model is written once, by rank 0, as a plain Hugging Face directory: the full
+state dict gathered to rank 0 in host memory (`full_state_dict=True, cpu_offload=True`), or
+for LoRA the adapter tensors only, passed to `save_pretrained(state_dict=...)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+from leangrpo.checkpoint.local import (
+    BULKY_STATE,
+    CheckpointError,
+    _atomic_directory,
+    _prune,
+    _quiet_transformers_progress,
+    _remove_stale_tmp,
+    _to_json,
+    capture_rng_state,
+    is_peft_model,
+    restore_rng_state,
+)
+from leangrpo.checkpoint.rundir import COMPLETE
+from leangrpo.distributed.context import DistContext
+from leangrpo.distributed.fsdp import gather_for_sync
+
+
+def save_sharded_checkpoint(
+    output_dir: str | Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any | None,
+    trainer_state: dict[str, Any],
+    keep_last: int,
+    ctx: DistContext,
+    extra_files: dict[str, str] | None = None,
+    bulky_state: dict[str, Any] | None = None,
+) -> Path:
+    """Every rank calls this; returns `output_dir/checkpoints/step-{step}`.
+
+    `trainer_state`, `extra_files` and `bulky_state` are rank 0's (the other ranks' are
+    ignored): pass what is the same on every rank, or gathered to rank 0.
+    """
+    if keep_last < 1:
+        raise CheckpointError(
+            f"keep_last must be >= 1 (got {keep_last}); set checkpoint.keep_last."
+        )
+    state_json = _to_json({**trainer_state, "step": step, "world_size": ctx.world_size})
+    root = Path(output_dir) / "checkpoints"
+    final = root / f"step-{step}"
+    if not ctx.is_main:
+        _write_rank_files(Path(ctx.broadcast_object(None)), model, optimizer, ctx)
+        ctx.barrier()  # rank 0 checks every rank's files after this one ...
+        missing = ctx.broadcast_object(None)
+        if missing:
+            raise CheckpointError(missing)
+        ctx.barrier()  # ... renames before this one
+        return final
+    _remove_stale_tmp(root)
+    with _atomic_directory(final) as tmp:
+        ctx.broadcast_object(str(tmp))
+        _write_rank_files(tmp, model, optimizer, ctx)
+        if scheduler is not None:
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        (tmp / "trainer_state.json").write_text(state_json)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text, encoding="utf-8")
+        if bulky_state is not None:
+            torch.save(bulky_state, tmp / BULKY_STATE)
+        ctx.barrier()  # every rank's files are in place ...
+        missing = _missing_rank_files(tmp, ctx.world_size)  # ... where rank 0 sees them
+        ctx.broadcast_object(missing)
+        if missing:
+            raise CheckpointError(missing)
+        (tmp / COMPLETE).write_text(json.dumps({"step": step}) + "\n")
+    _prune(root, step, keep_last)
+    ctx.barrier()
+    return final
+
+
+def _missing_rank_files(tmp: Path, world_size: int) -> str | None:
+    """None when every rank's part of the checkpoint in `tmp` is there (as rank 0 sees
+    it), else the sentence to raise: which files are missing or short."""
+    missing = [f"rng-{r}.pt" for r in range(world_size) if not (tmp / f"rng-{r}.pt").is_file()]
+    shards = tmp / "dcp"
+    if (shards / ".metadata").is_file():
+        ends: dict[str, int] = {}  # every file DCP's metadata names -> the bytes it must hold
+        for info in dcp.FileSystemReader(shards).read_metadata().storage_data.values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+        for name, end in sorted(ends.items()):
+            path = shards / name
+            if not path.is_file() or path.stat().st_size < end:
+                missing.append(f"dcp/{name}")
+    else:
+        missing.append("dcp/.metadata")
+    if not missing:
+        return None
+    listed = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+    return (
+        f"checkpoint {tmp.name} is incomplete after every rank wrote its part: {listed} "
+        f"missing in {tmp}, so it was not marked {COMPLETE}; run.output_dir must be one "
+        "filesystem that every rank sees (a shared disk)"
+    )
+
+
+def _write_rank_files(tmp: Path, model: nn.Module, optimizer, ctx: DistContext) -> None:
+    state = _sharded_state(model, optimizer)
+    dcp.save(state, checkpoint_id=tmp / "dcp")
+    rng_file = tmp / f"rng-{ctx.rank}.pt"
+    torch.save(capture_rng_state(), rng_file)
+    with open(rng_file, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _sharded_state(model: nn.Module, optimizer) -> dict[str, Any]:
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optim_state}
+
+
+def load_sharded_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any | None,
+    ctx: DistContext,
+) -> dict[str, Any]:
+    """Every rank calls this on the same path; restores in place, returns the trainer state."""
+    path = Path(path)
+    if not (path / COMPLETE).is_file():
+        raise CheckpointError(
+            f"{path} is not a complete checkpoint (no {COMPLETE} marker); pass a checkpoints/step-N directory written by leangrpo."
+        )
+    state = json.loads((path / "trainer_state.json").read_text())
+    if not (path / "dcp").is_dir():
+        raise CheckpointError(
+            f"{path} was saved by a single process (no dcp/ directory); resume it without torchrun, or start a fresh distributed run."
+        )
+    if state.get("world_size") != ctx.world_size:
+        raise CheckpointError(
+            f"{path} was saved by {state.get('world_size')} ranks but this run has {ctx.world_size}; resume with the same number of processes (torchrun --nproc_per_node/--nnodes)."
+        )
+    sharded = _sharded_state(model, optimizer)
+    dcp.load(sharded, checkpoint_id=path / "dcp")
+    set_state_dict(
+        model,
+        optimizer if optimizer is not None else [],
+        model_state_dict=sharded["model"],
+        optim_state_dict=sharded.get("optimizer", {}),
+    )
+    if scheduler is not None:
+        scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    restore_rng_state(torch.load(path / f"rng-{ctx.rank}.pt", weights_only=True))
+    return state
+
+
+def full_model_state(model: nn.Module, ctx: DistContext) -> dict[str, torch.Tensor]:
+    """The full state dict on rank 0, in host memory; {} on the other ranks (all call it)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)
+    return state if ctx.is_main else {}
+
+
+def save_final_sharded(
+    output_dir: str | Path, model: nn.Module, tokenizer: Any | None, ctx: DistContext
+) -> Path:
+    """Write `output_dir/final/` once (rank 0), loadable by from_pretrained / PeftModel."""
+    final = Path(output_dir) / "final"
+    if is_peft_model(model):  # the adapter only: no need to gather the frozen base
+        pairs = gather_for_sync(model, ctx, adapters_only=True, device="cpu")
+        state = dict(pairs)
+    else:
+        state = full_model_state(model, ctx)
+    if ctx.is_main:
+        _remove_stale_tmp(final.parent, prefix=".tmp-final-")
+        with _atomic_directory(final) as tmp, _quiet_transformers_progress():
+            model.save_pretrained(tmp, state_dict=state)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+    ctx.barrier()
+    return final

@@ -1,0 +1,166 @@
+"""Typed, validated settings: one `Config` of nested sections, each field documented.
+
+Every field carries its default, allowed range and description (docs/config.md is generated
+from them by scripts/gen_config_docs.py). Choices:
+
+- Unknown keys are errors (`extra="forbid"`); config_io.py turns every pydantic error into
+  one sentence naming the dotted key and, for a typo, the closest valid key.
+- Values are parsed leniently (pydantic lax mode), so YAML's `1e-5` (a string to PyYAML)
+  still reads as a float; `--set` values go through `yaml.safe_load`.
+- Cross-field rules live on the section that owns them (on `Config` when they span
+  sections) and raise `ConfigError` with one sentence naming every key involved.
+- Every float must be finite (`allow_inf_nan=False`): `.inf` or `.nan` anywhere is refused
+  naming the key. Values that are finite but absurd get documented upper bounds
+  (temperatures <= 10, time limits <= one day, seeds within numpy's 0..2**32-1).
+- This module must not import torch: the CLI validates a config before anything heavy loads.
+
+Layout: the sections live in config_run.py (run, model, lora, data, rewards, eval,
+checkpoint, logging) and config_training.py (rollout, loss, train, packing, logprobs,
+offload, pipeline, distributed), and are re-exported here; this module holds `Config`
+with the rules that span sections, and loading (`load_config`, `config_from_dict`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from leangrpo.config.base import Section
+from leangrpo.config.io import (
+    ConfigError,
+    apply_override,
+    describe_validation_error,
+    read_yaml,
+    rule_error,
+)
+from leangrpo.config.run import (
+    CheckpointConfig,
+    DataConfig,
+    EvalConfig,
+    LoggingConfig,
+    LoRAConfig,
+    ModelConfig,
+    RewardsConfig,
+    RunConfig,
+)
+from leangrpo.config.training import (
+    DistributedConfig,
+    LogprobsConfig,
+    LossConfig,
+    OffloadConfig,
+    PackingConfig,
+    PipelineConfig,
+    RolloutConfig,
+    TrainConfig,
+)
+
+__all__ = ["Config", "ConfigError", "load_config", "config_from_dict", "apply_override"]
+
+
+class Config(Section):
+    """A whole run."""
+
+    run: RunConfig = Field(default_factory=RunConfig, description="Run.")
+    model: ModelConfig = Field(..., description="Policy model.")
+    lora: LoRAConfig = Field(default_factory=LoRAConfig, description="LoRA.")
+    data: DataConfig = Field(..., description="Prompts.")
+    rewards: RewardsConfig = Field(..., description="Rewards.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation.")
+    loss: LossConfig = Field(default_factory=LossConfig, description="Objective.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation.")
+    packing: PackingConfig = Field(default_factory=PackingConfig, description="Packing.")
+    logprobs: LogprobsConfig = Field(default_factory=LogprobsConfig, description="Log-probs.")
+    offload: OffloadConfig = Field(default_factory=OffloadConfig, description="Activation offload.")
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="Pipeline.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation.")
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="Checkpoints."
+    )
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging.")
+    distributed: DistributedConfig = Field(
+        default_factory=DistributedConfig, description="Multi-GPU / multi-node (torchrun)."
+    )
+
+    @model_validator(mode="after")
+    def _check_dropout(self) -> Config:
+        if self.lora.enabled and self.lora.dropout > 0 and self.model.disable_dropout:
+            raise rule_error(
+                f"lora.dropout ({self.lora.dropout}) would be set to 0 by model.disable_dropout (true by default, since dropout makes the training pass disagree with the old-log-prob pass); set lora.dropout: 0, or model.disable_dropout: false to train with dropout."
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_group_counts(self) -> Config:
+        groups = self.rollout.prompts_per_batch
+        if self.train.steps_per_generation > groups:
+            raise rule_error(
+                f"train.steps_per_generation ({self.train.steps_per_generation}) must not exceed rollout.prompts_per_batch ({groups}), because each optimizer step takes whole prompt groups."
+            )
+        if (
+            self.pipeline.min_groups_per_step is not None
+            and self.pipeline.min_groups_per_step > groups
+        ):
+            raise rule_error(
+                f"pipeline.min_groups_per_step ({self.pipeline.min_groups_per_step}) must not exceed rollout.prompts_per_batch ({groups}), the groups one generation batch holds."
+            )
+        if self.train.micro_batch_tokens <= self.rollout.max_new_tokens:
+            raise rule_error(
+                f"train.micro_batch_tokens ({self.train.micro_batch_tokens}) must exceed rollout.max_new_tokens ({self.rollout.max_new_tokens}), because a micro-batch must hold a whole prompt plus its completion; raise train.micro_batch_tokens."
+            )
+        pipe = self.pipeline
+        if not self.generates_with_live_weights() and pipe.max_staleness < pipe.sync_interval - 1:
+            raise rule_error(
+                f"pipeline.max_staleness ({pipe.max_staleness}) must be at least pipeline.sync_interval - 1 ({pipe.sync_interval - 1}): the generator only receives every sync_interval-th version, so a tighter bound can never be met."
+            )
+        dist = self.distributed
+        if dist.param_dtype != "off" and self.model.dtype in ("bfloat16", "float16"):
+            raise rule_error(
+                f"distributed.param_dtype ({dist.param_dtype}) needs full-precision master weights, but model.dtype is {self.model.dtype}; set model.dtype: float32 for mixed precision, or distributed.param_dtype: off."
+            )
+        return self
+
+    def generates_with_live_weights(self) -> bool:
+        """The hf engine in sync mode samples from the trainer's own model: never stale."""
+        return self.rollout.engine == "hf" and self.pipeline.mode == "sync"
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the resolved config (every default filled in) to `path`."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_yaml())
+        return path
+
+
+# -- loading --------------------------------------------------------------------------------
+
+REQUIRED_SECTIONS = ("model", "data", "rewards")
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read YAML at `path` (or start empty), apply `key.path=value` overrides, validate."""
+    data = read_yaml(path) if path is not None else {}
+    for override in overrides or []:
+        apply_override(data, override)
+    return config_from_dict(data)
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    if not isinstance(data, dict):
+        kind = type(data).__name__
+        raise ConfigError(
+            f"A config must be a mapping of sections (run, model, data, ...), got {kind}."
+        )
+    data = dict(data)
+    for section in REQUIRED_SECTIONS:  # report a missing section at its first required key
+        if data.get(section) is None:
+            data[section] = {}
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(describe_validation_error(exc, Config)) from None

@@ -1,0 +1,388 @@
+"""Metrics: one JSON line per step, optional trackers, a quiet progress display.
+
+`MetricsLogger.log(step, metrics)` appends `{"step": step, ...flat keys...}` to
+`output_dir/metrics.jsonl`. Every write is flushed, so a crash loses at most the line being
+written; `read_metrics` skips such a torn line (anywhere: a resumed run appends after
+it) with a warning naming file and line. Choices:
+
+- Values become JSON numbers: tensors and numpy scalars via `.item()`, nested dicts
+  flattened with "/". NaN and +-inf are written as null, because strict JSON has neither.
+  Text is refused (it belongs in `log_samples`).
+- TensorBoard, W&B and trackio are imported only when asked for. A missing one is a
+  `ConfigError` at construction that names the pip extra, not a failure at step 1000.
+- The console gets a rich progress bar with ETA and three numbers (reward/mean, loss,
+  eval/reward), never a wall of text. When stdout is not a terminal (CI, nohup) it prints
+  one compact line about every tenth of the run instead.
+- `resume_step=N` drops rows with step > N from existing files, so a resumed run's log has
+  no duplicated or orphaned steps; `resume_rows=k` (what `rows_logged_at(N)` said when the
+  checkpoint was saved) also drops the step-N rows after its first k: rows logged after
+  the checkpoint under the same step (skipped batches) belong to work the resumed run
+  does again. A fresh run never appends to an earlier run's file: rundir.py refuses (or,
+  with run.overwrite, empties) a directory holding one.
+- `stage(metrics)` holds values logged once (the data counts) until the next row, so they
+  land in the step-0 row instead of a row of their own.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+from leangrpo.config import ConfigError
+
+log = logging.getLogger(__name__)
+KEY_METRICS = ("reward/mean", "loss", "eval/reward")
+BACKENDS = ("jsonl", "tensorboard", "wandb", "trackio")
+INSTALL_HINT = {
+    "tensorboard": ("tensorboard", "pip install 'leangrpo[tensorboard]'"),
+    "wandb": ("wandb", "pip install 'leangrpo[wandb]'"),
+    "trackio": ("trackio", "pip install trackio"),
+}
+
+
+class MetricsLogger:
+    def __init__(
+        self,
+        output_dir: str | Path,
+        backends: Iterable[str] = ("jsonl",),
+        progress_bar: bool = True,
+        total_steps: int = 1,
+        run_name: str | None = None,
+        config_dict: dict[str, Any] | None = None,
+        *,
+        project: str | None = None,
+        resume_step: int | None = None,
+        resume_rows: int | None = None,
+        console: Console | None = None,
+    ):
+        backends = list(dict.fromkeys(backends))
+        check_backends(backends)
+        self.dir = Path(output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.dir / "metrics.jsonl"
+        self.samples_path = self.dir / "samples.jsonl"
+        self._last_step, self._rows_at_last_step = 0, 0  # rows logged under the latest step
+        if resume_step is not None:
+            kept = drop_rows_after(self.metrics_path, resume_step, resume_rows)
+            drop_rows_after(self.samples_path, resume_step)
+            self._last_step, self._rows_at_last_step = resume_step, kept
+        self.console = console or Console()
+        self._file = open(self.metrics_path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close)
+        project = project or "leangrpo"
+        self._sinks = [
+            make_sink(b, self.dir, project, run_name, config_dict) for b in backends if b != "jsonl"
+        ]
+        self._progress = ProgressDisplay(
+            self.console, total_steps, progress_bar, start_step=resume_step or 0
+        )
+        self._staged: dict[str, Any] = {}
+
+    def stage(self, metrics: Mapping[str, Any]) -> None:
+        """Add `metrics` to the next logged row (values logged once, e.g. data counts)."""
+        self._staged.update(metrics)
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        flat = flatten_metrics({**self._staged, **metrics})
+        self._staged = {}
+        self._file.write(json.dumps({"step": step, **flat}) + "\n")
+        self._file.flush()
+        if step != self._last_step:
+            self._last_step, self._rows_at_last_step = step, 0
+        self._rows_at_last_step += 1
+        finite = {k: v for k, v in flat.items() if v is not None}
+        for sink in self._sinks:
+            sink.log(step, finite)
+        self._progress.update(step, flat)
+
+    def rows_logged_at(self, step: int) -> int:
+        """metrics.jsonl rows with this step so far (a checkpoint saves it: `resume_rows`)."""
+        return self._rows_at_last_step if step == self._last_step else 0
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Append rows (prompt, completion, reward, ...) to samples.jsonl and print a table."""
+        with open(self.samples_path, "a", encoding="utf-8") as f:
+            for row in rows:
+                f.write(
+                    json.dumps({"step": step, **{k: _json_value(v) for k, v in row.items()}}) + "\n"
+                )
+        if rows:
+            self._progress.print(samples_table(step, rows))
+
+    def close(self) -> None:
+        self._progress.close()
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
+        if not self._file.closed:
+            self._file.close()
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a metrics.jsonl (or of the one in a run directory); a torn or foreign line
+    (not a JSON object with a numeric step) is skipped with a warning."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
+    rows, skipped = [], []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if isinstance(row, dict) and isinstance(row.get("step"), int | float):
+            rows.append(row)
+        else:  # a line torn by a crash (a resumed run appends after it)
+            skipped.append(number)
+    if skipped:
+        log.warning(
+            "%s: skipped %d line(s) that are not complete metrics rows (line %s)",
+            path,
+            len(skipped),
+            ", ".join(map(str, skipped[:5])) + (" ..." if len(skipped) > 5 else ""),
+        )
+    return rows
+
+
+# -- values ---------------------------------------------------------------------------------
+
+
+def flatten_metrics(
+    metrics: Mapping[str, Any], prefix: str = ""
+) -> dict[str, float | int | bool | None]:
+    flat: dict[str, float | int | bool | None] = {}
+    for key, value in metrics.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flatten_metrics(value, f"{name}/"))
+        else:
+            flat[name] = to_number(name, value)
+    return flat
+
+
+def to_number(name: str, value: Any) -> float | int | bool | None:
+    """A JSON-safe scalar: tensors/numpy via .item(); NaN and inf become None."""
+    if value is None or isinstance(value, bool):
+        return value
+    if hasattr(value, "item") and not isinstance(value, int | float):  # tensor, numpy scalar
+        try:
+            value = value.item()
+        except (ValueError, RuntimeError):
+            raise ValueError(
+                f"metric {name!r} is not a scalar (shape {tuple(value.shape)}); log a number, e.g. its .mean()."
+            ) from None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    raise TypeError(
+        f"metric {name!r} is a {type(value).__name__}; log numbers only (text goes to log_samples)."
+    )
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, str | None):
+        return value
+    try:
+        return to_number("sample", value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def drop_rows_after(path: Path, step: int, rows_at_step: int | None = None) -> int:
+    """Rewrite a JSONL file without rows whose step is above `step` (and any torn line),
+    keeping only the first `rows_at_step` rows of `step` itself when given; returns how
+    many rows of `step` are kept."""
+    if not path.is_file():
+        return 0
+    kept, at_step = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(row, dict) or row.get("step", 0) > step:
+            continue
+        if row.get("step", 0) == step:
+            if rows_at_step is not None and at_step >= rows_at_step:
+                continue
+            at_step += 1
+        kept.append(line + "\n")
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
+    return at_step
+
+
+# -- trackers -------------------------------------------------------------------------------
+
+
+def check_backends(backends: list[str]) -> None:
+    for backend in backends:
+        if backend not in BACKENDS:
+            raise ConfigError(
+                f"logging.backends has unknown backend {backend!r}; use any of {', '.join(BACKENDS)}."
+            )
+        if backend in INSTALL_HINT:
+            module, hint = INSTALL_HINT[backend]
+            try:
+                __import__(module)
+            except ImportError:
+                raise ConfigError(
+                    f"logging.backends includes {backend!r} but the {module} package is not installed; run `{hint}` or remove it from logging.backends."
+                ) from None
+
+
+def make_sink(
+    backend: str, output_dir: Path, project: str, run_name: str | None, config: dict | None
+):
+    if backend == "tensorboard":
+        return TensorBoardSink(output_dir / "tensorboard")
+    module = __import__(backend)  # wandb and trackio share init/log/finish
+    return TrackerSink(module, project, run_name, config, output_dir)
+
+
+class TensorBoardSink:
+    def __init__(self, log_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, float(value), global_step=step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class TrackerSink:
+    """wandb or trackio: `init(project, name, config)`, `log(metrics, step)`, `finish()`."""
+
+    def __init__(
+        self, module: Any, project: str, run_name: str | None, config: dict | None, output_dir: Path
+    ):
+        kwargs: dict[str, Any] = {"project": project, "name": run_name, "config": config}
+        if "dir" in inspect.signature(module.init).parameters:
+            kwargs["dir"] = str(output_dir)
+        self.module = module
+        self.run = module.init(**kwargs)
+        self.log_takes_step = "step" in inspect.signature(module.log).parameters
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if self.log_takes_step:
+            self.module.log(metrics, step=step)
+        else:
+            self.module.log({**metrics, "step": step})
+
+    def close(self) -> None:
+        self.module.finish()
+
+
+# -- console --------------------------------------------------------------------------------
+
+
+class ProgressDisplay:
+    """A rich bar on a terminal, a compact line every ~10% of the run elsewhere, or nothing."""
+
+    def __init__(self, console: Console, total_steps: int, enabled: bool, start_step: int = 0):
+        self.console, self.total, self.enabled = console, max(total_steps, 1), enabled
+        self.every = max(1, self.total // 10)
+        self.shown: dict[str, float] = {}
+        self.start_step, self.start_time = start_step, time.monotonic()
+        self.bar: Progress | None = None
+        if enabled and console.is_terminal:
+            columns = (
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[stats]}"),
+            )
+            self.bar = Progress(*columns, console=console)
+            self.task = self.bar.add_task("train", total=self.total, completed=start_step, stats="")
+            self.bar.start()
+
+    def update(self, step: int, metrics: dict[str, Any]) -> None:
+        self.shown.update({k: metrics[k] for k in KEY_METRICS if metrics.get(k) is not None})
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step, stats=self.stats())
+        elif (
+            self.enabled
+            and step > self.start_step
+            and (step % self.every == 0 or step == self.total)
+        ):
+            self.console.print(self.line(step), highlight=False, soft_wrap=True)
+
+    def stats(self) -> str:
+        return "  ".join(f"{k} {self.shown[k]:.4g}" for k in KEY_METRICS if k in self.shown)
+
+    def line(self, step: int) -> str:
+        elapsed = time.monotonic() - self.start_time
+        per_step = elapsed / max(step - self.start_step, 1)
+        eta = per_step * max(self.total - step, 0)
+        parts = [
+            f"step {step}/{self.total}",
+            self.stats(),
+            f"{per_step:.2f} s/step",
+            f"eta {_duration(eta)}",
+        ]
+        return " | ".join(p for p in parts if p)
+
+    def print(self, renderable: Any) -> None:
+        (self.bar.console if self.bar is not None else self.console).print(renderable)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+
+def samples_table(step: int, rows: list[dict[str, Any]], max_rows: int = 6) -> Table:
+    table = Table(title=f"samples at step {step}", show_lines=True, expand=True)
+    table.add_column("prompt (end)", ratio=2, overflow="fold")
+    table.add_column("completion", ratio=3, overflow="fold")
+    table.add_column("reward", justify="right", no_wrap=True)
+    for row in rows[:max_rows]:
+        prompt, completion = str(row.get("prompt", "")), str(row.get("completion", ""))
+        prompt = prompt if len(prompt) <= 160 else "..." + prompt[-157:]
+        completion = completion if len(completion) <= 400 else completion[:397] + "..."
+        reward = row.get("reward")
+        table.add_row(prompt, completion, "-" if reward is None else f"{float(reward):.3g}")
+    return table
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"

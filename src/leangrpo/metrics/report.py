@@ -1,0 +1,80 @@
+"""`leangrpo report RUN_DIR`: what a run did, from its metrics.jsonl.
+
+Prints first / last / best of the headline metrics and, when matplotlib is installed,
+writes `report.png` with their curves next to the metrics file.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from leangrpo.metrics.logger import read_metrics
+
+HEADLINE = [
+    "eval/reward",
+    "reward/mean",
+    "loss",
+    "grad_norm",
+    "completions/mean_length",
+    "staleness/mean",
+    "time/generate",
+    "time/train",
+    "throughput/train_tokens_per_s",
+]
+
+
+def read_rows(run_dir: str | Path) -> list[dict]:
+    """The run's metrics rows; torn lines are skipped with a warning (metrics.read_metrics)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: is {run_dir} a leangrpo run directory?")
+    return read_metrics(path)
+
+
+def series(rows: list[dict], key: str) -> list[tuple[int, float]]:
+    return [
+        (r["step"], r[key])
+        for r in rows
+        if isinstance(r.get(key), (int, float)) and not math.isnan(r[key])
+    ]
+
+
+def report(run_dir: str | Path) -> str:
+    rows = read_rows(run_dir)
+    lines = [
+        f"run {run_dir}: {len(rows)} records, last step {rows[-1]['step'] if rows else 0}",
+        f"{'metric':<32}{'first':>12}{'last':>12}{'min':>12}{'max':>12}",
+    ]
+    for key in HEADLINE:
+        values = [v for _, v in series(rows, key)]
+        if values:
+            lines.append(
+                f"{key:<32}{values[0]:>12.4g}{values[-1]:>12.4g}"
+                f"{min(values):>12.4g}{max(values):>12.4g}"
+            )
+    png = _plot(rows, Path(run_dir) / "report.png")
+    if png:
+        lines.append(f"plots: {png}")
+    return "\n".join(lines)
+
+
+def _plot(rows: list[dict], path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    keys = [k for k in HEADLINE if series(rows, k)]
+    fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.2 * len(keys)), squeeze=False)
+    for ax, key in zip(axes[:, 0], keys):
+        steps, values = zip(*series(rows, key))
+        ax.plot(steps, values, marker="." if len(steps) < 50 else None)
+        ax.set_ylabel(key, fontsize=8)
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

@@ -1,0 +1,181 @@
+"""The packed scoring forward: per-completion-token log-probs (and entropy) of a policy.
+
+Scoring never builds logits for prompt tokens: the backbone runs once over the packed row
+(real tokens only), the final hidden states are gathered at the T positions that predict
+completion tokens, and the chunked lm_head turns those (T, H) rows into log-probs without
+ever holding a (T, V) tensor. Reference log-probs come from the same forward with LoRA
+adapters disabled, or from the frozen copy when training all weights with beta > 0; they
+are unfiltered (temperature only): KL to a top-k / min-p filtered reference is +inf for
+any token outside the reference's set, which becomes near-certain once the policy drifts.
+
+For FSDP2 (distributed/fsdp.py) the chunked lm_head can be a module (`ChunkedLMHead`, the
+same parameters under the same names) and the whole scoring pass a module
+(`PackedScorer`), so that every weight is read inside a forward, where FSDP has gathered it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+from torch import nn
+
+from leangrpo.contracts import PackedBatch, SamplingParams
+from leangrpo.model.policy import Policy
+from leangrpo.ops.attention.adapter import packed_model_kwargs
+from leangrpo.ops.logprobs.api import token_logprobs
+
+
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    lm = causal_lm(model)
+    return lm.get_decoder(), lm.get_output_embeddings()
+
+
+def completion_hidden(model: nn.Module, batch: PackedBatch) -> torch.Tensor:
+    """Final hidden states (T, H) at the positions that predict completion tokens."""
+    backbone, _ = backbone_and_head(model)
+    out = backbone(
+        input_ids=batch.input_ids,
+        position_ids=batch.position_ids,
+        use_cache=False,
+        **packed_model_kwargs(batch),
+    )
+    return out.last_hidden_state[0].index_select(0, batch.completion_index)
+
+
+def score(
+    model: nn.Module,
+    batch: PackedBatch,
+    sampling: SamplingParams,
+    logprob_cfg,
+    *,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-completion-token log-probs (T,) under the engine's sampling transformation."""
+    if isinstance(model, PackedScorer):  # the FSDP root: its forward gathers the root unit
+        return model(batch, sampling, logprob_cfg, with_entropy=with_entropy)
+    if any(_is_dtensor(p) for p in causal_lm(model).parameters()):
+        raise RuntimeError(
+            "score(): the model is FSDP-sharded; score through the PackedScorer that "
+            "leangrpo.distributed.fsdp.shard_model returned, so that the sharded weights are gathered"
+        )
+    return _score(model, batch, sampling, logprob_cfg, with_entropy)
+
+
+def _score(model, batch, sampling, logprob_cfg, with_entropy: bool):
+    """score() without the check (inside the FSDP root's forward, units not yet reached
+    still hold sharded weights; each unit's forward gathers its own)."""
+    hidden = completion_hidden(model, batch)
+    _, head = backbone_and_head(model)
+    options = {
+        "chunked": logprob_cfg.chunked,
+        "compile": getattr(logprob_cfg, "compile", False),  # duck-typed test configs lack it
+        "temperature": sampling.temperature,
+        "top_k": sampling.top_k,
+        "min_p": sampling.min_p,
+        "with_entropy": with_entropy,
+        "row_tile": logprob_cfg.row_tile,
+        "vocab_tile": logprob_cfg.vocab_tile,
+    }
+    if isinstance(head, ChunkedLMHead):  # a module call: FSDP gathers the head around it
+        return head(hidden, batch.targets, **options)
+    return token_logprobs(
+        hidden, head.weight, batch.targets, getattr(head, "bias", None), **options
+    )
+
+
+def reference_sampling(sampling: SamplingParams) -> SamplingParams:
+    """The reference's transformation: the engine's temperature, no top-k/top-p/min-p."""
+    return dataclasses.replace(sampling, top_k=0, top_p=1.0, min_p=0.0)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+class ChunkedLMHead(nn.Module):
+    """The lm_head as a module whose forward can return chunked log-probs.
+
+    It takes over the original head's `weight` (and `bias`) Parameter objects, so names
+    (`lm_head.weight`), tying to the input embeddings and saved checkpoints are unchanged.
+    `head(hidden)` returns logits as nn.Linear does (generation, plain forwards);
+    `head(hidden, targets, **options)` returns `token_logprobs(...)`. Under FSDP2 the head
+    is its own unit (or part of the root's) and the weight is only read inside a forward,
+    when it is gathered, never as a sharded DTensor.
+    """
+
+    def __init__(self, linear: nn.Module):
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = getattr(linear, "bias", None)
+        self.in_features, self.out_features = self.weight.shape[1], self.weight.shape[0]
+
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None, **options):
+        if targets is None:
+            return nn.functional.linear(hidden, self.weight, self.bias)
+        return token_logprobs(hidden, self.weight, targets, self.bias, **options)
+
+
+def install_chunked_head(model: nn.Module) -> ChunkedLMHead:
+    """Replace the causal LM's output embeddings by a ChunkedLMHead (idempotent)."""
+    lm = causal_lm(model)
+    head = lm.get_output_embeddings()
+    if isinstance(head, ChunkedLMHead):
+        return head
+    if not isinstance(head, nn.Linear):
+        raise TypeError(
+            f"the output embeddings are a {type(head).__name__}, not nn.Linear; the chunked "
+            "lm_head needs a plain linear head (is lm_head a LoRA target? drop it from "
+            "lora.target_modules)"
+        )
+    chunked = ChunkedLMHead(head)
+    lm.set_output_embeddings(chunked)
+    return chunked
+
+
+class PackedScorer(nn.Module):
+    """The packed scoring forward (backbone + chunked head) as one module call.
+
+    FSDP2 gathers a unit's parameters in its forward pre-hook, so whatever is left outside
+    the per-layer units (embeddings, final norm, a tied head) must be read inside some
+    module's forward: this one is the root unit. `scorer(batch, sampling, logprob_cfg)`
+    equals `score(model, ...)`.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: PackedBatch, sampling, logprob_cfg, with_entropy: bool = False):
+        return _score(self.model, batch, sampling, logprob_cfg, with_entropy)
+
+
+@torch.no_grad()
+def reference_logprobs(policy: Policy, batch: PackedBatch, sampling, logprob_cfg) -> torch.Tensor:
+    """Unfiltered log-probs of the reference policy: adapters off (LoRA) or the frozen copy."""
+    sampling = reference_sampling(sampling)
+    if policy.reference is not None:
+        return score(policy.reference, batch, sampling, logprob_cfg)[0]
+    if not policy.is_lora:
+        raise RuntimeError("a reference pass was asked for but no reference policy exists")
+    with policy.model.disable_adapter():
+        return score(policy.scoring_module, batch, sampling, logprob_cfg)[0]
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module):
+    """No dropout for the no-grad scoring passes, restored afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)

@@ -1,0 +1,10 @@
+"""Scored rollout batches, sync or overlapped with training.
+
+- producers.py: `SyncProducer`, `AsyncProducer` (admission, streaming, stall guard).
+- batch.py: one generation batch (generate, score, re-roll) and its finishing (replay,
+  staleness check, advantages).
+- replay.py: the replay buffer of groups with signal.
+- advantages.py: group-relative advantages.
+- evaluation.py: held-out evaluation.
+- builder.py: which producer and evaluator a run gets.
+"""

@@ -1,0 +1,111 @@
+"""Which producer and evaluator a run gets (the trainer's wiring of pipeline.py).
+
+- One process: a SyncProducer, or an AsyncProducer thread, over the rollout engine; an
+  Evaluator over the eval engine.
+- Torchrun with the hf engine: the same on every rank, each making its share of every
+  batch (`RankShare`; the producer's exchanges on a process group of their own, the
+  evaluator's on the main thread's), so every rank holds every batch.
+- Torchrun with vLLM servers: rank 0's producer behind a broadcast (`MainRankProducer`);
+  rank 0 alone evaluates.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from leangrpo.data.sampler import PromptSampler
+from leangrpo.pipeline.batch import BatchFinisher, RolloutSettings, RolloutWorker
+from leangrpo.pipeline.evaluation import Evaluator
+from leangrpo.pipeline.producers import AsyncProducer, SyncProducer
+from leangrpo.pipeline.replay import ReplayBuffer
+
+
+@dataclass
+class Production:
+    producer: Any  # SyncProducer | AsyncProducer | dist_rollout.MainRankProducer
+    evaluator: Evaluator | None  # None: this torchrun rank does not evaluate
+    share: Any = None  # the producer's dist_rollout.RankShare (torchrun, hf engine)
+
+
+def make_production(cfg, ctx, engines, rewards, train_prompts, eval_prompts) -> Production:
+    """`engines` is None on torchrun ranks > 0 when rank 0 drives vLLM servers."""
+    reward_lock = threading.Lock()  # the producer thread and evaluation share the pool
+    if not ctx.distributed:
+        producer = _producer(cfg, engines, rewards, train_prompts, reward_lock)
+        return Production(
+            producer, _evaluator(cfg, engines, rewards, eval_prompts, producer, reward_lock)
+        )
+    from leangrpo.distributed.rollout import MainRankProducer, RankShare
+
+    if cfg.rollout.engine == "hf":  # every rank its share
+        share = RankShare(ctx, ctx.new_group())  # for the producer thread's exchanges
+        producer = _producer(cfg, engines, rewards, train_prompts, reward_lock, share)
+        evaluator = _evaluator(
+            cfg, engines, rewards, eval_prompts, producer, reward_lock, RankShare(ctx)
+        )
+        return Production(producer, evaluator, share)
+    if engines is None:
+        return Production(MainRankProducer(None, ctx), None)
+    inner = _producer(cfg, engines, rewards, train_prompts, reward_lock)
+    evaluator = _evaluator(cfg, engines, rewards, eval_prompts, inner, reward_lock)
+    return Production(MainRankProducer(inner, ctx), evaluator)
+
+
+def _evaluator(cfg, engines, rewards, prompts, producer, reward_lock, share=None) -> Evaluator:
+    same = engines.eval is engines.rollout
+    return Evaluator(
+        engines.eval,
+        rewards,
+        prompts,
+        cfg,
+        engine_lock=producer.engine_lock if same else threading.Lock(),
+        reward_lock=reward_lock,
+        shared_weights=engines.eval_shares_weights,
+        share=share,
+    )
+
+
+def _producer(cfg, engines, rewards, prompts, reward_lock, share=None):
+    pipe = cfg.pipeline
+    streaming = pipe.mode == "async" and pipe.min_groups_per_step is not None
+    chunk = pipe.min_groups_per_step if streaming else cfg.rollout.prompts_per_batch
+    sampler = PromptSampler(prompts, chunk, cfg.run.seed, cfg.data.shuffle)
+    settings = RolloutSettings(
+        group_size=cfg.rollout.num_generations,
+        prompts_per_batch=cfg.rollout.prompts_per_batch,
+        sampling=cfg.rollout.sampling_params(),  # per-batch seeds are set by the producer
+        scale_rewards=cfg.loss.scale_rewards,
+        seed=cfg.run.seed,
+        updates_per_batch=cfg.loss.mu * cfg.train.steps_per_generation,
+        updates_per_chunk=cfg.loss.mu * min(cfg.train.steps_per_generation, chunk),
+    )
+    worker = RolloutWorker(
+        engines.rollout,
+        rewards,
+        sampler,
+        settings,
+        reward_lock,
+        reroll_attempts=pipe.reroll.max_attempts if pipe.reroll.enabled else 0,
+        share=share,
+    )
+    finisher = BatchFinisher(
+        settings,
+        max_staleness=pipe.max_staleness,  # also bounds replayed groups in sync mode
+        replay=ReplayBuffer(pipe.replay.capacity) if pipe.replay.enabled else None,
+        leave_out_flat=pipe.reroll.enabled,
+    )
+    if pipe.mode == "async":
+        return AsyncProducer(
+            worker,
+            finisher,
+            pipe.prefetch_depth,
+            pipe.max_staleness,
+            streaming=streaming,
+            snapshot_device=engines.snapshot_device,
+            stall_timeout_s=pipe.stall_timeout_s,
+            # torchrun: its thread may wait in an exchange for up to distributed.timeout_s
+            close_timeout_s=max(30.0, cfg.distributed.timeout_s) if share else 30.0,
+        )
+    return SyncProducer(worker, finisher)

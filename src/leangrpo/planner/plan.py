@@ -1,0 +1,477 @@
+"""`leangrpo plan`: the device memory of a training run, term by term, from config.json alone.
+
+Reads the model's config.json (no torch, no weights: the command answers in a fraction of a
+second) and counts, per device, for one micro-batch of `train.micro_batch_tokens` tokens:
+
+    weights          base weights + buffers, in model.dtype, plus the LoRA adapters (fp32
+                     when the base is bf16/fp16: peft's autocast_adapter_dtype) [exact]
+    reference_copy   a frozen copy for full fine-tuning with beta > 0 (LoRA's reference is
+                     the same weights with the adapters off: no copy) [exact]
+    generation_copy  the hf engine's own copy of the policy (async mode, torchrun) [exact]
+    gradients        one per trainable parameter, in its dtype [exact]
+    adamw_state      exp_avg + exp_avg_sq per trainable parameter (+ the 4-byte step
+                     counters, which only count on CPU: on CUDA they live on the host) [exact]
+    activations      the training pass at its peak, besides the lm_head's own working set:
+                     the tensors autograd saves (planner_inventory.py: an exact inventory of
+                     the decoder layers, rotary tables, final norm and gathered hidden rows;
+                     the loss's per-token vectors estimated), or under checkpointing one
+                     hidden-sized input per layer (only the last offload.keep_last_layers on
+                     the device with hidden-state offload) plus one recomputed layer; plus
+                     one layer's backward working set [estimated, measured on CPU]
+    lm_head          the log-prob head's peak: chunked tiles, or the full (T, V) logits [exact
+                     tiles; full logits measured on CPU]
+    kv_cache         the hf engine's DynamicCache at its longest, for the larger of a training
+                     generation call and an evaluation call (vLLM sizes its own) [exact]
+    offloaded_to_host  layer inputs moved to host memory (not device memory; on CPU it is
+                     the same memory, and counts in the total)
+
+`total` is the peak: weights + reference_copy + generation_copy + adamw_state + the larger of
+the training pass (gradients + activations + lm_head) and generation (kv_cache); both at
+once when an async hf producer generates while the trainer trains. The activation term is
+defined as benchmarks/grpo_step.py measures it (train-pass peak - weights - gradients - the
+head's own peak), so the GPU suite compares like with like.
+
+Estimated, and why: the backward working set and the loss vectors (small, measured
+coefficients); the shared-prefix layout's extra K and V (prefix_kv_bytes); the full-logits
+path (kernel temporaries); FSDP sharding (weights / W plus two gathered layers);
+torch_varlen on a torch without enable_gqa repeats K and V (pass kernel="varlen_repeat_kv").
+Not counted: the CUDA context and allocator fragmentation on GPU; on CPU the Python process
+itself (PROCESS_BASELINE_CPU, printed apart, never in the total) and the memory glibc keeps
+after frees (RSS above the live bytes); the decode loop's per-step logits and the
+prefill's transient activations.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from leangrpo.errors import UserError
+from leangrpo.planner.inventory import (
+    LINEARS,
+    LOSS_BYTES_PER_TOKEN,
+    Setup,
+    adapted_linears,
+    attention_kernel,
+    backward_extra,
+    final_norm_bytes,
+    head_bytes,
+    kv_cache_bytes,
+    layer_saved,
+    rotary_bytes,
+)
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# a copy of logprobs.DEFAULT_TILES (that module imports torch); tests keep them equal
+DEFAULT_TILES = {"cpu": (4096, 2048), "cuda": (1024, 8192)}
+DEFAULT_PROMPT_TOKENS = 512  # when data.max_prompt_tokens is unset and none is given
+AUTO_MIN_PROMPT_FRACTION = (
+    0.1  # a copy of attention.AUTO_MIN_PROMPT_FRACTION (tests keep them equal)
+)
+PROCESS_BASELINE_CPU = int(0.34 * 2**30)  # RSS of python + torch + transformers + peft
+TERMS = (
+    "weights",
+    "reference_copy",
+    "generation_copy",
+    "gradients",
+    "adamw_state",
+    "activations",
+    "lm_head",
+    "kv_cache",
+    "offloaded_to_host",
+)
+
+
+@dataclass(frozen=True)
+class Dims:
+    """A decoder's shape, as config.json gives it."""
+
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+    qkv_bias: bool = False  # Qwen2: q, k, v have biases
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k
+
+    def linears(self) -> dict[str, tuple[int, int, bool]]:
+        """(in, out, bias) of each linear of a layer."""
+        H, A, K, I = (  # noqa: E741
+            self.hidden,
+            self.heads * self.head_dim,
+            self.kv_heads * self.head_dim,
+            self.intermediate,
+        )  # noqa: E501, E741
+        return {
+            "q_proj": (H, A, self.qkv_bias),
+            "k_proj": (H, K, self.qkv_bias),
+            "v_proj": (H, K, self.qkv_bias),
+            "o_proj": (A, H, self.o_bias),
+            "gate_proj": (H, I, self.mlp_bias),
+            "up_proj": (H, I, self.mlp_bias),
+            "down_proj": (I, H, self.mlp_bias),
+        }
+
+    @property
+    def layer_params(self) -> int:
+        linear = sum(i * o + (o if bias else 0) for i, o, bias in self.linears().values())
+        return linear + 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+
+    @property
+    def params(self) -> int:
+        embed = self.vocab * self.hidden * (1 if self.tied else 2)
+        return embed + self.layers * self.layer_params + self.hidden
+
+    @property
+    def param_tensors(self) -> int:
+        per_layer = 7 + sum(b for _, _, b in self.linears().values()) + 2 + 2 * self.qk_norm
+        return self.layers * per_layer + (1 if self.tied else 2) + 1
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Rotary inv_freq and original_inv_freq: head_dim / 2 fp32 values each."""
+        return 2 * (self.head_dim // 2) * 4
+
+
+# decoders whose layers planner_inventory reads off (mistral's layer is llama's)
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class PlanError(UserError):
+    """The planner cannot count this model; the message names the field and the way out."""
+
+
+def dims_from_json(config: dict, source: str = "config.json") -> Dims:
+    """Dims from a config.json dict (a multimodal config's text_config when present)."""
+    c = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    kind = c.get("model_type", "")
+    if kind not in MODEL_TYPES:
+        raise PlanError(
+            f"{source}: model_type {kind!r} is not one leangrpo plan can count (it knows {', '.join(MODEL_TYPES)}); the trainer may still run it, but measure its memory instead."
+        )
+    missing = [
+        k
+        for k in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        )
+        if k not in c
+    ]
+    if missing:
+        raise PlanError(
+            f"{source}: {', '.join(missing)} missing; the file is not a complete decoder config."
+        )
+    heads = c["num_attention_heads"]
+    bias = bool(c.get("attention_bias", False))
+    return Dims(
+        vocab=c["vocab_size"],
+        hidden=c["hidden_size"],
+        intermediate=c["intermediate_size"],
+        layers=c["num_hidden_layers"],
+        heads=heads,
+        kv_heads=c.get("num_key_value_heads") or heads,
+        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+        tied=bool(c.get("tie_word_embeddings", False)),
+        qkv_bias=True if kind == "qwen2" else bias,
+        o_bias=False if kind == "qwen2" else bias,
+        mlp_bias=bool(c.get("mlp_bias", False)),
+        qk_norm=kind.startswith("qwen3"),
+    )
+
+
+def model_dims(model_cfg) -> Dims:
+    from leangrpo.model.files import read_model_config
+
+    source = f"config.json of model.name_or_path = {model_cfg.name_or_path!r}"
+    return dims_from_json(read_model_config(model_cfg), source)
+
+
+def make_setup(cfg, device: str, kernel: str | None = None) -> Setup:
+    b = model_bytes(cfg, device)
+    lora = cfg.lora.enabled
+    a = 4 if lora and b < 4 else b
+    return Setup(
+        b=b,
+        lora=lora,
+        adapted=adapted_linears(cfg.lora.target_modules) if lora else frozenset(),
+        r=cfg.lora.r,
+        a=a,
+        dropout_mask=(0 if not (lora and cfg.lora.dropout > 0) else (1 if device == "cuda" else a)),
+        kernel=kernel or attention_kernel(cfg.packing.attention_backend, device, b),
+    )
+
+
+def model_bytes(cfg, device: str) -> int:
+    """model.dtype 'auto' is fp32 on CPU and bf16 (or fp16) on CUDA, as model.resolve_dtype."""
+    if cfg.model.dtype == "auto":
+        return 4 if device == "cpu" else 2
+    return DTYPE_BYTES[cfg.model.dtype]
+
+
+def plan_memory(
+    cfg,
+    tokens: int | None = None,
+    dims: Dims | None = None,
+    *,
+    prompt_tokens: int | None = None,
+    world_size: int = 1,
+    kernel: str | None = None,
+) -> dict[str, int]:
+    """Bytes per device of each term in TERMS, and `total` (the peak); see the docstring.
+
+    tokens: packed tokens per micro-batch (default train.micro_batch_tokens); prompt_tokens:
+    the longest prompt (default data.max_prompt_tokens, else DEFAULT_PROMPT_TOKENS);
+    world_size: torchrun ranks (FSDP shards by it); kernel: the attention path's memory class
+    when known better than from the config (planner_inventory.attention_kernel).
+    """
+    d = dims or model_dims(cfg.model)
+    device = "cpu" if cfg.run.device == "cpu" else "cuda"
+    s = make_setup(cfg, device, kernel)
+    n = tokens or cfg.train.micro_batch_tokens
+    prompt = prompt_tokens or cfg.data.max_prompt_tokens or DEFAULT_PROMPT_TOKENS
+    rows = completion_rows(cfg, n, prompt, s.kernel)
+    base = d.params * s.b + d.buffer_bytes
+    adapters = lora_params(d, s) * s.a
+    trainable = adapters if s.lora else d.params * s.b
+    tensors = 2 * len(s.adapted) * d.layers if s.lora else d.param_tensors
+    shard = _sharding(cfg, d, s, world_size)
+    weights = shard.weights(base) + adapters // shard.divisor
+    hf = cfg.rollout.engine == "hf"
+    head = _lm_head(cfg, d, s, rows, device)
+    layer_grad = (
+        lora_params(d, s) // d.layers * s.a if s.lora else d.layer_params * s.b
+    ) // shard.divisor
+    head_grad = 0 if s.lora else d.vocab * d.hidden * s.b // shard.divisor
+    grads = (layer_grad, head_grad, trainable // shard.divisor)
+    activations, host = _activations(cfg, d, s, n, rows, head, grads, prompt)
+    plan = {
+        "weights": weights,
+        "reference_copy": base if (cfg.loss.beta > 0 and not s.lora) else 0,
+        "generation_copy": base + adapters
+        if hf and (cfg.pipeline.mode == "async" or world_size > 1)
+        else 0,
+        "gradients": trainable // shard.divisor,
+        "adamw_state": 2 * trainable // shard.divisor + (4 * tensors if device == "cpu" else 0),
+        "activations": activations,
+        "lm_head": head,
+        "kv_cache": _kv_cache(cfg, d, s, prompt, world_size) if hf else 0,
+        "offloaded_to_host": host,
+    }
+    plan["total"] = peak(plan, concurrent=hf and cfg.pipeline.mode == "async", cpu=device == "cpu")
+    return plan
+
+
+def peak(plan: dict[str, int], concurrent: bool, cpu: bool) -> int:
+    """Persistent terms + the larger phase (training pass or generation), or both at once."""
+    persistent = sum(
+        plan[k] for k in ("weights", "reference_copy", "generation_copy", "adamw_state")
+    )
+    train = plan["gradients"] + plan["activations"] + plan["lm_head"]
+    train += plan["offloaded_to_host"] if cpu else 0  # host memory is the device's on CPU
+    generation = plan["kv_cache"]
+    return persistent + (train + generation if concurrent else max(train, generation))
+
+
+def completion_rows(cfg, tokens: int, prompt: int, kernel: str = "segments") -> int:
+    """Completion tokens (lm_head rows) among `tokens` packed tokens of whole sequences of a
+    `prompt`-token prompt and max_new_tokens completion (the group's prompt laid once when
+    the shared-prefix layout is chosen)."""
+    new, group = cfg.rollout.max_new_tokens, cfg.rollout.num_generations
+    if shared_prefix(cfg, prompt, kernel):
+        return min(tokens, math.ceil(tokens * group * new / (prompt + group * new)))
+    return min(tokens, math.ceil(tokens * new / (prompt + new)))
+
+
+def shared_prefix(cfg, prompt: int, kernel: str) -> bool:
+    """attention.choose_shared_prefix without torch: "on" where the kernel takes the layout
+    (per-segment SDPA or flex), "auto" on per-segment SDPA only, for groups of >= 2 whose
+    prompts are >= AUTO_MIN_PROMPT_FRACTION of the plainly packed tokens."""
+    setting, group = cfg.packing.shared_prefix, cfg.rollout.num_generations
+    if setting == "off" or kernel != "segments":
+        return False
+    if setting == "on":
+        return True
+    fraction = prompt / (prompt + cfg.rollout.max_new_tokens)
+    return (
+        cfg.packing.attention_backend in ("auto", "sdpa_segments")
+        and fraction >= AUTO_MIN_PROMPT_FRACTION
+        and group >= 2
+    )
+
+
+def lora_params(d: Dims, s: Setup) -> int:
+    """Adapter parameters: r x (in + out) per adapted linear per layer."""
+    shapes = d.linears()
+    return d.layers * sum(s.r * (shapes[n][0] + shapes[n][1]) for n in LINEARS if n in s.adapted)
+
+
+@dataclass(frozen=True)
+class _Shard:
+    divisor: int  # of gradients, optimizer state (and parameters under full_shard)
+    gathered: int  # bytes of unsharded parameters held at once besides the shards
+    sharded_weights: bool
+
+    def weights(self, base: int) -> int:
+        return (base // self.divisor if self.sharded_weights else base) + self.gathered
+
+
+def _sharding(cfg, d: Dims, s: Setup, world_size: int) -> _Shard:
+    """FSDP2 (estimated): full_shard keeps 1/W of everything plus the layer being used and
+    the next one gathered; shard_grad_op also keeps gathered layers from forward to
+    backward (all of them); no_shard replicates parameters and shards nothing."""
+    if world_size <= 1:
+        return _Shard(1, 0, False)
+    mode = cfg.distributed.sharding
+    gathered_b = DTYPE_BYTES.get(cfg.distributed.param_dtype, s.b)
+    layer = d.layer_params * gathered_b
+    if mode == "full_shard":
+        return _Shard(world_size, 2 * layer, True)
+    if mode == "shard_grad_op":
+        return _Shard(world_size, d.layers * layer, True)
+    return _Shard(1, 0, False)
+
+
+def _lm_head(cfg, d: Dims, s: Setup, rows: int, device: str) -> int:
+    default_rows, default_vocab = DEFAULT_TILES[device]
+    tiles = None
+    if cfg.logprobs.chunked:
+        tiles = (cfg.logprobs.row_tile or default_rows, cfg.logprobs.vocab_tile or default_vocab)
+    filtered = cfg.rollout.top_k > 0 or cfg.rollout.min_p > 0
+    return head_bytes(rows, d.hidden, d.vocab, s.b, tiles, not s.lora, filtered)
+
+
+def _activations(
+    cfg, d: Dims, s: Setup, n: int, rows: int, head: int, grads: tuple[int, int, int], prompt: int
+) -> tuple[int, int]:
+    """(device bytes of the activation term, bytes offloaded to the host).
+
+    The training pass peaks at one of: the head (every saved activation + the head's working
+    set), a layer's backward (from the top: what is still saved, that layer's working set,
+    and the gradients made so far), or the end (every gradient). `grads` = (per layer, the
+    head weight's (made by the head's backward), all) in bytes per device. The term is that
+    peak - all gradients - the head, as benchmarks/grpo_step.py derives it."""
+    L, mode = d.layers, cfg.offload.activations
+    layer_grad, head_grad, all_grads = grads
+    layer_input = n * s.b * d.hidden  # what checkpointing keeps of each layer
+    rope = n * rotary_bytes(d, s)
+    head_rest = n * final_norm_bytes(d, s) + rows * (s.b * d.hidden + LOSS_BYTES_PER_TOKEN)
+    extra = n * backward_extra(d, s)
+    prefix = prefix_kv_bytes(cfg, d, s, n, prompt)  # per layer, shared-prefix layout only
+    working = n * layer_saved(d, s) + prefix + extra  # a recomputed layer's backward
+    kept = L
+    if mode == "hidden_states" and layer_input >= cfg.offload.min_tensor_bytes:
+        kept = min(L, cfg.offload.keep_last_layers)
+    host = (L - kept) * layer_input if mode == "hidden_states" else 0
+
+    def saved_up_to(i: int) -> int:  # without checkpointing: layers 0..i keep everything
+        return n * (layer_saved(d, s, first=True) + i * layer_saved(d, s)) + (i + 1) * prefix
+
+    def at_layer(i: int) -> int:
+        if mode == "none" and not cfg.model.gradient_checkpointing:
+            return saved_up_to(i) + rope + extra
+        if mode == "all":
+            return 2 * layer_input + rope + working
+        on_device = max(0, i + 1 - (L - kept))  # kept inputs (the top layers) not yet used
+        on_device += (
+            min(2, i + 1) if i < L - kept else int(i == L - kept and i > 0)
+        )  # restored, prefetched
+        return on_device * layer_input + rope + working
+
+    if mode == "none" and not cfg.model.gradient_checkpointing:
+        before_head = saved_up_to(L - 1) + rope + head_rest
+    elif mode == "all":
+        host, before_head = L * layer_input + head_rest, rope
+    else:
+        before_head = kept * layer_input + rope + head_rest
+    moments = [before_head + head, all_grads]
+    moments += [at_layer(i) + head_grad + (L - i) * layer_grad for i in range(L)]
+    return max(0, max(moments) - all_grads - head), host
+
+
+def prefix_kv_bytes(cfg, d: Dims, s: Setup, tokens: int, prompt: int) -> int:
+    """Per layer, what the shared-prefix layout saves beyond plain packing (estimated): the
+    per-segment kernel gathers each completion's keys and values as [its group's prompt;
+    its own tokens], so a prompt laid once is saved G times in K and V. The buckets' masks,
+    indices and padding (a few % more, measured on CPU) are left out."""
+    if not shared_prefix(cfg, prompt, s.kernel):
+        return 0
+    new, group = cfg.rollout.max_new_tokens, cfg.rollout.num_generations
+    groups = tokens / (prompt + group * new)
+    return math.ceil(groups * group * prompt * 2 * d.kv_heads * d.head_dim * s.b)
+
+
+def _kv_cache(cfg, d: Dims, s: Setup, prompt: int, world_size: int) -> int:
+    """The longest cache of one decode call: training generation or evaluation."""
+    length = prompt + cfg.rollout.max_new_tokens - 1  # the last sampled token is never fed
+    per_forward = cfg.rollout.hf_prompts_per_forward
+
+    def rows(prompts: int, n: int, temperature: float) -> int:
+        prompts = math.ceil(prompts / world_size)
+        if per_forward is not None:
+            prompts = min(prompts, per_forward)
+        return prompts * (1 if temperature == 0 else n)  # greedy: one row, n copies
+
+    train = rows(
+        cfg.rollout.prompts_per_batch, cfg.rollout.num_generations, cfg.rollout.temperature
+    )
+    evaluation = 0
+    if cfg.eval.every_steps > 0:
+        evaluation = rows(eval_prompts(cfg), cfg.eval.num_generations, cfg.eval.temperature)
+    return kv_cache_bytes(d, max(train, evaluation), length, s.b)
+
+
+def eval_prompts(cfg) -> int:
+    """eval.num_prompts, else data.eval_size, else the lines of a local eval .jsonl (0 when
+    unknown: a hub split is not read here)."""
+    if cfg.eval.num_prompts:
+        return cfg.eval.num_prompts
+    if cfg.data.eval_size:
+        return cfg.data.eval_size
+    path = Path(cfg.data.eval_path or "")
+    if path.suffix == ".jsonl" and path.is_file():
+        return sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+    return 0
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def render_plan(
+    plan: dict[str, int],
+    cfg=None,
+    tokens: int | None = None,
+    prompt_tokens: int | None = None,
+    world_size: int = 1,
+) -> str:
+    """The terms in GiB, the total, and (given the config) what the figure assumes."""
+    lines = ["memory plan (per device, one micro-batch):"]
+    if cfg is not None:
+        n = tokens or cfg.train.micro_batch_tokens
+        prompt = prompt_tokens or cfg.data.max_prompt_tokens or DEFAULT_PROMPT_TOKENS
+        device = "cpu" if cfg.run.device == "cpu" else "cuda"
+        rows = completion_rows(cfg, n, prompt, make_setup(cfg, device).kernel)
+        lines[0] = (
+            f"memory plan (per device, {device}, one micro-batch of {n} tokens, {rows} completion rows, prompts of {prompt} tokens"
+            + (f", {world_size} ranks" if world_size > 1 else "")
+            + "):"
+        )
+    width = max(len(k) for k in plan)
+    for key, value in plan.items():
+        note = "  (host memory)" if key == "offloaded_to_host" and value else ""
+        lines.append(f"  {key:<{width}}  {value / 2**30:8.3f} GiB{note}")
+    if cfg is not None and cfg.run.device == "cpu":
+        lines.append(
+            f"  + the process itself (python, torch, transformers, peft imported): about {PROCESS_BASELINE_CPU / 2**30:.2f} GiB of RSS, not in the total"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,4 @@
+"""vLLM engines: `VLLMEngine` colocated or over servers (engine.py), the in-process LLM with
+versions (local.py), `leangrpo serve` (server.py, its HTTP side http.py) and its client
+(client.py), the worker extension that loads weights (worker.py), weights and adapters on
+disk (files.py) and the settings they share (settings.py). vLLM is imported lazily."""

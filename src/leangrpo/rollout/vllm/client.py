@@ -1,0 +1,341 @@
+"""`ServerPool`: the vLLM engine's client for one or more `leangrpo serve` processes.
+
+Prompts spread round-robin over the servers; weight updates go to all of them. Every
+request carries the shared-secret token (`Authorization: Bearer`, from
+`rollout.vllm.token_file` or `$LEANGRPO_SERVE_TOKEN`), and every push and generation the
+run id of the engine that owns the pool (see `vllm_local.VersionGate` for the rules).
+The pool's `held` is what this client pushed: (run id, version), or (None, NO_VERSION)
+before its first push, whatever an earlier run left on the servers.
+
+The client retries connection errors, timeouts and 5xx with exponential backoff, then
+raises one error naming the URL and `rollout.vllm.urls`; 409 (another version or run)
+becomes `EngineVersionError`, other 4xx one error with the server's reason.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from leangrpo.contracts import Completion, EngineVersionError, SamplingParams
+from leangrpo.rollout.vllm.local import NO_VERSION, adapter_files
+
+TOKEN_ENV = "LEANGRPO_SERVE_TOKEN"
+MIN_TOKEN_CHARS = 16
+
+
+class VLLMServerError(RuntimeError):
+    """A rollout server could not be reached, or failed a request."""
+
+
+def read_token(token_file: str | os.PathLike | None, what: str) -> str | None:
+    """The token in `token_file` if given, else `$LEANGRPO_SERVE_TOKEN`, else None."""
+    if token_file:
+        try:
+            token = Path(token_file).read_text().strip()
+        except OSError as err:
+            raise ValueError(f"{what}={token_file} cannot be read: {err.strerror}") from None
+    else:
+        token = os.environ.get(TOKEN_ENV, "").strip()
+    if token and len(token) < MIN_TOKEN_CHARS:
+        source = f"{what}={token_file}" if token_file else f"${TOKEN_ENV}"
+        raise ValueError(
+            f"the token in {source} has {len(token)} characters; use at least "
+            f"{MIN_TOKEN_CHARS} random ones, e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
+        )
+    return token or None
+
+
+def client_token(token_file: str | None) -> str | None:
+    return read_token(token_file, "rollout.vllm.token_file")
+
+
+class ServerPool:
+    """Client for one or more `leangrpo serve` processes; prompts spread round-robin."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        timeout_s: float = 600.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        process: subprocess.Popen | None = None,
+        token: str | None = None,
+    ):
+        if not urls:
+            raise ValueError(
+                "no vLLM server URLs; set rollout.vllm.urls or leave it empty to start one locally"
+            )
+        self.urls = [u.rstrip("/") for u in urls]
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.process = process
+        self.token = token
+        self.held: tuple[str | None, int] = (None, NO_VERSION)
+        self._next = 0
+        self._pool = ThreadPoolExecutor(
+            max_workers=max(2, 2 * len(self.urls)), thread_name_prefix="vllm-client"
+        )
+        health = [self.request(url, "GET", "/health") for url in self.urls]
+        self.max_body_bytes = min(h.get("max_body_bytes", 1 << 62) for h in health)
+
+    @property
+    def version(self) -> int:
+        return self.held[1]
+
+    def request(
+        self,
+        url: str,
+        method: str,
+        path: str,
+        body: bytes | Path | None = None,
+        content_type: str = "application/json",
+    ) -> Any:
+        """One HTTP call with retries; returns the decoded JSON reply. A Path body streams."""
+        last: Exception | None = None
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            headers = {"Content-Type": content_type}
+            if self.token:
+                headers["Authorization"] = f"Bearer {self.token}"
+            try:
+                with _open_body(body) as (data, length):
+                    if length is not None:
+                        headers["Content-Length"] = str(length)
+                    req = urllib.request.Request(url + path, data, headers, method=method)
+                    with urllib.request.urlopen(req, timeout=self.timeout_s) as reply:
+                        return json.loads(reply.read())
+            except urllib.error.HTTPError as err:
+                if err.code < 500:
+                    raise _client_error(err, url, path) from None
+                last = VLLMServerError(f"{err.code}: {_error_message(err)}")
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as err:
+                last = err
+        raise VLLMServerError(
+            f"vLLM server {url} did not answer {method} {path} after {self.max_retries + 1} attempts "
+            f"(last error: {last}); check that `leangrpo serve` runs there and that rollout.vllm.urls is right"
+        )
+
+    def _post_json(self, url: str, path: str, payload: dict) -> Any:
+        return self.request(url, "POST", path, json.dumps(payload).encode())
+
+    def _broadcast(self, fn: Any) -> list[Any]:
+        return list(self._pool.map(fn, self.urls))
+
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        n: int,
+        version: int,
+        seeds: list[int] | None = None,
+        *,
+        run: str,
+    ) -> list[list[Completion]]:
+        shares: dict[int, list[int]] = {}  # server index -> prompt indices
+        for i in range(len(prompt_ids)):
+            shares.setdefault((self._next + i) % len(self.urls), []).append(i)
+        self._next = (self._next + len(prompt_ids)) % len(self.urls)
+        wire_params = asdict(params) | {"stop": list(params.stop)}
+
+        def call(server: int) -> list[list[dict]]:
+            payload = {
+                "prompts": [prompt_ids[i] for i in shares[server]],
+                "params": wire_params,
+                "n": n,
+                "run": run,
+                "version": version,
+                "seeds": None if seeds is None else [seeds[i] for i in shares[server]],
+            }
+            return self._post_json(self.urls[server], "/generate", payload)["completions"]
+
+        results: list[list[Completion]] = [[] for _ in prompt_ids]
+        futures = {server: self._pool.submit(call, server) for server in shares}
+        for server, future in futures.items():
+            for i, group in zip(shares[server], future.result()):
+                results[i] = [Completion(**c) for c in group]
+        return results
+
+    def load_weight_files(self, paths: list[Path], version: int, *, run: str) -> None:
+        too_big = [p for p in paths if p.stat().st_size > self.max_body_bytes]
+        if too_big:
+            raise ValueError(
+                f"weight bucket {too_big[0]} has {too_big[0].stat().st_size} bytes, more than a "
+                f"server accepts ({self.max_body_bytes}); raise `leangrpo serve --max-body-mb` "
+                "(rollout.vllm.max_body_mb for a server the trainer starts)"
+            )
+
+        def push(url: str) -> None:
+            for index, path in enumerate(paths):
+                self.request(
+                    url,
+                    "PUT",
+                    f"/weights/{run}/{version}/{index}",
+                    path,
+                    "application/octet-stream",
+                )
+            self._post_json(url, f"/weights/{run}/{version}/commit", {"num_buckets": len(paths)})
+
+        self._broadcast(push)
+        self.held = (run, version)
+
+    def load_adapter(self, source: Path, version: int, *, run: str) -> None:
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w") as tar:
+            for item in adapter_files(source):  # config + safetensors: all a server accepts
+                tar.add(item, arcname=item.name)
+        body = buffer.getvalue()
+        self._broadcast(
+            lambda url: self.request(
+                url, "PUT", f"/adapter/{run}/{version}", body, "application/x-tar"
+            )
+        )
+        self.held = (run, version)
+
+    def sleep(self, level: int = 1) -> None:
+        self._broadcast(lambda url: self._post_json(url, "/sleep", {"level": level}))
+
+    def wake_up(self) -> None:
+        self._broadcast(lambda url: self._post_json(url, "/wake_up", {}))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self.process = None
+
+
+@contextmanager
+def _open_body(body: bytes | Path | None) -> Iterator[tuple[Any, int | None]]:
+    """(data, Content-Length) for urllib: bytes as they are, a Path as an open file."""
+    if not isinstance(body, Path):
+        yield body, None
+        return
+    with body.open("rb") as file:
+        yield file, body.stat().st_size
+
+
+def _error_message(err: urllib.error.HTTPError) -> str:
+    try:
+        return json.loads(err.read()).get("error", err.reason)
+    except Exception:
+        return str(err.reason)
+
+
+def _client_error(err: urllib.error.HTTPError, url: str, path: str) -> Exception:
+    message = _error_message(err)
+    if err.code == 409:
+        return EngineVersionError(f"{url}: {message}")
+    if err.code == 401:
+        return VLLMServerError(
+            f"{url} refused the token ({message}); set rollout.vllm.token_file or ${TOKEN_ENV} "
+            "to the token the server was started with"
+        )
+    return VLLMServerError(f"{url}{path} refused the request ({err.code}): {message}")
+
+
+# --------------------------------------------------------------------------- a local server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_local_server(
+    model_path: str,
+    settings: Any,
+    *,
+    enable_lora: bool = False,
+    max_lora_rank: int = 16,
+    seed: int = 0,
+    token: str | None = None,
+    startup_timeout_s: float = 600.0,
+) -> tuple[subprocess.Popen, str]:
+    """Start `leangrpo serve` on a free loopback port; returns (process, url) once healthy.
+    `token` reaches the server through its environment (never the command line)."""
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "leangrpo.rollout.vllm.server",
+        model_path,
+        "--port",
+        str(port),
+        "--dtype",
+        settings.dtype,
+        "--kv-cache-dtype",
+        settings.kv_cache_dtype,
+        "--seed",
+        str(seed),
+        "--max-lora-rank",
+        str(max_lora_rank),
+        "--max-body-mb",
+        str(settings.max_body_mb),
+        "--engine-kwargs",
+        json.dumps(settings.engine_kwargs),
+    ]
+    if settings.gpu_memory_utilization is not None:
+        cmd += ["--gpu-memory-utilization", str(settings.gpu_memory_utilization)]
+    if settings.max_model_len is not None:
+        cmd += ["--max-model-len", str(settings.max_model_len)]
+    cmd += [
+        flag
+        for flag, on in [
+            ("--enforce-eager", settings.enforce_eager),
+            ("--enable-lora", enable_lora),
+            ("--enable-sleep-mode", settings.enable_sleep_mode),
+        ]
+        if on
+    ]
+    env = dict(os.environ)
+    if token:
+        env[TOKEN_ENV] = token
+    process = subprocess.Popen(cmd, env=env)
+    url = f"http://127.0.0.1:{port}"
+    _wait_until_ready(process, url, model_path, startup_timeout_s)
+    return process, url
+
+
+def _wait_until_ready(
+    process: subprocess.Popen, url: str, model_path: str, startup_timeout_s: float
+) -> None:
+    deadline = time.monotonic() + startup_timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise VLLMServerError(
+                f"local `leangrpo serve {model_path}` exited with code {process.returncode} "
+                "before it was ready; see its log above"
+            )
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5):
+                return
+        except urllib.error.HTTPError:
+            return  # it answers (401 without the token): ready
+        except OSError:
+            time.sleep(0.5)
+    process.terminate()
+    raise VLLMServerError(
+        f"local `leangrpo serve {model_path}` was not ready after {startup_timeout_s:.0f} s"
+    )

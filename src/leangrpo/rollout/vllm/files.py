@@ -1,0 +1,102 @@
+"""Weights and LoRA adapters on disk, as the vLLM engines take them: full weights as
+safetensors buckets of about `bucket_bytes` (tied weights written once), adapters as a
+peft directory (config + safetensors; live peft names mapped to the saved ones). FSDP2
+shards are gathered to whole tensors on the host first.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+DEFAULT_BUCKET_BYTES = 1 << 30  # 1 GiB of tensors per safetensors file
+
+
+def is_lora_name(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name or ".lora_embedding_" in name
+
+
+def _cpu_tensor(tensor: Tensor) -> Tensor:
+    if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor shard -> the whole tensor
+        tensor = tensor.full_tensor()
+    return tensor.detach().to("cpu").contiguous()
+
+
+def write_weight_buckets(
+    named_tensors: Iterable[tuple[str, Tensor]],
+    directory: Path,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> list[Path]:
+    """Write tensors as safetensors files of about `bucket_bytes` each; returns the paths."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    paths: list[Path] = []
+    bucket: dict[str, Tensor] = {}
+    size = 0
+
+    def flush() -> None:
+        nonlocal bucket, size
+        path = directory / f"bucket-{len(paths):05d}.safetensors"
+        save_file(bucket, str(path))
+        paths.append(path)
+        bucket, size = {}, 0
+
+    seen_views: set[tuple] = set()
+    seen_storages: set[int] = set()
+    for name, tensor in named_tensors:
+        t = _cpu_tensor(tensor)
+        view = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+        if view in seen_views:
+            continue  # a tied weight (lm_head = embed_tokens): written once, under its first name
+        seen_views.add(view)
+        if view[0] in seen_storages:
+            t = t.clone()  # another view of a storage already written: safetensors refuses aliases
+        seen_storages.add(view[0])
+        bucket[name] = t
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            flush()
+    if bucket:
+        flush()
+    if not paths:
+        raise ValueError(
+            "update_weights got no tensors; pass model.named_parameters() or a state dict's items()"
+        )
+    return paths
+
+
+def saved_lora_name(name: str) -> str:
+    """Live peft parameter name -> the name peft saves (the adapter name dropped):
+    `...q_proj.lora_A.default.weight` -> `...q_proj.lora_A.weight`."""
+    name = re.sub(r"\.(lora_A|lora_B)\.(?!weight$)[^.]+\.weight$", r".\1.weight", name)
+    return re.sub(r"\.(lora_embedding_A|lora_embedding_B)\.[^.]+$", r".\1", name)
+
+
+def write_adapter(
+    named_tensors: Iterable[tuple[str, Tensor]], adapter_config: Any, directory: Path
+) -> Path:
+    """Save LoRA tensors (live or saved peft names) + adapter_config.json as a peft adapter dir.
+
+    `adapter_config`: a peft `LoraConfig` or its dict (`peft_config.to_dict()`)."""
+    from safetensors.torch import save_file
+
+    tensors = {
+        saved_lora_name(name): _cpu_tensor(t) for name, t in named_tensors if is_lora_name(name)
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    if hasattr(adapter_config, "save_pretrained"):
+        adapter_config.save_pretrained(str(directory))
+    else:
+        config = {
+            k: sorted(v) if isinstance(v, set) else v for k, v in dict(adapter_config).items()
+        }
+        (directory / "adapter_config.json").write_text(json.dumps(config, default=str))
+    return directory

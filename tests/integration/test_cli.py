@@ -1,0 +1,579 @@
+"""The CLI: instant --help, and one clear sentence (no traceback) for each bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "examples" / "demo"
+
+
+# Runs the CLI and reports, on its last stdout line, whether torch was ever imported.
+PROBE = (
+    "import atexit, sys\n"
+    "atexit.register(lambda: print('torch imported:', 'torch' in sys.modules))\n"
+    "from leangrpo.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
+def run_cli(*args: str, timeout: float = 120, probe: bool = False) -> subprocess.CompletedProcess:
+    head = ["-c", PROBE] if probe else ["-m", "leangrpo"]
+    return subprocess.run(
+        [sys.executable, *head, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+def test_help_is_fast():
+    t0 = time.perf_counter()
+    out = run_cli("--help")
+    assert out.returncode == 0 and "train" in out.stdout
+    assert time.perf_counter() - t0 < 2.0
+
+
+def test_train_help_and_a_missing_config_do_not_import_torch(tmp_path):
+    out = run_cli("train", "--help", probe=True)
+    assert out.returncode == 0 and "--set" in out.stdout
+    assert out.stdout.strip().endswith("torch imported: False")
+    out = run_cli("train", str(tmp_path / "missing.yaml"), probe=True)
+    assert out.returncode == 2 and "missing.yaml' does not exist" in out.stderr
+    assert out.stdout.strip().endswith("torch imported: False")
+
+
+def base_config(tmp_path: Path) -> dict:
+    return {
+        "run": {"output_dir": str(tmp_path / "run"), "device": "cpu"},
+        "model": {"name_or_path": str(DEMO / "model")},
+        "data": {"path": str(DEMO / "train.jsonl")},
+        "rewards": {"functions": [{"name": "math"}]},
+        "rollout": {"max_new_tokens": 6},  # the demo model has 64 positions
+    }
+
+
+def write(tmp_path: Path, cfg: dict) -> str:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def model_copy(tmp: Path, damage) -> str:
+    """The demo model copied to tmp and damaged by `damage(directory)`."""
+    directory = Path(shutil.copytree(DEMO / "model", tmp / "model"))
+    damage(directory)
+    return str(directory)
+
+
+def data_copy(tmp: Path, edit) -> str:
+    """The demo's train.jsonl with `edit(lines)` applied."""
+    lines = (DEMO / "train.jsonl").read_bytes().splitlines(keepends=True)
+    edit(lines)
+    (tmp / "train.jsonl").write_bytes(b"".join(lines))
+    return str(tmp / "train.jsonl")
+
+
+def set_prompt(row: int, text: str):
+    def edit(lines):
+        lines[row] = (json.dumps({**json.loads(lines[row]), "prompt": text}) + "\n").encode()
+
+    return edit
+
+
+def truncate_weights(directory: Path) -> None:
+    weights = directory / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+
+
+BAD_INPUTS = {
+    "unknown key": (
+        lambda c, t: (
+            c["train"].update(learning_rat=1e-4)
+            if "train" in c
+            else c.update(train={"learning_rat": 1e-4})
+        ),
+        ["learning_rat", "learning_rate"],
+    ),
+    "wrong type": (
+        lambda c, t: c.update(rollout={"num_generations": "eight"}),
+        ["rollout.num_generations"],
+    ),
+    "missing data file": (
+        lambda c, t: c["data"].update(path="nowhere/train.jsonl"),
+        ["nowhere/train.jsonl"],
+    ),
+    "missing column": (lambda c, t: c["data"].update(prompt_column="question"), ["question"]),
+    "reward not found": (
+        lambda c, t: c["rewards"].update(functions=[{"name": "mypkg.nope:score"}]),
+        ["mypkg.nope"],
+    ),
+    "negative learning rate": (
+        lambda c, t: c.update(train={"learning_rate": -1e-4}),
+        ["train.learning_rate"],
+    ),
+    "one generation": (
+        lambda c, t: c.update(rollout={"num_generations": 1}),
+        ["rollout.num_generations"],
+    ),
+    "infinite learning rate": (
+        lambda c, t: c.update(train={"learning_rate": float("inf")}),
+        ["'train.learning_rate' = inf", "finite number"],
+    ),
+    "infinite beta": (
+        lambda c, t: c.update(loss={"beta": float("inf")}),
+        ["'loss.beta' = inf", "finite number"],
+    ),
+    "nan reward weight": (
+        lambda c, t: c["rewards"]["functions"][0].update(weight=float("nan")),
+        ["'rewards.functions[0].weight' = nan"],
+    ),
+    "negative seed": (lambda c, t: c["run"].update(seed=-1), ["'run.seed'"]),
+    "huge seed": (lambda c, t: c["run"].update(seed=2**40), ["'run.seed'", "4294967295"]),
+    "empty output dir": (
+        lambda c, t: c["run"].update(output_dir=""),
+        ["'run.output_dir'", "current directory"],
+    ),
+    "output dir under a file": (
+        lambda c, t: c["run"].update(output_dir=str(DEMO / "train.jsonl" / "run")),
+        ["run.output_dir", "train.jsonl' is a file"],
+    ),
+    "absurd temperature": (
+        lambda c, t: c.update(rollout={"temperature": 1e6}),
+        ["'rollout.temperature'", "less than or equal to 10"],
+    ),
+    "infinite reward timeout": (
+        lambda c, t: c["rewards"].update(timeout_s=float("inf")),
+        ["'rewards.timeout_s'"],
+    ),
+    "empty stop string": (lambda c, t: c.update(rollout={"stop": [""]}), ["'rollout.stop'"]),
+    "every reward weight zero": (
+        lambda c, t: c["rewards"]["functions"][0].update(weight=0),
+        ["weight is 0"],
+    ),
+    "micro-batch below max_new_tokens": (
+        lambda c, t: c.update(train={"micro_batch_tokens": 100}, rollout={"max_new_tokens": 100}),
+        ["train.micro_batch_tokens (100) must exceed rollout.max_new_tokens (100)"],
+    ),
+    "missing model directory": (
+        lambda c, t: c["model"].update(name_or_path=str(t / "no" / "model")),
+        ["model.name_or_path", "no such directory"],
+    ),
+    "truncated weights": (
+        lambda c, t: c["model"].update(name_or_path=model_copy(t, truncate_weights)),
+        ["model.safetensors is truncated (1000 bytes"],
+    ),
+    "broken safetensors header": (
+        lambda c, t: c["model"].update(
+            name_or_path=model_copy(
+                t, lambda d: (d / "model.safetensors").write_bytes(b"\xff" * 64)
+            )
+        ),
+        ["model.safetensors is not a valid safetensors file: its header claims"],
+    ),
+    "invalid config.json": (
+        lambda c, t: c["model"].update(
+            name_or_path=model_copy(t, lambda d: (d / "config.json").write_text("{oops"))
+        ),
+        ["config.json is not valid JSON (line 1"],
+    ),
+    "no weights": (
+        lambda c, t: c["model"].update(
+            name_or_path=model_copy(t, lambda d: (d / "model.safetensors").unlink())
+        ),
+        ["holds no weights"],
+    ),
+    "resume path typo": (
+        lambda c, t: c["run"].update(resume=str(t / "run" / "checkpoints" / "step-4O")),
+        ["run.resume", "step-4O' does not exist"],
+    ),
+    "empty prompt at row 30": (
+        lambda c, t: c["data"].update(path=data_copy(t, set_prompt(30, ""))),
+        ["train.jsonl' row 30 (line 31) has an empty prompt", "data.empty_prompts"],
+    ),
+    "whitespace prompt": (
+        lambda c, t: c["data"].update(path=data_copy(t, set_prompt(5, " \n "))),
+        ["row 5 (line 6) has an empty prompt"],
+    ),
+    "non-UTF-8 data file": (
+        lambda c, t: c["data"].update(
+            path=data_copy(t, lambda lines: lines.__setitem__(7, b'{"prompt": "1\xff2"}\n'))
+        ),
+        ["train.jsonl line 8 is not UTF-8 text"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_gives_one_clear_error(tmp_path, case):
+    mutate, must_mention = BAD_INPUTS[case]
+    cfg = base_config(tmp_path)
+    mutate(cfg, tmp_path)
+    out = run_cli("train", write(tmp_path, cfg), probe=True)
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    message = out.stderr.strip()
+    assert message.count("\n") == 0, message
+    for word in must_mention:
+        assert word in message
+    assert out.stdout.strip() == "torch imported: False"  # found by the cheap checks
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # failed before any model loaded
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (
+            b"run:\n  seed: 1\nmodel: {name_or_path: m}\nrun:\n  max_steps: 2\n",
+            "'run' twice (lines 1 and 4)",
+        ),
+        ("run:\n  seed: 1\n".encode("utf-16"), "UTF-16 or UTF-32"),
+        (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "binary file"),
+    ],
+)
+def test_unreadable_config_file_gives_one_clear_error(tmp_path, content, expected):
+    path = tmp_path / "cfg.yaml"
+    path.write_bytes(content)
+    out = run_cli("train", str(path), probe=True)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert expected in out.stderr and out.stderr.strip().count("\n") == 0
+    assert out.stdout.strip() == "torch imported: False"
+
+
+SHORT_DEMO = [
+    "--set",
+    "run.max_steps=2",
+    "--set",
+    "eval.num_prompts=8",
+    "--set",
+    "logging.progress_bar=false",
+    "--set",
+    "logging.samples_every=0",
+]
+
+
+def train_demo(out: Path, *overrides: str, probe: bool = False) -> subprocess.CompletedProcess:
+    extra = [x for o in overrides for x in ("--set", o)]
+    args = ["train", "examples/demo.yaml", "--set", f"run.output_dir={out}", *SHORT_DEMO, *extra]
+    return run_cli(*args, probe=probe, timeout=300)
+
+
+def metric_steps(out: Path) -> list[int]:
+    return [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_run_directory_is_locked_finished_refused_and_overwritten(tmp_path):
+    out = tmp_path / "run"
+    first = train_demo(out)
+    assert first.returncode == 0, first.stderr
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["data/prompts"] == 2000 and rows[0]["data/dropped_prompts"] == 0
+    assert "eval/reward" in rows[0]  # the data counts share the step-0 row
+    assert (out / "checkpoints" / "step-2" / "config.yaml").is_file()
+    steps = metric_steps(out)
+
+    again = train_demo(out, probe=True)  # a finished run: one line, nothing loads
+    assert again.returncode == 0 and "already finished" in again.stdout
+    assert again.stdout.strip().endswith("torch imported: False")
+    never = train_demo(out, "run.resume=never", probe=True)
+    assert never.returncode == 2 and "already holds an earlier run" in never.stderr
+    changed = train_demo(out, "run.max_steps=3", "train.learning_rate=1e-3", probe=True)
+    assert changed.returncode == 2 and "train.learning_rate 0.0002 -> 0.001" in changed.stderr
+    assert changed.stdout.strip().endswith("torch imported: False")
+    assert metric_steps(out) == steps  # nothing was appended by the refused runs
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", PROBE_LOCK, str(out)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        busy = train_demo(out, "run.max_steps=3", probe=True)
+        assert busy.returncode == 2 and f"in use by another leangrpo run (pid {holder.pid})" in (
+            busy.stderr
+        )
+    finally:
+        holder.kill()
+        holder.wait()
+
+    fresh = train_demo(out, "run.overwrite=true", "run.max_steps=1")
+    assert fresh.returncode == 0, fresh.stderr
+    assert metric_steps(out)[0] == 0 and max(metric_steps(out)) == 1  # one run per file
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-1"]
+
+
+PROBE_LOCK = (
+    "import sys, time; from pathlib import Path; from leangrpo.checkpoint.rundir import RunLock\n"
+    "RunLock(Path(sys.argv[1])); print('locked', flush=True); time.sleep(300)\n"
+)
+
+
+def test_prompt_past_the_context_or_the_micro_batch_is_refused_before_the_model(tmp_path):
+    data = tmp_path / "train.jsonl"
+    rows = [{"prompt": "1+1=", "answer": "2"}] * 20 + [{"prompt": "9" * 126, "answer": "9"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = train_demo(tmp_path / "run", f"data.path={data}")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    message = out.stderr.strip().splitlines()[-1]
+    assert (
+        "row 20 has 126 prompt tokens, more than the 58 allowed by the model's context" in message
+    )
+    assert "64 positions (config.json max_position_embeddings)" in message
+    assert "data.overlong_prompts" in message
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    out = train_demo(tmp_path / "run", "train.micro_batch_tokens=10")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "train.micro_batch_tokens (10) is smaller than the longest sequence" in out.stderr
+
+
+def test_cuda_without_a_gpu_is_one_sentence(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    out = train_demo(tmp_path / "run", "run.device=cuda")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "run.device is 'cuda' but" in out.stderr and "set run.device: cpu" in out.stderr
+
+
+def test_report_skips_a_torn_line(tmp_path):
+    rows = [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.25}]
+    text = json.dumps(rows[0]) + '\n{"step": 2, "lo\n' + json.dumps(rows[1]) + "\n"
+    (tmp_path / "metrics.jsonl").write_text(text)
+    out = run_cli("report", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert "2 records, last step 2" in out.stdout and "skipped 1 line(s)" in out.stderr
+
+
+def test_set_override_reaches_the_config(tmp_path):
+    out = run_cli("plan", write(tmp_path, base_config(tmp_path)), "--set", "lora.enabled=true")
+    assert out.returncode == 0, out.stderr
+    assert "total" in out.stdout
+
+
+SLEEPING_REWARD = """
+import os, subprocess, time
+
+def sleepy(prompts, completions, **columns):
+    if len(completions) > 4:  # training batches (the evaluation scores 4 samples)
+        subprocess.Popen(["sleep", "301"])  # a process the reward starts: must die too
+        open(os.environ["LEANGRPO_TEST_MARK"], "w").close()
+        time.sleep(300)
+    return [1.0] * len(completions)
+"""
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_ctrl_c_ends_the_run_promptly_without_orphans(tmp_path, mode):
+    """Ctrl-C while a reward call is in flight: the run used to wait for the reward's own
+    time limit (here 300 s) before exiting (async). The batch being made is abandoned (sync:
+    in the main thread; async: the trainer's wait for it) and the step reached, 0, saved."""
+    import os
+
+    import psutil
+
+    out, mark = tmp_path / "run", tmp_path / "in_flight"
+    (tmp_path / "sleepy.py").write_text(SLEEPING_REWARD)
+    sets = {
+        "run.output_dir": out,
+        "run.max_steps": 500,
+        "pipeline.mode": mode,
+        "logging.progress_bar": "false",
+        "rewards.functions": f"[{tmp_path / 'sleepy.py'}:sleepy]",
+        "rewards.timeout_s": 300,
+        "eval.num_prompts": 4,
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "leangrpo", "train", "examples/demo.yaml"]
+        + [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")],
+        cwd=ROOT,
+        env={**os.environ, "LEANGRPO_TEST_MARK": str(mark)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline and not mark.exists() and proc.poll() is None:
+        time.sleep(0.2)
+    assert mark.exists(), "the reward was never called"
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert any(c.name() == "sleep" for c in children), "the reward's own process is running"
+    proc.send_signal(signal.SIGINT)
+    try:  # a hang guard, far below the reward's 300 s: the run does not wait for it
+        _, stderr = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # (not communicate(): orphans would hold its stderr open)
+        proc.wait()
+        pytest.fail("Ctrl-C waited on the reward in flight")
+    assert proc.returncode == 130, stderr[-3000:]
+    line = stderr.strip().splitlines()[-1]
+    saved = out / "checkpoints" / "step-0"
+    assert line == f"leangrpo: stopped by SIGINT at step 0: checkpoint saved to {saved}; " + (
+        "run the same command to resume"
+    )
+    assert (saved / "COMPLETE").is_file() and "Traceback" not in stderr
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"orphans left: {alive}"
+
+
+# -- stop signals: a checkpoint at the step reached, then exit 128 + signal ------------------
+
+STOP_DEMO = {  # 8 steps of 2 per batch (mu 2): a stop can fall inside a batch
+    "run.max_steps": 8,
+    "loss.mu": 2,
+    "checkpoint.every_steps": 5,
+    "checkpoint.keep_last": 3,
+    "eval.every_steps": 0,
+    "eval.num_prompts": 8,
+    "logging.progress_bar": "false",
+    "logging.samples_every": 0,
+}
+STOPPED = re.compile(
+    r"^leangrpo: stopped by SIGTERM at step (\d+): checkpoint saved to (\S+); "
+    r"run the same command to resume$"
+)
+
+
+def demo_command(out: Path, sets: dict, script: str | None = None) -> list[str]:
+    head = ["-c", script] if script else ["-m", "leangrpo"]
+    sets = {**sets, "run.output_dir": out}
+    return [sys.executable, *head, "train", "examples/demo.yaml"] + [
+        arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")
+    ]
+
+
+def start_demo(out: Path, sets: dict, script: str | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        demo_command(out, sets, script), cwd=ROOT, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def wait_for_step(proc: subprocess.Popen, out: Path, step: int, limit_s: float = 120) -> None:
+    """Until metrics.jsonl has a row for `step` (the run is training)."""
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + limit_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        if metrics.exists() and step in metric_steps_so_far(metrics):
+            return
+        time.sleep(0.02)
+    proc.kill()
+    pytest.fail(f"the run never logged step {step}: {proc.communicate()[1][-2000:]}")
+
+
+def metric_steps_so_far(metrics: Path) -> set[int]:
+    lines = metrics.read_text().splitlines()
+    return {json.loads(x)["step"] for x in lines if x.endswith("}")}  # the last may be torn
+
+
+def final_weights(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(out / "final" / "model.safetensors")
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigterm_saves_the_step_it_reached_and_the_resumed_run_equals_the_straight_one(
+    tmp_path, mode
+):
+    """SIGTERM (what SLURM, Kubernetes and spot instances send) used to end the run with
+    nothing saved since the last scheduled checkpoint (step 5 here, if any)."""
+    import torch
+
+    sets = {**STOP_DEMO, "pipeline.mode": mode, "pipeline.max_staleness": 0}
+    straight = subprocess.run(demo_command(tmp_path / "straight", sets), cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    out = tmp_path / "stopped"
+    proc = start_demo(out, sets)
+    wait_for_step(proc, out, 3)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143, stderr[-3000:]
+    line = stderr.strip().splitlines()[-1]
+    found = STOPPED.match(line)
+    assert found, line
+    step = int(found.group(1))
+    assert 3 <= step < 8 and Path(found.group(2)) == out / "checkpoints" / f"step-{step}"
+    assert (out / "checkpoints" / f"step-{step}" / "COMPLETE").is_file()
+    assert not (out / "final").exists() and "Traceback" not in stderr
+    assert max(metric_steps_so_far(out / "metrics.jsonl")) == step
+
+    resumed = subprocess.run(demo_command(out, sets), cwd=ROOT, capture_output=True,
+                             text=True, timeout=300)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"at step {step}" in resumed.stderr and "resumed from" in resumed.stderr
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 9))  # each step once
+    expected, got = final_weights(tmp_path / "straight"), final_weights(out)
+    assert sorted(expected) == sorted(got)
+    assert all(torch.equal(expected[k], got[k]) for k in expected), "resume is not exact"
+
+
+# The CLI, with the stop checkpoint's save slowed down once it has written the model files
+SLOW_STOP_SAVE = """
+import os, sys, time
+from pathlib import Path
+from leangrpo import stopping
+from leangrpo.checkpoint import local as checkpoint
+from leangrpo.cli import main
+
+real = checkpoint.save_model_weights
+
+def slow(model, directory, for_resume):
+    real(model, directory, for_resume)
+    if stopping._active is not None and stopping._active.requested:  # the stop's save
+        Path(os.environ["LEANGRPO_TEST_MARK"]).write_text(str(Path(directory).parent))
+        time.sleep(120)
+
+checkpoint.save_model_weights = slow
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_second_sigterm_during_the_stop_checkpoint_exits_at_once_leaving_the_last_one(
+    tmp_path,
+):
+    import os
+
+    from leangrpo.checkpoint.rundir import latest_checkpoint
+
+    out, mark = tmp_path / "run", tmp_path / "saving"
+    sets = {**STOP_DEMO, "checkpoint.every_steps": 2}
+    proc = subprocess.Popen(
+        demo_command(out, sets, SLOW_STOP_SAVE), cwd=ROOT, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True, env={**os.environ, "LEANGRPO_TEST_MARK": str(mark)},
+    )  # fmt: skip
+    wait_for_step(proc, out, 3)
+    proc.send_signal(signal.SIGTERM)
+    first = time.monotonic()
+    while not mark.exists() and proc.poll() is None and time.monotonic() < first + 60:
+        time.sleep(0.02)
+    assert mark.exists(), proc.communicate()[1][-3000:]
+    half = Path(mark.read_text())  # the stop checkpoint's directory, model files written
+    time.sleep(max(0.0, first + 1.5 - time.monotonic()))  # past the repeat window
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=20)  # the save sleeps 120 s: it did not wait
+    assert proc.returncode == 143, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == (
+        "leangrpo: second SIGTERM: exiting now; the last complete checkpoint is intact"
+    )
+    assert half.name.startswith(".tmp-step-") and (half / "model").is_dir()
+    last = latest_checkpoint(out)  # the half-written one is not taken for a checkpoint
+    assert last is not None and last.name in {"step-2", "step-4", "step-6"}
+    assert int(last.name[5:]) < int(half.name.split("-")[2])
+    again = subprocess.run(demo_command(out, sets), cwd=ROOT, capture_output=True, text=True,
+                           timeout=300)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {last} at step {last.name[5:]}" in again.stderr
+    assert not half.exists()  # the next save removed it

@@ -1,0 +1,109 @@
+"""model_files.py: a model directory's problems found without loading it (and without torch)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from leangrpo.model.files import ModelFilesError, check_model_files, context_length
+
+DEMO_MODEL = Path(__file__).resolve().parents[2] / "examples" / "demo" / "model"
+
+
+def model_cfg(path) -> SimpleNamespace:
+    return SimpleNamespace(name_or_path=str(path), revision=None)
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    return Path(shutil.copytree(DEMO_MODEL, tmp_path / "model"))
+
+
+def error_for(path) -> str:
+    with pytest.raises(ModelFilesError) as info:
+        check_model_files(model_cfg(path))
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_demo_model_passes_and_reports_its_context(model_dir: Path) -> None:
+    files = check_model_files(model_cfg(model_dir))
+    assert files.directory == model_dir
+    assert files.context == 64 and "max_position_embeddings" in files.context_source
+
+
+def test_missing_directory_is_one_sentence(tmp_path: Path) -> None:
+    assert "no such directory" in error_for(tmp_path / "nope" / "model")
+    assert "no such directory" in error_for("./examples/nowhere")
+    (tmp_path / "file").write_text("x")
+    assert "is a file" in error_for(tmp_path / "file")
+
+
+def test_config_json_missing_or_invalid(model_dir: Path) -> None:
+    (model_dir / "config.json").write_text('{"model_type": "qwen2",\n  "vocab_size": }')
+    assert "config.json is not valid JSON (line 2" in error_for(model_dir)
+    (model_dir / "config.json").write_text("[1, 2]")
+    assert "must hold a JSON object" in error_for(model_dir)
+    (model_dir / "config.json").unlink()
+    assert "has no config.json" in error_for(model_dir)
+
+
+def test_no_weights_or_missing_shard(model_dir: Path) -> None:
+    weights = model_dir / "model.safetensors"
+    shard = weights.rename(model_dir / "model-00001-of-00002.safetensors")
+    assert "holds no weights" in error_for(model_dir)
+    index = {"weight_map": {"a": shard.name, "b": "model-00002-of-00002.safetensors"}}
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert "model-00002-of-00002.safetensors is missing" in error_for(model_dir)
+    (model_dir / "model.safetensors.index.json").write_text("{}")
+    assert "not a valid weight index" in error_for(model_dir)
+
+
+def test_truncated_corrupt_and_header_broken_safetensors(model_dir: Path) -> None:
+    weights = model_dir / "model.safetensors"
+    good = weights.read_bytes()
+    weights.write_bytes(good[: len(good) // 2])
+    assert "is truncated" in error_for(model_dir)
+    weights.write_bytes(good + b"junk")
+    assert "longer than its header describes" in error_for(model_dir)
+    weights.write_bytes(b"\x01\x02")
+    assert "shorter than its header" in error_for(model_dir)
+    weights.write_bytes(struct.pack("<Q", 10**12) + good[8:])
+    assert "its header claims 1000000000000 bytes, more than" in error_for(model_dir)
+    (header_len,) = struct.unpack("<Q", good[:8])
+    weights.write_bytes(good[:8] + b"{" * header_len + good[8 + header_len :])
+    assert "header is not valid JSON tensor metadata" in error_for(model_dir)
+    weights.write_bytes(b"")
+    assert "shorter than its header" in error_for(model_dir)
+
+
+def test_tokenizer_files_are_required(model_dir: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model_dir / name).unlink()
+    assert "holds no tokenizer files" in error_for(model_dir)
+
+
+def test_hub_id_not_cached_is_left_for_the_download(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    files = check_model_files(model_cfg("some-org/some-model"))
+    assert files.directory is None and files.context is None
+
+
+def test_context_length_reads_text_config_and_rope_scaling() -> None:
+    assert context_length({"max_position_embeddings": 2048})[0] == 2048
+    assert context_length({"n_positions": 1024})[0] == 1024
+    assert context_length({"text_config": {"max_position_embeddings": 8192}})[0] == 8192
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert context_length({"max_position_embeddings": 32768, "rope_scaling": yarn})[0] == 131072
+    llama3 = {"rope_type": "llama3", "factor": 8.0}
+    assert context_length({"max_position_embeddings": 131072, "rope_parameters": llama3})[0] == (
+        131072
+    )
+    assert context_length({"hidden_size": 8}) == (None, "")

@@ -1,0 +1,203 @@
+"""`leangrpo plan`: config.json read without torch, each switch moves its own term, the
+peak rule, and the copies of the trainer's constants kept equal.
+(tests/test_planner_measured.py checks the figures against what autograd really does.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from leangrpo.config import config_from_dict
+from leangrpo.planner.plan import TERMS, Dims, PlanError, dims_from_json, plan_memory
+
+ROOT = Path(__file__).resolve().parents[2]
+LLAMA_8B = Dims(
+    vocab=128256,
+    hidden=4096,
+    intermediate=14336,
+    layers=32,
+    heads=32,
+    kv_heads=8,
+    head_dim=128,
+    tied=False,
+)
+QWEN3_8B = {
+    "model_type": "qwen3",
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "tie_word_embeddings": False,
+}
+QWEN25_15B = {
+    "model_type": "qwen2",
+    "vocab_size": 151936,
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": True,
+}
+
+
+def config(**sections):
+    cfg = {
+        "model": {"name_or_path": "unused", "dtype": "bfloat16"},
+        "data": {"path": "unused.jsonl"},
+        "rewards": {"functions": ["math"]},
+        "rollout": {"max_new_tokens": 2048, "num_generations": 8},
+        "train": {"micro_batch_tokens": 20480},
+        "run": {"device": "cuda"},
+    }
+    for name, values in sections.items():
+        cfg.setdefault(name, {}).update(values)
+    return config_from_dict(cfg)
+
+
+def plan(world_size: int = 1, **sections):
+    return plan_memory(config(**sections), dims=LLAMA_8B, world_size=world_size)
+
+
+def test_parameter_counts_of_published_models():
+    assert abs(LLAMA_8B.params - 8.03e9) / 8.03e9 < 0.01
+    assert abs(dims_from_json(QWEN25_15B).params - 1.544e9) / 1.544e9 < 0.001  # q/k/v biases
+    qwen3 = dims_from_json(QWEN3_8B)
+    assert qwen3.qk_norm and abs(qwen3.params - 8.19e9) / 8.19e9 < 0.01
+    multimodal = {"model_type": "llava", "text_config": {**QWEN25_15B}}
+    assert dims_from_json(multimodal) == dims_from_json(QWEN25_15B)
+
+
+def test_an_unknown_model_type_or_a_partial_config_is_one_clear_error():
+    with pytest.raises(PlanError, match="model_type 'gpt2' is not one leangrpo plan can count"):
+        dims_from_json({"model_type": "gpt2", "n_embd": 768})
+    partial = {k: v for k, v in QWEN25_15B.items() if k != "intermediate_size"}
+    with pytest.raises(PlanError, match="intermediate_size missing"):
+        dims_from_json(partial)
+
+
+def test_each_switch_lowers_its_own_term():
+    full = plan(logprobs={"chunked": False})
+    frozen_head = {"enabled": True, "r": 16}  # a trained head adds its (V, H) gradient to both
+    full_logits = plan(logprobs={"chunked": False}, lora=frozen_head)
+    assert plan(lora=frozen_head)["lm_head"] < full_logits["lm_head"] / 50
+    lora = plan(lora={"enabled": True, "r": 16})
+    assert lora["adamw_state"] < full["adamw_state"] / 50  # fp32 adapters on a bf16 base
+    model = {"name_or_path": "unused", "dtype": "bfloat16", "gradient_checkpointing": True}
+    ckpt = plan(model=model, lora=frozen_head)
+    offloaded = plan(model=model, lora=frozen_head, offload={"activations": "hidden_states"})
+    assert offloaded["activations"] < ckpt["activations"] < lora["activations"]
+    # full fine-tuning peaks at the bottom layer's backward, every gradient made, one
+    # layer input left: offloading the inputs cannot lower that
+    ckpt_full = plan(model=model)
+    assert (
+        plan(model=model, offload={"activations": "hidden_states"})["total"] == ckpt_full["total"]
+    )
+    assert offloaded["offloaded_to_host"] > 0 == ckpt["offloaded_to_host"]
+    assert plan(loss={"beta": 0.1})["reference_copy"] == full["weights"]
+    assert plan(loss={"beta": 0.1}, lora={"enabled": True})["reference_copy"] == 0
+
+
+def test_persistent_terms_are_exact():
+    full = plan()
+    b = 2
+    assert full["weights"] == LLAMA_8B.params * b + LLAMA_8B.buffer_bytes
+    assert full["gradients"] == LLAMA_8B.params * b
+    assert full["adamw_state"] == 2 * LLAMA_8B.params * b  # step counters live on the host
+    lora = plan(lora={"enabled": True, "r": 16})  # fp32 adapters on a bf16 base
+    adapters = 32 * 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 14336))
+    assert lora["gradients"] == 4 * adapters and lora["adamw_state"] == 8 * adapters
+    only_q = plan(lora={"enabled": True, "r": 16, "target_modules": ["q_proj"]})
+    assert only_q["gradients"] == 4 * 32 * 16 * (4096 + 4096)
+
+
+def test_peak_is_the_larger_phase_or_both_when_generation_overlaps():
+    sync = plan(loss={"beta": 0.1})
+    persistent = sum(
+        sync[k] for k in ("weights", "reference_copy", "generation_copy", "adamw_state")
+    )
+    train = sync["gradients"] + sync["activations"] + sync["lm_head"]
+    assert sync["total"] == persistent + max(train, sync["kv_cache"])
+    overlapped = plan(pipeline={"mode": "async"})
+    assert overlapped["generation_copy"] == overlapped["weights"]
+    assert overlapped["total"] > plan()["total"] + overlapped["kv_cache"] - 1
+    assert plan(rollout={"engine": "vllm"})["kv_cache"] == 0  # vLLM sizes its own
+
+
+def test_fsdp_shards_what_each_rank_holds():
+    one, two = plan(), plan(world_size=2)
+    assert two["gradients"] == one["gradients"] // 2
+    assert two["weights"] < 0.6 * one["weights"]  # its shard plus two gathered layers
+    kept = plan(world_size=2, distributed={"sharding": "no_shard"})
+    assert kept["weights"] == one["weights"] and kept["gradients"] == one["gradients"]
+
+
+def test_kv_cache_follows_the_longest_decode_call():
+    base = dict(rollout={"prompts_per_batch": 4}, data={"max_prompt_tokens": 1000})
+    train = plan(**base)["kv_cache"]
+    per_row_token = 2 * 32 * 8 * 128 * 2
+    assert train == (2 * 32 * 32 * 3047 * 8 * 128 * 2) + 32 * 3047 * 8 * 128 * 2
+    assert per_row_token * 32 * 3047 < train
+    greedy_eval = plan(eval={"every_steps": 5, "num_prompts": 64, "temperature": 0.0}, **base)
+    assert greedy_eval["kv_cache"] == 2 * train  # 64 rows (one per prompt) against 32
+
+
+def test_constants_copied_from_torch_modules_stay_equal():
+    from leangrpo.ops.attention import adapter as attention
+    from leangrpo.ops.logprobs import api as logprobs
+    from leangrpo.planner import plan as planner
+
+    assert planner.DEFAULT_TILES == logprobs.DEFAULT_TILES
+    assert planner.AUTO_MIN_PROMPT_FRACTION == attention.AUTO_MIN_PROMPT_FRACTION
+    for setting in ("auto", "on", "off"):
+        for prompt in (4, 64, 400):
+            cfg = config(packing={"shared_prefix": setting}, rollout={"max_new_tokens": 100})
+            stats = {"prompt_fraction": prompt / (prompt + 100), "group_size": 8}
+            expected = attention.choose_shared_prefix(setting, "sdpa_segments", stats)
+            assert planner.shared_prefix(cfg, prompt, "segments") == expected
+
+
+def test_cli_plans_without_importing_torch(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN25_15B))
+    cfg = {
+        "model": {"name_or_path": str(model)},
+        "data": {"path": "unused.jsonl"},
+        "rewards": {"functions": ["math"]},
+        "run": {"device": "cpu"},
+    }
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    probe = (
+        "import sys; from leangrpo.cli import main; code = main(sys.argv[1:]); "
+        "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(code)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe, "plan", str(path), "--tokens", "2048", "--world-size", "1"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "one micro-batch of 2048 tokens" in out.stdout
+    assert all(f"  {term} " in out.stdout for term in (*TERMS, "total"))
+    (model / "config.json").write_text(json.dumps({**QWEN25_15B, "model_type": "mamba"}))
+    out = subprocess.run(
+        [sys.executable, "-m", "leangrpo", "plan", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "model_type 'mamba'" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1

@@ -1,0 +1,147 @@
+"""check_rewards imports user reward files in a short-lived worker, under a time limit:
+a file that exits, kills its process or hangs at import gets one sentence, the trainer
+survives; built-ins need no worker."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from leangrpo.rewards import RewardSpecError, check_rewards
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+
+def rewards_cfg(*names, startup_timeout_s=60.0):
+    functions = [SimpleNamespace(name=n, weight=1.0, kwargs={}) for n in names]
+    return SimpleNamespace(
+        functions=functions,
+        timeout_s=5.0,
+        num_workers=1,
+        fail_fast=False,
+        startup_timeout_s=startup_timeout_s,
+    )
+
+
+def write(tmp_path, name, body):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body) + "\ndef fn(prompts, completions, **c):\n    return []\n")
+    return path
+
+
+def test_sys_exit_at_import_is_one_sentence(tmp_path):
+    path = write(tmp_path, "exits.py", "import sys\nsys.exit(3)")
+    with pytest.raises(RewardSpecError) as err:
+        check_rewards(rewards_cfg("math", f"{path}:fn"))
+    assert str(err.value) == (
+        f"rewards.functions[1].name = '{path}:fn': {path} called sys.exit(3) at import; "
+        "a reward file must not exit"
+    )
+
+
+def test_sleep_at_import_is_stopped_by_the_startup_limit(tmp_path):
+    path = write(tmp_path, "sleeps.py", "import time\ntime.sleep(20)")
+    with pytest.raises(RewardSpecError, match=r"importing .*sleeps\.py did not finish within 1 s"):
+        check_rewards(rewards_cfg(f"{path}:fn", startup_timeout_s=1.0))
+
+
+def test_os_exit_at_import_does_not_end_the_trainer(tmp_path):
+    # run in a child interpreter: on failure (the import in the checking process itself)
+    # os._exit would end the test run
+    path = write(tmp_path, "kills.py", "import os\nos._exit(5)")
+    code = textwrap.dedent(
+        f"""
+        from types import SimpleNamespace
+        from leangrpo.rewards import RewardSpecError, check_rewards
+        fn = SimpleNamespace(name={f"{path}:fn"!r}, weight=1.0, kwargs={{}})
+        cfg = SimpleNamespace(functions=[fn], timeout_s=5.0, num_workers=1, fail_fast=False)
+        try:
+            check_rewards(cfg)
+        except RewardSpecError as e:
+            print(e)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == (
+        f"rewards.functions[0].name = '{path}:fn': importing {path} ended the reward worker "
+        "(exit code 5); a reward file must not exit at import"
+    )
+
+
+def test_valid_files_pass_and_their_prints_are_prefixed(tmp_path, caplog, capfd):
+    path = write(tmp_path, "chatty.py", "print('loading my reward')")
+    with caplog.at_level(logging.INFO, logger="leangrpo.rewards"):
+        specs = check_rewards(rewards_cfg("math", f"{path}:fn"))
+    assert [s.key for s in specs] == ["math", "fn"]
+    assert "[reward check] loading my reward" in [r.getMessage() for r in caplog.records]
+    assert "loading my reward" not in "".join(capfd.readouterr())
+
+
+def test_builtins_need_no_worker(monkeypatch):
+    import leangrpo.rewards.check as check
+
+    def no_worker(*args, **kwargs):
+        raise AssertionError("a worker was started")
+
+    monkeypatch.setattr(check, "WorkerProcess", no_worker)
+    specs = check_rewards(rewards_cfg("math", "math"))
+    assert [s.key for s in specs] == ["math", "math_2"]
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("timeout_s", ".inf"),
+        ("timeout_s", "1e9"),
+        ("startup_timeout_s", "0"),
+        ("memory_limit_mb", "16"),
+        ("cpu_time_limit_s", "-1"),
+    ],
+)
+def test_reward_limits_in_the_config_are_checked(key, value):
+    from leangrpo.config import ConfigError, load_config
+
+    overrides = [
+        "model.name_or_path=m",
+        "data.path=d.jsonl",
+        "rewards.functions=[math]",
+        f"rewards.{key}={value}",
+    ]
+    with pytest.raises(ConfigError, match=rf"rewards\.{key}"):
+        load_config(None, overrides)
+
+
+def test_the_check_imports_neither_torch_nor_the_pool(tmp_path):
+    path = write(tmp_path, "ok.py", "")
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from types import SimpleNamespace
+        from leangrpo.rewards import check_rewards
+        fn = SimpleNamespace(name={f"{path}:fn"!r}, weight=1.0, kwargs={{}})
+        check_rewards(SimpleNamespace(functions=[fn], timeout_s=5.0))
+        print(sorted(m for m in ("torch", "leangrpo.rewards.pool") if m in sys.modules))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -1,0 +1,92 @@
+"""Test doubles for the vLLM engine's server tests: no vLLM needed.
+
+`FakeLocal` stands in for `LocalVLLM` behind the real HTTP handler: the real
+`VersionGate` (so the version and run rules under test are the product's), scripted
+completions, and a record of what was loaded.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from leangrpo.contracts import Completion
+from leangrpo.rollout.vllm.http import make_handler
+from leangrpo.rollout.vllm.local import VersionGate
+
+
+class FakeLocal:
+    """LocalVLLM's interface with the real gate; completions reverse the prompt."""
+
+    def __init__(self, name: str = "fake", delay_s: float = 0.0, version: int = 0, run=None):
+        self.name, self.delay_s = name, delay_s
+        self.gate = VersionGate(version, run)
+        self.weights: dict = {}
+        self.adapter_files: dict[str, bytes] = {}
+        self.loaded: list[tuple] = []  # (kind, run, version) of every real load
+        self.served: list[list[int]] = []
+        self.seeds = None
+
+    @property
+    def version(self) -> int:
+        return self.gate.version
+
+    @property
+    def held(self):
+        return self.gate.held
+
+    def generate(self, prompt_ids, params, n, version, seeds=None, *, run):
+        with self.gate.admit(version, run):
+            self.seeds = seeds
+            time.sleep(self.delay_s)
+            self.served += prompt_ids
+            return [
+                [
+                    Completion(
+                        ids[::-1] + [k], self.name, [-0.5] * (len(ids) + 1), "length", version
+                    )
+                    for k in range(n)
+                ]
+                for ids in prompt_ids
+            ]
+
+    def load_weight_files(self, paths, version, *, run):
+        with self.gate.update(version, drain=True, run=run) as needed:
+            if needed:
+                for p in paths:
+                    self.weights.update(load_file(p))
+                self.loaded.append(("weights", run, version))
+
+    def load_adapter(self, source: Path, version: int, *, run):
+        with self.gate.update(version, drain=False, run=run) as needed:
+            if needed:
+                self.adapter_files = {p.name: p.read_bytes() for p in source.iterdir()}
+                self.loaded.append(("adapter", run, version))
+
+    def sleep(self, level: int = 1) -> None:
+        self.loaded.append(("sleep", level, None))
+
+    def wake_up(self) -> None:
+        pass
+
+
+class Served:
+    """A real `ThreadingHTTPServer` with the real handler around a FakeLocal."""
+
+    def __init__(self, local: FakeLocal, staging: Path, **handler_kwargs):
+        self.local = local
+        self.staging = staging
+        staging.mkdir(parents=True, exist_ok=True)
+        self.server = ThreadingHTTPServer(
+            ("127.0.0.1", 0), make_handler(local, staging, "fake", **handler_kwargs)
+        )
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
