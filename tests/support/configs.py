@@ -1,10 +1,19 @@
-"""Configs the tests run: the demo model's few-step runs, as plain dicts for
-`config_from_dict` (a section given to `tiny_run` or `demo_config` updates the defaults):
-`tiny_run` for one process, `demo_config` for the torchrun tests (2 ranks vs 1 process)."""
+"""Configs the tests run, real and validated (no stand-ins).
+
+Whole configs, as plain dicts for `config_from_dict` (a section given updates the
+defaults): `tiny_run`, the demo model's few-step run in one process; `demo_config`, the
+torchrun tests' run (2 ranks vs 1 process). Typed sections, for the code that takes one:
+`rewards_section`. `unvalidated` builds a section holding values its own validators refuse,
+for the checks a consumer repeats on configs that never went through validation.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, TypeVar
+
+from leangrpo.config.base import Section
+from leangrpo.config.run import RewardsConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "examples" / "demo"
@@ -81,3 +90,24 @@ def demo_config(out: Path, mode: str, world_size: int, **sections) -> dict:
     for name, values in sections.items():
         cfg.setdefault(name, {}).update(values)
     return cfg
+
+
+def rewards_section(
+    *functions: Any, timeout_s: float = 5.0, num_workers: int = 1, **fields: Any
+) -> RewardsConfig:
+    """A rewards section with one worker and a 5 s limit unless given; each function is a
+    name, a (name, weight, kwargs) triple or a `RewardSpec`."""
+    specs = [
+        {"name": f[0], "weight": f[1], "kwargs": f[2]} if isinstance(f, tuple) else f
+        for f in functions
+    ]
+    return RewardsConfig(functions=specs, timeout_s=timeout_s, num_workers=num_workers, **fields)
+
+
+S = TypeVar("S", bound=Section)
+
+
+def unvalidated(section: type[S], **fields: Any) -> S:
+    """`section` with these fields and the other defaults, none of them checked (pydantic's
+    `model_construct`): what a caller that skipped validation could hand over."""
+    return section.model_construct(**fields)
