@@ -70,8 +70,7 @@ def test_compiled_chunked_path_traces_the_same_function(filters, backend):
 
 def test_logprobs_compile_config_reaches_the_head(tiny_model):
     """`logprobs.compile` is a documented config key, off by default, passed by model.score."""
-    from types import SimpleNamespace
-
+    from support.configs import unvalidated
     from torch._dynamo.utils import counters
 
     from leangrpo.config.training import LogprobsConfig
@@ -87,11 +86,15 @@ def test_logprobs_compile_config_reaches_the_head(tiny_model):
         RolloutSample(0, Prompt(0, "", [1, 2, 3]), Completion([4, 5], "", [-1.0, -1.0], "stop", 0))
     ]
     batch = pack_samples(samples)
-    cfg = SimpleNamespace(chunked=True, row_tile=None, vocab_tile=None, compile=False)
+    cfg = LogprobsConfig(chunked=True, row_tile=None, vocab_tile=None, compile=False)
     eager = score(model, batch, SamplingParams(), cfg)[0]
     torch._dynamo.reset()
     counters.clear()
-    cfg.compile = "aot_eager"
+    # the config takes a bool (True = inductor); score hands the value to the head as it is,
+    # so a backend name reaches it too: aot_eager, the cheap CPU check of the compiled path
+    cfg = unvalidated(
+        LogprobsConfig, chunked=True, row_tile=None, vocab_tile=None, compile="aot_eager"
+    )
     compiled = score(model, batch, SamplingParams(), cfg)[0]
     assert counters["stats"]["unique_graphs"] >= 1
     torch.testing.assert_close(compiled, eager)

@@ -25,6 +25,8 @@ if missing_reason() is not None:
     pytest.skip(missing_reason(), allow_module_level=True)
 
 from leangrpo.config import config_from_dict
+from leangrpo.config.run import ModelConfig
+from leangrpo.config.training import LogprobsConfig
 from leangrpo.contracts import Completion, Prompt, RolloutSample, SamplingParams
 from leangrpo.data.prompts import load_prompts
 from leangrpo.model.policy import load_tokenizer
@@ -50,9 +52,7 @@ def real():
 
     path = smollm2_dir()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tokenizer = load_tokenizer(
-        SimpleNamespace(name_or_path=str(path), revision=None, trust_remote_code=False)
-    )
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(path)))
     return SimpleNamespace(path=path, model=model, tokenizer=tokenizer)
 
 
@@ -130,7 +130,7 @@ def test_packed_score_equals_per_sequence_transformers(real, per_sequence, share
     packed scoring must be no further from fp64 than twice that.
     """
     samples, want32, want64 = per_sequence
-    chunks = SimpleNamespace(chunked=True, row_tile=16, vocab_tile=8192)
+    chunks = LogprobsConfig(chunked=True, row_tile=16, vocab_tile=8192)
     with torch.no_grad(), attention(real.model, "sdpa_segments"):
         batch = pack_samples(samples, shared_prefix=shared_prefix)
         got, _ = score(real.model, batch, SamplingParams(temperature=0.8), chunks)
@@ -213,7 +213,7 @@ def test_generation_stops_at_im_end_and_the_stop_token_is_trained_on(real):
             real.model,
             batch,
             SamplingParams(),
-            SimpleNamespace(chunked=True, row_tile=None, vocab_tile=None),
+            LogprobsConfig(chunked=True, row_tile=None, vocab_tile=None),
         )
         (grad,) = torch.autograd.grad(logp[-1], norm)
     assert logp.shape[0] == len(completion.ids)

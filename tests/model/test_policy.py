@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from support.models import make_tiny_model
 
+from leangrpo.config.training import LogprobsConfig
 from leangrpo.contracts import Completion, Prompt, RolloutSample, SamplingParams
 from leangrpo.model.policy import Policy
 from leangrpo.model.scoring import reference_logprobs, score
 from leangrpo.ops.attention.adapter import enable_packed_attention
 from leangrpo.train.packing import pack_samples
 
-LOGPROBS = SimpleNamespace(chunked=True, row_tile=4, vocab_tile=16)
+LOGPROBS = LogprobsConfig(chunked=True, row_tile=4, vocab_tile=16)
 
 
 def samples(seed: int = 0) -> list[RolloutSample]:
