@@ -12,12 +12,13 @@ logits for the chunked lm_head); on this CPU both sit near 2-3e-5 in log-prob.
 from __future__ import annotations
 
 import copy
-import json
 from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
 import torch
+from support.configs import minimal_run
+from support.files import write_jsonl
 
 from leangrpo.model.smollm2 import missing_reason
 
@@ -224,21 +225,12 @@ def test_generation_stops_at_im_end_and_the_stop_token_is_trained_on(real):
 
 
 def test_chat_template_is_applied_by_the_data_role(real, tmp_path):
-    path = tmp_path / "train.jsonl"
-    path.write_text("\n".join(json.dumps({"prompt": q, "answer": "x"}) for q, _ in QUESTIONS))
+    path = write_jsonl(
+        tmp_path / "train.jsonl", [{"prompt": q, "answer": "x"} for q, _ in QUESTIONS]
+    )
     for system in (None, "Answer briefly."):
-        cfg = config_from_dict(
-            {
-                "model": {"name_or_path": str(real.path)},
-                "data": {
-                    "path": str(path),
-                    "chat_template": True,
-                    "system_prompt": system,
-                    "eval_size": 1,
-                },
-                "rewards": {"functions": ["math"]},
-            }
-        )
+        data = {"path": path, "chat_template": True, "system_prompt": system, "eval_size": 1}
+        cfg = config_from_dict(minimal_run(model={"name_or_path": str(real.path)}, data=data))
         loaded = load_prompts(cfg.data, real.tokenizer)
         for prompt in loaded.train + loaded.eval:
             question = QUESTIONS[prompt.uid][0]

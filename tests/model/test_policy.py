@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.configs import minimal_run
+from support.files import copy_demo_model
 from support.models import make_tiny_model
 
 from leangrpo.config.training import LogprobsConfig
@@ -125,15 +127,9 @@ def first_iteration_ratio(tmp_path, **model_section):
     from leangrpo.model.policy import load_policy
     from leangrpo.model.scoring import eval_mode
 
-    demo = Path(__file__).resolve().parents[2] / "examples" / "demo"
-    cfg = config_from_dict(
-        {
-            "model": {"name_or_path": dropout_model_dir(tmp_path), "dtype": "float32",
-                      "gradient_checkpointing": True, **model_section},
-            "data": {"path": str(demo / "train.jsonl")},
-            "rewards": {"functions": [{"name": "math"}]},
-        }
-    )  # fmt: skip
+    model = {"name_or_path": dropout_model_dir(tmp_path), "dtype": "float32",
+             "gradient_checkpointing": True, **model_section}  # fmt: skip
+    cfg = config_from_dict(minimal_run(model=model))
     policy = load_policy(cfg, None, torch.device("cpu"))
     batch = pack_samples(samples())
     with eval_mode(policy.model), torch.no_grad():
@@ -154,16 +150,10 @@ def test_dropout_is_off_for_rl_by_default(tmp_path):
 def test_lora_dropout_needs_dropout_kept():
     from leangrpo.config import ConfigError, config_from_dict
 
-    demo = Path(__file__).resolve().parents[2] / "examples" / "demo"
-    base = {
-        "model": {"name_or_path": "m"},
-        "data": {"path": str(demo / "train.jsonl")},
-        "rewards": {"functions": [{"name": "math"}]},
-        "lora": {"enabled": True, "dropout": 0.05},
-    }
+    lora = {"enabled": True, "dropout": 0.05}
     with pytest.raises(ConfigError, match="lora.dropout.*model.disable_dropout"):
-        config_from_dict(base)
-    kept = config_from_dict({**base, "model": {"name_or_path": "m", "disable_dropout": False}})
+        config_from_dict(minimal_run(lora=lora))
+    kept = config_from_dict(minimal_run(lora=lora, model={"disable_dropout": False}))
     assert kept.lora.dropout == 0.05
 
 
@@ -195,16 +185,14 @@ def test_chunked_head_module_keeps_names_tying_and_log_probs():
 
 def damaged_demo_model(tmp_path: Path, damage) -> str:
     """The demo model copied to tmp_path, its tensors edited by damage(dict of tensors)."""
-    import shutil
-
     from safetensors.torch import load_file, save_file
 
-    demo = Path(__file__).resolve().parents[2] / "examples" / "demo" / "model"
-    directory = Path(shutil.copytree(demo, tmp_path / "model"))
-    tensors = load_file(directory / "model.safetensors")
-    damage(tensors)
-    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
-    return str(directory)
+    def edit(directory: Path) -> None:
+        tensors = load_file(directory / "model.safetensors")
+        damage(tensors)
+        save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+
+    return str(copy_demo_model(tmp_path, edit))
 
 
 def nan_layer_norm(tensors):
@@ -235,13 +223,7 @@ def test_weights_that_do_not_fit_the_config_are_refused(tmp_path, damage, messag
     from leangrpo.model.policy import load_policy, load_tokenizer
 
     path = damaged_demo_model(tmp_path, damage)
-    cfg = config_from_dict(
-        {
-            "model": {"name_or_path": path, "dtype": "float32"},
-            "data": {"path": str(Path(path).parent.parent / "train.jsonl")},
-            "rewards": {"functions": ["math"]},
-        }
-    )
+    cfg = config_from_dict(minimal_run(model={"name_or_path": path, "dtype": "float32"}))
     with pytest.raises(UserError, match=re.escape(message)):
         load_policy(cfg, load_tokenizer(cfg.model), torch.device("cpu"))
 
@@ -256,12 +238,6 @@ def test_an_unknown_model_type_is_one_sentence(tmp_path):
     path = Path(damaged_demo_model(tmp_path, lambda tensors: None))
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "model_type": "nosuchmodel"}))
-    cfg = config_from_dict(
-        {
-            "model": {"name_or_path": str(path)},
-            "data": {"path": "x.jsonl"},
-            "rewards": {"functions": ["math"]},
-        }
-    )
+    cfg = config_from_dict(minimal_run(model={"name_or_path": str(path)}))
     with pytest.raises(UserError, match="could not be loaded.*nosuchmodel.*check config.json"):
         load_policy(cfg, None, torch.device("cpu"))

@@ -7,15 +7,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
+from support.configs import ROOT, minimal_run, updated
 
 from leangrpo.config import config_from_dict
 from leangrpo.planner.plan import TERMS, Dims, PlanError, dims_from_json, plan_memory
 
-ROOT = Path(__file__).resolve().parents[2]
 LLAMA_8B = Dims(
     vocab=128256,
     hidden=4096,
@@ -50,17 +49,13 @@ QWEN25_15B = {
 
 
 def config(**sections):
-    cfg = {
-        "model": {"name_or_path": "unused", "dtype": "bfloat16"},
-        "data": {"path": "unused.jsonl"},
-        "rewards": {"functions": ["math"]},
-        "rollout": {"max_new_tokens": 2048, "num_generations": 8},
-        "train": {"micro_batch_tokens": 20480},
-        "run": {"device": "cuda"},
-    }
-    for name, values in sections.items():
-        cfg.setdefault(name, {}).update(values)
-    return config_from_dict(cfg)
+    cfg = minimal_run(
+        model={"dtype": "bfloat16"},
+        rollout={"max_new_tokens": 2048, "num_generations": 8},
+        train={"micro_batch_tokens": 20480},
+        run={"device": "cuda"},
+    )
+    return config_from_dict(updated(cfg, sections))
 
 
 def plan(world_size: int = 1, **sections):
@@ -91,7 +86,7 @@ def test_each_switch_lowers_its_own_term():
     assert plan(lora=frozen_head)["lm_head"] < full_logits["lm_head"] / 50
     lora = plan(lora={"enabled": True, "r": 16})
     assert lora["adamw_state"] < full["adamw_state"] / 50  # fp32 adapters on a bf16 base
-    model = {"name_or_path": "unused", "dtype": "bfloat16", "gradient_checkpointing": True}
+    model = {"dtype": "bfloat16", "gradient_checkpointing": True}
     ckpt = plan(model=model, lora=frozen_head)
     offloaded = plan(model=model, lora=frozen_head, offload={"activations": "hidden_states"})
     assert offloaded["activations"] < ckpt["activations"] < lora["activations"]
@@ -169,12 +164,7 @@ def test_cli_plans_without_importing_torch(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(QWEN25_15B))
-    cfg = {
-        "model": {"name_or_path": str(model)},
-        "data": {"path": "unused.jsonl"},
-        "rewards": {"functions": ["math"]},
-        "run": {"device": "cpu"},
-    }
+    cfg = minimal_run(model={"name_or_path": str(model)}, run={"device": "cpu"})
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
     probe = (

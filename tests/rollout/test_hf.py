@@ -4,10 +4,9 @@ sampling.process_logits vs transformers."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
+from support.configs import DEMO_MODEL
 from support.models import make_tiny_model
 from transformers import AutoTokenizer
 
@@ -17,7 +16,6 @@ from leangrpo.rollout.hf.engine import HFEngine
 from leangrpo.rollout.hf.kv_cache import PreallocatedLayer
 from leangrpo.rollout.sampling import process_logits, processed_logprobs
 
-DEMO_MODEL = Path(__file__).resolve().parents[2] / "examples" / "demo" / "model"
 TEXTS = ["12+34=", "5-3=", "99+10=1", "7="]  # different lengths: left padding is exercised
 
 

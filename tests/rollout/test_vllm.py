@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from support.configs import DEMO_YAML, minimal_run
+from support.files import read_jsonl
 from support.models import make_tiny_model
 from support.vllm_fakes import FakeLocal, Served
 
@@ -131,16 +133,12 @@ def test_lora_tensors_become_a_peft_adapter_that_peft_loads(tmp_path):
 def test_make_vllm_engine_maps_the_config(monkeypatch):
     from types import SimpleNamespace as NS
 
-    from leangrpo.config import Config
+    from leangrpo.config import config_from_dict
 
-    cfg = Config.model_validate(
-        {
-            "model": {"name_or_path": "m", "dtype": "float32"},
-            "lora": {"enabled": True, "r": 12},
-            "rollout": {"engine": "vllm"},
-            "data": {"path": "train.jsonl"},
-            "rewards": {"functions": ["math"]},
-        }
+    cfg = config_from_dict(
+        minimal_run(
+            model={"dtype": "float32"}, lora={"enabled": True, "r": 12}, rollout={"engine": "vllm"}
+        )
     )
     calls = []
     monkeypatch.setattr(
@@ -541,9 +539,8 @@ def test_grpo_with_the_vllm_engine_learns_on_the_demo(tmp_path):
     from leangrpo.config import load_config
     from leangrpo.train import Trainer
 
-    root = Path(__file__).resolve().parents[2]
     cfg = load_config(
-        root / "examples" / "demo.yaml",
+        DEMO_YAML,
         [
             f"run.output_dir={tmp_path / 'run'}",
             "run.max_steps=15",
@@ -557,9 +554,7 @@ def test_grpo_with_the_vllm_engine_learns_on_the_demo(tmp_path):
         ],
     )
     Trainer(cfg).train()
-    rows = [
-        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    ]
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     evals = [r["eval/reward"] for r in rows if "eval/reward" in r]
     assert evals[-1] >= evals[0] + 0.1, evals
     mismatch = [r["is/mismatch_kl"] for r in rows if "is/mismatch_kl" in r]
