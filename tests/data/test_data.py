@@ -7,6 +7,8 @@ import logging
 
 import pytest
 from support.configs import unvalidated
+from support.files import write_jsonl
+from support.processes import run_python
 
 from leangrpo.config.run import DataConfig
 from leangrpo.contracts import Prompt
@@ -42,11 +44,6 @@ def load_prompts(*args, **kwargs):
     """(train, eval) prompts; the metrics are tested where they matter."""
     prompts = load_prompt_set(*args, **kwargs)
     return prompts.train, prompts.eval
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
 
 
 ROWS = [
@@ -158,9 +155,6 @@ def test_json_lines_keep_their_types_and_missing_keys_read_none(tmp_path, tokeni
 
 
 def test_local_json_lines_load_without_importing_datasets(tmp_path):
-    import subprocess
-    import sys
-
     path = write_jsonl(tmp_path / "d.jsonl", ROWS)
     code = (
         "import sys; from leangrpo.config.run import DataConfig;"
@@ -170,7 +164,8 @@ def test_local_json_lines_load_without_importing_datasets(tmp_path):
         "assert rows[1] == {'prompt': 'q0 q1', 'answer': '1', 'level': 1}, rows[1];"
         "assert 'datasets' not in sys.modules"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr
 
 
 def test_load_with_chat_template_and_system_prompt(tmp_path, tokenizer):

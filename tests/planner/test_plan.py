@@ -5,12 +5,11 @@ peak rule, and the copies of the trainer's constants kept equal.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import yaml
-from support.configs import ROOT, minimal_run, updated
+from support.configs import minimal_run, updated
+from support.processes import run_cli, run_python
 
 from leangrpo.config import config_from_dict
 from leangrpo.planner.plan import TERMS, Dims, PlanError, dims_from_json, plan_memory
@@ -171,23 +170,11 @@ def test_cli_plans_without_importing_torch(tmp_path):
         "import sys; from leangrpo.cli import main; code = main(sys.argv[1:]); "
         "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(code)"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", probe, "plan", str(path), "--tokens", "2048", "--world-size", "1"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=60,
-    )
+    out = run_python(probe, "plan", str(path), "--tokens", "2048", "--world-size", "1", timeout=60)
     assert out.returncode == 0, out.stderr
     assert "one micro-batch of 2048 tokens" in out.stdout
     assert all(f"  {term} " in out.stdout for term in (*TERMS, "total"))
     (model / "config.json").write_text(json.dumps({**QWEN25_15B, "model_type": "mamba"}))
-    out = subprocess.run(
-        [sys.executable, "-m", "leangrpo", "plan", str(path)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=60,
-    )
+    out = run_cli("plan", str(path), timeout=60)
     assert out.returncode == 2 and "model_type 'mamba'" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1

@@ -5,17 +5,15 @@ survives; built-ins need no worker."""
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
-from support.configs import rewards_section
+from support.configs import SRC, rewards_section
+from support.processes import run_python
 
 from leangrpo.rewards import RewardSpecError, check_rewards
 
-SRC = str(Path(__file__).resolve().parents[2] / "src")
+CLEAN_ENV = {"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"}  # nothing else inherited
 
 
 def write(tmp_path, name, body):
@@ -55,13 +53,7 @@ def test_os_exit_at_import_does_not_end_the_trainer(tmp_path):
             print(e)
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"},
-    )
+    done = run_python(code, env=CLEAN_ENV)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == (
         f"rewards.functions[0].name = '{path}:fn': importing {path} ended the reward worker "
@@ -123,12 +115,6 @@ def test_the_check_imports_neither_torch_nor_the_pool(tmp_path):
         print(sorted(m for m in ("torch", "leangrpo.rewards.pool") if m in sys.modules))
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"},
-    )
+    done = run_python(code, env=CLEAN_ENV)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
