@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import yaml
 from support.configs import ROOT
 from support.processes import run_python
+from support.scripts import load_script
 
 from leangrpo.config import Config, ConfigError, config_from_dict, load_config
 
@@ -252,11 +252,7 @@ def test_import_does_not_load_torch() -> None:
 
 
 def test_docs_are_up_to_date() -> None:
-    spec = importlib.util.spec_from_file_location(
-        "gen_config_docs", ROOT / "scripts" / "gen_config_docs.py"
-    )
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
+    gen = load_script("gen_config_docs")
     text = (ROOT / "docs" / "config.md").read_text()
     assert text == gen.render(), "docs/config.md is stale: run python scripts/gen_config_docs.py"
     assert "`rollout.num_generations` | int | `8` | >= 2 |" in text
