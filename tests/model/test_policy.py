@@ -104,20 +104,8 @@ def test_reference_logprobs_are_unfiltered():
 
 
 def dropout_model_dir(tmp_path):
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    config = Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attention_dropout=0.5,
-    )
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    model = make_tiny_model(max_position_embeddings=64, attention_dropout=0.5)
+    model.save_pretrained(tmp_path / "model")
     return str(tmp_path / "model")
 
 
