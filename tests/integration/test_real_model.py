@@ -19,6 +19,7 @@ import pytest
 import torch
 from support.configs import minimal_run
 from support.files import write_jsonl
+from support.references import per_sequence_logprobs
 
 from leangrpo.model.smollm2 import missing_reason
 
@@ -89,18 +90,6 @@ def real_samples(tokenizer) -> list[RolloutSample]:
             comp = Completion(ids, answer, [0.0] * len(ids), "stop", 0)
             samples.append(RolloutSample(gid, prompt, comp, advantage=1.0))
     return samples
-
-
-def per_sequence_logprobs(model, samples, temperature: float = 1.0) -> torch.Tensor:
-    """Plain transformers, one sequence at a time, full logits."""
-    out = []
-    for s in samples:
-        ids = torch.tensor([s.prompt.ids + s.completion.ids])
-        logits = model(input_ids=ids, use_cache=False).logits[0] / temperature
-        p = len(s.prompt.ids)
-        logp = torch.log_softmax(logits[p - 1 : -1], -1)
-        out.append(logp.gather(1, torch.tensor(s.completion.ids)[:, None])[:, 0])
-    return torch.cat(out)
 
 
 def test_real_model_is_the_smollm2_instruct_llama(real):

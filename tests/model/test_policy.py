@@ -10,6 +10,7 @@ import torch
 from support.configs import minimal_run
 from support.files import copy_demo_model
 from support.models import make_tiny_model
+from support.references import per_sequence_logprobs
 
 from leangrpo.config.training import LogprobsConfig
 from leangrpo.contracts import Completion, Prompt, RolloutSample, SamplingParams
@@ -38,18 +39,6 @@ def samples(seed: int = 0) -> list[RolloutSample]:
     return out
 
 
-def padded_reference(model, batch_samples, temperature: float) -> torch.Tensor:
-    """One sequence at a time, full logits: the plain way."""
-    values = []
-    for s in batch_samples:
-        ids = torch.tensor([s.prompt.ids + s.completion.ids])
-        logits = model(input_ids=ids).logits[0].float() / temperature
-        p = len(s.prompt.ids)
-        logp = torch.log_softmax(logits[p - 1 : -1], -1)
-        values.append(logp.gather(1, torch.tensor(s.completion.ids)[:, None])[:, 0])
-    return torch.cat(values)
-
-
 def test_packed_chunked_score_equals_per_sequence_full_logits():
     model = make_tiny_model("qwen2")
     enable_packed_attention(model, "sdpa_segments")
@@ -58,7 +47,7 @@ def test_packed_chunked_score_equals_per_sequence_full_logits():
     params = SamplingParams(temperature=0.7)
     with torch.no_grad():
         got, _ = score(model, batch, params, LOGPROBS)
-        want = padded_reference(model, batch_samples, 0.7)
+        want = per_sequence_logprobs(model, batch_samples, 0.7)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -70,7 +59,7 @@ def test_lora_reference_is_the_model_with_adapters_disabled():
     batch_samples = samples(1)
     batch = pack_samples(batch_samples)
     with torch.no_grad():
-        base_logp = padded_reference(base, batch_samples, 1.0)
+        base_logp = per_sequence_logprobs(base, batch_samples, 1.0)
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
     for name, p in model.named_parameters():
         if "lora_B" in name:

@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 from support.configs import DEMO_YAML, minimal_run
 from support.files import read_jsonl
 from support.models import make_tiny_model
+from support.references import teacher_forced_logprobs
 from support.vllm_fakes import FakeLocal, Served
 
 from leangrpo.contracts import EngineVersionError, Prompt, SamplingParams
@@ -282,22 +283,10 @@ def build_char_model(path: Path, seed: int = 0, tied: bool = False):
     return model, tokenizer
 
 
-def reference_logprobs(
-    model, prompt_ids: list[int], completion_ids: list[int], params: SamplingParams
-) -> torch.Tensor:
-    """The trainer's view: teacher-forced forward, then the shared sampling transformation."""
-    from leangrpo.rollout.sampling import processed_logprobs
-
-    ids = torch.tensor([prompt_ids + completion_ids])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1]
-    return processed_logprobs(logits, torch.tensor(completion_ids), params).double()
-
-
 def mean_abs_logprob_gap(model, prompts, groups, params) -> float:
     gaps = [
         (
-            reference_logprobs(model, p.ids, c.ids, params)
+            teacher_forced_logprobs(model, p.ids, c.ids, params).double()
             - torch.tensor(c.logprobs, dtype=torch.float64)
         ).abs()
         for p, group in zip(prompts, groups)
