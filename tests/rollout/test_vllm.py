@@ -43,12 +43,10 @@ from leangrpo.seeding import prompt_seed
 
 
 def test_settings_from_section_dict_object_and_overrides():
-    class Section:
-        mode = "server"
-        urls = ["http://a:1"]
-        max_retries = 5
+    from leangrpo.config.training import VLLMConfig
 
-    s = VLLMSettings.from_section(Section(), max_retries=1)
+    section = VLLMConfig(mode="server", urls=["http://a:1"], max_retries=5)
+    s = VLLMSettings.from_section(section, max_retries=1)
     assert (s.mode, s.urls, s.max_retries) == ("server", ["http://a:1"], 1)
     assert VLLMSettings.from_section({"dtype": "float32"}).dtype == "float32"
     with pytest.raises(TypeError, match="unknown rollout.vllm setting"):
