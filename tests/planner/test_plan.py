@@ -1,6 +1,6 @@
 """`leangrpo plan`: config.json read without torch, each switch moves its own term, the
 peak rule, and the copies of the trainer's constants kept equal.
-(tests/test_planner_measured.py checks the figures against what autograd really does.)"""
+(tests/planner/test_plan_measured.py checks the figures against what autograd really does.)"""
 
 from __future__ import annotations
 
