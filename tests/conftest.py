@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random causal LMs built on the spot (no downloads)."""
+"""Shared fixtures: tiny random causal LMs built on the spot (no downloads), one thread."""
 
 from __future__ import annotations
 
@@ -13,6 +13,15 @@ torch.set_num_threads(1)
 @pytest.fixture
 def tiny_model():
     return make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module's tests whatever an earlier test set, then restored."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def pytest_collection_modifyitems(config, items):

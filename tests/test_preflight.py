@@ -2,25 +2,23 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from support.configs import DEMO_YAML
+from support.files import write_jsonl
+from support.processes import run_python
 
 from leangrpo.config import ConfigError, load_config
 from leangrpo.contracts import Prompt
 from leangrpo.model.files import ModelFiles
 from leangrpo.preflight import check_micro_batch, ignored_options, preflight, prompt_limit
 
-ROOT = Path(__file__).resolve().parents[1]
-DEMO = ROOT / "examples" / "demo.yaml"
-
 
 def demo(tmp_path: Path, *overrides: str):
-    return load_config(DEMO, [f"run.output_dir={tmp_path / 'run'}", *overrides])
+    return load_config(DEMO_YAML, [f"run.output_dir={tmp_path / 'run'}", *overrides])
 
 
 def test_cheap_checks_pass_without_importing_torch(tmp_path: Path) -> None:
@@ -28,12 +26,13 @@ def test_cheap_checks_pass_without_importing_torch(tmp_path: Path) -> None:
         "import sys\n"
         "from leangrpo.config import load_config\n"
         "from leangrpo.preflight import preflight\n"
-        f"checked = preflight(load_config({str(DEMO)!r}, ['run.output_dir={tmp_path / 'run'}']))\n"
+        f"checked = preflight(load_config({str(DEMO_YAML)!r}, ['run.output_dir={tmp_path / 'run'}']))\n"
         "assert checked.model.context == 64 and checked.prompt_limit.tokens == 58\n"
         "assert 'torch' not in sys.modules, 'torch was imported by the cheap checks'\n"
         "assert 'transformers' not in sys.modules\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr
 
 
 def test_prompt_limit_is_the_tightest_of_context_vllm_and_max_prompt_tokens(
@@ -122,8 +121,7 @@ def test_replay_that_the_staleness_bound_rules_out_is_listed(tmp_path: Path) -> 
 
 
 def test_data_errors_come_before_the_run_directory_is_touched(tmp_path: Path) -> None:
-    data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"prompt": ""}) + "\n")
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": ""}])
     cfg = demo(tmp_path, f"data.path={data}")
     with pytest.raises(Exception, match="empty prompt"):
         preflight(cfg)

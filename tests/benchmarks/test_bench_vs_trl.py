@@ -10,15 +10,11 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import vs_trl  # noqa: E402
-from vs_trl_cases import prepare_case  # noqa: E402
+import vs_trl  # benchmarks/ (conftest.py)
+from support.configs import ROOT
+from vs_trl_cases import prepare_case
 
 
 def run(step_s: float, peak: int, final: float = 0.5) -> dict:

@@ -8,20 +8,17 @@ runs on the device (`pytest -m gpu`), for the paths only CUDA has.
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from support.configs import ROOT, SRC
+from support.files import read_jsonl
 
 from leangrpo.ops.logprobs.api import chunked_logprobs
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def _values_and_grads(hidden, weight, bias, targets, **kw):
@@ -70,8 +67,7 @@ def test_compiled_chunked_path_traces_the_same_function(filters, backend):
 
 def test_logprobs_compile_config_reaches_the_head(tiny_model):
     """`logprobs.compile` is a documented config key, off by default, passed by model.score."""
-    from types import SimpleNamespace
-
+    from support.configs import unvalidated
     from torch._dynamo.utils import counters
 
     from leangrpo.config.training import LogprobsConfig
@@ -87,11 +83,15 @@ def test_logprobs_compile_config_reaches_the_head(tiny_model):
         RolloutSample(0, Prompt(0, "", [1, 2, 3]), Completion([4, 5], "", [-1.0, -1.0], "stop", 0))
     ]
     batch = pack_samples(samples)
-    cfg = SimpleNamespace(chunked=True, row_tile=None, vocab_tile=None, compile=False)
+    cfg = LogprobsConfig(chunked=True, row_tile=None, vocab_tile=None, compile=False)
     eager = score(model, batch, SamplingParams(), cfg)[0]
     torch._dynamo.reset()
     counters.clear()
-    cfg.compile = "aot_eager"
+    # the config takes a bool (True = inductor); score hands the value to the head as it is,
+    # so a backend name reaches it too: aot_eager, the cheap CPU check of the compiled path
+    cfg = unvalidated(
+        LogprobsConfig, chunked=True, row_tile=None, vocab_tile=None, compile="aot_eager"
+    )
     compiled = score(model, batch, SamplingParams(), cfg)[0]
     assert counters["stats"]["unique_graphs"] >= 1
     torch.testing.assert_close(compiled, eager)
@@ -164,17 +164,17 @@ def test_spawned_children_run_the_same_cases(tmp_path):
     """--start spawn (the fallback when an import initialised CUDA) runs a case too."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--dry-run"]
     cmd += ["--only", "env", "--start", "spawn", "--out", str(tmp_path)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    rows = read_jsonl(tmp_path / "results.jsonl")
     assert [(r["bench"], r["variant"]) for r in rows] == [("env", "-"), ("suite", "ok")]
 
 
 @pytest.mark.slow
 def test_dry_run_end_to_end(tmp_path):
     """`gpu_suite.sh --dry-run`: every case ok, rows of every benchmark, the summary written."""
-    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(SRC)}
     out = subprocess.run(
         ["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), "--dry-run", "--out", str(tmp_path)],
         capture_output=True,
@@ -183,7 +183,7 @@ def test_dry_run_end_to_end(tmp_path):
         timeout=600,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    rows = read_jsonl(tmp_path / "results.jsonl")
     suite = {r["case"]: r["variant"] for r in rows if r["bench"] == "suite"}
     assert suite == {name: "ok" for name in suite} and len(suite) == 9, suite
     benches = {r["bench"] for r in rows}

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from support.configs import ROOT
+from support.processes import run_python
+from support.scripts import load_script
 
 from leangrpo.config import Config, ConfigError, config_from_dict, load_config
 
-ROOT = Path(__file__).resolve().parents[2]
 MINIMAL = {
     "model": {"name_or_path": "tiny"},
     "data": {"path": "prompts.jsonl"},
@@ -248,15 +247,12 @@ def test_assignment_is_validated(config_file: Path) -> None:
 
 def test_import_does_not_load_torch() -> None:
     code = "import leangrpo.config, sys; assert 'torch' not in sys.modules, 'torch imported'"
-    subprocess.run([sys.executable, "-c", code], check=True)
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr
 
 
 def test_docs_are_up_to_date() -> None:
-    spec = importlib.util.spec_from_file_location(
-        "gen_config_docs", ROOT / "scripts" / "gen_config_docs.py"
-    )
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
+    gen = load_script("gen_config_docs")
     text = (ROOT / "docs" / "config.md").read_text()
     assert text == gen.render(), "docs/config.md is stale: run python scripts/gen_config_docs.py"
     assert "`rollout.num_generations` | int | `8` | >= 2 |" in text
@@ -264,12 +260,9 @@ def test_docs_are_up_to_date() -> None:
 
 
 def test_bundled_example_configs_load():
-    from pathlib import Path
-
     from leangrpo.config import load_config
 
-    root = Path(__file__).resolve().parents[2]
-    for path in sorted((root / "examples").glob("*.yaml")):
+    for path in sorted((ROOT / "examples").glob("*.yaml")):
         load_config(path, [])
 
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
-from types import SimpleNamespace
 
 import pytest
+from support.configs import unvalidated
+from support.files import write_jsonl
+from support.processes import run_python
 
+from leangrpo.config.run import DataConfig
 from leangrpo.contracts import Prompt
 from leangrpo.data.files import DataError
 from leangrpo.data.prompts import check_data
@@ -37,26 +40,10 @@ def tokenizer():
     return wrapped
 
 
-def data_cfg(**overrides):
-    cfg = dict(
-        path=None, dataset=None, dataset_config=None, split="train", prompt_column="prompt",
-        column_map={}, columns=None, chat_template=False, system_prompt=None, eval_path=None,
-        eval_split=None, eval_size=0, shuffle=True, max_prompt_tokens=None,
-        overlong_prompts="error", empty_prompts="error",
-    )  # fmt: skip
-    cfg.update(overrides)
-    return SimpleNamespace(**cfg)
-
-
 def load_prompts(*args, **kwargs):
     """(train, eval) prompts; the metrics are tested where they matter."""
     prompts = load_prompt_set(*args, **kwargs)
     return prompts.train, prompts.eval
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
 
 
 ROWS = [
@@ -71,10 +58,10 @@ ROWS = [
 def test_check_data_missing_file_names_key_and_path(tmp_path):
     missing = tmp_path / "nope.jsonl"
     with pytest.raises(DataError, match=r"data\.path = .*nope\.jsonl.*not found"):
-        check_data(data_cfg(path=str(missing)))
+        check_data(DataConfig(path=str(missing)))
     with pytest.raises(DataError, match=r"data\.eval_path .*not found"):
         check_data(
-            data_cfg(
+            DataConfig(
                 path=write_jsonl(tmp_path / "a.jsonl", [{"prompt": "x"}]), eval_path=str(missing)
             )
         )
@@ -84,36 +71,36 @@ def test_check_data_unsupported_extension(tmp_path):
     path = tmp_path / "data.txt"
     path.write_text("hello")
     with pytest.raises(DataError, match=r"unsupported file type '\.txt'"):
-        check_data(data_cfg(path=str(path)))
+        check_data(unvalidated(DataConfig, path=str(path)))  # DataConfig refuses it too
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(DataError, match=r"empty\.jsonl' holds no rows"):
-        check_data(data_cfg(path=str(tmp_path / "empty.jsonl")))
+        check_data(DataConfig(path=str(tmp_path / "empty.jsonl")))
     (tmp_path / "lines.json").write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
-    check_data(data_cfg(path=str(tmp_path / "lines.json")))  # JSON lines under a .json name
+    check_data(DataConfig(path=str(tmp_path / "lines.json")))  # JSON lines under a .json name
 
 
 def test_check_data_missing_column_names_existing_ones(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", ROWS)
     with pytest.raises(DataError) as err:
-        check_data(data_cfg(path=path))
+        check_data(DataConfig(path=path))
     message = str(err.value)
     assert "no column 'prompt'" in message and "d.jsonl" in message
     assert "question, answer, level" in message and "data.column_map" in message
-    check_data(data_cfg(path=path, column_map={"question": "prompt"}))  # the fix works
+    check_data(DataConfig(path=path, column_map={"question": "prompt"}))  # the fix works
     with pytest.raises(DataError, match=r"no column 'solution'"):
-        check_data(data_cfg(path=path, column_map={"question": "prompt"}, columns=["solution"]))
+        check_data(DataConfig(path=path, column_map={"question": "prompt"}, columns=["solution"]))
     with pytest.raises(DataError, match=r"column_map renames 'query'"):
-        check_data(data_cfg(path=path, column_map={"query": "prompt"}))
+        check_data(DataConfig(path=path, column_map={"query": "prompt"}))
 
 
 def test_check_data_reports_bad_jsonl_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "a"}\n\n{"prompt": "b" "x": 1}\n{"prompt": "c"}\n')
     with pytest.raises(DataError, match=r"bad\.jsonl line 3 is not valid JSON"):
-        check_data(data_cfg(path=str(path)))
+        check_data(DataConfig(path=str(path)))
     path.write_text('{"prompt": "a"}\n[1, 2]\n')
     with pytest.raises(DataError, match=r"line 2 is a list, not a JSON object"):
-        check_data(data_cfg(path=str(path)))
+        check_data(DataConfig(path=str(path)))
 
 
 def test_check_data_reads_csv_parquet_and_json_headers(tmp_path):
@@ -125,18 +112,19 @@ def test_check_data_reads_csv_parquet_and_json_headers(tmp_path):
     (tmp_path / "d.json").write_text(json.dumps([{"question": "q1", "answer": "1"}]))
     for name in ("d.csv", "d.parquet", "d.json"):
         path = str(tmp_path / name)
-        check_data(data_cfg(path=path, column_map={"question": "prompt"}, columns=["answer"]))
+        check_data(DataConfig(path=path, column_map={"question": "prompt"}, columns=["answer"]))
         with pytest.raises(DataError, match=r"it has: question, answer"):
-            check_data(data_cfg(path=path))
+            check_data(DataConfig(path=path))
 
 
 def test_check_data_source_rules():
+    """check_data's own rules, for sections that skipped DataConfig's (which has them too)."""
     with pytest.raises(DataError, match="exactly one of data.path"):
-        check_data(data_cfg())
+        check_data(unvalidated(DataConfig))
     with pytest.raises(DataError, match="eval_split needs data.dataset"):
-        check_data(data_cfg(path="x.jsonl", eval_split="test"))
+        check_data(unvalidated(DataConfig, path="x.jsonl", eval_split="test"))
     with pytest.raises(DataError, match="system_prompt is only used with data.chat_template"):
-        check_data(data_cfg(dataset="gsm8k", system_prompt="be brief"))
+        check_data(unvalidated(DataConfig, dataset="gsm8k", system_prompt="be brief"))
 
 
 # ---- load_prompts ---------------------------------------------------------------------------
@@ -144,21 +132,21 @@ def test_check_data_source_rules():
 
 def test_load_raw_prompts_with_column_map(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", ROWS)
-    train, evals = load_prompts(data_cfg(path=path, column_map={"question": "prompt"}), tokenizer)
+    train, evals = load_prompts(DataConfig(path=path, column_map={"question": "prompt"}), tokenizer)
     assert evals == [] and [p.uid for p in train] == list(range(len(ROWS)))
     for p, row in zip(train, ROWS):
         assert p.text == row["question"]
         assert p.ids == [1] + [WORDS.index(w) for w in row["question"].split()]  # <s> added
         assert p.columns == {"answer": row["answer"], "level": row["level"]}
     train, _ = load_prompts(
-        data_cfg(path=path, column_map={"question": "prompt"}, columns=["answer"]), tokenizer
+        DataConfig(path=path, column_map={"question": "prompt"}, columns=["answer"]), tokenizer
     )
     assert train[3].columns == {"answer": "3"}
 
 
 def test_json_lines_keep_their_types_and_missing_keys_read_none(tmp_path, tokenizer):
     rows = [{"prompt": "q1", "answer": 42}, {"prompt": "q2", "answer": 4.5, "hint": "h"}]
-    train, _ = load_prompts(data_cfg(path=write_jsonl(tmp_path / "d.jsonl", rows)), tokenizer)
+    train, _ = load_prompts(DataConfig(path=write_jsonl(tmp_path / "d.jsonl", rows)), tokenizer)
     assert [p.columns for p in train] == [
         {"answer": 42, "hint": None},  # `datasets` would give 42.0 (a float64 column)
         {"answer": 4.5, "hint": "h"},
@@ -167,24 +155,24 @@ def test_json_lines_keep_their_types_and_missing_keys_read_none(tmp_path, tokeni
 
 
 def test_local_json_lines_load_without_importing_datasets(tmp_path):
-    import subprocess
-    import sys
-
     path = write_jsonl(tmp_path / "d.jsonl", ROWS)
     code = (
-        "import sys; from types import SimpleNamespace as N; from leangrpo.data.prompts import _load_rows;"
-        f"rows = _load_rows(N(column_map={{'question': 'prompt'}}), {path!r}, None);"
+        "import sys; from leangrpo.config.run import DataConfig;"
+        "from leangrpo.data.prompts import _load_rows;"
+        f"cfg = DataConfig(path={path!r}, column_map={{'question': 'prompt'}});"
+        f"rows = _load_rows(cfg, {path!r}, None);"
         "assert rows[1] == {'prompt': 'q0 q1', 'answer': '1', 'level': 1}, rows[1];"
         "assert 'datasets' not in sys.modules"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr
 
 
 def test_load_with_chat_template_and_system_prompt(tmp_path, tokenizer):
     path = write_jsonl(
         tmp_path / "d.jsonl", [{"prompt": "q1 q2"}, {"prompt": [{"role": "user", "content": "q3"}]}]
     )
-    cfg = data_cfg(path=path, chat_template=True, system_prompt="be brief")
+    cfg = DataConfig(path=path, chat_template=True, system_prompt="be brief")
     train, _ = load_prompts(cfg, tokenizer)
     assert train[0].text == "<|system|> be brief </s> <|user|> q1 q2 </s> <|assistant|> "
     assert train[0].ids == tokenizer(train[0].text, add_special_tokens=False)["input_ids"]
@@ -196,15 +184,15 @@ def test_chat_template_missing_is_a_clear_error(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "q1"}])
     bare = tokenizer.__class__(tokenizer_object=tokenizer.backend_tokenizer, bos_token="<s>")
     with pytest.raises(DataError, match="no chat template; set data.chat_template = false"):
-        load_prompts(data_cfg(path=path, chat_template=True), bare)
+        load_prompts(DataConfig(path=path, chat_template=True), bare)
     path = write_jsonl(tmp_path / "e.jsonl", [{"prompt": "q1"}, {"prompt": None}])
     with pytest.raises(DataError, match=r"row 1 \(line 2\): column 'prompt' holds None"):
-        load_prompts(data_cfg(path=path), tokenizer)
+        load_prompts(DataConfig(path=path), tokenizer)
 
 
 def test_eval_holdout_is_seeded_and_disjoint(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", ROWS)
-    cfg = data_cfg(path=path, column_map={"question": "prompt"}, eval_size=4)
+    cfg = DataConfig(path=path, column_map={"question": "prompt"}, eval_size=4)
     train, evals = load_prompts(cfg, tokenizer, seed=3)
     again_train, again_evals = load_prompts(cfg, tokenizer, seed=3)
     _, other_evals = load_prompts(cfg, tokenizer, seed=4)
@@ -215,7 +203,7 @@ def test_eval_holdout_is_seeded_and_disjoint(tmp_path, tokenizer):
     assert all(p.text == ROWS[p.uid]["question"] for p in evals)
     with pytest.raises(DataError, match="eval_size = 12 leaves no train rows"):
         load_prompts(
-            data_cfg(path=path, column_map={"question": "prompt"}, eval_size=12), tokenizer
+            DataConfig(path=path, column_map={"question": "prompt"}, eval_size=12), tokenizer
         )
 
 
@@ -231,11 +219,11 @@ def test_eval_path_and_file_formats_agree(tmp_path, tokenizer):
         "prompt,answer\n" + "".join(f"{r['prompt']},{r['answer']}\n" for r in rows)
     )
     reference, evals = load_prompts(
-        data_cfg(path=jsonl, eval_path=str(tmp_path / "d.parquet")), tokenizer
+        DataConfig(path=jsonl, eval_path=str(tmp_path / "d.parquet")), tokenizer
     )
     assert [(p.uid, p.text, p.ids) for p in evals] == [(p.uid, p.text, p.ids) for p in reference]
     for name in ("d.parquet", "d.json", "d.csv"):
-        train, _ = load_prompts(data_cfg(path=str(tmp_path / name)), tokenizer)
+        train, _ = load_prompts(DataConfig(path=str(tmp_path / name)), tokenizer)
         assert [(p.text, p.ids, str(p.columns["answer"])) for p in train] == [
             (p.text, p.ids, p.columns["answer"]) for p in reference
         ], name
@@ -243,7 +231,7 @@ def test_eval_path_and_file_formats_agree(tmp_path, tokenizer):
 
 def test_long_prompts_are_dropped_and_counted(tmp_path, tokenizer, caplog):
     path = write_jsonl(tmp_path / "d.jsonl", ROWS)
-    cfg = data_cfg(
+    cfg = DataConfig(
         path=path, column_map={"question": "prompt"}, max_prompt_tokens=3, overlong_prompts="drop"
     )
     with caplog.at_level(logging.WARNING, logger="leangrpo.data"):
@@ -255,7 +243,7 @@ def test_long_prompts_are_dropped_and_counted(tmp_path, tokenizer, caplog):
     assert f"dropped {len(ROWS) - len(expected)} of {len(ROWS)} prompts" in caplog.text
     with pytest.raises(DataError, match="no train prompts left"):
         load_prompts(
-            data_cfg(
+            DataConfig(
                 path=path,
                 column_map={"question": "prompt"},
                 max_prompt_tokens=1,
@@ -271,7 +259,7 @@ def test_overlong_prompt_is_an_error_naming_the_row_and_the_limit(tmp_path, toke
     path = write_jsonl(tmp_path / "d.jsonl", ROWS)
     limit = PromptLimit(4, "the model's context of 10 positions minus rollout.max_new_tokens = 6")
     with pytest.raises(DataError) as err:
-        load_prompts(data_cfg(path=path, column_map={"question": "prompt"}), tokenizer, 0, limit)
+        load_prompts(DataConfig(path=path, column_map={"question": "prompt"}), tokenizer, 0, limit)
     message = str(err.value)
     assert "row 3 has 5 prompt tokens, more than the 4 allowed by the model's context" in message
     assert "the longest is row 4 with 6" in message and "data.overlong_prompts" in message
@@ -281,7 +269,7 @@ def test_overlong_prompts_truncated_left_or_right(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "q1 q2 q3 q4"}, {"prompt": "q5"}])
     cut = {}
     for side in ("truncate_left", "truncate_right"):
-        cfg = data_cfg(path=path, max_prompt_tokens=3, overlong_prompts=side)
+        cfg = DataConfig(path=path, max_prompt_tokens=3, overlong_prompts=side)
         prompts = load_prompt_set(cfg, tokenizer)
         assert prompts.metrics["data/truncated_prompts"] == 1
         assert prompts.metrics["data/dropped_prompts"] == 0
@@ -298,26 +286,26 @@ def test_empty_prompt_is_refused_before_loading_or_dropped_and_counted(tmp_path,
     rows = [{"prompt": "q1"}, {"prompt": ""}, {"prompt": "q2"}, {"prompt": " \t "}]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     with pytest.raises(DataError) as err:
-        check_data(data_cfg(path=path))  # the cheap check: before any model or tokenizer
+        check_data(DataConfig(path=path))  # the cheap check: before any model or tokenizer
     assert "row 1 (line 2) has an empty prompt (and 1 more rows)" in str(err.value)
     assert "data.empty_prompts: drop" in str(err.value)
-    prompts = load_prompt_set(data_cfg(path=path, empty_prompts="drop"), tokenizer)
+    prompts = load_prompt_set(DataConfig(path=path, empty_prompts="drop"), tokenizer)
     assert [p.uid for p in prompts.train] == [0, 2]
     assert prompts.metrics["data/dropped_prompts"] == 2
     (tmp_path / "d.csv").write_text("prompt,answer\nq1,1\n,2\n")
     with pytest.raises(DataError, match=r"d\.csv' row 1 \(line 3\) has an empty prompt"):
-        check_data(data_cfg(path=str(tmp_path / "d.csv")))
+        check_data(DataConfig(path=str(tmp_path / "d.csv")))
 
 
 def test_non_utf8_data_file_is_named_with_its_line(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')
     with pytest.raises(DataError, match=r"d\.jsonl line 2 is not UTF-8 text \(byte 0xe9\)"):
-        check_data(data_cfg(path=str(path)))
+        check_data(DataConfig(path=str(path)))
     csv_path = tmp_path / "d.csv"
     csv_path.write_bytes(b"prompt\nq1\nq\xff2\n")
     with pytest.raises(DataError, match=r"d\.csv is not UTF-8 text \(byte 0xff at line 3\)"):
-        check_data(data_cfg(path=str(csv_path)))
+        check_data(DataConfig(path=str(csv_path)))
 
 
 def test_hub_dataset_splits_and_errors(monkeypatch, tokenizer):
@@ -334,16 +322,16 @@ def test_hub_dataset_splits_and_errors(monkeypatch, tokenizer):
         return splits[split]
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    cfg = data_cfg(dataset="org/set", column_map={"question": "prompt"}, eval_split="test")
+    cfg = DataConfig(dataset="org/set", column_map={"question": "prompt"}, eval_split="test")
     train, evals = load_prompts(cfg, tokenizer)
     assert [p.text for p in train] == ["q1", "q2 q3"] and [p.text for p in evals] == ["q4"]
     assert evals[0].uid == 0 and evals[0].columns == {"answer": "4"}
     with pytest.raises(DataError, match=r"dataset 'org/set' split 'train' has no column 'prompt'"):
-        load_prompts(data_cfg(dataset="org/set"), tokenizer)
+        load_prompts(DataConfig(dataset="org/set"), tokenizer)
     with pytest.raises(
         DataError, match=r"data.dataset = 'other/set'.*could not be loaded.*ConnectionError"
     ):
-        load_prompts(data_cfg(dataset="other/set"), tokenizer)
+        load_prompts(DataConfig(dataset="other/set"), tokenizer)
     splits["train"] = datasets.Dataset.from_dict({"question": ["q1", " "], "answer": ["1", "2"]})
     with pytest.raises(DataError, match=r"data.dataset = 'org/set' row 1 has an empty prompt"):
         load_prompts(cfg, tokenizer)

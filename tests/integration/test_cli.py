@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -13,29 +12,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-ROOT = Path(__file__).resolve().parents[2]
-DEMO = ROOT / "examples" / "demo"
-
-
-# Runs the CLI and reports, on its last stdout line, whether torch was ever imported.
-PROBE = (
-    "import atexit, sys\n"
-    "atexit.register(lambda: print('torch imported:', 'torch' in sys.modules))\n"
-    "from leangrpo.cli import main\n"
-    "sys.exit(main(sys.argv[1:]))\n"
-)
-
-
-def run_cli(*args: str, timeout: float = 120, probe: bool = False) -> subprocess.CompletedProcess:
-    head = ["-c", PROBE] if probe else ["-m", "leangrpo"]
-    return subprocess.run(
-        [sys.executable, *head, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
+from support.configs import DEMO, DEMO_MODEL, ROOT
+from support.files import copy_demo_model, read_jsonl, write_jsonl
+from support.processes import run_cli
 
 
 def test_help_is_fast():
@@ -57,7 +36,7 @@ def test_train_help_and_a_missing_config_do_not_import_torch(tmp_path):
 def base_config(tmp_path: Path) -> dict:
     return {
         "run": {"output_dir": str(tmp_path / "run"), "device": "cpu"},
-        "model": {"name_or_path": str(DEMO / "model")},
+        "model": {"name_or_path": str(DEMO_MODEL)},
         "data": {"path": str(DEMO / "train.jsonl")},
         "rewards": {"functions": [{"name": "math"}]},
         "rollout": {"max_new_tokens": 6},  # the demo model has 64 positions
@@ -72,9 +51,7 @@ def write(tmp_path: Path, cfg: dict) -> str:
 
 def model_copy(tmp: Path, damage) -> str:
     """The demo model copied to tmp and damaged by `damage(directory)`."""
-    directory = Path(shutil.copytree(DEMO / "model", tmp / "model"))
-    damage(directory)
-    return str(directory)
+    return str(copy_demo_model(tmp, damage))
 
 
 def data_copy(tmp: Path, edit) -> str:
@@ -270,14 +247,14 @@ def train_demo(out: Path, *overrides: str, probe: bool = False) -> subprocess.Co
 
 
 def metric_steps(out: Path) -> list[int]:
-    return [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [row["step"] for row in read_jsonl(out / "metrics.jsonl")]
 
 
 def test_run_directory_is_locked_finished_refused_and_overwritten(tmp_path):
     out = tmp_path / "run"
     first = train_demo(out)
     assert first.returncode == 0, first.stderr
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_jsonl(out / "metrics.jsonl")
     assert rows[0]["data/prompts"] == 2000 and rows[0]["data/dropped_prompts"] == 0
     assert "eval/reward" in rows[0]  # the data counts share the step-0 row
     assert (out / "checkpoints" / "step-2" / "config.yaml").is_file()
@@ -319,9 +296,8 @@ PROBE_LOCK = (
 
 
 def test_prompt_past_the_context_or_the_micro_batch_is_refused_before_the_model(tmp_path):
-    data = tmp_path / "train.jsonl"
     rows = [{"prompt": "1+1=", "answer": "2"}] * 20 + [{"prompt": "9" * 126, "answer": "9"}]
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = write_jsonl(tmp_path / "train.jsonl", rows)
     out = train_demo(tmp_path / "run", f"data.path={data}")
     assert out.returncode == 2 and "Traceback" not in out.stderr
     message = out.stderr.strip().splitlines()[-1]
@@ -513,7 +489,7 @@ def test_sigterm_saves_the_step_it_reached_and_the_resumed_run_equals_the_straig
                              text=True, timeout=300)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"at step {step}" in resumed.stderr and "resumed from" in resumed.stderr
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, 9))  # each step once
     expected, got = final_weights(tmp_path / "straight"), final_weights(out)
     assert sorted(expected) == sorted(got)

@@ -2,37 +2,24 @@
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
-DEMO = ROOT / "examples" / "demo"
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+from support.configs import DEMO, DEMO_MODEL
+from support.files import read_jsonl
+from support.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def build_demo():
-    spec = importlib.util.spec_from_file_location("build_demo", ROOT / "scripts" / "build_demo.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["build_demo"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("build_demo")
 
 
 @pytest.fixture(scope="module")
 def demo_model():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(DEMO / "model")
-    model = AutoModelForCausalLM.from_pretrained(DEMO / "model", dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, dtype=torch.float32)
     return model.eval(), tokenizer
 
 
@@ -49,7 +36,7 @@ def test_tokenizer_is_character_level_and_round_trips(demo_model):
 
 
 def test_weights_are_small():
-    assert (DEMO / "model" / "model.safetensors").stat().st_size < 8 * 2**20
+    assert (DEMO_MODEL / "model.safetensors").stat().st_size < 8 * 2**20
 
 
 def test_data_columns_answers_and_held_out_split(build_demo):

@@ -12,12 +12,14 @@ logits for the chunked lm_head); on this CPU both sit near 2-3e-5 in log-prob.
 from __future__ import annotations
 
 import copy
-import json
 from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
 import torch
+from support.configs import minimal_run
+from support.files import write_jsonl
+from support.references import per_sequence_logprobs
 
 from leangrpo.model.smollm2 import missing_reason
 
@@ -25,6 +27,8 @@ if missing_reason() is not None:
     pytest.skip(missing_reason(), allow_module_level=True)
 
 from leangrpo.config import config_from_dict
+from leangrpo.config.run import ModelConfig
+from leangrpo.config.training import LogprobsConfig
 from leangrpo.contracts import Completion, Prompt, RolloutSample, SamplingParams
 from leangrpo.data.prompts import load_prompts
 from leangrpo.model.policy import load_tokenizer
@@ -50,9 +54,7 @@ def real():
 
     path = smollm2_dir()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tokenizer = load_tokenizer(
-        SimpleNamespace(name_or_path=str(path), revision=None, trust_remote_code=False)
-    )
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(path)))
     return SimpleNamespace(path=path, model=model, tokenizer=tokenizer)
 
 
@@ -90,18 +92,6 @@ def real_samples(tokenizer) -> list[RolloutSample]:
     return samples
 
 
-def per_sequence_logprobs(model, samples, temperature: float = 1.0) -> torch.Tensor:
-    """Plain transformers, one sequence at a time, full logits."""
-    out = []
-    for s in samples:
-        ids = torch.tensor([s.prompt.ids + s.completion.ids])
-        logits = model(input_ids=ids, use_cache=False).logits[0] / temperature
-        p = len(s.prompt.ids)
-        logp = torch.log_softmax(logits[p - 1 : -1], -1)
-        out.append(logp.gather(1, torch.tensor(s.completion.ids)[:, None])[:, 0])
-    return torch.cat(out)
-
-
 def test_real_model_is_the_smollm2_instruct_llama(real):
     config = real.model.config
     assert (config.model_type, config.vocab_size, config.num_hidden_layers) == ("llama", 49152, 30)
@@ -130,7 +120,7 @@ def test_packed_score_equals_per_sequence_transformers(real, per_sequence, share
     packed scoring must be no further from fp64 than twice that.
     """
     samples, want32, want64 = per_sequence
-    chunks = SimpleNamespace(chunked=True, row_tile=16, vocab_tile=8192)
+    chunks = LogprobsConfig(chunked=True, row_tile=16, vocab_tile=8192)
     with torch.no_grad(), attention(real.model, "sdpa_segments"):
         batch = pack_samples(samples, shared_prefix=shared_prefix)
         got, _ = score(real.model, batch, SamplingParams(temperature=0.8), chunks)
@@ -213,7 +203,7 @@ def test_generation_stops_at_im_end_and_the_stop_token_is_trained_on(real):
             real.model,
             batch,
             SamplingParams(),
-            SimpleNamespace(chunked=True, row_tile=None, vocab_tile=None),
+            LogprobsConfig(chunked=True, row_tile=None, vocab_tile=None),
         )
         (grad,) = torch.autograd.grad(logp[-1], norm)
     assert logp.shape[0] == len(completion.ids)
@@ -224,21 +214,12 @@ def test_generation_stops_at_im_end_and_the_stop_token_is_trained_on(real):
 
 
 def test_chat_template_is_applied_by_the_data_role(real, tmp_path):
-    path = tmp_path / "train.jsonl"
-    path.write_text("\n".join(json.dumps({"prompt": q, "answer": "x"}) for q, _ in QUESTIONS))
+    path = write_jsonl(
+        tmp_path / "train.jsonl", [{"prompt": q, "answer": "x"} for q, _ in QUESTIONS]
+    )
     for system in (None, "Answer briefly."):
-        cfg = config_from_dict(
-            {
-                "model": {"name_or_path": str(real.path)},
-                "data": {
-                    "path": str(path),
-                    "chat_template": True,
-                    "system_prompt": system,
-                    "eval_size": 1,
-                },
-                "rewards": {"functions": ["math"]},
-            }
-        )
+        data = {"path": path, "chat_template": True, "system_prompt": system, "eval_size": 1}
+        cfg = config_from_dict(minimal_run(model={"name_or_path": str(real.path)}, data=data))
         loaded = load_prompts(cfg.data, real.tokenizer)
         for prompt in loaded.train + loaded.eval:
             question = QUESTIONS[prompt.uid][0]

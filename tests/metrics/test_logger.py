@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from rich.console import Console
+from support.files import read_jsonl
 
 from leangrpo.config import ConfigError
 from leangrpo.metrics.logger import MetricsLogger, read_metrics
@@ -87,7 +88,7 @@ def test_resume_drops_rows_after_checkpoint(tmp_path: Path) -> None:
         logger.log(4, {"loss": 40.0})
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4] and rows[-1]["loss"] == 40.0
-    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    samples = read_jsonl(tmp_path / "samples.jsonl")
     assert [s["step"] for s in samples] == [0, 1, 2, 3]
 
 
@@ -147,7 +148,7 @@ def test_terminal_bar_and_samples_table(tmp_path: Path) -> None:
         )
     text = out.getvalue()
     assert "reward/mean 0.75" in text and "samples at step 1" in text and "What is 2+2?" in text
-    (sample,) = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    (sample,) = read_jsonl(tmp_path / "samples.jsonl")
     assert sample["completion"] == "4" and sample["reward"] == 1.0 and sample["step"] == 1
 
 

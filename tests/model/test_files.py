@@ -3,25 +3,23 @@
 from __future__ import annotations
 
 import json
-import shutil
 import struct
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
+from support.files import copy_demo_model
 
+from leangrpo.config.run import ModelConfig
 from leangrpo.model.files import ModelFilesError, check_model_files, context_length
 
-DEMO_MODEL = Path(__file__).resolve().parents[2] / "examples" / "demo" / "model"
 
-
-def model_cfg(path) -> SimpleNamespace:
-    return SimpleNamespace(name_or_path=str(path), revision=None)
+def model_cfg(path) -> ModelConfig:
+    return ModelConfig(name_or_path=str(path))
 
 
 @pytest.fixture
 def model_dir(tmp_path: Path) -> Path:
-    return Path(shutil.copytree(DEMO_MODEL, tmp_path / "model"))
+    return copy_demo_model(tmp_path)
 
 
 def error_for(path) -> str:

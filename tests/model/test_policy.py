@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
+from support.configs import minimal_run
+from support.files import copy_demo_model
 from support.models import make_tiny_model
+from support.references import per_sequence_logprobs
 
+from leangrpo.config.training import LogprobsConfig
 from leangrpo.contracts import Completion, Prompt, RolloutSample, SamplingParams
 from leangrpo.model.policy import Policy
 from leangrpo.model.scoring import reference_logprobs, score
 from leangrpo.ops.attention.adapter import enable_packed_attention
 from leangrpo.train.packing import pack_samples
 
-LOGPROBS = SimpleNamespace(chunked=True, row_tile=4, vocab_tile=16)
+LOGPROBS = LogprobsConfig(chunked=True, row_tile=4, vocab_tile=16)
 
 
 def samples(seed: int = 0) -> list[RolloutSample]:
@@ -36,18 +39,6 @@ def samples(seed: int = 0) -> list[RolloutSample]:
     return out
 
 
-def padded_reference(model, batch_samples, temperature: float) -> torch.Tensor:
-    """One sequence at a time, full logits: the plain way."""
-    values = []
-    for s in batch_samples:
-        ids = torch.tensor([s.prompt.ids + s.completion.ids])
-        logits = model(input_ids=ids).logits[0].float() / temperature
-        p = len(s.prompt.ids)
-        logp = torch.log_softmax(logits[p - 1 : -1], -1)
-        values.append(logp.gather(1, torch.tensor(s.completion.ids)[:, None])[:, 0])
-    return torch.cat(values)
-
-
 def test_packed_chunked_score_equals_per_sequence_full_logits():
     model = make_tiny_model("qwen2")
     enable_packed_attention(model, "sdpa_segments")
@@ -56,7 +47,7 @@ def test_packed_chunked_score_equals_per_sequence_full_logits():
     params = SamplingParams(temperature=0.7)
     with torch.no_grad():
         got, _ = score(model, batch, params, LOGPROBS)
-        want = padded_reference(model, batch_samples, 0.7)
+        want = per_sequence_logprobs(model, batch_samples, 0.7)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -68,7 +59,7 @@ def test_lora_reference_is_the_model_with_adapters_disabled():
     batch_samples = samples(1)
     batch = pack_samples(batch_samples)
     with torch.no_grad():
-        base_logp = padded_reference(base, batch_samples, 1.0)
+        base_logp = per_sequence_logprobs(base, batch_samples, 1.0)
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
     for name, p in model.named_parameters():
         if "lora_B" in name:
@@ -102,20 +93,8 @@ def test_reference_logprobs_are_unfiltered():
 
 
 def dropout_model_dir(tmp_path):
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    config = Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attention_dropout=0.5,
-    )
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    model = make_tiny_model(max_position_embeddings=64, attention_dropout=0.5)
+    model.save_pretrained(tmp_path / "model")
     return str(tmp_path / "model")
 
 
@@ -125,15 +104,9 @@ def first_iteration_ratio(tmp_path, **model_section):
     from leangrpo.model.policy import load_policy
     from leangrpo.model.scoring import eval_mode
 
-    demo = Path(__file__).resolve().parents[2] / "examples" / "demo"
-    cfg = config_from_dict(
-        {
-            "model": {"name_or_path": dropout_model_dir(tmp_path), "dtype": "float32",
-                      "gradient_checkpointing": True, **model_section},
-            "data": {"path": str(demo / "train.jsonl")},
-            "rewards": {"functions": [{"name": "math"}]},
-        }
-    )  # fmt: skip
+    model = {"name_or_path": dropout_model_dir(tmp_path), "dtype": "float32",
+             "gradient_checkpointing": True, **model_section}  # fmt: skip
+    cfg = config_from_dict(minimal_run(model=model))
     policy = load_policy(cfg, None, torch.device("cpu"))
     batch = pack_samples(samples())
     with eval_mode(policy.model), torch.no_grad():
@@ -154,16 +127,10 @@ def test_dropout_is_off_for_rl_by_default(tmp_path):
 def test_lora_dropout_needs_dropout_kept():
     from leangrpo.config import ConfigError, config_from_dict
 
-    demo = Path(__file__).resolve().parents[2] / "examples" / "demo"
-    base = {
-        "model": {"name_or_path": "m"},
-        "data": {"path": str(demo / "train.jsonl")},
-        "rewards": {"functions": [{"name": "math"}]},
-        "lora": {"enabled": True, "dropout": 0.05},
-    }
+    lora = {"enabled": True, "dropout": 0.05}
     with pytest.raises(ConfigError, match="lora.dropout.*model.disable_dropout"):
-        config_from_dict(base)
-    kept = config_from_dict({**base, "model": {"name_or_path": "m", "disable_dropout": False}})
+        config_from_dict(minimal_run(lora=lora))
+    kept = config_from_dict(minimal_run(lora=lora, model={"disable_dropout": False}))
     assert kept.lora.dropout == 0.05
 
 
@@ -195,16 +162,14 @@ def test_chunked_head_module_keeps_names_tying_and_log_probs():
 
 def damaged_demo_model(tmp_path: Path, damage) -> str:
     """The demo model copied to tmp_path, its tensors edited by damage(dict of tensors)."""
-    import shutil
-
     from safetensors.torch import load_file, save_file
 
-    demo = Path(__file__).resolve().parents[2] / "examples" / "demo" / "model"
-    directory = Path(shutil.copytree(demo, tmp_path / "model"))
-    tensors = load_file(directory / "model.safetensors")
-    damage(tensors)
-    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
-    return str(directory)
+    def edit(directory: Path) -> None:
+        tensors = load_file(directory / "model.safetensors")
+        damage(tensors)
+        save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+
+    return str(copy_demo_model(tmp_path, edit))
 
 
 def nan_layer_norm(tensors):
@@ -235,13 +200,7 @@ def test_weights_that_do_not_fit_the_config_are_refused(tmp_path, damage, messag
     from leangrpo.model.policy import load_policy, load_tokenizer
 
     path = damaged_demo_model(tmp_path, damage)
-    cfg = config_from_dict(
-        {
-            "model": {"name_or_path": path, "dtype": "float32"},
-            "data": {"path": str(Path(path).parent.parent / "train.jsonl")},
-            "rewards": {"functions": ["math"]},
-        }
-    )
+    cfg = config_from_dict(minimal_run(model={"name_or_path": path, "dtype": "float32"}))
     with pytest.raises(UserError, match=re.escape(message)):
         load_policy(cfg, load_tokenizer(cfg.model), torch.device("cpu"))
 
@@ -256,12 +215,6 @@ def test_an_unknown_model_type_is_one_sentence(tmp_path):
     path = Path(damaged_demo_model(tmp_path, lambda tensors: None))
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "model_type": "nosuchmodel"}))
-    cfg = config_from_dict(
-        {
-            "model": {"name_or_path": str(path)},
-            "data": {"path": "x.jsonl"},
-            "rewards": {"functions": ["math"]},
-        }
-    )
+    cfg = config_from_dict(minimal_run(model={"name_or_path": str(path)}))
     with pytest.raises(UserError, match="could not be loaded.*nosuchmodel.*check config.json"):
         load_policy(cfg, None, torch.device("cpu"))

@@ -308,27 +308,12 @@ def test_cuda_backends_match_segments(backend):
     enable_packed_attention(model, "sdpa_segments")
 
 
-def tiny_mistral(window: int):
-    from transformers import AutoModelForCausalLM, MistralConfig
-
-    config = MistralConfig(
-        vocab_size=32,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        sliding_window=window,
-    )
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).eval()
-
-
 def test_shared_prefix_window_check_counts_prompt_plus_completion():
     """Mistral-style window 8: a completion token attends over its prompt (5) and its own
     completion (up to 5): 10 > 8 must be refused, even though no segment exceeds 8."""
-    model = tiny_mistral(8)
+    model = make_tiny_model(
+        "mistral", vocab_size=32, num_layers=1, max_position_embeddings=64, sliding_window=8
+    )
     enable_packed_attention(model, "sdpa_segments")
     too_long = pack_samples(make_samples([(5, [5, 2])], vocab=32), shared_prefix=True)
     fits = pack_samples(make_samples([(5, [3, 2])], vocab=32), shared_prefix=True)

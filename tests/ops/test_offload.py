@@ -15,15 +15,8 @@ from support.models import make_tiny_model
 from leangrpo.ops.offload import ActivationOffloader, HostBufferPool, enable_gradient_checkpointing
 
 LAYERS = 4
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one thread, and do not fight other tests for cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# tiny models run fastest on one thread, and do not fight other tests for cores
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(layers: int = LAYERS, device: str = "cpu", dtype=torch.float32):

@@ -1,21 +1,19 @@
 """`leangrpo plan`: config.json read without torch, each switch moves its own term, the
 peak rule, and the copies of the trainer's constants kept equal.
-(tests/test_planner_measured.py checks the figures against what autograd really does.)"""
+(tests/planner/test_plan_measured.py checks the figures against what autograd really does.)"""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
+from support.configs import minimal_run, updated
+from support.processes import run_cli, run_python
 
 from leangrpo.config import config_from_dict
 from leangrpo.planner.plan import TERMS, Dims, PlanError, dims_from_json, plan_memory
 
-ROOT = Path(__file__).resolve().parents[2]
 LLAMA_8B = Dims(
     vocab=128256,
     hidden=4096,
@@ -50,17 +48,13 @@ QWEN25_15B = {
 
 
 def config(**sections):
-    cfg = {
-        "model": {"name_or_path": "unused", "dtype": "bfloat16"},
-        "data": {"path": "unused.jsonl"},
-        "rewards": {"functions": ["math"]},
-        "rollout": {"max_new_tokens": 2048, "num_generations": 8},
-        "train": {"micro_batch_tokens": 20480},
-        "run": {"device": "cuda"},
-    }
-    for name, values in sections.items():
-        cfg.setdefault(name, {}).update(values)
-    return config_from_dict(cfg)
+    cfg = minimal_run(
+        model={"dtype": "bfloat16"},
+        rollout={"max_new_tokens": 2048, "num_generations": 8},
+        train={"micro_batch_tokens": 20480},
+        run={"device": "cuda"},
+    )
+    return config_from_dict(updated(cfg, sections))
 
 
 def plan(world_size: int = 1, **sections):
@@ -91,7 +85,7 @@ def test_each_switch_lowers_its_own_term():
     assert plan(lora=frozen_head)["lm_head"] < full_logits["lm_head"] / 50
     lora = plan(lora={"enabled": True, "r": 16})
     assert lora["adamw_state"] < full["adamw_state"] / 50  # fp32 adapters on a bf16 base
-    model = {"name_or_path": "unused", "dtype": "bfloat16", "gradient_checkpointing": True}
+    model = {"dtype": "bfloat16", "gradient_checkpointing": True}
     ckpt = plan(model=model, lora=frozen_head)
     offloaded = plan(model=model, lora=frozen_head, offload={"activations": "hidden_states"})
     assert offloaded["activations"] < ckpt["activations"] < lora["activations"]
@@ -169,35 +163,18 @@ def test_cli_plans_without_importing_torch(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(QWEN25_15B))
-    cfg = {
-        "model": {"name_or_path": str(model)},
-        "data": {"path": "unused.jsonl"},
-        "rewards": {"functions": ["math"]},
-        "run": {"device": "cpu"},
-    }
+    cfg = minimal_run(model={"name_or_path": str(model)}, run={"device": "cpu"})
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
     probe = (
         "import sys; from leangrpo.cli import main; code = main(sys.argv[1:]); "
         "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(code)"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", probe, "plan", str(path), "--tokens", "2048", "--world-size", "1"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=60,
-    )
+    out = run_python(probe, "plan", str(path), "--tokens", "2048", "--world-size", "1", timeout=60)
     assert out.returncode == 0, out.stderr
     assert "one micro-batch of 2048 tokens" in out.stdout
     assert all(f"  {term} " in out.stdout for term in (*TERMS, "total"))
     (model / "config.json").write_text(json.dumps({**QWEN25_15B, "model_type": "mamba"}))
-    out = subprocess.run(
-        [sys.executable, "-m", "leangrpo", "plan", str(path)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=60,
-    )
+    out = run_cli("plan", str(path), timeout=60)
     assert out.returncode == 2 and "model_type 'mamba'" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1

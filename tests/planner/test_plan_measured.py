@@ -31,6 +31,7 @@ from support.memory_probe import (
     storages,
     train_pass,
 )
+from support.models import make_tiny_model
 
 from leangrpo.model.policy import build_policy
 from leangrpo.model.scoring import completion_hidden
@@ -44,23 +45,19 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def tiny(arch: str, dtype: str):
-    """A 3-layer decoder of `arch` with GQA and an explicit head_dim (not hidden / heads)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
-
-    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
-    config = config_cls(
+    """A 3-layer decoder of `arch` with GQA and an explicit head_dim (not hidden / heads),
+    in train mode."""
+    model = make_tiny_model(
+        arch,
         vocab_size=VOCAB,
         hidden_size=64,
+        num_layers=3,
+        dtype=DTYPES[dtype],
         intermediate_size=176,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=24,
-        max_position_embeddings=512,
         tie_word_embeddings=arch == "qwen2",
     )
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+    return model.train()
 
 
 def setup(arch, dtype, lora, ckpt, dropout=0.0, **over):

@@ -6,10 +6,11 @@ import math
 import random
 import re
 import textwrap
-from types import SimpleNamespace
 
 import pytest
+from support.configs import rewards_section, unvalidated
 
+from leangrpo.config.run import RewardSpec
 from leangrpo.rewards import RewardSpecError, check_rewards, resolve
 from leangrpo.rewards.builtin import check_kwargs, format_reward, length_reward, math_reward
 
@@ -133,11 +134,7 @@ USER_CODE = textwrap.dedent(
 
 
 def spec(name, weight=1.0, **kwargs):
-    return SimpleNamespace(name=name, weight=weight, kwargs=kwargs)
-
-
-def rewards_cfg(*functions):
-    return SimpleNamespace(functions=list(functions), timeout_s=5.0, num_workers=1, fail_fast=False)
+    return RewardSpec(name=name, weight=weight, kwargs=kwargs)
 
 
 def test_resolve_by_module_and_by_file(tmp_path, monkeypatch):
@@ -155,7 +152,7 @@ def test_resolve_by_module_and_by_file(tmp_path, monkeypatch):
 def test_check_rewards_keys_and_specs(tmp_path):
     (tmp_path / "u.py").write_text(USER_CODE)
     specs = check_rewards(
-        rewards_cfg(
+        rewards_section(
             spec("math"),
             spec("format", 0.5, pattern="a"),
             spec("format", 0.0, pattern="b"),
@@ -185,7 +182,7 @@ def test_resolution_errors_name_the_key(tmp_path, name, message, static):
     (tmp_path / "broken.py").write_text("x = 1 / 0\n")
     name = name.format(dir=tmp_path)
     with pytest.raises(RewardSpecError) as err:
-        check_rewards(rewards_cfg(spec("math"), spec(name)))
+        check_rewards(rewards_section(spec("math"), spec(name)))
     text = str(err.value)
     assert text.startswith(f"rewards.functions[1].name = '{name}'")
     assert re.search(message, text) and "\n" not in text
@@ -194,8 +191,10 @@ def test_resolution_errors_name_the_key(tmp_path, name, message, static):
 
 def test_check_rewards_bad_weight_and_kwargs():
     with pytest.raises(RewardSpecError, match=r"rewards.functions\[0\].weight = nan"):
-        check_rewards(rewards_cfg(spec("math", math.nan)))
+        # a NaN weight is refused by RewardSpec itself; parse_specs checks again for
+        # configs that skipped validation
+        check_rewards(rewards_section(unvalidated(RewardSpec, name="math", weight=math.nan)))
     with pytest.raises(
         RewardSpecError, match=r"rewards.functions\[0\].kwargs: .*needs kwargs.pattern"
     ):
-        check_rewards(rewards_cfg(spec("format")))
+        check_rewards(rewards_section(spec("format")))

@@ -5,28 +5,15 @@ survives; built-ins need no worker."""
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
+from support.configs import SRC, rewards_section
+from support.processes import run_python
 
 from leangrpo.rewards import RewardSpecError, check_rewards
 
-SRC = str(Path(__file__).resolve().parents[2] / "src")
-
-
-def rewards_cfg(*names, startup_timeout_s=60.0):
-    functions = [SimpleNamespace(name=n, weight=1.0, kwargs={}) for n in names]
-    return SimpleNamespace(
-        functions=functions,
-        timeout_s=5.0,
-        num_workers=1,
-        fail_fast=False,
-        startup_timeout_s=startup_timeout_s,
-    )
+CLEAN_ENV = {"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"}  # nothing else inherited
 
 
 def write(tmp_path, name, body):
@@ -38,7 +25,7 @@ def write(tmp_path, name, body):
 def test_sys_exit_at_import_is_one_sentence(tmp_path):
     path = write(tmp_path, "exits.py", "import sys\nsys.exit(3)")
     with pytest.raises(RewardSpecError) as err:
-        check_rewards(rewards_cfg("math", f"{path}:fn"))
+        check_rewards(rewards_section("math", f"{path}:fn"))
     assert str(err.value) == (
         f"rewards.functions[1].name = '{path}:fn': {path} called sys.exit(3) at import; "
         "a reward file must not exit"
@@ -48,7 +35,7 @@ def test_sys_exit_at_import_is_one_sentence(tmp_path):
 def test_sleep_at_import_is_stopped_by_the_startup_limit(tmp_path):
     path = write(tmp_path, "sleeps.py", "import time\ntime.sleep(20)")
     with pytest.raises(RewardSpecError, match=r"importing .*sleeps\.py did not finish within 1 s"):
-        check_rewards(rewards_cfg(f"{path}:fn", startup_timeout_s=1.0))
+        check_rewards(rewards_section(f"{path}:fn", startup_timeout_s=1.0))
 
 
 def test_os_exit_at_import_does_not_end_the_trainer(tmp_path):
@@ -57,23 +44,16 @@ def test_os_exit_at_import_does_not_end_the_trainer(tmp_path):
     path = write(tmp_path, "kills.py", "import os\nos._exit(5)")
     code = textwrap.dedent(
         f"""
-        from types import SimpleNamespace
+        from leangrpo.config.run import RewardsConfig
         from leangrpo.rewards import RewardSpecError, check_rewards
-        fn = SimpleNamespace(name={f"{path}:fn"!r}, weight=1.0, kwargs={{}})
-        cfg = SimpleNamespace(functions=[fn], timeout_s=5.0, num_workers=1, fail_fast=False)
+        cfg = RewardsConfig(functions=[{f"{path}:fn"!r}], timeout_s=5.0, num_workers=1)
         try:
             check_rewards(cfg)
         except RewardSpecError as e:
             print(e)
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"},
-    )
+    done = run_python(code, env=CLEAN_ENV)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == (
         f"rewards.functions[0].name = '{path}:fn': importing {path} ended the reward worker "
@@ -84,7 +64,7 @@ def test_os_exit_at_import_does_not_end_the_trainer(tmp_path):
 def test_valid_files_pass_and_their_prints_are_prefixed(tmp_path, caplog, capfd):
     path = write(tmp_path, "chatty.py", "print('loading my reward')")
     with caplog.at_level(logging.INFO, logger="leangrpo.rewards"):
-        specs = check_rewards(rewards_cfg("math", f"{path}:fn"))
+        specs = check_rewards(rewards_section("math", f"{path}:fn"))
     assert [s.key for s in specs] == ["math", "fn"]
     assert "[reward check] loading my reward" in [r.getMessage() for r in caplog.records]
     assert "loading my reward" not in "".join(capfd.readouterr())
@@ -97,7 +77,7 @@ def test_builtins_need_no_worker(monkeypatch):
         raise AssertionError("a worker was started")
 
     monkeypatch.setattr(check, "WorkerProcess", no_worker)
-    specs = check_rewards(rewards_cfg("math", "math"))
+    specs = check_rewards(rewards_section("math", "math"))
     assert [s.key for s in specs] == ["math", "math_2"]
 
 
@@ -129,19 +109,12 @@ def test_the_check_imports_neither_torch_nor_the_pool(tmp_path):
     code = textwrap.dedent(
         f"""
         import sys
-        from types import SimpleNamespace
+        from leangrpo.config.run import RewardsConfig
         from leangrpo.rewards import check_rewards
-        fn = SimpleNamespace(name={f"{path}:fn"!r}, weight=1.0, kwargs={{}})
-        check_rewards(SimpleNamespace(functions=[fn], timeout_s=5.0))
+        check_rewards(RewardsConfig(functions=[{f"{path}:fn"!r}], timeout_s=5.0))
         print(sorted(m for m in ("torch", "leangrpo.rewards.pool") if m in sys.modules))
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"},
-    )
+    done = run_python(code, env=CLEAN_ENV)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"

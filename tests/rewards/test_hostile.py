@@ -10,10 +10,10 @@ import os
 import textwrap
 import threading
 import time
-from types import SimpleNamespace
 
 import psutil
 import pytest
+from support.configs import rewards_section
 
 from leangrpo.contracts import Completion, Prompt, RolloutSample
 from leangrpo.rewards import PoolClosedError, RewardPool
@@ -141,15 +141,9 @@ def marks(tmp_path, monkeypatch):
     return mark
 
 
-def cfg(path, *names, timeout_s=5.0, num_workers=1, **limits):
-    functions = [SimpleNamespace(name=f"{path}:{n}", weight=1.0, kwargs={}) for n in names]
-    return SimpleNamespace(
-        functions=functions,
-        timeout_s=timeout_s,
-        num_workers=num_workers,
-        fail_fast=False,
-        **limits,
-    )
+def cfg(path, *names, **fields):
+    """The functions `names` of the file at `path`; one worker, 5 s unless given."""
+    return rewards_section(*(f"{path}:{n}" for n in names), **fields)
 
 
 def make_samples(texts):

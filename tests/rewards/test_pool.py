@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 import re
 import textwrap
-from types import SimpleNamespace
 
 import pytest
+from support.configs import rewards_section
 
 from leangrpo.contracts import Completion, Prompt, RolloutSample
 from leangrpo.rewards import RewardError, RewardFailedError, RewardPool, RewardSpecError
@@ -54,9 +54,9 @@ def user_module(tmp_path_factory):
 
 
 def cfg(*functions, timeout_s=1.0, num_workers=2, fail_fast=False):
-    specs = [SimpleNamespace(name=n, weight=w, kwargs=k) for n, w, k in functions]
-    return SimpleNamespace(
-        functions=specs, timeout_s=timeout_s, num_workers=num_workers, fail_fast=fail_fast
+    """functions: (name, weight, kwargs) triples."""
+    return rewards_section(
+        *functions, timeout_s=timeout_s, num_workers=num_workers, fail_fast=fail_fast
     )
 
 

@@ -4,20 +4,19 @@ sampling.process_logits vs transformers."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
+from support.configs import DEMO_MODEL
 from support.models import make_tiny_model
+from support.references import teacher_forced_logprobs
 from transformers import AutoTokenizer
 
 from leangrpo.contracts import EngineVersionError, Prompt, SamplingParams
 from leangrpo.rollout.hf import decode as decode_module
 from leangrpo.rollout.hf.engine import HFEngine
 from leangrpo.rollout.hf.kv_cache import PreallocatedLayer
-from leangrpo.rollout.sampling import process_logits, processed_logprobs
+from leangrpo.rollout.sampling import process_logits
 
-DEMO_MODEL = Path(__file__).resolve().parents[2] / "examples" / "demo" / "model"
 TEXTS = ["12+34=", "5-3=", "99+10=1", "7="]  # different lengths: left padding is exercised
 
 
@@ -45,12 +44,6 @@ def with_eos_bias(model, eos_id: int, bias: float):
         biased.bias[eos_id] = bias
     model.set_output_embeddings(biased)
     return model
-
-
-def teacher_forced(model, prompt: Prompt, ids: list[int], params: SamplingParams) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt.ids + ids])).logits[0]  # (P + L, V)
-    return processed_logprobs(logits[len(prompt.ids) - 1 : -1], torch.tensor(ids), params)
 
 
 def test_shapes_and_version_tags(tokenizer, prompts):
@@ -81,7 +74,7 @@ def test_behaviour_logprobs_match_teacher_forced(tokenizer, prompts, params, com
     assert len({len(c.ids) for g in groups for c in g}) > 1
     for prompt, group in zip(prompts, groups):
         for c in group:
-            expected = teacher_forced(model, prompt, c.ids, params)
+            expected = teacher_forced_logprobs(model, prompt.ids, c.ids, params)
             torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-5, rtol=0)
 
 

@@ -24,7 +24,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from support.configs import DEMO_YAML, minimal_run
+from support.files import read_jsonl
 from support.models import make_tiny_model
+from support.references import teacher_forced_logprobs
 from support.vllm_fakes import FakeLocal, Served
 
 from leangrpo.contracts import EngineVersionError, Prompt, SamplingParams
@@ -40,12 +43,10 @@ from leangrpo.seeding import prompt_seed
 
 
 def test_settings_from_section_dict_object_and_overrides():
-    class Section:
-        mode = "server"
-        urls = ["http://a:1"]
-        max_retries = 5
+    from leangrpo.config.training import VLLMConfig
 
-    s = VLLMSettings.from_section(Section(), max_retries=1)
+    section = VLLMConfig(mode="server", urls=["http://a:1"], max_retries=5)
+    s = VLLMSettings.from_section(section, max_retries=1)
     assert (s.mode, s.urls, s.max_retries) == ("server", ["http://a:1"], 1)
     assert VLLMSettings.from_section({"dtype": "float32"}).dtype == "float32"
     with pytest.raises(TypeError, match="unknown rollout.vllm setting"):
@@ -131,16 +132,12 @@ def test_lora_tensors_become_a_peft_adapter_that_peft_loads(tmp_path):
 def test_make_vllm_engine_maps_the_config(monkeypatch):
     from types import SimpleNamespace as NS
 
-    from leangrpo.config import Config
+    from leangrpo.config import config_from_dict
 
-    cfg = Config.model_validate(
-        {
-            "model": {"name_or_path": "m", "dtype": "float32"},
-            "lora": {"enabled": True, "r": 12},
-            "rollout": {"engine": "vllm"},
-            "data": {"path": "train.jsonl"},
-            "rewards": {"functions": ["math"]},
-        }
+    cfg = config_from_dict(
+        minimal_run(
+            model={"dtype": "float32"}, lora={"enabled": True, "r": 12}, rollout={"engine": "vllm"}
+        )
     )
     calls = []
     monkeypatch.setattr(
@@ -284,22 +281,10 @@ def build_char_model(path: Path, seed: int = 0, tied: bool = False):
     return model, tokenizer
 
 
-def reference_logprobs(
-    model, prompt_ids: list[int], completion_ids: list[int], params: SamplingParams
-) -> torch.Tensor:
-    """The trainer's view: teacher-forced forward, then the shared sampling transformation."""
-    from leangrpo.rollout.sampling import processed_logprobs
-
-    ids = torch.tensor([prompt_ids + completion_ids])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1]
-    return processed_logprobs(logits, torch.tensor(completion_ids), params).double()
-
-
 def mean_abs_logprob_gap(model, prompts, groups, params) -> float:
     gaps = [
         (
-            reference_logprobs(model, p.ids, c.ids, params)
+            teacher_forced_logprobs(model, p.ids, c.ids, params).double()
             - torch.tensor(c.logprobs, dtype=torch.float64)
         ).abs()
         for p, group in zip(prompts, groups)
@@ -541,9 +526,8 @@ def test_grpo_with_the_vllm_engine_learns_on_the_demo(tmp_path):
     from leangrpo.config import load_config
     from leangrpo.train import Trainer
 
-    root = Path(__file__).resolve().parents[2]
     cfg = load_config(
-        root / "examples" / "demo.yaml",
+        DEMO_YAML,
         [
             f"run.output_dir={tmp_path / 'run'}",
             "run.max_steps=15",
@@ -557,9 +541,7 @@ def test_grpo_with_the_vllm_engine_learns_on_the_demo(tmp_path):
         ],
     )
     Trainer(cfg).train()
-    rows = [
-        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    ]
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     evals = [r["eval/reward"] for r in rows if "eval/reward" in r]
     assert evals[-1] >= evals[0] + 0.1, evals
     mismatch = [r["is/mismatch_kl"] for r in rows if "is/mismatch_kl" in r]

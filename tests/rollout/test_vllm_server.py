@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.configs import DEMO_MODEL, tiny_run
+from support.files import read_jsonl
 from support.vllm_fakes import FakeLocal, Served
 
 from leangrpo.contracts import Completion, EngineVersionError, Prompt, SamplingParams
@@ -118,8 +120,6 @@ def test_engine_refuses_completions_from_other_weights():
 
 
 def test_the_trainer_pushes_its_weights_to_a_reused_server_at_start(served, tmp_path):
-    from support.configs import tiny_run
-
     from leangrpo.config import config_from_dict
     from leangrpo.train import Trainer
 
@@ -136,7 +136,7 @@ def test_the_trainer_pushes_its_weights_to_a_reused_server_at_start(served, tmp_
     assert not server.local.served
     trainer.train()
     assert server.local.served and server.local.held == (run, 1)
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [r["staleness/max"] for r in rows if "staleness/max" in r] == [0.0]
 
 
@@ -304,9 +304,6 @@ def test_serving_beyond_loopback_needs_a_token(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv(TOKEN_ENV, "short")
     with pytest.raises(ValueError, match="at least 16"):
         check_serve_args(parser.parse_args(["m"]))
-
-
-DEMO_MODEL = Path(__file__).resolve().parents[2] / "examples" / "demo" / "model"
 
 
 @pytest.mark.parametrize(
