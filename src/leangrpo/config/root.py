@@ -57,7 +57,7 @@ from leangrpo.config.training import (
     TrainConfig,
 )
 
-__all__ = ["Config", "ConfigError", "load_config", "config_from_dict", "apply_override"]
+__all__ = ["Config", "load_config", "config_from_dict"]
 
 
 class Config(Section):
