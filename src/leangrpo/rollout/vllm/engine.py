@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import tempfile
 import uuid
@@ -40,18 +41,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from leangrpo.contracts import Completion, EngineVersionError, Prompt, SamplingParams
+from leangrpo.rollout.vllm.client import ServerPool, client_token, start_local_server
 from leangrpo.rollout.vllm.files import (
     DEFAULT_BUCKET_BYTES,
     is_lora_name,
     write_adapter,
     write_weight_buckets,
 )
-from leangrpo.rollout.vllm.local import (
-    NO_VERSION,
-    LocalVLLM,
-    build_llm_kwargs,
-)
+from leangrpo.rollout.vllm.local import LocalVLLM, build_llm_kwargs
 from leangrpo.rollout.vllm.settings import VLLMSettings
+from leangrpo.rollout.vllm.versions import NO_VERSION
 from leangrpo.seeding import prompt_seed
 
 if TYPE_CHECKING:
@@ -141,10 +140,6 @@ class VLLMEngine:
         """Servers at `urls` (default: `cfg.urls`); none given = start one local `leangrpo serve
         model_path` on a free loopback port (with a fresh token), stopped by `close()`.
         The servers hold none of this run's weights until the first `update_weights`."""
-        import secrets
-
-        from leangrpo.rollout.vllm.client import ServerPool, client_token, start_local_server
-
         s = VLLMSettings.from_section(cfg, **settings)
         urls = list(urls if urls is not None else s.urls)
         token = client_token(s.token_file)
