@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from leangrpo.errors import UserError
+from leangrpo.model.files import read_model_config
 from leangrpo.planner.inventory import (
     LINEARS,
     LOSS_BYTES_PER_TOKEN,
@@ -190,8 +191,6 @@ def dims_from_json(config: dict, source: str = "config.json") -> Dims:
 
 
 def model_dims(model_cfg) -> Dims:
-    from leangrpo.model.files import read_model_config
-
     source = f"config.json of model.name_or_path = {model_cfg.name_or_path!r}"
     return dims_from_json(read_model_config(model_cfg), source)
 

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from leangrpo.ops.attention import kernels
 from leangrpo.ops.attention.kernels import PackedAttentionError
-from leangrpo.ops.attention.layout import PrefixLayout
+from leangrpo.ops.attention.layout import GroupSpan, PrefixLayout
 
 logger = logging.getLogger("leangrpo")
 
@@ -397,8 +397,6 @@ def _backbone(lm: nn.Module) -> nn.Module:
 
 def _probe(lm: nn.Module, device: torch.device) -> PackedSupport:
     """Run two sequences (2 + 3 tokens) packed, plainly and with a shared prefix."""
-    from leangrpo.ops.attention.layout import GroupSpan
-
     backbone = _backbone(lm)
     ids = torch.zeros(1, 5, dtype=torch.long, device=device)
     cu = torch.tensor([0, 2, 5], dtype=torch.int32, device=device)

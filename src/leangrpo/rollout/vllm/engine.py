@@ -59,7 +59,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-
 # --------------------------------------------------------------------------- the engine
 
 
