@@ -182,7 +182,7 @@ def meta_copy(model: nn.Module) -> nn.Module:
     """A deep copy of `model` whose parameters are on the meta device (no storage), each
     with its source's shape, dtype and requires_grad (tied ones stay tied); buffers are
     copied. Torchrun: the reference and the hf engine's own copy start as this and are
-    filled from the policy's shards (fsdp.py), so no rank holds a second full copy."""
+    filled from the policy's shards (distributed/fsdp.py), so no rank holds a second full copy."""
     memo: dict[int, Any] = {
         id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
         for p in model.parameters()

@@ -6,7 +6,7 @@ One attention function + one mask function are registered under `leangrpo_packed
   `packed_model_kwargs`, or a shared-prefix `leangrpo_prefix` layout) runs a kernel that
   never attends across sequences: flash-attn varlen, torch varlen, flex attention with a
   block-diagonal causal BlockMask, or causal SDPA per segment (the exact CPU fallback);
-  the kernels live in `attention_kernels.py`, "auto" takes the first available in that
+  the kernels live in `kernels.py`, "auto" takes the first available in that
   order on CUDA and per-segment SDPA on CPU.
   A KV cache together with packed kwargs is refused: a cache would hold a packed row.
 * Any other forward (generation with a left-padded batch and a KV cache, a plain padded

@@ -9,11 +9,11 @@ prompts round-robin. Both implement `contracts.RolloutEngine`:
   "processed_logprobs"`: after temperature, top-k/top-p and min-p), of each sampled token.
   Completion ids keep the EOS token when generation stopped on it; text drops specials.
 - Weight sync goes through vLLM's supported hooks only: the trainer writes the full
-  weights as safetensors buckets, and a worker extension (`vllm_worker.py`) feeds them to
+  weights as safetensors buckets, and a worker extension (`worker.py`) feeds them to
   the model's own `load_weights` via `collective_rpc` (tensors never pass through vLLM's
   msgspec serialiser). In-flight requests drain first; the prefix cache is reset after.
 - LoRA sync: the adapter (config + safetensors only) is published atomically under a name
-  and integer id unique per run and version (`vllm_local.AdapterSlots`), so requests
+  and integer id unique per run and version (`local.AdapterSlots`), so requests
   admitted under the previous version finish on the adapter they started with, and a
   cached adapter is never served for other weights.
 - Versions identify the run: the engine draws a run id (uuid) at construction and sends
