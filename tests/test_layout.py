@@ -1,8 +1,8 @@
 """The layout rules of issue 19 ("one home per role"), read off the source with `ast`:
-nothing of leangrpo is imported, so the test takes well under a second and cannot be
+nothing of leangrpo is imported, so the test is fast and cannot be
 fooled by what an import happens to leave in a namespace.
 
-Rules, over every module under src/leangrpo:
+Rules a-e, over every module under src/leangrpo:
 - a (homes): a leangrpo name is imported from the module that defines it, never through
   a module that imported it (a re-export chain); a facade package's `__init__` (a module
   `__getattr__` plus `TYPE_CHECKING` imports saying where each `__all__` name lives) counts
@@ -17,6 +17,8 @@ Rules, over every module under src/leangrpo:
   the module imports rather than defines.
 - e (prefixed siblings): no `x_y.py` next to `x.py` or `x_z.py` (the before-stop hook's
   check) or the package `x/`: a role that outgrew one module becomes a package.
+- f (paths in prose): every `dir/x.py`, `x.py` and `leangrpo.a.b` written in README, docs,
+  benchmarks, scripts, examples and the sources exists, so moves leave no stale pointer.
 
 Each rule is a function from the parsed tree to failure lines ("path:line: what; fix"),
 run on the repository and, on small trees written to tmp_path, shown to fail.
@@ -521,6 +523,68 @@ def check_prefixed_siblings(src: Path, package: str = PACKAGE) -> list[str]:
     return failures
 
 
+# ---------------------------------------------------------------- rule f: paths in prose
+
+DOCUMENTED = ["README.md", "Makefile", "pyproject.toml", ".ci", "docs", "benchmarks", "scripts"]
+DOCUMENTED += ["examples", "src"]
+TEXT_SUFFIXES = {".py", ".md", ".sh", ".yaml", ".yml", ".toml", ""}
+PATH_MENTION = re.compile(r"(?<![\w./-])((?:[\w.-]+/)*[\w-]+\.py)\b")
+PLACEHOLDER = re.compile(r"^path/to/|(^|/)NAME\.py$|^file\.py$")
+
+
+def _repo_files(repo: Path, roots: Iterable[str]) -> list[Path]:
+    found = []
+    for root in roots:
+        top = repo / root
+        for path in [top] if top.is_file() else sorted(top.rglob("*")):
+            parts = path.relative_to(repo).parts
+            hidden = any(p.startswith(".venv") or p == "__pycache__" for p in parts)
+            if path.is_file() and not hidden:
+                found.append(path)
+    return found
+
+
+def check_path_mentions(repo: Path, modules: Modules, roots: Iterable[str]) -> list[str]:
+    """Every `dir/x.py` or `x.py` a document or docstring names exists (next to the file,
+    above it, under src/leangrpo, or anywhere for a bare name), and every `leangrpo.a.b`
+    names a module or a name its module defines."""
+    basenames = {p.name for p in _repo_files(repo, [*roots, "tests"])}
+    package = repo / "src" / _root(modules)
+    failures = []
+    for path in _repo_files(repo, roots):
+        if path.suffix not in TEXT_SUFFIXES or path.name.endswith(".lock"):
+            continue
+        bases = [path.parent, *[d for d in path.parent.parents if repo in (d, *d.parents)], package]
+        for number, line in enumerate(path.read_text(errors="ignore").splitlines(), 1):
+            line = re.sub(r"https?://\S+", "", line)
+            where = f"{path.relative_to(repo)}:{number}"
+            for mention in PATH_MENTION.findall(line):
+                if PLACEHOLDER.search(mention):
+                    continue
+                if "/" in mention and not any((base / mention).exists() for base in bases):
+                    failures.append(f"{where}: {mention} does not exist; write the path it has now")
+                elif "/" not in mention and mention not in basenames:
+                    failures.append(f"{where}: no file is named {mention}; write the one meant")
+            for dotted in re.findall(rf"(?<![\w.]){_root(modules)}(?:\.\w+)+", line):
+                if not _resolves(modules, dotted):
+                    failures.append(
+                        f"{where}: {dotted} names no module and no name its module defines; "
+                        "write the defining module's path"
+                    )
+    return failures
+
+
+def _resolves(modules: Modules, dotted: str) -> bool:
+    parts = dotted.split(".")
+    for k in range(len(parts), 0, -1):
+        head = ".".join(parts[:k])
+        if head in modules:
+            if k == len(parts) or parts[k].startswith("__"):
+                return True
+            return _defines(modules, head, parts[k]) or parts[k] in modules[head].facade
+    return False
+
+
 # ---------------------------------------------------------------- the repository
 
 
@@ -572,6 +636,30 @@ def test_no_reexport_lines(modules):
 
 def test_no_prefixed_sibling_modules():
     assert not (failures := check_prefixed_siblings(SRC)), _report(failures)
+
+
+# Stale paths in files other issue-19 work rewrites: the layout table of ARCHITECTURE.md (the
+# coordinator) and the modules wt/train restructures. Emptied when they merge; a file here
+# with nothing stale left fails, so the set only shrinks.
+PATHS_PENDING_ELSEWHERE = {
+    "docs/ARCHITECTURE.md",
+    "pyproject.toml",
+    "src/leangrpo/checkpoint/rundir.py",
+    "src/leangrpo/checkpoint/sharded.py",
+    "src/leangrpo/distributed/fsdp.py",
+    "src/leangrpo/distributed/watch.py",
+    "src/leangrpo/pipeline/builder.py",
+    "src/leangrpo/pipeline/producers.py",
+    "src/leangrpo/train/trainer.py",
+}
+
+
+def test_paths_written_in_docs_and_docstrings_exist(modules):
+    failures = check_path_mentions(SRC.parent, modules, DOCUMENTED)
+    new = [f for f in failures if f.split(":")[0] not in PATHS_PENDING_ELSEWHERE]
+    assert not new, _report(new)
+    fixed = PATHS_PENDING_ELSEWHERE - {f.split(":")[0] for f in failures}
+    assert not fixed, f"nothing stale left: delete from PATHS_PENDING_ELSEWHERE {sorted(fixed)}"
 
 
 # ---------------------------------------------------------------- each rule can fail
@@ -736,3 +824,26 @@ def test_prefixed_sibling_rule(tmp_path):
     assert failures[-1] == (
         "pkg/x_y.py:1: prefixed sibling of x.py; make `x/` a package with one module per role"
     )
+
+
+def test_path_rule(tmp_path):
+    (tmp_path / "src" / "pkg" / "sub").mkdir(parents=True)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "src" / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "src" / "pkg" / "sub" / "__init__.py").write_text("")
+    (tmp_path / "src" / "pkg" / "sub" / "mod.py").write_text(
+        '"""Next to run.py (missing); see sub/mod.py, mod.py and pkg.sub.mod.f."""\ndef f(): ...\n'
+    )
+    (tmp_path / "docs" / "a.md").write_text(
+        "`sub/mod.py`, `src/pkg/sub/mod.py`, `pkg.sub.mod.f`, path/to/file.py, NAME.py\n"
+        "`old/mod.py`, `pkg.sub.gone`, `pkg.sub.mod.g`, https://x.org/a/b.py\n"
+    )
+    mods = load_modules(tmp_path / "src", "pkg")
+    assert check_path_mentions(tmp_path, mods, ["docs", "src"]) == [
+        "docs/a.md:2: old/mod.py does not exist; write the path it has now",
+        "docs/a.md:2: pkg.sub.gone names no module and no name its module defines; write the "
+        "defining module's path",
+        "docs/a.md:2: pkg.sub.mod.g names no module and no name its module defines; write the "
+        "defining module's path",
+        "src/pkg/sub/mod.py:1: no file is named run.py; write the one meant",
+    ]
