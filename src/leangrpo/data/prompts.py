@@ -160,7 +160,7 @@ def _hold_out(num_rows: int, eval_size: int, seed: int) -> tuple[list[int], list
 def _load_rows(data_cfg: Any, path: str | None, split: str | None) -> list[dict]:
     """Rows as dicts, columns renamed by data.column_map."""
     if path is not None and Path(path).suffix.lower() in (".json", ".jsonl"):
-        rows = read_json_table(Path(path).expanduser())  # no `datasets` import: -80 MB RSS
+        rows = read_json_table(Path(path).expanduser())  # stdlib: `datasets` not imported
         mapping = dict(data_cfg.column_map or {})
         return [{mapping.get(k, k): v for k, v in row.items()} for row in rows]
     import datasets

@@ -181,10 +181,9 @@ def choose_shared_prefix(setting: str, backend: str, stats: dict[str, float] | N
 
     `stats`: "prompt_fraction" (prompt tokens / plain packed tokens) and "group_size".
     "auto" is on only where the layout was measured faster: the sdpa_segments backend with
-    prompts >= AUTO_MIN_PROMPT_FRACTION of the tokens and groups of >= 2. Re-measured with
-    the batched kernels (benchmarks/prefix_rule.py, CPU, training forward + backward):
-    prefix / plain time 0.34-0.86 at prompt fractions 0.11-0.81, 0.94-1.03 at 0.02-0.09
-    (break-even near 0.05). flex implements it but has no measurement yet (use "on"). "on"
+    prompts >= AUTO_MIN_PROMPT_FRACTION of the tokens and groups of >= 2, as measured with
+    the batched kernels by benchmarks/prefix_rule.py (benchmarks/RESULTS.md, "Layout rules
+    measured"). flex implements it but has no measurement yet (use "on"). "on"
     with a backend that cannot take the layout falls back to plain packing with a log.
     """
     if setting not in ("auto", "on", "off"):

@@ -181,7 +181,7 @@ def _flex_call(q, k, v, block_mask, scale, dropout) -> Tensor:
             "packing.attention_backend=sdpa_segments (or auto)."
         )
     fn = flex_attention
-    if q.device.type == "cuda":  # fused kernel; on CPU compiling costs ~1 min, eager is exact
+    if q.device.type == "cuda":  # fused kernel; on CPU compiling is slow and eager is exact
         if "compiled" not in _FLEX_PLAIN_CACHE:
             _FLEX_PLAIN_CACHE["compiled"] = torch.compile(flex_attention)
         fn = _FLEX_PLAIN_CACHE["compiled"]
