@@ -1,10 +1,10 @@
-"""The sdpa_segments backend's layouts on CPU, and the fit of attention_batching's call cost.
+"""The sdpa_segments backend's layouts on CPU, and the fit of ops/attention/batching.py's call cost.
 
     python benchmarks/attention_layout.py [--reps 9]
 
 1. `fit`: one SDPA call's fixed cost c0 (200 segments of 2 tokens against one segment of
    400) and the cost per unit of area x H x D (one segment of 2048 against 1024), with a
-   backward and without; prints c0 / unit, the constant `attention_batching` uses
+   backward and without; prints c0 / unit, the constant ops/attention/batching.py uses
    (CALL_COST_GRAD, CALL_COST_NO_GRAD).
 2. `layouts`: the attention op alone, forward + backward, on rows of segments of several
    length mixes: per-segment SDPA (`segments`), the batched plan of this checkout

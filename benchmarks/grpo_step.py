@@ -20,7 +20,7 @@ Memory (CUDA): peak allocated bytes of each phase, and per term:
   lm_head      peak extra of the log-prob head alone (fwd + bwd with entropy) on the
                largest micro-batch's completion rows, measured separately
   activations  train-phase peak - weights - gradients - lm_head (derived)
-next to `planner.plan_memory` for the same config and tokens (`planned`, `ratio`).
+next to `planner.plan.plan_memory` for the same config and tokens (`planned`, `ratio`).
 On CPU the step runs with the same code and the memory figures are None.
 """
 

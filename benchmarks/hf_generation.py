@@ -3,7 +3,7 @@
     python benchmarks/hf_generation.py [--model qwen2.5-1.5b] [--quick]
 
 The policy is built as in grpo_step.py (random weights, LoRA, memory features on). Then:
-- `generate`: P prompts x G completions through `leangrpo.rollout.hf.HFEngine` with the
+- `generate`: P prompts x G completions through `leangrpo.rollout.hf.engine.HFEngine` with the
   trainer's own weights (the sync path of `rollout.engine: hf`), temperature 1, seeded;
   one timed call after a short warm-up call; completion tokens per second.
 - `weight_sync`: `update_weights` of the LoRA tensors into an engine holding its own copy

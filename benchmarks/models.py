@@ -91,7 +91,7 @@ def build_model(
 
 
 def planner_dims(name: str):
-    """`leangrpo.planner.Dims` of `name`, for `plan_memory(cfg, dims=...)`: read the way
+    """`leangrpo.planner.plan.Dims` of `name`, for `plan_memory(cfg, dims=...)`: read the way
     `leangrpo plan` reads a config.json (Qwen2's q/k/v biases included)."""
     from leangrpo.planner.plan import dims_from_json
 

@@ -9,8 +9,8 @@ forward + backward; the optimizer is left out (it is the same for every variant)
 Variants (baseline = `checkpointing`, plain non-reentrant checkpointing of every layer):
   no_checkpointing            every activation kept (OOM is reported, not fatal)
   checkpointing               the baseline
-  checkpointing+offload_hidden  leangrpo.offload, offload="hidden_states", last layer kept
-  checkpointing+offload_all   leangrpo.offload, offload="all": every saved tensor, restored
+  checkpointing+offload_hidden  leangrpo.ops.offload, offload="hidden_states", last layer kept
+  checkpointing+offload_all   leangrpo.ops.offload, offload="all": every saved tensor, restored
                               on demand (no keep-last, no look-ahead): the simple comparison
   checkpointing+hf_offload    transformers' own `activation_checkpointing_enable(offload=True)`
                               (torch save_on_cpu around each layer, copies on the compute

@@ -4,7 +4,7 @@
 
 GRPO-shaped batches (16 groups x G=8) of prompt length P and completion lengths R
 (uniform in [R/2, 3R/2]) are packed plainly and with each group's prompt shared, then
-scored the way a training micro-batch is (`leangrpo.model.score` with entropy, backward),
+scored the way a training micro-batch is (`leangrpo.model.scoring.score` with entropy, backward),
 variants interleaved, `--reps` times; time = median CPU seconds of the process (one
 thread; on a shared machine steadier than wall). Models: the demo model (hidden 64,
 3 layers) and a random 4-layer Llama (hidden 128, 4 heads, 2 KV heads, vocab 4096).

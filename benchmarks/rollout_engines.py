@@ -10,7 +10,7 @@ size its CPU kernels lack, a tiny Qwen2 + character tokenizer built on the spot,
   the worker extension; hf: copy into the engine's own weights).
 - `sync_lora`: `load_adapter(dir)` of a rank-16 all-linear peft adapter (vLLM: published
   as `adapters/v{N}` and added by name; hf: peft weights loaded into its own copy).
-Baseline = the hf engine (`leangrpo.rollout.hf.HFEngine`) where it exists, else vLLM's
+Baseline = the hf engine (`leangrpo.rollout.hf.engine.HFEngine`) where it exists, else vLLM's
 lines carry no ratios. vLLM runs in-process (engine core + worker in this process).
 
 peak_bytes: the process's peak resident memory after the case (ru_maxrss; both engines

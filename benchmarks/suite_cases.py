@@ -21,10 +21,10 @@ ROOT = HERE.parent
 GB = 1e9  # decimal, as the anchors (Unsloth's 54.3 GB) are written
 
 GPU_TEST_FILES = [
-    "tests/test_offload.py",
-    "tests/test_attention.py",
-    "tests/test_logprobs.py",
-    "tests/test_gpu_suite.py",
+    "tests/ops/test_offload.py",
+    "tests/ops/test_attention.py",
+    "tests/ops/test_logprobs.py",
+    "tests/benchmarks/test_gpu_suite.py",
 ]
 
 

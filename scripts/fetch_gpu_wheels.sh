@@ -5,8 +5,8 @@
 #
 #     bash scripts/fetch_gpu_wheels.sh        # then carry ".whl" with the device run
 #
-# What the suite imports at runtime (benchmarks/*.py, leangrpo.{config,model,step,
-# logprobs,packing,attention,offload,planner,rollout.hf} and the gpu test files), minus
+# What the suite imports at runtime (benchmarks/*.py, leangrpo.{config,model,ops,train,
+# planner,rollout.hf} and the gpu test files), minus
 # what the GPU image already has (torch, transformers, peft, accelerate, safetensors,
 # numpy, pyyaml, rich, pytest, hypothesis, psutil, tokenizers, triton): pydantic (for
 # leangrpo.config) and its requirements. Not needed by the suite, so not fetched: datasets

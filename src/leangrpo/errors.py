@@ -1,8 +1,8 @@
 """Which exceptions are the user's to fix: the CLI prints them as one sentence (exit 2).
 
 `UserError` is the base of every error whose message names the bad input and the fix:
-ConfigError (config_io.py), DataError (data.py), RunDirError (rundir.py) and
-ModelFilesError (model_files.py) derive from it. This module imports nothing heavy, and
+ConfigError (config/io.py), DataError (data/files.py), RunDirError (checkpoint/rundir.py)
+and ModelFilesError (model/files.py) derive from it. This module imports nothing heavy, and
 neither do the modules `user_error_types` imports, so that an error found by the cheap
 checks prints without torch ever being imported.
 """

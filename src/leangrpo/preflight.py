@@ -4,14 +4,15 @@
 costs a second, not a model load. In order (the run directory last, since locking and
 possibly cleaning it are the first things that touch the disk):
 
-1. data files: exist, UTF-8, columns, every prompt typed and non-empty (data.py);
+1. data files: exist, UTF-8, columns, every prompt typed and non-empty (data/prompts.py,
+   data/files.py);
 2. reward functions resolve (rewards/registry.py);
-3. model files: config.json, weights, safetensors headers, tokenizer (model_files.py),
+3. model files: config.json, weights, safetensors headers, tokenizer (model/files.py),
    and the prompt limit that follows from the model's context;
 4. the metrics backends are installed; options that do nothing in the chosen mode are
    listed in one warning;
 5. the run directory is locked and classified: resume, finished, or a clean start
-   (rundir.py), config changes since the resume checkpoint checked.
+   (checkpoint/rundir.py), config changes since the resume checkpoint checked.
 
 The trainer's set-up takes the returned `Preflight` over (it releases the lock at close)
 and, once prompts are tokenised, calls `check_micro_batch`.

@@ -17,7 +17,7 @@ at that step (exact, the batch in progress included), closes everything and rais
   by an all-reduce of `requested` there.
 - A second signal exits at once (`os._exit(128 + signal)`): the checkpoint being written,
   if any, is left as a `.tmp-*` directory that nothing mistakes for a complete one
-  (checkpoint.py), so the last complete checkpoint stays the resume point. A repeat
+  (checkpoint/local.py), so the last complete checkpoint stays the resume point. A repeat
   within `REPEAT_WINDOW_S` of the first is the same request delivered twice (a scheduler
   signals every process of a job, and torchrun forwards its own copy to its workers).
 - Before the loop (loading the model) and after it, the previous handlers are in place:

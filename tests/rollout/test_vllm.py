@@ -33,10 +33,15 @@ from support.vllm_fakes import FakeLocal, Served
 from leangrpo.contracts import EngineVersionError, Prompt, SamplingParams
 from leangrpo.rollout.vllm.client import ServerPool, VLLMServerError, free_port
 from leangrpo.rollout.vllm.engine import VLLMEngine, make_vllm_engine
-from leangrpo.rollout.vllm.files import saved_lora_name, write_adapter, write_weight_buckets
-from leangrpo.rollout.vllm.local import VersionGate, publish_adapter
+from leangrpo.rollout.vllm.files import (
+    publish_adapter,
+    saved_lora_name,
+    write_adapter,
+    write_weight_buckets,
+)
 from leangrpo.rollout.vllm.server import parse_extra_flags
 from leangrpo.rollout.vllm.settings import VLLMSettings
+from leangrpo.rollout.vllm.versions import VersionGate
 from leangrpo.seeding import prompt_seed
 
 # --------------------------------------------------------------------------- no vLLM needed

@@ -28,9 +28,10 @@ from leangrpo.pipeline.batch import _seeded
 from leangrpo.rollout.vllm.client import TOKEN_ENV, ServerPool, VLLMServerError
 from leangrpo.rollout.vllm.engine import VLLMEngine, check_groups
 from leangrpo.rollout.vllm.http import drop_superseded, extract_adapter, prepare_staging
-from leangrpo.rollout.vllm.local import AdapterSlots, VersionGate
+from leangrpo.rollout.vllm.local import AdapterSlots
 from leangrpo.rollout.vllm.server import build_parser, check_serve_args, serve_main
 from leangrpo.rollout.vllm.settings import VLLMSettings
+from leangrpo.rollout.vllm.versions import VersionGate
 from leangrpo.seeding import SAMPLE_BITS, derive_seed, prompt_seed
 
 TOKEN = "s3cret-token-of-32-characters-xx"
@@ -321,7 +322,7 @@ def test_serve_start_up_errors_are_one_line_before_the_model_loads(
     """Each was a traceback, the port in use only after vLLM had loaded the model."""
     import importlib.util
 
-    import leangrpo.rollout.vllm.engine as vllm_module
+    import leangrpo.rollout.vllm.server as server_module
 
     def no_load(*a, **k):
         raise AssertionError("vLLM was started")
@@ -330,7 +331,7 @@ def test_serve_start_up_errors_are_one_line_before_the_model_loads(
     monkeypatch.setattr(  # vLLM "installed" (the check that it is comes last)
         importlib.util, "find_spec", lambda name, *a: name == "vllm" or real_find_spec(name, *a)
     )
-    monkeypatch.setattr(vllm_module, "LocalVLLM", no_load)
+    monkeypatch.setattr(server_module, "LocalVLLM", no_load)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from leangrpo.contracts import Completion
 from leangrpo.rollout.vllm.http import make_handler
-from leangrpo.rollout.vllm.local import VersionGate
+from leangrpo.rollout.vllm.versions import VersionGate
 
 
 class FakeLocal:

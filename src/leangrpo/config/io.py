@@ -1,7 +1,7 @@
 """Config input and its errors: YAML files, `--set` overrides, one-sentence messages.
 
-Kept apart from the schema in config.py. Everything here takes the root model as an
-argument, so this module does not import config.py, and neither imports torch.
+Kept apart from the schema in root.py. Everything here takes the root model as an
+argument, so this module does not import root.py, and neither imports torch.
 
 - `read_yaml` returns a plain dict. It refuses, in one sentence, a file that is not UTF-8
   text (binary, UTF-16) and a mapping that sets the same key twice at any level (PyYAML

@@ -3,7 +3,7 @@
 Every field carries its default, allowed range and description (docs/config.md is generated
 from them by scripts/gen_config_docs.py). Choices:
 
-- Unknown keys are errors (`extra="forbid"`); config_io.py turns every pydantic error into
+- Unknown keys are errors (`extra="forbid"`); io.py turns every pydantic error into
   one sentence naming the dotted key and, for a typo, the closest valid key.
 - Values are parsed leniently (pydantic lax mode), so YAML's `1e-5` (a string to PyYAML)
   still reads as a float; `--set` values go through `yaml.safe_load`.
@@ -14,10 +14,11 @@ from them by scripts/gen_config_docs.py). Choices:
   (temperatures <= 10, time limits <= one day, seeds within numpy's 0..2**32-1).
 - This module must not import torch: the CLI validates a config before anything heavy loads.
 
-Layout: the sections live in config_run.py (run, model, lora, data, rewards, eval,
-checkpoint, logging) and config_training.py (rollout, loss, train, packing, logprobs,
-offload, pipeline, distributed), and are re-exported here; this module holds `Config`
-with the rules that span sections, and loading (`load_config`, `config_from_dict`).
+Layout: the sections live in run.py (run, model, lora, data, rewards, eval, checkpoint,
+logging) and training.py (rollout, loss, train, packing, logprobs, offload, pipeline,
+distributed), their base `Section` in base.py; this module holds `Config` with the rules
+that span sections, and loading (`load_config`, `config_from_dict`), which the package
+facade (`leangrpo.config`) hands out.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from leangrpo.config.training import (
     TrainConfig,
 )
 
-__all__ = ["Config", "ConfigError", "load_config", "config_from_dict", "apply_override"]
+__all__ = ["Config", "load_config", "config_from_dict"]
 
 
 class Config(Section):

@@ -247,7 +247,7 @@ class RewardsConfig(Section):
     memory_limit_mb: int | None = Field(
         None,
         ge=256,
-        description="Address-space limit (RLIMIT_AS, MiB) of each worker and every process it starts; a call that exceeds it fails. Counts virtual memory, not resident: a worker running the math reward already maps about 250 MiB. null = no limit.",
+        description="Address-space limit (RLIMIT_AS, MiB) of each worker and every process it starts; a call that exceeds it fails. Counts virtual memory, not resident, which for a worker running the math reward is already far above what it holds. null = no limit.",
     )
     cpu_time_limit_s: float | None = Field(
         None,

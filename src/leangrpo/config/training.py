@@ -3,7 +3,7 @@ train, packing, logprobs, offload, pipeline (with replay and reroll) and distrib
 
 Each section documents its own fields and validates the rules among them; rules that span
 sections (micro-batch vs completion length, staleness vs sync interval, mixed precision vs
-model.dtype) live on `Config` in config.py.
+model.dtype) live on `Config` in root.py.
 """
 
 from __future__ import annotations

@@ -2,11 +2,12 @@
 
 - `check_data(cfg.data)` runs before any model loads (and before torch is imported): the
   source settings, then each local file's encoding, lines, columns and prompt cells
-  (data_files.py). Hub datasets get the same row checks when they load.
+  (files.py). Hub datasets get the same row checks when they load.
 - `load_prompts(cfg.data, tokenizer, seed)` loads local .jsonl/.json with the same
   stdlib reader the checks use (values keep their JSON types; a key a row lacks reads
-  None), .parquet/.csv and hub names with `datasets` (imported only then: it costs ~80 MB
-  of trainer RSS and ~0.6 s), renames columns, renders each prompt and tokenises it:
+  None), .parquet/.csv and hub names with `datasets` (imported only then: what it adds to
+  start-up and trainer memory is in benchmarks/RESULTS.md, "per-step overhead"), renames
+  columns, renders each prompt and tokenises it:
   with `data.chat_template` the messages [system?, user] go through
   `tokenizer.apply_chat_template(add_generation_prompt=True)` and the text is encoded with
   `add_special_tokens=False` (the template already holds BOS and friends); without it the
@@ -159,7 +160,7 @@ def _hold_out(num_rows: int, eval_size: int, seed: int) -> tuple[list[int], list
 def _load_rows(data_cfg: Any, path: str | None, split: str | None) -> list[dict]:
     """Rows as dicts, columns renamed by data.column_map."""
     if path is not None and Path(path).suffix.lower() in (".json", ".jsonl"):
-        rows = read_json_table(Path(path).expanduser())  # no `datasets` import: -80 MB RSS
+        rows = read_json_table(Path(path).expanduser())  # stdlib: `datasets` not imported
         mapping = dict(data_cfg.column_map or {})
         return [{mapping.get(k, k): v for k, v in row.items()} for row in rows]
     import datasets

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from leangrpo.config import ConfigError
+from leangrpo.model.files import ModelFilesError
 from leangrpo.ops.attention.adapter import enable_packed_attention
 from leangrpo.ops.offload import ActivationOffloader, enable_gradient_checkpointing
 
@@ -74,8 +75,6 @@ def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
 def load_tokenizer(model_cfg) -> Any:
     from transformers import AutoTokenizer
 
-    from leangrpo.model.files import ModelFilesError
-
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             model_cfg.name_or_path,
@@ -102,8 +101,6 @@ def load_policy(
     from the policy's shards once sharded (fsdp.shard_policy), not a second full copy."""
     from transformers import AutoModelForCausalLM
 
-    from leangrpo.model.files import ModelFilesError
-
     name = cfg.model.name_or_path
     try:  # mismatched shapes are reported in `info` (and refused below), not raised
         model, info = AutoModelForCausalLM.from_pretrained(
@@ -128,7 +125,6 @@ def refuse_broken_weights(model: nn.Module, info: dict, name: str) -> None:
     """Training must start from the checkpoint's weights: transformers initialises missing
     or wrongly shaped tensors at random with only a warning, and NaN weights fail later,
     deep in sampling."""
-    from leangrpo.model.files import ModelFilesError
 
     def listed(keys: list[str]) -> str:
         return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
@@ -186,7 +182,7 @@ def meta_copy(model: nn.Module) -> nn.Module:
     """A deep copy of `model` whose parameters are on the meta device (no storage), each
     with its source's shape, dtype and requires_grad (tied ones stay tied); buffers are
     copied. Torchrun: the reference and the hf engine's own copy start as this and are
-    filled from the policy's shards (fsdp.py), so no rank holds a second full copy."""
+    filled from the policy's shards (distributed/fsdp.py), so no rank holds a second full copy."""
     memo: dict[int, Any] = {
         id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
         for p in model.parameters()

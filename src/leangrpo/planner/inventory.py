@@ -2,7 +2,7 @@
 
 Read off the code paths the trainer runs (transformers' Llama / Qwen2 / Qwen3 decoder
 layers, peft's LoRA Linear, leangrpo's attention kernels, chunked log-probs and loss) and
-checked on CPU against the tensors autograd really saves (tests/test_planner_measured.py).
+checked on CPU against the tensors autograd really saves (tests/planner/test_plan_measured.py).
 Notation per token: H hidden, A = heads x head_dim (queries), K = kv_heads x head_dim,
 I intermediate, r LoRA rank, b bytes of the model dtype, a bytes of the adapters.
 
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTN_IN, MLP_IN = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
-LOSS_BYTES_PER_TOKEN = 32  # the loss's (T,) vectors saved for backward: 14-27 measured
+LOSS_BYTES_PER_TOKEN = 32  # the loss's (T,) vectors saved for backward: a bound from above
 
 
 @dataclass(frozen=True)

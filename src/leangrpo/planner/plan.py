@@ -12,7 +12,7 @@ second) and counts, per device, for one micro-batch of `train.micro_batch_tokens
     adamw_state      exp_avg + exp_avg_sq per trainable parameter (+ the 4-byte step
                      counters, which only count on CPU: on CUDA they live on the host) [exact]
     activations      the training pass at its peak, besides the lm_head's own working set:
-                     the tensors autograd saves (planner_inventory.py: an exact inventory of
+                     the tensors autograd saves (inventory.py: an exact inventory of
                      the decoder layers, rotary tables, final norm and gathered hidden rows;
                      the loss's per-token vectors estimated), or under checkpointing one
                      hidden-sized input per layer (only the last offload.keep_last_layers on
@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from leangrpo.errors import UserError
+from leangrpo.model.files import read_model_config
 from leangrpo.planner.inventory import (
     LINEARS,
     LOSS_BYTES_PER_TOKEN,
@@ -140,7 +141,7 @@ class Dims:
         return 2 * (self.head_dim // 2) * 4
 
 
-# decoders whose layers planner_inventory reads off (mistral's layer is llama's)
+# decoders whose layers inventory.py reads off (mistral's layer is llama's)
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -190,8 +191,6 @@ def dims_from_json(config: dict, source: str = "config.json") -> Dims:
 
 
 def model_dims(model_cfg) -> Dims:
-    from leangrpo.model.files import read_model_config
-
     source = f"config.json of model.name_or_path = {model_cfg.name_or_path!r}"
     return dims_from_json(read_model_config(model_cfg), source)
 
@@ -232,7 +231,7 @@ def plan_memory(
     tokens: packed tokens per micro-batch (default train.micro_batch_tokens); prompt_tokens:
     the longest prompt (default data.max_prompt_tokens, else DEFAULT_PROMPT_TOKENS);
     world_size: torchrun ranks (FSDP shards by it); kernel: the attention path's memory class
-    when known better than from the config (planner_inventory.attention_kernel).
+    when known better than from the config (inventory.attention_kernel).
     """
     d = dims or model_dims(cfg.model)
     device = "cpu" if cfg.run.device == "cpu" else "cuda"

@@ -161,8 +161,9 @@ class RewardPool:
     def _chunk_sizes(self, n: int) -> list[int]:
         """Per function: one chunk per worker, small enough that a chunk takes about a
         quarter of timeout_s at the function's measured speed; at most chunk_size while
-        its speed is unknown (its first call). Each chunk is a round trip (~0.5-1 ms on a
-        busy 2-core machine): a fast function costs one round trip per worker and call."""
+        its speed is unknown (its first call). Each chunk is a round trip (its cost is in
+        benchmarks/RESULTS.md, "per-step overhead"): a fast function costs one round trip
+        per worker and call."""
         even = -(-n // self.num_workers)
         return [
             min(even, self.chunk_size)

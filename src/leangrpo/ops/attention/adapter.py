@@ -6,7 +6,7 @@ One attention function + one mask function are registered under `leangrpo_packed
   `packed_model_kwargs`, or a shared-prefix `leangrpo_prefix` layout) runs a kernel that
   never attends across sequences: flash-attn varlen, torch varlen, flex attention with a
   block-diagonal causal BlockMask, or causal SDPA per segment (the exact CPU fallback);
-  the kernels live in `attention_kernels.py`, "auto" takes the first available in that
+  the kernels live in `kernels.py`, "auto" takes the first available in that
   order on CUDA and per-segment SDPA on CPU.
   A KV cache together with packed kwargs is refused: a cache would hold a packed row.
 * Any other forward (generation with a left-padded batch and a KV cache, a plain padded
@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from leangrpo.ops.attention import kernels
 from leangrpo.ops.attention.kernels import PackedAttentionError
-from leangrpo.ops.attention.layout import PrefixLayout
+from leangrpo.ops.attention.layout import GroupSpan, PrefixLayout
 
 logger = logging.getLogger("leangrpo")
 
@@ -181,10 +181,9 @@ def choose_shared_prefix(setting: str, backend: str, stats: dict[str, float] | N
 
     `stats`: "prompt_fraction" (prompt tokens / plain packed tokens) and "group_size".
     "auto" is on only where the layout was measured faster: the sdpa_segments backend with
-    prompts >= AUTO_MIN_PROMPT_FRACTION of the tokens and groups of >= 2. Re-measured with
-    the batched kernels (benchmarks/prefix_rule.py, CPU, training forward + backward):
-    prefix / plain time 0.34-0.86 at prompt fractions 0.11-0.81, 0.94-1.03 at 0.02-0.09
-    (break-even near 0.05). flex implements it but has no measurement yet (use "on"). "on"
+    prompts >= AUTO_MIN_PROMPT_FRACTION of the tokens and groups of >= 2, as measured with
+    the batched kernels by benchmarks/prefix_rule.py (benchmarks/RESULTS.md, "Layout rules
+    measured"). flex implements it but has no measurement yet (use "on"). "on"
     with a backend that cannot take the layout falls back to plain packing with a log.
     """
     if setting not in ("auto", "on", "off"):
@@ -397,8 +396,6 @@ def _backbone(lm: nn.Module) -> nn.Module:
 
 def _probe(lm: nn.Module, device: torch.device) -> PackedSupport:
     """Run two sequences (2 + 3 tokens) packed, plainly and with a shared prefix."""
-    from leangrpo.ops.attention.layout import GroupSpan
-
     backbone = _backbone(lm)
     ids = torch.zeros(1, 5, dtype=torch.long, device=device)
     cu = torch.tensor([0, 2, 5], dtype=torch.int32, device=device)

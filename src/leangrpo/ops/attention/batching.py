@@ -1,10 +1,9 @@
 """Batched SDPA for the packed kernels: many short segments run as a few padded calls.
 
 `sdpa_segments` / `sdpa_prefix` must attend within a sequence only. One SDPA call per
-segment is exact but pays a fixed cost per call (on a 2-core CPU ~0.1-0.25 ms forward +
-backward, ~0.01-0.03 ms forward only), which dominates when a micro-batch holds hundreds of
-sequences of a few dozen tokens (GRPO on short answers: 144 calls per layer on the demo).
-So segments are grouped into *buckets*, each run as one call on a right-padded batch:
+segment is exact but pays a fixed cost per call, which dominates when a micro-batch holds
+hundreds of sequences of a few dozen tokens (GRPO on short answers: one call per completion
+and layer). So segments are grouped into *buckets*, each run as one call on a right-padded batch:
 
 * causal bucket: R segments padded to width W, (R, H, W, D), `is_causal=True`. Right
   padding needs no mask: a real query at offset i attends keys 0..i, all real; outputs of
@@ -24,10 +23,10 @@ padded query rows x keys. Items are taken longest first; an item joins the open 
 when the area it adds (its own plus the padding it causes) is at most its own area plus
 one call's overhead expressed as area (`overhead / (unit x H x D)`), else it opens a new
 bucket. Equal lengths therefore always share a call; a long sequence among short ones
-keeps a call of its own. The two constants were fitted on this project's 2-core CPU
-(`benchmarks/attention_layout.py` prints the fit): fixed cost per call / cost per unit of
-area x H x D = 1.0-3.0e6 with gradients (H x D = 64-896), 0.4-0.7e6 without; 2e6 and
-5e5 are used. Buckets are also capped at `MAX_BUCKET_AREA` (the prefix mask and the
+keeps a call of its own. The two constants (`CALL_COST_GRAD`, `CALL_COST_NO_GRAD`: fixed
+cost per call / cost per unit of area x H x D, with and without gradients) are fitted by
+`benchmarks/attention_layout.py` on CPU; the fit is in benchmarks/RESULTS.md ("Layout
+rules measured"). Buckets are also capped at `MAX_BUCKET_AREA` (the prefix mask and the
 padded buffers stay small).
 """
 

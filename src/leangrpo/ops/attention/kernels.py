@@ -6,7 +6,7 @@ completion to its group's prompt plus its own earlier tokens:
 * `sdpa_segments` / `sdpa_prefix`: one causal SDPA call per segment (per completion over
   [prompt; completion] with a (n, P + n) mask); exact, any device, the reference.
 * `batched_segments` / `batched_prefix`: the same attention with segments grouped into a
-  few right-padded SDPA calls by a measured cost model (`attention_batching.py`); what the
+  few right-padded SDPA calls by a measured cost model (`batching.py`); what the
   `sdpa_segments` backend runs. The plan is built once per batch and shared by the layers.
 * `flash_varlen`: flash-attn's varlen kernel on cu_seqlens (CUDA, fp16/bf16).
 * `torch_varlen`: torch.nn.attention.varlen.varlen_attn (CUDA, fp16/bf16); both the
@@ -181,7 +181,7 @@ def _flex_call(q, k, v, block_mask, scale, dropout) -> Tensor:
             "packing.attention_backend=sdpa_segments (or auto)."
         )
     fn = flex_attention
-    if q.device.type == "cuda":  # fused kernel; on CPU compiling costs ~1 min, eager is exact
+    if q.device.type == "cuda":  # fused kernel; on CPU compiling is slow and eager is exact
         if "compiled" not in _FLEX_PLAIN_CACHE:
             _FLEX_PLAIN_CACHE["compiled"] = torch.compile(flex_attention)
         fn = _FLEX_PLAIN_CACHE["compiled"]

@@ -1,17 +1,17 @@
 """Per-token log-probs through the lm_head: the entry points the trainer and tests call.
 
 - `chunked_logprobs` never materialises the (N, V) logits: it walks (row_tile x vocab_tile)
-  tiles with an online log-sum-exp forward and a recomputing backward (logprobs_tiles.py
-  holds the algorithm, its choices and the autograd.Function).
+  tiles with an online log-sum-exp forward and a recomputing backward (tiles.py holds the
+  algorithm, its choices and the autograd.Function).
 - `naive_logprobs` is the reference, with the same signature: full logits, /T, the same
   top-k / min-p filters, log_softmax, gather.
 - `token_logprobs` is the trainer's switch between them (config `logprobs.chunked`).
 - Both validate their inputs first (shapes, dtypes, one device, target ids in range,
   temperature, filters, tiles), raising one sentence that names the argument.
 - Default tiles per device (`DEFAULT_TILES`, both 8M logits = 32 MiB in fp32): CPU 4096 rows x
-  2048 vocab, measured ~10% faster than 1024 x 8192 on 2 cores (tall tiles make the weight
-  gradient matmul deeper and walk the fp32 weight-grad buffer fewer times); CUDA 1024 x 8192,
-  not yet measured (benchmarks/RESULTS.md, `## logprob_memory`).
+  2048 vocab, chosen over 1024 x 8192 by measurement (tall tiles make the weight-gradient
+  matmul deeper and walk the fp32 weight-grad buffer fewer times); CUDA 1024 x 8192. The
+  figures are in benchmarks/RESULTS.md (`## logprob_memory`).
 """
 
 from __future__ import annotations

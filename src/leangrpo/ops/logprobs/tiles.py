@@ -34,8 +34,8 @@ Choices:
   measures it faster than the eager path on CUDA. A backend name instead of True (e.g.
   "aot_eager") traces the same graphs without code generation (CPU tests).
 
-This module is the engine behind `leangrpo.logprobs.chunked_logprobs`: logprobs.py validates
-the inputs into a `_Spec` and is its only importer; nothing here is public API.
+This module is the engine behind `leangrpo.ops.logprobs.api.chunked_logprobs`: api.py
+validates the inputs into a `_Spec` and is its only importer; nothing here is public API.
 """
 
 from __future__ import annotations

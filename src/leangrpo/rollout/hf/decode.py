@@ -74,9 +74,8 @@ class _Running:
 
 
 # Finished rows leave the batch (and the KV cache: a copy of it) once they are at least
-# this fraction of it; until then they ride along. benchmarks/hf_decode.py --compact on the
-# padding-heavy case (64 rows, EOS p ~ 1/32 a step): CPU seconds per call 0.66 dropping at
-# every finish, 0.63-0.65 at 0.125-0.5, 0.86 never dropping.
+# this fraction of it; until then they ride along. Chosen with benchmarks/hf_decode.py
+# --compact (benchmarks/RESULTS.md, "Generation alone").
 COMPACT_FRACTION = 0.25
 
 

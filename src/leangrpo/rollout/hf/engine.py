@@ -1,7 +1,7 @@
 """In-process rollout engine on transformers models (small models, tests, CPU runs).
 
 Algorithm: prompts are left-padded into chunks of at most `max_batch_size` sequences and
-sampled by leangrpo's own KV-cached loop (`rollout/decode.py`: the model's forward with a
+sampled by leangrpo's own KV-cached loop (`decode.py`: the model's forward with a
 transformers `DynamicCache`), in eval mode, under no_grad. Each token is drawn from
 softmax(`sampling.process_logits`(logits)) and its behaviour log-prob is
 log_softmax(process_logits(logits))[token]: exactly what the trainer recomputes.

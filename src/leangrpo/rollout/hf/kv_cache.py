@@ -1,8 +1,7 @@
 """A KV-cache layer for the hf engine's decode loop that does not re-copy itself each step.
 
 transformers' `DynamicLayer` grows by `torch.cat([keys, new])`: every decode step copies
-the whole cache (O(length) per step, O(length^2) per completion), which on CPU cost as
-much as the attention itself (a 4-layer model, 64 rows x ~250 positions). This layer
+the whole cache (O(length) per step, O(length^2) per completion). This layer
 keeps keys and values in buffers with room for `capacity` positions (prompt width + max
 new tokens, known before the prefill) and exposes `keys` / `values` as views of the
 filled part; a step writes one column. Repeating rows (n samples per prompt) and

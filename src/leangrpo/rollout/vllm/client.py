@@ -3,7 +3,7 @@
 Prompts spread round-robin over the servers; weight updates go to all of them. Every
 request carries the shared-secret token (`Authorization: Bearer`, from
 `rollout.vllm.token_file` or `$LEANGRPO_SERVE_TOKEN`), and every push and generation the
-run id of the engine that owns the pool (see `vllm_local.VersionGate` for the rules).
+run id of the engine that owns the pool (see `versions.VersionGate` for the rules).
 The pool's `held` is what this client pushed: (run id, version), or (None, NO_VERSION)
 before its first push, whatever an earlier run left on the servers.
 
@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from leangrpo.contracts import Completion, EngineVersionError, SamplingParams
-from leangrpo.rollout.vllm.local import NO_VERSION, adapter_files
+from leangrpo.rollout.vllm.files import adapter_files
+from leangrpo.rollout.vllm.versions import NO_VERSION
 
 TOKEN_ENV = "LEANGRPO_SERVE_TOKEN"
 MIN_TOKEN_CHARS = 16

@@ -9,11 +9,11 @@ prompts round-robin. Both implement `contracts.RolloutEngine`:
   "processed_logprobs"`: after temperature, top-k/top-p and min-p), of each sampled token.
   Completion ids keep the EOS token when generation stopped on it; text drops specials.
 - Weight sync goes through vLLM's supported hooks only: the trainer writes the full
-  weights as safetensors buckets, and a worker extension (`vllm_worker.py`) feeds them to
+  weights as safetensors buckets, and a worker extension (`worker.py`) feeds them to
   the model's own `load_weights` via `collective_rpc` (tensors never pass through vLLM's
   msgspec serialiser). In-flight requests drain first; the prefix cache is reset after.
 - LoRA sync: the adapter (config + safetensors only) is published atomically under a name
-  and integer id unique per run and version (`vllm_local.AdapterSlots`), so requests
+  and integer id unique per run and version (`local.AdapterSlots`), so requests
   admitted under the previous version finish on the adapter they started with, and a
   cached adapter is never served for other weights.
 - Versions identify the run: the engine draws a run id (uuid) at construction and sends
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import tempfile
 import uuid
@@ -40,25 +41,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from leangrpo.contracts import Completion, EngineVersionError, Prompt, SamplingParams
+from leangrpo.rollout.vllm.client import ServerPool, client_token, start_local_server
 from leangrpo.rollout.vllm.files import (
     DEFAULT_BUCKET_BYTES,
     is_lora_name,
     write_adapter,
     write_weight_buckets,
 )
-from leangrpo.rollout.vllm.local import (
-    NO_VERSION,
-    LocalVLLM,
-    build_llm_kwargs,
-)
+from leangrpo.rollout.vllm.local import LocalVLLM, build_llm_kwargs
 from leangrpo.rollout.vllm.settings import VLLMSettings
+from leangrpo.rollout.vllm.versions import NO_VERSION
 from leangrpo.seeding import prompt_seed
 
 if TYPE_CHECKING:
     from torch import Tensor
 
 log = logging.getLogger(__name__)
-
 
 
 # --------------------------------------------------------------------------- the engine
@@ -141,10 +139,6 @@ class VLLMEngine:
         """Servers at `urls` (default: `cfg.urls`); none given = start one local `leangrpo serve
         model_path` on a free loopback port (with a fresh token), stopped by `close()`.
         The servers hold none of this run's weights until the first `update_weights`."""
-        import secrets
-
-        from leangrpo.rollout.vllm.client import ServerPool, client_token, start_local_server
-
         s = VLLMSettings.from_section(cfg, **settings)
         urls = list(urls if urls is not None else s.urls)
         token = client_token(s.token_file)

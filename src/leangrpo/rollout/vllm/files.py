@@ -1,13 +1,18 @@
 """Weights and LoRA adapters on disk, as the vLLM engines take them: full weights as
 safetensors buckets of about `bucket_bytes` (tied weights written once), adapters as a
 peft directory (config + safetensors; live peft names mapped to the saved ones). FSDP2
-shards are gathered to whole tensors on the host first.
+shards are gathered to whole tensors on the host first. An adapter is served from its
+config and safetensors only (`adapter_files`: never a pickled `adapter_model.bin`),
+copied into place atomically (`publish_adapter`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -100,3 +105,32 @@ def write_adapter(
         }
         (directory / "adapter_config.json").write_text(json.dumps(config, default=str))
     return directory
+
+
+def adapter_files(source: Path) -> list[Path]:
+    """The files of a peft adapter directory that are served: its config and safetensors."""
+    if not (source / "adapter_config.json").is_file():
+        raise FileNotFoundError(
+            f"no adapter_config.json in {source}; save the adapter with peft's model.save_pretrained(path)"
+        )
+    weights = sorted(p for p in source.glob("*.safetensors") if p.is_file())
+    if not weights:
+        raise FileNotFoundError(
+            f"no .safetensors weights in {source} (a pickled adapter_model.bin is never loaded); "
+            "save the adapter with save_pretrained(path, safe_serialization=True)"
+        )
+    return [source / "adapter_config.json", *weights]
+
+
+def publish_adapter(source: Path, adapters_root: Path, name: str) -> Path:
+    """Copy an adapter's config and safetensors to `adapters_root/name` atomically."""
+    files = adapter_files(source)
+    adapters_root.mkdir(parents=True, exist_ok=True)
+    final = adapters_root / name
+    if final.exists():
+        shutil.rmtree(final)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=adapters_root))
+    for item in files:
+        shutil.copy2(item, staging / item.name)
+    os.replace(staging, final)
+    return final

@@ -1,7 +1,7 @@
 """The HTTP side of `leangrpo serve`: request handling, routes, weight staging, adapter uploads.
 
-The command itself, its checks and the engine start are in `vllm_server.py`; the client,
-`ServerPool`, is in `vllm_client.py`. The server is a small stdlib HTTP server (threads) in
+The command itself, its checks and the engine start are in `server.py`; the client,
+`ServerPool`, is in `client.py`. The server is a small stdlib HTTP server (threads) in
 front of one `LocalVLLM`, so it has exactly the colocated engine's semantics: (run id,
 version) checked on admission, versions monotonic within a run and a new run's weights
 always loaded, weight updates drain the requests in flight, adapters served under names and

@@ -1,14 +1,9 @@
 """In-process vLLM with policy versions: the part shared by colocated mode and `leangrpo serve`.
 
-`LocalVLLM` wraps one `vllm.LLM` (not thread-safe, so one lock) with a `VersionGate`.
-A policy is identified by (run id, version): the client engine draws a run id (uuid) at
-construction and every update and generation carries it, so a long-lived server never
-mistakes another run's weights for this run's (a new run starts at version 0 like the
-last one did). Rules, enforced by the gate:
-
-- generation is admitted only for the (run, version) held;
-- an update from another run always loads; within a run versions only move forward:
-  the same version again is a retried update (nothing to do), an older one is refused.
+`LocalVLLM` wraps one `vllm.LLM` (not thread-safe, so one lock) with a `VersionGate`
+(versions.py): every update and generation carries (run id, version), so a long-lived
+server never mistakes another run's weights for this run's (a new run starts at version 0
+like the last one did).
 
 A full-weight update holds new requests back and waits for those in flight (drain), loads
 the safetensors buckets through the worker extension (`collective_rpc(
@@ -18,25 +13,23 @@ name and an integer id never used before in this process (vLLM caches loaded ada
 id, so reusing one would serve the old tensors), requests admitted earlier finish on
 their own adapter, and adapters beyond the two newest are dropped once no request uses
 them. Only `adapter_config.json` and `*.safetensors` files are published (never a
-pickled `adapter_model.bin`).
+pickled `adapter_model.bin`; files.py `publish_adapter`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
-import tempfile
 import threading
-from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from leangrpo.contracts import Completion, EngineVersionError, SamplingParams
+from leangrpo.rollout.vllm.files import publish_adapter
+from leangrpo.rollout.vllm.versions import VersionGate
 
 if TYPE_CHECKING:
     from leangrpo.rollout.vllm.settings import VLLMSettings
@@ -88,35 +81,6 @@ def completion_from_output(output: Any, version: int) -> Completion:
     )
 
 
-def adapter_files(source: Path) -> list[Path]:
-    """The files of a peft adapter directory that are served: its config and safetensors."""
-    if not (source / "adapter_config.json").is_file():
-        raise FileNotFoundError(
-            f"no adapter_config.json in {source}; save the adapter with peft's model.save_pretrained(path)"
-        )
-    weights = sorted(p for p in source.glob("*.safetensors") if p.is_file())
-    if not weights:
-        raise FileNotFoundError(
-            f"no .safetensors weights in {source} (a pickled adapter_model.bin is never loaded); "
-            "save the adapter with save_pretrained(path, safe_serialization=True)"
-        )
-    return [source / "adapter_config.json", *weights]
-
-
-def publish_adapter(source: Path, adapters_root: Path, name: str) -> Path:
-    """Copy an adapter's config and safetensors to `adapters_root/name` atomically."""
-    files = adapter_files(source)
-    adapters_root.mkdir(parents=True, exist_ok=True)
-    final = adapters_root / name
-    if final.exists():
-        shutil.rmtree(final)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=adapters_root))
-    for item in files:
-        shutil.copy2(item, staging / item.name)
-    os.replace(staging, final)
-    return final
-
-
 @dataclass(frozen=True)
 class AdapterSlot:
     """One published adapter: what vLLM is asked for when (run, version) generates."""
@@ -156,108 +120,6 @@ class AdapterSlots:
             del self.slots[slot.key]
             shutil.rmtree(slot.path, ignore_errors=True)
         return gone
-
-
-# --------------------------------------------------------------------------- versions
-
-
-NO_VERSION = -1  # an engine's version before this run has pushed any weights to it
-
-
-class VersionGate:
-    """Admits requests for the held (run, version); an update waits for them and swaps.
-
-    Requests admitted before an update always complete on the version they were admitted
-    under; requests arriving during an update wait for it, then are checked. `run` None
-    stands for the weights loaded from disk at start-up, which no client run can claim.
-    """
-
-    def __init__(self, version: int = 0, run: str | None = None):
-        self._cond = threading.Condition()
-        self._inflight: Counter[tuple[str | None, int]] = Counter()
-        self._updating = False
-        self.run = run
-        self.version = version
-
-    @property
-    def held(self) -> tuple[str | None, int]:
-        with self._cond:
-            return self.run, self.version
-
-    @contextmanager
-    def admit(self, version: int, run: str | None = None) -> Iterator[None]:
-        with self._cond:
-            self._cond.wait_for(lambda: not self._updating)
-            if (run, version) != (self.run, self.version):
-                raise EngineVersionError(self._refusal(run, version))
-            self._inflight[run, version] += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._inflight[run, version] -= 1
-                self._cond.notify_all()
-
-    def _refusal(self, run: str | None, version: int) -> str:
-        if run == self.run:
-            return (
-                f"generation requested for policy version {version}, but the engine holds "
-                f"version {self.version}; sync the weights first (update_weights/load_adapter)"
-            )
-        held = "no run's weights" if self.run is None else f"run {self.run}'s weights"
-        return (
-            f"generation requested for run {run} version {version}, but the engine holds {held}; "
-            "the trainer pushes its weights at start, so another run has used this server since "
-            "(never share a `leangrpo serve` between two runs)"
-        )
-
-    def check_update(self, version: int, run: str | None) -> bool:
-        """Whether an update to (run, version) loads anything; refuses going backwards."""
-        if version < 0:
-            raise ValueError(f"policy versions are >= 0, got {version}")
-        with self._cond:
-            if run != self.run:
-                return True  # a new run's weights always load
-            if version < self.version:
-                raise EngineVersionError(
-                    f"update of run {run} to version {version} refused: the engine already holds "
-                    f"version {self.version} of this run, and versions never go backwards"
-                )
-            return version > self.version  # the same version again: a retried update
-
-    @contextmanager
-    def update(self, new_version: int, drain: bool, run: str | None = None) -> Iterator[bool]:
-        """Hold new requests back, optionally wait for in-flight ones, then hold `new_version`.
-
-        Yields whether there is anything to load (False: this run already holds it)."""
-        with self._cond:
-            self._cond.wait_for(lambda: not self._updating)
-            needed = self.check_update(new_version, run)
-            self._updating = needed
-            if needed and drain:
-                self._cond.wait_for(lambda: sum(self._inflight.values()) == 0)
-        if not needed:
-            yield False
-            return
-        done = False
-        try:
-            yield True
-            done = True
-        finally:
-            with self._cond:
-                if done:
-                    self.run, self.version = run, new_version
-                self._updating = False
-                self._cond.notify_all()
-
-    @property
-    def in_flight(self) -> int:
-        with self._cond:
-            return sum(self._inflight.values())
-
-    def in_use(self, key: tuple[str | None, int]) -> bool:
-        with self._cond:
-            return self._inflight[key] > 0
 
 
 # --------------------------------------------------------------------------- in-process vLLM

@@ -4,18 +4,20 @@
 everything cheap before the model loads (token required beyond loopback, --max-body-mb,
 --engine-kwargs, the model directory, vLLM installed, the port free), then starts one
 `LocalVLLM` holding no run's weights and serves it until SIGTERM or Ctrl-C. The HTTP
-handler, its wire format and its security rules are in vllm_http.py; the client
-(`ServerPool`, `start_local_server`) is in vllm_client.py. Both modules' names are
-re-exported here, where callers have always imported them.
+handler, its wire format and its security rules are in http.py; the client
+(`ServerPool`, `start_local_server`) is in client.py. vLLM itself is imported only when
+the engine starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import ipaddress
 import json
 import logging
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -23,16 +25,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from leangrpo.rollout.vllm.client import (
-    TOKEN_ENV,
-    read_token,
-)
+from leangrpo.errors import UserError
+from leangrpo.model.files import check_model_files
+from leangrpo.rollout.vllm.client import TOKEN_ENV, read_token
 from leangrpo.rollout.vllm.http import (
     DEFAULT_MAX_BODY_MB,
     STAGING_TIMEOUT_S,
     make_handler,
     prepare_staging,
 )
+from leangrpo.rollout.vllm.local import INSTALL_HINT, LocalVLLM, build_llm_kwargs
+from leangrpo.rollout.vllm.settings import VLLMSettings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,12 +134,6 @@ def check_serve_args(args: argparse.Namespace) -> str | None:
 def check_serve_start(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
     """The engine kwargs, or ValueError, for what would otherwise fail as a traceback after
     (or inside) a long model load: bad --engine-kwargs, no vLLM, a broken model directory."""
-    import importlib.util
-
-    from leangrpo.errors import UserError
-    from leangrpo.model.files import check_model_files
-    from leangrpo.rollout.vllm.local import INSTALL_HINT
-
     try:
         kwargs = json.loads(args.engine_kwargs)
     except json.JSONDecodeError as err:
@@ -154,9 +151,6 @@ def check_serve_start(args: argparse.Namespace, extra: list[str]) -> dict[str, A
 
 def start_engine(args: argparse.Namespace, engine_kwargs: dict[str, Any], root: Path) -> Any:
     """The `LocalVLLM` the server fronts; it holds no run's weights until a trainer pushes them."""
-    from leangrpo.rollout.vllm.local import LocalVLLM, build_llm_kwargs
-    from leangrpo.rollout.vllm.settings import VLLMSettings
-
     settings = VLLMSettings(
         mode="server",
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -202,8 +196,6 @@ def serve_main(argv: list[str] | None = None) -> int:
         staging_timeout_s=args.staging_timeout_s,
     )
     server.daemon_threads = True
-    import signal
-
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
     auth = "token required" if token else "no token (loopback only)"
     print(
