@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -533,13 +534,22 @@ PLACEHOLDER = re.compile(r"^path/to/|(^|/)NAME\.py$|^file\.py$")
 
 
 def _repo_files(repo: Path, roots: Iterable[str]) -> list[Path]:
+    """The files under `roots` that belong to the project: in a git checkout what git tracks
+    or would track (not build output such as *.egg-info, runs/ or the venvs)."""
+    roots = list(roots)
+    if (repo / ".git").exists():
+        listed = subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard", "--", *roots],
+            cwd=repo, capture_output=True, text=True, check=True,
+        ).stdout.splitlines()  # fmt: skip
+        return sorted(repo / name for name in listed if (repo / name).is_file())
     found = []
     for root in roots:
         top = repo / root
         for path in [top] if top.is_file() else sorted(top.rglob("*")):
             parts = path.relative_to(repo).parts
             hidden = any(p.startswith(".venv") or p == "__pycache__" for p in parts)
-            if path.is_file() and not hidden:
+            if path.is_file() and not hidden and not any(p.endswith(".egg-info") for p in parts):
                 found.append(path)
     return found
 
