@@ -20,7 +20,7 @@ from leangrpo.errors import RunError
 from leangrpo.pipeline.batch import BatchFinisher, ProducedBatch, RolloutSettings, RolloutWorker
 from leangrpo.pipeline.producers import AsyncProducer, PipelineStallError, SyncProducer
 from leangrpo.pipeline.replay import ReplayBuffer
-from leangrpo.train.step import _group_indices
+from leangrpo.train.planning import group_indices
 
 
 class FakeEngine:
@@ -272,7 +272,7 @@ def test_replay_stands_in_with_groups_of_earlier_batches_only():
     assert all(s.replayed and s.version == 0 for s in stand_in)  # versions, log-probs kept
     assert {s.group_id for s in stand_in} == {-1} and [s.group_id for s in kept] == [3, 3]
     assert [s.advantage for s in stand_in] == [s.advantage for s in first.groups()[0]] != [0, 0]
-    assert _group_indices(second.samples) == [[0, 1], [2, 3]]
+    assert group_indices(second.samples) == [[0, 1], [2, 3]]
     third = finished(finisher, [scored_group(4, [0.0, 0.0], 2)], 2, 2)
     assert third.metrics["replay/groups_used"] == 0  # a replayed group never re-enters
 

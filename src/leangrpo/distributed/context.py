@@ -165,7 +165,7 @@ class DistContext:
         self._watch = None
 
 
-def reduce_metrics(ctx: DistContext, metrics: dict[str, float], op: str = "mean") -> dict:
+def reduce_dict_over_ranks(ctx: DistContext, metrics: dict[str, float], op: str = "mean") -> dict:
     """Reduce a metrics dict over ranks (every rank must pass the same keys in any order)."""
     if not ctx.distributed:
         return dict(metrics)

@@ -60,7 +60,7 @@ class RolloutWorker:
         settings: RolloutSettings,
         reward_lock: threading.Lock | None = None,
         reroll_attempts: int = 0,  # 0 = re-roll off
-        share=None,  # torchrun: a dist_rollout.RankShare (this rank's slice + the exchange)
+        share=None,  # torchrun: a distributed.rollout.RankShare (this rank's slice + the exchange)
     ):
         self.share = share
         self.engine = engine

@@ -27,7 +27,7 @@ class Evaluator:
         engine_lock: threading.Lock,
         reward_lock: threading.Lock,
         shared_weights: bool,
-        share=None,  # torchrun: a dist_rollout.RankShare on the main thread's group
+        share=None,  # torchrun: a distributed.rollout.RankShare on the main thread's group
     ):
         self.share = share
         self.engine = engine
