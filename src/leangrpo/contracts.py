@@ -12,7 +12,7 @@ in it, T = completion tokens in it (the only positions that get log-probs).
 
 The roles' interfaces live here too: `RolloutEngine` (rollout/), `Producer` (pipeline/ and
 distributed/rollout.py), and what differs between one process and torchrun, chosen once
-at set-up (`Strategy`, picked by train/strategy.py: `StepRanks`, `Checkpointer`,
+at set-up (`Strategy`, picked by distributed/strategy.py: `StepRanks`, `Checkpointer`,
 `MetricsLog`). See docs/ARCHITECTURE.md.
 """
 
@@ -342,8 +342,9 @@ class MetricsLog(Protocol):
 @dataclass(frozen=True)
 class Strategy:
     """What differs between one process and torchrun, picked once at set-up
-    (`train.strategy.choose_strategy`): the single-process pieces live in their roles'
-    packages, the torchrun ones in distributed/ and checkpoint/sharded.py."""
+    (`distributed.strategy.choose_strategy`): the single-process pieces live in their roles'
+    packages (assembled by train/strategy.py), the torchrun ones in distributed/ and
+    checkpoint/sharded.py."""
 
     device: Any  # the torch.device the policy trains on
     reference_on_meta: bool  # full fine-tuning's reference starts on the meta device

@@ -11,11 +11,14 @@ import torch
 from leangrpo.contracts import (
     Completion,
     EngineVersionError,
+    Producer,
     Prompt,
     RolloutBatch,
     RolloutSample,
     SamplingParams,
 )
+from leangrpo.distributed.context import DistContext
+from leangrpo.distributed.rollout import MainRankProducer
 from leangrpo.errors import RunError
 from leangrpo.pipeline.batch import BatchFinisher, ProducedBatch, RolloutSettings, RolloutWorker
 from leangrpo.pipeline.producers import AsyncProducer, PipelineStallError, SyncProducer
@@ -145,9 +148,13 @@ def test_async_never_exceeds_the_staleness_bound(max_staleness):
 
 def test_zero_staleness_async_matches_sync_sample_for_sample():
     worker, settings = make_worker(FakeEngine())
-    sync = consume(SyncProducer(worker, BatchFinisher(settings, 0)), 4)
+    sync_producer = SyncProducer(worker, BatchFinisher(settings, 0))
+    sync_producer.start()  # nothing to start: every producer is started the same way
+    sync = consume(sync_producer, 4)
     worker2, settings2 = make_worker(FakeEngine())
     producer = AsyncProducer(worker2, BatchFinisher(settings2, 0), 2, 0)
+    broadcast = MainRankProducer(sync_producer, DistContext())  # torchrun's, at world size 1
+    assert all(isinstance(p, Producer) for p in (sync_producer, producer, broadcast))
     producer.start()
     try:
         asynchronous = consume(producer, 4)

@@ -21,7 +21,8 @@ sharding does not matter. The offload hooks (offload.py) see the same layer inpu
 
 Weight sync (`gather_for_sync`): every rank gathers every tensor (`full_tensor()`) in the
 same fixed order, rank 0 keeps them, and only then does rank 0 send anything, so no
-all-gather is ever interleaved with a send (the deadlock of TRL #7103).
+all-gather is ever interleaved with a send (the deadlock of TRL #7103). See
+docs/ARCHITECTURE.md "Distributed" ("Units", "Weight sync").
 """
 
 from __future__ import annotations
@@ -315,7 +316,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def tensor_bytes_alive() -> dict[str, int]:
     """Bytes of the distinct tensor storages alive in this process (a walk over the
-    garbage collector's objects, ~0.2 s: for tests and benchmarks, never in a run), split
+    garbage collector's objects, slow: for tests and benchmarks, never in a run), split
     into FSDP shards (DTensor local tensors) and whole tensors; meta tensors hold none."""
     import gc
 

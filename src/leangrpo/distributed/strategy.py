@@ -1,5 +1,6 @@
-"""The torchrun strategy: what a multi-process run puts where one process has its own
-pieces (`contracts.Strategy`, picked by train/strategy.py at set-up; imported only then).
+"""One process or torchrun, chosen once at set-up (`choose_strategy`), and the torchrun
+strategy: what a multi-process run puts where one process has its own pieces
+(`contracts.Strategy`; one process's is train/strategy.py's `one_process_strategy`).
 
 - Set-up: the policy is FSDP-sharded (`fsdp.shard_for_training`: the reference's shards
   copied from the policy's, the per-rank hf engine's own copy built from the shards), so a
@@ -47,6 +48,7 @@ from leangrpo.distributed.fsdp import (
 )
 from leangrpo.distributed.rollout import stop_rank_producer
 from leangrpo.metrics.logger import MetricsLogger, NullLogger
+from leangrpo.train.strategy import one_process_strategy
 
 RANK_SUM = ("packing/tokens", "packing/micro_batches", "packing/split_groups", "offload/bytes",
             "offload/tensors", "offload/prefetched", "_tokens")  # fmt: skip
@@ -54,6 +56,13 @@ RANK_MAX = ("packing/balance", "packing/padding_ratio", "time/train", "time/scor
             "time/weight_sync", "time/trainer_wait", "time/producer_idle",
             "offload/pool_bytes", "dist/wait_max")  # fmt: skip
 RANK_MEAN = ("packing/padding_ratio_avoided", "dist/wait_mean")
+
+
+def choose_strategy(cfg, ctx: DistContext, output_dir: Path) -> Strategy:
+    """The run's strategy (`cfg`: its Config): torchrun's when `ctx` spans processes."""
+    if not ctx.distributed:
+        return one_process_strategy(cfg, output_dir)
+    return torchrun_strategy(cfg, ctx, output_dir)
 
 
 def torchrun_strategy(cfg, ctx: DistContext, output_dir: Path) -> Strategy:

@@ -22,7 +22,7 @@ it) with a warning naming file and line. Choices:
 - `stage(metrics)` holds values logged once (the data counts) until the next row, so they
   land in the step-0 row instead of a row of their own.
 - Under torchrun rank 0 holds the MetricsLogger and every other rank a `NullLogger` (the
-  set-up's choice, train/strategy.py); both are a `contracts.MetricsLog`. See
+  set-up's choice, distributed/strategy.py); both are a `contracts.MetricsLog`. See
   docs/ARCHITECTURE.md ("Metrics and logs").
 """
 

@@ -3,7 +3,7 @@
 `OneProcess` implements `contracts.StepRanks` for a single process: every collective is
 an identity (what a world-size-1 `DistContext` also does), the gradient norm is torch's
 `clip_grad_norm_` and the passes leave nothing gathered. Torchrun's counterpart is
-`distributed.strategy.TorchrunRanks`; `train.strategy.choose_strategy` picks one at
+`distributed.strategy.TorchrunRanks`; `distributed.strategy.choose_strategy` picks one at
 set-up, so the step runs one code path either way (docs/ARCHITECTURE.md "A step").
 """
 

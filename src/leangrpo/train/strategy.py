@@ -1,13 +1,13 @@
-"""One process or torchrun: the choice, made once at set-up (`choose_strategy`).
+"""The single-process strategy: one process's pieces of a run, as a `contracts.Strategy`.
 
-A `contracts.Strategy` holds every piece that differs between the two: the device, the
-step's ranks, the checkpointer, the logger, sharding the policy, the weights engines
-receive, the per-rank metrics reducer and the producer's shutdown. One process takes the
-roles' own pieces (`train.ranks.OneProcess`, `checkpoint.local.LocalCheckpointer`,
+A Strategy holds every piece that differs between one process and torchrun: the device,
+the step's ranks, the checkpointer, the logger, sharding the policy, the weights engines
+receive, the per-rank metrics reducer and the producer's shutdown. One process takes its
+roles' own pieces: `train.ranks.OneProcess`, `checkpoint.local.LocalCheckpointer`,
 `metrics.logger.MetricsLogger`, `Policy.named_trainable_tensors`, no sharding, figures as
-measured); torchrun takes `distributed.strategy.torchrun_strategy`'s, imported only by a
-torchrun run (FSDP and DCP are not loaded otherwise). The trainer then runs one code path.
-See docs/ARCHITECTURE.md "Distributed".
+measured, nothing to stop. `distributed.strategy.choose_strategy` picks this one or the
+torchrun one once, at set-up, so the trainer runs one code path. See
+docs/ARCHITECTURE.md "Distributed" ("One process or torchrun is chosen once").
 """
 
 from __future__ import annotations
@@ -16,22 +16,13 @@ from pathlib import Path
 
 from leangrpo.checkpoint.local import LocalCheckpointer
 from leangrpo.contracts import Producer, Strategy
-from leangrpo.distributed.context import DistContext
 from leangrpo.metrics.logger import MetricsLogger
 from leangrpo.model.policy import Policy, resolve_device
 from leangrpo.train.ranks import ONE_PROCESS
 
 
-def choose_strategy(cfg, ctx: DistContext, output_dir: Path) -> Strategy:
-    """The run's strategy (`cfg`: its Config): torchrun's when `ctx` spans processes."""
-    if not ctx.distributed:
-        return one_process_strategy(cfg, output_dir)
-    from leangrpo.distributed.strategy import torchrun_strategy  # torchrun runs only
-
-    return torchrun_strategy(cfg, ctx, output_dir)
-
-
 def one_process_strategy(cfg, output_dir: Path) -> Strategy:
+    """One process's pieces (`cfg`: the run's Config)."""
     return Strategy(
         device=resolve_device(cfg.run.device),
         reference_on_meta=False,

@@ -6,7 +6,7 @@ Everything expensive is set up in `Trainer.__init__` after every cheap check has
 bad input fails in a second with one sentence. What differs between one process and
 torchrun (device, sharding, the step's ranks, checkpoints, the weights engines receive,
 per-rank metrics, the logger, the producer's shutdown) is a `contracts.Strategy` chosen
-once at set-up (train/strategy.py), so the loop below has one code path. Each phase runs
+once at set-up (distributed/strategy.py), so the loop below has one code path. Each phase runs
 inside `ctx.phase(...)` (a no-op in one process; under torchrun a rank that fails stops
 the others within `distributed.timeout_s`, naming it and the phase).
 
@@ -41,6 +41,7 @@ from leangrpo.config import Config
 from leangrpo.contracts import RolloutBatch
 from leangrpo.data.prompts import load_prompts
 from leangrpo.distributed.context import DistContext, init_distributed
+from leangrpo.distributed.strategy import choose_strategy
 from leangrpo.errors import RunError
 from leangrpo.model.files import check_model_files
 from leangrpo.model.policy import Policy, load_policy, load_tokenizer
@@ -54,7 +55,6 @@ from leangrpo.train.passes import attach_old_and_ref
 from leangrpo.train.planning import PlannedStep, plan_steps
 from leangrpo.train.schedule import make_scheduler
 from leangrpo.train.step import train_step
-from leangrpo.train.strategy import choose_strategy
 
 log = logging.getLogger("leangrpo")
 
