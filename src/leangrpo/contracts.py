@@ -247,7 +247,9 @@ class Producer(Protocol):
         """The trainer's version and the optimizer steps left on its batch (admission)."""
         ...
 
-    def push_weights(self, version: int, tensors: Callable[[], Iterable[tuple[str, Tensor]]]) -> float:
+    def push_weights(
+        self, version: int, tensors: Callable[[], Iterable[tuple[str, Tensor]]]
+    ) -> float:
         """New weights for the generator as `version`; returns the seconds it took."""
         ...
 

@@ -127,9 +127,8 @@ def reduce_rank_metrics(ctx: DistContext, metrics: dict, tokens: float, wait_s: 
     """Combine the per-rank figures of one step (one all-gather); the rest is already
     the same on every rank. `tokens`: this rank's trained tokens (padding left out);
     `wait_s`: this rank's seconds in collectives this step."""
-    mine = {
-        k: v for k, v in {**metrics, "_tokens": tokens}.items() if k in RANK_SUM + RANK_MAX + RANK_MEAN
-    }
+    per_rank = RANK_SUM + RANK_MAX + RANK_MEAN
+    mine = {k: v for k, v in {**metrics, "_tokens": tokens}.items() if k in per_rank}
     mine["dist/wait_max"] = mine["dist/wait_mean"] = wait_s
     parts = ctx.all_gather_object(mine)
     out = dict(metrics)
