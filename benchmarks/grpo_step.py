@@ -6,7 +6,7 @@ The real code path, built from leangrpo's public pieces: a random-weight model o
 shape (benchmarks/models.py) wrapped by `model.build_policy` from a validated `Config`
 (LoRA r 16 on all linear layers, beta 0.04 so the reference pass runs with the adapters
 off, mu 2 so the old-log-prob pass runs), one prompt group of synthetic `RolloutSample`s,
-then `step.plan_steps` -> `step.attach_old_and_ref` (the "score" phase: old and reference
+then `planning.plan_steps` -> `passes.attach_old_and_ref` (the "score" phase: old and reference
 passes) -> `step.train_step` (forward, backward and AdamW over every micro-batch).
 
 Variants: `all_off` (baseline: no checkpointing, no offload, full (T, V) logits) and
@@ -49,8 +49,9 @@ from leangrpo.contracts import Completion, Prompt, RolloutSample  # noqa: E402
 from leangrpo.model.policy import build_policy  # noqa: E402
 from leangrpo.ops.logprobs.api import token_logprobs  # noqa: E402
 from leangrpo.planner.plan import plan_memory  # noqa: E402
-from leangrpo.train.loss import LossConfig  # noqa: E402
-from leangrpo.train.step import attach_old_and_ref, plan_steps, train_step  # noqa: E402
+from leangrpo.train.passes import attach_old_and_ref  # noqa: E402
+from leangrpo.train.planning import plan_steps  # noqa: E402
+from leangrpo.train.step import train_step  # noqa: E402
 
 BENCH = "grpo_step"
 BASELINE = "all_off"
@@ -162,11 +163,9 @@ def run_variant(model_name: str, variant: str, device: torch.device) -> dict:
     steps = plan_steps(samples, cfg, policy)
     micro_batches = steps[0].micro_batches
     with meter.phase(out, "score"):
-        attach_old_and_ref(policy, steps, cfg, sampling)
+        attach_old_and_ref(policy, steps, cfg.loss, cfg.logprobs, sampling)
     with meter.phase(out, "train"):
-        result = train_step(
-            policy, micro_batches, optimizer, cfg, sampling, LossConfig.from_config(cfg.loss)
-        )
+        result = train_step(policy, micro_batches, optimizer, cfg, sampling)
     grads = tensor_bytes(policy.trainable_parameters())  # grads take their parameters' shape
     state = tensor_bytes(
         t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)

@@ -39,8 +39,9 @@ from models import build_model  # noqa: E402
 from leangrpo.contracts import Prompt, RolloutSample  # noqa: E402
 from leangrpo.model.policy import build_policy  # noqa: E402
 from leangrpo.rollout.hf.engine import HFEngine  # noqa: E402
-from leangrpo.train.loss import LossConfig  # noqa: E402
-from leangrpo.train.step import attach_old_and_ref, plan_steps, train_step  # noqa: E402
+from leangrpo.train.passes import attach_old_and_ref  # noqa: E402
+from leangrpo.train.planning import plan_steps  # noqa: E402
+from leangrpo.train.step import train_step  # noqa: E402
 
 BENCH = "hf_generation"
 SIM_SLOT_S = 0.15  # simulated seconds of the longer phase
@@ -136,9 +137,8 @@ def train_seconds(policy, samples, cfg, meter: Meter) -> tuple[float, int | None
     sampling, out = cfg.rollout.sampling_params(), {}
     with meter.phase(out, "step"):
         steps = plan_steps(samples, cfg, policy)
-        attach_old_and_ref(policy, steps, cfg, sampling)
-        loss_cfg = LossConfig.from_config(cfg.loss)
-        train_step(policy, steps[0].micro_batches, optimizer, cfg, sampling, loss_cfg)
+        attach_old_and_ref(policy, steps, cfg.loss, cfg.logprobs, sampling)
+        train_step(policy, steps[0].micro_batches, optimizer, cfg, sampling)
     return out["step_s"], out["step_peak_bytes"]
 
 

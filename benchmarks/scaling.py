@@ -2,7 +2,7 @@
 python benchmarks/scaling.py [--quick] [--ranks 1,2] [--beta 0.04]
 
 The trainer's own step on every rank: the same global batch of synthetic GRPO samples
-(groups of G completions with varied lengths), dealt to ranks by step.plan_steps, one
+(groups of G completions with varied lengths), dealt to ranks by planning.plan_steps, one
 optimizer step by step.train_step (FSDP2 full_shard under several ranks: all-reduced
 normalisers, padding micro-batches, global gradient norm), AdamW. Random weights of a
 benchmarks/models.py shape; generation is left out (it scales with the engine, not the
@@ -131,7 +131,10 @@ def run_rank(s: dict, out: Path) -> None:
 
     from leangrpo.distributed.context import init_distributed
     from leangrpo.model.policy import build_policy
-    from leangrpo.train.step import attach_old_and_ref, plan_steps, train_step
+    from leangrpo.train.passes import attach_old_and_ref
+    from leangrpo.train.planning import plan_steps
+    from leangrpo.train.ranks import ONE_PROCESS
+    from leangrpo.train.step import train_step
 
     cfg = config(s, s["beta"])
     cuda = torch.cuda.is_available()
@@ -142,10 +145,13 @@ def run_rank(s: dict, out: Path) -> None:
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     policy = build_policy(model, cfg, None, ctx.device, reference_on_meta=ctx.distributed)
     setup = [setup_bytes() - before]  # the model built (and a reference: on meta if W > 1)
+    ranks = ONE_PROCESS
     if ctx.distributed:
         from leangrpo.distributed.fsdp import shard_policy
+        from leangrpo.distributed.strategy import TorchrunRanks
 
         shard_policy(policy, cfg.distributed, ctx)
+        ranks = TorchrunRanks(ctx)
         setup.append(setup_bytes() - before)  # the policy and the reference sharded
     params = policy.trainable_parameters()
     optimizer = torch.optim.AdamW(params, lr=1e-5)
@@ -156,12 +162,13 @@ def run_rank(s: dict, out: Path) -> None:
     for step in range(s["steps"] + 1):  # step 0 warms up
         samples = batch(s, model.config.vocab_size, step)
         planned = plan_steps(samples, cfg, policy, ctx.rank, ctx.world_size)[0]
-        attach_old_and_ref(policy, [planned], cfg, sampling)  # the reference's pass, if any
+        # the reference's pass, if any
+        attach_old_and_ref(policy, [planned], cfg.loss, cfg.logprobs, sampling, ranks)
         ctx.barrier()
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        train_step(policy, planned.micro_batches, optimizer, cfg, sampling, cfg.loss, ctx)
+        train_step(policy, planned.micro_batches, optimizer, cfg, sampling, ranks)
         if cuda:
             torch.cuda.synchronize()
         ctx.barrier()

@@ -9,6 +9,11 @@ the packer, the scorer and the loss can be written and tested apart:
 
 Tensor shapes are given in the comments: N = real tokens in a packed row, S = sequences
 in it, T = completion tokens in it (the only positions that get log-probs).
+
+The roles' interfaces live here too: `RolloutEngine` (rollout/), `Producer` (pipeline/ and
+distributed/rollout.py), and what differs between one process and torchrun, chosen once
+at set-up (`Strategy`, picked by distributed/strategy.py: `StepRanks`, `Checkpointer`,
+`MetricsLog`). See docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # torch stays out of modules that only need the records' shapes
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable, Sequence
+    from pathlib import Path
 
     from torch import Tensor
 
@@ -115,6 +121,9 @@ class PackedBatch:
     old_logprobs: Tensor | None = None  # (T,) float32, trainer's no-grad pass (decoupled IS)
     ref_logprobs: Tensor | None = None  # (T,) float32, reference policy (beta > 0)
     versions: Tensor | None = None  # (S,) int64, policy version that generated each sequence
+    # torchrun: a one-token batch that keeps a rank's forward/backward count equal to its
+    # peers' (distributed/dealing.py: `padding_batch`); it runs no loss
+    padding: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -218,3 +227,136 @@ class RolloutEngine(Protocol):
 
 class EngineVersionError(RuntimeError):
     """A generation request named a policy version the engine does not hold."""
+
+
+@runtime_checkable
+class Producer(Protocol):
+    """Where the trainer's scored rollout batches come from: `pipeline.producers`'
+    SyncProducer (made when asked) and AsyncProducer (a background thread), and under
+    torchrun `distributed.rollout.MainRankProducer` (rank 0's behind a broadcast)."""
+
+    def start(self) -> None:
+        """Begin producing (a background thread starts; a sync producer has nothing to do)."""
+        ...
+
+    def next_batch(self, trainer_version: int) -> RolloutBatch:
+        """The next scored batch, checked against the staleness bound at this version."""
+        ...
+
+    def report_progress(self, version: int, steps_left: int) -> None:
+        """The trainer's version and the optimizer steps left on its batch (admission)."""
+        ...
+
+    def push_weights(
+        self, version: int, tensors: Callable[[], Iterable[tuple[str, Tensor]]]
+    ) -> float:
+        """New weights for the generator as `version`; returns the seconds it took."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """As of the last batch handed out (what a resume continues from)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+# ------------------------------------------------ one process or torchrun, chosen at set-up
+
+
+class StepRanks(Protocol):
+    """What the no-grad passes and an optimizer step need of the trainer's ranks: one
+    process (`train.ranks.OneProcess`: identities, torch's gradient clipping) or torchrun
+    (`distributed.strategy.TorchrunRanks`: collectives, the sharded gradient norm)."""
+
+    rank: int
+    world_size: int
+
+    def all_reduce(self, values: Sequence[float], op: str = "sum") -> list[float]: ...
+
+    def all_true(self, flag: bool) -> bool: ...
+
+    def all_gather_object(self, obj: Any) -> list[Any]: ...
+
+    def clip_gradients(self, parameters: list[Tensor], max_norm: float | None) -> float:
+        """Clip the step's gradients to `max_norm` (None: measure only); the global norm."""
+        ...
+
+    def release_gathered(self, policy: Any) -> None:
+        """After the no-grad passes: free whatever the passes left gathered (FSDP units)."""
+        ...
+
+
+@dataclass
+class RestoredCheckpoint:
+    """What a checkpoint gives back once model, optimizer, scheduler and RNGs are restored."""
+
+    trainer_state: dict[str, Any]  # trainer_state.json
+    bulky_state: dict[str, Any]  # trainer_state.pt ({} when saved without one), less `inflight`
+    inflight: dict[str, Any] | None  # the batch in progress as this rank saved it (None: none)
+
+
+class Checkpointer(Protocol):
+    """Checkpoints of one run directory: written by one process (`checkpoint.local.
+    LocalCheckpointer`) or by every torchrun rank, sharded (`checkpoint.sharded.
+    ShardedCheckpointer`). Every rank calls every method."""
+
+    def save(
+        self,
+        step: int,
+        model: Any,
+        optimizer: Any,
+        scheduler: Any,
+        trainer_state: dict[str, Any],
+        *,
+        extra_files: dict[str, str],
+        bulky_state: dict[str, Any],
+        inflight: dict[str, Any] | None,
+    ) -> Path:
+        """`checkpoints/step-N`, atomically; `inflight` is the batch in progress (this
+        rank's old/reference log-probs: a sharded save gathers every rank's)."""
+        ...
+
+    def load(self, path: Path, model: Any, optimizer: Any, scheduler: Any) -> RestoredCheckpoint:
+        ...
+
+    def save_final(self, model: Any, tokenizer: Any) -> Path:
+        """`final/`, a directory transformers / peft / vLLM load directly."""
+        ...
+
+
+class MetricsLog(Protocol):
+    """The run's metrics: `metrics.logger.MetricsLogger`, or `NullLogger` on torchrun
+    ranks > 0 (rank 0 writes metrics.jsonl)."""
+
+    def stage(self, metrics: dict[str, Any]) -> None: ...
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None: ...
+
+    def rows_logged_at(self, step: int) -> int: ...
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """What differs between one process and torchrun, picked once at set-up
+    (`distributed.strategy.choose_strategy`): the single-process pieces live in their roles'
+    packages (assembled by train/strategy.py), the torchrun ones in distributed/ and
+    checkpoint/sharded.py."""
+
+    device: Any  # the torch.device the policy trains on
+    reference_on_meta: bool  # full fine-tuning's reference starts on the meta device
+    abandon_waits: bool  # a stop signal may cut short the wait for a batch
+    ranks: StepRanks
+    checkpointer: Checkpointer
+    logger: Callable[..., MetricsLog]  # takes MetricsLogger's arguments
+    # the policy sharded in place (torchrun); returns the per-rank hf engine's own copy
+    shard: Callable[[Any], Any]
+    weights: Callable[[Any], Iterable[tuple[str, Tensor]]]  # policy -> what engines receive
+    # (this step's metrics, its tokens, this rank's seconds in collectives) -> logged ones
+    reduce_metrics: Callable[[dict[str, float], float, float], dict[str, float]]
+    stop_producer: Callable[[Producer, Any], None]  # (producer, its RankShare) at a clean end

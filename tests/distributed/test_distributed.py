@@ -20,6 +20,7 @@ import torch
 from support import dist_worker as W
 from support.ranks import assert_ok, launch
 
+from leangrpo.config.training import LogprobsConfig
 from leangrpo.distributed.context import DistContext
 from leangrpo.distributed.dealing import deal_groups, equal_micro_batch_plan, group_cost, pad_plan
 
@@ -342,9 +343,8 @@ def test_one_process_never_initialises_a_process_group(monkeypatch):
     assert not ctx.distributed and ctx.is_main and not dist.is_initialized()
     with pytest.raises(ValueError, match="single process"):
         shard_model(torch.nn.Linear(2, 2), W.dist_cfg(), ctx)
-    offload = SimpleNamespace(cpu_offload=True)
     with pytest.raises(ValueError, match="distributed.cpu_offload"):
-        _offload_policy(offload, ctx)
+        _offload_policy(W.dist_cfg(cpu_offload=True), ctx)
     ctx.shutdown()  # nothing to leave
 
 
@@ -353,7 +353,7 @@ def test_padding_micro_batch_changes_no_gradient():
     from support.models import make_tiny_model
 
     from leangrpo.contracts import SamplingParams
-    from leangrpo.distributed.fsdp import is_padding, padding_batch, padding_pass
+    from leangrpo.distributed.dealing import is_padding, padding_batch, padding_pass
     from leangrpo.model.scoring import PackedScorer, install_chunked_head
     from leangrpo.ops.attention.adapter import enable_packed_attention
 
@@ -361,7 +361,7 @@ def test_padding_micro_batch_changes_no_gradient():
     enable_packed_attention(model, "sdpa_segments")
     install_chunked_head(model)
     scorer = PackedScorer(model)
-    logprobs = SimpleNamespace(chunked=True, row_tile=None, vocab_tile=None)
+    logprobs = LogprobsConfig(chunked=True, row_tile=None, vocab_tile=None)
     samples, uids = W.flatten(W.batches()[0], [0, 1])
     real = W.micro_batches(samples, uids)[0]
     lp, ent = scorer(real, SamplingParams(), logprobs, with_entropy=True)

@@ -609,9 +609,9 @@ def test_steps_are_dealt_to_ranks_whole_and_padded_to_one_count():
     from support.models import make_tiny_model
 
     from leangrpo.contracts import Completion, Prompt, RolloutSample
-    from leangrpo.distributed.fsdp import is_padding
+    from leangrpo.distributed.dealing import is_padding
     from leangrpo.model.policy import Policy
-    from leangrpo.train.step import plan_steps
+    from leangrpo.train.planning import plan_steps
 
     cfg = config_from_dict(
         demo_config(Path("/tmp/unused"), "full_sync", 2, packing={"shared_prefix": "off"})

@@ -232,9 +232,9 @@ def test_replay_and_reroll_run_inside_the_trainer(tmp_path):
 class BatchProbe(Trainer):
     """Keeps every batch the trainer starts on."""
 
-    def start_batch(self, batch):
+    def score(self, batch):
         self.started = [*getattr(self, "started", []), batch]
-        return super().start_batch(batch)
+        return super().score(batch)
 
 
 def test_replayed_groups_come_from_earlier_batches_and_are_trained_once(tmp_path):
@@ -438,14 +438,15 @@ def test_streaming_resume_is_exact_at_zero_staleness(tmp_path):
 
 
 def nan_gradient_at(calls: set[int] | None):
-    """A stand-in for step._clip_gradients: NaN at the given calls (None: every call)."""
-    from leangrpo.train import step
+    """A stand-in for ranks.clip_gradients (one process's gradient clipping): NaN at the
+    given calls (None: every call)."""
+    from leangrpo.train import ranks
 
-    real, seen = step._clip_gradients, []
+    real, seen = ranks.clip_gradients, []
 
-    def clip(policy, max_norm):
+    def clip(parameters, max_norm):
         seen.append(1)
-        norm = real(policy, max_norm)
+        norm = real(parameters, max_norm)
         return float("nan") if calls is None or len(seen) in calls else norm
 
     return clip
@@ -453,7 +454,7 @@ def nan_gradient_at(calls: set[int] | None):
 
 def test_a_skipped_step_does_not_stall_async_at_zero_staleness(tmp_path, monkeypatch):
     """deadlock_skip.py through the trainer: a non-finite step leaves the version behind."""
-    monkeypatch.setattr("leangrpo.train.step._clip_gradients", nan_gradient_at({2}))
+    monkeypatch.setattr("leangrpo.train.ranks.clip_gradients", nan_gradient_at({2}))
     cfg = tiny_run(
         tmp_path,
         pipeline={"mode": "async", "max_staleness": 0, "stall_timeout_s": 60},
@@ -471,7 +472,7 @@ def test_a_run_whose_steps_all_skip_stops_with_one_sentence(tmp_path, monkeypatc
 
     from leangrpo.cli import main
 
-    monkeypatch.setattr("leangrpo.train.step._clip_gradients", nan_gradient_at(None))
+    monkeypatch.setattr("leangrpo.train.ranks.clip_gradients", nan_gradient_at(None))
     cfg = tiny_run(
         tmp_path, train={"max_consecutive_skipped_steps": 3}, run={"max_steps": 50}, loss={"mu": 1}
     )

@@ -11,16 +11,19 @@ import torch
 from leangrpo.contracts import (
     Completion,
     EngineVersionError,
+    Producer,
     Prompt,
     RolloutBatch,
     RolloutSample,
     SamplingParams,
 )
+from leangrpo.distributed.context import DistContext
+from leangrpo.distributed.rollout import MainRankProducer
 from leangrpo.errors import RunError
 from leangrpo.pipeline.batch import BatchFinisher, ProducedBatch, RolloutSettings, RolloutWorker
 from leangrpo.pipeline.producers import AsyncProducer, PipelineStallError, SyncProducer
 from leangrpo.pipeline.replay import ReplayBuffer
-from leangrpo.train.step import _group_indices
+from leangrpo.train.planning import group_indices
 
 
 class FakeEngine:
@@ -145,9 +148,13 @@ def test_async_never_exceeds_the_staleness_bound(max_staleness):
 
 def test_zero_staleness_async_matches_sync_sample_for_sample():
     worker, settings = make_worker(FakeEngine())
-    sync = consume(SyncProducer(worker, BatchFinisher(settings, 0)), 4)
+    sync_producer = SyncProducer(worker, BatchFinisher(settings, 0))
+    sync_producer.start()  # nothing to start: every producer is started the same way
+    sync = consume(sync_producer, 4)
     worker2, settings2 = make_worker(FakeEngine())
     producer = AsyncProducer(worker2, BatchFinisher(settings2, 0), 2, 0)
+    broadcast = MainRankProducer(sync_producer, DistContext())  # torchrun's, at world size 1
+    assert all(isinstance(p, Producer) for p in (sync_producer, producer, broadcast))
     producer.start()
     try:
         asynchronous = consume(producer, 4)
@@ -272,7 +279,7 @@ def test_replay_stands_in_with_groups_of_earlier_batches_only():
     assert all(s.replayed and s.version == 0 for s in stand_in)  # versions, log-probs kept
     assert {s.group_id for s in stand_in} == {-1} and [s.group_id for s in kept] == [3, 3]
     assert [s.advantage for s in stand_in] == [s.advantage for s in first.groups()[0]] != [0, 0]
-    assert _group_indices(second.samples) == [[0, 1], [2, 3]]
+    assert group_indices(second.samples) == [[0, 1], [2, 3]]
     third = finished(finisher, [scored_group(4, [0.0, 0.0], 2)], 2, 2)
     assert third.metrics["replay/groups_used"] == 0  # a replayed group never re-enters
 

@@ -12,7 +12,7 @@ MASTER_ADDR and MASTER_PORT set (the test launches one process per rank). Scenar
   "generate" (hang) inside a sharded forward during phase "train"; rank 0 must exit with
   one line naming rank 1 and the phase.
 - stop -: per-rank async producers stopped while one rank's thread waits in a batch
-  exchange the other's never joins (dist_rollout.stop_rank_producer).
+  exchange the other's never joins (distributed.rollout.stop_rank_producer).
 - setup_memory -: the tensor bytes alive on each rank after each stage of the trainer's
   set-up (full fine-tuning with a reference and LoRA, both with per-rank hf engines).
 - unshared -: a sharded checkpoint whose rank 1 writes its files where rank 0 cannot
@@ -34,37 +34,32 @@ import signal
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests"))  # run as a script: the support package
+sys.path.insert(0, str(REPO / "src"))  # run as a script: this checkout's leangrpo ...
+sys.path.insert(0, str(REPO / "tests"))  # ... and the support package
+
+from leangrpo.config.training import (  # noqa: E402
+    DistributedConfig,
+    LogprobsConfig,
+    LossConfig,
+)
+
 DEMO_MODEL = REPO / "examples" / "demo" / "model"
 STEPS = 3
 GROUPS, GROUP_SIZE = 6, 2
 TOKEN_BUDGET = 40  # per micro-batch: in step 0 one rank gets 3, the other 2 (+ padding)
 LR = 1e-2
-LOGPROBS = SimpleNamespace(chunked=True, row_tile=8, vocab_tile=16)
+LOGPROBS = LogprobsConfig(chunked=True, row_tile=8, vocab_tile=16)
+MAX_NEW_TOKENS = 8  # dr_grpo's normaliser (the modes here use grpo and dapo)
 DEVICE = os.environ.get("LEANGRPO_TEST_DEVICE", "cpu")  # "cuda": the GPU (nccl) variant
 
 
-def loss_cfg(mode: str) -> SimpleNamespace:
-    loss = SimpleNamespace(
-        type="grpo" if mode == "full" else "dapo",  # sequence and global-token normalisers
-        epsilon_low=0.2,
-        epsilon_high=0.2,
-        delta=None,
-        beta=0.0,
-        mask_truncated_completions=False,
-        is_correction="decoupled",
-        is_mode="token_truncate",
-        is_cap=2.0,
-        is_min=0.0,
-        scale_rewards="group",
-        mu=1,
-    )
-    return SimpleNamespace(loss=loss, logprobs=LOGPROBS, rollout=SimpleNamespace(max_new_tokens=8))
+def loss_cfg(mode: str) -> LossConfig:
+    """grpo for full fine-tuning, dapo for LoRA: sequence and global-token normalisers."""
+    return LossConfig(type="grpo" if mode == "full" else "dapo", mu=1)
 
 
 def dist_cfg(
@@ -72,8 +67,8 @@ def dist_cfg(
     sharding: str = "full_shard",
     param_dtype: str = "off",
     cpu_offload: bool = False,
-) -> SimpleNamespace:
-    return SimpleNamespace(
+) -> DistributedConfig:
+    return DistributedConfig(
         sharding=sharding,
         param_dtype=param_dtype,
         reduce_dtype="float32",
@@ -169,12 +164,12 @@ def flatten(groups: list[list], chosen: list[int]) -> tuple[list, list[int]]:
 
 
 def loss_backward(score_fn, mb, cfg, norm) -> float:
+    from leangrpo.train.inputs import loss_inputs
     from leangrpo.train.loss import compute_loss
-    from leangrpo.train.step import loss_inputs
 
     logprobs, entropy = score_fn(mb, with_entropy=True)
     inputs, _ = loss_inputs(mb, logprobs, entropy, cfg)
-    loss = compute_loss(inputs, norm, cfg.loss).loss
+    loss = compute_loss(inputs, norm, cfg).loss
     loss.backward()
     return float(loss.detach())
 
@@ -200,7 +195,7 @@ def reference_run(mode: str) -> dict:
     from leangrpo.contracts import SamplingParams
     from leangrpo.model.policy import Policy
     from leangrpo.model.scoring import score
-    from leangrpo.train.step import normalisers
+    from leangrpo.train.inputs import normalisers
 
     cfg, sampling = loss_cfg(mode), SamplingParams()
     model, _ = build_model(mode, checkpointing=False)
@@ -220,7 +215,7 @@ def reference_run(mode: str) -> dict:
                 result["ref_logprobs"] = per_sample_logprobs(
                     lambda mb, with_entropy=False: score(reference, mb, sampling, LOGPROBS), mbs
                 )
-        norm = normalisers(mbs, cfg)
+        norm = normalisers(mbs, cfg, MAX_NEW_TOKENS)
         for mb in mbs:
             loss_backward(score_fn, mb, cfg, norm)
         if step == 0:
@@ -240,12 +235,12 @@ def reference_step0_grads(mode: str) -> dict[str, torch.Tensor]:
     """Step-0 gradients of the whole batch in one process (fp32)."""
     from leangrpo.contracts import SamplingParams
     from leangrpo.model.scoring import score
-    from leangrpo.train.step import normalisers
+    from leangrpo.train.inputs import normalisers
 
     cfg = loss_cfg("full")
     model, _ = build_model(mode, checkpointing=False)
     mbs = micro_batches(*flatten(batches()[0], list(range(GROUPS))))
-    norm = normalisers(mbs, cfg)
+    norm = normalisers(mbs, cfg, MAX_NEW_TOKENS)
     for mb in mbs:
         loss_backward(
             lambda b, with_entropy=False: score(
@@ -265,7 +260,7 @@ def reference_mixed_grads(world_size: int = 2) -> dict[str, torch.Tensor]:
     from leangrpo.contracts import SamplingParams
     from leangrpo.distributed.dealing import deal_groups
     from leangrpo.model.scoring import score
-    from leangrpo.train.step import normalisers
+    from leangrpo.train.inputs import normalisers
 
     cfg = loss_cfg("full")
     model, _ = build_model("full", checkpointing=False)
@@ -274,11 +269,11 @@ def reference_mixed_grads(world_size: int = 2) -> dict[str, torch.Tensor]:
     groups = batches()[0]
     deal = deal_groups([[s.num_tokens for s in g] for g in groups], world_size)
     ranks = [micro_batches(*flatten(groups, deal.groups[r])) for r in range(world_size)]
-    totals = [sum(normalisers(mbs, cfg).sequences for mbs in ranks), 0.0]
-    totals[1] = float(sum(normalisers(mbs, cfg).tokens for mbs in ranks))
+    totals = [sum(normalisers(mbs, cfg, MAX_NEW_TOKENS).sequences for mbs in ranks), 0.0]
+    totals[1] = float(sum(normalisers(mbs, cfg, MAX_NEW_TOKENS).tokens for mbs in ranks))
     acc = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in model.named_parameters()}
     for mbs in ranks:
-        norm = normalisers(mbs, cfg, world_size, lambda local: totals)
+        norm = normalisers(mbs, cfg, MAX_NEW_TOKENS, world_size, lambda local: totals)
         for mb in mbs:
             model.zero_grad(set_to_none=True)
             loss_backward(
@@ -310,14 +305,9 @@ def sharded_setup(mode: str, ctx, *, checkpointing: bool):
 def train_ranks(mode: str, out: Path) -> None:
     from leangrpo.checkpoint.sharded import save_final_sharded, save_sharded_checkpoint
     from leangrpo.contracts import SamplingParams
-    from leangrpo.distributed.context import init_distributed, reduce_metrics
-    from leangrpo.distributed.dealing import deal_groups, equal_micro_batch_plan
-    from leangrpo.distributed.fsdp import (
-        clip_grad_norm,
-        gather_for_sync,
-        padding_batch,
-        shard_model,
-    )
+    from leangrpo.distributed.context import init_distributed, reduce_dict_over_ranks
+    from leangrpo.distributed.dealing import deal_groups, equal_micro_batch_plan, padding_batch
+    from leangrpo.distributed.fsdp import clip_grad_norm, gather_for_sync, shard_model
     from leangrpo.model.scoring import score
 
     ctx = init_distributed(dist_cfg(cpu_offload=DEVICE == "cuda"), DEVICE)
@@ -389,7 +379,7 @@ def train_ranks(mode: str, out: Path) -> None:
     if mode == "full":
         with ctx.phase("train"):
             result["strategy_grads"] = other_strategies(ctx)
-    result["reduced"] = reduce_metrics(ctx, {"rank": float(ctx.rank), "one": 1.0})
+    result["reduced"] = reduce_dict_over_ranks(ctx, {"rank": float(ctx.rank), "one": 1.0})
     result["everyone"] = ctx.all_gather_object(ctx.rank)
     if ctx.is_main:
         torch.save(result, out / "result.pt")
@@ -402,11 +392,11 @@ def accumulate(scorer, offloader, mbs, padded, cfg, ctx) -> int:
     import contextlib
 
     from leangrpo.contracts import SamplingParams
-    from leangrpo.distributed.fsdp import is_padding, padding_pass
-    from leangrpo.train.step import normalisers
+    from leangrpo.distributed.dealing import is_padding, padding_pass
+    from leangrpo.train.inputs import normalisers
 
     sampling, offloaded = SamplingParams(), 0
-    norm = normalisers(mbs, cfg, ctx.world_size, ctx.all_reduce)
+    norm = normalisers(mbs, cfg, MAX_NEW_TOKENS, ctx.world_size, ctx.all_reduce)
     for mb in padded:
         scope = offloader.step() if offloader is not None else contextlib.nullcontext()
         with scope:
@@ -426,8 +416,8 @@ def accumulate(scorer, offloader, mbs, padded, cfg, ctx) -> int:
 
 def other_strategies(ctx) -> dict:
     """Step-0 gradients under shard_grad_op, no_shard, bf16 mixed precision, untied head."""
-    from leangrpo.distributed.dealing import deal_groups, equal_micro_batch_plan
-    from leangrpo.distributed.fsdp import padding_batch, shard_model
+    from leangrpo.distributed.dealing import deal_groups, equal_micro_batch_plan, padding_batch
+    from leangrpo.distributed.fsdp import shard_model
 
     groups = batches()[0]
     deal = deal_groups([[s.num_tokens for s in g] for g in groups], ctx.world_size)
@@ -799,9 +789,11 @@ def reshard_ranks(out: Path) -> None:
     from leangrpo.config import config_from_dict
     from leangrpo.distributed.context import init_distributed
     from leangrpo.distributed.fsdp import shard_policy
+    from leangrpo.distributed.strategy import TorchrunRanks
     from leangrpo.model.policy import build_policy
-    from leangrpo.train.loss import LossConfig
-    from leangrpo.train.step import attach_old_and_ref, plan_steps, train_step
+    from leangrpo.train.passes import attach_old_and_ref
+    from leangrpo.train.planning import plan_steps
+    from leangrpo.train.step import train_step
     from support.configs import demo_config
 
     ctx = init_distributed(dist_cfg(), "cpu")
@@ -816,7 +808,7 @@ def reshard_ranks(out: Path) -> None:
         policy = build_policy(model, cfg, None, torch.device("cpu"))
         shard_policy(policy, cfg.distributed, ctx)
         opt = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-4)
-        sampling, loss = cfg.rollout.sampling_params(), LossConfig.from_config(cfg.loss)
+        sampling, ranks = cfg.rollout.sampling_params(), TorchrunRanks(ctx)
         stages = seen[sharding] = {}
 
         def record(stage: str, policy=policy, stages=stages) -> None:
@@ -826,11 +818,11 @@ def reshard_ranks(out: Path) -> None:
             }
 
         steps = plan_steps(samples, cfg, policy, ctx.rank, ctx.world_size)
-        attach_old_and_ref(policy, steps, cfg, sampling)
+        attach_old_and_ref(policy, steps, cfg.loss, cfg.logprobs, sampling, ranks)
         record("after the no-grad passes")
         for _ in range(cfg.loss.mu):  # mu = 2: the old pass ran, and two updates follow
             for step in steps:
-                train_step(policy, step.micro_batches, opt, cfg, sampling, loss, ctx)
+                train_step(policy, step.micro_batches, opt, cfg, sampling, ranks)
                 record(f"after update {len(stages)}")
     gathered = ctx.gather_to_main(seen)
     if ctx.is_main:
@@ -840,7 +832,6 @@ def reshard_ranks(out: Path) -> None:
 
 def main() -> None:
     torch.set_num_threads(1)
-    sys.path.insert(0, str(REPO / "src"))
     scenario, arg, out, *rest = sys.argv[1:]
     out = Path(out)
     if scenario == "train":

@@ -6,7 +6,7 @@
 - `LiveBytes`: a TorchDispatchMode that follows every storage an op allocates while it is
   active (weak references say when each is freed): `live` and `peak` bytes.
 - `real_micro_batch(...)`: a tiny policy built the trainer's way, one packed micro-batch of
-  synthetic GRPO samples, and the forward + loss + backward of `step.train_step`.
+  synthetic GRPO samples, and the forward + loss + backward of `train.step.train_step`.
 """
 
 from __future__ import annotations
@@ -115,15 +115,16 @@ def group(vocab: int, generations: int, prompt: int, completion: int, seed: int 
 def train_pass(policy, mb, cfg) -> Callable[[], object]:
     """The forward, loss and backward of one micro-batch, as step.train_step runs them."""
     from leangrpo.model.scoring import score
-    from leangrpo.train.loss import LossConfig, compute_loss
-    from leangrpo.train.step import loss_inputs, normalisers
+    from leangrpo.train.inputs import loss_inputs, normalisers
+    from leangrpo.train.loss import compute_loss
 
-    sampling, norm = cfg.rollout.sampling_params(), normalisers([mb], cfg)
+    sampling = cfg.rollout.sampling_params()
+    norm = normalisers([mb], cfg.loss, cfg.rollout.max_new_tokens)
 
     def forward():
         logprobs, entropy = score(policy.model, mb, sampling, cfg.logprobs, with_entropy=True)
-        inputs, _ = loss_inputs(mb, logprobs, entropy, cfg)
-        return compute_loss(inputs, norm, LossConfig.from_config(cfg.loss)).loss
+        inputs, _ = loss_inputs(mb, logprobs, entropy, cfg.loss)
+        return compute_loss(inputs, norm, cfg.loss).loss
 
     return forward
 

@@ -5,19 +5,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from types import SimpleNamespace
+from typing import get_args
 
 import pytest
 import torch
+from pydantic import ValidationError
 
+from leangrpo.config.training import LossConfig
 from leangrpo.contracts import LossInputs, LossNormalisers
 from leangrpo.train.loss import (
     VARIANTS,
-    LossConfig,
     build_mask,
     compute_loss,
     importance_weights,
-    reduce_metrics,
+    sums_to_means,
 )
 
 F64 = torch.float64
@@ -123,7 +124,7 @@ def test_delta_two_sided_clip():
             token_seq=torch.tensor([0, 0]),
             num_sequences=1,
         )
-        loss = compute_loss(inputs, LossNormalisers(1, 2, 2), LossConfig("bnpo", delta=delta)).loss
+        loss = compute_loss(inputs, LossNormalisers(1, 2, 2), LossConfig(type="bnpo", delta=delta)).loss
         loss.backward()
         return loss.item(), logp.grad.tolist()
 
@@ -140,10 +141,10 @@ def test_kl_k3_value():
     #   = [0, 0.3068528194400546, 0.1931471805599454, 0, 0], sum 0.5
     # grpo, beta 0.1: seq 0 = (-2.7 + 0.1*0.5) / 3 = -0.88333; (-0.88333 + 1.9) / 2 = 0.508333
     d = [0.0, LN(2), -LN(2), 0.0, 0.0]
-    out = compute_loss(make_inputs(ref_minus_logp=d), NORM, LossConfig("grpo", beta=0.1))
+    out = compute_loss(make_inputs(ref_minus_logp=d), NORM, LossConfig(type="grpo", beta=0.1))
     assert out.loss.item() == pytest.approx((-2.65 / 3 + 1.9) / 2, abs=1e-12)
     assert out.metrics["kl"].item() == pytest.approx(0.5, abs=1e-12)
-    out0 = compute_loss(make_inputs(ref_minus_logp=d), NORM, LossConfig("grpo", beta=0.0))
+    out0 = compute_loss(make_inputs(ref_minus_logp=d), NORM, LossConfig(type="grpo", beta=0.0))
     assert out0.loss.item() == pytest.approx(0.5, abs=1e-12)  # kl reported, not added
     assert out0.metrics["kl"].item() == pytest.approx(0.5, abs=1e-12)
 
@@ -153,7 +154,7 @@ def test_is_weights_multiply_policy_term_not_kl():
     # plus beta*kl = 0.1*0.5 unweighted: (-0.7 + 0.05) / 5 tokens = -0.13
     d = [0.0, LN(2), -LN(2), 0.0, 0.0]
     inputs = make_inputs(ref_minus_logp=d, is_weights=[1.0, 2.0, 0.0, 0.5, 1.0])
-    out = compute_loss(inputs, NORM, LossConfig("bnpo", beta=0.1))
+    out = compute_loss(inputs, NORM, LossConfig(type="bnpo", beta=0.1))
     assert out.loss.item() == pytest.approx(-0.13, abs=1e-12)
     assert out.metrics["is/weight_applied"].item() == pytest.approx(4.5)
 
@@ -161,7 +162,7 @@ def test_is_weights_multiply_policy_term_not_kl():
 def test_metrics_by_hand_and_reduce():
     # r = [1.0, 1.5, 0.5, 1.1, 0.7], A = [1, 1, 1, -2, -2], clip range [0.8, 1.2]
     # low (r<0.8, A<0): token 4; high (r>1.2, A>0): token 1; region: tokens 1, 2, 4
-    m = compute_loss(make_inputs(), NORM, LossConfig("grpo")).metrics
+    m = compute_loss(make_inputs(), NORM, LossConfig(type="grpo")).metrics
     sums = {k: v.item() for k, v in m.items()}
     assert sums == pytest.approx(
         {
@@ -176,7 +177,7 @@ def test_metrics_by_hand_and_reduce():
     )
     # two micro-batches' sums add up; reduce turns them into means
     doubled = {k: 2 * v for k, v in sums.items()}
-    means = reduce_metrics(doubled)
+    means = sums_to_means(doubled)
     assert means == pytest.approx(
         {
             "tokens": 10,
@@ -188,13 +189,13 @@ def test_metrics_by_hand_and_reduce():
             "ratio/mean": 0.96,
         }  # fmt: skip
     )
-    cispo = compute_loss(make_inputs(), NORM, LossConfig("cispo", epsilon_high=1.3)).metrics
+    cispo = compute_loss(make_inputs(), NORM, LossConfig(type="cispo", epsilon_high=1.3)).metrics
     assert cispo["clip/high_frac"].item() == 1  # only r=1.5 exceeds the cap 1.3
     assert cispo["clip/low_frac"].item() == 0
 
 
 def test_bf16_inputs_computed_in_float32():
-    out = compute_loss(make_inputs(dtype=torch.bfloat16), NORM, LossConfig("bnpo"))
+    out = compute_loss(make_inputs(dtype=torch.bfloat16), NORM, LossConfig(type="bnpo"))
     assert out.loss.dtype == torch.float32
     assert out.loss.item() == pytest.approx(0.22, abs=2e-2)
 
@@ -321,26 +322,31 @@ def test_micro_batching_is_exact(kind):
 # ------------------------------------------------------------ config and bad input
 
 
-def test_config_from_any_object_and_errors():
-    section = SimpleNamespace(type="dapo", epsilon_low=0.1, epsilon_high=0.3, delta=None,
-                              beta=0.0, mask_truncated_completions=True, is_correction="bypass",
-                              is_mode="sequence_mask", is_cap=3.0, is_min=0.1,
-                              scale_rewards="batch", extra="ignored")  # fmt: skip
-    cfg = LossConfig.from_config(section)
+def test_the_config_section_configures_the_loss_and_refuses_bad_settings():
+    """The loss reads the config's own `loss` section (one LossConfig); the rules the loss
+    relies on are the section's validators, one sentence each."""
+    cfg = LossConfig(type="dapo", epsilon_low=0.1, epsilon_high=0.3, delta=None, beta=0.0,
+                     mask_truncated_completions=True, is_correction="bypass",
+                     is_mode="sequence_mask", is_cap=3.0, is_min=0.1, scale_rewards="batch")  # fmt: skip
     assert (cfg.type, cfg.epsilon_high, cfg.is_mode, cfg.is_min) == (
         "dapo",
         0.3,
         "sequence_mask",
         0.1,
     )
-    out = compute_loss(make_inputs(), NORM, section)  # duck-typed config works too
+    out = compute_loss(make_inputs(), NORM, cfg)
     # clip range [0.9, 1.3]: seq 0 -> [-1.0, -1.3, -0.5]; seq 1 -> [2.2, -min(-1.4, -1.8) = 1.8]
     # sum 1.2 over 22 / 2 tokens per rank
     assert out.loss.item() == pytest.approx(1.2 / 11, abs=1e-12)
-    with pytest.raises(ValueError, match="loss.type='ppo'"):
+    assert set(VARIANTS) == set(get_args(LossConfig.model_fields["type"].annotation))
+    with pytest.raises(ValidationError, match="'grpo', 'bnpo', 'dr_grpo', 'dapo', 'gspo'"):
         LossConfig(type="ppo")
-    with pytest.raises(ValueError, match="typical 5.0"):
+    with pytest.raises(ValidationError, match="typically 5.0"):
         LossConfig(type="cispo")  # epsilon_high 0.2 is no cap for cispo
+    with pytest.raises(ValidationError, match="must exceed 1 \\+ loss.epsilon_high"):
+        LossConfig(type="bnpo", delta=1.1)
+    with pytest.raises(ValidationError, match="must be below loss.is_cap"):
+        LossConfig(is_min=2.0, is_cap=2.0)
     with pytest.raises(ValueError, match="ref_logprobs"):
         compute_loss(make_inputs(), NORM, LossConfig(beta=0.1))
     bad = replace(make_inputs(), mask=torch.ones(4))
@@ -468,9 +474,8 @@ def filtered_inputs(lp, mode: str, mask=None) -> LossInputs:
 def test_filtered_targets_leave_loss_and_gradient_finite(kind, mode):
     hidden, lp = filtered_case()
     mask = [0, 0, 0, 1, 1, 1] if mode == "masked" else None
-    cfg = LossConfig(kind, beta=0.04 if mode == "reference" else 0.0, epsilon_high=1.3)
-    if kind != "cispo":
-        cfg = replace(cfg, epsilon_high=0.2)
+    beta = 0.04 if mode == "reference" else 0.0
+    cfg = LossConfig(type=kind, beta=beta, epsilon_high=1.3 if kind == "cispo" else 0.2)
     norm = LossNormalisers(sequences=2, tokens=6, global_tokens=6, max_completion_length=3)
     out = compute_loss(filtered_inputs(lp, mode, mask), norm, cfg)
     assert torch.isfinite(out.loss)

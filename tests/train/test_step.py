@@ -1,71 +1,23 @@
-"""One optimizer step: exact accumulation over micro-batches, and non-finite steps skipped."""
+"""One optimizer step (train/step.py): exact accumulation over micro-batches, non-finite
+steps skipped, the step's figures in one host copy, and a torchrun rank's padding."""
 
 from __future__ import annotations
 
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
-from support.models import make_tiny_model
+from support.steps import policy_and_optimizer, step_config, step_samples
 
-from leangrpo.contracts import Completion, Prompt, RolloutBatch, RolloutSample, SamplingParams
-from leangrpo.model.policy import Policy
-from leangrpo.ops.attention.adapter import enable_packed_attention
-from leangrpo.train.loss import LossConfig
+from leangrpo.contracts import Completion, Prompt, RolloutSample, SamplingParams
+from leangrpo.distributed.dealing import padding_batch
+from leangrpo.train.inputs import loss_inputs, normalisers
 from leangrpo.train.packing import pack_samples
-from leangrpo.train.step import (
-    BatchInProgress,
-    loss_inputs,
-    normalisers,
-    plan_steps,
-    reduce_is_metrics,
-    train_step,
-)
+from leangrpo.train.planning import plan_steps
+from leangrpo.train.ranks import clip_gradients
+from leangrpo.train.step import reduce_is_metrics, train_step
 
-CFG = SimpleNamespace(
-    loss=SimpleNamespace(
-        type="grpo",
-        epsilon_low=0.2,
-        epsilon_high=0.2,
-        delta=None,
-        beta=0.0,
-        mask_truncated_completions=False,
-        is_correction="decoupled",
-        is_mode="token_truncate",
-        is_cap=2.0,
-        is_min=0.0,
-        scale_rewards="group",
-        mu=1,
-    ),
-    logprobs=SimpleNamespace(chunked=True, row_tile=None, vocab_tile=None),
-    rollout=SimpleNamespace(max_new_tokens=8),
-    train=SimpleNamespace(max_grad_norm=1.0),
-)
-
-
-def make_samples(advantages: list[float]) -> list[RolloutSample]:
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for i, adv in enumerate(advantages):
-        prompt = torch.randint(2, 64, (4,), generator=g).tolist()
-        comp = torch.randint(2, 64, (3 + i % 3,), generator=g).tolist()
-        out.append(
-            RolloutSample(
-                i // 2,
-                Prompt(i, "", prompt),
-                Completion(comp, "", [-4.0] * len(comp), "stop", 0),
-                advantage=adv,
-            )
-        )
-    return out
-
-
-def policy_and_optimizer():
-    model = make_tiny_model("qwen2").train()
-    enable_packed_attention(model, "sdpa_segments")
-    policy = Policy(model, None, None, torch.device("cpu"), is_lora=False)
-    return policy, torch.optim.AdamW(model.parameters(), lr=1e-2)
+CFG = step_config()
 
 
 def snapshot(model):
@@ -73,7 +25,7 @@ def snapshot(model):
 
 
 def test_micro_batches_accumulate_to_the_single_batch_gradient():
-    samples = make_samples([1.0, -1.0, 0.5, -0.5])
+    samples = step_samples([1.0, -1.0, 0.5, -0.5])
     grads = []
     for split in ([samples], [samples[:1], samples[1:3], samples[3:]]):
         policy, _ = policy_and_optimizer()
@@ -86,9 +38,7 @@ def test_micro_batches_accumulate_to_the_single_batch_gradient():
 
         optimizer.step = keep  # read the accumulated gradient at the moment of the step
         batches = [pack_samples(part) for part in split]
-        train_step(
-            policy, batches, optimizer, CFG, SamplingParams(), LossConfig.from_config(CFG.loss)
-        )
+        train_step(policy, batches, optimizer, CFG, SamplingParams())
         grads.append(captured)
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-5)
@@ -97,34 +47,24 @@ def test_micro_batches_accumulate_to_the_single_batch_gradient():
 def test_a_non_finite_loss_skips_the_update():
     policy, optimizer = policy_and_optimizer()
     before = snapshot(policy.model)
-    batch = pack_samples(make_samples([float("nan"), 1.0]))
-    result = train_step(
-        policy, [batch], optimizer, CFG, SamplingParams(), LossConfig.from_config(CFG.loss)
-    )
+    batch = pack_samples(step_samples([float("nan"), 1.0]))
+    result = train_step(policy, [batch], optimizer, CFG, SamplingParams())
     assert not result.updated
     after = snapshot(policy.model)
     assert all(torch.equal(before[n], after[n]) for n in before)
     assert all(p.grad is None for p in policy.model.parameters())
 
 
-def test_normalisers_count_the_whole_step():
-    batches = [pack_samples(make_samples([1.0, -1.0])), pack_samples(make_samples([1.0]))]
-    norm = normalisers(batches, CFG)
-    assert norm.sequences == 3
-    assert norm.tokens == sum(b.num_completion_tokens for b in batches)
-
-
 def step_metrics_for(split) -> dict[str, float]:
     policy, _ = policy_and_optimizer()
     optimizer = torch.optim.SGD(policy.model.parameters(), lr=0.0)
     batches = [pack_samples(part) for part in split]
-    cfg_loss = LossConfig.from_config(CFG.loss)
-    return train_step(policy, batches, optimizer, CFG, SamplingParams(), cfg_loss).metrics
+    return train_step(policy, batches, optimizer, CFG, SamplingParams()).metrics
 
 
 def test_is_metrics_are_token_weighted_over_micro_batches():
     """Two micro-batches of 3 and 12 completion tokens give the IS metrics of one batch."""
-    samples = make_samples([1.0, -1.0, 0.5, -0.5])
+    samples = step_samples([1.0, -1.0, 0.5, -0.5])
     whole = step_metrics_for([samples])
     split = step_metrics_for([samples[:1], samples[1:]])
     assert [len(s.completion.ids) for s in samples] == [3, 4, 5, 3]
@@ -150,74 +90,13 @@ def test_reduce_is_metrics_by_hand():
     }
 
 
-def plan_cfg(steps_per_generation: int):
-    base = {k: v for k, v in vars(CFG).items() if k not in ("train", "rollout")}
-    return SimpleNamespace(
-        **base,
-        rollout=SimpleNamespace(max_new_tokens=8, num_generations=2),
-        train=SimpleNamespace(
-            max_grad_norm=1.0, steps_per_generation=steps_per_generation, micro_batch_tokens=12
-        ),
-        packing=SimpleNamespace(balance="tokens", shared_prefix="off"),
-    )
-
-
-def test_a_batch_with_no_samples_plans_no_steps_and_few_groups_fewer_steps():
-    """empty_batch.py: no scored sample used to reach packing_metrics' max([])."""
-    policy, _ = policy_and_optimizer()
-    assert plan_steps([], plan_cfg(2), policy) == []
-    steps = plan_steps(make_samples([1.0, -1.0]), plan_cfg(3), policy)  # one group, 3 steps asked
-    assert len(steps) == 1 and steps[0].micro_batches
-
-
-def test_a_batch_in_progress_resumes_with_the_same_micro_batches_and_old_logprobs():
-    policy, _ = policy_and_optimizer()
-    cfg = plan_cfg(2)
-    samples = make_samples([1.0, -1.0, 0.5, -0.5, 0.25, -0.25])
-    for s in samples:
-        s.reward = s.advantage
-    steps = plan_steps(samples, cfg, policy)
-    for mb in (mb for step in steps for mb in step.micro_batches):
-        mb.old_logprobs = torch.randn(mb.num_completion_tokens)  # what the old pass attached
-    work = BatchInProgress(RolloutBatch(samples, 2), steps, iterations=2)
-    work.take()
-    work.take()
-    work.take()  # inside the 2nd iteration (mu): one step of 4 left
-    state = work.state_dict()
-    torch.manual_seed(1)  # weights moved since: nothing may be recomputed from them
-    with torch.no_grad():
-        for p in policy.model.parameters():
-            p.add_(torch.randn_like(p))
-    resumed = BatchInProgress.from_state(state, cfg, policy)
-    assert (resumed.done, resumed.remaining) == (3, 1)
-    assert resumed.take()[0] is resumed.steps[1]
-    for old, new in zip(steps, resumed.steps):
-        assert len(old.micro_batches) == len(new.micro_batches)
-        for a, b in zip(old.micro_batches, new.micro_batches):
-            assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.targets, b.targets)
-            assert torch.equal(a.old_logprobs, b.old_logprobs) and b.ref_logprobs is None
-            assert torch.equal(a.advantages, b.advantages)
-
-
-def test_normalisers_across_ranks_give_each_rank_its_share_of_the_global_counts():
-    """FSDP averages gradients over ranks, so each rank divides by global / world_size."""
-    batches = [pack_samples(make_samples([1.0, -1.0]))]
-    local = normalisers(batches, CFG)
-    seen = []
-
-    def sum_over_ranks(values):  # as if the other rank held 5 sequences and 17 tokens
-        seen.append(values)
-        return [values[0] + 5, values[1] + 17]
-
-    norm = normalisers(batches, CFG, world_size=2, sum_over_ranks=sum_over_ranks)
-    assert seen == [[2.0, float(local.tokens)]]  # one reduction of the local counts
-    assert norm.sequences == (2 + 5) / 2 and norm.tokens == (local.tokens + 17) / 2
-    assert norm.global_tokens == local.tokens + 17 and norm.world_size == 2
+# the step's own modules: the step, its inputs and the ranks it spans (one process here)
+STEP_MODULES = ("leangrpo/train/step.py", "leangrpo/train/inputs.py", "leangrpo/train/ranks.py")
 
 
 class StepHostReads(torch.overrides.TorchFunctionMode):
     """Counts tensor -> Python reads (item, tolist, float/int/bool of a tensor) made by
-    step.py itself (the model, the log-probs and the optimizer have their own)."""
+    the step's own modules (the model, the log-probs and the optimizer have their own)."""
 
     NAMES = {"item", "tolist", "__float__", "__int__", "__bool__"}
 
@@ -230,24 +109,21 @@ class StepHostReads(torch.overrides.TorchFunctionMode):
             frame = sys._getframe(1)  # the direct caller, past torch's Tensor wrappers
             while frame.f_code.co_filename.endswith(("torch/overrides.py", "torch/_tensor.py")):
                 frame = frame.f_back
-            self.count += frame.f_code.co_filename.endswith("leangrpo/train/step.py")
+            self.count += frame.f_code.co_filename.endswith(STEP_MODULES)
         return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("mask_truncated", [False, True])
 def test_step_host_reads_do_not_grow_with_micro_batches(mask_truncated):
     """Loss, metrics and IS metrics of every micro-batch reach the host in one copy."""
-    cfg = SimpleNamespace(**vars(CFG))
-    cfg.loss = SimpleNamespace(**{**vars(CFG.loss), "mask_truncated_completions": mask_truncated})
-    samples = make_samples([1.0, -1.0, 0.5, -0.5, 0.25, -0.25])
+    cfg = step_config(loss={"mask_truncated_completions": mask_truncated})
+    samples = step_samples([1.0, -1.0, 0.5, -0.5, 0.25, -0.25])
     counts, results = [], []
     for split in ([samples], [samples[:2], samples[2:4], samples[4:]]):
         policy, optimizer = policy_and_optimizer()
         batches = [pack_samples(part) for part in split]
         with StepHostReads() as reads:
-            result = train_step(
-                policy, batches, optimizer, cfg, SamplingParams(), LossConfig.from_config(cfg.loss)
-            )
+            result = train_step(policy, batches, optimizer, cfg, SamplingParams())
         counts.append(reads.count)
         results.append(result.metrics)
     # the metrics, the gradient norm, and the loss tokens when truncated ones are masked
@@ -280,10 +156,11 @@ def group_samples(prompt_len: int, comp_lens: list[list[int]]) -> list[RolloutSa
 
 def step_gradient(samples, loss_type: str, shared_prefix: str, budget: int):
     """The step's plan, loss, metrics and accumulated gradient (lr 0: read at the step)."""
-    cfg = plan_cfg(1)
-    cfg.loss = SimpleNamespace(**{**vars(CFG.loss), "type": loss_type})
-    cfg.train.micro_batch_tokens = budget
-    cfg.packing.shared_prefix = shared_prefix
+    cfg = step_config(
+        loss={"type": loss_type},
+        train={"micro_batch_tokens": budget},
+        packing={"shared_prefix": shared_prefix},
+    )
     policy, _ = policy_and_optimizer()
     optimizer = torch.optim.SGD(policy.model.parameters(), lr=0.0)
     grads = {}
@@ -293,9 +170,7 @@ def step_gradient(samples, loss_type: str, shared_prefix: str, budget: int):
 
     optimizer.step = keep
     (step,) = plan_steps(samples, cfg, policy)
-    result = train_step(
-        policy, step.micro_batches, optimizer, cfg, SamplingParams(), LossConfig.from_config(cfg.loss)
-    )
+    result = train_step(policy, step.micro_batches, optimizer, cfg, SamplingParams())
     return step, result.metrics, grads
 
 
@@ -325,14 +200,13 @@ def test_bypass_applies_no_is_weight_whatever_the_is_mode():
     """bypass_ignores_is_mode.py: in bypass the behaviour log-probs are the old ones, so no IS
     weight exists and is_mode / is_cap / is_min change nothing (preflight lists them as
     ignored); the same settings do change a decoupled step."""
-    samples = make_samples([1.0, -1.0, 0.5, -0.5])
+    samples = step_samples([1.0, -1.0, 0.5, -0.5])
     modes = [("token_truncate", 2.0, 0.0), ("token_mask", 1.05, 0.95), ("sequence_mask", 1.01, 0.99)]
     results = {}
     for correction in ("bypass", "decoupled"):
         for mode, cap, low in modes:
-            cfg = SimpleNamespace(**vars(CFG))
             setting = {"is_correction": correction, "is_mode": mode, "is_cap": cap, "is_min": low}
-            cfg.loss = SimpleNamespace(**{**vars(CFG.loss), **setting})
+            cfg = step_config(loss=setting)
             policy, _ = policy_and_optimizer()
             optimizer = torch.optim.SGD(policy.model.parameters(), lr=0.0)
             grads = {}
@@ -341,12 +215,11 @@ def test_bypass_applies_no_is_weight_whatever_the_is_mode():
             )
             batch = pack_samples(samples)
             logprobs = torch.full((batch.num_completion_tokens,), -3.0)
-            inputs, is_metrics = loss_inputs(batch, logprobs, None, cfg)
+            inputs, is_metrics = loss_inputs(batch, logprobs, None, cfg.loss)
             if correction == "bypass":
                 assert inputs.is_weights is None and is_metrics == {}
                 assert torch.equal(inputs.old_logprobs, batch.behaviour_logprobs)
-            loss_cfg = LossConfig.from_config(cfg.loss)
-            train_step(policy, [batch], optimizer, cfg, SamplingParams(), loss_cfg)
+            train_step(policy, [batch], optimizer, cfg, SamplingParams())
             results[correction, mode] = grads
     for correction, equal in (("bypass", True), ("decoupled", False)):
         first = results[correction, modes[0][0]]
@@ -356,9 +229,9 @@ def test_bypass_applies_no_is_weight_whatever_the_is_mode():
 
 
 class _PeerRank:
-    """A DistContext of rank 1 of 2 whose peer trained 3 sequences of 20 loss tokens."""
+    """Rank 1 of 2 (a contracts.StepRanks) whose peer trained 3 sequences of 20 loss tokens."""
 
-    distributed, world_size, rank = True, 2, 1
+    world_size, rank = 2, 1
 
     def __init__(self):
         self.reduced: list[list[float]] = []
@@ -370,11 +243,14 @@ class _PeerRank:
     def all_true(self, flag):
         return flag
 
-    def barrier(self):
-        return 0.0
-
     def all_gather_object(self, obj):
         return [({"clip_frac": 0.0}, [], 0.5), obj]
+
+    def clip_gradients(self, parameters, max_norm):
+        return clip_gradients(parameters, max_norm)
+
+    def release_gathered(self, policy):
+        pass
 
 
 @pytest.mark.parametrize("mask_truncated", [False, True])
@@ -384,19 +260,16 @@ def test_a_rank_dealt_no_group_trains_padding_only_with_truncated_completions_ma
     """dist_empty_share_mask.py: fewer groups than ranks leaves a rank with padding
     micro-batches only; with loss.mask_truncated_completions its loss-token count was
     torch.stack([]) and the step raised. It counts 0 and runs the padding passes."""
-    from leangrpo.distributed.fsdp import padding_batch
     from leangrpo.model.scoring import PackedScorer, install_chunked_head
 
-    cfg = SimpleNamespace(**vars(CFG))
-    cfg.loss = SimpleNamespace(**{**vars(CFG.loss), "mask_truncated_completions": mask_truncated})
-    assert normalisers([], cfg, 2, lambda counts: [3.0, 20.0]).tokens == 10.0
+    cfg = step_config(loss={"mask_truncated_completions": mask_truncated})
+    assert normalisers([], cfg.loss, 8, 2, lambda counts: [3.0, 20.0]).tokens == 10.0
     policy, optimizer = policy_and_optimizer()
     install_chunked_head(policy.model)
     policy.root = PackedScorer(policy.model)
-    ctx = _PeerRank()
+    ranks = _PeerRank()
     result = train_step(
-        policy, [padding_batch(0)] * 2, optimizer, cfg, SamplingParams(),
-        LossConfig.from_config(cfg.loss), ctx,
-    )  # fmt: skip
-    assert ctx.reduced[0] == [0.0, 0.0]  # this rank's sequences and loss tokens
+        policy, [padding_batch(0)] * 2, optimizer, cfg, SamplingParams(), ranks
+    )
+    assert ranks.reduced[0] == [0.0, 0.0]  # this rank's sequences and loss tokens
     assert result.updated and result.metrics["loss"] == 0.25  # the peer's loss, averaged

@@ -32,6 +32,10 @@ Choices:
   sample has been scored already.
 - Only one process (rank 0) may call these functions. FSDP-sharded models must be gathered
   first.
+
+`LocalCheckpointer` is the trainer's `contracts.Checkpointer` for a single process
+(sharded.py's `ShardedCheckpointer` the torchrun one); the batch in progress goes into
+trainer_state.pt as `inflight`. See docs/ARCHITECTURE.md ("Exact resume").
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ from safetensors.torch import load_file
 from leangrpo.checkpoint.rundir import COMPLETE, STEP_DIR, complete_checkpoints, latest_checkpoint
 
 # Finding checkpoints needs no torch: the CLI does it before the model loads (rundir.py).
-from leangrpo.contracts import Completion, Prompt, RolloutSample
+from leangrpo.contracts import Completion, Prompt, RestoredCheckpoint, RolloutSample
 
 BULKY_STATE = "trainer_state.pt"
 
@@ -64,10 +68,12 @@ __all__ = [
     "COMPLETE",
     "STEP_DIR",
     "CheckpointError",
+    "LocalCheckpointer",
     "capture_rng_state",
     "complete_checkpoints",
     "is_peft_model",
     "latest_checkpoint",
+    "load_bulky_state",
     "load_checkpoint",
     "load_model_weights",
     "restore_rng_state",
@@ -171,6 +177,48 @@ def save_final_model(output_dir: str | Path, model: torch.nn.Module, tokenizer: 
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     return output_dir / "final"
+
+
+class LocalCheckpointer:
+    """`contracts.Checkpointer` for one process: the functions above, on one run directory."""
+
+    def __init__(self, output_dir: str | Path, keep_last: int):
+        self.output_dir = Path(output_dir)
+        self.keep_last = keep_last
+
+    def save(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        scheduler: Any | None,
+        trainer_state: dict[str, Any],
+        *,
+        extra_files: dict[str, str],
+        bulky_state: dict[str, Any],
+        inflight: dict[str, Any] | None,
+    ) -> Path:
+        if inflight is not None:
+            bulky_state = {**bulky_state, "inflight": inflight}
+        return save_checkpoint(
+            self.output_dir, step, model, optimizer, scheduler, trainer_state, self.keep_last,
+            extra_files=extra_files, bulky_state=bulky_state,
+        )  # fmt: skip
+
+    def load(
+        self, path: str | Path, model: torch.nn.Module, optimizer: Any, scheduler: Any
+    ) -> RestoredCheckpoint:
+        state = load_checkpoint(path, model, optimizer, scheduler)
+        return restored(state, load_bulky_state(path))
+
+    def save_final(self, model: torch.nn.Module, tokenizer: Any | None) -> Path:
+        return save_final_model(self.output_dir, model, tokenizer)
+
+
+def restored(trainer_state: dict[str, Any], bulky: dict[str, Any]) -> RestoredCheckpoint:
+    """A loaded checkpoint's states, the batch in progress apart (as it was saved)."""
+    bulky = dict(bulky)
+    return RestoredCheckpoint(trainer_state, bulky, bulky.pop("inflight", None))
 
 
 # -- model weights --------------------------------------------------------------------------

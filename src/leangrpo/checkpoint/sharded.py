@@ -25,6 +25,12 @@ at another world size is refused, since per-rank RNG streams cannot be split or 
 The final model is written once, by rank 0, as a plain Hugging Face directory: the full
 state dict gathered to rank 0 in host memory (`full_state_dict=True, cpu_offload=True`), or
 for LoRA the adapter tensors only, passed to `save_pretrained(state_dict=...)`.
+
+`ShardedCheckpointer` is the trainer's `contracts.Checkpointer` under torchrun. The batch
+in progress has the same samples on every rank but per-rank old/reference log-probs (each
+rank's micro-batches): they are gathered to rank 0 as `attached_by_rank`, and each rank
+takes its own back on resume. See docs/ARCHITECTURE.md ("Distributed": "Checkpoints",
+"Sharded checkpoints").
 """
 
 from __future__ import annotations
@@ -54,11 +60,15 @@ from leangrpo.checkpoint.local import (
     _to_json,
     capture_rng_state,
     is_peft_model,
+    load_bulky_state,
     restore_rng_state,
+    restored,
 )
 from leangrpo.checkpoint.rundir import COMPLETE
+from leangrpo.contracts import RestoredCheckpoint
 from leangrpo.distributed.context import DistContext
 from leangrpo.distributed.fsdp import gather_for_sync
+from leangrpo.errors import RunError
 
 
 def save_sharded_checkpoint(
@@ -217,3 +227,62 @@ def save_final_sharded(
                 tokenizer.save_pretrained(tmp)
     ctx.barrier()
     return final
+
+
+class ShardedCheckpointer:
+    """`contracts.Checkpointer` under torchrun: every rank calls every method."""
+
+    def __init__(self, output_dir: str | Path, keep_last: int, ctx: DistContext):
+        self.output_dir = Path(output_dir)
+        self.keep_last = keep_last
+        self.ctx = ctx
+
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        scheduler: Any | None,
+        trainer_state: dict[str, Any],
+        *,
+        extra_files: dict[str, str],
+        bulky_state: dict[str, Any],
+        inflight: dict[str, Any] | None,
+    ) -> Path:
+        if inflight is not None:  # every rank holds the same batch: all gather, or none
+            bulky_state = {**bulky_state, "inflight": inflight_to_save(self.ctx, inflight)}
+        return save_sharded_checkpoint(
+            self.output_dir, step, model, optimizer, scheduler, trainer_state, self.keep_last,
+            self.ctx, extra_files=extra_files, bulky_state=bulky_state,
+        )  # fmt: skip
+
+    def load(
+        self, path: str | Path, model: nn.Module, optimizer: Any, scheduler: Any
+    ) -> RestoredCheckpoint:
+        state = load_sharded_checkpoint(path, model, optimizer, scheduler, self.ctx)
+        loaded = restored(state, load_bulky_state(path))
+        if loaded.inflight is not None:
+            loaded.inflight = inflight_to_load(self.ctx, loaded.inflight)
+        return loaded
+
+    def save_final(self, model: nn.Module, tokenizer: Any | None) -> Path:
+        return save_final_sharded(self.output_dir, model, tokenizer, self.ctx)
+
+
+def inflight_to_save(ctx: DistContext, state: dict) -> dict:
+    """A BatchInProgress state with every rank's attached log-probs (on rank 0)."""
+    state = dict(state)
+    state["attached_by_rank"] = ctx.gather_to_main(state.pop("attached"))
+    return state
+
+
+def inflight_to_load(ctx: DistContext, state: dict) -> dict:
+    """This rank's view of a saved batch in progress."""
+    by_rank = state.get("attached_by_rank")
+    if by_rank is None or len(by_rank) != ctx.world_size:
+        raise RunError(
+            "the checkpoint's batch in progress was saved by another number of ranks; "
+            "resume with the world size it was written with"
+        )
+    return {**{k: v for k, v in state.items() if k != "attached_by_rank"},
+            "attached": by_rank[ctx.rank]}  # fmt: skip

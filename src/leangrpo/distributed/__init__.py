@@ -3,10 +3,13 @@ paths except where the set-up picks a strategy.
 
 - context.py: `DistContext` (ranks, collectives under a timeout, phases).
 - watch.py: heartbeats, failure records and the one line naming the rank that failed.
-- dealing.py: whole prompt groups dealt to ranks.
-- fsdp.py: FSDP2 sharding of the policy and reference, gathers for weight sync.
+- dealing.py: whole prompt groups dealt to ranks; padding micro-batches.
+- fsdp.py: FSDP2 sharding of the policy and reference, gathers for weight sync, the
+  sharded gradient norm.
 - rollout.py: generation shared by ranks (each its share, or rank 0 behind a broadcast).
-- strategy.py: the trainer's torchrun strategies (weights, metrics, the batch in progress).
+- strategy.py: the choice of one process's strategy or torchrun's, made once at set-up,
+  and the torchrun strategy (`contracts.Strategy`: the step's ranks, sharding, gathered
+  weights, per-rank metrics, the sharded checkpointer, rank 0's logger).
 
 See docs/ARCHITECTURE.md "Distributed".
 """

@@ -10,6 +10,8 @@ silently, and a phase tracker.
   failure leaving `ctx.phase(...)` becomes one line on every rank naming the rank that
   failed and its phase, and is fatal even when a collective would block the exit: the
   heartbeats, failure records and backstop that do this are in watch.py.
+`reduce_dict_over_ranks` reduces a metrics dict element-wise over ranks. See
+docs/ARCHITECTURE.md "Distributed" ("World size 1 is untouched", "Timeouts").
 """
 
 from __future__ import annotations
@@ -165,7 +167,7 @@ class DistContext:
         self._watch = None
 
 
-def reduce_metrics(ctx: DistContext, metrics: dict[str, float], op: str = "mean") -> dict:
+def reduce_dict_over_ranks(ctx: DistContext, metrics: dict[str, float], op: str = "mean") -> dict:
     """Reduce a metrics dict over ranks (every rank must pass the same keys in any order)."""
     if not ctx.distributed:
         return dict(metrics)

@@ -1,7 +1,10 @@
 """Dealing prompt groups to ranks: whole groups, heaviest first to the least loaded rank
 (LPT), by tokens or attention cost; deterministic, so every rank computes the same deal
 without a collective. Plans are padded to one micro-batch count over ranks, since every
-forward and backward gathers parameters with all of them.
+forward and backward gathers parameters with all of them: a rank short of micro-batches
+runs one-token padding batches (`padding_batch`, marked `PackedBatch.padding`) through a
+forward and a zero-gradient backward (`padding_pass`), never the loss. See
+docs/ARCHITECTURE.md "Distributed" ("A step", "Equal micro-batch counts").
 """
 
 from __future__ import annotations
@@ -9,6 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+from torch import nn
+
+from leangrpo.contracts import PackedBatch
 from leangrpo.distributed.context import DistContext
 
 
@@ -75,3 +82,56 @@ def pad_plan(plan: list[list[int]], count: int) -> list[list[int]]:
 def equal_micro_batch_plan(ctx: DistContext, plan: list[list[int]]) -> list[list[int]]:
     """This rank's plan padded to the largest micro-batch count over ranks (one all-reduce)."""
     return pad_plan(plan, ctx.max_int(len(plan)))
+
+
+# ----------------------------------------------------------------- padding micro-batches
+
+
+def padding_batch(token_id: int, device: torch.device | str = "cpu") -> PackedBatch:
+    """A one-token micro-batch for a rank with fewer real ones than its peers.
+
+    Every rank must run the same number of forwards and backwards, since each one gathers
+    and reduce-scatters parameters with the others. The padding batch runs both (see
+    `padding_pass`) and contributes exactly zero gradient.
+    """
+    ints = {
+        name: torch.tensor(value, dtype=torch.int64, device=device)
+        for name, value in {
+            "input_ids": [[token_id]],
+            "position_ids": [[0]],
+            "cu_seqlens": [0, 1],
+            "completion_index": [0],
+            "targets": [token_id],
+            "token_seq": [0],
+            "completion_lens": [1],
+            "sample_index": [-1],
+        }.items()
+    }
+    return PackedBatch(
+        max_seqlen=1,
+        padding=True,
+        advantages=torch.zeros(1, device=device),
+        truncated=torch.zeros(1, dtype=torch.bool, device=device),
+        behaviour_logprobs=torch.zeros(1, device=device),
+        **ints,
+    )
+
+
+def padding_pass(
+    scorer: nn.Module,
+    batch: PackedBatch,
+    sampling,
+    logprob_cfg,
+    *,
+    backward: bool,
+    with_entropy: bool = False,
+) -> None:
+    """Forward (and backward with a zero upstream gradient) through every unit."""
+    logprobs, entropy = scorer(batch, sampling, logprob_cfg, with_entropy=with_entropy)
+    if backward and torch.is_grad_enabled():
+        outputs = [t for t in (logprobs, entropy) if t is not None and t.requires_grad]
+        torch.autograd.backward(outputs, [torch.zeros_like(t) for t in outputs])
+
+
+def is_padding(batch: PackedBatch) -> bool:
+    return batch.padding

@@ -1,4 +1,4 @@
-"""FSDP2 for the policy: sharding, gathered weights for sync, gradient clipping, padding.
+"""FSDP2 for the policy: sharding, gathered weights for sync, the sharded gradient norm.
 
 Units (`fully_shard` calls, bottom-up, all on one data-parallel mesh):
 - every decoder layer (the classes in the model's `_no_split_modules`); LoRA layers inside
@@ -21,7 +21,8 @@ sharding does not matter. The offload hooks (offload.py) see the same layer inpu
 
 Weight sync (`gather_for_sync`): every rank gathers every tensor (`full_tensor()`) in the
 same fixed order, rank 0 keeps them, and only then does rank 0 send anything, so no
-all-gather is ever interleaved with a send (the deadlock of TRL #7103).
+all-gather is ever interleaved with a send (the deadlock of TRL #7103). See
+docs/ARCHITECTURE.md "Distributed" ("Units", "Weight sync").
 """
 
 from __future__ import annotations
@@ -40,9 +41,8 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
-from leangrpo.contracts import PackedBatch
 from leangrpo.distributed.context import DistContext
-from leangrpo.model.policy import DTYPES
+from leangrpo.model.policy import DTYPES, meta_copy
 from leangrpo.model.scoring import PackedScorer, causal_lm, install_chunked_head
 
 # Prefixes wrappers add to parameter names: checkpoint_wrapper, FSDP1, torch.compile.
@@ -238,58 +238,6 @@ def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float | None) -> fl
     return float(total)
 
 
-# ----------------------------------------------------------------- padding micro-batches
-
-
-def padding_batch(token_id: int, device: torch.device | str = "cpu") -> PackedBatch:
-    """A one-token micro-batch for a rank with fewer real ones than its peers.
-
-    Every rank must run the same number of forwards and backwards, since each one gathers
-    and reduce-scatters parameters with the others. The padding batch runs both (see
-    `padding_pass`) and contributes exactly zero gradient.
-    """
-    ints = {
-        name: torch.tensor(value, dtype=torch.int64, device=device)
-        for name, value in {
-            "input_ids": [[token_id]],
-            "position_ids": [[0]],
-            "cu_seqlens": [0, 1],
-            "completion_index": [0],
-            "targets": [token_id],
-            "token_seq": [0],
-            "completion_lens": [1],
-            "sample_index": [-1],
-        }.items()
-    }
-    return PackedBatch(
-        max_seqlen=1,
-        advantages=torch.zeros(1, device=device),
-        truncated=torch.zeros(1, dtype=torch.bool, device=device),
-        behaviour_logprobs=torch.zeros(1, device=device),
-        **ints,
-    )
-
-
-def padding_pass(
-    scorer: nn.Module,
-    batch: PackedBatch,
-    sampling,
-    logprob_cfg,
-    *,
-    backward: bool,
-    with_entropy: bool = False,
-) -> None:
-    """Forward (and backward with a zero upstream gradient) through every unit."""
-    logprobs, entropy = scorer(batch, sampling, logprob_cfg, with_entropy=with_entropy)
-    if backward and torch.is_grad_enabled():
-        outputs = [t for t in (logprobs, entropy) if t is not None and t.requires_grad]
-        torch.autograd.backward(outputs, [torch.zeros_like(t) for t in outputs])
-
-
-def is_padding(batch: PackedBatch) -> bool:
-    return bool(batch.sample_index.numel() == 1 and int(batch.sample_index[0]) == -1)
-
-
 def local_param_bytes(model: nn.Module) -> int:
     """Bytes of this rank's parameter shards (full sharding divides the total by W)."""
     total = 0
@@ -312,6 +260,20 @@ def shard_policy(policy, dist_cfg, ctx: DistContext) -> None:
         if on_meta:
             _copy_shards(reference, policy.root)
         policy.reference = reference
+
+
+def shard_for_training(policy, dist_cfg, ctx: DistContext, engine_copy: bool) -> nn.Module | None:
+    """Shard `policy` (and its reference) in place; with `engine_copy` (the per-rank hf
+    engine) return the rank's own unsharded copy for it (`unsharded_copy`), else None.
+
+    The copy's structure is taken before sharding (`model.meta_copy`: the policy as built,
+    with its plain lm_head), its tensors after, from the shards: a rank holds at most one
+    full copy of the weights at any moment of the set-up."""
+    structure = meta_copy(policy.model) if engine_copy else None
+    shard_policy(policy, dist_cfg, ctx)
+    if structure is None:
+        return None
+    return unsharded_copy(structure, policy.model, policy.device)
 
 
 def _copy_shards(target: nn.Module, source: nn.Module) -> None:
@@ -354,7 +316,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def tensor_bytes_alive() -> dict[str, int]:
     """Bytes of the distinct tensor storages alive in this process (a walk over the
-    garbage collector's objects, ~0.2 s: for tests and benchmarks, never in a run), split
+    garbage collector's objects, slow: for tests and benchmarks, never in a run), split
     into FSDP shards (DTensor local tensors) and whole tensors; meta tensors hold none."""
     import gc
 

@@ -35,10 +35,10 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from leangrpo.contracts import RolloutBatch, RolloutSample
+from leangrpo.contracts import Producer, RolloutBatch, RolloutSample
 from leangrpo.distributed.context import DistContext
 from leangrpo.pipeline.advantages import mean_std
-from leangrpo.pipeline.producers import ProductionAborted
+from leangrpo.pipeline.producers import AsyncProducer, ProductionAborted
 
 _ABORT = "leangrpo:abort"
 
@@ -145,10 +145,10 @@ def merge_share_metrics(per_rank: list[dict[str, float]], samples: list[RolloutS
 
 
 class MainRankProducer:
-    """Rank 0 runs `inner` (a Sync/AsyncProducer; None on other ranks) and broadcasts
-    each batch. Every rank calls every method in the same order."""
+    """A `contracts.Producer`: rank 0 runs `inner` (a Sync/AsyncProducer; None on other
+    ranks) and broadcasts each batch. Every rank calls every method in the same order."""
 
-    def __init__(self, inner, ctx: DistContext):
+    def __init__(self, inner: Producer | None, ctx: DistContext):
         if (inner is None) == ctx.is_main:
             raise ValueError("rank 0, and only rank 0, holds the producer")
         self.inner = inner
@@ -156,7 +156,7 @@ class MainRankProducer:
         self.engine_lock = inner.engine_lock if inner is not None else threading.Lock()
 
     def start(self) -> None:
-        if self.inner is not None and hasattr(self.inner, "start"):
+        if self.inner is not None:
             self.inner.start()
 
     def next_batch(self, trainer_version: int) -> RolloutBatch:
@@ -187,7 +187,7 @@ class MainRankProducer:
             self.inner.close()
 
 
-def stop_rank_producer(producer, share: RankShare, ctx: DistContext) -> None:
+def stop_rank_producer(producer: Producer, share: RankShare, ctx: DistContext) -> None:
     """Stop a per-rank async producer so that no peer is left in a batch exchange.
 
     Call it on every rank when the run ends normally, before the reward pool closes: a
@@ -195,11 +195,10 @@ def stop_rank_producer(producer, share: RankShare, ctx: DistContext) -> None:
     on the closed pool, joins it with the abort marker (`RankShare.failed_before_exchange`).
     One all-reduce.
     """
-    stop_entering = getattr(producer, "stop_entering", None)
-    if stop_entering is None or not ctx.distributed:
+    if not isinstance(producer, AsyncProducer) or not ctx.distributed:  # no thread to stop
         return
     with ctx.phase("shutdown"):
-        entered = stop_entering()
+        entered = producer.stop_entering()
         stand_in = share.stop()  # this rank's thread failed before the exchange it owes
         if entered < ctx.max_int(entered) or stand_in:  # a peer's thread waits in it
             share.abort()

@@ -1,33 +1,54 @@
-"""What the trainer does differently under torchrun (world size > 1; never imported otherwise
-by a single process's code paths, which call none of this).
+"""One process or torchrun, chosen once at set-up (`choose_strategy`), and the torchrun
+strategy: what a multi-process run puts where one process has its own pieces
+(`contracts.Strategy`; one process's is train/strategy.py's `one_process_strategy`).
 
-- Set-up (`shard_for_training`): every rank loads the full model once (the reference of
-  full fine-tuning is a `model.meta_copy`, without storage); the policy and the reference
-  are sharded (the reference's shards copied from the policy's), and only then is the
-  per-rank hf engine's own copy built from the shards, one gathered tensor at a time. So
-  a rank holds at most one full copy of the weights at any moment of the set-up (tested by
-  counting the storages alive after each stage).
-- Weights for the generator: `sync_tensors` gathers every shard on every rank in one fixed
-  order (fsdp.gather_for_sync); per-rank hf engines copy each tensor in as it is gathered
-  (sync mode: no second full copy; async mode: the snapshot waiting for the producer
-  thread is one), rank 0 alone keeps them for vLLM servers, sent after the last gather.
-- The batch in progress at a checkpoint: its samples are the same on every rank, its
-  old/reference log-probs are per rank (each rank's micro-batches), so they are gathered
-  to rank 0 (`attached_by_rank`) and each rank takes its own back on resume.
-- Metrics: rank 0 logs. Figures measured per rank are combined once per step
-  (`reduce_rank_metrics`): token and micro-batch counts added, times and the packing
-  balance the worst rank's, and `dist/wait_max` / `dist/wait_mean`: seconds ranks spent in
-  leangrpo's own collectives during the step (sample exchanges, count all-reduces, the
-  step-end barrier), i.e. waiting for the slowest rank. FSDP's gathers inside forward and
-  backward are not in it.
+- Set-up: the policy is FSDP-sharded (`fsdp.shard_for_training`: the reference's shards
+  copied from the policy's, the per-rank hf engine's own copy built from the shards), so a
+  rank holds at most one full copy of the weights at any moment of the set-up.
+- The step (`TorchrunRanks`): the context's collectives, the global gradient norm of the
+  sharded gradients after a barrier (the time fast ranks wait for the slowest shows in
+  `dist/wait_*`), and every FSDP unit resharded after the no-grad passes.
+- Weights for the generator (`gathered_weights`): every shard gathered on every rank in
+  one fixed order (`fsdp.gather_for_sync`); per-rank hf engines copy each tensor in as it
+  is gathered (sync mode: no second full copy; async mode: the snapshot waiting for the
+  producer thread is one), rank 0 alone keeps them for vLLM servers, sent after the last
+  gather.
+- Checkpoints: DCP-sharded (`checkpoint.sharded.ShardedCheckpointer`); the final model
+  written by rank 0.
+- Metrics: rank 0 logs (the others hold a `NullLogger`). Figures measured per rank are
+  combined once per step (`reduce_rank_metrics`): token and micro-batch counts added,
+  times and the packing balance the worst rank's, and `dist/wait_max` / `dist/wait_mean`:
+  seconds ranks spent in leangrpo's own collectives during the step (sample exchanges,
+  count all-reduces, the step-end barrier), i.e. waiting for the slowest rank. FSDP's
+  gathers inside forward and backward are not in it.
+- Shutdown: per-rank async producers stop without leaving a peer in a batch exchange
+  (`rollout.stop_rank_producer`).
+
+See docs/ARCHITECTURE.md "Distributed".
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from functools import partial
+from pathlib import Path
 from typing import Any
 
+import torch
+
+from leangrpo.checkpoint.sharded import ShardedCheckpointer
+from leangrpo.contracts import Strategy
 from leangrpo.distributed.context import DistContext
+from leangrpo.distributed.fsdp import (
+    clip_grad_norm,
+    gather_for_sync,
+    iter_gathered,
+    reshard,
+    shard_for_training,
+)
+from leangrpo.distributed.rollout import stop_rank_producer
+from leangrpo.metrics.logger import MetricsLogger, NullLogger
+from leangrpo.train.strategy import one_process_strategy
 
 RANK_SUM = ("packing/tokens", "packing/micro_batches", "packing/split_groups", "offload/bytes",
             "offload/tensors", "offload/prefetched", "_tokens")  # fmt: skip
@@ -37,23 +58,59 @@ RANK_MAX = ("packing/balance", "packing/padding_ratio", "time/train", "time/scor
 RANK_MEAN = ("packing/padding_ratio_avoided", "dist/wait_mean")
 
 
-def shard_for_training(policy, cfg, ctx: DistContext):
-    """Shard `policy` (and its reference) in place; returns the per-rank hf engine's own
-    unsharded copy (`fsdp.unsharded_copy`), or None when rank 0 drives vLLM servers.
-
-    The engine copy's structure is taken before sharding (`model.meta_copy`: the policy as
-    built, with its plain lm_head), its tensors after, from the shards."""
-    from leangrpo.distributed.fsdp import shard_policy, unsharded_copy
-    from leangrpo.model.policy import meta_copy
-
-    structure = meta_copy(policy.model) if cfg.rollout.engine == "hf" else None
-    shard_policy(policy, cfg.distributed, ctx)
-    if structure is None:
-        return None
-    return unsharded_copy(structure, policy.model, policy.device)
+def choose_strategy(cfg, ctx: DistContext, output_dir: Path) -> Strategy:
+    """The run's strategy (`cfg`: its Config): torchrun's when `ctx` spans processes."""
+    if not ctx.distributed:
+        return one_process_strategy(cfg, output_dir)
+    return torchrun_strategy(cfg, ctx, output_dir)
 
 
-def sync_tensors(policy, ctx: DistContext, *, to_all: bool) -> Iterable[tuple[str, Any]]:
+def torchrun_strategy(cfg, ctx: DistContext, output_dir: Path) -> Strategy:
+    """The torchrun pieces of a run (`cfg`: its Config; `ctx`: the process group's)."""
+    per_rank = cfg.rollout.engine == "hf"  # every rank its own engine; else rank 0 generates
+    return Strategy(
+        device=ctx.device,
+        reference_on_meta=True,  # one full copy per rank at most (sharded later)
+        abandon_waits=False,  # ranks stop together, at a step boundary
+        ranks=TorchrunRanks(ctx),
+        checkpointer=ShardedCheckpointer(output_dir, cfg.checkpoint.keep_last, ctx),
+        logger=MetricsLogger if ctx.is_main else NullLogger,
+        shard=partial(shard_for_training, dist_cfg=cfg.distributed, ctx=ctx, engine_copy=per_rank),
+        weights=partial(gathered_weights, ctx=ctx, to_all=per_rank),
+        reduce_metrics=partial(reduce_rank_metrics, ctx),
+        stop_producer=partial(stop_rank_producer, ctx=ctx) if per_rank else _nothing_to_stop,
+    )
+
+
+class TorchrunRanks:
+    """`contracts.StepRanks` over the process group of `ctx`."""
+
+    def __init__(self, ctx: DistContext):
+        self.ctx = ctx
+        self.rank, self.world_size = ctx.rank, ctx.world_size
+
+    def all_reduce(self, values: Sequence[float], op: str = "sum") -> list[float]:
+        return self.ctx.all_reduce(values, op)
+
+    def all_true(self, flag: bool) -> bool:
+        return self.ctx.all_true(flag)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return self.ctx.all_gather_object(obj)
+
+    def clip_gradients(self, parameters: list[torch.Tensor], max_norm: float | None) -> float:
+        """After a barrier, the norm of the sharded gradients reduced over ranks, clipped."""
+        self.ctx.barrier()
+        return clip_grad_norm(parameters, max_norm)
+
+    def release_gathered(self, policy) -> None:
+        """Reshard every FSDP unit of the policy and the reference (no collective)."""
+        reshard(policy.root)
+        if policy.reference is not None:
+            reshard(policy.reference)
+
+
+def gathered_weights(policy, *, ctx: DistContext, to_all: bool) -> Iterable[tuple[str, Any]]:
     """The weights the engine(s) receive, gathered from the shards (every rank calls it).
 
     `to_all`: every rank receives them (its own hf engine copy), one tensor at a time as
@@ -61,38 +118,17 @@ def sync_tensors(policy, ctx: DistContext, *, to_all: bool) -> Iterable[tuple[st
     engine consumes them all); else rank 0 keeps them, as a list, in host memory (what vLLM
     uploads are written from, only after the last gather) and the others get [].
     """
-    from leangrpo.distributed.fsdp import gather_for_sync, iter_gathered
-
     if to_all:
         return iter_gathered(policy.model, ctx, adapters_only=policy.is_lora, to_all=True)
     return gather_for_sync(policy.model, ctx, adapters_only=policy.is_lora, device="cpu")
 
 
-def inflight_to_save(ctx: DistContext, state: dict) -> dict:
-    """A BatchInProgress state with every rank's attached log-probs (on rank 0)."""
-    state = dict(state)
-    state["attached_by_rank"] = ctx.gather_to_main(state.pop("attached"))
-    return state
-
-
-def inflight_to_load(ctx: DistContext, state: dict) -> dict:
-    """This rank's view of a saved batch in progress."""
-    by_rank = state.get("attached_by_rank")
-    if by_rank is None or len(by_rank) != ctx.world_size:
-        from leangrpo.errors import RunError
-
-        raise RunError(
-            "the checkpoint's batch in progress was saved by another number of ranks; "
-            "resume with the world size it was written with"
-        )
-    return {**{k: v for k, v in state.items() if k != "attached_by_rank"},
-            "attached": by_rank[ctx.rank]}  # fmt: skip
-
-
-def reduce_rank_metrics(ctx: DistContext, metrics: dict, wait_s: float) -> dict:
+def reduce_rank_metrics(ctx: DistContext, metrics: dict, tokens: float, wait_s: float) -> dict:
     """Combine the per-rank figures of one step (one all-gather); the rest is already
-    the same on every rank. `wait_s`: this rank's seconds in collectives this step."""
-    mine = {k: v for k, v in metrics.items() if k in RANK_SUM + RANK_MAX + RANK_MEAN}
+    the same on every rank. `tokens`: this rank's trained tokens (padding left out);
+    `wait_s`: this rank's seconds in collectives this step."""
+    per_rank = RANK_SUM + RANK_MAX + RANK_MEAN
+    mine = {k: v for k, v in {**metrics, "_tokens": tokens}.items() if k in per_rank}
     mine["dist/wait_max"] = mine["dist/wait_mean"] = wait_s
     parts = ctx.all_gather_object(mine)
     out = dict(metrics)
@@ -104,26 +140,11 @@ def reduce_rank_metrics(ctx: DistContext, metrics: dict, wait_s: float) -> dict:
             out[key] = max(values)
         else:
             out[key] = sum(values) / len(values)
-    tokens = out.pop("_tokens", None)
-    if tokens is not None:
-        out["throughput/train_tokens_per_s"] = tokens / max(out.get("time/train", 0.0), 1e-9)
+    total = out.pop("_tokens", None)
+    if total is not None:
+        out["throughput/train_tokens_per_s"] = total / max(out.get("time/train", 0.0), 1e-9)
     return out
 
 
-class NullLogger:
-    """Torchrun ranks > 0: rank 0 writes metrics.jsonl and shows the progress bar."""
-
-    def stage(self, metrics) -> None:
-        pass
-
-    def log(self, step: int, metrics) -> None:
-        pass
-
-    def rows_logged_at(self, step: int) -> int:
-        return 0  # rank 0's count is the one its checkpoint saves
-
-    def log_samples(self, step: int, rows) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+def _nothing_to_stop(producer, share) -> None:
+    """Rank 0's producer behind a broadcast: its close() is enough."""

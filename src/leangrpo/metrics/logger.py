@@ -21,6 +21,9 @@ it) with a warning naming file and line. Choices:
   with run.overwrite, empties) a directory holding one.
 - `stage(metrics)` holds values logged once (the data counts) until the next row, so they
   land in the step-0 row instead of a row of their own.
+- Under torchrun rank 0 holds the MetricsLogger and every other rank a `NullLogger` (the
+  set-up's choice, distributed/strategy.py); both are a `contracts.MetricsLog`. See
+  docs/ARCHITECTURE.md ("Metrics and logs").
 """
 
 from __future__ import annotations
@@ -139,6 +142,29 @@ class MetricsLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class NullLogger:
+    """Torchrun ranks > 0: rank 0 writes metrics.jsonl and shows the progress bar. Takes
+    MetricsLogger's arguments, so a strategy hands either out (contracts.MetricsLog)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        pass
+
+    def stage(self, metrics: Mapping[str, Any]) -> None:
+        pass
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        pass
+
+    def rows_logged_at(self, step: int) -> int:
+        return 0  # rank 0's count is the one its checkpoint saves
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@
   rather than train beyond the bound), group advantages; with re-rolls on, the flat groups
   left (re-queued or dropped, all advantages 0) are taken out of the batch.
 - `RolloutSettings` and `ProducedBatch` are what flows between them and the producers.
+See docs/ARCHITECTURE.md ("Re-rolls", "Replay", "What `max_staleness` bounds").
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class RolloutWorker:
         settings: RolloutSettings,
         reward_lock: threading.Lock | None = None,
         reroll_attempts: int = 0,  # 0 = re-roll off
-        share=None,  # torchrun: a dist_rollout.RankShare (this rank's slice + the exchange)
+        share=None,  # torchrun: a distributed.rollout.RankShare (this rank's slice + the exchange)
     ):
         self.share = share
         self.engine = engine

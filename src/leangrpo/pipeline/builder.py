@@ -1,5 +1,6 @@
-"""Which producer and evaluator a run gets (the trainer's wiring of pipeline.py).
+"""The pipeline a run gets: its producer (a `contracts.Producer`) and its evaluator.
 
+`build_pipeline` wires the pipeline package's parts over the run's engines and reward pool:
 - One process: a SyncProducer, or an AsyncProducer thread, over the rollout engine; an
   Evaluator over the eval engine.
 - Torchrun with the hf engine: the same on every rank, each making its share of every
@@ -7,15 +8,17 @@
   evaluator's on the main thread's), so every rank holds every batch.
 - Torchrun with vLLM servers: rank 0's producer behind a broadcast (`MainRankProducer`);
   rank 0 alone evaluates.
+See docs/ARCHITECTURE.md ("Distributed": "Generation").
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
 
+from leangrpo.contracts import Producer
 from leangrpo.data.sampler import PromptSampler
+from leangrpo.distributed.rollout import MainRankProducer, RankShare
 from leangrpo.pipeline.batch import BatchFinisher, RolloutSettings, RolloutWorker
 from leangrpo.pipeline.evaluation import Evaluator
 from leangrpo.pipeline.producers import AsyncProducer, SyncProducer
@@ -23,34 +26,33 @@ from leangrpo.pipeline.replay import ReplayBuffer
 
 
 @dataclass
-class Production:
-    producer: Any  # SyncProducer | AsyncProducer | dist_rollout.MainRankProducer
+class Pipeline:
+    producer: Producer  # SyncProducer | AsyncProducer | distributed.rollout.MainRankProducer
     evaluator: Evaluator | None  # None: this torchrun rank does not evaluate
-    share: Any = None  # the producer's dist_rollout.RankShare (torchrun, hf engine)
+    share: RankShare | None = None  # the producer's share of each batch (torchrun, hf engine)
 
 
-def make_production(cfg, ctx, engines, rewards, train_prompts, eval_prompts) -> Production:
-    """`engines` is None on torchrun ranks > 0 when rank 0 drives vLLM servers."""
+def build_pipeline(cfg, ctx, engines, rewards, train_prompts, eval_prompts) -> Pipeline:
+    """`cfg`: the run's Config; `engines` is None on torchrun ranks > 0 when rank 0
+    drives vLLM servers."""
     reward_lock = threading.Lock()  # the producer thread and evaluation share the pool
     if not ctx.distributed:
         producer = _producer(cfg, engines, rewards, train_prompts, reward_lock)
-        return Production(
+        return Pipeline(
             producer, _evaluator(cfg, engines, rewards, eval_prompts, producer, reward_lock)
         )
-    from leangrpo.distributed.rollout import MainRankProducer, RankShare
-
     if cfg.rollout.engine == "hf":  # every rank its share
         share = RankShare(ctx, ctx.new_group())  # for the producer thread's exchanges
         producer = _producer(cfg, engines, rewards, train_prompts, reward_lock, share)
         evaluator = _evaluator(
             cfg, engines, rewards, eval_prompts, producer, reward_lock, RankShare(ctx)
         )
-        return Production(producer, evaluator, share)
+        return Pipeline(producer, evaluator, share)
     if engines is None:
-        return Production(MainRankProducer(None, ctx), None)
+        return Pipeline(MainRankProducer(None, ctx), None)
     inner = _producer(cfg, engines, rewards, train_prompts, reward_lock)
     evaluator = _evaluator(cfg, engines, rewards, eval_prompts, inner, reward_lock)
-    return Production(MainRankProducer(inner, ctx), evaluator)
+    return Pipeline(MainRankProducer(inner, ctx), evaluator)
 
 
 def _evaluator(cfg, engines, rewards, prompts, producer, reward_lock, share=None) -> Evaluator:

@@ -5,7 +5,7 @@ Rewards that fail are counted and left out of the mean, as in training; means ar
 overflow-safe like training's (rewards of +-1e308 average to a finite number, not nan).
 Under torchrun with per-rank engines (`share`), each rank evaluates its slice of the
 prompts and the scored samples are all-gathered, so the figures are the whole set's;
-`eval/version` is the oldest version a rank evaluated.
+`eval/version` is the oldest version a rank evaluated. See docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class Evaluator:
         engine_lock: threading.Lock,
         reward_lock: threading.Lock,
         shared_weights: bool,
-        share=None,  # torchrun: a dist_rollout.RankShare on the main thread's group
+        share=None,  # torchrun: a distributed.rollout.RankShare on the main thread's group
     ):
         self.share = share
         self.engine = engine

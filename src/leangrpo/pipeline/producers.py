@@ -32,14 +32,15 @@ admits nothing older than the resumed trainer's version.
 That is also why the trainer's wait for a batch (sync: its making; async: the queue) is
 `stopping.abandonable()`: a stop signal may cut it short and the checkpoint is still exact.
 Torchrun (hf engine): every rank runs the same producer on the same prompts and makes
-its share of each batch (`RolloutWorker.share`, see dist_rollout.py): it generates and
+its share of each batch (`RolloutWorker.share`, see distributed/rollout.py): it generates and
 scores its slice of the prompts, then an all-gather hands every rank the whole scored
 batch before re-rolls, so samplers, re-rolls, replay and advantages stay identical on
 every rank. See docs/ARCHITECTURE.md "Choices" and "Distributed".
 
 This module holds the producers (`SyncProducer`, and `AsyncProducer` with its admission,
-streaming and stall rules); the making of one batch (`RolloutWorker`, `BatchFinisher`,
-`ReplayBuffer`) lives in pipeline_batch.py and is re-exported here.
+streaming and stall rules), both `contracts.Producer`s like torchrun's
+`distributed.rollout.MainRankProducer`; the making of one batch (`RolloutWorker`,
+`BatchFinisher`) lives in batch.py, the replay buffer in replay.py.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class ProductionAborted(PeerStopped):
 
 
 class SyncProducer:
-    """Generates each batch when asked, with the weights the engine holds right now."""
+    """A `contracts.Producer` that generates each batch when asked, with the weights the
+    engine holds right now."""
 
     def __init__(self, worker: RolloutWorker, finisher: BatchFinisher):
         self.worker = worker
@@ -81,6 +83,9 @@ class SyncProducer:
         self.index = 0
         self.engine_lock = threading.Lock()
         self._handed_state: dict | None = None  # the worker's, after the last batch handed out
+
+    def start(self) -> None:
+        """Nothing runs in the background: each batch is made when it is asked for."""
 
     def next_batch(self, trainer_version: int) -> RolloutBatch:
         if self._handed_state is None:  # what state_dict says if this batch is abandoned
@@ -126,7 +131,8 @@ def _lazily(tensors: Callable[[], Iterable]) -> Iterator:
 
 
 class AsyncProducer:
-    """A background thread that keeps batches ready within the staleness bound."""
+    """A `contracts.Producer` whose background thread keeps batches ready within the
+    staleness bound."""
 
     def __init__(
         self,
@@ -215,7 +221,7 @@ class AsyncProducer:
 
         Torchrun: ranks' producers exchange samples inside each batch, so at shutdown a
         rank whose thread stopped one batch short joins that exchange to abort it
-        (dist_rollout.stop_rank_producer).
+        (distributed.rollout.stop_rank_producer).
         """
         with self._enter_lock:
             self._stop.set()

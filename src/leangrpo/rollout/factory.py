@@ -8,7 +8,7 @@
 Under torchrun (`ctx.distributed`): the hf engine is one own copy per rank (a sharded
 model cannot generate without collectives whose count would depend on each rank's
 completion lengths), built from the policy's shards after sharding (`own_copy`, from
-`distributed.strategy.shard_for_training`: the only full copy a rank holds), used for generation
+`distributed.fsdp.shard_for_training`: the only full copy a rank holds), used for generation
 and evaluation and refreshed from gathered weights (every version in sync mode); vLLM
 servers are driven by rank 0 alone (other ranks hold no engine); colocated vLLM is refused
 by preflight.
@@ -41,7 +41,7 @@ class Engines:
 def make_engines(cfg, policy, ctx=None, own_copy=None) -> Engines | None:
     """The engines; None on torchrun ranks > 0 when rank 0 drives vLLM servers. Under
     torchrun with the hf engine, `own_copy` is the rank's unsharded copy of the policy
-    (`distributed.strategy.shard_for_training`), which the engine takes as its own."""
+    (`distributed.fsdp.shard_for_training`), which the engine takes as its own."""
     distributed = ctx is not None and ctx.distributed
     if cfg.rollout.engine == "hf":
         if distributed and own_copy is None:

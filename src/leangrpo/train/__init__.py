@@ -1,8 +1,12 @@
 """The training loop and what it runs each step.
 
-Modules: trainer.py (`Trainer`, `train`: the loop), step.py (one optimizer step and the
-no-grad passes before it), loss.py (the objective family and IS correction), packing.py
-(packed batches and micro-batch plans), schedule.py (the LR schedule).
+Modules: trainer.py (`Trainer`, `train`: the loop), strategy.py (one process or torchrun,
+chosen once at set-up), planning.py (a batch cut into optimizer steps and packed
+micro-batches), passes.py (the no-grad old and reference passes), inputs.py (the loss's
+inputs and the step's normalisers), inflight.py (the batch in progress, resumable),
+step.py (one optimizer step), ranks.py (the ranks of one process, as the step sees them),
+loss.py (the objective family and IS correction), packing.py (packed batches and
+micro-batch plans), schedule.py (the LR schedule). See docs/ARCHITECTURE.md.
 
 `Trainer` and `train` are imported from here (on first use); the rest from their modules.
 """

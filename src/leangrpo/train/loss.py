@@ -1,5 +1,7 @@
 """The GRPO objective family, KL k3 and the importance-sampling (IS) correction.
 
+Configured by the config's own `loss` section (`config.training.LossConfig`, validated
+there: one copy of the settings); docs/ARCHITECTURE.md "Choices" gives the reasons.
 Every variant is three small pieces picked from a registry (no string branches):
 
     ratio      token: r_t = exp(logp_t - old_t)
@@ -47,23 +49,21 @@ Choices:
   of per-token log-ratios, never sums (a sum makes them depend on the length).
 - Metrics are sums over the micro-batch (0-dim tensors, no host sync) so they aggregate
   exactly over micro-batches; `METRIC_COUNTS` says what each is summed over and
-  `reduce_metrics` turns accumulated sums into means.
+  `sums_to_means` turns accumulated sums into means.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
-from typing import Any
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
+from leangrpo.config.training import LossConfig
 from leangrpo.contracts import LossInputs, LossNormalisers, LossOutputs
 
-IS_CORRECTIONS = ("decoupled", "bypass", "none")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-SCALE_REWARDS = ("group", "batch", "none")
 
 # metric -> the count metric it is summed over (None: the metric is itself a count)
 METRIC_COUNTS: dict[str, str | None] = {
@@ -78,58 +78,6 @@ METRIC_COUNTS: dict[str, str | None] = {
     "entropy": "tokens",  # only when entropy is given
     "is/weight_applied": "tokens",  # only when is_weights are given
 }
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """The loss settings; `from_config` reads them off the pydantic `loss` section."""
-
-    type: str = "grpo"
-    epsilon_low: float = 0.2
-    epsilon_high: float = 0.2  # cispo: the cap on the detached ratio (typical 5.0)
-    delta: float | None = None  # unused by cispo
-    beta: float = 0.0
-    mask_truncated_completions: bool = False
-    is_correction: str = "decoupled"
-    is_mode: str = "token_truncate"
-    is_cap: float = 2.0
-    is_min: float = 0.0
-    scale_rewards: str = "group"
-
-    def __post_init__(self) -> None:
-        _check_choice("loss.type", self.type, tuple(VARIANTS))
-        _check_choice("loss.is_correction", self.is_correction, IS_CORRECTIONS)
-        _check_choice("loss.is_mode", self.is_mode, IS_MODES)
-        _check_choice("loss.scale_rewards", self.scale_rewards, SCALE_REWARDS)
-        if self.epsilon_low < 0 or self.epsilon_high < 0 or self.beta < 0:
-            raise ValueError(
-                "loss.epsilon_low, loss.epsilon_high and loss.beta must be >= 0; "
-                f"got {self.epsilon_low}, {self.epsilon_high}, {self.beta}"
-            )
-        if self.type == "cispo" and self.epsilon_high <= 1.0:
-            raise ValueError(
-                f"loss.type=cispo uses loss.epsilon_high as the cap on the ratio, got "
-                f"{self.epsilon_high}; set it above 1 (typical 5.0)"
-            )
-        clipped = self.type != "cispo"  # cispo has no clip range and ignores delta
-        if clipped and self.delta is not None and self.delta <= 1.0 + self.epsilon_high:
-            raise ValueError(
-                f"loss.delta={self.delta} must exceed 1 + epsilon_high "
-                f"({1.0 + self.epsilon_high}); set it higher (e.g. 1.5-2) or to null"
-            )
-        if not 0.0 <= self.is_min < self.is_cap:
-            raise ValueError(
-                f"need 0 <= loss.is_min < loss.is_cap; got is_min={self.is_min}, "
-                f"is_cap={self.is_cap}"
-            )
-
-    @classmethod
-    def from_config(cls, section: Any) -> LossConfig:
-        """Build from any object with these attributes (missing ones keep the defaults)."""
-        if isinstance(section, cls):
-            return section
-        names = [f.name for f in fields(cls)]
-        return cls(**{n: getattr(section, n) for n in names if hasattr(section, n)})
 
 
 def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -294,9 +242,8 @@ def excluded_targets(
     return out
 
 
-def compute_loss(inputs: LossInputs, norm: LossNormalisers, cfg: Any) -> LossOutputs:
+def compute_loss(inputs: LossInputs, norm: LossNormalisers, cfg: LossConfig) -> LossOutputs:
     """One micro-batch's share of the step loss (see the module docstring) and metrics."""
-    cfg = LossConfig.from_config(cfg)
     _check_inputs(inputs, cfg)
     variant = VARIANTS[cfg.type]
     unmasked = inputs.mask > 0
@@ -347,7 +294,7 @@ def _metrics(
     return out
 
 
-def reduce_metrics(accumulated: dict[str, float]) -> dict[str, float]:
+def sums_to_means(accumulated: dict[str, float]) -> dict[str, float]:
     """Sums accumulated over micro-batches (and ranks) -> means; others pass unchanged."""
     out = dict(accumulated)
     for name, count in METRIC_COUNTS.items():

@@ -1,11 +1,14 @@
-"""The GRPO loop: produce -> score -> optimise -> sync -> log -> checkpoint.
+"""The GRPO loop: for each generation batch, score it, then for each of its mu x
+steps_per_generation optimizer steps: step -> sync -> log -> evaluate -> checkpoint.
 
 Everything expensive is set up in `Trainer.__init__` after every cheap check has passed
 (preflight.py: config, data, reward functions, model files, the locked run directory), so
-bad input fails in a second with one sentence. `Trainer.train()` then reads as the
-algorithm: take a scored rollout batch from the producer (sync or async), pack it, fill
-in old/reference log-probs, run `mu` iterations of optimizer steps over it, hand new
-weights to the generator, and log, evaluate and checkpoint on schedule.
+bad input fails in a second with one sentence. What differs between one process and
+torchrun (device, sharding, the step's ranks, checkpoints, the weights engines receive,
+per-rank metrics, the logger, the producer's shutdown) is a `contracts.Strategy` chosen
+once at set-up (distributed/strategy.py), so the loop below has one code path. Each phase runs
+inside `ctx.phase(...)` (a no-op in one process; under torchrun a rank that fails stops
+the others within `distributed.timeout_s`, naming it and the phase).
 
 The policy version counts successful optimizer updates; every sample carries the version
 that generated it, so staleness is measured, never assumed (`staleness/*` at each update).
@@ -17,15 +20,9 @@ skipped (counted, consumed); a run stops with one sentence after
 inside a batch holds that batch (`BatchInProgress`), so resume is exact at any step.
 
 Stop signals (stopping.py): during `train()` a first SIGTERM or Ctrl-C is checked at each
-optimizer-step boundary (a wait for a batch in one process is cut short: the batch is
-abandoned); the run then saves a checkpoint at that step, closes, and raises `RunStopped`.
-
-Torchrun (`ctx.distributed`, docs/ARCHITECTURE.md "Distributed"): every rank runs this
-loop on the same global batch; the policy is FSDP-sharded before the engines are built
-(a per-rank hf engine's copy is made from the shards), each step's groups are dealt to ranks (step.py), weights are gathered before any sync,
-checkpoints are DCP-sharded, rank 0 logs, and each phase runs inside `ctx.phase(...)` so
-a rank that fails stops the others within `distributed.timeout_s`, naming it and the
-phase. World size 1 takes none of these paths.
+optimizer-step boundary (on every rank, agreed by one all-reduce; a wait for a batch in one
+process is cut short: the batch is abandoned); the run then saves a checkpoint at that
+step, closes, and raises `RunStopped`. See docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations
@@ -39,37 +36,27 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from leangrpo.checkpoint import local as ckpt
 from leangrpo.checkpoint.rundir import schedule_horizon
 from leangrpo.config import Config
 from leangrpo.contracts import RolloutBatch
 from leangrpo.data.prompts import load_prompts
 from leangrpo.distributed.context import DistContext, init_distributed
+from leangrpo.distributed.strategy import choose_strategy
 from leangrpo.errors import RunError
-from leangrpo.metrics.logger import MetricsLogger
 from leangrpo.model.files import check_model_files
-from leangrpo.model.policy import Policy, load_policy, load_tokenizer, resolve_device
-from leangrpo.pipeline.builder import make_production
+from leangrpo.model.policy import Policy, load_policy, load_tokenizer
+from leangrpo.pipeline.builder import build_pipeline
 from leangrpo.preflight import Preflight, check_micro_batch, preflight, prompt_limit
 from leangrpo.rewards import RewardPool
 from leangrpo.rollout.factory import make_engines
 from leangrpo.stopping import RunStopped, StopRequested, StopSignals
-from leangrpo.train.loss import LossConfig
+from leangrpo.train.inflight import BatchInProgress
+from leangrpo.train.passes import attach_old_and_ref
+from leangrpo.train.planning import PlannedStep, plan_steps
 from leangrpo.train.schedule import make_scheduler
-from leangrpo.train.step import (
-    BatchInProgress,
-    PlannedStep,
-    attach_old_and_ref,
-    plan_steps,
-    train_step,
-)
+from leangrpo.train.step import train_step
 
 log = logging.getLogger("leangrpo")
-
-
-def validate_inputs(cfg: Config) -> LossConfig:
-    """The loss settings; the cheap input checks are preflight's, run before this."""
-    return LossConfig.from_config(cfg.loss)
 
 
 def seed_everything(seed: int) -> None:
@@ -87,7 +74,6 @@ class Trainer:
         self.ctx = ctx if ctx is not None else init_distributed(cfg.distributed, cfg.run.device)
         self.checked = checked if checked is not None else preflight(cfg, self.ctx)
         try:
-            self.loss_cfg = validate_inputs(cfg)
             self.cfg = cfg
             self.out = self.checked.run_dir.path
             if self.ctx.is_main:
@@ -112,23 +98,18 @@ class Trainer:
     # -- set-up --------------------------------------------------------------------------
     def _build(self, cfg: Config) -> None:
         ctx = self.ctx
-        device = ctx.device if ctx.distributed else resolve_device(cfg.run.device)
+        self.strategy = strategy = choose_strategy(cfg, ctx, self.out)
         limit = self.checked.prompt_limit
         if self.checked.model.directory is None:  # a hub model not cached yet: fetch config.json
             limit = prompt_limit(cfg, check_model_files(cfg.model, fetch=True))
         tokenizer = load_tokenizer(cfg.model)
         prompts = load_prompts(cfg.data, tokenizer, cfg.run.seed, limit)
         check_micro_batch(prompts.train, cfg)
-        train_prompts, eval_prompts = prompts.train, prompts.eval
-        # torchrun: one full copy per rank at most (the reference starts on the meta device)
-        self.policy: Policy = load_policy(cfg, tokenizer, device, reference_on_meta=ctx.distributed)
-        own_copy = None  # torchrun, hf engine: the rank's unsharded copy, made from the shards
-        if ctx.distributed:
-            from leangrpo.distributed.strategy import shard_for_training
-
-            own_copy = shard_for_training(self.policy, cfg, ctx)
+        self.policy: Policy = load_policy(
+            cfg, tokenizer, strategy.device, reference_on_meta=strategy.reference_on_meta
+        )
+        own_copy = strategy.shard(self.policy)  # torchrun, hf engine: the rank's own copy
         self.engines = engines = make_engines(cfg, self.policy, ctx, own_copy)
-        self.per_rank = ctx.distributed and cfg.rollout.engine == "hf"  # else rank 0 generates
         self.optimizer = torch.optim.AdamW(
             self.policy.trainable_parameters(),
             lr=cfg.train.learning_rate,
@@ -141,22 +122,18 @@ class Trainer:
         self.sampling = cfg.rollout.sampling_params()  # per-batch seeds are set by the producer
         self.rewards = RewardPool(cfg.rewards) if engines is not None else None
         self.sync_every_version = cfg.generates_with_live_weights()  # hf sync: every version
-        made = make_production(cfg, ctx, engines, self.rewards, train_prompts, eval_prompts)
-        self.producer, self.evaluator, self.share = made.producer, made.evaluator, made.share
+        pipeline = build_pipeline(cfg, ctx, engines, self.rewards, prompts.train, prompts.eval)
+        self.producer, self.evaluator = pipeline.producer, pipeline.evaluator
+        self.share = pipeline.share
         with ctx.phase("checkpoint"):
             self.resumed = resumed = self._maybe_resume()
         server = cfg.rollout.engine == "vllm" and cfg.rollout.vllm.mode == "server"
         if server and not resumed:  # a server may hold another run's weights
             with ctx.phase("sync"):
-                named = self._sync_tensors()
+                named = self._weights()
                 if engines is not None:
                     engines.rollout.update_weights(named, self.version)
-        if not ctx.is_main:
-            from leangrpo.distributed.strategy import NullLogger
-
-            self.logger = NullLogger()
-            return
-        self.logger = MetricsLogger(
+        self.logger = strategy.logger(
             self.out,
             cfg.logging.backends,
             cfg.logging.progress_bar,
@@ -193,31 +170,20 @@ class Trainer:
         path = self.checked.run_dir.resume_from
         if path is None:
             return False
-        ctx = self.ctx
-        if ctx.distributed:
-            from leangrpo.checkpoint.sharded import load_sharded_checkpoint
-
-            model, opt, sched = self.policy.model, self.optimizer, self.scheduler
-            state = load_sharded_checkpoint(path, model, opt, sched, ctx)
-        else:
-            state = ckpt.load_checkpoint(path, self.policy.model, self.optimizer, self.scheduler)
-        bulky = ckpt.load_bulky_state(path)
+        model, opt, sched = self.policy.model, self.optimizer, self.scheduler
+        restored = self.strategy.checkpointer.load(path, model, opt, sched)
+        state, bulky = restored.trainer_state, restored.bulky_state
         self.step, self.version, self.skipped = state["step"], state["version"], state["skipped"]
         self.resume_rows = state.get("metrics_rows_at_step")  # None: an older checkpoint
         self.skips = RunSkips(**state.get("skips", {}))
         self.producer.load_state_dict(bulky.get("producer", state.get("producer")))
-        if "inflight" in bulky:
-            inflight = bulky["inflight"]
-            if ctx.distributed:
-                from leangrpo.distributed.strategy import inflight_to_load
-
-                inflight = inflight_to_load(ctx, inflight)
+        if restored.inflight is not None:
             self.inflight = BatchInProgress.from_state(
-                inflight, self.cfg, self.policy, ctx.rank, ctx.world_size
+                restored.inflight, self.cfg, self.policy, self.ctx.rank, self.ctx.world_size
             )
         # the engine gets these weights before it generates anything (async: a floor)
         self.producer.report_progress(self.version, self._steps_left())
-        self.producer.push_weights(self.version, self._sync_tensors)
+        self.producer.push_weights(self.version, self._weights)
         if Path(path).parent == self.out / "checkpoints":
             self.saved = (self.step, Path(path))
         log.info("resumed from %s at step %d", path, self.step)
@@ -227,7 +193,7 @@ class Trainer:
     def train(self) -> dict[str, float]:
         """Train to run.max_steps and return the final evaluation; on a stop signal, save
         a checkpoint at the step reached and raise RunStopped (stopping.py)."""
-        with StopSignals(abandon=not self.ctx.distributed) as self.signals:
+        with StopSignals(abandon=self.strategy.abandon_waits) as self.signals:
             return self._train()
 
     def _train(self) -> dict[str, float]:
@@ -235,8 +201,7 @@ class Trainer:
         try:
             if self.step == 0 and not self.resumed:
                 self.logger.log(0, self.evaluate(step=0))
-            if hasattr(self.producer, "start"):  # async (rank 0's only, behind a broadcast)
-                self.producer.start()
+            self.producer.start()
             try:
                 self._loop()
             except StopRequested:  # one process: the batch being waited for is abandoned
@@ -253,28 +218,60 @@ class Trainer:
         return final
 
     def _loop(self) -> None:
-        ctx = self.ctx
+        """For each generation batch (unless a resumed one is in hand): generate, score,
+        then its optimizer steps."""
         while self.step < self.cfg.run.max_steps and not self.stop_requested():
-            batch = None
-            if self.inflight is None:
-                with ctx.phase("generate"):
-                    batch = self.producer.next_batch(self.version)
+            batch = self.generate() if self.inflight is None else None
             if self.engines is not None and self.engines.sleep_while_training:
                 self.engines.rollout.sleep()  # it wakes itself for the next request
             if batch is not None:
-                with ctx.phase("score"):
-                    self.inflight = self.start_batch(batch)
-            self.continue_batch()
+                self.inflight = self.score(batch)
+            self.train_on_batch()
+
+    def generate(self) -> RolloutBatch:
+        with self.ctx.phase("generate"):
+            return self.producer.next_batch(self.version)
+
+    def score(self, batch: RolloutBatch) -> BatchInProgress | None:
+        """Plan the batch's steps and fill in old/reference log-probs; None: skipped."""
+        with self.ctx.phase("score"):
+            t0 = time.perf_counter()
+            samples = [s for s in batch.samples if s.reward is not None]
+            ranks = self.strategy.ranks
+            steps = plan_steps(samples, self.cfg, self.policy, ranks.rank, ranks.world_size)
+            if not steps:
+                self.skip_batch(batch)
+                return None
+            self.skips.batches_in_a_row = 0
+            cfg = self.cfg
+            attach_old_and_ref(self.policy, steps, cfg.loss, cfg.logprobs, self.sampling, ranks)
+            batch_metrics = {
+                **batch.metrics,
+                **rollout_metrics(batch, self.version),
+                "time/score": time.perf_counter() - t0,
+            }
+            return BatchInProgress(batch, steps, cfg.loss.mu, metrics=batch_metrics)
+
+    def train_on_batch(self) -> None:
+        """The batch in hand's optimizer steps, each: step -> sync -> log -> evaluate ->
+        checkpoint; until the batch is done, max_steps is reached or a stop is requested."""
+        while (
+            self.inflight is not None
+            and self.step < self.cfg.run.max_steps
+            and not self.stop_requested()
+        ):
+            work = self.inflight
+            planned, metrics = work.take()
+            if not work.remaining:  # a checkpoint at this step holds no batch in progress
+                self.inflight = None
+            self.optimizer_step(planned, metrics, work.batch)
 
     def stop_requested(self) -> bool:
         """At an optimizer-step boundary: has a stop signal arrived? Under torchrun: on
         any rank (every rank calls this at the same boundaries; one all-reduce)."""
         if not self.stop_signal:
-            signum = self.signals.requested
-            if self.ctx.distributed:
-                with self.ctx.phase("train"):
-                    signum = self.ctx.max_int(signum)
-            self.stop_signal = signum
+            with self.ctx.phase("train"):
+                self.stop_signal = self.ctx.max_int(self.signals.requested)
         return self.stop_signal > 0
 
     def save_on_stop(self) -> RunStopped:
@@ -285,38 +282,9 @@ class Trainer:
             path = self.save_checkpoint()
         return RunStopped(self.stop_signal, self.step, path, show=self.ctx.is_main)
 
-    def start_batch(self, batch: RolloutBatch) -> BatchInProgress | None:
-        """Plan the batch's steps and fill in old/reference log-probs; None: skipped."""
-        t0 = time.perf_counter()
-        samples = [s for s in batch.samples if s.reward is not None]
-        steps = plan_steps(samples, self.cfg, self.policy, self.ctx.rank, self.ctx.world_size)
-        if not steps:
-            self.skip_batch(batch)
-            return None
-        self.skips.batches_in_a_row = 0
-        attach_old_and_ref(self.policy, steps, self.cfg, self.sampling)
-        batch_metrics = {
-            **batch.metrics,
-            **rollout_metrics(batch, self.version),
-            "time/score": time.perf_counter() - t0,
-        }
-        return BatchInProgress(batch, steps, self.cfg.loss.mu, metrics=batch_metrics)
-
-    def continue_batch(self) -> None:
-        """Optimizer steps on the batch in hand until it is done, max_steps is reached or
-        a stop is requested."""
-        while self.inflight is not None and self.step < self.cfg.run.max_steps:
-            if self.stop_requested():
-                return
-            work = self.inflight
-            planned, metrics = work.take()
-            if not work.remaining:  # a checkpoint at this step holds no batch in progress
-                self.inflight = None
-            self.optimizer_step(planned, metrics, work.batch)
-
     def skip_batch(self, batch: RolloutBatch) -> None:
         """Nothing to train on: every sample unscored (a reward outage), or with re-rolls
-        every scored group flat and left out (pipeline_batch.py). Consumed, counted."""
+        every scored group flat and left out (pipeline/batch.py). Consumed, counted."""
         self.skips.batches += 1
         self.skips.batches_in_a_row += 1
         flat = int(batch.metrics.get("reroll/left_out", 0))
@@ -341,18 +309,18 @@ class Trainer:
             )
 
     def optimizer_step(self, planned: PlannedStep, batch_metrics: dict, batch) -> None:
-        ctx, micro_batches = self.ctx, planned.micro_batches
+        """One optimizer step -> weight sync -> its metrics -> evaluate, log, checkpoint."""
+        ctx = self.ctx
         t0, waited = time.perf_counter(), ctx.wait_s
         staleness = staleness_metrics(planned.versions, self.version)  # at this update
         with ctx.phase("train"):
             result = train_step(
                 self.policy,
-                micro_batches,
+                planned.micro_batches,
                 self.optimizer,
                 self.cfg,
                 self.sampling,
-                self.loss_cfg,
-                ctx,
+                self.strategy.ranks,
             )
         self.step += 1
         if result.updated:
@@ -380,13 +348,8 @@ class Trainer:
             "time/weight_sync": sync_s,
             "throughput/train_tokens_per_s": tokens / max(train_s, 1e-9),
         }
-        if ctx.distributed:
-            from leangrpo.distributed.strategy import reduce_rank_metrics
-
-            with ctx.phase("train"):
-                metrics = reduce_rank_metrics(
-                    ctx, {**metrics, "_tokens": tokens}, ctx.wait_s - waited
-                )
+        with ctx.phase("train"):  # torchrun: the ranks' figures combined (one all-gather)
+            metrics = self.strategy.reduce_metrics(metrics, tokens, ctx.wait_s - waited)
         self.on_step_end(metrics, batch)
         self._stop_if_every_step_skips()
 
@@ -404,15 +367,11 @@ class Trainer:
         """New weights to the generator every sync_interval updates (a live engine: every one)."""
         if not self.sync_every_version and self.version % self.cfg.pipeline.sync_interval:
             return 0.0
-        return self.producer.push_weights(self.version, self._sync_tensors)
+        return self.producer.push_weights(self.version, self._weights)
 
-    def _sync_tensors(self):
-        """What the engine receives; under torchrun gathered from the shards (collective)."""
-        if not self.ctx.distributed:
-            return self.policy.named_trainable_tensors()
-        from leangrpo.distributed.strategy import sync_tensors
-
-        return sync_tensors(self.policy, self.ctx, to_all=self.per_rank)
+    def _weights(self):
+        """What the engine receives (torchrun: gathered from the shards, a collective)."""
+        return self.strategy.weights(self.policy)
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Evaluation metrics ({} on torchrun ranks that do not evaluate)."""
@@ -437,12 +396,7 @@ class Trainer:
         self.save_checkpoint()
         if self.cfg.checkpoint.save_final_model:
             with self.ctx.phase("checkpoint"):
-                if self.ctx.distributed:
-                    from leangrpo.checkpoint.sharded import save_final_sharded
-
-                    save_final_sharded(self.out, self.policy.model, self.policy.tokenizer, self.ctx)
-                else:
-                    ckpt.save_final_model(self.out, self.policy.model, self.policy.tokenizer)
+                self.strategy.checkpointer.save_final(self.policy.model, self.policy.tokenizer)
         return final
 
     def save_checkpoint(self) -> Path:
@@ -457,22 +411,12 @@ class Trainer:
         }
         bulky = {"producer": self.producer.state_dict()}
         extra = {"config.yaml": self.cfg.to_yaml()}  # compared on resume (rundir.py)
-        args = (self.out, self.step, self.policy.model, self.optimizer, self.scheduler, state)
-        keep = self.cfg.checkpoint.keep_last
         with self.ctx.phase("checkpoint"):
-            if not self.ctx.distributed:
-                if self.inflight is not None:
-                    bulky["inflight"] = self.inflight.state_dict()
-                path = ckpt.save_checkpoint(*args, keep, extra_files=extra, bulky_state=bulky)
-            else:
-                from leangrpo.checkpoint.sharded import save_sharded_checkpoint
-                from leangrpo.distributed.strategy import inflight_to_save
-
-                if self.inflight is not None:
-                    bulky["inflight"] = inflight_to_save(self.ctx, self.inflight.state_dict())
-                path = save_sharded_checkpoint(
-                    *args, keep, self.ctx, extra_files=extra, bulky_state=bulky
-                )
+            inflight = self.inflight.state_dict() if self.inflight is not None else None
+            path = self.strategy.checkpointer.save(
+                self.step, self.policy.model, self.optimizer, self.scheduler, state,
+                extra_files=extra, bulky_state=bulky, inflight=inflight,
+            )  # fmt: skip
         self.saved = (self.step, path)
         return path
 
@@ -480,13 +424,11 @@ class Trainer:
         """The reward pool first: a producer thread waiting in `score()` gets PoolClosedError
         at once instead of finishing a reward's timeout; then the producer (it may be
         mid-call into the engines), then the engines. `clean`: the run ended normally on
-        every rank (torchrun: per-rank producers first stop in step, see dist_rollout; a
-        thread whose share of its last batch then fails on the closed pool aborts that
-        batch's exchange, so no peer's thread is left waiting in it)."""
-        if self.per_rank and clean:
-            from leangrpo.distributed.rollout import stop_rank_producer
-
-            stop_rank_producer(self.producer, self.share, self.ctx)
+        every rank (torchrun: per-rank producers first stop in step, see
+        distributed/rollout.py; a thread whose share of its last batch then fails on the
+        closed pool aborts that batch's exchange, so no peer's thread is left waiting)."""
+        if clean:
+            self.strategy.stop_producer(self.producer, self.share)
         if self.rewards is not None:
             self.rewards.close()
         self.producer.close()

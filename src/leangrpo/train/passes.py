@@ -1,0 +1,57 @@
+"""The no-grad passes before a batch's first update: old and reference log-probs.
+
+- old log-probs (the ratio's denominator): a separate pass only when the weights will have
+  moved before a micro-batch is trained on (mu > 1 or several steps per batch); otherwise
+  they are the detached current log-probs and cost nothing. In `bypass` mode the
+  behaviour log-probs from the engine stand in for them.
+- reference log-probs, only when beta > 0: unfiltered (temperature only, see
+  `model.scoring.reference_logprobs`), so the KL never meets a reference that excludes a
+  token.
+
+Both run in eval mode over every planned micro-batch (torchrun's padding ones too: every
+rank makes the same forwards), then `ranks.release_gathered` frees what the passes left
+gathered (FSDP2 reshards neither the root nor, under shard_grad_op, any unit after a
+forward that no backward follows). See docs/ARCHITECTURE.md ("Reference log-probs are
+unfiltered", "Units").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from leangrpo.config.training import LogprobsConfig, LossConfig
+from leangrpo.contracts import SamplingParams, StepRanks
+from leangrpo.model.policy import Policy
+from leangrpo.model.scoring import eval_mode, reference_logprobs, score
+from leangrpo.train.planning import PlannedStep
+from leangrpo.train.ranks import ONE_PROCESS
+
+
+def needs_old_pass(loss: LossConfig, num_steps: int) -> bool:
+    """Whether the old log-probs need a pass of their own (the weights move before use)."""
+    reused = loss.mu > 1 or num_steps > 1
+    return loss.is_correction != "bypass" and reused
+
+
+@torch.no_grad()
+def attach_old_and_ref(
+    policy: Policy,
+    steps: list[PlannedStep],
+    loss: LossConfig,
+    logprobs: LogprobsConfig,
+    sampling: SamplingParams,
+    ranks: StepRanks = ONE_PROCESS,
+) -> None:
+    """Fill in old and reference log-probs on every micro-batch before the first update."""
+    want_old = needs_old_pass(loss, len(steps))
+    want_ref = loss.beta > 0
+    if not (want_old or want_ref):
+        return
+    with eval_mode(policy.model):  # torchrun: padding micro-batches run these passes too
+        for mb in (mb for step in steps for mb in step.micro_batches):
+            if want_old:
+                module = policy.scoring_module
+                mb.old_logprobs = score(module, mb, sampling, logprobs)[0].float()
+            if want_ref:
+                mb.ref_logprobs = reference_logprobs(policy, mb, sampling, logprobs).float()
+    ranks.release_gathered(policy)

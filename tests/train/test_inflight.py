@@ -1,0 +1,39 @@
+"""The batch in progress (train/inflight.py): resumed with its micro-batches and log-probs."""
+
+from __future__ import annotations
+
+import torch
+from support.steps import policy_and_optimizer, step_config, step_samples
+
+from leangrpo.contracts import RolloutBatch
+from leangrpo.train.inflight import BatchInProgress
+from leangrpo.train.planning import plan_steps
+
+
+def test_a_batch_in_progress_resumes_with_the_same_micro_batches_and_old_logprobs():
+    policy, _ = policy_and_optimizer()
+    cfg = step_config(train={"steps_per_generation": 2})
+    samples = step_samples([1.0, -1.0, 0.5, -0.5, 0.25, -0.25])
+    for s in samples:
+        s.reward = s.advantage
+    steps = plan_steps(samples, cfg, policy)
+    for mb in (mb for step in steps for mb in step.micro_batches):
+        mb.old_logprobs = torch.randn(mb.num_completion_tokens)  # what the old pass attached
+    work = BatchInProgress(RolloutBatch(samples, 2), steps, iterations=2)
+    work.take()
+    work.take()
+    work.take()  # inside the 2nd iteration (mu): one step of 4 left
+    state = work.state_dict()
+    torch.manual_seed(1)  # weights moved since: nothing may be recomputed from them
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.add_(torch.randn_like(p))
+    resumed = BatchInProgress.from_state(state, cfg, policy)
+    assert (resumed.done, resumed.remaining) == (3, 1)
+    assert resumed.take()[0] is resumed.steps[1]
+    for old, new in zip(steps, resumed.steps):
+        assert len(old.micro_batches) == len(new.micro_batches)
+        for a, b in zip(old.micro_batches, new.micro_batches):
+            assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.targets, b.targets)
+            assert torch.equal(a.old_logprobs, b.old_logprobs) and b.ref_logprobs is None
+            assert torch.equal(a.advantages, b.advantages)
