@@ -625,51 +625,17 @@ def test_no_module_level_import_cycle(modules):
 
 # Found in the packages the other issue-19 worktree restructures (wt/train: checkpoint/);
 # the coordinator empties this set when merging it. An entry that no longer fails fails.
-PENDING_ELSEWHERE = {
-    f"leangrpo/checkpoint/local.py: `__all__` lists {name}, which leangrpo.checkpoint.local"
-    for name in ["COMPLETE", "STEP_DIR", "complete_checkpoints", "latest_checkpoint"]
-}
-
-
-def _without_line(failure: str) -> str:
-    path, _line, rest = failure.split(":", 2)
-    return f"{path}:{rest.split(' imports (a re-export)')[0]}"
-
-
 def test_no_reexport_lines(modules):
-    failures = check_reexport_lines(modules)
-    new = [f for f in failures if _without_line(f) not in PENDING_ELSEWHERE]
-    assert not new, _report(new)
-    fixed = PENDING_ELSEWHERE - {_without_line(f) for f in failures}
-    assert not fixed, f"fixed now: delete from PENDING_ELSEWHERE {sorted(fixed)}"
+    assert not (failures := check_reexport_lines(modules)), _report(failures)
 
 
 def test_no_prefixed_sibling_modules():
     assert not (failures := check_prefixed_siblings(SRC)), _report(failures)
 
 
-# Stale paths in files other issue-19 work rewrites: the layout table of ARCHITECTURE.md (the
-# coordinator) and the modules wt/train restructures. Emptied when they merge; a file here
-# with nothing stale left fails, so the set only shrinks.
-PATHS_PENDING_ELSEWHERE = {
-    "docs/ARCHITECTURE.md",
-    "pyproject.toml",
-    "src/leangrpo/checkpoint/rundir.py",
-    "src/leangrpo/checkpoint/sharded.py",
-    "src/leangrpo/distributed/fsdp.py",
-    "src/leangrpo/distributed/watch.py",
-    "src/leangrpo/pipeline/builder.py",
-    "src/leangrpo/pipeline/producers.py",
-    "src/leangrpo/train/trainer.py",
-}
-
-
 def test_paths_written_in_docs_and_docstrings_exist(modules):
     failures = check_path_mentions(SRC.parent, modules, DOCUMENTED)
-    new = [f for f in failures if f.split(":")[0] not in PATHS_PENDING_ELSEWHERE]
-    assert not new, _report(new)
-    fixed = PATHS_PENDING_ELSEWHERE - {f.split(":")[0] for f in failures}
-    assert not fixed, f"nothing stale left: delete from PATHS_PENDING_ELSEWHERE {sorted(fixed)}"
+    assert not failures, _report(failures)
 
 
 # ---------------------------------------------------------------- each rule can fail
@@ -857,3 +823,30 @@ def test_path_rule(tmp_path):
         "defining module's path",
         "src/pkg/sub/mod.py:1: no file is named run.py; write the one meant",
     ]
+
+
+def test_the_architecture_tree_names_every_module():
+    """docs/ARCHITECTURE.md's layout tree matches src/: every module is written in it under
+    its package, and every package of src is in it."""
+    text = (SRC.parent / "docs" / "ARCHITECTURE.md").read_text()
+    package_root = SRC / "leangrpo"
+    tree = text.split("## Layout", 1)[1].split("```", 2)[1]
+    blocks: dict[str, list[str]] = {}
+    top = current = ""
+    for line in tree.splitlines()[1:]:
+        indent, words = len(line) - len(line.lstrip()), line.split()
+        if words and indent == 2:  # a top-level package or module line
+            top = current = words[0] if words[0].endswith("/") else ""
+        elif words and indent == 4:  # a subpackage, or a module of the package above it
+            current = top + words[0] if words[0].endswith("/") else top
+        blocks.setdefault(current, []).append(line)  # deeper lines continue the current one
+    missing = []
+    for path in sorted(package_root.rglob("*.py")):
+        rel = path.relative_to(package_root)
+        if rel.name == "__init__.py":
+            continue
+        package = "/".join(rel.parts[:-1]) + "/" if len(rel.parts) > 1 else ""
+        words = {w for line in blocks.get(package, []) for w in line.replace(",", " ").split()}
+        if rel.name not in words:
+            missing.append(f"{rel}: not in docs/ARCHITECTURE.md's layout tree under {package or 'the top'}")
+    assert not missing, "\n".join(missing)

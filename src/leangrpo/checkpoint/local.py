@@ -65,14 +65,10 @@ BULKY_STATE = "trainer_state.pt"
 
 __all__ = [
     "BULKY_STATE",
-    "COMPLETE",
-    "STEP_DIR",
     "CheckpointError",
     "LocalCheckpointer",
     "capture_rng_state",
-    "complete_checkpoints",
     "is_peft_model",
-    "latest_checkpoint",
     "load_bulky_state",
     "load_checkpoint",
     "load_model_weights",

@@ -94,7 +94,7 @@ class RunDirError(UserError):
     """The run directory cannot be used as configured; the message says how to fix it."""
 
 
-# -- checkpoints on disk (no torch: the checkpoint files themselves are in checkpoint.py) ---
+# -- checkpoints on disk (no torch: the checkpoint files themselves are in local.py) ---
 
 
 def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:

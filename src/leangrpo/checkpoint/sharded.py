@@ -6,11 +6,11 @@ A sharded checkpoint is `output_dir/checkpoints/step-N/`:
     rng-<rank>.pt       each rank's generator states (ranks draw different numbers)
     scheduler.pt        rank 0
     trainer_state.json  rank 0: {"step": N, "world_size": W, ...the trainer's state}
-    trainer_state.pt    rank 0 (optional): bulky state, as checkpoint.py's
+    trainer_state.pt    rank 0 (optional): bulky state, as local.py's
     config.yaml, ...    rank 0: `extra_files`
     COMPLETE            written last, by rank 0
 
-Atomic as checkpoint.py: rank 0 creates `checkpoints/.tmp-step-N-<random>/` and broadcasts
+Atomic as local.py: rank 0 creates `checkpoints/.tmp-step-N-<random>/` and broadcasts
 its name, every rank writes its part there (DCP and the rng file are fsynced by the rank
 that wrote them), a barrier, then rank 0 checks that every rank's files are there (each
 `rng-<rank>.pt`, and every file DCP's metadata names, at least as long as it says) and

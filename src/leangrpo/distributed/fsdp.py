@@ -59,7 +59,7 @@ def clean_name(name: str) -> str:
 def shard_model(model: nn.Module, dist_cfg, ctx: DistContext) -> PackedScorer:
     """Shard `model` (a transformers causal LM, or a peft model around one) in place.
 
-    Returns the root: call it (or `leangrpo.model.score(root, ...)`) for log-probs. Build the
+    Returns the root: call it (or `leangrpo.model.scoring.score(root, ...)`) for log-probs. Build the
     optimizer after this, over the model's (now DTensor) parameters. Needs the process
     group of `init_distributed` (world size >= 2); a single process is never sharded.
     """

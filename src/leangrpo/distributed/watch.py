@@ -1,5 +1,5 @@
 """Failures across torchrun ranks: heartbeats, failure records and the one line that names
-the rank that failed. Internal to distributed.py, whose `DistContext.phase` drives it.
+the rank that failed. Internal to context.py, whose `DistContext.phase` drives it.
 
 - Each rank publishes a heartbeat (a counter and its current phase) in the rendezvous store
   from a daemon thread. When an exception leaves `ctx.phase(...)`, the rank either is the
