@@ -44,6 +44,7 @@ that the adapter sees the base it was trained on.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import importlib.util
@@ -274,10 +275,8 @@ def own_unquantized_tensors(model: Any) -> None:
                 seen.add(id(tensor))
                 tensor.data = tensor.data.clone()
     gc.collect()
-    try:  # hand the freed pages back to the OS now (glibc)
+    with contextlib.suppress(OSError, AttributeError):  # give freed pages back now (glibc)
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 # -- the final adapter -----------------------------------------------------------------------
