@@ -79,8 +79,9 @@ def dequantized(model: nn.Module) -> nn.Module:
         for name, child in list(module.named_children()):
             if isinstance(child, bnb.nn.Linear4bit):
                 weight = bf.dequantize_4bit(child.weight.data, child.weight.quant_state)
-            elif isinstance(child, bnb.nn.Linear8bitLt):
-                weight = child.weight.data.float() * child.weight.SCB.float()[:, None] / 127
+            elif isinstance(child, bnb.nn.Linear8bitLt):  # row scales: the state's after a forward
+                scales = child.weight.SCB if child.weight.SCB is not None else child.state.SCB
+                weight = child.weight.data.float() * scales.float()[:, None] / 127
             else:
                 continue
             plain = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
