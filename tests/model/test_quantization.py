@@ -90,7 +90,7 @@ def test_an_unsupported_cpu_is_refused():
 
 
 def test_vllm_without_in_flight_bitsandbytes_is_refused_before_it_starts(tmp_path):
-    with pytest.raises(QuantizationError, match="runs on CUDA GPUs only, and run.device is cpu"):
+    with pytest.raises(QuantizationError, match="runs on CUDA GPUs only, and this run trains on the CPU"):
         check_vllm("cpu", True)
     with pytest.raises(QuantizationError, match="the installed vLLM does not have"):
         check_vllm("cuda", False)
@@ -247,3 +247,23 @@ def test_checkpointing_and_offload_leave_the_4_bit_gradients_unchanged(tmp_path,
     for other in grads[1:]:
         assert all(torch.equal(a, b) for a, b in zip(grads[0], other))
     assert max(g.abs().max().item() for g in grads[0]) > 0
+
+
+def test_vllm_is_asked_to_quantize_the_base_in_flight(tmp_path, monkeypatch):
+    """colocated and server engines get quantization="bitsandbytes" (a server the trainer
+    starts through its --engine-kwargs); a plain base gets nothing."""
+    from leangrpo.rollout.vllm.engine import VLLMEngine, make_vllm_engine
+
+    calls = []
+    for kind in ("colocated", "server"):
+        monkeypatch.setattr(VLLMEngine, kind, classmethod(lambda cls, *a, _k=kind, **k: calls.append((_k, k))))
+    policy = SimpleNamespace(model=SimpleNamespace(peft_config={"default": None}))
+    cfg = config_from_dict(qlora_run(tmp_path, rollout={"engine": "vllm"}))
+    make_vllm_engine(cfg, policy)
+    cfg.rollout.vllm.mode = "server"
+    make_vllm_engine(cfg, policy)
+    assert [(k, c["engine_kwargs"].get("quantization")) for k, c in calls] == [
+        ("colocated", "bitsandbytes"), ("server", "bitsandbytes")]  # fmt: skip
+    plain = config_from_dict(qlora_run(tmp_path, "none", rollout={"engine": "vllm"}))
+    make_vllm_engine(plain, policy)
+    assert "quantization" not in calls[-1][1]["engine_kwargs"]

@@ -112,7 +112,7 @@ def load_policy(
     if quantized:  # QLoRA: the base is quantized as it loads (model/quantization.py)
         from leangrpo.model.quantization import check_device, quantized_load_kwargs
 
-        check_device(cfg.model.quantization, device)
+        check_device(cfg, device)
         extra = quantized_load_kwargs(cfg.model, device, dtype)
     try:  # mismatched shapes are reported in `info` (and refused below), not raised
         model, info = AutoModelForCausalLM.from_pretrained(

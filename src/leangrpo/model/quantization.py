@@ -10,7 +10,8 @@ Checks, each one sentence naming the fix:
   an exception), and, when this process starts vLLM, a vLLM that can quantize in flight
   (the CPU builds and vLLM after its deprecation of bitsandbytes cannot) on a GPU;
 - at load, before the weights are read (`check_device`): the GPU's compute capability
-  (4-bit needs 6.0, int8 7.5), or, for `run.device: auto` resolved to the CPU, its AVX2.
+  (4-bit needs 6.0, int8 7.5), or, for `run.device: auto` resolved to the CPU, its AVX2
+  (and no vLLM started here).
 
 Loading: transformers' `BitsAndBytesConfig` (blocks of 64; double quantization and the
 compute dtype from the config; transformers' default skip list keeps the lm_head and tied
@@ -59,7 +60,7 @@ from leangrpo.errors import UserError
 MIN_BITSANDBYTES = "0.47"
 INSTALL_HINT = "pip install 'leangrpo[qlora]' (or 'bitsandbytes>=0.47')"
 NOTE_FILE = "quantization_config.json"
-X86 = ("x86_64", "amd64", "i386", "i686")
+X86 = ("x86_64", "amd64")
 ARM = ("aarch64", "arm64")
 
 
@@ -150,7 +151,7 @@ def check_vllm(device: str, has_bitsandbytes: bool | None) -> None:
     """vLLM quantizes the base in flight (`quantization="bitsandbytes"`) on CUDA only."""
     if device == "cpu":
         raise QuantizationError(
-            "model.quantization: nf4 with rollout.engine vllm needs vLLM's bitsandbytes loader, which runs on CUDA GPUs only, and run.device is cpu; use rollout.engine: hf, or vLLM servers on GPUs (rollout.vllm.mode: server with rollout.vllm.urls)."
+            "model.quantization: nf4 with rollout.engine vllm needs vLLM's bitsandbytes loader, which runs on CUDA GPUs only, and this run trains on the CPU; use rollout.engine: hf, or vLLM servers on GPUs (rollout.vllm.mode: server with rollout.vllm.urls)."
         )
     if has_bitsandbytes is False:
         raise QuantizationError(
@@ -161,10 +162,12 @@ def check_vllm(device: str, has_bitsandbytes: bool | None) -> None:
 # -- at load, before the weights are read ----------------------------------------------------
 
 
-def check_device(quant: str, device: Any) -> None:
-    """What needs torch: the GPU's compute capability, or the CPU of a resolved 'auto'."""
+def check_device(cfg: Any, device: Any) -> None:
+    """What needs torch: the GPU's compute capability, or the CPU of a resolved 'auto'
+    (and then no local vLLM)."""
     import torch
 
+    quant = cfg.model.quantization
     if device.type == "cuda":
         need = (7, 5) if quant == "int8" else (6, 0)
         have = torch.cuda.get_device_capability(device)
@@ -180,6 +183,8 @@ def check_device(quant: str, device: Any) -> None:
     problem = cpu_problem(machine, flags)
     if problem:
         raise QuantizationError(f"model.quantization: {quant} {problem}")
+    if starts_vllm(cfg):
+        check_vllm("cpu", None)
 
 
 # -- loading ---------------------------------------------------------------------------------
