@@ -57,6 +57,8 @@ from typing import Any
 
 from leangrpo.errors import UserError
 
+log = logging.getLogger("leangrpo")
+
 MIN_BITSANDBYTES = "0.47"
 INSTALL_HINT = "pip install 'leangrpo[qlora]' (or 'bitsandbytes>=0.47')"
 NOTE_FILE = "quantization_config.json"
@@ -226,14 +228,20 @@ def prepare_quantized(model: Any, device: Any) -> None:
     import bitsandbytes as bnb
 
     refuse_quantized_head(model)
+    count = 0
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             module.support_avx512bf16_for_cpu = False
         elif isinstance(module, bnb.nn.Linear8bitLt):
             module.__class__ = train_mode_int8_class()
             module.train()
+        else:
+            continue
+        count += 1
     if device.type == "cpu":
         own_unquantized_tensors(model)
+    kind = model.config.quantization_config.quantization_method()
+    log.info("quantized base: %d linear layers in %s (bitsandbytes %s)", count, kind, bnb.__version__)
 
 
 def refuse_quantized_head(model: Any) -> None:
