@@ -57,7 +57,7 @@ def env_case(ctx: Ctx):
         "transformers": transformers.__version__,
         "cpus": os.cpu_count(),
     }
-    for name in ("peft", "pydantic", "triton"):
+    for name in ("peft", "pydantic", "triton", "bitsandbytes"):
         try:
             row[name] = __import__(name).__version__
         except ImportError:
