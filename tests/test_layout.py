@@ -28,9 +28,11 @@ See docs/ARCHITECTURE.md ("Layout").
 from __future__ import annotations
 
 import ast
+import io
 import re
 import subprocess
-from collections.abc import Iterable
+import tokenize
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -565,7 +567,7 @@ def check_path_mentions(repo: Path, modules: Modules, roots: Iterable[str]) -> l
         if path.suffix not in TEXT_SUFFIXES or path.name.endswith(".lock"):
             continue
         bases = [path.parent, *[d for d in path.parent.parents if repo in (d, *d.parents)], package]
-        for number, line in enumerate(path.read_text(errors="ignore").splitlines(), 1):
+        for number, line in _prose_lines(path):
             line = re.sub(r"https?://\S+", "", line)
             where = f"{path.relative_to(repo)}:{number}"
             for mention in PATH_MENTION.findall(line):
@@ -582,6 +584,34 @@ def check_path_mentions(repo: Path, modules: Modules, roots: Iterable[str]) -> l
                         "write the defining module's path"
                     )
     return failures
+
+
+def _prose_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of what a reader reads as prose: every line of a document; of a
+    Python file its docstrings and comments (string literals in code name whatever the code
+    needs, e.g. a file inside another package)."""
+    text = path.read_text(errors="ignore")
+    lines = text.splitlines()
+    if path.suffix != ".py":
+        yield from enumerate(lines, 1)
+        return
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        yield from enumerate(lines, 1)
+        return
+    prose: set[int] = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+            value = body[0].value
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                prose.update(range(value.lineno, (value.end_lineno or value.lineno) + 1))
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type == tokenize.COMMENT:
+            prose.add(token.start[0])
+    for number in sorted(prose):
+        yield number, lines[number - 1]
 
 
 def _resolves(modules: Modules, dotted: str) -> bool:

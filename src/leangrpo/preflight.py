@@ -8,7 +8,9 @@ possibly cleaning it are the first things that touch the disk):
    data/files.py);
 2. reward functions resolve (rewards/registry.py);
 3. model files: config.json, weights, safetensors headers, tokenizer (model/files.py),
-   and the prompt limit that follows from the model's context;
+   a quantized base's needs (bitsandbytes installed, the CPU, vLLM's in-flight
+   quantization: model/quantization.py), and the prompt limit that follows from the
+   model's context;
 4. the metrics backends are installed; options that do nothing in the chosen mode are
    listed in one warning;
 5. the run directory is locked and classified: resume, finished, or a clean start
@@ -33,6 +35,7 @@ from leangrpo.checkpoint.rundir import RunDir, RunDirError, open_run_dir
 from leangrpo.config import ConfigError
 from leangrpo.data.prompts import PromptLimit, check_data
 from leangrpo.model.files import ModelFiles, check_model_files
+from leangrpo.model.quantization import check_environment as check_quantization_environment
 
 log = logging.getLogger("leangrpo")
 
@@ -70,6 +73,7 @@ def check_inputs(cfg: Any, warn: bool = True) -> tuple[ModelFiles, PromptLimit |
     check_data(cfg.data)
     check_rewards(cfg.rewards)
     model = check_model_files(cfg.model)
+    check_quantization_environment(cfg)
     limit = prompt_limit(cfg, model)
     check_backends(list(cfg.logging.backends))
     check_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
@@ -86,6 +90,10 @@ def check_world(cfg: Any, world_size: int) -> None:
     if cfg.rollout.engine == "vllm" and cfg.rollout.vllm.mode == "colocate":
         raise ConfigError(
             f"rollout.vllm.mode is 'colocate', which runs vLLM inside one trainer process, but this run has {world_size} torchrun processes; start `leangrpo serve` on other GPUs or nodes and set rollout.vllm.mode: server with rollout.vllm.urls, or use rollout.engine: hf."
+        )
+    if cfg.model.quantization == "int8":
+        raise ConfigError(
+            f"model.quantization: int8 cannot be sharded by FSDP2 (bitsandbytes' int8 layers lose their scales when their weight becomes a DTensor), and this run has {world_size} torchrun processes; use model.quantization: nf4 or fp4, which shard, or one process."
         )
     if cfg.rollout.engine == "hf" and cfg.pipeline.min_groups_per_step is not None:
         raise ConfigError(
@@ -177,6 +185,8 @@ def ignored_options(cfg: Any) -> list[str]:
         (cfg.offload.activations == "none", "offload", ("keep_last_layers", "min_tensor_bytes"), "offload.activations is none"),
         (not has_eval, "eval", None, "there are no eval prompts: data.eval_path, data.eval_split and data.eval_size are unset"),
         (not cfg.lora.enabled, "lora", None, "lora.enabled is false"),
+        (cfg.model.quantization == "none", "model", ("quantization_compute_dtype", "quantization_double_quant"), "model.quantization is none"),
+        (cfg.model.quantization == "int8", "model", ("quantization_compute_dtype", "quantization_double_quant"), "model.quantization is int8, whose layers compute in their input's dtype with one scale per row"),
         (cfg.loss.is_correction == "none", "loss", ("is_mode", "is_cap", "is_min"), "loss.is_correction is none"),
         (cfg.loss.is_correction == "bypass", "loss", ("is_mode", "is_cap", "is_min"), "loss.is_correction is bypass: the clipped ratio against the behaviour log-probs is the correction, no IS weight is applied"),
         (not cfg.pipeline.replay.enabled, "pipeline.replay", ("capacity",), "pipeline.replay.enabled is false"),

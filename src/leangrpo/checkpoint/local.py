@@ -56,10 +56,11 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from leangrpo.checkpoint.rundir import COMPLETE, STEP_DIR, complete_checkpoints, latest_checkpoint
+from leangrpo.checkpoint.rundir import COMPLETE, complete_checkpoints
 
 # Finding checkpoints needs no torch: the CLI does it before the model loads (rundir.py).
 from leangrpo.contracts import Completion, Prompt, RestoredCheckpoint, RolloutSample
+from leangrpo.model.quantization import write_quantization_note
 
 BULKY_STATE = "trainer_state.pt"
 
@@ -165,11 +166,13 @@ def load_bulky_state(path: str | Path) -> dict[str, Any]:
 
 
 def save_final_model(output_dir: str | Path, model: torch.nn.Module, tokenizer: Any | None) -> Path:
-    """Write `output_dir/final/` atomically, loadable by from_pretrained (full) or PeftModel."""
+    """Write `output_dir/final/` atomically, loadable by from_pretrained (full) or PeftModel
+    (a quantized base's BitsAndBytesConfig beside the adapter: model/quantization.py)."""
     output_dir = Path(output_dir)
     _remove_stale_tmp(output_dir, prefix=".tmp-final-")
     with _atomic_directory(output_dir / "final") as tmp:
         save_model_weights(model, tmp, for_resume=False)
+        write_quantization_note(model, tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     return output_dir / "final"

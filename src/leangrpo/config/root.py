@@ -58,6 +58,8 @@ from leangrpo.config.training import (
     TrainConfig,
 )
 
+QUANT_BITS = {"nf4": 4, "fp4": 4, "int8": 8}
+
 __all__ = ["Config", "load_config", "config_from_dict"]
 
 
@@ -90,6 +92,31 @@ class Config(Section):
         if self.lora.enabled and self.lora.dropout > 0 and self.model.disable_dropout:
             raise rule_error(
                 f"lora.dropout ({self.lora.dropout}) would be set to 0 by model.disable_dropout (true by default, since dropout makes the training pass disagree with the old-log-prob pass); set lora.dropout: 0, or model.disable_dropout: false to train with dropout."
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_quantization(self) -> Config:
+        quant = self.model.quantization
+        if quant == "none":
+            return self
+        if not self.lora.enabled:
+            raise rule_error(
+                f"model.quantization ({quant}) freezes the base model in {QUANT_BITS[quant]} bits, which the optimizer cannot update; set lora.enabled: true (QLoRA trains LoRA adapters on the quantized base) or model.quantization: none."
+            )
+        if quant == "int8" and (
+            self.model.gradient_checkpointing or self.offload.activations != "none"
+        ):
+            raise rule_error(
+                "model.quantization: int8 keeps every linear layer's input alive outside autograd (bitsandbytes' int8 matmul holds it itself), so model.gradient_checkpointing and offload.activations would save no memory; use model.quantization: nf4, whose 4-bit layers keep nothing, or turn them off."
+            )
+        if self.rollout.engine == "vllm" and quant != "nf4":
+            raise rule_error(
+                f"rollout.engine vllm quantizes a bitsandbytes base in flight in nf4 only, not {quant}, so it would sample from other weights than the trainer's; use model.quantization: nf4 or rollout.engine: hf."
+            )
+        if self.rollout.engine == "vllm" and not self.model.quantization_double_quant:
+            raise rule_error(
+                "rollout.engine vllm quantizes nf4 with double quantization always, so without it the trainer's weights would differ from vLLM's; set model.quantization_double_quant: true or rollout.engine: hf."
             )
         return self
 

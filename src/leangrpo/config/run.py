@@ -90,6 +90,18 @@ class ModelConfig(Section):
     revision: str | None = Field(
         None, description="Hub revision (branch, tag or commit); null = default branch."
     )
+    quantization: Literal["none", "nf4", "fp4", "int8"] = Field(
+        "none",
+        description="Load the frozen base quantized with bitsandbytes (QLoRA; needs lora.enabled and `pip install 'leangrpo[qlora]'`): 'nf4' or 'fp4' (4-bit, blocks of 64 weights) or 'int8' (LLM.int8). The decoder layers' linears are quantized; the embeddings, the lm_head and the norms stay in model.dtype. Checkpoints hold the adapters, and a resume re-quantizes the base (deterministic).",
+    )
+    quantization_compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Dtype the 4-bit layers dequantize to and compute in; 'auto' = the model's dtype (model.dtype as resolved: float32 on CPU, bfloat16 on most GPUs). bfloat16 under a float32 model is faster on CPU but adds bf16 noise to the log-probs.",
+    )
+    quantization_double_quant: bool = Field(
+        True,
+        description="4-bit only: quantize the per-block scales too (QLoRA's double quantization), about 0.37 bit less per weight.",
+    )
 
 
 class LoRAConfig(Section):

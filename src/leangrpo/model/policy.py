@@ -1,7 +1,8 @@
-"""The policy: loading (checked weights, no scaled logits), LoRA, dropout off for RL,
-gradient checkpointing with optional activation offload, and the frozen reference copy
-for full fine-tuning with beta > 0 (LoRA runs use the same model with adapters disabled,
-see scoring.py). `Policy` is what the trainer, the engines and the sharding code share.
+"""The policy: loading (checked weights, no scaled logits; a quantized base for QLoRA,
+quantization.py), LoRA, dropout off for RL, gradient checkpointing with optional
+activation offload, and the frozen reference copy for full fine-tuning with beta > 0
+(LoRA runs use the same model with adapters disabled, see scoring.py). `Policy` is what
+the trainer, the engines and the sharding code share.
 """
 
 from __future__ import annotations
@@ -102,20 +103,33 @@ def load_policy(
     from transformers import AutoModelForCausalLM
 
     name = cfg.model.name_or_path
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    quantized = cfg.model.quantization != "none"
+    extra = {}
+    if quantized:  # QLoRA: the base is quantized as it loads (model/quantization.py)
+        from leangrpo.model.quantization import check_device, quantized_load_kwargs
+
+        check_device(cfg, device)
+        extra = quantized_load_kwargs(cfg.model, device, dtype)
     try:  # mismatched shapes are reported in `info` (and refused below), not raised
         model, info = AutoModelForCausalLM.from_pretrained(
             name,
-            dtype=resolve_dtype(cfg.model.dtype, device),
+            dtype=dtype,
             revision=cfg.model.revision,
             trust_remote_code=cfg.model.trust_remote_code,
             output_loading_info=True,
             ignore_mismatched_sizes=True,
+            **extra,
         )
     except (OSError, ValueError) as exc:  # unknown model_type or architecture, unreadable files
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
         raise ModelFilesError(
             f"model.name_or_path = {name!r}: the model could not be loaded ({type(exc).__name__}: {first}); check config.json (model_type, architectures) and the weight files."
         ) from None
+    if quantized:
+        from leangrpo.model.quantization import prepare_quantized
+
+        prepare_quantized(model, device)  # before any forward (the packed-attention probe)
     model = model.to(device)
     refuse_broken_weights(model, info, name)
     return build_policy(model, cfg, tokenizer, device, reference_on_meta=reference_on_meta)

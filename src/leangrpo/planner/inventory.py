@@ -11,7 +11,8 @@ Saved for backward by one decoder layer (exact, given the flags of `Setup`):
   a gradient (not layer 0's first norm under LoRA: the frozen embeddings need none); plus
   the normalised input in b when its weight trains (full fine-tuning).
 - The input X of a linear: once, in b, when the base weight trains, or when LoRA adapts it
-  and uses X as is (adapters in the model dtype, no dropout). peft keeps adapters in fp32
+  and uses X as is (adapters in the model dtype, no dropout), or when the base is int8
+  (bitsandbytes' int8 matmul holds its input itself; a 4-bit base layer saves nothing). peft keeps adapters in fp32
   when the base is bf16/fp16 (`autocast_adapter_dtype=True`) and casts X to fp32 for each
   adapted linear: one fp32 copy per adapter (q, k and v each copy the same input). With
   lora.dropout > 0 each adapter saves its dropped-out input (a) and the mask (a bool mask
@@ -53,6 +54,9 @@ class Setup:
     a: int  # bytes per adapter element
     dropout_mask: int  # bytes per element of a LoRA dropout mask (0: no dropout)
     kernel: str  # "varlen" | "varlen_repeat_kv" | "segments" (see attention_kernel)
+    # bitsandbytes' int8 matmul keeps each linear's input itself (a ctx attribute, beside
+    # autograd's saved tensors): counted once per input as when the base weight trains
+    keeps_inputs: bool = False
 
     @property
     def cast(self) -> bool:
@@ -87,7 +91,7 @@ def _inputs(s: Setup, width: int, consumers: tuple[str, ...], input_grad: bool =
     if not s.lora:
         return s.b * width
     adapted = [c for c in consumers if c in s.adapted]
-    shared = bool(adapted) and not s.cast and not s.dropout_mask
+    shared = (bool(adapted) and not s.cast and not s.dropout_mask) or s.keeps_inputs
     out = s.b * width if shared else 0
     for _ in adapted:
         if s.dropout_mask:
@@ -108,7 +112,8 @@ def layer_saved(d, s: Setup, first: bool = False) -> int:
     kv = 2 * b * A if s.kernel == "varlen_repeat_kv" else 2 * b * K  # k after rotary, v
     attn += b * A + kv + b * A + 4 * d.heads  # q after rotary, k, v, output, log-sum-exp
     o_in = _inputs(s, A, ("o_proj",))
-    if s.kernel != "segments" and o_in >= b * A and (not s.lora or not (s.cast or s.dropout_mask)):
+    plain = not s.lora or s.keeps_inputs or not (s.cast or s.dropout_mask)
+    if s.kernel != "segments" and o_in >= b * A and plain:
         o_in -= b * A  # o_proj reads the kernel's own output: already counted
     mlp = _norm(s, H, input_grad=True) + _inputs(s, H, MLP_IN) + 3 * b * d.intermediate
     return attn + o_in + mlp + _inputs(s, d.intermediate, ("down_proj",))

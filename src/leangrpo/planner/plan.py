@@ -4,7 +4,10 @@ Reads the model's config.json (no torch, no weights: the command answers in a fr
 second) and counts, per device, for one micro-batch of `train.micro_batch_tokens` tokens:
 
     weights          base weights + buffers, in model.dtype, plus the LoRA adapters (fp32
-                     when the base is bf16/fp16: peft's autocast_adapter_dtype) [exact]
+                     when the base is bf16/fp16: peft's autocast_adapter_dtype); with
+                     model.quantization the decoder layers' linears as bitsandbytes stores
+                     them (quantized_linear_bytes: 4-bit about 0.52 byte a weight with
+                     double quantization, 0.56 without; int8 1 byte + a scale per row) [exact]
     reference_copy   a frozen copy for full fine-tuning with beta > 0 (LoRA's reference is
                      the same weights with the adapters off: no copy) [exact]
     generation_copy  the hf engine's own copy of the policy (async mode, torchrun) [exact]
@@ -32,8 +35,10 @@ defined as benchmarks/grpo_step.py measures it (train-pass peak - weights - grad
 head's own peak), so the GPU suite compares like with like.
 
 Estimated, and why: the backward working set and the loss vectors (small, measured
-coefficients); the shared-prefix layout's extra K and V (prefix_kv_bytes); the full-logits
-path (kernel temporaries); FSDP sharding (weights / W plus two gathered layers);
+coefficients); a quantized linear's dequantized weight (the largest one, alive during its
+forward and again in its backward); the shared-prefix layout's extra K and V
+(prefix_kv_bytes); the full-logits path (kernel temporaries); FSDP sharding (weights / W
+plus two gathered layers; a quantized base's constants are replicated, not sharded);
 torch_varlen on a torch without enable_gqa repeats K and V (pass kernel="varlen_repeat_kv").
 Not counted: the CUDA context and allocator fragmentation on GPU; on CPU the Python process
 itself (PROCESS_BASELINE_CPU, printed apart, never in the total) and the memory glibc keeps
@@ -141,6 +146,63 @@ class Dims:
         return 2 * (self.head_dim // 2) * 4
 
 
+# bitsandbytes' 4-bit layout: one absmax per QUANT_BLOCK weights (transformers' default block
+# size); double quantization stores those absmax in 8 bits, one fp32 absmax per NESTED_BLOCK
+QUANT_BLOCK, NESTED_BLOCK = 64, 256
+
+
+def quantized_linear_bytes(inputs: int, outputs: int, quant: str, double_quant: bool) -> tuple[int, int]:
+    """(weight storage, quantization constants) of one linear as bitsandbytes keeps it; its
+    bias stays in the model dtype. 4-bit: two weights a byte; per block an fp32 absmax, or
+    with double quantization a uint8 one plus per 256 blocks an fp32 absmax, the 256-value
+    fp32 code and an fp32 offset; the 16-value fp32 code. int8: a byte a weight and an
+    fp32 scale per output row. The constants live on the module, not in a parameter."""
+    n = inputs * outputs
+    if quant == "int8":
+        return n, 4 * outputs
+    blocks = -(-n // QUANT_BLOCK)
+    code = 4 * 16
+    if double_quant:
+        return -(-n // 2), blocks + 4 * -(-blocks // NESTED_BLOCK) + 4 * 256 + 4 + code
+    return -(-n // 2), 4 * blocks + code
+
+
+def base_bytes(cfg, d: Dims, b: int) -> tuple[int, int]:
+    """(base parameters + buffers, of which quantization constants): with
+    model.quantization every linear of the decoder layers is stored quantized, the
+    embeddings, lm_head, norms and biases stay in the model dtype."""
+    quant = cfg.model.quantization
+    if quant == "none":
+        return d.params * b + d.buffer_bytes, 0
+    stored = constants = quantized = 0
+    for inputs, outputs, _ in d.linears().values():
+        weight, consts = quantized_linear_bytes(
+            inputs, outputs, quant, cfg.model.quantization_double_quant
+        )
+        stored, constants = stored + weight, constants + consts
+        quantized += inputs * outputs
+    L = d.layers
+    rest = (d.params - L * quantized) * b + d.buffer_bytes
+    return rest + L * (stored + constants), L * constants
+
+
+def compute_bytes(cfg, b: int) -> int:
+    setting = cfg.model.quantization_compute_dtype
+    if cfg.model.quantization == "int8" or setting == "auto":
+        return b
+    return DTYPE_BYTES[setting]
+
+
+def dequantized_bytes(cfg, d: Dims, b: int) -> int:
+    """A quantized linear dequantizes its whole weight for each forward and backward: the
+    largest one, in the weights' dtype and (if it differs) the compute dtype."""
+    if cfg.model.quantization == "none":
+        return 0
+    largest = max(i * o for i, o, _ in d.linears().values())
+    c = compute_bytes(cfg, b)
+    return largest * (b + (c if c != b else 0))
+
+
 # decoders whose layers inventory.py reads off (mistral's layer is llama's)
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -207,6 +269,7 @@ def make_setup(cfg, device: str, kernel: str | None = None) -> Setup:
         a=a,
         dropout_mask=(0 if not (lora and cfg.lora.dropout > 0) else (1 if device == "cuda" else a)),
         kernel=kernel or attention_kernel(cfg.packing.attention_backend, device, b),
+        keeps_inputs=cfg.model.quantization == "int8",
     )
 
 
@@ -239,12 +302,12 @@ def plan_memory(
     n = tokens or cfg.train.micro_batch_tokens
     prompt = prompt_tokens or cfg.data.max_prompt_tokens or DEFAULT_PROMPT_TOKENS
     rows = completion_rows(cfg, n, prompt, s.kernel)
-    base = d.params * s.b + d.buffer_bytes
+    base, replicated = base_bytes(cfg, d, s.b)
     adapters = lora_params(d, s) * s.a
     trainable = adapters if s.lora else d.params * s.b
     tensors = 2 * len(s.adapted) * d.layers if s.lora else d.param_tensors
     shard = _sharding(cfg, d, s, world_size)
-    weights = shard.weights(base) + adapters // shard.divisor
+    weights = shard.weights(base - replicated) + replicated + adapters // shard.divisor
     hf = cfg.rollout.engine == "hf"
     head = _lm_head(cfg, d, s, rows, device)
     layer_grad = (
@@ -333,6 +396,10 @@ def _sharding(cfg, d: Dims, s: Setup, world_size: int) -> _Shard:
     mode = cfg.distributed.sharding
     gathered_b = DTYPE_BYTES.get(cfg.distributed.param_dtype, s.b)
     layer = d.layer_params * gathered_b
+    if cfg.model.quantization != "none":  # the quantized storage is gathered as stored
+        for i, o, _ in d.linears().values():
+            stored, _ = quantized_linear_bytes(i, o, cfg.model.quantization, True)
+            layer += stored - i * o * gathered_b
     if mode == "full_shard":
         return _Shard(world_size, 2 * layer, True)
     if mode == "shard_grad_op":
@@ -364,7 +431,7 @@ def _activations(
     layer_input = n * s.b * d.hidden  # what checkpointing keeps of each layer
     rope = n * rotary_bytes(d, s)
     head_rest = n * final_norm_bytes(d, s) + rows * (s.b * d.hidden + LOSS_BYTES_PER_TOKEN)
-    extra = n * backward_extra(d, s)
+    extra = n * backward_extra(d, s) + dequantized_bytes(cfg, d, s.b)  # + one weight
     prefix = prefix_kv_bytes(cfg, d, s, n, prompt)  # per layer, shared-prefix layout only
     working = n * layer_saved(d, s) + prefix + extra  # a recomputed layer's backward
     kept = L
@@ -463,6 +530,7 @@ def render_plan(
         lines[0] = (
             f"memory plan (per device, {device}, one micro-batch of {n} tokens, {rows} completion rows, prompts of {prompt} tokens"
             + (f", {world_size} ranks" if world_size > 1 else "")
+            + (f", {cfg.model.quantization} base" if cfg.model.quantization != "none" else "")
             + "):"
         )
     width = max(len(k) for k in plan)

@@ -16,6 +16,12 @@ prompts round-robin. Both implement `contracts.RolloutEngine`:
   and integer id unique per run and version (`local.AdapterSlots`), so requests
   admitted under the previous version finish on the adapter they started with, and a
   cached adapter is never served for other weights.
+- A quantized base (`model.quantization: nf4`, QLoRA) is passed as
+  `quantization="bitsandbytes"`: vLLM quantizes the checkpoint in flight with the same
+  recipe as the trainer (nf4, blocks of 64, double quantization) and serves the adapter on
+  it. Preflight refuses it where vLLM cannot (CPU builds, vLLM without bitsandbytes, fp4
+  and int8, which vLLM has no in-flight path for); servers not started by the trainer
+  must be started with `leangrpo serve MODEL --quantization bitsandbytes`.
 - Versions identify the run: the engine draws a run id (uuid) at construction and sends
   (run id, version) with every push and generation; `version` is `NO_VERSION` (-1) until
   this run has pushed weights to a server, `generate` refuses a version the engine does
@@ -293,6 +299,8 @@ def make_vllm_engine(cfg: Any, policy: Any = None) -> VLLMEngine:
         extra.setdefault("revision", cfg.model.revision)
     if cfg.model.trust_remote_code:
         extra.setdefault("trust_remote_code", True)
+    if cfg.model.quantization != "none":  # QLoRA: vLLM quantizes the base in flight (nf4 +
+        extra.setdefault("quantization", "bitsandbytes")  # double quant, as the trainer's)
     overrides = {}
     if section.dtype == "auto" and cfg.model.dtype != "auto":
         overrides["dtype"] = cfg.model.dtype  # sample in the trainer's precision by default
