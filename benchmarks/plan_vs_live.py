@@ -6,7 +6,7 @@ Loads the policy as the trainer does (`model.load_policy`), packs `groups` promp
 rollout.num_generations completions of exactly these lengths (random tokens; shared prefix
 as the config chooses it), and runs the forward, loss and backward of `step.train_step`
 once. Prints one JSON line: the live bytes at the pass's peak (every storage an op
-allocates, tests/memory_probe.LiveBytes: deterministic), the plan's activations + lm_head +
+allocates, tests/support/memory_probe.LiveBytes: deterministic), the plan's activations + lm_head +
 gradients for the same tokens and prompt length, their relative error, and the process's
 RSS after the imports, after loading and after the pass (RSS - the live bytes = what glibc
 keeps after frees, which the plan does not count).
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from memory_probe import LiveBytes, group, train_pass  # noqa: E402
+from support.memory_probe import LiveBytes, group, train_pass  # noqa: E402
 
 from leangrpo.config import load_config  # noqa: E402
 from leangrpo.model.policy import load_policy, load_tokenizer  # noqa: E402
