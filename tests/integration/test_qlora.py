@@ -19,9 +19,9 @@ from support.real_model import (
     attention,
     chat_ids,
     dequantized,
-    per_sequence_logprobs,
     real_samples,
 )
+from support.references import per_sequence_logprobs
 
 from leangrpo.model.smollm2 import missing_reason
 

@@ -12,13 +12,13 @@ logits for the chunked lm_head); on this CPU both sit near 2-3e-5 in log-prob.
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
 import torch
 from support.configs import minimal_run
 from support.files import write_jsonl
+from support.real_model import IM_END, QUESTIONS, attention, chat_ids, real_samples
 from support.references import per_sequence_logprobs
 
 from leangrpo.model.smollm2 import missing_reason
@@ -29,25 +29,16 @@ if missing_reason() is not None:
 from leangrpo.config import config_from_dict
 from leangrpo.config.run import ModelConfig
 from leangrpo.config.training import LogprobsConfig
-from leangrpo.contracts import Completion, Prompt, RolloutSample, SamplingParams
+from leangrpo.contracts import Prompt, RolloutSample, SamplingParams
 from leangrpo.data.prompts import load_prompts
 from leangrpo.model.policy import load_tokenizer
 from leangrpo.model.scoring import completion_hidden, score
 from leangrpo.model.smollm2 import smollm2_dir
-from leangrpo.ops.attention.adapter import enable_packed_attention
 from leangrpo.ops.logprobs.api import chunked_logprobs, naive_logprobs
 from leangrpo.rollout.hf.engine import HFEngine
 from leangrpo.train.packing import pack_samples
 
 TOL = 2e-4
-IM_END = "<|im_end|>"
-QUESTIONS = [  # (question, [answers]): one group per question, answers of different lengths
-    ("What is 12 + 7?", ["19", "12 + 7 = 19.", "The answer is 20"]),
-    ("Name a colour of the sky on a clear day, in one word.", ["Blue", "blue."]),
-    ("Reply with the word yes.", ["yes"]),
-]
-
-
 @pytest.fixture(scope="module")
 def real():
     from transformers import AutoModelForCausalLM
@@ -56,40 +47,6 @@ def real():
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokenizer = load_tokenizer(ModelConfig(name_or_path=str(path)))
     return SimpleNamespace(path=path, model=model, tokenizer=tokenizer)
-
-
-@contextmanager
-def attention(model, name: str):
-    """Run with plain transformers attention ("sdpa") or leangrpo's packed adapter."""
-    if name == "sdpa":
-        model.set_attn_implementation("sdpa")
-    else:
-        enable_packed_attention(model, name)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation("sdpa")
-
-
-def chat_ids(tokenizer, question: str) -> list[int]:
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": question}],
-        tokenize=True,
-        add_generation_prompt=True,
-        return_dict=False,
-    )
-
-
-def real_samples(tokenizer) -> list[RolloutSample]:
-    eos = tokenizer.convert_tokens_to_ids(IM_END)
-    samples = []
-    for gid, (question, answers) in enumerate(QUESTIONS):
-        prompt = Prompt(gid, question, chat_ids(tokenizer, question))
-        for answer in answers:
-            ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [eos]
-            comp = Completion(ids, answer, [0.0] * len(ids), "stop", 0)
-            samples.append(RolloutSample(gid, prompt, comp, advantage=1.0))
-    return samples
 
 
 def test_real_model_is_the_smollm2_instruct_llama(real):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 from contextlib import contextmanager
 
-import torch
 from torch import nn
 
 from leangrpo.contracts import Completion, Prompt, RolloutSample
@@ -53,18 +52,6 @@ def real_samples(tokenizer) -> list[RolloutSample]:
             comp = Completion(ids, answer, [0.0] * len(ids), "stop", 0)
             samples.append(RolloutSample(gid, prompt, comp, advantage=1.0))
     return samples
-
-
-def per_sequence_logprobs(model, samples, temperature: float = 1.0) -> torch.Tensor:
-    """Plain transformers, one sequence at a time, full logits."""
-    out = []
-    for s in samples:
-        ids = torch.tensor([s.prompt.ids + s.completion.ids])
-        logits = model(input_ids=ids, use_cache=False).logits[0] / temperature
-        p = len(s.prompt.ids)
-        logp = torch.log_softmax(logits[p - 1 : -1], -1)
-        out.append(logp.gather(1, torch.tensor(s.completion.ids)[:, None])[:, 0])
-    return torch.cat(out)
 
 
 def dequantized(model: nn.Module) -> nn.Module:
