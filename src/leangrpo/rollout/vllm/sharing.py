@@ -146,21 +146,20 @@ def _check_before_start(cfg, device: torch.device) -> None:
     blocker = cfg.vllm_share_blocker()
     if blocker is not None:
         raise NotShared(*blocker)
-    vllm = import_vllm()
-    low, high = TESTED_VLLM
-    from packaging.version import Version
-
-    if not Version(low) <= Version(vllm.__version__) < Version(high):
-        raise NotShared(
-            f"vLLM {vllm.__version__} is outside the versions sharing is tested with ({low} <= vLLM < {high})",
-            f"vllm>={low},<{high}",
-        )
     wanted = cfg.rollout.vllm.dtype
     dtype = str(resolve_dtype(cfg.model.dtype, device)).removeprefix("torch.")
     if wanted != "auto" and wanted != dtype:
         raise NotShared(
             f"rollout.vllm.dtype ({wanted}) differs from the trainer's dtype ({dtype})",
             "rollout.vllm.dtype: auto",
+        )
+    from packaging.version import Version
+
+    found, (low, high) = import_vllm().__version__, TESTED_VLLM
+    if not Version(low) <= Version(found) < Version(high):
+        raise NotShared(
+            f"vLLM {found} is outside the versions sharing is tested with ({low} <= vLLM < {high})",
+            f"vllm>={low},<{high}",
         )
 
 
