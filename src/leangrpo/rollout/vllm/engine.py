@@ -12,6 +12,9 @@ prompts round-robin. Both implement `contracts.RolloutEngine`:
   weights as safetensors buckets, and a worker extension (`worker.py`) feeds them to
   the model's own `load_weights` via `collective_rpc` (tensors never pass through vLLM's
   msgspec serialiser). In-flight requests drain first; the prefix cache is reset after.
+- Colocated and sharing the policy's weights (`rollout.vllm.share_weights`): sharing.py's
+  `SharedVLLMEngine` over a `SharedVLLM` backend, started before the policy; a full
+  fine-tuning sync is then a prefix-cache reset, a LoRA sync hands the tensors over.
 - LoRA sync: the adapter (config + safetensors only) is published atomically under a name
   and integer id unique per run and version (`local.AdapterSlots`), so requests
   admitted under the previous version finish on the adapter they started with, and a
