@@ -1,7 +1,7 @@
 """The cases of benchmarks/gpu_suite.py: each a generator of JSON rows, with its goals.
 
 Every case reuses a benchmark script's own functions (logprob_memory, packing, offload,
-grpo_step, hf_generation, qlora) at the shapes of the issue on CUDA, or at tiny shapes on CPU
+grpo_step, hf_generation, qlora, shared_weights) at the shapes of the issue on CUDA, or at tiny shapes on CPU
 (`ctx.dry`). A goal is written on the rows it judges: `goal` (the sentence) and
 `goal_met` (bool); `note` is the one figure the summary table shows.
 """
@@ -151,6 +151,38 @@ def qlora_case(ctx: Ctx):
         else:
             ratio = f", mem_ratio {row['mem_ratio']}" if "mem_ratio" in row else ""
             row["note"] = f"peak {_gb(row.get('peak_bytes'))}, weights {_gb(row.get('weights_bytes'))}{ratio}"
+        yield row
+
+
+def shared_weights_case(ctx: Ctx):
+    """Colocated vLLM sharing its weights with the policy vs two copies
+    (benchmarks/shared_weights.py, each variant a process of its own): peak CUDA memory,
+    sync time, tokens/s. Needs vLLM, which the GPU image lacks (its wheel is far over what
+    a run may carry): then one row says so. With vLLM installed it takes about two
+    minutes on its own: `gpu_suite.sh --only shared_weights`."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:  # not imported: a child never loads it
+        yield {"bench": "shared_weights", "case": "-", "variant": "-",
+               "skipped": "vLLM is not installed here", "note": "skipped: no vLLM"}  # fmt: skip
+        return
+    import shared_weights
+
+    model = ROOT / "examples" / "demo" / "model" if ctx.dry else None
+    modes = ["full"] if ctx.dry else ["full", "lora"]
+    for row in shared_weights.case_rows(model, modes, "quick" if ctx.dry else "full"):
+        if "error" in row:
+            row["note"] = row["error"]
+        elif row["case"].endswith("/memory") and "mem_ratio" in row:
+            row["note"] = f"peak {_gb(row['peak_bytes'])}, mem_ratio {row['mem_ratio']}"
+            judged = ctx.device.type == "cuda"
+            _goal(row, "peak memory below the two-copy run's", row["mem_ratio"] < 1 if judged else None)
+        elif "tokens_per_s_ratio" in row:
+            row["note"] = f"{row['tokens_per_s']} tokens/s, x{row['tokens_per_s_ratio']} of two copies"
+            met = row["tokens_per_s_ratio"] >= 0.95 if ctx.device.type == "cuda" else None
+            _goal(row, "generation speed unchanged (>= 0.95 x two copies)", met)
+        elif "time_ratio" in row:
+            row["note"] = f"{row['time_s']} s, x{row['time_ratio']} of two copies"
         yield row
 
 

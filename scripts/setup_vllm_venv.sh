@@ -8,7 +8,7 @@
 # are removed afterwards; text-only models do not need them.
 #
 # Usage: scripts/setup_vllm_venv.sh            (from anywhere; works in the repo root)
-#        .venv-vllm/bin/pytest -m vllm tests/rollout/test_vllm.py
+#        .venv-vllm/bin/pytest -m vllm tests/rollout/test_vllm.py tests/rollout/test_vllm_sharing.py
 set -euo pipefail
 
 cd "$(dirname "$0")/.."

@@ -182,6 +182,8 @@ def ignored_options(cfg: Any) -> list[str]:
         (engine == "hf", "rollout.vllm", None, "rollout.engine is hf"),
         (engine == "vllm", "rollout", ("hf_prompts_per_forward",), "rollout.engine is vllm"),
         (engine == "vllm" and vllm_mode == "colocate", "rollout.vllm", ("urls", "request_timeout_s", "max_retries"), "rollout.vllm.mode is colocate"),
+        (engine == "vllm" and vllm_mode == "server", "rollout.vllm", ("share_weights", "adapter_sync"), "rollout.vllm.mode is server"),
+        (cfg.shares_vllm_weights() and not cfg.lora.enabled and cfg.pipeline.mode == "sync", "pipeline", ("sync_interval",), "colocated vLLM shares the trainer's weights (rollout.vllm.share_weights), so it generates with the live weights"),
         (cfg.offload.activations == "none", "offload", ("keep_last_layers", "min_tensor_bytes"), "offload.activations is none"),
         (not has_eval, "eval", None, "there are no eval prompts: data.eval_path, data.eval_split and data.eval_size are unset"),
         (not cfg.lora.enabled, "lora", None, "lora.enabled is false"),

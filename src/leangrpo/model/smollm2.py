@@ -100,6 +100,13 @@ def smollm2_dir(cache: Path | None = None) -> Path:
     return target
 
 
+def find_converted(cache: Path | None = None) -> Path | None:
+    """A directory converted earlier, whatever package version made it (newest name
+    first), or None: for environments without the package, such as the vLLM venv."""
+    found = sorted((cache or cache_dir()).glob("smollm2-135m-instruct-*"), reverse=True)
+    return next((d for d in found if (d / COMPLETE).is_file()), None)
+
+
 def convert(gguf: Path, out: Path) -> None:
     """Dequantise `gguf` into a plain fp32 transformers directory at `out`."""
     import torch

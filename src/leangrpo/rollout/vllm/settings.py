@@ -20,6 +20,8 @@ class VLLMSettings:
     kv_cache_dtype: str = "auto"  # "fp8" halves the KV cache where supported
     enable_sleep_mode: bool = True
     enforce_eager: bool = False
+    share_weights: bool | str = "auto"  # colocate: the policy views vLLM's tensors (sharing.py)
+    adapter_sync: str = "memory"  # sharing: LoRA tensors handed over in memory, or "files"
     request_timeout_s: float = 600.0
     max_retries: int = 3
     token_file: str | None = None  # server token; None: $LEANGRPO_SERVE_TOKEN

@@ -16,11 +16,18 @@ Tied weights: the layerwise reload processes a shared parameter only through the
 that loads it (embed_tokens), so a layer that reads it through the tie (lm_head) keeps
 kernels derived from the old values where its method precomputes any (CPU: a packed
 GEMM weight). Such layers are processed again after the reload.
-This module imports nothing from vLLM: the worker provides `reload_weights`.
+This module imports nothing from vLLM at import time: the worker provides `reload_weights`.
+
+`SharingExtension` (mixed in too) serves colocated vLLM that shares its weights with the
+trainer (sharing.py), in-process only, where `collective_rpc` passes live objects both
+ways: the model itself; on CPU, plain weights again where vLLM prepacked them; and LoRA
+adapters from tensors in memory. Its methods are prefixed `leangrpo_`: an extension may
+not define a name the worker has (vLLM asserts it).
 """
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 
 import torch
@@ -44,7 +51,109 @@ def modules_sharing_parameters(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for group in holders.values() if len(group) > 1 for m in group]
 
 
-class WeightSyncExtension:
+class SharingExtension:
+    """In-process vLLM sharing its tensors with the trainer (rollout/vllm/sharing.py)."""
+
+    def leangrpo_model(self) -> torch.nn.Module:
+        """The live model (in-process, `collective_rpc` returns it as it is)."""
+        return self.model_runner.get_model()
+
+    @torch.no_grad()
+    def leangrpo_plain_weights(self) -> list[str]:
+        """CPU: serve every linear layer from a plain weight again, read from the checkpoint.
+
+        vLLM's CPU path prepacks each unquantized linear weight (and the lm_head's) into a
+        oneDNN or sgl handle and empties `layer.weight` (`dispatch_cpu_unquantized_gemm` in
+        vllm.model_executor.layers.utils); a trainer can neither view nor update that copy.
+        Each emptied layer gets its weight back from its own quant method's
+        `create_weights`, every layer computes with `F.linear` on it (the packed copies
+        go), and the checkpoint is loaded again through the model's own `load_weights`
+        (its name mapping fills the fused q/k/v and gate/up tensors). Returns the layers
+        still without a weight afterwards (none expected)."""
+        import torch.nn.functional as F
+        from vllm.model_executor.layers.linear import (
+            WEIGHT_LOADER_V2_SUPPORTED,
+            UnquantizedLinearMethod,
+        )
+        from vllm.model_executor.layers.vocab_parallel_embedding import (
+            UnquantizedEmbeddingMethod,
+        )
+        from vllm.model_executor.model_loader import get_model_loader
+
+        model = self.model_runner.get_model()
+        emptied, plain = [], []
+        for name, layer in model.named_modules():
+            method = getattr(layer, "quant_method", None)
+            if "weight" not in layer._parameters:  # LoRA wrappers: the weight is base_layer's
+                continue
+            if isinstance(method, UnquantizedLinearMethod):
+                if layer.weight.numel() == 0:
+                    loader = (
+                        layer.weight_loader_v2
+                        if type(method).__name__ in WEIGHT_LOADER_V2_SUPPORTED
+                        else layer.weight_loader
+                    )
+                    method.create_weights(
+                        layer,
+                        getattr(layer, "input_size_per_partition", layer.input_size),
+                        layer.output_partition_sizes,
+                        layer.input_size,
+                        layer.output_size,
+                        layer.params_dtype,
+                        weight_loader=loader,
+                    )
+                    layer.weight.requires_grad_(False)  # vLLM's parameters never train
+                    emptied.append(name)
+                plain.append(layer)
+            elif isinstance(method, UnquantizedEmbeddingMethod):
+                plain.append(layer)  # the lm_head's packed copy goes too
+        for layer in plain:
+            layer.cpu_linear = F.linear
+        gc.collect()
+        if emptied:
+            config = self.vllm_config
+            loader = get_model_loader(config.load_config)
+            model.load_weights(loader.get_all_weights(config.model_config, model))
+        return [
+            name
+            for name, layer in model.named_modules()
+            if "weight" in layer._parameters and layer.weight.numel() == 0
+        ]
+
+    def leangrpo_add_adapter(self, int_id: int, tensors: dict, config: dict) -> bool:
+        """Register a LoRA adapter from tensors (peft's saved names) and its peft config,
+        as `WorkerLoRAManager._load_adapter` does after reading the files
+        (vllm.lora.worker_manager): validated against vLLM's LoRA limits, mapped by the
+        model's own weights mapper. The tensors must be the caller's copies: vLLM keeps
+        them as they are when their device and dtype already match."""
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        workers = self.model_runner.lora_manager
+        manager = workers._adapter_manager
+        helper = PEFTHelper.from_dict(
+            {**config, "vllm_max_position_embeddings": workers.max_position_embeddings}
+        )
+        helper.validate_legal(workers.lora_config)
+        model = manager.model
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        lora = LoRAModel.from_lora_tensors(
+            lora_model_id=int_id,
+            tensors=tensors,
+            peft_helper=helper,
+            device="cpu",  # as the file path: activation copies it into the device slots
+            dtype=workers.lora_config.lora_dtype,
+            model_vocab_size=workers.vocab_size,
+            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+            skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+        )
+        manager.remove_adapter(lora.id)
+        if len(manager) + 1 > manager.capacity:
+            manager.remove_oldest_adapter()
+        return bool(manager.add_adapter(lora))
+
+
+class WeightSyncExtension(SharingExtension):
     """Mixed into vLLM's worker (which provides `reload_weights` and `model_runner`)."""
 
     def load_weights_from_files(self, paths: list[str]) -> int:
