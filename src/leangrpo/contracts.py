@@ -75,6 +75,9 @@ class Trajectory:
     metrics: dict[str, float] = field(default_factory=dict)  # the environment's, logged only
     stats: dict[str, float] = field(default_factory=dict)  # counts and seconds (metrics)
     error: str | None = None  # the environment failed: the trajectory ended, unscored
+    # the prompt the trajectory starts from: the environment's start messages rendered
+    # with its tools (the sample's prompt); None once it is the sample's (checkpoints)
+    start: Prompt | None = None
 
     def model_offsets(self) -> list[int]:
         """Position in Completion.ids of each model token, in order."""
@@ -116,6 +119,13 @@ class TurnRequest:
     ids: list[int]
     seed: int | None
     max_new_tokens: int
+
+
+def sample_prompt(prompt: Prompt, completion: Completion) -> Prompt:
+    """The prompt a sample of `completion` has: a multi-turn trajectory's own start (its
+    environment's messages, rendered with the tools), else the prompt it was asked for."""
+    trajectory = completion.trajectory
+    return trajectory.start if trajectory is not None and trajectory.start is not None else prompt
 
 
 @dataclass

@@ -325,8 +325,8 @@ def sample_state(sample: RolloutSample) -> dict[str, Any]:
         "finish_reason": c.finish_reason,
         "version": c.version,
     }
-    if c.trajectory is not None:
-        completion["trajectory"] = dataclasses.asdict(c.trajectory)
+    if c.trajectory is not None:  # its start is the sample's prompt
+        completion["trajectory"] = dataclasses.asdict(dataclasses.replace(c.trajectory, start=None))
     prompt = {"uid": p.uid, "text": p.text, "ids": list(p.ids)}
     if p.messages is not None:
         prompt["messages"] = p.messages
