@@ -96,7 +96,6 @@ class VerifiersEnvironment(Environment):
         env = self.vf_env
         row_input = {"prompt": messages, **row}
         row_input.setdefault("example_id", 0)
-        row_input.setdefault("task", "default")
         self.state = self._run(env.init_state(row_input, client=_no_client(), model="leangrpo"))
         self.state = self._run(env.setup_state(self.state)) or self.state
         self.prompt = self._run(env.get_prompt_messages(self.state))
