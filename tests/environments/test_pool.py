@@ -72,6 +72,7 @@ def test_the_tools_environment_answers_calls_with_tool_messages_and_counts_them(
             "error: unknown tool 'mul'; tools: add, nap, divide",
         ]
         assert out[3].ok["counts"]["tool_errors"] == 3 and out[3].ok["counts"]["parse_errors"] == 1
+        assert out[3].ok["counts"]["tool_errors/<unknown>"] == 1  # not a metric named by the model
         assert "missing 1 required positional argument: 'b'" in out[4].ok["reply"][0]["content"]
         again = pool.step([(keys[2], CALL, 1)])[0]  # the worker and the session live on
         assert again.ok["reply"][0]["content"] == "3"

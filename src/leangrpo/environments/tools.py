@@ -13,7 +13,8 @@
 - Results: `tool_messages(parsed, tools, call)` gives one tool message per call, and one
   per parse error: the result as text, or `error: ...` for an unknown tool, wrong
   arguments or a tool that raised or timed out (`call` runs the tool under its limit in
-  the worker), counted per tool. Nothing a tool does reaches the trainer's process.
+  the worker), counted per tool (calls of tools that do not exist under `<unknown>`: the
+model does not get to name metrics). Nothing a tool does reaches the trainer's process.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 
 HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 MAX_ERROR_CHARS = 300
+UNKNOWN = "<unknown>"  # calls of a tool that does not exist are counted under this name
 
 
 class ToolError(ValueError):
@@ -140,9 +142,10 @@ def tool_messages(
                         "content": f"error: more than {max_calls} tool calls in one turn"})  # fmt: skip
             counts["tool_errors"] += 1
             continue
-        counts["tool_calls"] += 1
-        counts[f"tool_calls/{c.name}"] += 1
         fn, failed = tools.get(c.name), True
+        name = c.name if fn is not None else UNKNOWN  # metric names: the tools', not the model's
+        counts["tool_calls"] += 1
+        counts[f"tool_calls/{name}"] += 1
         if fn is None:
             text = f"error: unknown tool {c.name!r}; tools: {', '.join(tools) or 'none'}"
         else:
@@ -154,7 +157,7 @@ def tool_messages(
                 text = one_line(f"error: {type(e).__name__}: {e}")
         if failed:
             counts["tool_errors"] += 1
-            counts[f"tool_errors/{c.name}"] += 1
+            counts[f"tool_errors/{name}"] += 1
         out.append({"role": "tool", "name": c.name, "content": text})
     return out
 
