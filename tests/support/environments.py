@@ -114,3 +114,15 @@ class Calculator(ToolEnvironment):
     """A tool environment whose tools are its own (plus the configured ones)."""
 
     tools = [add, divide, nap]
+
+
+class ToolReply(Environment):
+    """Answers the first turn with a tool result, whatever the turn said; done after two."""
+
+    replies = ("tool",)
+    tools = [add]
+
+    def step(self, turn: ModelTurn) -> StepResult:
+        if turn.index:
+            return StepResult(done=True)
+        return StepResult([{"role": "tool", "name": "add", "content": "42"}])
