@@ -234,6 +234,22 @@ def test_server_pool_round_robin_sync_during_flight_and_versions(fake_servers, t
     engine.close()
 
 
+def test_server_turns_are_one_request_each_with_their_own_seed_and_budget(fake_servers):
+    """generate_turns through `leangrpo serve` (multi-turn): n = 1 per request, the
+    request's seed and max_new_tokens on the wire, completions in request order."""
+    urls, (a, b) = fake_servers
+    engine = VLLMEngine(ServerPool(urls, timeout_s=10, max_retries=0), VLLMSettings(mode="server"))
+    engine.update_weights({"w": torch.zeros(2, 3)}.items(), version=0)
+    requests = [TurnRequest([i, i + 10], 1000 + i, 5 if i % 2 else 3) for i in range(5)]
+    turns = engine.generate_turns(requests, SamplingParams(max_new_tokens=64, seed=1), 0)
+    assert [c.ids for c in turns] == [[i + 10, i, 0] for i in range(5)]  # n = 1, in order
+    sent = sorted(a.requests + b.requests)
+    assert sent == sorted((r.ids, r.seed, r.max_new_tokens) for r in requests)
+    with pytest.raises(EngineVersionError):
+        engine.generate_turns(requests, SamplingParams(), 1)
+    engine.close()
+
+
 def test_unreachable_server_gives_one_clear_error_after_retries():
     hits = []
 

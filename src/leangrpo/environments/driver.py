@@ -205,6 +205,9 @@ class MultiTurnRollout:
         except NotIncremental as e:
             t.end("error", f"the chat template cannot be rendered turn by turn: {e}")
             return
+        except Exception as e:  # the template itself refused the reply (a role it lacks)
+            t.end("error", f"the chat template cannot render the reply: {type(e).__name__}: {e}")
+            return
         if added is None:  # the reply leaves no room for another turn
             t.conversation.messages.extend(reply)  # the conversation as the environment saw it
             t.end("length")
