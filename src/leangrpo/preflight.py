@@ -6,7 +6,9 @@ possibly cleaning it are the first things that touch the disk):
 
 1. data files: exist, UTF-8, columns, every prompt typed and non-empty (data/prompts.py,
    data/files.py);
-2. reward functions resolve (rewards/registry.py);
+2. reward functions resolve (rewards/registry.py), and so do an environment's names and
+   files (environments/registry.py; it is imported at the trainer's set-up, before the
+   model loads: environments/setup.py);
 3. model files: config.json, weights, safetensors headers, tokenizer (model/files.py),
    a quantized base's needs (bitsandbytes installed, the CPU, vLLM's in-flight
    quantization: model/quantization.py), and the prompt limit that follows from the
@@ -72,6 +74,10 @@ def check_inputs(cfg: Any, warn: bool = True) -> tuple[ModelFiles, PromptLimit |
 
     check_data(cfg.data)
     check_rewards(cfg.rewards)
+    if cfg.environment is not None:  # the names and files; the import is the trainer's set-up
+        from leangrpo.environments.registry import spec_of
+
+        spec_of(cfg.environment)
     model = check_model_files(cfg.model)
     check_quantization_environment(cfg)
     limit = prompt_limit(cfg, model)
@@ -143,20 +149,33 @@ def prompt_limit(cfg: Any, model: ModelFiles) -> PromptLimit | None:
     vllm_len = cfg.rollout.vllm.max_model_len
     if cfg.rollout.engine == "vllm" and vllm_len is not None:
         contexts.append((vllm_len, f"rollout.vllm.max_model_len = {vllm_len}"))
+    env = cfg.environment
     for context, what in contexts:
         if context <= new_tokens:
             raise ConfigError(
                 f"rollout.max_new_tokens ({new_tokens}) leaves no room for a prompt in {what}; lower rollout.max_new_tokens."
             )
+        if env is not None and env.max_total_tokens > context:
+            raise ConfigError(
+                f"environment.max_total_tokens ({env.max_total_tokens}) exceeds {what}, so a long trajectory would run past the positions the model has; lower environment.max_total_tokens."
+            )
         limits.append(
             PromptLimit(context - new_tokens, f"{what} minus rollout.max_new_tokens = {new_tokens}")
+        )
+    if env is not None:  # the first turn must fit the trajectory's budget
+        limits.append(
+            PromptLimit(
+                env.max_total_tokens - new_tokens,
+                f"environment.max_total_tokens = {env.max_total_tokens} minus rollout.max_new_tokens = {new_tokens}",
+            )
         )
     return min(limits, key=lambda lim: lim.tokens, default=None)
 
 
 def check_micro_batch(prompts: list, cfg: Any) -> None:
-    """Every sequence (prompt + up to max_new_tokens) must fit one micro-batch."""
-    if not prompts:
+    """Every sequence (prompt + up to max_new_tokens) must fit one micro-batch (a
+    trajectory's environment.max_total_tokens do: a rule of the config)."""
+    if not prompts or cfg.environment is not None:
         return
     longest = max(prompts, key=lambda p: len(p.ids))
     need = len(longest.ids) + cfg.rollout.max_new_tokens

@@ -11,11 +11,12 @@ from support.models import make_tiny_model
 from support.references import teacher_forced_logprobs
 from transformers import AutoTokenizer
 
-from leangrpo.contracts import EngineVersionError, Prompt, SamplingParams
+from leangrpo.contracts import EngineVersionError, Prompt, SamplingParams, TurnRequest
 from leangrpo.rollout.hf import decode as decode_module
 from leangrpo.rollout.hf.engine import HFEngine
 from leangrpo.rollout.hf.kv_cache import PreallocatedLayer
 from leangrpo.rollout.sampling import process_logits
+from leangrpo.seeding import derive_seed
 
 TEXTS = ["12+34=", "5-3=", "99+10=1", "7="]  # different lengths: left padding is exercised
 
@@ -400,3 +401,49 @@ def test_a_group_samples_the_same_whichever_prompts_share_its_call(tokenizer, pr
     assert as_lists == [[(c.ids, c.logprobs) for c in g] for g in shares]
     shifted = engine.generate(prompts[1:], params, 4, 0)  # the same prompts at other indices
     assert [[c.ids for c in g] for g in shifted] != [[c.ids for c in g] for g in whole[1:]]
+
+
+def turn_requests(prompts, seeds, caps):
+    return [TurnRequest(p.ids, s, cap) for p, s, cap in zip(prompts, seeds, caps)]
+
+
+def test_turns_are_generate_with_one_sample_per_request_seed_and_cap(tokenizer, prompts):
+    """generate_turns (the multi-turn rollout's call): request i sampled like generate's
+    prompt i with n = 1 when its seed is generate's per-prompt seed; one request per
+    forward makes it bitwise."""
+    model = with_eos_bias(tiny(tokenizer), tokenizer.eos_token_id, 0.0)
+    engine = HFEngine(model, tokenizer, max_batch_size=1)
+    params = SamplingParams(temperature=1.3, max_new_tokens=6, seed=11)
+    groups = engine.generate(prompts, params, 1, 0)
+    seeds = [derive_seed(11, 0, i) for i in range(len(prompts))]
+    turns = engine.generate_turns(turn_requests(prompts, seeds, [6] * 4), params, 0)
+    assert [(c.ids, c.logprobs, c.finish_reason, c.text) for c in turns] == [
+        (g[0].ids, g[0].logprobs, g[0].finish_reason, g[0].text) for g in groups
+    ]
+
+
+def test_each_turn_has_its_own_budget_and_its_own_stream(tokenizer, prompts):
+    model = with_eos_bias(tiny(tokenizer), tokenizer.eos_token_id, -20.0)  # never stops
+    engine = HFEngine(model, tokenizer)
+    params = SamplingParams(temperature=1.0, max_new_tokens=99, seed=1)  # neither is read
+    caps, seeds = [3, 7, 1, 5], [5, 6, 7, 8]
+    turns = engine.generate_turns(turn_requests(prompts, seeds, caps), params, 0)
+    assert [len(c.ids) for c in turns] == caps
+    assert all(c.finish_reason == "length" and len(c.logprobs) == len(c.ids) for c in turns)
+    for c, p in zip(turns, prompts):  # behaviour log-probs of the request's own continuation
+        expected = teacher_forced_logprobs(model, p.ids, c.ids, params)
+        torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-5, rtol=1e-5)
+    # a request draws the same whichever others share the call, and wherever it sits
+    alone = engine.generate_turns(turn_requests(prompts[1:2], seeds[1:2], caps[1:2]), params, 0)
+    assert alone[0].ids == turns[1].ids
+    moved = engine.generate_turns(turn_requests(prompts[::-1], seeds[::-1], caps[::-1]), params, 0)
+    assert [c.ids for c in moved[::-1]] == [c.ids for c in turns]
+
+
+def test_turn_requests_are_checked(tokenizer, prompts):
+    engine = HFEngine(tiny(tokenizer), tokenizer)
+    params = SamplingParams(max_new_tokens=4)
+    with pytest.raises(ValueError, match="turn request 1 needs token ids and max_new_tokens >= 1"):
+        engine.generate_turns(turn_requests(prompts[:2], [1, 2], [3, 0]), params, 0)
+    with pytest.raises(EngineVersionError, match="holds version 0"):
+        engine.generate_turns(turn_requests(prompts[:1], [1], [3]), params, 1)

@@ -7,8 +7,9 @@ real vLLM (CPU build) and need `.venv-vllm` (scripts/setup_vllm_venv.sh):
     .venv-vllm/bin/pytest -m vllm tests/rollout/test_vllm.py
 
 vLLM starts its engine core in a subprocess with spawn; under pytest that works as is
-(pytest's own `__main__` is guarded). Two vLLM instances are started in all: one
-colocated (module fixture) and one `leangrpo serve` subprocess.
+(pytest's own `__main__` is guarded). vLLM instances started: one colocated (module
+fixture), one `leangrpo serve` subprocess, and one for the demo's trainer run
+(test_vllm_multiturn.py has the multi-turn one).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from support.models import make_tiny_model
 from support.references import teacher_forced_logprobs
 from support.vllm_fakes import FakeLocal, Served
 
-from leangrpo.contracts import EngineVersionError, Prompt, SamplingParams
+from leangrpo.contracts import EngineVersionError, Prompt, SamplingParams, TurnRequest
 from leangrpo.rollout.vllm.client import ServerPool, VLLMServerError, free_port
 from leangrpo.rollout.vllm.engine import VLLMEngine, make_vllm_engine
 from leangrpo.rollout.vllm.files import (
@@ -233,6 +234,22 @@ def test_server_pool_round_robin_sync_during_flight_and_versions(fake_servers, t
     engine.close()
 
 
+def test_server_turns_are_one_request_each_with_their_own_seed_and_budget(fake_servers):
+    """generate_turns through `leangrpo serve` (multi-turn): n = 1 per request, the
+    request's seed and max_new_tokens on the wire, completions in request order."""
+    urls, (a, b) = fake_servers
+    engine = VLLMEngine(ServerPool(urls, timeout_s=10, max_retries=0), VLLMSettings(mode="server"))
+    engine.update_weights({"w": torch.zeros(2, 3)}.items(), version=0)
+    requests = [TurnRequest([i, i + 10], 1000 + i, 5 if i % 2 else 3) for i in range(5)]
+    turns = engine.generate_turns(requests, SamplingParams(max_new_tokens=64, seed=1), 0)
+    assert [c.ids for c in turns] == [[i + 10, i, 0] for i in range(5)]  # n = 1, in order
+    sent = sorted(a.requests + b.requests)
+    assert sent == sorted((r.ids, r.seed, r.max_new_tokens) for r in requests)
+    with pytest.raises(EngineVersionError):
+        engine.generate_turns(requests, SamplingParams(), 1)
+    engine.close()
+
+
 def test_unreachable_server_gives_one_clear_error_after_retries():
     hits = []
 
@@ -372,6 +389,23 @@ def test_generate_n_completions_with_processed_logprobs_and_finish_reasons(
     assert len({tuple(c.ids) for g in groups for c in g}) > 20  # yet distinct samples
     with pytest.raises(EngineVersionError):
         colocated.generate(PROMPTS, params, n=1, version=colocated.version + 1)
+
+
+@pytest.mark.vllm
+def test_turns_have_their_own_seeds_and_budgets(colocated, tied_char_model):
+    """generate_turns (multi-turn): one request per turn, n = 1, its own seed and budget;
+    a request samples the same whichever others share the call."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=99, seed=None)  # neither is read
+    requests = [TurnRequest(p.ids, 100 + i, cap) for i, (p, cap) in enumerate(zip(PROMPTS, [5, 12, 3]))]
+    turns = colocated.generate_turns(requests, params, colocated.version)
+    assert [len(c.ids) <= r.max_new_tokens for c, r in zip(turns, requests)] == [True] * 3
+    assert all(len(c.logprobs) == len(c.ids) and c.version == colocated.version for c in turns)
+    alone = colocated.generate_turns(requests[1:2], params, colocated.version)
+    assert alone[0].ids == turns[1].ids
+    groups = [[c] for c in turns]
+    assert mean_abs_logprob_gap(tied_char_model[1], PROMPTS, groups, params) < 1e-3
+    with pytest.raises(EngineVersionError):
+        colocated.generate_turns(requests, params, colocated.version + 1)
 
 
 @pytest.mark.vllm
@@ -554,3 +588,4 @@ def test_grpo_with_the_vllm_engine_learns_on_the_demo(tmp_path):
     assert evals[-1] >= evals[0] + 0.1, evals
     mismatch = [r["is/mismatch_kl"] for r in rows if "is/mismatch_kl" in r]
     assert max(mismatch) < 1e-3  # vLLM's processed log-probs match the trainer's
+

@@ -30,6 +30,7 @@ class FakeLocal:
         self.loaded: list[tuple] = []  # (kind, run, version) of every real load
         self.served: list[list[int]] = []
         self.seeds = None
+        self.requests: list[tuple[list[int], int | None, int]] = []  # (ids, seed, max tokens)
 
     @property
     def version(self) -> int:
@@ -44,6 +45,8 @@ class FakeLocal:
             self.seeds = seeds
             time.sleep(self.delay_s)
             self.served += prompt_ids
+            for i, ids in enumerate(prompt_ids):
+                self.requests.append((ids, None if seeds is None else seeds[i], params.max_new_tokens))
             return [
                 [
                     Completion(

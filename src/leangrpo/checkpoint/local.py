@@ -40,6 +40,7 @@ trainer_state.pt as `inflight`. See docs/ARCHITECTURE.md ("Exact resume").
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import os
@@ -59,7 +60,7 @@ from safetensors.torch import load_file
 from leangrpo.checkpoint.rundir import COMPLETE, complete_checkpoints
 
 # Finding checkpoints needs no torch: the CLI does it before the model loads (rundir.py).
-from leangrpo.contracts import Completion, Prompt, RestoredCheckpoint, RolloutSample
+from leangrpo.contracts import Completion, Prompt, RestoredCheckpoint, RolloutSample, Trajectory
 from leangrpo.model.quantization import write_quantization_note
 
 BULKY_STATE = "trainer_state.pt"
@@ -314,18 +315,25 @@ def _untied_missing(model: torch.nn.Module, missing: list[str], loaded: set[str]
 
 
 def sample_state(sample: RolloutSample) -> dict[str, Any]:
-    """A scored rollout sample as plain data (its prompt's reward columns left out)."""
+    """A scored rollout sample as plain data (its prompt's reward columns left out; a
+    multi-turn trajectory's segments, versions, messages and figures kept)."""
     p, c = sample.prompt, sample.completion
+    completion = {
+        "ids": list(c.ids),
+        "text": c.text,
+        "logprobs": list(c.logprobs),
+        "finish_reason": c.finish_reason,
+        "version": c.version,
+    }
+    if c.trajectory is not None:  # its start is the sample's prompt
+        completion["trajectory"] = dataclasses.asdict(dataclasses.replace(c.trajectory, start=None))
+    prompt = {"uid": p.uid, "text": p.text, "ids": list(p.ids)}
+    if p.messages is not None:
+        prompt["messages"] = p.messages
     return {
         "group_id": sample.group_id,
-        "prompt": {"uid": p.uid, "text": p.text, "ids": list(p.ids)},
-        "completion": {
-            "ids": list(c.ids),
-            "text": c.text,
-            "logprobs": list(c.logprobs),
-            "finish_reason": c.finish_reason,
-            "version": c.version,
-        },
+        "prompt": prompt,
+        "completion": completion,
         "rewards": dict(sample.rewards),
         "reward": sample.reward,
         "advantage": sample.advantage,
@@ -334,10 +342,15 @@ def sample_state(sample: RolloutSample) -> dict[str, Any]:
 
 
 def sample_from_state(state: dict[str, Any]) -> RolloutSample:
+    completion = dict(state["completion"])
+    if completion.get("trajectory") is not None:
+        trajectory = dict(completion["trajectory"])
+        trajectory["segments"] = [(int(n), bool(m)) for n, m in trajectory["segments"]]
+        completion["trajectory"] = Trajectory(**trajectory)
     return RolloutSample(
         group_id=state["group_id"],
         prompt=Prompt(**state["prompt"]),
-        completion=Completion(**state["completion"]),
+        completion=Completion(**completion),
         rewards=dict(state["rewards"]),
         reward=state["reward"],
         advantage=state["advantage"],

@@ -2,7 +2,8 @@
 
 Modules: root.py (`Config`, the rules across sections, loading), base.py (`Section`),
 run.py (run, model, lora, data, rewards, eval, checkpoint, logging), training.py
-(rollout, loss, train, packing, logprobs, offload, pipeline, distributed), io.py (YAML,
+(rollout, loss, train, packing, logprobs, offload, pipeline, distributed), environment.py
+(environment: multi-turn rollouts), io.py (YAML,
 `--set` overrides, one-sentence errors).
 
 `Config`, `ConfigError`, `load_config` and `config_from_dict` are imported from here

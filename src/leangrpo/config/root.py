@@ -15,8 +15,8 @@ from them by scripts/gen_config_docs.py). Choices:
 - This module must not import torch: the CLI validates a config before anything heavy loads.
 
 Layout: the sections live in run.py (run, model, lora, data, rewards, eval, checkpoint,
-logging) and training.py (rollout, loss, train, packing, logprobs, offload, pipeline,
-distributed), their base `Section` in base.py; this module holds `Config` with the rules
+logging), training.py (rollout, loss, train, packing, logprobs, offload, pipeline,
+distributed) and environment.py (environment), their base `Section` in base.py; this module holds `Config` with the rules
 that span sections, and loading (`load_config`, `config_from_dict`), which the package
 facade (`leangrpo.config`) hands out.
 """
@@ -30,6 +30,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from leangrpo.config.base import Section
+from leangrpo.config.environment import EnvironmentConfig
 from leangrpo.config.io import (
     ConfigError,
     apply_override,
@@ -85,6 +86,9 @@ class Config(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging.")
     distributed: DistributedConfig = Field(
         default_factory=DistributedConfig, description="Multi-GPU / multi-node (torchrun)."
+    )
+    environment: EnvironmentConfig | None = Field(
+        None, description="Multi-turn rollouts (environments and tools); null = single-turn."
     )
 
     @model_validator(mode="after")
@@ -149,6 +153,47 @@ class Config(Section):
                 f"distributed.param_dtype ({dist.param_dtype}) needs full-precision master weights, but model.dtype is {self.model.dtype}; set model.dtype: float32 for mixed precision, or distributed.param_dtype: off."
             )
         return self
+
+    @model_validator(mode="after")
+    def _check_rewards_and_environment(self) -> Config:
+        env, functions = self.environment, self.rewards.functions
+        if not functions and env is None:
+            raise rule_error(
+                "'rewards.functions' should have at least 1 item: name a reward function, e.g. rewards.functions: [math] (only an environment's own reward terms can stand in for them)."
+            )
+        if functions and all(spec.weight == 0 for spec in functions) and env is None:
+            raise rule_error(
+                "Every rewards.functions[*].weight is 0, so every reward and advantage is 0 and the run learns nothing; give at least one function a non-zero weight."
+            )
+        if env is None:
+            return self
+        if not self.data.chat_template:
+            raise rule_error(
+                "environment needs data.chat_template: true, because a multi-turn conversation is rendered turn by turn with the chat template from the prompt's messages."
+            )
+        new = self.rollout.max_new_tokens
+        if env.max_total_tokens <= new:
+            raise rule_error(
+                f"environment.max_total_tokens ({env.max_total_tokens}) must exceed rollout.max_new_tokens ({new}), the budget of one turn, or no prompt leaves room for a turn."
+            )
+        if self.train.micro_batch_tokens < env.max_total_tokens:
+            raise rule_error(
+                f"train.micro_batch_tokens ({self.train.micro_batch_tokens}) must be at least environment.max_total_tokens ({env.max_total_tokens}), because a micro-batch must hold a whole trajectory; raise train.micro_batch_tokens or lower environment.max_total_tokens."
+            )
+        vllm_len = self.rollout.vllm.max_model_len
+        if self.rollout.engine == "vllm" and vllm_len is not None and vllm_len < env.max_total_tokens:
+            raise rule_error(
+                f"rollout.vllm.max_model_len ({vllm_len}) must be at least environment.max_total_tokens ({env.max_total_tokens}), the longest trajectory vLLM is asked to continue."
+            )
+        return self
+
+    def model_token_budget(self) -> int:
+        """The most tokens one sample trains on: rollout.max_new_tokens, or for multi-turn
+        min(max_turns x max_new_tokens, max_total_tokens) (dr_grpo's constant normaliser)."""
+        new = self.rollout.max_new_tokens
+        if self.environment is None:
+            return new
+        return min(self.environment.max_turns * new, self.environment.max_total_tokens)
 
     def generates_with_live_weights(self) -> bool:
         """The hf engine in sync mode samples from the trainer's own model: never stale."""

@@ -236,8 +236,7 @@ class RewardsConfig(Section):
 
     functions: list[RewardSpec] = Field(
         ...,
-        min_length=1,
-        description="Reward functions; a plain string is shorthand for {name: ...}.",
+        description="Reward functions; a plain string is shorthand for {name: ...}. At least one, unless an environment gives reward terms (they are added to the total).",
     )
     timeout_s: float = Field(
         10.0,
@@ -275,13 +274,6 @@ class RewardsConfig(Section):
             return [{"name": item} if isinstance(item, str) else item for item in value]
         return value
 
-    @model_validator(mode="after")
-    def _some_weight(self) -> RewardsConfig:
-        if all(spec.weight == 0 for spec in self.functions):
-            raise rule_error(
-                "Every rewards.functions[*].weight is 0, so every reward and advantage is 0 and the run learns nothing; give at least one function a non-zero weight."
-            )
-        return self
 
 
 class EvalConfig(Section):

@@ -14,6 +14,7 @@
   raw prompt is encoded with `add_special_tokens=True` (a BOS is added where the tokenizer
   adds one, so `ids` may start with a token that `text` does not show). A prompt column
   may also hold a message list (`[{"role": ..., "content": ...}]`) when the template is on.
+  The messages are kept (`Prompt.messages`): a multi-turn environment starts from them.
   `Prompt.uid` is the row index in its file (train or eval), so it survives filtering.
   Eval prompts come from `data.eval_path`, else `data.eval_split` of the hub dataset, else
   `data.eval_size` train rows held out by a seeded permutation.
@@ -204,7 +205,11 @@ def _make_prompts(
     blank = [uid for uid in uids if prompt_problem(rows[uid].get(column), True) == "empty"]
     dropped = set(blank)
     uids = [uid for uid in uids if uid not in dropped]
-    texts = [_render(rows[uid], uid, data_cfg, tokenizer) for uid in uids]
+    messages = [_messages(rows[uid], data_cfg, tokenizer) for uid in uids]
+    texts = [
+        rows[uid].get(column) if m is None else _render(m, tokenizer)
+        for uid, m in zip(uids, messages)
+    ]
     ids = (
         tokenizer(texts, add_special_tokens=not data_cfg.chat_template)["input_ids"]
         if texts
@@ -212,15 +217,14 @@ def _make_prompts(
     )
     extra = data_cfg.columns
     prompts, no_ids = [], []
-    for uid, text, token_ids in zip(uids, texts, ids):
+    for uid, text, token_ids, chat in zip(uids, texts, ids, messages):
         if not token_ids:
             no_ids.append(uid)
             continue
         row = rows[uid]
         names = extra if extra is not None else [c for c in row if c != column]
-        prompts.append(
-            Prompt(uid=uid, text=text, ids=list(token_ids), columns={c: row[c] for c in names})
-        )
+        columns = {c: row[c] for c in names}
+        prompts.append(Prompt(uid, text, list(token_ids), columns, messages=chat))
     if no_ids and data_cfg.empty_prompts == "error":
         raise DataError(
             f"{source} row {no_ids[0]} tokenises to no tokens; remove it, or set "
@@ -281,17 +285,23 @@ def _rows(uids: list[int], shown: int = 5) -> str:
     return text + (f" and {len(uids) - shown} more" if len(uids) > shown else "")
 
 
-def _render(row: dict, uid: int, data_cfg: Any, tokenizer: Any) -> str:
+def _messages(row: dict, data_cfg: Any, tokenizer: Any) -> list[dict] | None:
+    """The chat messages of a row ([system?, user], or the row's own list); None without
+    data.chat_template (the raw text is the prompt)."""
     prompt = row.get(data_cfg.prompt_column)
     if not data_cfg.chat_template:
-        return prompt
+        return None
     if getattr(tokenizer, "chat_template", None) is None:
         raise DataError(
             "the tokenizer has no chat template; set data.chat_template = false to use the "
             "raw prompt text, or use an instruct model's tokenizer"
         )
     is_messages = isinstance(prompt, list)
-    messages = list(prompt) if is_messages else [{"role": "user", "content": prompt}]
+    messages = [dict(m) for m in prompt] if is_messages else [{"role": "user", "content": prompt}]
     if data_cfg.system_prompt is not None and messages[0].get("role") != "system":
         messages.insert(0, {"role": "system", "content": data_cfg.system_prompt})
+    return messages
+
+
+def _render(messages: list[dict], tokenizer: Any) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -1,7 +1,9 @@
 """`leangrpo report RUN_DIR`: what a run did, from its metrics.jsonl.
 
-Prints first / last / best of the headline metrics and, when matplotlib is installed,
-writes `report.png` with their curves next to the metrics file.
+Prints first / last / best of the headline metrics (and, for a multi-turn run, its turns,
+tool calls per trajectory and per tool, tool and environment errors, environment time and
+per-turn lengths) and, when matplotlib is installed, writes `report.png` with their
+curves next to the metrics file.
 """
 
 from __future__ import annotations
@@ -22,6 +24,28 @@ HEADLINE = [
     "time/train",
     "throughput/train_tokens_per_s",
 ]
+# multi-turn runs (environments/metrics.py): these, then each tool's calls and errors and
+# each turn's length, in the order the run logged them
+MULTITURN = [
+    "multiturn/turns",
+    "multiturn/tool_calls",
+    "multiturn/tool_errors",
+    "multiturn/env_errors",
+    "multiturn/env_s",
+    "multiturn/model_tokens",
+    "multiturn/env_tokens",
+    "multiturn/finish/max_turns",
+    "eval/multiturn/tool_calls",
+]
+PER_NAME = ("multiturn/tool_calls/", "multiturn/tool_errors/", "multiturn/turn_")
+
+
+def headline_keys(rows: list[dict]) -> list[str]:
+    """What the report lists and plots: the headline keys, then the multi-turn ones, each
+    only where the run logged it."""
+    logged = dict.fromkeys(k for r in rows for k in r)
+    per_name = [k for k in logged if k.startswith(PER_NAME)]
+    return [k for k in [*HEADLINE, *MULTITURN, *per_name] if k in logged and series(rows, k)]
 
 
 def read_rows(run_dir: str | Path) -> list[dict]:
@@ -46,7 +70,7 @@ def report(run_dir: str | Path) -> str:
         f"run {run_dir}: {len(rows)} records, last step {rows[-1]['step'] if rows else 0}",
         f"{'metric':<32}{'first':>12}{'last':>12}{'min':>12}{'max':>12}",
     ]
-    for key in HEADLINE:
+    for key in headline_keys(rows):
         values = [v for _, v in series(rows, key)]
         if values:
             lines.append(
@@ -67,7 +91,7 @@ def _plot(rows: list[dict], path: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    keys = [k for k in HEADLINE if series(rows, k)]
+    keys = headline_keys(rows)
     fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.2 * len(keys)), squeeze=False)
     for ax, key in zip(axes[:, 0], keys):
         steps, values = zip(*series(rows, key))

@@ -1,7 +1,9 @@
 """One generation batch and the state that outlives it: what each producer (producers.py) runs.
 
 - `RolloutWorker.produce(index)`: sample prompts -> generate G completions each (seeded by
-  a hash of (run seed, batch index), so a resume remakes a batch exactly) -> rewards ->
+  a hash of (run seed, batch index), so a resume remakes a batch exactly; with an
+  environment, G multi-turn trajectories through `environments.driver.MultiTurnRollout`,
+  each sample's prompt then being its trajectory's start) -> rewards ->
   re-roll: re-queue the prompt of every group without signal (flat, or no score at all) at
   most `reroll_attempts` times, then count such a group as dropped. Under
   torchrun each rank generates and scores its share, then an all-gather gives every rank
@@ -23,7 +25,14 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
-from leangrpo.contracts import RolloutBatch, RolloutEngine, RolloutSample, SamplingParams
+from leangrpo.contracts import (
+    RolloutBatch,
+    RolloutEngine,
+    RolloutSample,
+    SamplingParams,
+    sample_prompt,
+)
+from leangrpo.environments.metrics import trajectory_metrics
 from leangrpo.pipeline.advantages import compute_advantages
 from leangrpo.pipeline.replay import ReplayBuffer, has_signal, is_flat
 from leangrpo.seeding import derive_seed
@@ -62,9 +71,11 @@ class RolloutWorker:
         reward_lock: threading.Lock | None = None,
         reroll_attempts: int = 0,  # 0 = re-roll off
         share=None,  # torchrun: a distributed.rollout.RankShare (this rank's slice + the exchange)
+        turns=None,  # multi-turn: an environments.driver.MultiTurnRollout over `engine`
     ):
         self.share = share
         self.engine = engine
+        self.turns = turns
         self.rewards = rewards
         self.sampler = sampler
         self.settings = settings
@@ -99,7 +110,7 @@ class RolloutWorker:
         t0 = time.perf_counter()
         params = _seeded(self.settings.sampling, self.settings.seed, index)
         start, stop = self.share.bounds(len(prompts)) if self.share else (0, len(prompts))
-        groups = self.engine.generate(
+        groups = (self.turns or self.engine).generate(
             prompts[start:stop],
             params,
             self.settings.group_size,
@@ -108,13 +119,14 @@ class RolloutWorker:
         )
         t1 = time.perf_counter()
         samples = [
-            RolloutSample(group_id=index * len(prompts) + start + i, prompt=p, completion=c)
+            RolloutSample(index * len(prompts) + start + i, sample_prompt(p, c), c)
             for i, (p, completions) in enumerate(zip(prompts[start:stop], groups))
             for c in completions
         ]
         with self.reward_lock:
             metrics = self.rewards.score(samples)
         metrics.update({"time/generate": t1 - t0, "time/rewards": time.perf_counter() - t1})
+        metrics.update(trajectory_metrics(samples))
         return samples, metrics
 
     def _reroll(self, groups: list[list[RolloutSample]]) -> tuple[float, float]:

@@ -8,7 +8,9 @@
   evaluator's on the main thread's), so every rank holds every batch.
 - Torchrun with vLLM servers: rank 0's producer behind a broadcast (`MainRankProducer`);
   rank 0 alone evaluates.
-See docs/ARCHITECTURE.md ("Distributed": "Generation").
+With an environment, the producer's worker and the evaluator generate through a
+multi-turn rollout over their engines (environments/driver.py), sharing one pool of
+environment workers. See docs/ARCHITECTURE.md ("Distributed": "Generation").
 """
 
 from __future__ import annotations
@@ -32,30 +34,34 @@ class Pipeline:
     share: RankShare | None = None  # the producer's share of each batch (torchrun, hf engine)
 
 
-def build_pipeline(cfg, ctx, engines, rewards, train_prompts, eval_prompts) -> Pipeline:
+def build_pipeline(
+    cfg, ctx, engines, rewards, train_prompts, eval_prompts, environments=None
+) -> Pipeline:
     """`cfg`: the run's Config; `engines` is None on torchrun ranks > 0 when rank 0
-    drives vLLM servers."""
+    drives vLLM servers; `environments` (environments.setup.Environments): multi-turn."""
     reward_lock = threading.Lock()  # the producer thread and evaluation share the pool
+    envs = environments
     if not ctx.distributed:
-        producer = _producer(cfg, engines, rewards, train_prompts, reward_lock)
-        return Pipeline(
-            producer, _evaluator(cfg, engines, rewards, eval_prompts, producer, reward_lock)
-        )
+        producer = _producer(cfg, engines, rewards, train_prompts, reward_lock, envs=envs)
+        evaluator = _evaluator(cfg, engines, rewards, eval_prompts, producer, reward_lock, envs)
+        return Pipeline(producer, evaluator)
     if cfg.rollout.engine == "hf":  # every rank its share
         share = RankShare(ctx, ctx.new_group())  # for the producer thread's exchanges
-        producer = _producer(cfg, engines, rewards, train_prompts, reward_lock, share)
+        producer = _producer(cfg, engines, rewards, train_prompts, reward_lock, share, envs)
         evaluator = _evaluator(
-            cfg, engines, rewards, eval_prompts, producer, reward_lock, RankShare(ctx)
+            cfg, engines, rewards, eval_prompts, producer, reward_lock, envs, RankShare(ctx)
         )
         return Pipeline(producer, evaluator, share)
     if engines is None:
         return Pipeline(MainRankProducer(None, ctx), None)
-    inner = _producer(cfg, engines, rewards, train_prompts, reward_lock)
-    evaluator = _evaluator(cfg, engines, rewards, eval_prompts, inner, reward_lock)
+    inner = _producer(cfg, engines, rewards, train_prompts, reward_lock, envs=envs)
+    evaluator = _evaluator(cfg, engines, rewards, eval_prompts, inner, reward_lock, envs)
     return Pipeline(MainRankProducer(inner, ctx), evaluator)
 
 
-def _evaluator(cfg, engines, rewards, prompts, producer, reward_lock, share=None) -> Evaluator:
+def _evaluator(
+    cfg, engines, rewards, prompts, producer, reward_lock, envs=None, share=None
+) -> Evaluator:
     same = engines.eval is engines.rollout
     return Evaluator(
         engines.eval,
@@ -66,10 +72,11 @@ def _evaluator(cfg, engines, rewards, prompts, producer, reward_lock, share=None
         reward_lock=reward_lock,
         shared_weights=engines.eval_shares_weights,
         share=share,
+        turns=envs.rollout(engines.eval) if envs is not None else None,
     )
 
 
-def _producer(cfg, engines, rewards, prompts, reward_lock, share=None):
+def _producer(cfg, engines, rewards, prompts, reward_lock, share=None, envs=None):
     pipe = cfg.pipeline
     streaming = pipe.mode == "async" and pipe.min_groups_per_step is not None
     chunk = pipe.min_groups_per_step if streaming else cfg.rollout.prompts_per_batch
@@ -91,6 +98,7 @@ def _producer(cfg, engines, rewards, prompts, reward_lock, share=None):
         reward_lock,
         reroll_attempts=pipe.reroll.max_attempts if pipe.reroll.enabled else 0,
         share=share,
+        turns=envs.rollout(engines.rollout) if envs is not None else None,
     )
     finisher = BatchFinisher(
         settings,

@@ -1,6 +1,8 @@
 """Evaluation on held-out prompts: generate, score with the same reward functions, average.
 
 Greedy by default (`eval.temperature = 0`), so the curve moves only when the policy does.
+With an environment, each prompt is a multi-turn trajectory (`turns`), and the
+trajectories' figures are logged as `eval/multiturn/*` (environments/metrics.py).
 Rewards that fail are counted and left out of the mean, as in training; means are
 overflow-safe like training's (rewards of +-1e308 average to a finite number, not nan).
 Under torchrun with per-rank engines (`share`), each rank evaluates its slice of the
@@ -12,7 +14,8 @@ from __future__ import annotations
 
 import threading
 
-from leangrpo.contracts import Prompt, RolloutSample, SamplingParams
+from leangrpo.contracts import Prompt, RolloutSample, SamplingParams, sample_prompt
+from leangrpo.environments.metrics import trajectory_metrics
 from leangrpo.pipeline.advantages import mean_std
 
 
@@ -28,9 +31,11 @@ class Evaluator:
         reward_lock: threading.Lock,
         shared_weights: bool,
         share=None,  # torchrun: a distributed.rollout.RankShare on the main thread's group
+        turns=None,  # multi-turn: an environments.driver.MultiTurnRollout over `engine`
     ):
         self.share = share
         self.engine = engine
+        self.turns = turns
         self.rewards = rewards
         limit = cfg.eval.num_prompts
         self.prompts = prompts[:limit] if limit else prompts
@@ -56,11 +61,11 @@ class Evaluator:
             if self.shared_weights:  # same weights object as the trainer: only the tag moves
                 self.engine.update_weights((), version)
             evaluated_version = self.engine.version
-            groups = self.engine.generate(
+            groups = (self.turns or self.engine).generate(
                 prompts, self.params, self.n, evaluated_version, prompt_offset=start
             )
         samples = [
-            RolloutSample(group_id=start + i, prompt=p, completion=c)
+            RolloutSample(start + i, sample_prompt(p, c), c)
             for i, (p, cs) in enumerate(zip(prompts, groups))
             for c in cs
         ]
@@ -80,6 +85,7 @@ def eval_metrics(samples: list[RolloutSample], version: int) -> dict[str, float]
         "eval/failures": float(len(samples) - len(scored)),
         "eval/completion_length": _mean([float(len(s.completion.ids)) for s in samples]),
         "eval/version": float(version),
+        **trajectory_metrics(samples, prefix="eval/multiturn"),
     }
     names = {name for s in samples for name in s.rewards}
     for name in sorted(names):

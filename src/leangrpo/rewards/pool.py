@@ -20,6 +20,10 @@ manager rather than a `ProcessPoolExecutor`, because an executor cannot stop a r
   on); a worker still silent `grace_s` later (stuck in C code) has its whole process tree
   killed and is replaced. `timeout_s` bounds one function on one chunk; chunks shrink once a
   function's speed is measured so that a chunk takes about a quarter of it.
+- Multi-turn trajectories: rewards also get the trajectory's columns (`trajectory_columns`);
+  the environment's reward terms are added to the total (weight 1) as `env/<name>`, and a
+  trajectory whose environment failed is unscored. With no reward function configured
+  (an environment gives the rewards) no worker is started.
 - `close()` may come from another thread while `score` runs (the trainer's shutdown): it
   kills every worker's tree at once and wakes the scoring thread, which raises
   PoolClosedError; it never waits for a reward's time limit. It also runs at exit.
@@ -112,7 +116,7 @@ class RewardPool:
         self._task_ids = 0
         self._seconds_per_sample: list[float | None] = [None] * len(self.specs)
         self._workers: list[WorkerProcess] = []
-        for slot in range(self.num_workers):
+        for slot in range(self.num_workers if self.specs else 0):  # none: env rewards only
             self._workers.append(self._spawn(slot))
         _LIVE_POOLS.add(self)
 
@@ -392,10 +396,28 @@ def _close_live_pools() -> None:
 
 
 def _payload(samples: list[RolloutSample]) -> tuple[list[str], list[str], dict[str, list]]:
-    """Prompts, completions and every data column as aligned lists (missing -> None)."""
+    """Prompts, completions and every data column as aligned lists (missing -> None);
+    with multi-turn trajectories also their columns (`trajectory_columns`)."""
     names = dict.fromkeys(name for s in samples for name in s.prompt.columns)
     columns = {name: [s.prompt.columns.get(name) for s in samples] for name in names}
+    if any(s.completion.trajectory is not None for s in samples):
+        columns.update(trajectory_columns(samples))
     return [s.prompt.text for s in samples], [s.completion.text for s in samples], columns
+
+
+def trajectory_columns(samples: list[RolloutSample]) -> dict[str, list]:
+    """What a reward sees of a multi-turn trajectory (a data column of the same name is
+    overridden): `messages` (the whole conversation: the start, each model turn's raw text
+    and the environment's replies), `num_turns`, `tool_calls` ({"name", "arguments"} each)
+    and `env_rewards` (the environment's reward terms); `completions` holds the last model
+    turn's text. None for a single-turn sample."""
+    trajectories = [s.completion.trajectory for s in samples]
+    return {
+        "messages": [t and t.messages for t in trajectories],
+        "num_turns": [t and sum(is_model for _, is_model in t.segments) for t in trajectories],
+        "tool_calls": [t and t.tool_calls for t in trajectories],
+        "env_rewards": [t and t.rewards for t in trajectories],
+    }
 
 
 def _apply_and_summarise(
@@ -414,14 +436,24 @@ def _apply_and_summarise(
     for i, sample in enumerate(samples):
         sample.rewards = {spec.key: values[f][i] for f, spec in enumerate(specs)}
         weighted = [(spec.weight, sample.rewards[spec.key]) for spec in specs if spec.weight != 0]
+        trajectory = sample.completion.trajectory
+        if trajectory is not None:  # the environment's reward terms, weight 1
+            for name, value in trajectory.rewards.items():
+                sample.rewards[f"env/{name}"] = value
+                weighted.append((1.0, value))
         total = None
-        if all(v is not None for _, v in weighted):
+        failed_environment = trajectory is not None and trajectory.error is not None
+        if all(v is not None for _, v in weighted) and not failed_environment:
             total = float(sum(w * v for w, v in weighted))
             if not math.isfinite(total):  # weights times huge values
                 total, overflowed = None, overflowed + 1
         sample.reward = total
     if overflowed:
         log.warning("%d weighted total rewards overflowed the float range: unscored", overflowed)
+    env_terms = sorted({k for s in samples for k in s.rewards if k.startswith("env/")})
+    for key in env_terms:
+        scored = [s.rewards[key] for s in samples if s.rewards.get(key) is not None]
+        metrics[f"reward/{key}/mean"] = mean_std(scored)[0]
     totals = [s.reward for s in samples if s.reward is not None]
     if totals:
         metrics["reward/mean"], metrics["reward/std"] = mean_std(totals)

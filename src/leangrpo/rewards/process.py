@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from leangrpo.rewards.protocol import FrameReader, Reply, parse_reply, pickle_fr
 
 log = logging.getLogger("leangrpo.rewards")
 
-_WORKER_CODE = "import sys; from leangrpo.rewards.worker import main; main()"
+WORKER_CODE = "import sys; from leangrpo.rewards.worker import main; main()"
 SEND_TIMEOUT_S = 30.0  # a worker that does not read its task for this long is broken
 _LINE_CHARS = 300
 
@@ -64,16 +65,27 @@ class OutputBudget:
 
 
 class WorkerProcess:
-    """One worker process, its socket and its output pipe."""
+    """One worker process, its socket and its output pipe. `code` is what the fresh
+    interpreter runs (a reward worker by default; environments/ starts its own workers),
+    `parse` how its replies are read (protocol.parse_reply by default)."""
 
-    def __init__(self, init: dict, label: str, budget: OutputBudget):
+    def __init__(
+        self,
+        init: dict,
+        label: str,
+        budget: OutputBudget,
+        *,
+        code: str = WORKER_CODE,
+        parse: Callable[[bytes], Any] = parse_reply,
+    ):
         self.label = label
         self.budget = budget
+        self.parse = parse
         parent, child = socket.socketpair()
         out_read, out_write = os.pipe()
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", _WORKER_CODE, str(child.fileno())],
+                [sys.executable, "-c", code, str(child.fileno())],
                 pass_fds=(child.fileno(),),
                 stdin=subprocess.DEVNULL,
                 stdout=out_write,
@@ -117,7 +129,7 @@ class WorkerProcess:
         except OSError as e:  # includes the send timeout
             raise WorkerGone(f"the worker stopped reading ({type(e).__name__})") from None
 
-    def receive(self) -> list[Reply]:
+    def receive(self) -> list[Reply] | list[Any]:
         """Whole replies received so far (call when the socket is readable).
         WorkerGone at EOF; protocol.ProtocolError for bytes that are not a valid reply."""
         try:
@@ -126,7 +138,7 @@ class WorkerProcess:
             raise WorkerGone(f"its channel broke ({type(e).__name__})") from None
         if not data:
             raise WorkerGone("the worker process exited")
-        return [parse_reply(payload) for payload in self.reader.feed(data)]
+        return [self.parse(payload) for payload in self.reader.feed(data)]
 
     def handles(self) -> list:
         """What to wait on: the socket, and the output pipe until its EOF."""

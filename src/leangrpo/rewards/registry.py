@@ -9,7 +9,9 @@ A name takes one of three forms:
 Every reward has the signature `fn(prompts, completions, **columns) -> list[float | None]`:
 `prompts` and `completions` are aligned lists of strings, each extra data column arrives as
 an aligned list under its own name, and the spec's `kwargs` are passed as keyword arguments
-too (a kwarg wins over a data column of the same name).
+too (a kwarg wins over a data column of the same name). Multi-turn trajectories add the
+columns `messages`, `num_turns`, `tool_calls` and `env_rewards` (pool.py
+`trajectory_columns`); `completions` is then each trajectory's last model turn.
 
 Functions travel to the worker processes as a `ResolvedReward` (name, resolved file path,
 kwargs) and are resolved there only, never in the trainer and never pickled: importing user
@@ -157,9 +159,7 @@ def _check_name(name: str) -> str | None:
 def parse_specs(rewards_cfg: Any) -> list[ResolvedReward]:
     """The configured functions as specs, after every check that imports nothing (names,
     files, built-in kwargs, weights). `check_rewards` adds the import check in a worker."""
-    functions = list(getattr(rewards_cfg, "functions", None) or [])
-    if not functions:
-        raise RewardSpecError("rewards.functions is empty; add at least one, e.g. {name: math}")
+    functions = list(getattr(rewards_cfg, "functions", None) or [])  # none: env rewards only
     specs: list[ResolvedReward] = []
     seen: dict[str, int] = {}
     for i, fn_cfg in enumerate(functions):

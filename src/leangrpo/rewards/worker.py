@@ -59,16 +59,18 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     code = 0
     try:
-        channel = _Channel(int(sys.argv[1]))
+        channel = Channel(int(sys.argv[1]))
         become_subreaper()
-        _exit_with_parent()
+        exit_with_parent()
         _serve(channel, pickle.loads(channel.recv()))
     except (EOFError, OSError):  # the pool closed, or user code broke the channel
         code = 3
     os._exit(code)  # no atexit handlers or non-daemon threads of user code to wait for
 
 
-class _Channel:
+class Channel:
+    """A worker's end of the socket pair: JSON frames out, pickled frames in."""
+
     def __init__(self, fd: int):
         try:
             high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, CHANNEL_FD_MIN)
@@ -85,7 +87,7 @@ class _Channel:
         return read_frame(self.sock)
 
 
-def _serve(channel: _Channel, init: dict) -> None:
+def _serve(channel: Channel, init: dict) -> None:
     sys.path[:0] = [p for p in init["sys_path"] if p not in sys.path]
     if init.get("memory_limit_mb"):
         limit = int(init["memory_limit_mb"]) << 20
@@ -94,7 +96,7 @@ def _serve(channel: _Channel, init: dict) -> None:
     functions = _resolve_all(channel, specs, warm_up=init["mode"] == "serve")
     if functions is None or init["mode"] != "serve":
         return
-    call = _LimitedCall(init["timeout_s"], init.get("cpu_time_limit_s"))
+    call = LimitedCall(init["timeout_s"], init.get("cpu_time_limit_s"))
     while True:
         task_id, fns, payload = pickle.loads(channel.recv())
         retire = False
@@ -110,7 +112,7 @@ def _serve(channel: _Channel, init: dict) -> None:
             return
 
 
-def _resolve_all(channel: _Channel, specs: list[ResolvedReward], warm_up: bool) -> list | None:
+def _resolve_all(channel: Channel, specs: list[ResolvedReward], warm_up: bool) -> list | None:
     functions = []
     for i, spec in enumerate(specs):
         channel.send({"t": "loading", "fn": i})
@@ -132,11 +134,12 @@ def _describe(exc: BaseException, spec: ResolvedReward) -> str:
     if isinstance(exc, SystemExit):
         return f"{where} called sys.exit({exc.code!r}) at import; a reward file must not exit"
     if isinstance(exc, RewardSpecError):
-        return _message(exc)
-    return f"importing {where} raised {type(exc).__name__}: {_message(exc)}"
+        return message(exc)
+    return f"importing {where} raised {type(exc).__name__}: {message(exc)}"
 
 
-def _message(exc: BaseException) -> str:
+def message(exc: BaseException) -> str:
+    """An exception's text on one line (a user exception whose __str__ fails included)."""
     try:
         return one_line(str(exc))
     except Exception:  # a user exception whose __str__ fails
@@ -189,11 +192,13 @@ class _Watchdog:
             self._fire()
 
 
-class _LimitedCall:
-    """Runs one reward call under the time and CPU limits; returns the reply to send."""
+class LimitedCall:
+    """Runs one call under the time and CPU limits: `run` a reward (the reply to send),
+    `invoke` any function (the environment worker's resets, steps and tools)."""
 
     def __init__(self, timeout_s: float, cpu_time_limit_s: float | None):
         self.timeout_s = timeout_s
+        self.limit_s = timeout_s  # the time limit of the call running now
         self.cpu_time_limit_s = cpu_time_limit_s
         self.active = False
         self.fired = False
@@ -220,26 +225,40 @@ class _LimitedCall:
             kill_descendants(os.getpid(), keep=self._before)
 
     def run(self, fn: Any, prompts: list, completions: list, kwargs: dict) -> dict:
-        self._arm()
         n = len(completions)  # before the call: a reward may mutate its lists (they are its own)
+        raw, error = self.invoke(fn, (prompts, completions), kwargs)
+        if error is not None:
+            return error
+        try:
+            values, errors = validate(raw, n)
+        except BadReturn as e:
+            return {"t": "error", "kind": "bad return", "msg": message(e)}
+        except BaseException as e:  # a returned object whose tolist() raises
+            return {"t": "error", "kind": type(e).__name__, "msg": message(e)}
+        return {"t": "result", "values": values, "errors": errors}
+
+    def invoke(
+        self, fn: Any, args: tuple, kwargs: dict, timeout_s: float | None = None
+    ) -> tuple[Any, dict | None]:
+        """fn(*args, **kwargs) under the limits (`timeout_s`, default the worker's): (its
+        return, None), or (None, an error reply {"t": "error", "kind", "msg"})."""
+        self._arm()
+        self.limit_s = self.timeout_s if timeout_s is None else timeout_s
         self._before = frozenset(descendants(os.getpid()) if has_children() else ())
         modules = len(sys.modules)  # new modules are appended: sys.modules is ordered
         self.interrupted_import = self.fired = False
         self._set_cpu_limit()
         self.active = True
-        self._watchdog.arm(self.timeout_s)
+        self._watchdog.arm(self.limit_s)
         try:
-            raw = fn(prompts, completions, **kwargs)
+            raw = fn(*args, **kwargs)
             if self.fired:
                 raise _Interrupted("timeout")
-            values, errors = validate(raw, n)
-            return {"t": "result", "values": values, "errors": errors}
+            return raw, None
         except _Interrupted as e:
-            return self._interrupted(e.kind, _importing(e) + list(sys.modules)[modules:])
-        except BadReturn as e:
-            return {"t": "error", "kind": "bad return", "msg": _message(e)}
+            return None, self._interrupted(e.kind, _importing(e) + list(sys.modules)[modules:])
         except BaseException as e:  # the user's exception, SystemExit and KeyboardInterrupt too
-            return {"t": "error", "kind": type(e).__name__, "msg": _message(e)}
+            return None, {"t": "error", "kind": type(e).__name__, "msg": message(e)}
         finally:
             self.active = False
             self._watchdog.disarm()
@@ -250,7 +269,7 @@ class _LimitedCall:
     def _interrupted(self, kind: str, modules: list[str]) -> dict:
         """`modules`: those being imported when the call was stopped, then those it added."""
         kill_descendants(os.getpid(), keep=self._before)
-        limit = self.timeout_s if kind == "timeout" else self.cpu_time_limit_s
+        limit = self.limit_s if kind == "timeout" else self.cpu_time_limit_s
         msg = f"{'timed out' if kind == 'timeout' else 'used its CPU time'} after {limit:g} s"
         if modules:
             self.interrupted_import = True
@@ -336,7 +355,7 @@ def _number(item: Any) -> float | None:
     return value
 
 
-def _exit_with_parent() -> None:
+def exit_with_parent() -> None:
     """If the trainer dies (it cannot close the pool), kill this worker's tree and exit."""
     parent = os.getppid()
 

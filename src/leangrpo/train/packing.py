@@ -13,6 +13,13 @@ completion is predicted by the prompt's last position. The row segmentation live
 `PrefixLayout` carried by `PrefixPackedBatch.prefix`; `cu_seqlens` keeps S + 1 entries (the
 cumulative logical lengths P_i + R_i) so that `num_sequences` is still the sample count.
 
+Multi-turn trajectories (`Completion.trajectory`): the completion holds the model's turns
+and the environment's segments between them; only the model's tokens get a
+`completion_index` / target, so every (T,) tensor (behaviour, old and reference log-probs,
+mask, token_seq) and every normaliser counts model tokens only. The environment's tokens
+sit in the row like prompt tokens: attended to, never predicted, no log-prob, no loss.
+`truncated` marks finish reasons "length" and "max_turns".
+
 Micro-batches: whole units (a sample, or a group when the prefix is shared) are assigned
 greedily, heaviest first, to the least loaded of k bins that still fits the token budget,
 k being the first-fit-decreasing bin count (a new bin opens when none fits). The load is
@@ -75,7 +82,9 @@ def pack_samples(
     seq_starts = torch.cumsum(seq_lens, 0) - seq_lens
     # position of the last prompt token = the one predicting completion token 0
     first_predictor = seq_starts + torch.tensor(prompt_lens) - 1
-    ints = _index_tensors(flat_ids, seq_lens, comp_lens, first_predictor, seq_lens)
+    ints = _index_tensors(
+        flat_ids, seq_lens, comp_lens, first_predictor, seq_lens, offsets=_model_offsets(samples)
+    )
     return _finish(samples, indices, ints, int(seq_lens.max()), device, PackedBatch, {})
 
 
@@ -116,28 +125,58 @@ def _pack_shared_prefix(samples, indices, device) -> PrefixPackedBatch:
         prompt_lens + torch.tensor(comp_lens),
         seg_pos0=seg_pos0,
         comp_starts=comp_starts,
+        offsets=_model_offsets(samples),
     )
     max_len = int((prompt_lens + torch.tensor(comp_lens)).max())
     return _finish(samples, indices, ints, max_len, device, PrefixPackedBatch, {"prefix": layout})
 
 
+def _model_offsets(samples: list[RolloutSample]) -> list[list[int]] | None:
+    """Per sample, the offsets in its completion of the tokens it is trained on: all of
+    them (single-turn), or a multi-turn trajectory's model tokens; None when no sample is
+    multi-turn (the offsets are then 0..R-1 and are built with tensor ops)."""
+    if all(s.completion.trajectory is None for s in samples):
+        return None
+    return [
+        list(range(len(s.completion.ids)))
+        if s.completion.trajectory is None
+        else s.completion.trajectory.model_offsets()
+        for s in samples
+    ]
+
+
 def _index_tensors(
-    flat_ids, seg_lens, comp_lens, first_predictor, logical_lens, *, seg_pos0=None, comp_starts=None
+    flat_ids,
+    seg_lens,
+    comp_lens,
+    first_predictor,
+    logical_lens,
+    *,
+    seg_pos0=None,
+    comp_starts=None,
+    offsets=None,
 ) -> dict[str, Tensor]:
-    """Row-level int64 tensors; `first_predictor[s]` predicts sequence s's first completion token."""
+    """Row-level int64 tensors; `first_predictor[s]` predicts sequence s's first completion
+    token. `offsets` (`_model_offsets`): the completion tokens that get a target; an
+    environment's tokens between them are context, like the prompt."""
     n = len(flat_ids)
     input_ids = torch.tensor(flat_ids, dtype=torch.int64)
     seg_starts = torch.cumsum(seg_lens, 0) - seg_lens
     pos0 = torch.zeros_like(seg_lens) if seg_pos0 is None else seg_pos0
     position_ids = torch.arange(n) - torch.repeat_interleave(seg_starts - pos0, seg_lens)
-    comp = torch.tensor(comp_lens, dtype=torch.int64)  # (S,)
+    if offsets is None:
+        comp = torch.tensor(comp_lens, dtype=torch.int64)  # (S,)
+        offset = torch.arange(int(comp.sum())) - torch.repeat_interleave(
+            torch.cumsum(comp, 0) - comp, comp
+        )
+    else:  # multi-turn: the model tokens' offsets in their completion
+        comp = torch.tensor([len(o) for o in offsets], dtype=torch.int64)
+        offset = torch.tensor(_concat(offsets), dtype=torch.int64)
     token_seq = torch.repeat_interleave(torch.arange(comp.numel()), comp)  # (T,)
-    offset = torch.arange(int(comp.sum())) - torch.repeat_interleave(
-        torch.cumsum(comp, 0) - comp, comp
-    )
     if comp_starts is None:  # plain rows: completion token t-1 sits right before token t
         completion_index = first_predictor[token_seq] + offset
     else:  # shared prefix: token 0 of every completion is predicted by the prompt's last position
+        # (a trajectory's first token is always a model token: offset 0)
         completion_index = torch.where(
             offset == 0, first_predictor[token_seq], comp_starts[token_seq] + offset - 1
         )
@@ -163,9 +202,7 @@ def _finish(samples, indices, ints, max_len, device, cls, extra) -> PackedBatch:
     """Add per-sequence fields and move everything in one int64 and one float32 transfer."""
     ints["sample_index"] = torch.tensor(indices, dtype=torch.int64)
     ints["versions"] = torch.tensor([s.completion.version for s in samples], dtype=torch.int64)
-    ints["truncated"] = torch.tensor(
-        [s.completion.finish_reason == "length" for s in samples], dtype=torch.int64
-    )
+    ints["truncated"] = torch.tensor([s.truncated for s in samples], dtype=torch.int64)
     floats = {
         "advantages": torch.tensor([float(s.advantage) for s in samples], dtype=torch.float32),
         "behaviour_logprobs": torch.tensor(
@@ -223,9 +260,17 @@ def _check_samples(samples: list[RolloutSample], sample_indices: list[int] | Non
                 f"sample {i} (group {s.group_id}) has an empty prompt or completion; "
                 "drop empty completions before packing (nothing to score)."
             )
-        if len(s.completion.logprobs) != len(s.completion.ids):
+        trajectory = s.completion.trajectory
+        if trajectory is not None and sum(n for n, _ in trajectory.segments) != len(
+            s.completion.ids
+        ):
             raise ValueError(
                 f"sample {i} (group {s.group_id}) has {len(s.completion.ids)} completion ids but "
+                f"segments of {sum(n for n, _ in trajectory.segments)}; the segments must cover the ids."
+            )
+        if len(s.completion.logprobs) != s.completion.num_model_tokens:
+            raise ValueError(
+                f"sample {i} (group {s.group_id}) has {s.completion.num_model_tokens} model tokens but "
                 f"{len(s.completion.logprobs)} behaviour log-probs; the engine must return one per token."
             )
 

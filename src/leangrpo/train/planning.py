@@ -124,7 +124,7 @@ def use_shared_prefix(
 ) -> bool:
     """packing.shared_prefix: 'auto' turns it on only where it was measured faster."""
     support = packed_support(policy.model)
-    if support is None or not support.prefix_kwarg or not samples:
+    if support is None or not support.prefix_kwarg or not samples or not _prompts_shared(samples):
         return False
     prompt_tokens = sum(len(s.prompt.ids) for s in samples)
     stats = {
@@ -132,6 +132,13 @@ def use_shared_prefix(
         "group_size": group_size,
     }
     return choose_shared_prefix(packing.shared_prefix, policy.attention_backend, stats)
+
+
+def _prompts_shared(samples: list[RolloutSample]) -> bool:
+    """Every group's samples start from one prompt (an environment whose reset is not a
+    function of the row and its seed may give a group's trajectories different ones)."""
+    first: dict[int, list[int]] = {}
+    return all(first.setdefault(s.group_id, s.prompt.ids) == s.prompt.ids for s in samples)
 
 
 def group_indices(samples: list[RolloutSample]) -> list[list[int]]:

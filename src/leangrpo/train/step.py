@@ -52,9 +52,7 @@ def train_step(
 
     `cfg`: the run's Config (its loss, logprobs, rollout and train sections)."""
     real = [mb for mb in micro_batches if not mb.padding]
-    norm = normalisers(
-        real, cfg.loss, cfg.rollout.max_new_tokens, ranks.world_size, ranks.all_reduce
-    )
+    norm = normalisers(real, cfg.loss, cfg.model_token_budget(), ranks.world_size, ranks.all_reduce)
     on_device = []  # per micro-batch: (loss, loss metrics, IS metrics), 0-d tensors
     sums_offload: dict[str, float] = defaultdict(float)
     for mb in micro_batches:

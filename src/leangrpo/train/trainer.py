@@ -42,6 +42,7 @@ from leangrpo.contracts import RolloutBatch
 from leangrpo.data.prompts import load_prompts
 from leangrpo.distributed.context import DistContext, init_distributed
 from leangrpo.distributed.strategy import choose_strategy
+from leangrpo.environments.setup import start_environments
 from leangrpo.errors import RunError
 from leangrpo.model.files import check_model_files
 from leangrpo.model.policy import Policy, load_policy, load_tokenizer
@@ -92,6 +93,8 @@ class Trainer:
             self.stop_signal = 0  # the signal the ranks agreed to stop on (0: none)
             self._build(cfg)
         except BaseException:
+            if getattr(self, "environments", None) is not None:
+                self.environments.close()
             self.checked.release()
             raise
 
@@ -105,6 +108,10 @@ class Trainer:
         tokenizer = load_tokenizer(cfg.model)
         prompts = load_prompts(cfg.data, tokenizer, cfg.run.seed, limit)
         check_micro_batch(prompts.train, cfg)
+        # multi-turn: environment workers, the chat template and a probe reset, still
+        # before the model loads
+        generates = not (ctx.distributed and cfg.rollout.engine == "vllm" and not ctx.is_main)
+        self.environments = start_environments(cfg, tokenizer, prompts.train) if generates else None
         started = start_shared_engine(cfg, strategy.device)  # vLLM first: the policy views it
         shared = started.build_policy(cfg, tokenizer, strategy.device) if started else None
         self.policy: Policy = shared or load_policy(
@@ -129,7 +136,9 @@ class Trainer:
         self.sync_every_version = cfg.generates_with_live_weights() or (
             engines is not None and engines.rollout_shares_weights
         )
-        pipeline = build_pipeline(cfg, ctx, engines, self.rewards, prompts.train, prompts.eval)
+        pipeline = build_pipeline(
+            cfg, ctx, engines, self.rewards, prompts.train, prompts.eval, self.environments
+        )
         self.producer, self.evaluator = pipeline.producer, pipeline.evaluator
         self.share = pipeline.share
         with ctx.phase("checkpoint"):
@@ -438,6 +447,8 @@ class Trainer:
             self.strategy.stop_producer(self.producer, self.share)
         if self.rewards is not None:
             self.rewards.close()
+        if self.environments is not None:  # a producer stepping environments stops too
+            self.environments.close()
         self.producer.close()
         if self.engines is not None:
             self.engines.close()
@@ -469,10 +480,7 @@ def rollout_metrics(batch: RolloutBatch, trainer_version: int) -> dict[str, floa
     return {
         "completions/mean_length": float(np.mean(lengths)),
         "completions/max_length": float(max(lengths)),
-        "completions/truncated_frac": sum(
-            s.completion.finish_reason == "length" for s in batch.samples
-        )
-        / n,
+        "completions/truncated_frac": sum(s.truncated for s in batch.samples) / n,
         "staleness/consumed_max": float(max(stale)),
         "samples/unscored": float(sum(s.reward is None for s in batch.samples)),
         "samples/replayed": float(sum(s.replayed for s in batch.samples)),
@@ -489,10 +497,19 @@ def staleness_metrics(versions: list[int], version: int) -> dict[str, float]:
 def sample_rows(batch: RolloutBatch, groups: int = 2, per_group: int = 3) -> list[dict]:
     """A few completions of the first groups: what the model writes and how it is scored."""
     return [
-        {"prompt": s.prompt.text, "completion": s.completion.text, "reward": s.reward}
+        {"prompt": s.prompt.text, "completion": _shown(s), "reward": s.reward}
         for group in batch.groups()[:groups]
         for s in group[:per_group]
     ]
+
+
+def _shown(sample) -> str:
+    """A completion as logged: its text, or a trajectory's turns and replies by role."""
+    trajectory = sample.completion.trajectory
+    if trajectory is None:
+        return sample.completion.text
+    turns = trajectory.messages[len(sample.prompt.messages or []) :]
+    return " | ".join(f"{m['role']}: {m['content']}" for m in turns)
 
 
 def train(

@@ -28,7 +28,8 @@ Choices:
   process generating the whole batch draws (given the same logits). Only running rows
   draw, in row order, so when finished rows leave the batch changes no draw.
 - A row finishes on an EOS id (kept in its ids: the policy must learn to stop), on a stop
-  string in its decoded text (the completing token is kept), or at max_new_tokens.
+  string in its decoded text (the completing token is kept), or at max_new_tokens (or its
+  own limit, `max_new`: the turns of multi-turn trajectories have budgets of their own).
 - Stop strings are checked on the whole decoded completion of each running row after
   each step (exact, as vLLM's result; a suffix-only check could miss a string that a
   tokenizer decodes differently in context).
@@ -90,12 +91,16 @@ def decode(
     eos_ids: set[int],
     generator: torch.Generator | Sequence[torch.Generator] | None,
     stop_text=None,  # callable(ids) -> decoded text, needed when params.stop
+    max_new: Sequence[int] | None = None,
 ) -> list[DecodedRow]:
     """B * n rows (prompt-major) of at most params.max_new_tokens tokens each.
 
     `generator`: one stream for the whole call, or one per prompt (B of them).
+    `max_new`: each row's own limit instead (B * n of them; multi-turn trajectories).
     """
-    capacity = input_ids.shape[1] + params.max_new_tokens
+    longest = params.max_new_tokens if max_new is None else max(max_new)
+    caps = [longest] * (input_ids.shape[0] * n) if max_new is None else list(max_new)
+    capacity = input_ids.shape[1] + longest
     cache, cache_kwarg = _new_cache(model, capacity), _cache_kwarg(model)
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
     logits = _forward(model, cache_kwarg, input_ids, attention_mask, positions, cache)  # (B, V)
@@ -108,7 +113,7 @@ def decode(
     rows = list(range(len(out)))
     state = _Running(rows, attention_mask, positions[:, -1], input_ids[:0, 0], list(rows))
     steps: list[tuple[list[int], torch.Tensor]] = []  # (rows, log-probs) per step
-    for t in range(params.max_new_tokens):
+    for t in range(longest):
         live_logits = logits if state.live_index is None else logits[state.live_index]
         live_rows = [state.rows[i] for i in state.live]
         tokens, logprobs = _sample_rows(live_logits, params, generator, live_rows, n)  # (live,)
@@ -117,8 +122,9 @@ def decode(
         if host and min(host) < 0:
             raise RuntimeError("the model's logits are not finite: no token can be sampled")
         running = [i for i, token in zip(state.live, host)
-                   if not _finished(out[state.rows[i]], token, eos_ids, params.stop, stop_text)]  # fmt: skip
-        if not running or t + 1 == params.max_new_tokens:
+                   if not _finished(out[state.rows[i]], token, eos_ids, params.stop, stop_text)
+                   and len(out[state.rows[i]].ids) < caps[state.rows[i]]]  # fmt: skip
+        if not running or t + 1 == longest:
             break
         _advance(state, cache, tokens, running)
         logits = _forward(

@@ -28,6 +28,9 @@ Choices:
   hidden per-engine counter takes part, so evaluations or a resume in between change
   nothing. The global RNG streams are never read or seeded, so an async producer thread
   cannot race the trainer's dropout masks.
+- Multi-turn (`generate_turns`): one request per trajectory's turn, each with its own seed
+  and token budget (a (b,) limit in decode.py), batched across trajectories; the whole
+  prefix is prefilled again each turn (no KV cache kept across turns).
 - share_weights=True generates with the caller's model object (sync training: weight sync
   only moves the version tag); train mode and gradient checkpointing flags are restored
   afterwards. share_weights=False deep-copies the model at construction (async generation
@@ -47,7 +50,13 @@ from contextlib import contextmanager
 
 import torch
 
-from leangrpo.contracts import Completion, EngineVersionError, Prompt, SamplingParams
+from leangrpo.contracts import (
+    Completion,
+    EngineVersionError,
+    Prompt,
+    SamplingParams,
+    TurnRequest,
+)
 from leangrpo.rollout.hf.decode import DecodedRow, decode
 from leangrpo.rollout.sampling import check_sampling
 from leangrpo.seeding import derive_seed
@@ -137,6 +146,48 @@ class HFEngine:
                     )
                 ]
 
+    def generate_turns(
+        self, requests: list[TurnRequest], params: SamplingParams, version: int
+    ) -> list[Completion]:
+        """One completion per request (a turn of a multi-turn trajectory), tagged with
+        `version`: request i sampled from its own seed (a generator of its own; none given:
+        from the OS) and at most its own max_new_tokens, batched `max_batch_size` at a time."""
+        check_sampling(params.temperature, params.top_k, params.top_p, params.min_p)
+        for i, request in enumerate(requests):
+            if not request.ids or request.max_new_tokens < 1:
+                raise ValueError(f"turn request {i} needs token ids and max_new_tokens >= 1")
+        prompts = [Prompt(i, "", list(r.ids)) for i, r in enumerate(requests)]
+        with self._lock:
+            self._check_open()
+            if version != self._version:
+                raise EngineVersionError(
+                    f"asked to generate with policy version {version}, "
+                    f"but this engine holds version {self._version}"
+                )
+            generators = None if params.temperature == 0 else [
+                self._seeded_generator(r.seed) for r in requests
+            ]  # fmt: skip
+            with _generation_mode(self.model), torch.no_grad():
+                return [
+                    group[0]
+                    for start, chunk in self._chunks(prompts, 1)
+                    for group in self._generate_chunk(
+                        chunk,
+                        params,
+                        1,
+                        _chunk_of(generators, start, len(chunk)),
+                        [r.max_new_tokens for r in requests[start : start + len(chunk)]],
+                    )
+                ]
+
+    def _seeded_generator(self, seed: int | None) -> torch.Generator:
+        generator = torch.Generator(device=self.device)
+        if seed is None:
+            generator.seed()  # from the OS: the global RNG stays untouched
+        else:
+            generator.manual_seed(seed)
+        return generator
+
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
     ) -> None:
@@ -208,7 +259,7 @@ class HFEngine:
             yield start, prompts[start : start + per_chunk]
 
     def _generate_chunk(
-        self, prompts: list[Prompt], params: SamplingParams, n: int, generator
+        self, prompts: list[Prompt], params: SamplingParams, n: int, generator, max_new=None
     ) -> list[list[Completion]]:
         input_ids, attention_mask = self._left_pad(prompts)  # (B, P) each
         copies = n if params.temperature == 0 else 1  # greedy: one sample, n identical copies
@@ -218,9 +269,10 @@ class HFEngine:
             attention_mask,
             params,
             n // copies,
-            eos_ids=_eos_ids(self.model, self.tokenizer),
+            eos_ids=eos_token_ids(self.model, self.tokenizer),
             generator=generator,
             stop_text=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+            max_new=max_new,
         )
         texts = self.tokenizer.batch_decode([row.ids for row in rows], skip_special_tokens=True)
         completions = [self._completion(row, text, params) for row, text in zip(rows, texts)]
@@ -327,7 +379,7 @@ def _hf_model(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def _eos_ids(model, tokenizer) -> set[int]:
+def eos_token_ids(model, tokenizer) -> set[int]:
     """The model's generation eos ids, else its config's, else the tokenizer's."""
     inner = _hf_model(model)
     for eos in (

@@ -32,7 +32,7 @@ prompts round-robin. Both implement `contracts.RolloutEngine`:
   with negative staleness).
 - Seeds: `params.seed` is the batch's seed; prompt i is seeded `seeding.prompt_seed`, a
   hash with 16 low bits free for vLLM's per-sample `seed + k`, so no two samples of a run
-  share a seed.
+  share a seed. A multi-turn turn (`generate_turns`) is one request with its own seed.
 
 vLLM is imported lazily, so this module imports without it.
 """
@@ -46,10 +46,11 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from leangrpo.contracts import Completion, EngineVersionError, Prompt, SamplingParams
+from leangrpo.contracts import Completion, EngineVersionError, Prompt, SamplingParams, TurnRequest
 from leangrpo.rollout.vllm.client import ServerPool, client_token, start_local_server
 from leangrpo.rollout.vllm.files import (
     DEFAULT_BUCKET_BYTES,
@@ -217,6 +218,36 @@ class VLLMEngine:
         ids = [p.ids for p in prompts]
         groups = self.backend.generate(ids, params, n, version, seeds, run=self.run_id)
         check_groups(groups, len(prompts), n, version)
+        return groups
+
+    def generate_turns(
+        self, requests: list[TurnRequest], params: SamplingParams, version: int
+    ) -> list[Completion]:
+        """One completion per request (a multi-turn trajectory's turn): one vLLM request
+        each, n = 1, seeded with the request's seed, at most its own max_new_tokens (the
+        requests of one budget go together; prefix caching makes their shared prefixes
+        cheap)."""
+        by_budget: dict[int, list[int]] = {}
+        for i, request in enumerate(requests):
+            by_budget.setdefault(request.max_new_tokens, []).append(i)
+        out: list[Completion | None] = [None] * len(requests)
+        for budget, indices in by_budget.items():
+            ids = [requests[i].ids for i in indices]
+            seeds = [requests[i].seed for i in indices]
+            turn_params = replace(params, max_new_tokens=budget, seed=None)
+            for i, (completion,) in zip(indices, self._generate_turns(ids, turn_params, version, seeds)):
+                out[i] = completion
+        return out
+
+    def _generate_turns(self, ids, params, version, seeds) -> list[list[Completion]]:
+        held = self.version
+        if version != held:
+            raise EngineVersionError(
+                f"generation requested for policy version {version}, but the engine holds version {held}"
+            )
+        seeds = None if any(seed is None for seed in seeds) else seeds
+        groups = self.backend.generate(ids, params, 1, version, seeds, run=self.run_id)
+        check_groups(groups, len(ids), 1, version)
         return groups
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:

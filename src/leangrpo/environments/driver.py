@@ -1,0 +1,256 @@
+"""The multi-turn rollout: model turns from the engine, replies from the environments.
+
+`MultiTurnRollout.generate(prompts, params, n, version, prompt_offset)` has an engine's
+call shape (the producer and the evaluator call it as they call `engine.generate`) and
+returns one `Completion` per trajectory, n per prompt, each with its `Trajectory`.
+
+One call = P prompts x n trajectories, all made together in rounds:
+1. reset: a session per trajectory in the environment workers, seeded per prompt
+   (`derive_seed(batch seed, prompt index)`: the n trajectories of a prompt start alike);
+   its messages (or the prompt's own) rendered with the tools: the trajectory's prompt ids;
+2. round k: one `TurnRequest` per live trajectory, its ids so far, its own seed
+   (`derive_seed(batch seed, version, trajectory index, k)`: a trajectory's draws do not
+   depend on which others are still live) and its own budget, min(rollout.max_new_tokens,
+   max_total_tokens - its length); one engine call generates every turn of the round
+   (hf: batched across trajectories and groups; vLLM: one request each);
+3. every turn that ended on EOS (or a stop string) goes to its environment, all of the
+   round's steps at once; each reply becomes an environment segment (rendering.py);
+4. a trajectory ends when its environment says done ('stop'), a turn is cut at its budget
+   or the reply would leave no room ('length'), after max_turns turns ('max_turns'), or when
+   its environment or the rendering fails ('error': unscored, counted);
+5. finish: each environment's closing reward terms; the sessions end.
+Rounds keep the batch deterministic (exact resume, async at staleness 0 = sync): the
+slowest environment step of a round delays the next one. Weights change only between
+batches, so every turn of a trajectory has the same version (recorded per turn anyway;
+the completion's version is the oldest).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import Counter
+from dataclasses import dataclass, field
+
+from leangrpo.contracts import (
+    Completion,
+    FinishReason,
+    Prompt,
+    SamplingParams,
+    Trajectory,
+    TurnEngine,
+    TurnRequest,
+)
+from leangrpo.environments.pool import EnvironmentPool, Outcome
+from leangrpo.environments.rendering import Conversation, NotIncremental, Renderer
+from leangrpo.seeding import SEED_BITS, derive_seed
+
+
+@dataclass(frozen=True)
+class TurnLimits:
+    max_turns: int
+    max_total_tokens: int
+
+
+@dataclass
+class _Live:
+    """One trajectory being made."""
+
+    index: int  # in the generation batch: (prompt index) x n + sample
+    prompt: Prompt
+    session: int
+    conversation: Conversation | None = None
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    text: str = ""  # the last model turn's text, as the engine decoded it
+    calls: list[dict] = field(default_factory=list)
+    rewards: Counter = field(default_factory=Counter)
+    metrics: Counter = field(default_factory=Counter)
+    stats: Counter = field(default_factory=Counter)
+    finish: FinishReason | None = None
+    error: str | None = None
+    session_open: bool = True
+
+    def end(self, finish: FinishReason, error: str | None = None) -> None:
+        self.finish, self.error = finish, error
+
+
+class MultiTurnRollout:
+    """An engine's `generate`, made of turns: see the module docstring."""
+
+    def __init__(
+        self,
+        engine: TurnEngine,
+        pool: EnvironmentPool,
+        renderer: Renderer,
+        limits: TurnLimits,
+        eos_ids: set[int],
+    ):
+        self.engine = engine
+        self.pool = pool
+        self.renderer = renderer
+        self.limits = limits
+        self.eos_ids = set(eos_ids)
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def generate(
+        self,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        n: int,
+        version: int,
+        prompt_offset: int = 0,
+    ) -> list[list[Completion]]:
+        seed = params.seed if params.seed is not None else secrets.randbits(SEED_BITS)
+        live = self._reset(prompts, n, seed, prompt_offset)
+        for turn in range(self.limits.max_turns):
+            going = [t for t in live if t.finish is None]
+            if not going:
+                break
+            stepping = self._model_turns(going, params, version, seed, turn)
+            self._environment_turns(stepping, turn)
+        self._finish(live)
+        completions = [self._completion(t, version) for t in live]
+        return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    # -- the rounds ------------------------------------------------------------------------
+    def _reset(self, prompts: list[Prompt], n: int, seed: int, offset: int) -> list[_Live]:
+        sessions = self.pool.new_sessions(len(prompts) * n)
+        live = [
+            _Live((offset + p) * n + g, prompt, sessions[p * n + g])
+            for p, prompt in enumerate(prompts)
+            for g in range(n)
+        ]
+        items = []
+        for t in live:
+            if t.prompt.messages is None:
+                raise ValueError(
+                    f"prompt uid={t.prompt.uid} has no chat messages; multi-turn needs data.chat_template: true"
+                )
+            prompt_index = t.index // n
+            items.append((t.session, t.prompt.messages, dict(t.prompt.columns), derive_seed(seed, prompt_index)))
+        for t, outcome in zip(live, self.pool.reset(items)):
+            self._start(t, outcome)
+        return live
+
+    def _start(self, t: _Live, outcome: Outcome) -> None:
+        if outcome.error is not None:
+            t.session_open = False
+            t.end("error", f"reset failed: {outcome.error}")
+            return
+        messages = outcome.ok["messages"]
+        start = t.prompt.messages if messages is None else messages
+        try:
+            t.conversation = self.renderer.start(start)
+        except Exception as e:  # the template cannot render the environment's start
+            t.end("error", f"the chat template cannot render the reset messages: {e}")
+            return
+        if t.conversation.num_tokens >= self.limits.max_total_tokens:
+            t.end("error", f"the prompt has {t.conversation.num_tokens} tokens, no room within environment.max_total_tokens = {self.limits.max_total_tokens}")  # fmt: skip
+
+    def _model_turns(
+        self, going: list[_Live], params: SamplingParams, version: int, seed: int, turn: int
+    ) -> list[tuple[_Live, str]]:
+        total = self.limits.max_total_tokens
+        requests = [
+            TurnRequest(
+                t.conversation.prompt_ids + t.conversation.ids,
+                derive_seed(seed, version, t.index, turn),
+                min(params.max_new_tokens, total - t.conversation.num_tokens),
+            )
+            for t in going
+        ]
+        stepping = []
+        for t, c in zip(going, self.engine.generate_turns(requests, params, version)):
+            t.versions.append(c.version)
+            t.logprobs.extend(c.logprobs)
+            t.text = c.text
+            t.stats["turns"] += 1
+            stopped_on_eos = c.finish_reason == "stop" and c.ids[-1] in self.eos_ids
+            content = t.conversation.add_model_turn(c.ids, stopped_on_eos)
+            if c.finish_reason == "stop":
+                stepping.append((t, content))
+            else:  # cut at its budget (or the engine failed): nothing to answer
+                t.end("length" if c.finish_reason == "length" else "error")
+        return stepping
+
+    def _environment_turns(self, stepping: list[tuple[_Live, str]], turn: int) -> None:
+        outcomes = self.pool.step([(t.session, content, turn) for t, content in stepping])
+        for (t, _), outcome in zip(stepping, outcomes):
+            if outcome.error is not None:
+                t.session_open = False
+                t.end("error", f"step failed: {outcome.error}")
+                continue
+            ok = outcome.ok
+            t.rewards.update(ok["rewards"])
+            t.metrics.update(ok["metrics"])
+            t.stats.update(ok["counts"])
+            t.stats["env_s"] += ok["seconds"]
+            t.calls.extend(ok["calls"])
+            if ok["done"]:
+                t.end("stop")
+            elif turn + 1 == self.limits.max_turns:
+                t.end("max_turns")
+            else:
+                self._reply(t, ok["reply"])
+
+    def _reply(self, t: _Live, reply: list[dict]) -> None:
+        reply, stripped = self.renderer.sanitised(reply)
+        t.stats["control_tokens_stripped"] += stripped
+        room = self.limits.max_total_tokens - t.conversation.num_tokens
+        try:
+            added = t.conversation.add_reply(reply, room)
+        except NotIncremental as e:
+            t.end("error", f"the chat template cannot be rendered turn by turn: {e}")
+            return
+        except Exception as e:  # the template itself refused the reply (a role it lacks)
+            t.end("error", f"the chat template cannot render the reply: {type(e).__name__}: {e}")
+            return
+        if added is None:  # the reply leaves no room for another turn
+            t.conversation.messages.extend(reply)  # the conversation as the environment saw it
+            t.end("length")
+
+    def _finish(self, live: list[_Live]) -> None:
+        open_ = [t for t in live if t.session_open]
+        outcomes = self.pool.finish([(t.session, t.finish or "max_turns") for t in open_])
+        for t, outcome in zip(open_, outcomes):
+            if t.finish is None:
+                t.end("max_turns")
+            if outcome.error is not None:
+                t.end("error", f"finish failed: {outcome.error}")
+                continue
+            t.rewards.update(outcome.ok["rewards"])
+            t.metrics.update(outcome.ok["metrics"])
+            t.stats["env_s"] += outcome.ok["seconds"]
+
+    def _completion(self, t: _Live, version: int) -> Completion:
+        conversation = t.conversation
+        messages = conversation.messages if conversation else list(t.prompt.messages or [])
+        segments = conversation.segments if conversation else []
+        model_tokens = sum(n for n, is_model in segments if is_model)
+        t.stats["model_tokens"] = model_tokens
+        t.stats["env_tokens"] = sum(n for n, _ in segments) - model_tokens
+        trajectory = Trajectory(
+            segments=list(segments),
+            turn_versions=list(t.versions),
+            messages=messages,
+            tool_calls=t.calls,
+            rewards=dict(t.rewards),
+            metrics=dict(t.metrics),
+            stats={k: float(v) for k, v in t.stats.items()},
+            error=t.error,
+        )
+        if conversation is not None:  # the sample's prompt: what the trajectory starts from
+            p = t.prompt
+            start = conversation.messages[: conversation.start_messages]
+            trajectory.start = Prompt(p.uid, conversation.start_text, list(conversation.prompt_ids), p.columns, start)
+        return Completion(
+            ids=list(conversation.ids) if conversation else [],
+            text=t.text,
+            logprobs=t.logprobs,
+            finish_reason=t.finish or "error",
+            version=min(t.versions, default=version),
+            trajectory=trajectory,
+        )

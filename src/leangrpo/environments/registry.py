@@ -1,0 +1,106 @@
+"""Names of environments, tools and tool parsers, resolved in an environment worker.
+
+    environment.name   'tools' | 'verifiers' | 'pkg.module:Class' | 'path/to/file.py:Class'
+    environment.tools  'pkg.module:function' | 'path/to/file.py:function', each
+    tool_parser        'hermes' | 'pkg.module:function' | 'path/to/file.py:function'
+
+Like reward functions (rewards/registry.py, whose loader this uses), they are imported in
+worker processes only: user code never runs in the trainer. `EnvironmentSpec` is what
+travels to a worker; `spec_of(cfg.environment)` checks what needs no import (the forms,
+that files exist) in the trainer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from leangrpo.errors import UserError
+
+BUILTIN_ENVIRONMENTS = ("tools", "verifiers")
+FORMS = "'pkg.module:Name' or 'path/to/file.py:Name'"
+
+
+class EnvironmentSpecError(UserError):
+    """The configured environment, a tool or the parser cannot be used (one sentence)."""
+
+
+@dataclass(frozen=True)
+class EnvironmentSpec:
+    """The environment section as a worker needs it (paths absolute)."""
+
+    name: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: tuple[str, ...] = ()
+    parser: str = "hermes"
+
+
+def spec_of(env_cfg: Any) -> EnvironmentSpec:
+    """The section's names checked without importing anything; files made absolute."""
+    name = _checked(env_cfg.name, "environment.name", BUILTIN_ENVIRONMENTS)
+    tools = tuple(_checked(t, f"environment.tools[{i}]", ()) for i, t in enumerate(env_cfg.tools))
+    parser = _checked(env_cfg.tool_parser, "environment.tool_parser", ("hermes",))
+    return EnvironmentSpec(name, dict(env_cfg.kwargs), tools, parser)
+
+
+def _checked(name: str, key: str, builtins: tuple[str, ...]) -> str:
+    if name in builtins:
+        return name
+    target, sep, attr = name.rpartition(":")
+    if not sep or not target or not attr.isidentifier():
+        known = f"{', '.join(repr(b) for b in builtins)} or " if builtins else ""
+        raise EnvironmentSpecError(f"{key} = {name!r} is not a name leangrpo knows; use {known}{FORMS}")
+    if target.endswith(".py"):
+        path = Path(target).expanduser().resolve()
+        if not path.is_file():
+            raise EnvironmentSpecError(f"{key} = {name!r}: file {path} not found")
+        return f"{path}:{attr}"
+    if not all(part.isidentifier() for part in target.split(".")):
+        raise EnvironmentSpecError(f"{key} = {name!r}: {target!r} is not a module name")
+    return name
+
+
+def load(name: str, key: str) -> Any:
+    """The object `name` ('module:attr' or 'file.py:attr') names (worker side)."""
+    from leangrpo.rewards import RewardSpecError, resolve
+
+    try:
+        return resolve(_checked(name, key, ()))
+    except RewardSpecError as e:
+        raise EnvironmentSpecError(f"{key} = {name!r}: {e}") from None
+
+
+def environment_class(spec: EnvironmentSpec) -> Callable[..., Any]:
+    """The class (or factory) that makes one environment per trajectory (worker side)."""
+    if spec.name == "tools":
+        from leangrpo.environments.protocol import ToolEnvironment
+
+        return ToolEnvironment
+    if spec.name == "verifiers":
+        from leangrpo.environments.adapters.verifiers import VerifiersEnvironment
+
+        return VerifiersEnvironment
+    return load(spec.name, "environment.name")
+
+
+def tool_functions(spec: EnvironmentSpec) -> list[Callable]:
+    tools = []
+    for i, name in enumerate(spec.tools):
+        fn = load(name, f"environment.tools[{i}]")
+        if not callable(fn):
+            raise EnvironmentSpecError(f"environment.tools[{i}] = {name!r} is not a function")
+        tools.append(fn)
+    return tools
+
+
+def tool_parser(spec: EnvironmentSpec) -> Callable[[str], Any]:
+    if spec.parser == "hermes":
+        from leangrpo.environments.tools import parse_hermes
+
+        return parse_hermes
+    fn = load(spec.parser, "environment.tool_parser")
+    if not callable(fn):
+        raise EnvironmentSpecError(f"environment.tool_parser = {spec.parser!r} is not a function")
+    return fn

@@ -1,0 +1,291 @@
+"""Token-exact trajectories: a conversation rendered turn by turn with the chat template.
+
+A trajectory is one sequence, `prompt | model_1 | env_1 | model_2 | ... | model_K`:
+- the prompt is the tokenisation of the rendered start messages with the generation prompt;
+- a model turn is the engine's ids, verbatim (never re-tokenised: sampled text need not
+  re-encode to the same ids), EOS included when the turn stopped on it. Its text (decoded
+  with special tokens, the EOS cut off) is the assistant message the conversation holds;
+- an environment segment is the tokenisation of what the template adds between two model
+  turns: the rest of the turn's closing after the EOS (ChatML: "\\n"; none for the demo's
+  template), the reply messages, and the next generation prompt; the difference of two
+  renderings of the conversation.
+After the last model turn nothing is added (the closing is never trained on, as single-turn).
+
+That is exact only where every rendering is a prefix of the next one and the model's turn
+sits between the generation prompt and the turn's closing, which starts with the EOS the
+engine stopped on. Each environment segment checks this (string comparisons); a failure
+ends the trajectory (`NotIncremental`, finish reason 'error'). At start-up, `check_template`
+renders a probe conversation (with the reply roles the environment produces) turn by turn
+and compares the ids with the tokenisation of the whole conversation: a template that
+rewrites earlier turns (e.g. one stripping `<think>` from history), closes a turn without
+the EOS, or whose cuts change the tokens is refused with one sentence naming it. A template
+that renders the same text with and without `tools=` is refused too: tools would silently
+never reach the model (SmolLM2's does; `environment.chat_template: chatml-hermes` is a
+bundled ChatML template with Hermes tool calls).
+
+The tokenizer's special-token strings are removed from reply contents before rendering
+(counted: `control_tokens_stripped`), so a tool's output cannot forge a turn boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from leangrpo.errors import UserError
+
+# ChatML with Hermes tool calls: the Qwen2.5-Instruct template (tools listed as JSON in the
+# system turn, calls in <tool_call> tags, tool replies grouped into one user turn in
+# <tool_response> tags), with a neutral default system message.
+CHATML_HERMES = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\n<tool_call>\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- message.content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+BUNDLED_TEMPLATES = {"chatml-hermes": CHATML_HERMES}
+
+
+class TemplateError(UserError):
+    """The chat template cannot render this environment's conversations token-exactly."""
+
+
+class NotIncremental(ValueError):
+    """Appending a turn changed what was rendered before (a trajectory ends with 'error')."""
+
+
+def load_template(spec: str | None) -> str | None:
+    """environment.chat_template: None (the tokenizer's), a bundled name, or a file."""
+    if spec is None:
+        return None
+    if spec in BUNDLED_TEMPLATES:
+        return BUNDLED_TEMPLATES[spec]
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise TemplateError(
+            f"environment.chat_template = {spec!r} is neither a bundled template ({', '.join(BUNDLED_TEMPLATES)}) nor a file"
+        )
+    return path.read_text()
+
+
+class Renderer:
+    """The run's tokenizer, template and tools: renders and tokenises conversations."""
+
+    def __init__(self, tokenizer: Any, tools: list[dict] | None = None, template: str | None = None):
+        self.tokenizer = tokenizer
+        self.tools = tools or None
+        self.template = template
+        self.name = getattr(tokenizer, "name_or_path", None) or "the tokenizer"
+        specials = getattr(tokenizer, "all_special_tokens", None) or []
+        self.special_strings = sorted({s for s in specials if s}, key=len, reverse=True)
+
+    def render(self, messages: list[dict], generation_prompt: bool) -> str:
+        kwargs = {} if self.template is None else {"chat_template": self.template}
+        return self.tokenizer.apply_chat_template(
+            messages, tools=self.tools, add_generation_prompt=generation_prompt,
+            tokenize=False, **kwargs,
+        )  # fmt: skip
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def start(self, messages: list[dict]) -> Conversation:
+        text = self.render(messages, generation_prompt=True)
+        start = [dict(m) for m in messages]
+        return Conversation(self, start, text, self.encode(text), len(start), text)
+
+    def sanitised(self, messages: list[dict]) -> tuple[list[dict], int]:
+        """Reply messages with the special-token strings removed from their contents."""
+        out, stripped = [], 0
+        for m in messages:
+            content = m.get("content", "")
+            for special in self.special_strings:
+                if special in content:
+                    stripped += content.count(special)
+                    content = content.replace(special, "")
+            out.append({**m, "content": content})
+        return out, stripped
+
+
+@dataclass
+class Conversation:
+    """One trajectory's conversation so far and its token segments."""
+
+    renderer: Renderer
+    messages: list[dict]
+    text: str  # the rendering so far, ending with the generation prompt
+    prompt_ids: list[int]
+    start_messages: int  # the first messages: what the trajectory starts from
+    start_text: str  # their rendering (the prompt's text)
+    ids: list[int] = field(default_factory=list)  # after the prompt: model and env tokens
+    segments: list[tuple[int, bool]] = field(default_factory=list)
+    _closing: tuple[str, str] | None = None  # (content, EOS text or "") of the last turn
+
+    def add_model_turn(self, ids: list[int], stopped_on_eos: bool) -> str:
+        """The engine's ids, verbatim; returns the turn's text (the assistant message)."""
+        tokenizer = self.renderer.tokenizer
+        text = tokenizer.decode(ids, skip_special_tokens=False)
+        eos_text = tokenizer.decode(ids[-1:], skip_special_tokens=False) if stopped_on_eos else ""
+        content = text[: len(text) - len(eos_text)] if eos_text and text.endswith(eos_text) else text
+        self.ids.extend(ids)
+        self.segments.append((len(ids), True))
+        self.messages.append({"role": "assistant", "content": content})
+        self._closing = (content, eos_text)
+        return content
+
+    def add_reply(self, reply: list[dict], room: int | None = None) -> list[int] | None:
+        """Append the environment segment for `reply` and return its ids; when it would
+        leave fewer than one token of `room` for the next turn, add nothing: None."""
+        content, eos_text = self._closing
+        renderer = self.renderer
+        closed = renderer.render(self.messages, generation_prompt=False)
+        if not closed.startswith(self.text + content):
+            raise NotIncremental(
+                "the rendering with the new assistant turn does not start with the previous "
+                "rendering followed by the turn's text"
+            )
+        closing = closed[len(self.text) + len(content) :]
+        if eos_text:
+            if not closing.startswith(eos_text):
+                raise NotIncremental(
+                    f"the template closes an assistant turn with {closing[:20]!r}, not with the "
+                    f"EOS {eos_text!r} the engine stopped on"
+                )
+            closing = closing[len(eos_text) :]
+        following = renderer.render([*self.messages, *reply], generation_prompt=True)
+        if not following.startswith(closed):
+            raise NotIncremental(
+                "appending the environment's reply changes the rendering of earlier turns"
+            )
+        env_ids = renderer.encode(closing + following[len(closed) :])
+        if room is not None and len(env_ids) >= room:
+            return None
+        self.messages.extend(dict(m) for m in reply)
+        self.text = following
+        self.ids.extend(env_ids)
+        self.segments.append((len(env_ids), False))
+        return env_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.ids)
+
+
+# -- the start-up check ---------------------------------------------------------------------
+
+# reasoning first: a template that drops it from earlier turns (Qwen3's, before the last
+# user message) is caught
+PROBE_THINK = "<think>\nAdd the numbers.\n</think>\n\n"
+PROBE_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 12, "b": 30}}\n</tool_call>'
+
+
+def probe_conversation(replies: list[str]) -> tuple[list[dict], list[tuple[str, list[dict] | None]]]:
+    """A conversation with every reply role the environment produces (then the end)."""
+    start = [
+        {"role": "system", "content": "You add numbers."},
+        {"role": "user", "content": "What is 12 + 30?"},
+    ]
+    turns: list[tuple[str, list[dict] | None]] = []
+    for role in dict.fromkeys(replies or ["user"]):
+        if role == "tool":
+            turns.append((PROBE_THINK + PROBE_CALL, [{"role": "tool", "name": "add", "content": "42"}]))
+        else:
+            turns.append((PROBE_THINK + "It is 42.", [{"role": role, "content": "And 1 + 1?"}]))
+    turns.append(("2", None))
+    return start, turns
+
+
+def check_template(renderer: Renderer, replies: list[str], eos_id: int | None) -> None:
+    """Refuse, in one sentence, a template that cannot render this environment's
+    conversations turn by turn, token for token (see the module docstring)."""
+    tokenizer, name = renderer.tokenizer, renderer.name
+    if renderer.template is None and getattr(tokenizer, "chat_template", None) is None:
+        raise TemplateError(
+            f"{name} has no chat template, which a multi-turn conversation is rendered with; set environment.chat_template (e.g. chatml-hermes for a ChatML model)"
+        )
+    if eos_id is None:
+        raise TemplateError(f"{name} has no EOS token, so a model turn cannot end")
+    try:
+        _check_tools_listed(renderer)
+        start, turns = probe_conversation(replies)
+        conversation = renderer.start(start)
+        for assistant, reply in turns:
+            conversation.add_model_turn(renderer.encode(assistant) + [eos_id], stopped_on_eos=True)
+            if reply is not None:
+                conversation.add_reply(reply)
+        whole = renderer.encode(renderer.render(conversation.messages, generation_prompt=False))
+    except NotIncremental as e:
+        raise TemplateError(f"the chat template of {name} cannot be rendered turn by turn: {e}") from None
+    except TemplateError:
+        raise
+    except Exception as e:  # the template itself raised (e.g. on a role it does not know)
+        raise TemplateError(
+            f"the chat template of {name} fails on a conversation with {', '.join(dict.fromkeys(replies))} replies: {type(e).__name__}: {e}"
+        ) from None
+    got = conversation.prompt_ids + conversation.ids
+    if whole[: len(got)] != got:  # the last turn's closing is not part of the trajectory
+        i = next((i for i, (a, b) in enumerate(zip(got, whole)) if a != b), min(len(got), len(whole)))
+        raise TemplateError(
+            f"the chat template of {name} cannot be rendered turn by turn: the tokens of the turn-by-turn rendering differ from the whole conversation's at token {i} ({tokenizer.decode(whole[max(0, i - 3) : i + 3])!r})"
+        )
+
+
+def _check_tools_listed(renderer: Renderer) -> None:
+    if not renderer.tools:
+        return
+    user = [{"role": "user", "content": "x"}]
+    without = Renderer(renderer.tokenizer, None, renderer.template)
+    if renderer.render(user, True) == without.render(user, True):
+        raise TemplateError(
+            f"the chat template of {renderer.name} ignores tools= (it renders the same text with and without them), so the model would never see its tools; set environment.chat_template to a template that lists them (e.g. chatml-hermes)"
+        )

@@ -1,0 +1,105 @@
+"""What a run with an environment builds at start-up, before the model loads.
+
+`start_environments(cfg, tokenizer, prompts)`: the environment workers (importing the
+environment, its tools and parser: a failure is one line), the chat template checked
+against the environment's replies and tools (rendering.py `check_template`), and one
+probe trajectory reset and finished on the first train prompt, so an environment whose
+reset fails stops the run here with one line rather than unscoring every sample later.
+`Environments.rollout(engine)` is then the multi-turn rollout over an engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from leangrpo.contracts import Prompt, TurnEngine
+from leangrpo.environments.driver import MultiTurnRollout, TurnLimits
+from leangrpo.environments.pool import EnvironmentPool
+from leangrpo.environments.registry import EnvironmentSpecError
+from leangrpo.environments.rendering import Renderer, TemplateError, check_template, load_template
+
+log = logging.getLogger("leangrpo.environments")
+
+
+@dataclass
+class Environments:
+    pool: EnvironmentPool
+    renderer: Renderer
+    limits: TurnLimits
+    eos_ids: set[int]
+
+    def rollout(self, engine: Any) -> MultiTurnRollout:
+        if not isinstance(engine, TurnEngine):
+            raise TypeError(
+                f"{type(engine).__name__} cannot generate turns (generate_turns): multi-turn rollouts need the hf or vllm engine"
+            )
+        return MultiTurnRollout(engine, self.pool, self.renderer, self.limits, self.eos_ids)
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def start_environments(cfg: Any, tokenizer: Any, prompts: list[Prompt]) -> Environments | None:
+    """None without an environment section; see the module docstring."""
+    env_cfg = cfg.environment
+    if env_cfg is None:
+        return None
+    pool = EnvironmentPool(env_cfg)
+    try:
+        renderer = Renderer(tokenizer, pool.tools, load_template(env_cfg.chat_template))
+        eos_ids = generation_eos_ids(cfg, tokenizer)
+        _check_template(renderer, pool.replies, eos_ids)
+        if prompts:
+            _probe(pool, prompts[0], env_cfg.name)
+    except BaseException:
+        pool.close()
+        raise
+    limits = TurnLimits(env_cfg.max_turns, env_cfg.max_total_tokens)
+    log.info(
+        "environment %s: %d workers, tools %s",
+        env_cfg.name,
+        pool.num_workers,
+        ", ".join(t.get("function", t).get("name", "?") for t in pool.tools) or "none",
+    )
+    return Environments(pool, renderer, limits, eos_ids)
+
+
+def generation_eos_ids(cfg: Any, tokenizer: Any) -> set[int]:
+    """The ids a turn stops on: the model's generation config's EOS (what the engines stop
+    on), else the tokenizer's."""
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(
+            cfg.model.name_or_path, revision=cfg.model.revision
+        ).eos_token_id
+    except (OSError, ValueError):
+        eos = None
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None}
+
+
+def _check_template(renderer: Renderer, replies: list[str], eos_ids: set[int]) -> None:
+    """Passes when the template renders incrementally with one of the EOS ids (Llama 3
+    stops on two; its template closes turns with one)."""
+    first: TemplateError | None = None
+    for eos in sorted(eos_ids) or [None]:
+        try:
+            check_template(renderer, replies, eos)
+            return
+        except TemplateError as e:
+            first = first or e
+    raise first
+
+
+def _probe(pool: EnvironmentPool, prompt: Prompt, name: str) -> None:
+    (session,) = pool.new_sessions(1)
+    (outcome,) = pool.reset([(session, prompt.messages or [], dict(prompt.columns), 0)])
+    if outcome.error is not None:
+        raise EnvironmentSpecError(
+            f"environment.name = {name!r}: reset failed on train prompt row {prompt.uid}: {outcome.error}"
+        )
+    pool.finish([(session, "stop")])

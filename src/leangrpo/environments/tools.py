@@ -1,0 +1,176 @@
+"""Tools: schemas from type hints and docstrings, calls parsed from the model's turn.
+
+- Schemas: `tool_schema(fn)` is `transformers.utils.get_json_schema` (the JSON the chat
+  template's `tools=` lists), its errors made one sentence naming the function.
+- Calls: the default parser (`environment.tool_parser: hermes`) reads the format Qwen2.5,
+  Qwen3 and Hermes templates ask for, JSON in tags, one block per call:
+  `<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>`; arguments given
+  as a JSON string are decoded (some models write them so). A block that is not valid
+  JSON, lacks a name or has arguments that are not an object, and an unclosed block (a
+  turn cut short), are parse errors; the text outside the blocks is the turn's content.
+  Any other parser is a function `parse(text) -> (content, calls, errors)` (calls as
+  {"name", "arguments"} dicts), resolved in the environment worker.
+- Results: `tool_messages(parsed, tools, call)` gives one tool message per call, and one
+  per parse error: the result as text, or `error: ...` for an unknown tool, wrong
+  arguments or a tool that raised or timed out (`call` runs the tool under its limit in
+  the worker), counted per tool (calls of tools that do not exist under `<unknown>`: the
+model does not get to name metrics). Nothing a tool does reaches the trainer's process.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+MAX_ERROR_CHARS = 300
+UNKNOWN = "<unknown>"  # calls of a tool that does not exist are counted under this name
+
+
+class ToolError(ValueError):
+    """A tool cannot be offered (no type hints or docstring), or a parser returned garbage."""
+
+
+class ToolCallFailed(Exception):
+    """A tool raised, timed out or used its CPU time (the message names which)."""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass
+class ParsedTurn:
+    content: str  # the text outside the tool-call blocks, stripped
+    calls: list[ToolCall] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # one line per block that did not parse
+
+
+def tool_schema(fn: Callable) -> dict[str, Any]:
+    """The JSON schema the chat template lists for `fn` (transformers' get_json_schema)."""
+    from transformers.utils import get_json_schema
+
+    try:
+        return get_json_schema(fn)
+    except Exception as e:  # DocstringParsingException, TypeHintParsingException: plain Exceptions
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise ToolError(
+            f"tool {name} cannot be offered to the model: {e} (a tool needs type hints and a "
+            "docstring with an Args: line per argument)"
+        ) from None
+
+
+def parse_hermes(text: str) -> ParsedTurn:
+    """Hermes / Qwen2.5 tool calls: JSON objects {"name", "arguments"} in <tool_call> tags."""
+    calls, errors = [], []
+    for match in HERMES_BLOCK.finditer(text):
+        call, error = _hermes_call(match.group(1))
+        if call is not None:
+            calls.append(call)
+        else:
+            errors.append(error)
+    rest = HERMES_BLOCK.sub("", text)
+    if "<tool_call>" in rest:  # a block the turn never closed (cut by max_new_tokens)
+        errors.append("unclosed <tool_call> block")
+        rest = rest.split("<tool_call>")[0]
+    return ParsedTurn(rest.strip(), calls, errors)
+
+
+def _hermes_call(body: str) -> tuple[ToolCall | None, str]:
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError as e:
+        return None, f"tool call is not valid JSON ({e.msg} at char {e.pos})"
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None, 'tool call needs {"name": <string>, "arguments": <object>}'
+    arguments = obj.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None, "tool call arguments are a string that is not JSON"
+    if not isinstance(arguments, dict):
+        return None, "tool call arguments must be a JSON object"
+    return ToolCall(obj["name"], arguments), ""
+
+
+def parsed_turn(value: Any) -> ParsedTurn:
+    """A user parser's return, (content, calls, errors) or a ParsedTurn, checked."""
+    if isinstance(value, ParsedTurn):
+        return value
+    if not isinstance(value, (tuple, list)) or len(value) != 3:
+        raise ToolError(
+            f"the tool parser returned {type(value).__name__}; return (content, calls, errors)"
+        )
+    content, calls, errors = value
+    checked = []
+    for call in calls:
+        name = call.get("name") if isinstance(call, dict) else getattr(call, "name", None)
+        arguments = call.get("arguments") if isinstance(call, dict) else getattr(call, "arguments", None)  # fmt: skip
+        if not isinstance(name, str) or not isinstance(arguments, dict):
+            raise ToolError(
+                'the tool parser returned a call that is not {"name": str, "arguments": dict}'
+            )
+        checked.append(ToolCall(name, arguments))
+    return ParsedTurn(str(content), checked, [str(e) for e in errors])
+
+
+def tool_messages(
+    parsed: ParsedTurn,
+    tools: dict[str, Callable],
+    call: Callable[[Callable, dict], Any],
+    counts: Counter,
+    max_calls: int = 16,
+) -> list[dict[str, str]]:
+    """One tool message per parse error and per call, in order; `counts` gets
+    `tool_calls`, `tool_errors` and the same per tool (`tool_calls/<name>`, ...). Calls
+    beyond `max_calls` in one turn are not run (an error message each)."""
+    out = []
+    for error in parsed.errors:
+        out.append({"role": "tool", "content": f"error: {error}"})
+        counts["tool_errors"] += 1
+        counts["parse_errors"] += 1
+    for k, c in enumerate(parsed.calls):
+        if k >= max_calls:
+            out.append({"role": "tool", "name": c.name,
+                        "content": f"error: more than {max_calls} tool calls in one turn"})  # fmt: skip
+            counts["tool_errors"] += 1
+            continue
+        fn, failed = tools.get(c.name), True
+        name = c.name if fn is not None else UNKNOWN  # metric names: the tools', not the model's
+        counts["tool_calls"] += 1
+        counts[f"tool_calls/{name}"] += 1
+        if fn is None:
+            text = f"error: unknown tool {c.name!r}; tools: {', '.join(tools) or 'none'}"
+        else:
+            try:
+                text, failed = _as_text(call(fn, c.arguments)), False
+            except ToolCallFailed as e:  # the worker's limited call: already described
+                text = one_line(f"error: {e}")
+            except Exception as e:  # noqa: BLE001  model-written arguments: any failure is a message
+                text = one_line(f"error: {type(e).__name__}: {e}")
+        if failed:
+            counts["tool_errors"] += 1
+            counts[f"tool_errors/{name}"] += 1
+        out.append({"role": "tool", "name": c.name, "content": text})
+    return out
+
+
+def _as_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def one_line(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."

@@ -1,0 +1,178 @@
+"""The environment workers' replies: the same frames as the reward workers'
+(rewards/protocol.py: pickles from the trainer, length-prefixed JSON back), with their own
+schema. Environments and tools run model-written input, so the trainer decodes nothing but
+JSON from a worker and refuses anything off this schema (`ProtocolError`: the worker is
+replaced and the trajectories it held end with an error).
+
+    {"t": "ready", "tools": [schema, ...], "replies": [role, ...]}   set up
+    {"t": "init_error", "msg": s}                                    could not set up
+    {"t": "item", "task": k, "i": j, "ok": {...}}                    item j of task k done
+    {"t": "item", "task": k, "i": j, "error": s}                     item j failed
+  (`"retire": true` on a task's last item: the worker exits after it)
+
+An item's "ok" payload, by the task's operation:
+
+    reset   {"messages": [message, ...] | null}
+    step    {"reply": [message, ...], "done": bool, "rewards": {name: x}, "metrics": {...},
+             "counts": {name: x}, "calls": [{"name": s, "arguments": {...}}], "seconds": x}
+    finish  {"rewards": {...}, "metrics": {...}, "seconds": x}
+
+A message is {"role": s, "content": s} with optional "name" and "tool_call_id" strings.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from leangrpo.rewards.protocol import ProtocolError, one_line
+
+MESSAGE_KEYS = {"role", "content", "name", "tool_call_id"}
+MAX_NAMES = 256  # reward terms, metrics or counts in one item
+
+
+@dataclass(frozen=True)
+class Ready:
+    tools: list[dict[str, Any]]
+    replies: list[str]
+
+
+@dataclass(frozen=True)
+class InitError:
+    msg: str
+
+
+@dataclass(frozen=True)
+class Item:
+    task: int
+    index: int
+    ok: dict[str, Any] | None  # the payload, checked; None when the item failed
+    error: str | None
+    retire: bool = False
+
+
+EnvReply = Ready | InitError | Item
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not a finite number")
+
+
+def parse_env_reply(payload: bytes) -> EnvReply:
+    """Decode and check one reply (the operation's payload is checked by `checked`)."""
+    try:
+        message = json.loads(payload.decode("utf-8"), parse_constant=_no_constants)
+        kind = message["t"]
+        if kind == "ready":
+            return Ready(_schemas(message["tools"]), [_text(r) for r in _list(message["replies"])])
+        if kind == "init_error":
+            return InitError(_text(message["msg"]))
+        if kind == "item":
+            ok, error = message.get("ok"), message.get("error")
+            if (ok is None) == (error is None) or (ok is not None and type(ok) is not dict):
+                raise ProtocolError("invalid message from the environment worker: bad item")
+            return Item(
+                _index(message["task"]),
+                _index(message["i"]),
+                ok,
+                None if error is None else _text(error),
+                message.get("retire") is True,
+            )
+        raise ProtocolError(f"invalid message from the environment worker: kind {kind!r}")
+    except ProtocolError:
+        raise
+    except Exception as e:  # any malformed input, including RecursionError and KeyError
+        raise ProtocolError(
+            f"invalid message from the environment worker: {one_line(repr(e), 120)}"
+        ) from None
+
+
+def checked(op: str, ok: dict[str, Any]) -> dict[str, Any]:
+    """An item's payload for operation `op`, checked against the schema (ProtocolError)."""
+    try:
+        if op == "reset":
+            messages = ok["messages"]
+            return {"messages": None if messages is None else _messages(messages)}
+        out = {
+            "rewards": _numbers(ok["rewards"]),
+            "metrics": _numbers(ok["metrics"]),
+            "seconds": _number(ok["seconds"]),
+        }
+        if op == "finish":
+            return out
+        if type(ok["done"]) is not bool:
+            raise ProtocolError("done must be true or false")
+        calls = [_call(c) for c in _list(ok["calls"])]
+        return {**out, "reply": _messages(ok["reply"]), "done": ok["done"],
+                "counts": _numbers(ok["counts"]), "calls": calls}  # fmt: skip
+    except ProtocolError as e:
+        raise ProtocolError(f"invalid {op} reply from the environment worker: {e}") from None
+    except Exception as e:
+        raise ProtocolError(
+            f"invalid {op} reply from the environment worker: {one_line(repr(e), 120)}"
+        ) from None
+
+
+def _list(value: Any) -> list:
+    if type(value) is not list:
+        raise ProtocolError("a list was expected")
+    return value
+
+
+def _index(value: Any) -> int:
+    if type(value) is not int or value < 0:
+        raise ProtocolError(f"{value!r} is not an index")
+    return value
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ProtocolError("text was expected")
+    return one_line(value)
+
+
+def _number(value: Any) -> float:
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise ProtocolError(f"{one_line(repr(value), 60)} is not a finite number")
+    return float(value)
+
+
+def _numbers(value: Any) -> dict[str, float]:
+    if type(value) is not dict or len(value) > MAX_NAMES:
+        raise ProtocolError("a mapping of names to numbers was expected")
+    out = {}
+    for key, number in value.items():
+        if not key or len(key) > 100:
+            raise ProtocolError(f"bad name {one_line(repr(key), 60)}")
+        out[key] = _number(number)
+    return out
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    out = []
+    for message in _list(value):
+        if type(message) is not dict or not set(message) <= MESSAGE_KEYS:
+            raise ProtocolError(f"a message has keys other than {sorted(MESSAGE_KEYS)}")
+        if not {"role", "content"} <= set(message):
+            raise ProtocolError("a message needs a role and a content")
+        if not all(isinstance(v, str) for v in message.values()):
+            raise ProtocolError("a message's role, content and name must be strings")
+        out.append(dict(message))
+    return out
+
+
+def _call(value: Any) -> dict[str, Any]:
+    if type(value) is not dict or not isinstance(value.get("name"), str):
+        raise ProtocolError('a call must be {"name": str, "arguments": {...}}')
+    if type(value.get("arguments")) is not dict:
+        raise ProtocolError("a call's arguments must be an object")
+    return {"name": value["name"], "arguments": value["arguments"]}
+
+
+def _schemas(value: Any) -> list[dict[str, Any]]:
+    schemas = _list(value)
+    if not all(type(s) is dict for s in schemas):
+        raise ProtocolError("tool schemas must be objects")
+    return schemas

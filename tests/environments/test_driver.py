@@ -1,0 +1,171 @@
+"""The multi-turn rollout (environments/driver.py) on the tool demo's model and the real hf
+engine: trajectories are the engine's ids and the rendered replies, token for token; each
+trajectory has its own seed and budget; the limits end trajectories with their finish
+reasons; an environment's failure ends its trajectory; its reward terms are summed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.configs import ROOT
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from leangrpo.config.environment import EnvironmentConfig
+from leangrpo.contracts import Prompt, SamplingParams
+from leangrpo.environments.driver import MultiTurnRollout, TurnLimits
+from leangrpo.environments.pool import EnvironmentPool
+from leangrpo.environments.rendering import Renderer
+from leangrpo.rollout.hf.engine import HFEngine
+from leangrpo.seeding import derive_seed
+
+TOOLS_MODEL = ROOT / "examples" / "tools_demo" / "model"
+CALCULATOR = str(ROOT / "examples" / "tools_demo" / "calculator.py") + ":add"
+PAIRS = [(395, 136), (548, 622), (586, 556), (689, 736), (951, 434), (244, 673)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(TOOLS_MODEL)
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer):
+    model = AutoModelForCausalLM.from_pretrained(TOOLS_MODEL, dtype=torch.float32)
+    return HFEngine(model.eval(), tokenizer)
+
+
+@pytest.fixture(scope="module")
+def pools():
+    made = {}
+
+    def get(name: str, **fields) -> EnvironmentPool:
+        key = (name, repr(sorted(fields.items())))
+        if key not in made:
+            made[key] = EnvironmentPool(EnvironmentConfig(name=name, num_workers=2, **fields))
+        return made[key]
+
+    yield get
+    for pool in made.values():
+        pool.close()
+
+
+def prompts(n: int = len(PAIRS)) -> list[Prompt]:
+    out = []
+    for uid, (a, b) in enumerate(PAIRS[:n]):
+        messages = [{"role": "user", "content": f"{a}+{b}="}]
+        out.append(Prompt(uid, f"{a}+{b}=", [0], {"answer": str(a + b)}, messages))
+    return out
+
+
+class Recording:
+    """The engine, keeping every turn it generated (request ids -> completion)."""
+
+    def __init__(self, engine):
+        self.engine, self.turns = engine, []
+
+    @property
+    def version(self):
+        return self.engine.version
+
+    def generate_turns(self, requests, params, version):
+        out = self.engine.generate_turns(requests, params, version)
+        self.turns.extend(zip(requests, out))
+        return out
+
+
+def rollout(engine, tokenizer, pool, max_turns=3, max_total=192, **engine_kw):
+    renderer = Renderer(tokenizer, pool.tools)
+    limits = TurnLimits(max_turns, max_total)
+    return MultiTurnRollout(engine, pool, renderer, limits, {tokenizer.eos_token_id})
+
+
+PARAMS = SamplingParams(temperature=1.0, max_new_tokens=64, seed=3)
+
+
+def test_trajectories_are_the_engines_ids_and_the_rendered_replies(engine, tokenizer, pools):
+    pool = pools("tools", tools=[CALCULATOR])
+    recording = Recording(engine)
+    groups = rollout(recording, tokenizer, pool).generate(prompts(), PARAMS, 8, 0)
+    completions = [c for g in groups for c in g]
+    assert sum(bool(c.trajectory.tool_calls) for c in completions) >= 3  # some called the tool
+    by_seed = {r.seed: (r, c) for r, c in recording.turns}  # one seed per trajectory and turn
+    for index, c in enumerate(completions):
+        t = c.trajectory
+        ids = t.start.ids + c.ids
+        # (a) the whole conversation's tokenisation (this tokenizer is canonical)
+        text = tokenizer.apply_chat_template(t.messages, tools=pool.tools, tokenize=False)
+        assert tokenizer(text, add_special_tokens=False).input_ids == ids
+        # (b) each model segment is the engine's turn, verbatim, with its log-probs
+        pos, logprobs, turn = len(t.start.ids), [], 0
+        for n, is_model in t.segments:
+            if is_model:
+                request, out = by_seed[derive_seed(PARAMS.seed, 0, index, turn)]
+                assert request.ids == ids[:pos] and ids[pos : pos + n] == out.ids
+                logprobs += out.logprobs
+                turn += 1
+            pos += n
+        assert logprobs == c.logprobs and len(c.logprobs) == t.num_model_tokens
+        assert c.text == out.text
+        assert c.finish_reason == "stop" and t.turn_versions == [0] * len(t.turn_versions)
+        calls = len(t.tool_calls)
+        assert t.stats["turns"] == calls + 1 and t.stats.get("tool_calls", 0) == calls
+
+
+def test_a_group_starts_from_one_prompt_and_a_batch_is_reproducible(engine, tokenizer, pools):
+    pool = pools("support.environments:Puzzle", kwargs={"turns": 2})
+    made = rollout(engine, tokenizer, pool).generate(prompts(3), PARAMS, 4, 0, prompt_offset=5)
+    again = rollout(engine, tokenizer, pool).generate(prompts(3), PARAMS, 4, 0, prompt_offset=5)
+    starts = [[c.trajectory.start.ids for c in g] for g in made]
+    assert all(s == g[0] for g in starts for s in g)  # the reset is seeded per prompt
+    assert len({tuple(g[0]) for g in starts}) == 3
+    assert [[c.ids for c in g] for g in made] == [[c.ids for c in g] for g in again]
+    puzzle = made[0][0].trajectory.start.messages[0]["content"]
+    assert puzzle.startswith("puzzle ") and puzzle.endswith("for 531")
+
+
+def test_a_trajectory_samples_the_same_whichever_others_share_its_rounds(engine, tokenizer, pools):
+    """Per-trajectory seeds: a torchrun rank's share (prompt_offset) makes the trajectories
+    the whole batch makes, though other trajectories end at other rounds."""
+    one_at_a_time = HFEngine(engine.model, tokenizer, max_batch_size=1)  # bitwise forwards
+    pool = pools("tools", tools=[CALCULATOR])
+    whole = rollout(one_at_a_time, tokenizer, pool).generate(prompts(4), PARAMS, 3, 0)
+    part = rollout(one_at_a_time, tokenizer, pool).generate(prompts(4)[2:], PARAMS, 3, 0, 2)
+    assert [[c.ids for c in g] for g in whole[2:]] == [[c.ids for c in g] for g in part]
+
+
+def test_limits_end_trajectories_with_their_finish_reasons(engine, tokenizer, pools):
+    pool = pools("support.environments:Forever")
+    out = rollout(engine, tokenizer, pool, max_turns=2, max_total=1000).generate(prompts(2), PARAMS, 4, 0)
+    for c in (c for g in out for c in g):
+        assert c.finish_reason in ("max_turns", "length")
+        if c.finish_reason == "max_turns":
+            assert [m for _, m in c.trajectory.segments] == [True, False, True]
+    tight = rollout(engine, tokenizer, pool, max_turns=5, max_total=60).generate(prompts(2), PARAMS, 4, 0)
+    for c in (c for g in tight for c in g):
+        assert c.finish_reason == "length" and c.trajectory.segments[-1][1]  # ends on a model turn
+        assert len(c.trajectory.start.ids) + len(c.ids) <= 60
+
+
+def test_reward_terms_are_summed_and_failures_end_their_trajectory(engine, tokenizer, pools):
+    pool = pools("support.environments:Again", kwargs={"turns": 2})
+    (group,) = rollout(engine, tokenizer, pool, max_total=1000).generate(prompts(1), PARAMS, 2, 0)
+    for c in group:
+        t = c.trajectory
+        if c.finish_reason == "stop":
+            assert t.rewards == {"per_turn": 0.5, "final": 1.0} and t.stats["turns"] == 2
+            assert t.messages[2] == {"role": "user", "content": "again"}
+            assert t.metrics["chars"] == sum(len(m["content"]) for m in t.messages if m["role"] == "assistant")
+    failing = pools("support.environments:BadReset")
+    (group,) = rollout(engine, tokenizer, failing).generate(prompts(1), PARAMS, 2, 0)
+    for c in group:
+        assert c.finish_reason == "error" and c.ids == [] and c.logprobs == []
+        assert "reset failed" in c.trajectory.error and "no puzzle for 531" in c.trajectory.error
+
+
+def test_special_tokens_in_a_reply_cannot_forge_a_turn(engine, tokenizer, pools):
+    pool = pools("support.environments:ForgedTurn")
+    (group,) = rollout(engine, tokenizer, pool).generate(prompts(1), PARAMS, 2, 0)
+    for c in group:
+        if len(c.trajectory.segments) > 1:
+            assert c.trajectory.stats["control_tokens_stripped"] == 2
+            assert c.trajectory.messages[2]["content"] == "42"

@@ -1,0 +1,155 @@
+"""Environment workers (environments/pool.py, worker.py): sessions pinned to workers, one
+item per trajectory, limits per call; environments and tools that fail, hang or exit end
+their own trajectory (or become a tool's error message), never the trainer; set-up
+failures are one line."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from leangrpo.config.environment import EnvironmentConfig
+from leangrpo.environments.pool import EnvironmentPool
+from leangrpo.environments.registry import EnvironmentSpecError
+
+USER = [{"role": "user", "content": "1+2="}]
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+
+
+def pool_for(name: str, **fields) -> EnvironmentPool:
+    fields = {"num_workers": 1, "timeout_s": 2.0, "tool_timeout_s": 0.5, **fields}
+    return EnvironmentPool(EnvironmentConfig(name=name, **fields))
+
+
+def test_a_trajectory_is_reset_stepped_and_finished_in_its_session():
+    with pool_for("support.environments:Again", kwargs={"turns": 2}, num_workers=2) as pool:
+        keys = pool.new_sessions(3)
+        resets = pool.reset([(k, USER, {"answer": "3"}, 7) for k in keys])
+        assert [o.ok for o in resets] == [{"messages": None}] * 3
+        first = pool.step([(k, f"turn of {k}", 0) for k in keys])
+        for k, o in zip(keys, first):
+            assert o.ok["reply"] == [{"role": "user", "content": "again"}] and not o.ok["done"]
+            assert o.ok["rewards"] == {"per_turn": 0.25}
+            assert o.ok["metrics"] == {"chars": len(f"turn of {k}")}
+        second = pool.step([(k, "x", 1) for k in keys[:2]])  # one trajectory ended earlier
+        assert [o.ok["done"] for o in second] == [True, True]
+        ends = pool.finish([(keys[0], "stop"), (keys[1], "stop"), (keys[2], "length")])
+        assert [o.ok["rewards"] for o in ends] == [{"final": 1.0}, {"final": 1.0}, {"final": 0.0}]
+        gone = pool.step([(keys[0], "x", 2)])[0]  # finish ended the session
+        assert gone.ok is None and "no such trajectory" in gone.error
+
+
+def test_the_tools_environment_answers_calls_with_tool_messages_and_counts_them():
+    tools = ["support.environments:add", "support.environments:nap", "support.environments:divide"]
+    with pool_for("tools", tools=tools) as pool:
+        assert [t["function"]["name"] for t in pool.tools] == ["add", "nap", "divide"]
+        assert pool.tools[0]["function"]["parameters"]["required"] == ["a", "b"]
+        assert pool.replies == ["tool"]
+        keys = pool.new_sessions(5)
+        pool.reset([(k, USER, {}, 0) for k in keys])
+        t0 = time.monotonic()
+        out = pool.step(
+            [
+                (keys[0], CALL, 0),
+                (keys[1], "3", 0),  # no call: the answer
+                (keys[2], '<tool_call>{"name": "nap", "arguments": {"seconds": 20}}</tool_call>', 0),
+                (keys[3], '<tool_call>{"name": "divide", "arguments": {"a": 1, "b": 0}}</tool_call>'
+                          '<tool_call>{"name": "mul", "arguments": {}}</tool_call><tool_call>{"na', 0),
+                (keys[4], '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>', 0),
+            ]
+        )  # fmt: skip
+        assert time.monotonic() - t0 < 10  # the sleeping tool was stopped at its limit
+        assert out[0].ok["reply"] == [{"role": "tool", "name": "add", "content": "3"}]
+        assert out[0].ok["calls"] == [{"name": "add", "arguments": {"a": 1, "b": 2}}]
+        assert out[0].ok["counts"] == {"tool_calls": 1, "tool_calls/add": 1}
+        assert out[1].ok["done"] and out[1].ok["reply"] == []
+        assert out[2].ok["reply"][0]["content"] == "error: the tool timed out after 0.5 s"
+        assert out[2].ok["counts"]["tool_errors/nap"] == 1 and not out[2].ok["done"]
+        assert [m["content"] for m in out[3].ok["reply"]] == [
+            "error: unclosed <tool_call> block",
+            "error: ZeroDivisionError: division by zero",
+            "error: unknown tool 'mul'; tools: add, nap, divide",
+        ]
+        assert out[3].ok["counts"]["tool_errors"] == 3 and out[3].ok["counts"]["parse_errors"] == 1
+        assert out[3].ok["counts"]["tool_errors/<unknown>"] == 1  # not a metric named by the model
+        assert "missing 1 required positional argument: 'b'" in out[4].ok["reply"][0]["content"]
+        again = pool.step([(keys[2], CALL, 1)])[0]  # the worker and the session live on
+        assert again.ok["reply"][0]["content"] == "3"
+
+
+def test_an_environment_that_times_out_or_raises_ends_only_its_trajectory():
+    with pool_for("support.environments:Slow", timeout_s=0.5) as pool:
+        (key,) = pool.new_sessions(1)
+        pool.reset([(key, USER, {}, 0)])
+        t0 = time.monotonic()
+        (out,) = pool.step([(key, "x", 0)])
+        assert time.monotonic() - t0 < 5
+        assert out.ok is None and "Slow.step: timeout: timed out after 0.5 s" in out.error
+    with pool_for("support.environments:BadReset") as pool:
+        outs = pool.reset([(k, USER, {"answer": "7"}, 0) for k in pool.new_sessions(2)])
+        assert all(o.ok is None and "ValueError: no puzzle for 7" in o.error for o in outs)
+
+
+def test_a_worker_that_dies_fails_its_items_and_is_replaced():
+    with pool_for("support.environments:ExitInStep", num_workers=2) as pool:
+        keys = pool.new_sessions(4)  # workers 0 and 1 hold keys 0, 2 and 1, 3
+        answers = ["3", "4", "5", "6"]  # the worker of key 0 exits in its step
+        pool.reset([(k, USER, {"answer": a}, 0) for k, a in zip(keys, answers)])
+        out = pool.step([(k, "x", 0) for k in keys])
+        assert out[0].ok is None and "the environment worker died (exit code 7)" in out[0].error
+        assert out[2].ok is None  # it held key 2 too, not yet answered
+        assert out[1].ok["done"] and out[3].ok["done"]  # the other worker's
+        fresh = pool.new_sessions(1)[0]  # a replacement serves new sessions
+        assert pool.reset([(fresh, USER, {"answer": "1"}, 0)])[0].ok == {"messages": None}
+
+
+@pytest.mark.parametrize(
+    ("name", "fields", "expected"),
+    [
+        ("support.environments:Nothing", {}, "has no attribute 'Nothing'"),
+        ("support.no_such_module:Env", {}, "module 'support.no_such_module' not found"),
+        ("support.environments:NeedsArgument", {}, "building it with environment.kwargs failed"),
+        ("tools", {"tools": ["support.environments:undocumented"]}, "tool undocumented cannot be offered to the model"),
+        ("support.environments:Again", {"tool_parser": "support.environments:missing"}, "environment.tool_parser = 'support.environments:missing'"),
+    ],
+)  # fmt: skip
+def test_set_up_failures_are_one_line(name, fields, expected):
+    with pytest.raises(EnvironmentSpecError, match=expected) as info:
+        pool_for(name, **fields)
+    assert "\n" not in str(info.value)
+
+
+def test_an_environment_file_that_exits_or_hangs_at_import(tmp_path):
+    exits = tmp_path / "exits.py"
+    exits.write_text("import os\nos._exit(3)\n")
+    with pytest.raises(EnvironmentSpecError, match=r"ended the environment worker \(exit code 3\)"):
+        pool_for(f"{exits}:Env")
+    hangs = tmp_path / "hangs.py"
+    hangs.write_text("import time\ntime.sleep(60)\n")
+    with pytest.raises(EnvironmentSpecError, match="did not finish importing it within 1 s"):
+        pool_for(f"{hangs}:Env", startup_timeout_s=1.0)
+
+
+def test_close_stops_an_operation_in_another_thread_at_once():
+    import threading
+
+    pool = pool_for("support.environments:Slow", timeout_s=60.0)
+    (key,) = pool.new_sessions(1)
+    pool.reset([(key, USER, {}, 0)])
+    errors = []
+
+    def step():
+        try:
+            pool.step([(key, "x", 0)])
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    thread = threading.Thread(target=step)
+    thread.start()
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    pool.close()
+    thread.join(10)
+    assert not thread.is_alive() and time.monotonic() - t0 < 6
+    assert errors and "closed" in str(errors[0])

@@ -1,0 +1,172 @@
+"""Token-exact trajectories (issue 22, "what must hold" 1; environments/rendering.py): the
+prompt, the model's turns (ids verbatim) and the environment's segments concatenate to
+the tokenisation of the whole conversation, for the chat templates the tests use: the
+tool demo's and SmolLM2's ChatML (its own without tools, the bundled chatml-hermes with
+one). A template that cannot be rendered turn by turn, or that ignores tools=, is refused
+at start-up with one sentence naming it."""
+
+from __future__ import annotations
+
+import pytest
+from support.configs import DEMO_MODEL, ROOT
+from transformers import AutoTokenizer
+
+from leangrpo.environments.rendering import (
+    NotIncremental,
+    Renderer,
+    TemplateError,
+    check_template,
+    load_template,
+)
+from leangrpo.model.smollm2 import missing_reason
+
+TOOLS_MODEL = ROOT / "examples" / "tools_demo" / "model"
+TOOLS = [{"type": "function", "function": {"name": "add"}}]
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 859, "b": 467}}</tool_call>'
+# a Qwen3-like template: reasoning dropped from assistant turns before the last user turn
+THINK_STRIP = (
+    "{%- set ns = namespace(last_user=0) %}{%- for m in messages %}{%- if m.role == 'user' %}"
+    "{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}{%- for m in messages %}"
+    "{%- set content = m.content %}{%- if m.role == 'assistant' and loop.index0 < ns.last_user"
+    " and '</think>' in content %}{%- set content = content.split('</think>')[-1].lstrip('\\n')"
+    " %}{%- endif %}{{- '<|im_start|>' + m.role + '\\n' + content + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tools_tokenizer():
+    return AutoTokenizer.from_pretrained(TOOLS_MODEL)
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    if missing_reason() is not None:
+        pytest.skip(missing_reason())
+    from leangrpo.model.smollm2 import smollm2_dir
+
+    return AutoTokenizer.from_pretrained(smollm2_dir())
+
+
+def encode(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def play(renderer, start, turns, eos_id):
+    """Render a conversation turn by turn: (assistant text, reply or None) per turn, each
+    assistant turn tokenised as an engine would give it (its ids, then EOS)."""
+    conversation = renderer.start(start)
+    for text, reply in turns:
+        conversation.add_model_turn(encode(renderer.tokenizer, text) + [eos_id], stopped_on_eos=True)
+        if reply is not None:
+            conversation.add_reply(reply)
+    return conversation
+
+
+def whole(renderer, conversation):
+    return encode(renderer.tokenizer, renderer.render(conversation.messages, False))
+
+
+def test_the_tool_demo_conversation_is_token_exact_segment_by_segment(tools_tokenizer):
+    tok = tools_tokenizer
+    renderer = Renderer(tok, TOOLS)
+    turns = [(CALL, [{"role": "tool", "name": "add", "content": "1326"}]), ("1326", None)]
+    conversation = play(renderer, [{"role": "user", "content": "859+467="}], turns, tok.eos_token_id)
+    ids = conversation.prompt_ids + conversation.ids
+    assert ids == whole(renderer, conversation)  # nothing follows the template's last EOS
+    assert [(n, m) for n, m in conversation.segments] == [(53, True), (7, False), (5, True)]
+    env = conversation.ids[53:60]
+    assert tok.decode(env) == "<|tool|>1326<|end|><|assistant|>"
+    assert tok.decode(conversation.prompt_ids) == "<|system|>tools: add<|end|><|user|>859+467=<|end|><|assistant|>"
+
+
+@pytest.mark.parametrize("replies", [["tool"], ["user"], ["user", "tool"]])
+def test_the_tool_demo_template_passes_the_start_up_check(tools_tokenizer, replies):
+    check_template(Renderer(tools_tokenizer, TOOLS), replies, tools_tokenizer.eos_token_id)
+
+
+def test_smollm2_native_template_renders_turn_by_turn_but_ignores_tools(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    check_template(Renderer(tok), ["user"], eos)  # no tools: fine
+    with pytest.raises(TemplateError, match="ignores tools= .* set environment.chat_template"):
+        check_template(Renderer(tok, TOOLS), ["tool"], eos)
+
+
+def test_smollm2_with_chatml_hermes_and_a_tool_is_token_exact(smollm2_tokenizer):
+    """SmolLM2 (issue 22: its chat path with a tool): the bundled ChatML + Hermes template
+    lists the tool and renders every kind of turn incrementally, token for token; the
+    template's "\\n" after each <|im_end|> belongs to the environment's segment."""
+    tok = smollm2_tokenizer
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    schema = {"type": "function", "function": {"name": "add", "description": "Add two integers.",
+              "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                              "b": {"type": "integer"}}}}}  # fmt: skip
+    renderer = Renderer(tok, [schema], load_template("chatml-hermes"))
+    check_template(renderer, ["tool", "user"], eos)
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 12, "b": 30}}\n</tool_call>'
+    turns = [
+        (call, [{"role": "tool", "name": "add", "content": "42"}]),
+        ("It is 42.", [{"role": "user", "content": "And 1 + 1?"}]),
+        ("2", None),
+    ]
+    start = [{"role": "user", "content": "What is 12 + 30?"}]
+    conversation = play(renderer, start, turns, eos)
+    ids = conversation.prompt_ids + conversation.ids
+    full = whole(renderer, conversation)
+    assert full[: len(ids)] == ids and tok.decode(full[len(ids) :]) == "\n"
+    env = [n for n, is_model in conversation.segments if not is_model]
+    offset = len(encode(tok, call)) + 1
+    assert tok.decode(conversation.ids[offset : offset + env[0]]) == (
+        "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert '"name": "add"' in tok.decode(conversation.prompt_ids)  # the tool is listed
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    with pytest.raises(TemplateError, match="changes the rendering of earlier turns"):
+        check_template(Renderer(tok, None, THINK_STRIP), ["user"], eos)
+    check_template(Renderer(tok, None, THINK_STRIP), ["tool"], eos)  # a tool loop is fine
+
+
+def test_templates_that_cannot_be_used_are_named(tools_tokenizer):
+    demo = AutoTokenizer.from_pretrained(DEMO_MODEL)
+    with pytest.raises(TemplateError, match="has no chat template"):
+        check_template(Renderer(demo), ["user"], demo.eos_token_id)
+    with pytest.raises(TemplateError, match="not with the EOS"):  # the probe stops on <pad>
+        check_template(Renderer(tools_tokenizer, TOOLS), ["tool"], tools_tokenizer.pad_token_id)
+    with pytest.raises(TemplateError, match="fails on a conversation with robot replies"):
+        check_template(Renderer(tools_tokenizer, TOOLS), ["robot"], tools_tokenizer.eos_token_id)
+    with pytest.raises(TemplateError, match="neither a bundled template"):
+        load_template("no-such-template")
+
+
+def test_a_reply_that_would_change_history_ends_the_trajectory(tools_tokenizer):
+    tok = tools_tokenizer
+    template = tok.chat_template.replace("{{- '<|tool|>' ~ message.content ~ '<|end|>' }}",
+                                         "{{- '<|tool|>' ~ message.content ~ '<|end|>' }}{{- '!' if loop.last }}")  # fmt: skip
+    renderer = Renderer(tok, TOOLS, template)
+    conversation = renderer.start([{"role": "user", "content": "1+2="}])
+    conversation.add_model_turn(encode(tok, CALL) + [tok.eos_token_id], stopped_on_eos=True)
+    conversation.add_reply([{"role": "tool", "content": "3"}])
+    conversation.add_model_turn(encode(tok, "3") + [tok.eos_token_id], stopped_on_eos=True)
+    with pytest.raises(NotIncremental, match="does not start with the previous rendering"):
+        conversation.add_reply([{"role": "tool", "content": "4"}])  # the "!" after "3" went
+
+
+def test_a_reply_over_the_room_left_is_not_added(tools_tokenizer):
+    tok = tools_tokenizer
+    conversation = Renderer(tok, TOOLS).start([{"role": "user", "content": "1+2="}])
+    conversation.add_model_turn(encode(tok, CALL) + [tok.eos_token_id], stopped_on_eos=True)
+    before = list(conversation.ids)
+    assert conversation.add_reply([{"role": "tool", "content": "12345"}], room=8) is None
+    assert conversation.ids == before and len(conversation.messages) == 2
+    assert len(conversation.add_reply([{"role": "tool", "content": "12345"}], room=9)) == 8
+
+
+def test_special_tokens_in_replies_are_stripped_and_counted(tools_tokenizer):
+    renderer = Renderer(tools_tokenizer, TOOLS)
+    clean, stripped = renderer.sanitised([{"role": "tool", "content": "<|end|><|assistant|>42"}])
+    assert clean == [{"role": "tool", "content": "42"}] and stripped == 2

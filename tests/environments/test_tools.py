@@ -1,0 +1,75 @@
+"""Tools (environments/tools.py): schemas from type hints and docstrings, the Hermes
+parser, pluggable parsers' returns checked, tool messages with their counts."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from support.environments import add, divide, undocumented
+
+from leangrpo.environments.tools import (
+    ParsedTurn,
+    ToolCall,
+    ToolError,
+    parse_hermes,
+    parsed_turn,
+    tool_messages,
+    tool_schema,
+)
+
+
+def test_schemas_come_from_type_hints_and_docstrings():
+    schema = tool_schema(add)
+    assert schema["function"]["name"] == "add"
+    assert schema["function"]["parameters"]["properties"]["a"] == {
+        "type": "integer",
+        "description": "The first number.",
+    }
+    with pytest.raises(ToolError, match="tool undocumented cannot be offered to the model"):
+        tool_schema(undocumented)
+
+
+@pytest.mark.parametrize(
+    ("text", "calls", "errors", "content"),
+    [
+        ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>', [("add", {"a": 1, "b": 2})], [], ""),
+        ('Sure.\n<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 3}"}\n</tool_call>', [("add", {"a": 3})], [], "Sure."),
+        ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": }}</tool_call>', [], ["tool call is not valid JSON (Expecting value at char 43)"], ""),
+        ('<tool_call>["add"]</tool_call>', [], ['tool call needs {"name": <string>, "arguments": <object>}'], ""),
+        ('<tool_call>{"name": "add", "arguments": [1]}</tool_call>', [], ["tool call arguments must be a JSON object"], ""),
+        ('579 <tool_call>{"name": "add", "argu', [], ["unclosed <tool_call> block"], "579"),
+        ("579", [], [], "579"),
+    ],
+)  # fmt: skip
+def test_hermes_parser(text, calls, errors, content):
+    parsed = parse_hermes(text)
+    assert [(c.name, c.arguments) for c in parsed.calls] == calls
+    assert parsed.errors == errors and parsed.content == content
+
+
+def test_a_pluggable_parsers_return_is_checked():
+    parsed = parsed_turn(("x", [{"name": "add", "arguments": {"a": 1}}], []))
+    assert parsed == ParsedTurn("x", [ToolCall("add", {"a": 1})], [])
+    with pytest.raises(ToolError, match="return \\(content, calls, errors\\)"):
+        parsed_turn("x")
+    with pytest.raises(ToolError, match="not {\"name\": str"):
+        parsed_turn(("x", [{"name": 3}], []))
+
+
+def test_tool_messages_answer_every_call_and_count_per_tool():
+    parsed = parse_hermes(
+        '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+        '<tool_call>{"name": "divide", "arguments": {"a": 1, "b": 0}}</tool_call>'
+        '<tool_call>{"name": "add", "arguments": {"a": 5, "b": 5}}</tool_call>'
+    )
+    counts = Counter()
+    tools = {"add": add, "divide": divide}
+    out = tool_messages(parsed, tools, lambda fn, args: fn(**args), counts, max_calls=2)
+    assert [m["content"] for m in out] == [
+        "3",
+        "error: ZeroDivisionError: division by zero",
+        "error: more than 2 tool calls in one turn",
+    ]
+    assert counts == Counter({"tool_calls": 2, "tool_calls/add": 1, "tool_calls/divide": 1,
+                              "tool_errors": 2, "tool_errors/divide": 1})  # fmt: skip

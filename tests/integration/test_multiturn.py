@@ -1,0 +1,250 @@
+"""Multi-turn GRPO end to end (issue 22) on the tool demo (examples/tools_demo): the
+trainer's own path with the calculator tool; resume is exact inside a batch; async at
+staleness 0 equals sync; an environment that fails at import or reset, or a template that
+cannot carry the tools, stops the run in one line before the model loads; reasoning-gym
+tasks as data and reward; a verifiers environment driven turn by turn."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from support.configs import ROOT, updated
+from support.processes import run_cli, run_python
+
+from leangrpo.config import config_from_dict
+from leangrpo.train import Trainer
+
+TOOLS_DEMO = ROOT / "examples" / "tools_demo"
+
+
+def tools_run(out: Path, **sections) -> dict:
+    """A few steps of the tool demo: 4 prompts x 4 trajectories, mu 2, two steps a batch."""
+    cfg = {
+        "run": {"output_dir": str(out), "seed": 1, "max_steps": 4, "device": "cpu", "num_threads": 1},
+        "model": {"name_or_path": str(TOOLS_DEMO / "model"), "dtype": "float32"},
+        "data": {"path": str(TOOLS_DEMO / "train.jsonl"), "eval_path": str(TOOLS_DEMO / "eval.jsonl"),
+                 "chat_template": True},
+        "rewards": {"functions": [{"name": "math", "kwargs": {"answer_column": "answer"}}], "num_workers": 1},
+        "environment": {"tools": [str(TOOLS_DEMO / "calculator.py") + ":add"], "max_turns": 3,
+                        "max_total_tokens": 160, "num_workers": 1},
+        "rollout": {"num_generations": 4, "prompts_per_batch": 4, "max_new_tokens": 64},
+        "loss": {"mu": 2},
+        "train": {"learning_rate": 1e-3, "micro_batch_tokens": 600, "steps_per_generation": 2},
+        "eval": {"every_steps": 2, "num_prompts": 8},
+        "checkpoint": {"every_steps": 0, "keep_last": 3, "save_final_model": False},
+        "logging": {"progress_bar": False, "samples_every": 2},
+    }  # fmt: skip
+    return updated(cfg, sections)
+
+
+def params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.policy.model.named_parameters()}
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+class _Crash(Exception):
+    pass
+
+
+class CrashAt(Trainer):
+    stop_at = 3
+
+    def on_step_end(self, metrics, batch):
+        super().on_step_end(metrics, batch)
+        if self.step == self.stop_at:
+            raise _Crash
+
+
+def test_the_tool_demo_trains_on_trajectories_and_resumes_exactly_inside_a_batch(tmp_path):
+    straight = Trainer(config_from_dict(tools_run(tmp_path / "a")))
+    before = params(straight)
+    straight.train()
+    after = params(straight)
+    assert max_abs_diff(before, after) > 1e-4
+    logged = rows(tmp_path / "a")
+    step = next(r for r in logged if "multiturn/turns" in r)
+    assert 1.0 <= step["multiturn/turns"] <= 3.0 and step["multiturn/tool_calls/add"] > 0
+    assert step["multiturn/model_tokens"] > 0 and step["multiturn/env_tokens"] > 0
+    assert step["multiturn/env_errors"] == 0 and "multiturn/turn_0_length" in step
+    assert sum(step[f"multiturn/finish/{r}"] for r in ("stop", "length", "max_turns", "error")) == 1
+    assert any("eval/multiturn/tool_calls" in r for r in logged)
+    shown = [json.loads(x) for x in (tmp_path / "a" / "samples.jsonl").read_text().splitlines()]
+    assert any("assistant: " in str(r) for r in shown)  # logged samples show the turns
+
+    interrupted = tools_run(tmp_path / "b", checkpoint={"every_steps": 1, "keep_last": 3, "save_final_model": False})  # fmt: skip
+    with pytest.raises(_Crash):  # step 3: inside the second batch (2 steps each)
+        CrashAt(config_from_dict(interrupted)).train()
+    resumed = Trainer(config_from_dict(interrupted))
+    assert resumed.step == 3 and resumed.inflight is not None  # the batch in progress is back
+    assert resumed.inflight.batch.samples[0].completion.trajectory is not None
+    resumed.train()
+    assert max_abs_diff(after, params(resumed)) == 0.0
+
+
+def test_async_at_zero_staleness_equals_sync(tmp_path):
+    sync = Trainer(config_from_dict(tools_run(tmp_path / "sync")))
+    sync.train()
+    cfg = tools_run(tmp_path / "async", pipeline={"mode": "async", "max_staleness": 0})
+    asynchronous = Trainer(config_from_dict(cfg))
+    asynchronous.train()
+    assert max_abs_diff(params(sync), params(asynchronous)) == 0.0
+
+
+def write_config(tmp_path: Path, cfg: dict) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("environment", "expected"),
+    [
+        ({"name": "support.environments:BadReset"}, "environment.name = 'support.environments:BadReset': reset failed on train prompt row 0: BadReset.reset: ValueError: no puzzle for 531"),
+        ({"name": "broken_env.py:Env"}, "environment.name = broken_env.py:Env': executing"),
+        ({"tools": ["support.environments:undocumented"]}, "tool undocumented cannot be offered to the model"),
+        ({"name": "support.environments:Again", "tools": [], "chat_template": "no-template"}, "environment.chat_template = 'no-template' is neither"),
+        ({"name": "/no/such_file.py:Env"}, "environment.name = '/no/such_file.py:Env': file /no/such_file.py not found"),
+    ],
+)  # fmt: skip
+def test_an_environment_that_fails_stops_the_run_in_one_line_before_the_model_loads(
+    tmp_path, environment, expected
+):
+    (tmp_path / "broken_env.py").write_text("raise RuntimeError('half-written')\n")
+    if environment.get("name", "").startswith("broken_env"):
+        environment = {**environment, "name": str(tmp_path / environment["name"])}
+        expected = expected.replace("environment.name = ", f"environment.name = '{tmp_path}/")
+    cfg = tools_run(tmp_path / "run")
+    cfg["environment"].update(environment)
+    result = cli_with_test_modules("train", str(write_config(tmp_path, cfg)))
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("leangrpo: error")]
+    assert len(lines) == 1 and expected in lines[0], result.stderr[-3000:]
+    assert "Loading weights" not in result.stderr  # before the model loads
+
+
+def cli_with_test_modules(*args: str):
+    """The CLI with tests/ on the path (for `support.environments`)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    code = "import sys\nfrom leangrpo.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    return run_python(code, *args, timeout=120, env=env)
+
+
+def test_a_template_that_ignores_the_tools_is_refused_in_one_line(tmp_path):
+    from leangrpo.model.smollm2 import missing_reason, smollm2_dir
+
+    if missing_reason() is not None:
+        pytest.skip(missing_reason())
+    cfg = tools_run(tmp_path / "run", model={"name_or_path": str(smollm2_dir())})
+    result = run_cli("train", str(write_config(tmp_path, cfg)), timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "ignores tools=" in result.stderr and "chatml-hermes" in result.stderr
+
+
+def test_reasoning_gym_tasks_as_data_and_reward(tmp_path):
+    """reasoning-gym's basic_arithmetic generated locally, scored by its own scorer in the
+    reward workers, through the trainer (single-turn)."""
+    pytest.importorskip("reasoning_gym", reason="reasoning-gym is not installed (extra 'reasoning-gym')")
+    from leangrpo.environments.adapters.reasoning_gym import main, score
+
+    train, evals = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    config = json.dumps({"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})
+    main(["basic_arithmetic", "--size", "64", "--seed", "0", "--config", config, "--out", str(train)])
+    main(["basic_arithmetic", "--size", "8", "--seed", "1", "--config", config, "--out", str(evals)])
+    row = json.loads(train.read_text().splitlines()[0])
+    right, near = row["answer"], str(int(row["answer"]) + 1)
+    args = ([row["rg_entry"]] * 3, [row["rg_dataset"]] * 3, [row["rg_config"]] * 3)
+    values = score(["q"] * 3, [right, f"so <answer>{right}</answer>", near], *args)
+    assert values[0] == values[1] == 1.0 and values[2] < 1.0
+    cfg = tools_run(
+        tmp_path / "run",
+        data={"path": str(train), "eval_path": str(evals), "chat_template": True},
+        rewards={"functions": [{"name": "leangrpo.environments.adapters.reasoning_gym:score"}]},
+        rollout={"max_new_tokens": 8},
+        train={"micro_batch_tokens": 200},
+        run={"max_steps": 2},
+    )
+    cfg.pop("environment")
+    trainer = Trainer(config_from_dict(cfg))
+    trainer.train()
+    logged = rows(tmp_path / "run")
+    assert any("reward/score/mean" in r for r in logged)
+    assert all(r.get("reward/score/failures", 0) == 0 for r in logged)
+
+
+VERIFIERS_ENV = '''
+import verifiers as vf
+from datasets import Dataset
+
+
+class Guess(vf.MultiTurnEnv):
+    """Guess the sum: the environment says higher or lower until it is right."""
+
+    async def env_response(self, messages, state, **kwargs):
+        guess = (messages[-1].content or "").strip()
+        target = int(state["answer"])
+        if guess.isdigit() and int(guess) == target:
+            state["solved"] = True
+            return [vf.UserMessage(content="right")]
+        hint = "higher" if guess.isdigit() and int(guess) < target else "lower"
+        return [vf.UserMessage(content=hint)]
+
+    @vf.stop
+    async def solved(self, state) -> bool:
+        return state.get("solved", False)
+
+
+async def solved(state, **kwargs) -> float:
+    return float(state.get("solved", False))
+
+
+async def short(completion, **kwargs) -> float:
+    return 1.0 / (1 + len(completion))
+
+
+def load_environment(rows=8):
+    data = [{"question": f"{a}+{b}=", "answer": str(a + b)} for a, b in [(395, 136), (548, 622)] * (rows // 2)]
+    rubric = vf.Rubric(funcs=[solved, short], weights=[1.0, 0.0])
+    return Guess(dataset=Dataset.from_list(data), rubric=rubric, max_turns=3)
+'''
+
+
+def test_a_verifiers_environment_driven_turn_by_turn(tmp_path):
+    if sys.version_info < (3, 11):
+        pytest.skip("verifiers needs Python >= 3.11")
+    pytest.importorskip("verifiers", reason="verifiers is not installed (extra 'verifiers')")
+    (tmp_path / "guess.py").write_text(VERIFIERS_ENV)
+    from leangrpo.environments.adapters.verifiers import main
+
+    load = f"{tmp_path / 'guess.py'}:load_environment"
+    main(["--load", load, "--out", str(tmp_path / "train.jsonl")])
+    first = json.loads((tmp_path / "train.jsonl").read_text().splitlines()[0])
+    assert first["prompt"] == [{"role": "user", "content": "395+136="}] and first["answer"] == "531"
+    cfg = tools_run(
+        tmp_path / "run",
+        data={"path": str(tmp_path / "train.jsonl"), "eval_path": None, "chat_template": True},
+        rewards={"functions": []},  # the rubric's reward is the environment's reward term
+        environment={"name": "verifiers", "tools": [], "kwargs": {"load": load}, "max_turns": 3},
+        rollout={"max_new_tokens": 8, "prompts_per_batch": 2},
+        train={"steps_per_generation": 1},
+        run={"max_steps": 2},
+    )
+    trainer = Trainer(config_from_dict(cfg))
+    trainer.train()
+    logged = rows(tmp_path / "run")
+    step = next(r for r in logged if "multiturn/turns" in r)
+    assert "reward/env/reward/mean" in step and "multiturn/env/solved" in step
+    assert "multiturn/env/short" in step and step["multiturn/env_errors"] == 0
+    assert step["multiturn/turns"] > 1  # the environment answered with user turns
