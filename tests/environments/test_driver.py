@@ -146,7 +146,7 @@ def test_limits_end_trajectories_with_their_finish_reasons(engine, tokenizer, po
         assert len(c.trajectory.start.ids) + len(c.ids) <= 60
 
 
-def test_reward_terms_are_summed_and_failures_end_their_trajectory(engine, tokenizer, pools):
+def test_reward_terms_are_summed_and_failures_end_their_trajectory(engine, tokenizer, pools, caplog):
     pool = pools("support.environments:Again", kwargs={"turns": 2})
     (group,) = rollout(engine, tokenizer, pool, max_total=1000).generate(prompts(1), PARAMS, 2, 0)
     for c in group:
@@ -156,10 +156,13 @@ def test_reward_terms_are_summed_and_failures_end_their_trajectory(engine, token
             assert t.messages[2] == {"role": "user", "content": "again"}
             assert t.metrics["chars"] == sum(len(m["content"]) for m in t.messages if m["role"] == "assistant")
     failing = pools("support.environments:BadReset")
-    (group,) = rollout(engine, tokenizer, failing).generate(prompts(1), PARAMS, 2, 0)
+    with caplog.at_level("WARNING", logger="leangrpo.environments"):
+        (group,) = rollout(engine, tokenizer, failing).generate(prompts(1), PARAMS, 2, 0)
     for c in group:
         assert c.finish_reason == "error" and c.ids == [] and c.logprobs == []
         assert "reset failed" in c.trajectory.error and "no puzzle for 531" in c.trajectory.error
+    logged = [r.getMessage() for r in caplog.records if "ended with an error" in r.getMessage()]
+    assert len(logged) == 1 and "no puzzle for 531" in logged[0]  # the first one, once
 
 
 def test_special_tokens_in_a_reply_cannot_forge_a_turn(engine, tokenizer, pools):

@@ -84,14 +84,19 @@ def test_the_tool_demo_trains_on_trajectories_and_resumes_exactly_inside_a_batch
     shown = [json.loads(x) for x in (tmp_path / "a" / "samples.jsonl").read_text().splitlines()]
     assert any("assistant: " in str(r) for r in shown)  # logged samples show the turns
 
-    interrupted = tools_run(tmp_path / "b", checkpoint={"every_steps": 1, "keep_last": 3, "save_final_model": False})  # fmt: skip
-    with pytest.raises(_Crash):  # step 3: inside the second batch (2 steps each)
-        CrashAt(config_from_dict(interrupted)).train()
-    resumed = Trainer(config_from_dict(interrupted))
-    assert resumed.step == 3 and resumed.inflight is not None  # the batch in progress is back
-    assert resumed.inflight.batch.samples[0].completion.trajectory is not None
-    resumed.train()
-    assert max_abs_diff(after, params(resumed)) == 0.0
+    for mode in ("sync", "async"):  # async at staleness 0: a batch is made as in sync
+        interrupted = tools_run(
+            tmp_path / f"b-{mode}",
+            checkpoint={"every_steps": 1, "keep_last": 3, "save_final_model": False},
+            pipeline={"mode": mode, "max_staleness": 0},
+        )
+        with pytest.raises(_Crash):  # step 3: inside the second batch (2 steps each)
+            CrashAt(config_from_dict(interrupted)).train()
+        resumed = Trainer(config_from_dict(interrupted))
+        assert resumed.step == 3 and resumed.inflight is not None  # the batch in progress
+        assert resumed.inflight.batch.samples[0].completion.trajectory is not None
+        resumed.train()
+        assert max_abs_diff(after, params(resumed)) == 0.0, mode
 
 
 def test_async_at_zero_staleness_equals_sync(tmp_path):

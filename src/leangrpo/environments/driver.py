@@ -27,6 +27,7 @@ the completion's version is the oldest).
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections import Counter
 from dataclasses import dataclass, field
@@ -43,6 +44,8 @@ from leangrpo.contracts import (
 from leangrpo.environments.pool import EnvironmentPool, Outcome
 from leangrpo.environments.rendering import Conversation, NotIncremental, Renderer
 from leangrpo.seeding import SEED_BITS, derive_seed
+
+log = logging.getLogger("leangrpo.environments")
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,7 @@ class MultiTurnRollout:
         self.renderer = renderer
         self.limits = limits
         self.eos_ids = set(eos_ids)
+        self._logged: set[str] = set()  # kinds of failure logged once already
 
     @property
     def version(self) -> int:
@@ -112,6 +116,7 @@ class MultiTurnRollout:
             stepping = self._model_turns(going, params, version, seed, turn)
             self._environment_turns(stepping, turn)
         self._finish(live)
+        self._log_failures(live)
         completions = [self._completion(t, version) for t in live]
         return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
 
@@ -145,10 +150,10 @@ class MultiTurnRollout:
         try:
             t.conversation = self.renderer.start(start)
         except Exception as e:  # the template cannot render the environment's start
-            t.end("error", f"the chat template cannot render the reset messages: {e}")
+            t.end("error", f"rendering failed: the chat template cannot render the reset messages: {e}")
             return
         if t.conversation.num_tokens >= self.limits.max_total_tokens:
-            t.end("error", f"the prompt has {t.conversation.num_tokens} tokens, no room within environment.max_total_tokens = {self.limits.max_total_tokens}")  # fmt: skip
+            t.end("error", f"prompt too long: it has {t.conversation.num_tokens} tokens, no room for a turn within environment.max_total_tokens = {self.limits.max_total_tokens}")  # fmt: skip
 
     def _model_turns(
         self, going: list[_Live], params: SamplingParams, version: int, seed: int, turn: int
@@ -172,8 +177,10 @@ class MultiTurnRollout:
             content = t.conversation.add_model_turn(c.ids, stopped_on_eos)
             if c.finish_reason == "stop":
                 stepping.append((t, content))
-            else:  # cut at its budget (or the engine failed): nothing to answer
-                t.end("length" if c.finish_reason == "length" else "error")
+            elif c.finish_reason == "length":  # cut at its budget: nothing to answer
+                t.end("length")
+            else:
+                t.end("error", f"generation failed: the engine ended the turn with finish reason {c.finish_reason!r}")  # fmt: skip
         return stepping
 
     def _environment_turns(self, stepping: list[tuple[_Live, str]], turn: int) -> None:
@@ -203,10 +210,10 @@ class MultiTurnRollout:
         try:
             added = t.conversation.add_reply(reply, room)
         except NotIncremental as e:
-            t.end("error", f"the chat template cannot be rendered turn by turn: {e}")
+            t.end("error", f"rendering failed: the chat template cannot be rendered turn by turn: {e}")
             return
         except Exception as e:  # the template itself refused the reply (a role it lacks)
-            t.end("error", f"the chat template cannot render the reply: {type(e).__name__}: {e}")
+            t.end("error", f"rendering failed: the chat template cannot render the reply: {type(e).__name__}: {e}")
             return
         if added is None:  # the reply leaves no room for another turn
             t.conversation.messages.extend(reply)  # the conversation as the environment saw it
@@ -224,6 +231,20 @@ class MultiTurnRollout:
             t.rewards.update(outcome.ok["rewards"])
             t.metrics.update(outcome.ok["metrics"])
             t.stats["env_s"] += outcome.ok["seconds"]
+
+    def _log_failures(self, live: list[_Live]) -> None:
+        """The first failure of each kind (reset, step, finish, rendering) is logged with its
+        message; the rest are counted (multiturn/env_errors)."""
+        for t in live:
+            if t.error is None:
+                continue
+            kind = t.error.split(":", 1)[0]
+            if kind not in self._logged:
+                self._logged.add(kind)
+                log.warning(
+                    "a trajectory ended with an error: %s (later ones of this kind are only counted in multiturn/env_errors)",
+                    t.error,
+                )
 
     def _completion(self, t: _Live, version: int) -> Completion:
         conversation = t.conversation
