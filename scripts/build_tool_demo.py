@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import importlib.util
 import json
 import math
 import random
@@ -122,20 +123,16 @@ CHAT_TEMPLATE = """\
 """
 
 
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: The first number.
-        b: The second number.
-
-    Returns:
-        The sum a + b.
-    """
-    return int(a) + int(b)
+def _calculator():
+    """The demo's tool module, the file examples/tools_demo.yaml offers the model."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "tools_demo" / "calculator.py"
+    spec = importlib.util.spec_from_file_location("tools_demo_calculator", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-TOOLS = {"add": add}
+TOOLS = {"add": _calculator().add}
 
 
 @functools.cache

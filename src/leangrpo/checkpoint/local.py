@@ -61,6 +61,7 @@ from leangrpo.checkpoint.rundir import COMPLETE, complete_checkpoints
 
 # Finding checkpoints needs no torch: the CLI does it before the model loads (rundir.py).
 from leangrpo.contracts import Completion, Prompt, RestoredCheckpoint, RolloutSample, Trajectory
+from leangrpo.model.policy import quiet_transformers_progress
 from leangrpo.model.quantization import write_quantization_note
 
 BULKY_STATE = "trainer_state.pt"
@@ -237,22 +238,8 @@ def save_model_weights(model: Any, directory: Path, for_resume: bool) -> None:
     params = inspect.signature(model.save_pretrained).parameters
     keep_names = for_resume and not is_peft_model(model) and "save_original_format" in params
     kwargs = {"save_original_format": False} if keep_names else {}
-    with _quiet_transformers_progress():
+    with quiet_transformers_progress():
         model.save_pretrained(directory, **kwargs)
-
-
-@contextmanager
-def _quiet_transformers_progress() -> Iterator[None]:
-    """No "Writing model shards" bar under the training progress bar."""
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
 
 
 def load_model_weights(model: Any, directory: Path) -> None:

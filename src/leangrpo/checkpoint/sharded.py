@@ -55,7 +55,6 @@ from leangrpo.checkpoint.local import (
     CheckpointError,
     _atomic_directory,
     _prune,
-    _quiet_transformers_progress,
     _remove_stale_tmp,
     _to_json,
     capture_rng_state,
@@ -69,6 +68,7 @@ from leangrpo.contracts import RestoredCheckpoint
 from leangrpo.distributed.context import DistContext
 from leangrpo.distributed.fsdp import gather_for_sync
 from leangrpo.errors import RunError
+from leangrpo.model.policy import quiet_transformers_progress
 from leangrpo.model.quantization import write_quantization_note
 
 
@@ -222,7 +222,7 @@ def save_final_sharded(
         state = full_model_state(model, ctx)
     if ctx.is_main:
         _remove_stale_tmp(final.parent, prefix=".tmp-final-")
-        with _atomic_directory(final) as tmp, _quiet_transformers_progress():
+        with _atomic_directory(final) as tmp, quiet_transformers_progress():
             model.save_pretrained(tmp, state_dict=state)
             write_quantization_note(model, tmp)
             if tokenizer is not None:

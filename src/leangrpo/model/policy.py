@@ -7,8 +7,10 @@ the trainer, the engines and the sharding code share.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -250,3 +252,18 @@ def _wrap_lora(model: nn.Module, lora_cfg) -> nn.Module:
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, config)
+
+
+@contextlib.contextmanager
+def quiet_transformers_progress() -> Iterator[None]:
+    """No transformers progress bar ("Loading weights", "Writing model shards") under the
+    training progress bar: for a model built from tensors in memory, or a save."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()

@@ -60,7 +60,7 @@ from torch import nn
 
 from leangrpo.contracts import EngineVersionError
 from leangrpo.errors import RunError
-from leangrpo.model.policy import Policy, build_policy, resolve_dtype
+from leangrpo.model.policy import Policy, build_policy, quiet_transformers_progress, resolve_dtype
 from leangrpo.rollout.vllm.engine import VLLMEngine, make_vllm_engine
 from leangrpo.rollout.vllm.files import is_lora_name, saved_lora_name
 from leangrpo.rollout.vllm.local import LocalVLLM, _platform_is_cpu, import_vllm
@@ -234,7 +234,7 @@ def model_on_views(model_cfg, views: dict[str, torch.Tensor], dtype: torch.dtype
     wrong = sorted(k for k, v in views.items() if v.dtype != dtype)
     if wrong:
         raise NotShared(f"vLLM holds {wrong[0]} in {views[wrong[0]].dtype}, not {dtype}")
-    with _quiet_loading():
+    with quiet_transformers_progress():
         model, info = model_class.from_pretrained(
             None, config=config, state_dict=views, dtype=dtype, output_loading_info=True
         )
@@ -322,20 +322,6 @@ def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     for t in tensors:
         seen.setdefault((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)), t)
     return list(seen.values())
-
-
-@contextlib.contextmanager
-def _quiet_loading() -> Iterator[None]:
-    """No "Loading weights" bar for a model built from tensors in memory."""
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
 
 
 # --------------------------------------------------------------------------- vLLM in-process
