@@ -121,13 +121,7 @@ class Trainer:
         self.engines = engines = make_engines(
             cfg, self.policy, ctx, own_copy, started=started and started.engine
         )
-        self.optimizer = torch.optim.AdamW(
-            self.policy.trainable_parameters(),
-            lr=cfg.train.learning_rate,
-            betas=(cfg.train.adam_beta1, cfg.train.adam_beta2),
-            eps=cfg.train.adam_eps,
-            weight_decay=cfg.train.weight_decay,
-        )
+        self.optimizer = self._make_optimizer()
         self.schedule_steps = self._schedule_horizon()
         self.scheduler = make_scheduler(self.optimizer, cfg.train, self.schedule_steps)
         self.sampling = cfg.rollout.sampling_params()  # per-batch seeds are set by the producer
@@ -149,7 +143,24 @@ class Trainer:
                 named = self._weights()
                 if engines is not None:
                     engines.rollout.update_weights(named, self.version)
-        self.logger = strategy.logger(
+        self.logger = self._make_logger(resumed)
+        if not resumed:
+            self.logger.stage(prompts.metrics)  # merged into the step-0 row
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        t = self.cfg.train
+        return torch.optim.AdamW(
+            self.policy.trainable_parameters(),
+            lr=t.learning_rate,
+            betas=(t.adam_beta1, t.adam_beta2),
+            eps=t.adam_eps,
+            weight_decay=t.weight_decay,
+        )
+
+    def _make_logger(self, resumed: bool):
+        """The strategy's logger (real on the main rank), continuing the log on a resume."""
+        cfg = self.cfg
+        return self.strategy.logger(
             self.out,
             cfg.logging.backends,
             cfg.logging.progress_bar,
@@ -160,8 +171,6 @@ class Trainer:
             resume_step=self.step if resumed else None,
             resume_rows=self.resume_rows if resumed else None,
         )
-        if not resumed:
-            self.logger.stage(prompts.metrics)  # merged into the step-0 row
 
     def _schedule_horizon(self) -> int:
         """The steps the LR schedule spans: run.max_steps as the run was started, kept when
