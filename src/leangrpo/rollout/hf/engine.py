@@ -130,12 +130,7 @@ class HFEngine:
             if not prompt.ids:
                 raise ValueError(f"prompt uid={prompt.uid} has no token ids; tokenise it first")
         with self._lock:
-            self._check_open()
-            if version != self._version:
-                raise EngineVersionError(
-                    f"asked to generate with policy version {version}, "
-                    f"but this engine holds version {self._version}"
-                )
+            self._check_ready(version)
             generators = self._generators(params, len(prompts), prompt_offset)
             with _generation_mode(self.model), torch.no_grad():
                 return [
@@ -158,12 +153,7 @@ class HFEngine:
                 raise ValueError(f"turn request {i} needs token ids and max_new_tokens >= 1")
         prompts = [Prompt(i, "", list(r.ids)) for i, r in enumerate(requests)]
         with self._lock:
-            self._check_open()
-            if version != self._version:
-                raise EngineVersionError(
-                    f"asked to generate with policy version {version}, "
-                    f"but this engine holds version {self._version}"
-                )
+            self._check_ready(version)
             generators = None if params.temperature == 0 else [
                 self._seeded_generator(r.seed) for r in requests
             ]  # fmt: skip
@@ -231,6 +221,15 @@ class HFEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this HFEngine was closed; create a new one")
+
+    def _check_ready(self, version: int) -> None:
+        """Open, and holding the policy version the caller generates with."""
+        self._check_open()
+        if version != self._version:
+            raise EngineVersionError(
+                f"asked to generate with policy version {version}, "
+                f"but this engine holds version {self._version}"
+            )
 
     def _set_version(self, version: int) -> None:
         self._version = version
