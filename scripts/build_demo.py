@@ -32,12 +32,16 @@ import hashlib
 import json
 import math
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_lm import add_model_args, build_model, save_model, write_jsonl  # noqa: E402
 
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
 # 29 characters, 32 tokens with the specials: arithmetic plus a few common ones ("\n" can stop)
@@ -144,27 +148,6 @@ def build_tokenizer():
     )
 
 
-def build_model(
-    vocab_size: int, pad_id: int, eos_id: int, hidden: int, layers: int, inter: int, heads: int = 2
-):
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    config = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 2),
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-    )
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-
-
 def make_batch(problems, tokenizer, rng: random.Random, batch_size: int, noisy: bool = True):
     """(input_ids, labels) (B, L): every prompt has 6 characters; loss on the answer + EOS."""
     rows, prompt_lens = [], []
@@ -232,27 +215,6 @@ def answer_accuracy(model, tokenizer, problems, temperature: float, seed: int, m
     return sum(a == str(p.answer) for a, p in zip(answers, problems)) / len(problems)
 
 
-def write_jsonl(path: Path, problems: list[Problem]) -> None:
-    with path.open("w") as f:
-        for p in problems:
-            f.write(json.dumps({"prompt": p.prompt, "answer": str(p.answer)}) + "\n")
-
-
-def save_model(model, tokenizer, out: Path) -> None:
-    from transformers import GenerationConfig
-
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=True
-    )
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    # name the class every transformers version (and vLLM's) knows, not v5's alias
-    config_path = out / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("examples/demo"))
@@ -264,30 +226,13 @@ def main() -> None:
     parser.add_argument(
         "--clean-steps", type=int, default=1600, help="steps on correct answers first"
     )
-    parser.add_argument("--threads", type=int, default=1, help="1 is fastest for this size")
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument(
-        "--heads",
-        type=int,
-        default=2,
-        help="attention heads; head size = hidden / heads (vLLM's CPU kernels need >= 32)",
-    )
-    parser.add_argument("--layers", type=int, default=3)
-    parser.add_argument("--inter", type=int, default=256)
+    add_model_args(parser)
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     tokenizer = build_tokenizer()
-    model = build_model(
-        len(tokenizer),
-        tokenizer.pad_token_id,
-        tokenizer.eos_token_id,
-        args.hidden,
-        args.layers,
-        args.inter,
-        args.heads,
-    )
+    model = build_model(tokenizer, args, max_positions=64)
     eval_set, train_set, pretrain_set = split_problems(all_problems())
     print(f"problems: eval {len(eval_set)}, train {len(train_set)}, pretrain {len(pretrain_set)}")
     print(f"parameters: {sum(p.numel() for p in model.parameters()):,}")

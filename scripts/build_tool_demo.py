@@ -50,12 +50,16 @@ import json
 import math
 import random
 import re
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_lm import add_model_args, build_model, save_model, write_jsonl  # noqa: E402
 
 # Role tags: special tokens (dropped by decode(skip_special_tokens=True)). `<|end|>` closes
 # every turn and is the EOS the model stops on.
@@ -239,27 +243,6 @@ def build_tokenizer():
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
-
-
-def build_model(
-    vocab_size: int, pad_id: int, eos_id: int, hidden: int, layers: int, inter: int, heads: int = 2
-):
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    config = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 2),
-        max_position_embeddings=512,  # a 3-turn trajectory is ~100 tokens
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-    )
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 # ---------------------------------------------------------------------------------------
@@ -548,29 +531,6 @@ def summarize(trajectories: list[Trajectory]) -> dict:
 # ---------------------------------------------------------------------------------------
 
 
-def write_jsonl(path: Path, problems: list[Problem]) -> None:
-    with path.open("w") as f:
-        for p in problems:
-            f.write(json.dumps({"prompt": p.prompt, "answer": str(p.answer)}) + "\n")
-
-
-def save_model(model, tokenizer, out: Path) -> None:
-    from transformers import GenerationConfig
-
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=True
-    )
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)  # the template goes to chat_template.jinja
-    # name the class every transformers version (and vLLM's) knows, not v5's alias
-    config_path = out / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    # the role tags in `all_special_tokens` (the key transformers 4 and 5 both read)
-    config["additional_special_tokens"] = SPECIALS[3:]
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("examples/tools_demo"))
@@ -581,30 +541,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=100)
     parser.add_argument("--eval-samples", type=int, default=4, help="T=1 samples per prompt")
-    parser.add_argument("--threads", type=int, default=1, help="1 is fastest for this size")
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument(
-        "--heads",
-        type=int,
-        default=2,
-        help="attention heads; head size = hidden / heads (vLLM's CPU kernels need >= 32)",
-    )
-    parser.add_argument("--layers", type=int, default=3)
-    parser.add_argument("--inter", type=int, default=256)
+    add_model_args(parser)
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     tokenizer = build_tokenizer()
-    model = build_model(
-        len(tokenizer),
-        tokenizer.pad_token_id,
-        tokenizer.eos_token_id,
-        args.hidden,
-        args.layers,
-        args.inter,
-        args.heads,
-    )
+    model = build_model(tokenizer, args, max_positions=512)  # a 3-turn trajectory is ~100 tokens
     eval_set, train_set, pretrain_set = split_problems(all_problems())
     print(f"problems: eval {len(eval_set)}, train {len(train_set)}, pretrain {len(pretrain_set)}")
     print(
@@ -615,7 +558,9 @@ def main() -> None:
     pretrain(model, tokenizer, pretrain_set, args)
     print(f"pre-training: {time.perf_counter() - start:.0f} s")
     args.out.mkdir(parents=True, exist_ok=True)
-    save_model(model, tokenizer, args.out / "model")
+    # the role tags in `all_special_tokens` (the key transformers 4 and 5 both read); the
+    # chat template goes to chat_template.jinja
+    save_model(model, tokenizer, args.out / "model", {"additional_special_tokens": SPECIALS[3:]})
     write_jsonl(args.out / "train.jsonl", train_set)
     write_jsonl(args.out / "eval.jsonl", eval_set)
 
