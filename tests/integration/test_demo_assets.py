@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from support.configs import DEMO, DEMO_MODEL
-from support.files import read_jsonl
+from support.files import assert_files_are_the_held_out_split, read_jsonl
 from support.scripts import load_script
 
 
@@ -45,13 +45,8 @@ def test_data_columns_answers_and_held_out_split(build_demo):
     for row in train + evals:
         assert set(row) == {"prompt", "answer"} and row["prompt"].endswith("=")
         assert int(row["answer"]) == eval(row["prompt"][:-1])  # noqa: S307 (our own digits)
-    eval_set, train_set, pretrain_set = build_demo.split_problems(build_demo.all_problems())
-    assert [p.prompt for p in eval_set] == [r["prompt"] for r in evals]  # files match the script
-    assert [p.prompt for p in train_set] == [r["prompt"] for r in train]
-    pretrain = {p.prompt for p in pretrain_set}
-    eval_prompts, train_prompts = {r["prompt"] for r in evals}, {r["prompt"] for r in train}
-    assert not (eval_prompts & pretrain) and not (eval_prompts & train_prompts)
-    assert not (train_prompts & pretrain)
+    split = build_demo.split_problems(build_demo.all_problems())
+    assert_files_are_the_held_out_split(split, train, evals)
 
 
 def test_noisy_answers_are_plausible(build_demo):

@@ -4,32 +4,22 @@ right and held out; the model calls the calculator sometimes and cannot add alon
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from support.configs import ROOT
+from support.files import assert_files_are_the_held_out_split, read_jsonl
+from support.scripts import load_script
 
-ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "examples" / "tools_demo"
 TOOLS = [{"type": "function", "function": {"name": "add"}}]
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 @pytest.fixture(scope="module")
 def build():
-    path = ROOT / "scripts" / "build_tool_demo.py"
-    spec = importlib.util.spec_from_file_location("build_tool_demo", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["build_tool_demo"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("build_tool_demo")
 
 
 @pytest.fixture(scope="module")
@@ -221,13 +211,7 @@ def test_data_columns_answers_and_held_out_split(build, split):
         a, b = row["prompt"][:-1].split("+")
         assert 100 <= int(a) <= 999 and 100 <= int(b) <= 999
         assert row["answer"] == str(int(a) + int(b))
-    eval_set, train_set, pretrain_set = split
-    assert [p.prompt for p in eval_set] == [r["prompt"] for r in evals]  # files match the script
-    assert [p.prompt for p in train_set] == [r["prompt"] for r in train]
-    pretrain = {p.prompt for p in pretrain_set}
-    eval_prompts, train_prompts = {r["prompt"] for r in evals}, {r["prompt"] for r in train}
-    assert not (eval_prompts & pretrain) and not (eval_prompts & train_prompts)
-    assert not (train_prompts & pretrain)
+    assert_files_are_the_held_out_split(split, train, evals)
 
 
 def test_noisy_answers_are_plausible(build):
