@@ -24,6 +24,8 @@ child's peak RSS, VmHWM; on CUDA the device memory in use, sampled after each ph
 its highest, minus before start: vLLM's allocations included), `generate` (`time_s` per
 call, `tokens_per_s`), `sync` (`time_s`, the median). Every `shared` row carries
 `time_ratio` and `mem_ratio` (shared / two_copies), `generate` also `tokens_per_s_ratio`.
+On CPU, cases `gemm/M<rows>/<layer>` time one linear layer of the model as each variant
+serves it (`gemm_rows`: vLLM's prepacked oneDNN matmul vs F.linear on the shared weight).
 The shared child checks every base parameter's storage pointer and offset against its
 vLLM view (`shared_params`, `unshared_params` on its memory row).
 
@@ -274,6 +276,53 @@ def case_rows(model: Path | None, modes: list[str], size: str, timeout_s: float 
     return with_ratios(rows)
 
 
+def gemm_rows(model: Path, batch_rows=(1, 8, 32), repeats: int = 50) -> list[dict]:
+    """On CPU, what serving the shared tensors costs per linear layer: vLLM's prepacked
+    oneDNN matmul (**baseline** `onednn_prepacked`, what two copies run) vs `F.linear` on
+    the plain weight (`f_linear`, what sharing runs), at the model's shapes (q/k/v fused,
+    o, gate/up fused, down, lm_head) for decode batches of `batch_rows` rows; mean of
+    `repeats` calls after 5 warm-up calls. Nothing on CUDA (the weights stay plain there)."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    if device_name() != "cpu" or not getattr(ops, "_supports_onednn", False):
+        return []
+    c = json.loads((model / "config.json").read_text())
+    hidden, heads = c["hidden_size"], c["num_attention_heads"]
+    head_dim = c.get("head_dim") or hidden // heads
+    kv = c.get("num_key_value_heads", heads)
+    shapes = {  # name: (out, in)
+        "qkv_proj": ((heads + 2 * kv) * head_dim, hidden),
+        "o_proj": (hidden, heads * head_dim),
+        "gate_up_proj": (2 * c["intermediate_size"], hidden),
+        "down_proj": (hidden, c["intermediate_size"]),
+        "lm_head": (c["vocab_size"], hidden),
+    }
+
+    def mean_s(fn, *args) -> float:
+        for _ in range(5):
+            fn(*args)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn(*args)
+        return (time.perf_counter() - start) / repeats
+
+    rows = []
+    for m in batch_rows:
+        for name, (n, k) in shapes.items():
+            weight, x = torch.randn(n, k), torch.randn(m, k)
+            handle = ops.create_onednn_mm(weight.t(), 32)  # as vLLM's CPU dispatch builds it
+            base = mean_s(ops.onednn_mm, handle, x, None)
+            plain = mean_s(torch.nn.functional.linear, x, weight)
+            case = f"gemm/M{m}/{name}"
+            rows.append({"bench": "shared_weights", "device": "cpu", "case": case,
+                         "variant": "onednn_prepacked", "time_s": round(base, 7)})  # fmt: skip
+            rows.append({"bench": "shared_weights", "device": "cpu", "case": case,
+                         "variant": "f_linear", "time_s": round(plain, 7),
+                         "time_ratio": round(plain / base, 3)})  # fmt: skip
+    return rows
+
+
 def _cuda_name() -> str:
     import torch
 
@@ -321,6 +370,10 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     for row in case_rows(args.model, modes, "quick" if args.quick else "full"):
         print(json.dumps(row), flush=True)
+    if args.model is not None or device_name() == "cpu":
+        model = args.model or default_model("cpu", Path(tempfile.gettempdir()))[0]
+        for row in gemm_rows(model, repeats=10 if args.quick else 50):
+            print(json.dumps(row), flush=True)
 
 
 def _vllm_version() -> str | None:

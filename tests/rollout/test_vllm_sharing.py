@@ -600,4 +600,7 @@ def test_sharing_saves_one_fp32_copy_of_smollm2(tmp_path):
     assert copies["peak_bytes"] - shared["peak_bytes"] >= 0.5 * 2**30, (copies, shared)
     assert shared["mem_ratio"] < 1 and rows["full/sync", "shared"]["time_ratio"] < 0.1
     assert rows["full/generate", "shared"]["tokens_per_s"] > 0
+    gemm = {case for case, variant in rows if case.startswith("gemm/")}  # CPU: per-layer cost
+    assert len(gemm) == 3 * 5, gemm  # M 1, 8, 32 x q/k/v, o, gate/up, down, lm_head
+    assert all(rows[case, "f_linear"]["time_ratio"] > 0 for case in gemm)
     assert DEMO_MODEL.is_dir()  # the other tests' model, bundled
