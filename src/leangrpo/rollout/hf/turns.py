@@ -196,16 +196,15 @@ class HFTurnStream:
     def _make_room(self, rows: int, width: int) -> bool:
         """Size the slot cache for `rows` rows of `width` positions (every row in use must
         fit too), evicting kept caches (oldest first) when the budget asks for it; False
-        when it cannot fit now. Grows by doubling; shrinks only to fit the budget."""
+        when it cannot fit now. Rows grow by doubling, the width in steps of WIDTH_STEP;
+        shrinks only to fit the budget."""
         width = max([width] + [row.bound for row in self.rows])
         current = (self.cache.rows, self.cache.width)
         if rows <= current[0] and width <= current[1] and self._fits(*current):
             return True
-        grown = (
-            _grown(current[0], rows, self.max_rows),
-            _grown(current[1], width, None),
-        )
-        for target in (grown, (rows, width)):
+        stepped = -(-width // WIDTH_STEP) * WIDTH_STEP
+        grown = (_grown(current[0], rows, self.max_rows), max(stepped, current[1]))
+        for target in (grown, (rows, stepped), (rows, width)):
             if self._fits(*target, evict=True):
                 self.cache.resize(*target)
                 return True
@@ -363,6 +362,9 @@ class HFTurnStream:
         self.rows.pop()
         self._enforce_budget()
         return row.request, self._completion(row.out, self.params)
+
+
+WIDTH_STEP = 64  # the slot cache's width grows in steps of this many positions
 
 
 def _bound(request: TurnRequest) -> int:
