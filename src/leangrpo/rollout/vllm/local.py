@@ -16,7 +16,7 @@ them. Only `adapter_config.json` and `*.safetensors` files are published (never 
 pickled `adapter_model.bin`; files.py `publish_adapter`).
 
 Generation is cooperative: a caller adds its requests to the engine (`enqueue`, vLLM's
-`LLM.enqueue`) and steps the engine until they are finished (`step`, one
+`llm_engine.add_request`) and steps the engine until they are finished (`step`, one
 `llm_engine.step()` under the lock); every step advances every caller's requests, and
 outputs that finish for another caller are kept for it. So concurrent callers (the
 threads of `leangrpo serve`, a turn stream and an evaluation) are batched by vLLM's
@@ -236,6 +236,7 @@ class LocalVLLM:
         self._lock = threading.Lock()
         self._asleep = False
         self._finished: dict[str, Any] = {}  # outputs a step finished for another caller
+        self._request_ids = 0
 
     @property
     def version(self) -> int:
@@ -260,7 +261,7 @@ class LocalVLLM:
             if not ids:
                 raise ValueError(f"prompt {i} has no token ids; tokenise prompts before generating")
         if seeds is None:
-            sampling = [to_vllm_sampling_params(params, n)] * len(prompt_ids)
+            sampling = [to_vllm_sampling_params(params, n) for _ in prompt_ids]
         else:
             sampling = [to_vllm_sampling_params(replace(params, seed=s), n) for s in seeds]
         with self.gate.admit(version, run):
@@ -272,15 +273,28 @@ class LocalVLLM:
         self, prompt_ids: list[list[int]], sampling: list[Any], *, run: str | None, version: int
     ) -> list[str]:
         """Add requests to the engine (admitted by the caller under `gate.admit`); their
-        request ids, for `step` / `collect`."""
+        request ids, for `step` / `collect`. The ids are ours (vLLM's outputs carry the id a
+        request was added with; `LLM.enqueue` returns the engine's internal ones)."""
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
-        prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
+        lora = self._requests.get((run, version))
+        added = []
         with self._lock:
             self._wake_locked()
-            return self.llm.enqueue(
-                prompts, sampling, use_tqdm=False, lora_request=self._requests.get((run, version))
-            )
+            try:
+                for ids, params in zip(prompt_ids, sampling):
+                    params.output_kind = RequestOutputKind.FINAL_ONLY  # as LLM.generate asks
+                    self._request_ids += 1
+                    request_id = f"leangrpo-{self._request_ids}"
+                    prompt = TokensPrompt(prompt_token_ids=list(ids))
+                    self.llm.llm_engine.add_request(request_id, prompt, params, lora_request=lora)
+                    added.append(request_id)
+            except BaseException:
+                if added:
+                    self.llm.llm_engine.abort_request(added)
+                raise
+        return added
 
     def step(self, wanted: Iterable[str]) -> dict[str, Any]:
         """The finished outputs of `wanted` requests: those already done, else after one
