@@ -126,3 +126,27 @@ class ToolReply(Environment):
         if turn.index:
             return StepResult(done=True)
         return StepResult([{"role": "tool", "name": "add", "content": "42"}])
+
+
+class Latency(Again):
+    """Again, with each step taking a random time (0 to 30 ms, one in three 150 ms): the
+    order in which trajectories come back differs from the order they went out."""
+
+    def step(self, turn: ModelTurn) -> StepResult:
+        import random
+
+        time.sleep(0.15 if random.random() < 1 / 3 else random.random() * 0.03)
+        return super().step(turn)
+
+
+class HeldBack(Again):
+    """Again, except that the trajectory whose prompt row says `hold` waits in its first
+    step until the file the row names exists."""
+
+    def reset(self, messages, row, seed):
+        self.hold = row.get("hold")
+
+    def step(self, turn: ModelTurn) -> StepResult:
+        while self.hold and turn.index == 0 and not os.path.exists(self.hold):
+            time.sleep(0.01)
+        return super().step(turn)

@@ -29,13 +29,16 @@ class Environments:
     renderer: Renderer
     limits: TurnLimits
     eos_ids: set[int]
+    scheduling: str = "per_trajectory"
 
     def rollout(self, engine: Any) -> MultiTurnRollout:
         if not isinstance(engine, TurnEngine):
             raise TypeError(
                 f"{type(engine).__name__} cannot generate turns (generate_turns): multi-turn rollouts need the hf or vllm engine"
             )
-        return MultiTurnRollout(engine, self.pool, self.renderer, self.limits, self.eos_ids)
+        return MultiTurnRollout(
+            engine, self.pool, self.renderer, self.limits, self.eos_ids, self.scheduling
+        )
 
     def close(self) -> None:
         self.pool.close()
@@ -63,7 +66,7 @@ def start_environments(cfg: Any, tokenizer: Any, prompts: list[Prompt]) -> Envir
         pool.num_workers,
         ", ".join(t.get("function", t).get("name", "?") for t in pool.tools) or "none",
     )
-    return Environments(pool, renderer, limits, eos_ids)
+    return Environments(pool, renderer, limits, eos_ids, env_cfg.scheduling)
 
 
 def generation_eos_ids(cfg: Any, tokenizer: Any) -> set[int]:
