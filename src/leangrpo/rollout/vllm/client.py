@@ -33,7 +33,7 @@ import tarfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -209,10 +209,18 @@ class ServerPool:
         return results
 
     def turn(
-        self, request: TurnRequest, params: SamplingParams, version: int, *, run: str
+        self,
+        request: TurnRequest,
+        params: SamplingParams,
+        version: int,
+        *,
+        run: str,
+        route: Hashable | None = None,
     ) -> Completion:
-        """One turn on the trajectory's server (sticky; re-routed if it fails)."""
-        server = self.router.for_turn(request.key, run, version)
+        """One turn on the trajectory's server (sticky by `route`, default the request's key;
+        re-routed if it fails)."""
+        route = request.key if route is None else route
+        server = self.router.for_turn(route, run, version)
         payload = {
             "prompts": [list(request.ids)],
             "params": asdict(params) | {"stop": list(params.stop)},
@@ -221,11 +229,11 @@ class ServerPool:
             "version": version,
             "seeds": None if request.seed is None else [request.seed],
         }
-        reply = self._with_failover(server, request.key, run, version, 1, payload)
+        reply = self._with_failover(server, route, run, version, 1, payload)
         return Completion(**reply["completions"][0][0])
 
     def _with_failover(
-        self, server: Server, key: int | None, run: str, version: int, requests: int, payload: dict
+        self, server: Server, key: Hashable | None, run: str, version: int, requests: int, payload: dict
     ) -> dict:
         """POST /generate on `server` (counted in flight by the router); a server that
         fails is marked down and the request goes to another one."""

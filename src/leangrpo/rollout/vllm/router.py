@@ -17,12 +17,15 @@ its requests in flight and the requests it served. The rules (client.py applies 
   server's own version gate refuses (409) whatever it does not hold, so stale weights
   never serve.
 
-Thread-safe: the turn stream's request threads and the caller share one router.
+Thread-safe: the turn stream's request threads and the caller share one router. A turn
+stream keys its trajectories by (stream, key), so two streams at once (training and
+evaluation) never share a trajectory's server by accident.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 from leangrpo.rollout.vllm.versions import NO_VERSION
@@ -47,7 +50,7 @@ class Server:
 class Router:
     def __init__(self, urls: list[str]):
         self.servers = [Server(i, url) for i, url in enumerate(urls)]
-        self._sticky: dict[int, int] = {}  # trajectory key -> server index
+        self._sticky: dict[Hashable, int] = {}  # trajectory key -> server index
         self._lock = threading.Lock()
         self.retries = 0
 
@@ -55,7 +58,7 @@ class Router:
         """Healthy servers holding (run, version)."""
         return [s for s in self.servers if s.healthy and s.held == (run, version)]
 
-    def for_turn(self, key: int | None, run: str | None, version: int, requests: int = 1) -> Server:
+    def for_turn(self, key: Hashable | None, run: str | None, version: int, requests: int = 1) -> Server:
         """The trajectory's server (sticky), else the least loaded; `requests` counted in
         flight there."""
         with self._lock:
@@ -98,7 +101,7 @@ class Router:
             server.healthy = False
             server.last_error = error
 
-    def reroute(self, key: int | None, run: str | None, version: int, requests: int = 1) -> Server:
+    def reroute(self, key: Hashable | None, run: str | None, version: int, requests: int = 1) -> Server:
         """Another server for `requests` whose server failed (counted as retries)."""
         with self._lock:
             self.retries += requests
@@ -106,7 +109,12 @@ class Router:
                 self._sticky.pop(key, None)
         return self.for_turn(key, run, version, requests)
 
-    def forget(self, key: int) -> None:
+    def server_of(self, key: Hashable) -> int | None:
+        """The index of the server a trajectory's turns go to (None: none yet)."""
+        with self._lock:
+            return self._sticky.get(key)
+
+    def forget(self, key: Hashable) -> None:
         with self._lock:
             self._sticky.pop(key, None)
 

@@ -101,10 +101,18 @@ class ServerTurnStream:
         self._pending += 1
         self.pool.turn_threads.submit(self._run, request)
 
+    def route(self, key: int | None) -> tuple | None:
+        """The router's key for a trajectory of this stream (None: no stickiness)."""
+        return None if key is None else (id(self), key)
+
     def _run(self, request: TurnRequest) -> None:
         try:
             reply: Any = self.pool.turn(
-                request, turn_params(self.params, request), self.version, run=self.run
+                request,
+                turn_params(self.params, request),
+                self.version,
+                run=self.run,
+                route=self.route(request.key),
             )
         except BaseException as err:  # raised by advance, in the driving thread
             reply = err
@@ -134,7 +142,7 @@ class ServerTurnStream:
         return got
 
     def release(self, key: int) -> None:
-        self.pool.router.forget(key)
+        self.pool.router.forget(self.route(key))
 
     def metrics(self) -> dict[str, float]:
         out = {
