@@ -81,6 +81,7 @@ def test_per_trajectory_makes_what_rounds_make_on_colocated_vllm(tmp_path):
                 "distributed_executor_backend": "uni",
                 "max_num_seqs": 1,
                 "kv_cache_memory_bytes": 64 << 20,
+                "block_size": 32,  # CPU's default 128 would hold none of these short prefixes
             },
         )
     finally:
