@@ -150,3 +150,11 @@ class HeldBack(Again):
         while self.hold and turn.index == 0 and not os.path.exists(self.hold):
             time.sleep(0.01)
         return super().step(turn)
+
+
+class Sleeps(Environment):
+    """Sleeps as many seconds as the turn's text says, then is done."""
+
+    def step(self, turn: ModelTurn) -> StepResult:
+        time.sleep(float(turn.text))
+        return StepResult(done=True, metrics={"slept": float(turn.text)})
