@@ -233,7 +233,13 @@ class ServerPool:
         return Completion(**reply["completions"][0][0])
 
     def _with_failover(
-        self, server: Server, key: Hashable | None, run: str, version: int, requests: int, payload: dict
+        self,
+        server: Server,
+        key: Hashable | None,
+        run: str,
+        version: int,
+        requests: int,
+        payload: dict,
     ) -> dict:
         """POST /generate on `server` (counted in flight by the router); a server that
         fails is marked down and the request goes to another one."""
@@ -271,18 +277,21 @@ class ServerPool:
                 "(rollout.vllm.max_body_mb for a server the trainer starts)"
             )
 
-        def stage(url: str) -> None:
+        def stage(server: Server) -> None:
             for index, path in enumerate(paths):
                 self.request(
-                    url,
+                    server.url,
                     "PUT",
                     f"/weights/{run}/{version}/{index}",
                     path,
                     "application/octet-stream",
+                    retries=self._sync_retries(server),
                 )
 
-        def commit(url: str) -> None:
-            self._post_json(url, f"/weights/{run}/{version}/commit", {"num_buckets": len(paths)})
+        def commit(server: Server) -> None:
+            body = {"num_buckets": len(paths)}
+            path = f"/weights/{run}/{version}/commit"
+            self._post_json(server.url, path, body, self._sync_retries(server))
 
         staged = self._on_every_server(stage, self.router.servers, "stage")
         committed = self._on_every_server(commit, staged, "commit")
@@ -295,18 +304,19 @@ class ServerPool:
                 tar.add(item, arcname=item.name)
         body = buffer.getvalue()
 
-        def load(url: str) -> None:
-            self.request(url, "PUT", f"/adapter/{run}/{version}", body, "application/x-tar")
+        def load(server: Server) -> None:
+            path, retries = f"/adapter/{run}/{version}", self._sync_retries(server)
+            self.request(server.url, "PUT", path, body, "application/x-tar", retries=retries)
 
         self._took_version(self._on_every_server(load, self.router.servers, "load"), run, version)
 
     def _on_every_server(self, fn, servers: list[Server], phase: str) -> list[Server]:
-        """`fn(url)` on every server at once; the ones it failed on are marked down (a
+        """`fn(server)` on every server at once; the ones it failed on are marked down (a
         refusal, 4xx or a version conflict, is raised as it is: a bug, not a failure)."""
 
         def attempt(server: Server) -> bool:
             try:
-                fn(server.url)
+                fn(server)
             except ServerUnreachable as err:
                 self.router.failed(server, f"weight sync ({phase}) failed: {one_line(err)}", 0)
                 log.warning(
@@ -319,6 +329,10 @@ class ServerPool:
 
         ok = list(self._pool.map(attempt, servers))
         return [server for server, good in zip(servers, ok) if good]
+
+    def _sync_retries(self, server: Server) -> int | None:
+        """A server marked down is probed once per sync (it may be back), not retried."""
+        return None if server.healthy else 0
 
     def _took_version(self, servers: list[Server], run: str, version: int) -> None:
         if not servers:
