@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("leangrpo: interrupted; the last complete checkpoint is intact", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `leangrpo plan ... | head`: the reader has what it wanted
+        _silence_stdout()
+        return 141  # 128 + SIGPIPE, as a shell tool killed by it
     except Exception as exc:  # user errors: one sentence, no traceback
         if _is_user_error(exc):
             if not getattr(exc, "shown_by_rank_0", False):  # torchrun: one copy of rank 0's
@@ -97,6 +100,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"leangrpo: error: {exc}", file=sys.stderr, flush=True)
             _exit_now(1)
         raise
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's final flush meets no closed pipe."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _exit_now(code: int) -> None:
@@ -112,18 +122,33 @@ def _dispatch(args) -> int:
     if args.command == "train":
         return _train(args)
     if args.command == "plan":
-        from leangrpo.config import load_config
-        from leangrpo.planner.plan import plan_memory, render_plan, world_size_from_env
-
-        cfg = load_config(args.config, args.overrides)
-        world = args.world_size or world_size_from_env()
-        given = dict(tokens=args.tokens, prompt_tokens=args.prompt_tokens, world_size=world)
-        print(render_plan(plan_memory(cfg, **given), cfg, **given))
-        return 0
+        return _plan(args)
     from leangrpo.metrics.report import report
 
-    print(report(args.run_dir))
+    _print(report(args.run_dir))
     return 0
+
+
+def _plan(args) -> int:
+    from leangrpo.config import load_config
+    from leangrpo.planner.plan import (
+        plan_memory,
+        planned_prompt_tokens,
+        render_plan,
+        world_size_from_env,
+    )
+
+    cfg = load_config(args.config, args.overrides)
+    world = args.world_size or world_size_from_env()
+    prompt, source = planned_prompt_tokens(cfg, args.prompt_tokens)
+    given = dict(tokens=args.tokens, prompt_tokens=prompt, world_size=world)
+    _print(render_plan(plan_memory(cfg, **given), cfg, **given, prompt_source=source))
+    return 0
+
+
+def _print(text: str) -> None:
+    """Print and flush now, so a reader that stops early (`| head`) is met in main()."""
+    print(text, flush=True)
 
 
 def _train(args) -> int:
