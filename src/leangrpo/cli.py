@@ -19,8 +19,11 @@ import argparse
 import logging
 import os
 import sys
+import time
 
 from leangrpo.stopping import RunStopped  # no torch: stdlib only
+
+STARTED = time.monotonic()  # the summary's time counts from the command's start
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -165,8 +168,8 @@ def _train(args) -> int:
         return 0
     from leangrpo.train import train
 
-    final = train(cfg, checked)
-    print({k: round(v, 4) for k, v in final.items()})
+    train(cfg, checked)
+    _print_summary(cfg)
     return 0
 
 
@@ -196,14 +199,20 @@ def _train_ranks(cfg) -> int:
     from leangrpo.train import train
 
     try:
-        final = train(cfg, checked, ctx)
+        train(cfg, checked, ctx)
     except RunStopped:  # every rank stopped at the same step and saved it
         ctx.shutdown()
         raise
     ctx.shutdown()
     if ctx.is_main:
-        print({k: round(v, 4) for k, v in final.items()})
+        _print_summary(cfg)
     return 0
+
+
+def _print_summary(cfg) -> None:
+    from leangrpo.metrics.report import run_summary
+
+    _print(run_summary(cfg.run.output_dir, time.monotonic() - STARTED))
 
 
 def _is_distributed_error(exc: Exception) -> bool:

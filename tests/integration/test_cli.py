@@ -289,6 +289,27 @@ def test_run_directory_is_locked_finished_refused_and_overwritten(tmp_path):
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-1"]
 
 
+def test_a_finished_run_prints_a_summary_and_a_run_without_eval_logs_no_empty_row(tmp_path):
+    """The end of a run: a few human lines (first -> last eval and reward, time, where the
+    files are), not a Python dict; without an eval set no `{"step": N}` row is written."""
+    out = tmp_path / "run"
+    done = train_demo(out)
+    assert done.returncode == 0, done.stderr
+    summary = done.stdout.strip().splitlines()[-5:]
+    assert summary[0].startswith("leangrpo: finished at step 2 in "), summary
+    assert summary[1].startswith("  eval/reward") and "(step 0) ->" in summary[1]
+    assert summary[2].startswith("  reward/mean") and "(step 2)" in summary[2]
+    assert f"files in {out}/: metrics.jsonl" in summary[3] and "checkpoints/" in summary[3]
+    assert summary[4] == f"  plots and a summary: leangrpo report {out}"
+    assert "{" not in done.stdout
+    bare = tmp_path / "bare"
+    done = train_demo(bare, "data.eval_path=null")
+    assert done.returncode == 0, done.stderr
+    rows = read_jsonl(bare / "metrics.jsonl")
+    assert all(set(row) != {"step"} for row in rows), rows[-1]
+    assert "no evaluation" in done.stdout
+
+
 PROBE_LOCK = (
     "import sys, time; from pathlib import Path; from leangrpo.checkpoint.rundir import RunLock\n"
     "RunLock(Path(sys.argv[1])); print('locked', flush=True); time.sleep(300)\n"

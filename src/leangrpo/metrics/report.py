@@ -64,6 +64,47 @@ def series(rows: list[dict], key: str) -> list[tuple[int, float]]:
     ]
 
 
+def run_summary(run_dir: str | Path, seconds: float) -> str:
+    """The few lines a finished `leangrpo train` prints: steps and time, first -> last of
+    the eval and training reward, and where the run's files are."""
+    run_dir = Path(run_dir)
+    rows = read_rows(run_dir)
+    last = rows[-1]["step"] if rows else 0
+    lines = [f"leangrpo: finished at step {last} in {_duration(seconds)}"]
+    for key in ("eval/reward", "reward/mean"):
+        points = series(rows, key)
+        if points:
+            (s0, v0), (s1, v1) = points[0], points[-1]
+            lines.append(f"  {key:<12} {v0:.3f} (step {s0}) -> {v1:.3f} (step {s1})")
+    if not series(rows, "eval/reward"):
+        lines.append("  no evaluation (no eval set: data.eval_path, data.eval_size)")
+    files = [name for name in RUN_FILES if (run_dir / name.rstrip("/")).exists()]
+    lines.append(f"  files in {run_dir}/: {', '.join(files)}")
+    lines.append(f"  plots and a summary: leangrpo report {run_dir}")
+    return "\n".join(lines)
+
+
+# what a run directory holds, in the order the summary lists them (README "Run directories")
+RUN_FILES = (
+    "metrics.jsonl",
+    "samples.jsonl",
+    "config.yaml",
+    "checkpoints/",
+    "final/",
+    "tensorboard/",
+    "report.png",
+    "report.html",
+)
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    if hours:
+        return f"{hours} h {minutes:02d} min"
+    return f"{minutes} min {secs:02d} s" if minutes else f"{secs} s"
+
+
 def report(run_dir: str | Path) -> str:
     rows = read_rows(run_dir)
     lines = [

@@ -170,6 +170,7 @@ class Trainer:
             project=cfg.logging.wandb_project,
             resume_step=self.step if resumed else None,
             resume_rows=self.resume_rows if resumed else None,
+            eval_every=cfg.eval.every_steps if self.evaluator is not None else 0,
         )
 
     def _schedule_horizon(self) -> int:
@@ -402,8 +403,10 @@ class Trainer:
         """Evaluation metrics ({} on torchrun ranks that do not evaluate)."""
         if self.evaluator is None:
             return {}
+        t0 = time.perf_counter()
         with self.ctx.phase("generate"):
-            return self.evaluator.run(self.version, step=step)
+            metrics = self.evaluator.run(self.version, step=step)
+        return {**metrics, "time/eval": time.perf_counter() - t0} if metrics else {}
 
     def on_step_end(self, metrics: dict, batch: RolloutBatch) -> None:
         cfg = self.cfg
@@ -417,7 +420,8 @@ class Trainer:
 
     def finish(self) -> dict[str, float]:
         final = self.evaluate(step=self.step)
-        self.logger.log(self.step, final)
+        if final:  # no eval set: no row of its own (it would hold only the step)
+            self.logger.log(self.step, final)
         self.save_checkpoint()
         if self.cfg.checkpoint.save_final_model:
             with self.ctx.phase("checkpoint"):
