@@ -44,6 +44,7 @@ from leangrpo.distributed.context import DistContext, init_distributed
 from leangrpo.distributed.strategy import choose_strategy
 from leangrpo.environments.setup import start_environments
 from leangrpo.errors import RunError
+from leangrpo.metrics.learning import LearningSignal, warn_if_tokenizer_drops_text
 from leangrpo.model.files import check_model_files
 from leangrpo.model.policy import Policy, load_policy, load_tokenizer
 from leangrpo.pipeline.builder import build_pipeline
@@ -108,6 +109,9 @@ class Trainer:
         tokenizer = load_tokenizer(cfg.model)
         prompts = load_prompts(cfg.data, tokenizer, cfg.run.seed, limit)
         check_micro_batch(prompts.train, cfg)
+        if ctx.is_main:
+            warn_if_tokenizer_drops_text(prompts.train, tokenizer, cfg.model.name_or_path)
+        self.learning = LearningSignal(self.out)  # warns when nothing can be learned
         # multi-turn: environment workers, the chat template and a probe reset, still
         # before the model loads
         generates = not (ctx.distributed and cfg.rollout.engine == "vllm" and not ctx.is_main)
@@ -413,6 +417,8 @@ class Trainer:
         if _due(self.step, cfg.eval.every_steps) and self.step < cfg.run.max_steps:
             metrics.update(self.evaluate(step=self.step))
         self.logger.log(self.step, metrics)
+        if self.ctx.is_main:
+            self.learning.observe(self.step, metrics)
         if _due(self.step, cfg.logging.samples_every):
             self.logger.log_samples(self.step, sample_rows(batch))
         if _due(self.step, cfg.checkpoint.every_steps) and self.step < cfg.run.max_steps:
