@@ -65,9 +65,11 @@ def _parser() -> argparse.ArgumentParser:
                 help="torchrun ranks, sharded with FSDP (default: $WORLD_SIZE, else 1)",
             )
     rep = sub.add_parser(
-        "report", help="summarise a run directory (and plot it if matplotlib is installed)"
+        "report",
+        help="summarise a run directory, and draw its dashboard",
+        description="Print first / last / min / max of a run's key metrics (from RUN_DIR/metrics.jsonl) and, when matplotlib is installed, write its dashboard into the run directory: RUN_DIR/report.png (the curves by step) and RUN_DIR/report.html (the picture and the table).",
     )
-    rep.add_argument("run_dir")
+    rep.add_argument("run_dir", metavar="RUN_DIR", help="a run's output directory (run.output_dir)")
     sub.add_parser(
         "serve", help="start a vLLM server with leangrpo's weight-sync extension", add_help=False
     )

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import resource
 import time
 from pathlib import Path
 
@@ -377,6 +378,7 @@ class Trainer:
             "time/train": train_s,
             "time/weight_sync": sync_s,
             "throughput/train_tokens_per_s": tokens / max(train_s, 1e-9),
+            "memory/peak_gib": peak_memory_gib(self.strategy.device),
         }
         with ctx.phase("train"):  # torchrun: the ranks' figures combined (one all-gather)
             metrics = self.strategy.reduce_metrics(metrics, tokens, ctx.wait_s - waited)
@@ -485,6 +487,13 @@ class RunSkips:
 
     def metrics(self) -> dict[str, float]:
         return {"pipeline/skipped_batches": float(self.batches)}
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """The peak so far: CUDA memory allocated on a GPU, the process's RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def _due(step: int, every: int) -> bool:
