@@ -168,9 +168,18 @@ def _train(args) -> int:
         checked.release()
         print(f"leangrpo: {checked.finished_message()}")
         return 0
-    from leangrpo.train import train
+    from leangrpo.prestart import Prestarted
 
-    train(cfg, checked)
+    prestarted = None
+    try:
+        prestarted = Prestarted(cfg)  # their imports overlap ours (torch, transformers)
+        logging.getLogger("leangrpo").info("loading torch ...")
+        from leangrpo.train import train
+
+        train(cfg, checked, prestarted=prestarted)
+    finally:
+        if prestarted is not None:
+            prestarted.close()
     _print_summary(cfg)
     return 0
 

@@ -369,6 +369,7 @@ class ProgressDisplay:
         self.every = max(1, self.total // 10)
         self.shown: dict[str, float] = {}
         self.start_step, self.clock = start_step, clock
+        self.printed = start_step
         self.eta = Eta(self.total, eval_every, start_step, clock())
         self.bar: Progress | None = None
         if enabled and console.is_terminal:
@@ -395,9 +396,10 @@ class ProgressDisplay:
             self.bar.update(self.task, completed=step, stats=self.stats(room), eta=eta)
         elif (
             self.enabled
-            and step > self.start_step
+            and step > max(self.start_step, self.printed)
             and (step % self.every == 0 or step == self.total)
         ):
+            self.printed = step  # one line a step (the final evaluation's row shares it)
             self.console.print(self.line(step), highlight=False, soft_wrap=True)
 
     def stats(self, room: int | None = None) -> str:

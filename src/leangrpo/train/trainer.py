@@ -50,6 +50,7 @@ from leangrpo.model.files import check_model_files
 from leangrpo.model.policy import Policy, load_policy, load_tokenizer
 from leangrpo.pipeline.builder import build_pipeline
 from leangrpo.preflight import Preflight, check_micro_batch, preflight, prompt_limit
+from leangrpo.prestart import Prestarted
 from leangrpo.rewards import RewardPool
 from leangrpo.rollout.factory import make_engines, start_shared_engine
 from leangrpo.stopping import RunStopped, StopRequested, StopSignals
@@ -70,10 +71,16 @@ def seed_everything(seed: int) -> None:
 
 class Trainer:
     def __init__(
-        self, cfg: Config, checked: Preflight | None = None, ctx: DistContext | None = None
+        self,
+        cfg: Config,
+        checked: Preflight | None = None,
+        ctx: DistContext | None = None,
+        prestarted: Prestarted | None = None,
     ):
         """`checked`: the CLI's preflight result (its run-directory lock passes to us);
-        `ctx`: the torchrun context (default: from the environment; the caller ends it)."""
+        `ctx`: the torchrun context (default: from the environment; the caller ends it);
+        `prestarted`: worker pools the CLI started before importing torch (we take them)."""
+        self.prestarted = prestarted
         self.ctx = ctx if ctx is not None else init_distributed(cfg.distributed, cfg.run.device)
         self.checked = checked if checked is not None else preflight(cfg, self.ctx)
         try:
@@ -107,6 +114,7 @@ class Trainer:
         limit = self.checked.prompt_limit
         if self.checked.model.directory is None:  # a hub model not cached yet: fetch config.json
             limit = prompt_limit(cfg, check_model_files(cfg.model, fetch=True))
+        log.info("loading transformers, the tokenizer and the prompts ...")
         tokenizer = load_tokenizer(cfg.model)
         prompts = load_prompts(cfg.data, tokenizer, cfg.run.seed, limit)
         check_micro_batch(prompts.train, cfg)
@@ -116,7 +124,14 @@ class Trainer:
         # multi-turn: environment workers, the chat template and a probe reset, still
         # before the model loads
         generates = not (ctx.distributed and cfg.rollout.engine == "vllm" and not ctx.is_main)
-        self.environments = start_environments(cfg, tokenizer, prompts.train) if generates else None
+        early = self.prestarted
+        pool = early.take_environment_pool() if early is not None else None
+        if generates and cfg.environment is not None and pool is None:
+            log.info("starting %d environment worker(s) ...", cfg.environment.num_workers)
+        self.environments = (
+            start_environments(cfg, tokenizer, prompts.train, pool) if generates else None
+        )
+        log.info("loading the model %s (%s) ...", cfg.model.name_or_path, cfg.model.dtype)
         started = start_shared_engine(cfg, strategy.device)  # vLLM first: the policy views it
         shared = started.build_policy(cfg, tokenizer, strategy.device) if started else None
         self.policy: Policy = shared or load_policy(
@@ -130,7 +145,11 @@ class Trainer:
         self.schedule_steps = self._schedule_horizon()
         self.scheduler = make_scheduler(self.optimizer, cfg.train, self.schedule_steps)
         self.sampling = cfg.rollout.sampling_params()  # per-batch seeds are set by the producer
-        self.rewards = RewardPool(cfg.rewards) if engines is not None else None
+        self.rewards = early.take_rewards() if early is not None else None
+        if self.rewards is None and engines is not None:
+            if cfg.rewards.functions:
+                log.info("starting %d reward worker(s) ...", cfg.rewards.num_workers)
+            self.rewards = RewardPool(cfg.rewards)
         # hf sync, or vLLM sharing full fine-tuning weights: every version
         self.sync_every_version = cfg.generates_with_live_weights() or (
             engines is not None and engines.rollout_shares_weights
@@ -231,7 +250,16 @@ class Trainer:
         clean, stopped = False, None
         try:
             if self.step == 0 and not self.resumed:
+                if self.evaluator is not None and self.evaluator.prompts:
+                    log.info("evaluating on %d held-out prompts ...", len(self.evaluator.prompts))
                 self.logger.log(0, self.evaluate(step=0))
+            rollout = self.cfg.rollout
+            log.info(
+                "training: %d steps of %d prompts x %d completions",
+                self.cfg.run.max_steps - self.step,
+                rollout.prompts_per_batch,
+                rollout.num_generations,
+            )
             self.producer.start()
             try:
                 self._loop()
@@ -541,12 +569,15 @@ def _shown(sample) -> str:
 
 
 def train(
-    cfg: Config, checked: Preflight | None = None, ctx: DistContext | None = None
+    cfg: Config,
+    checked: Preflight | None = None,
+    ctx: DistContext | None = None,
+    prestarted: Prestarted | None = None,
 ) -> dict[str, float]:
     """Run `cfg` to run.max_steps; a run already finished does nothing and returns {}.
 
     `ctx`: the caller's torchrun context (it ends it); without one, the environment's is
-    made here and ended after a successful run."""
+    made here and ended after a successful run. `prestarted`: see Trainer."""
     own = ctx is None
     ctx = ctx if ctx is not None else init_distributed(cfg.distributed, cfg.run.device)
     checked = checked if checked is not None else preflight(cfg, ctx)
@@ -556,7 +587,7 @@ def train(
         log.info(checked.finished_message())
     else:
         try:
-            final = Trainer(cfg, checked, ctx).train()
+            final = Trainer(cfg, checked, ctx, prestarted).train()
         except RunStopped:  # every rank stopped at one step: they leave the group together
             if own:
                 ctx.shutdown()
