@@ -181,6 +181,7 @@ def _train(args) -> int:
         if prestarted is not None:
             prestarted.close()
     _print_summary(cfg)
+    _exit_now(0)  # every file is closed: skip tearing torch down (seconds on a busy machine)
     return 0
 
 
