@@ -121,3 +121,32 @@ def test_report_help_says_where_the_files_go():
     out = run_cli("report", "--help", timeout=60)
     assert out.returncode == 0 and "RUN_DIR/report.png" in out.stdout
     assert "RUN_DIR/report.html" in out.stdout
+
+
+def test_what_report_writes_is_run_output(tmp_path):
+    """report.png and report.html count as the run's files (run.overwrite deletes them;
+    a directory holding them holds a run), and the summary lists them."""
+    pytest.importorskip("matplotlib", reason="the plots need matplotlib")
+    from leangrpo.checkpoint.rundir import RUN_FILES
+    from leangrpo.metrics.report import RUN_FILES as LISTED
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 0.5}) + "\n")
+    report(tmp_path)
+    written = {p.name for p in tmp_path.iterdir()} - {"metrics.jsonl"}
+    assert written == {"report.png", "report.html"}
+    assert written <= set(RUN_FILES)
+    assert {name.rstrip("/") for name in LISTED} <= set(RUN_FILES) | {"tensorboard"}
+
+
+def test_the_readme_lists_every_file_a_run_directory_holds():
+    from support.configs import ROOT
+
+    from leangrpo.checkpoint.rundir import LOCK_FILE, RUN_FILES
+
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("A run directory (`runs/demo/`) holds:") :]
+    table = table[: table.index("\n\n", table.index("| file |"))]
+    named = {cell.strip("`/") for row in table.splitlines()[2:] for cell in
+             row.split("|")[1].replace(",", " ").split()}  # fmt: skip
+    missing = {name for name in (*RUN_FILES, LOCK_FILE)} - {n.split("/")[0] for n in named}
+    assert not missing, f"README's run-directory table does not name {sorted(missing)}"
