@@ -102,7 +102,7 @@ def tree_rss(pid: int) -> int:
 
 
 def run_leangrpo(case: str, workdir: Path, timeout: float) -> dict:
-    out = workdir / f"run-{case}"
+    out = Path(tempfile.mkdtemp(prefix=f"run-{case}-", dir=workdir))  # a fresh one each run
     metrics = out / "metrics.jsonl"
     cmd = [sys.executable, "-m", "leangrpo", "train", YAML[case], "--set", f"run.output_dir={out}",
            "--set", "run.overwrite=true", "--set", "logging.progress_bar=false"]  # fmt: skip

@@ -3,8 +3,12 @@
 Errors that are the user's to fix (config, data, reward functions, model files, the run
 directory) print one sentence and exit with status 2; everything else keeps its
 traceback. `train` runs every cheap check (preflight.py) before it imports the trainer, so
-torch is never imported for a run that cannot start; a finished run prints one line and
-exits 0. A run stopped by SIGTERM or Ctrl-C once training has begun saves a checkpoint at
+torch is never imported for a run that cannot start; a run already finished prints one
+line and exits 0. Then it starts the reward and environment workers (prestart.py) and
+imports the trainer, saying what it does as it goes; a run that ends prints a short
+summary (metrics/report.py `run_summary`) and exits without the interpreter's teardown of
+torch (every file is closed by then). Output cut short by its reader (`plan ... | head`)
+ends quietly (exit 141). A run stopped by SIGTERM or Ctrl-C once training has begun saves a checkpoint at
 the step it reached, prints one line and exits 128 + the signal (143, 130; stopping.py).
 
 Under torchrun (WORLD_SIZE > 1) every rank runs the input checks first (no torch), then
