@@ -59,3 +59,27 @@ def test_a_broken_environment_is_one_error_when_taken_and_close_ends_the_rest(tm
     left = [p for p in worker_children() if p.pid not in before]
     psutil.wait_procs(left, timeout=10)
     assert not [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_close_while_the_environment_still_starts_does_not_wait_for_it(tmp_path):
+    """An interrupt during the trainer's imports: close() returns at once; the pool that
+    becomes ready afterwards is closed by its thread, leaving no worker behind."""
+    import time
+
+    slow = tmp_path / "slow.py"
+    slow.write_text(
+        "import time\ntime.sleep(4)\n\n"
+        "def add(a: int, b: int) -> int:\n"
+        '    """Add.\n\n    Args:\n        a: one\n        b: two\n    """\n    return a + b\n'
+    )
+    before = {p.pid for p in worker_children()}
+    early = Prestarted(config(f"{slow}:add"))
+    thread = early._thread
+    t0 = time.monotonic()
+    early.close()
+    assert time.monotonic() - t0 < 3.0
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    left = [p for p in worker_children() if p.pid not in before]
+    psutil.wait_procs(left, timeout=10)
+    assert not [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

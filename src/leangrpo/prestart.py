@@ -22,6 +22,7 @@ import threading
 from typing import Any
 
 log = logging.getLogger("leangrpo")
+CLOSE_WAIT_S = 1.0  # close() waits this long for an environment pool still starting
 
 
 class Prestarted:
@@ -34,6 +35,8 @@ class Prestarted:
         self._env_pool = None
         self._env_error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._closed = False
         names = []
         if cfg.environment is not None:
             names.append(f"{cfg.environment.num_workers} environment worker(s)")
@@ -46,15 +49,25 @@ class Prestarted:
             log.info("starting %s ...", " and ".join(names))
         if self._thread is not None:
             self._thread.start()
-        self._rewards = RewardPool(cfg.rewards)
+        try:
+            self._rewards = RewardPool(cfg.rewards)
+        except BaseException:
+            self.close()
+            raise
 
     def _start_environment_pool(self, env_cfg: Any) -> None:
         from leangrpo.environments.pool import EnvironmentPool
 
         try:
-            self._env_pool = EnvironmentPool(env_cfg)
+            pool = EnvironmentPool(env_cfg)
         except BaseException as exc:  # raised in the trainer's thread when it takes the pool
             self._env_error = exc
+            return
+        with self._lock:
+            if self._closed:  # close() gave up waiting: nobody will take it
+                pool.close()
+            else:
+                self._env_pool = pool
 
     def take_rewards(self):
         rewards, self._rewards = self._rewards, None
@@ -77,9 +90,11 @@ class Prestarted:
         if self._rewards is not None:
             self._rewards.close()
             self._rewards = None
-        if self._thread is not None:
-            self._thread.join()
+        if self._thread is not None:  # still starting: an interrupt does not wait long for it
+            self._thread.join(timeout=CLOSE_WAIT_S)  # (the thread closes it when it is ready)
             self._thread = None
-        if self._env_pool is not None:
-            self._env_pool.close()
-            self._env_pool = None
+        with self._lock:
+            self._closed = True
+            pool, self._env_pool = self._env_pool, None
+        if pool is not None:
+            pool.close()
