@@ -153,3 +153,20 @@ def test_close_stops_an_operation_in_another_thread_at_once():
     thread.join(10)
     assert not thread.is_alive() and time.monotonic() - t0 < 6
     assert errors and "closed" in str(errors[0])
+
+
+def test_a_tool_file_imports_a_module_beside_it(tmp_path):
+    """A `path/to/file.py:function` tool runs with its folder on its import path."""
+    (tmp_path / "arith.py").write_text("def plus(a, b):\n    return a + b\n")
+    (tmp_path / "mytools.py").write_text(
+        "import arith\n\n"
+        "def add(a: int, b: int) -> int:\n"
+        '    """Add two integers.\n\n    Args:\n        a: the first\n        b: the second\n    """\n'
+        "    return arith.plus(a, b)\n"
+    )
+    with pool_for("tools", tools=[f"{tmp_path / 'mytools.py'}:add"], startup_timeout_s=30) as pool:
+        key = pool.new_sessions(1)[0]
+        pool.reset([(key, USER, {}, 0)])
+        out = pool.step([(key, CALL, 0)])[0]
+        assert out.error is None, out.error
+        assert out.ok["reply"][0]["content"] == "3"

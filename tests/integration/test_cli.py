@@ -289,6 +289,50 @@ def test_run_directory_is_locked_finished_refused_and_overwritten(tmp_path):
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-1"]
 
 
+def test_a_finished_run_prints_a_summary_and_a_run_without_eval_logs_no_empty_row(tmp_path):
+    """The end of a run: a few human lines (first -> last eval and reward, time, where the
+    files are), not a Python dict; without an eval set no `{"step": N}` row is written."""
+    out = tmp_path / "run"
+    done = train_demo(out)
+    assert done.returncode == 0, done.stderr
+    summary = done.stdout.strip().splitlines()[-5:]
+    assert summary[0].startswith("leangrpo: finished at step 2 in "), summary
+    assert summary[1].startswith("  eval/reward") and "(step 0) ->" in summary[1]
+    assert summary[2].startswith("  reward/mean") and "(step 2)" in summary[2]
+    assert f"files in {out}/: metrics.jsonl" in summary[3] and "checkpoints/" in summary[3]
+    assert summary[4] == f"  plots and a summary: leangrpo report {out}"
+    assert "{" not in done.stdout
+    bare = tmp_path / "bare"
+    done = train_demo(bare, "data.eval_path=null")
+    assert done.returncode == 0, done.stderr
+    rows = read_jsonl(bare / "metrics.jsonl")
+    assert all(set(row) != {"step"} for row in rows), rows[-1]
+    assert "no evaluation" in done.stdout
+
+
+def test_train_says_what_it_does_from_the_start_and_starts_workers_before_torch(tmp_path):
+    """From the first second a line says what is happening; the environment and reward
+    workers start before the trainer imports torch (their imports overlap it)."""
+    out = run_cli(
+        "train", "examples/tools_demo.yaml", "--set", f"run.output_dir={tmp_path / 'run'}",
+        "--set", "run.max_steps=1", "--set", "eval.num_prompts=8",
+        "--set", "logging.progress_bar=false", timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    said = [line for line in out.stderr.splitlines() if line.startswith("INFO leangrpo: ")]
+    expected = [
+        "starting 1 environment worker(s) and 1 reward worker(s) ...",
+        "loading torch ...",
+        "loading transformers, the tokenizer and the prompts ...",
+        "loading the model examples/tools_demo/model (float32) ...",
+        "evaluating on 8 held-out prompts ...",
+        "training: 1 steps of 16 prompts x 8 completions",
+    ]
+    positions = [next(i for i, line in enumerate(said) if line.endswith(e)) for e in expected]
+    assert positions == sorted(positions), said
+    assert "starting 1 environment worker(s) ..." not in out.stderr  # not started twice
+
+
 PROBE_LOCK = (
     "import sys, time; from pathlib import Path; from leangrpo.checkpoint.rundir import RunLock\n"
     "RunLock(Path(sys.argv[1])); print('locked', flush=True); time.sleep(300)\n"

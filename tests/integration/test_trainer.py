@@ -720,3 +720,23 @@ def test_a_stop_signal_saves_the_step_reached_and_resume_is_exact(tmp_path, at, 
     assert [r["step"] for r in read_metrics(out)].count(0) == 1
     assert [r["step"] for r in read_metrics(out) if "loss" in r] == list(range(1, 7))
     assert max_abs_diff(trained_params(straight), trained_params(resumed)) == 0.0
+
+
+def test_a_run_that_cannot_learn_says_so(tmp_path, caplog):
+    """A reward that scores every completion alike: every group is flat and the loss is
+    exactly 0 from the first step; the run warns once for each, naming the cause."""
+    from leangrpo.metrics.learning import FLAT_STEPS
+
+    reward_file = tmp_path / "same.py"
+    reward_file.write_text("def same(prompts, completions, **c):\n    return [1.0] * len(completions)\n")
+    cfg = tiny_run(
+        tmp_path,
+        rewards={"functions": [{"name": f"{reward_file}:same"}], "num_workers": 1},
+        run={"max_steps": FLAT_STEPS},
+        loss={"mu": 1},
+    )
+    with caplog.at_level("WARNING", logger="leangrpo"):
+        Trainer(config_from_dict(cfg)).train()
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert sum("frac_reward_zero_std 1.0" in line for line in lines) == 1, lines
+    assert sum("loss has been exactly 0.0" in line for line in lines) == 1, lines

@@ -73,6 +73,7 @@ RUN_FILES = (
     "tensorboard",
     "wandb",
     "report.png",
+    "report.html",
     "config.yaml",
 )
 # Settings that change where output goes or how often, never what is trained.

@@ -41,12 +41,15 @@ class Environments:
         self.pool.close()
 
 
-def start_environments(cfg: Any, tokenizer: Any, prompts: list[Prompt]) -> Environments | None:
-    """None without an environment section; see the module docstring."""
+def start_environments(
+    cfg: Any, tokenizer: Any, prompts: list[Prompt], pool: EnvironmentPool | None = None
+) -> Environments | None:
+    """None without an environment section; see the module docstring. `pool`: one
+    already started (prestart.py), else it is started here."""
     env_cfg = cfg.environment
     if env_cfg is None:
         return None
-    pool = EnvironmentPool(env_cfg)
+    pool = pool if pool is not None else EnvironmentPool(env_cfg)
     try:
         renderer = Renderer(tokenizer, pool.tools, load_template(env_cfg.chat_template))
         eos_ids = generation_eos_ids(cfg, tokenizer)

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from leangrpo.errors import UserError
+from leangrpo.model.smollm2 import link_hint
 
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -72,10 +73,8 @@ def check_model_files(model_cfg: Any, fetch: bool = False) -> ModelFiles:
         raise ModelFilesError(
             f"{key} is a file; point it at the model's directory (config.json, weights, tokenizer)."
         )
-    if name.startswith(("/", ".", "~")) or not HUB_ID.match(name):
-        raise ModelFilesError(
-            f"{key}: no such directory ({path.resolve()}); point it at a model directory or a Hugging Face hub id such as Qwen/Qwen2.5-0.5B-Instruct."
-        )
+    if name.startswith(("/", ".", "~")) or not HUB_ID.match(name) or link_hint(path):
+        raise ModelFilesError(_no_directory(key, path))
     config_file = _hub_config(name, model_cfg.revision, key, fetch)
     if config_file is None:
         return ModelFiles(None, None)
@@ -90,11 +89,16 @@ def read_model_config(model_cfg: Any) -> dict:
     path = Path(name).expanduser()
     if path.is_dir():
         return _read_config(path, key)
-    if name.startswith(("/", ".", "~")) or not HUB_ID.match(name):
-        raise ModelFilesError(
-            f"{key}: no such directory ({path.resolve()}); point it at a model directory or a Hugging Face hub id such as Qwen/Qwen2.5-0.5B-Instruct."
-        )
+    if name.startswith(("/", ".", "~")) or not HUB_ID.match(name) or link_hint(path):
+        raise ModelFilesError(_no_directory(key, path))
     return _read_config(_hub_config(name, model_cfg.revision, key, fetch=True).parent, key)
+
+
+def _no_directory(key: str, path: Path) -> str:
+    hint = link_hint(path)
+    if hint is not None:
+        return f"{key}: no such directory ({path.resolve()}); {hint}."
+    return f"{key}: no such directory ({path.resolve()}); point it at a model directory or a Hugging Face hub id such as Qwen/Qwen2.5-0.5B-Instruct."
 
 
 def _hub_config(repo: str, revision: str | None, key: str, fetch: bool) -> Path | None:
