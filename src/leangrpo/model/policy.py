@@ -75,6 +75,13 @@ def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def resolve_compute_dtype(model_cfg, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a quantized base's 4-bit layers compute in: model.quantization_compute_dtype,
+    'auto' being the model's own."""
+    setting = model_cfg.quantization_compute_dtype
+    return dtype if setting == "auto" else DTYPES[setting]
+
+
 def load_tokenizer(model_cfg) -> Any:
     from transformers import AutoTokenizer
 
@@ -112,7 +119,7 @@ def load_policy(
         from leangrpo.model.quantization import check_device, quantized_load_kwargs
 
         check_device(cfg, device)
-        extra = quantized_load_kwargs(cfg.model, device, dtype)
+        extra = quantized_load_kwargs(cfg.model, device, resolve_compute_dtype(cfg.model, dtype))
     try:  # mismatched shapes are reported in `info` (and refused below), not raised
         model, info = AutoModelForCausalLM.from_pretrained(
             name,
