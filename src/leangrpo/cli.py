@@ -1,4 +1,4 @@
-"""`leangrpo train | plan | report | serve`: thin entry points, heavy imports deferred.
+"""`leangrpo train | plan | report | merge | serve`: thin entry points, heavy imports deferred.
 
 Errors that are the user's to fix (config, data, reward functions, model files, the run
 directory) print one sentence and exit with status 2; everything else keeps its
@@ -65,6 +65,14 @@ def _parser() -> argparse.ArgumentParser:
         "report", help="summarise a run directory (and plot it if matplotlib is installed)"
     )
     rep.add_argument("run_dir")
+    text = (
+        "merge a LoRA run's adapter into its base: a full model directory a new run can start from"
+    )
+    merge = sub.add_parser("merge", help=text, description=text)
+    merge.add_argument(
+        "source", help="the run directory (its final/ is used) or an adapter directory"
+    )
+    merge.add_argument("out", help="the merged model's directory (must not exist)")
     sub.add_parser(
         "serve", help="start a vLLM server with leangrpo's weight-sync extension", add_help=False
     )
@@ -120,9 +128,21 @@ def _dispatch(args) -> int:
         given = dict(tokens=args.tokens, prompt_tokens=args.prompt_tokens, world_size=world)
         print(render_plan(plan_memory(cfg, **given), cfg, **given))
         return 0
+    if args.command == "merge":
+        return _merge(args)
     from leangrpo.metrics.report import report
 
     print(report(args.run_dir))
+    return 0
+
+
+def _merge(args) -> int:
+    from leangrpo.model.files import check_merge
+
+    check_merge(args.source, args.out)  # before torch is imported
+    from leangrpo.model import merge_adapter
+
+    print(f"leangrpo: merged model written to {merge_adapter(args.source, args.out)}")
     return 0
 
 

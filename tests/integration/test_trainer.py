@@ -671,6 +671,45 @@ def test_extending_max_steps_keeps_the_lr_schedule_it_started_with(tmp_path, kin
     assert state["schedule_steps"] == 4
 
 
+def test_a_lora_run_trains_on_from_its_adapter_merged_as_the_refusal_advises(tmp_path):
+    """b11_schedule_message.py: the schedule-extension refusal told a LoRA run to start a new
+    run from its final/ (an adapter, refused as model.name_or_path). Its advice now, taken
+    word for word: `leangrpo merge`, then a new run from the merged model, whose policy
+    starts where the LoRA run ended."""
+    import re
+    import shlex
+
+    from leangrpo.checkpoint.rundir import RunDirError
+    from leangrpo.cli import main
+    from leangrpo.model import load_final
+
+    lora = {"enabled": True, "r": 4, "alpha": 8}
+    cfg = tiny_run(tmp_path, run={"max_steps": 2}, lora=lora, train={"lr_scheduler": "linear"})
+    Trainer(config_from_dict(cfg)).train()
+    cfg["run"]["max_steps"] = 4
+    with pytest.raises(RunDirError) as refused:
+        Trainer(config_from_dict(cfg))
+    advice = re.search(
+        r"`(leangrpo merge [^`]+)` and start a new run from '([^']+)'", str(refused.value)
+    )
+    assert advice is not None, str(refused.value)
+    assert main(shlex.split(advice.group(1))[1:]) == 0
+    new = tiny_run(tmp_path / "new", run={"max_steps": 2}, lora=lora)
+    new["model"]["name_or_path"] = advice.group(2)
+    trainer = Trainer(config_from_dict(new))
+    ids = torch.tensor([trainer.policy.tokenizer("12+34=46")["input_ids"]])
+    with torch.no_grad():
+        trained = load_final(tmp_path / "run" / "final")(input_ids=ids).logits
+        trainer.policy.model.eval()
+        start = trainer.policy.model(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(start, trained, atol=1e-4, rtol=0)  # merged: rounding only
+    trainer.policy.model.train()
+    trainer.train()
+    assert (
+        trainer.step == 2 and (tmp_path / "new" / "run" / "final" / "adapter_config.json").is_file()
+    )
+
+
 # -- a stop signal: a checkpoint at the step reached, resumed exactly ------------------------
 
 
