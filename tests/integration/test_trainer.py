@@ -759,3 +759,42 @@ def test_a_stop_signal_saves_the_step_reached_and_resume_is_exact(tmp_path, at, 
     assert [r["step"] for r in read_metrics(out)].count(0) == 1
     assert [r["step"] for r in read_metrics(out) if "loss" in r] == list(range(1, 7))
     assert max_abs_diff(trained_params(straight), trained_params(resumed)) == 0.0
+
+
+class SignalWhileScoring(SignalAt):
+    """Sends itself SIGTERM while the batch after step `at` is scored (before its first step)."""
+
+    at = 2
+
+    def on_step_end(self, metrics, batch):
+        Trainer.on_step_end(self, metrics, batch)
+
+    def score(self, batch):
+        if self.step == self.at:
+            self._send()
+        return super().score(batch)
+
+
+def test_a_stop_between_scoring_and_the_first_step_keeps_the_batch_metrics(tmp_path):
+    """b5_inflight_metrics.py: the checkpoint held the scored batch but not its metrics, which
+    a straight run logs with the batch's first step: the resumed step-3 row lacked 22 keys
+    (reward/*, advantage/*, completions/*, ...). Now it is the straight run's row."""
+    from leangrpo.stopping import RunStopped
+
+    def cfg(out):
+        return config_from_dict(tiny_run(out, run={"max_steps": 4}, checkpoint={"save_final_model": False}))
+
+    straight = Trainer(cfg(tmp_path / "a"))
+    straight.train()
+    with pytest.raises(RunStopped) as stopped:
+        SignalWhileScoring(cfg(tmp_path / "b")).train()
+    assert stopped.value.step == 2
+    resumed = Trainer(cfg(tmp_path / "b"))
+    assert resumed.inflight is not None and resumed.inflight.done == 0
+    resumed.train()
+    assert max_abs_diff(trained_params(straight), trained_params(resumed)) == 0.0
+    timing = ("time/", "throughput/", "pipeline/queue")
+    a, b = step_rows(tmp_path / "a" / "run")[3], step_rows(tmp_path / "b" / "run")[3]
+    a, b = ({k: v for k, v in r.items() if not k.startswith(timing)} for r in (a, b))
+    assert "reward/mean" in a and "advantage/abs_mean" in a
+    assert a == b
