@@ -21,6 +21,8 @@ Rules a-e, over every module under src/leangrpo:
   check) or the package `x/`: a role that outgrew one module becomes a package.
 - f (paths in prose): every `dir/x.py`, `x.py` and `leangrpo.a.b` written in README, docs,
   benchmarks, scripts, examples and the sources exists, so moves leave no stale pointer.
+- g (one code path): the trainer and the step never ask a context whether the run is
+  distributed (`ctx.distributed`); what differs is behind the `Strategy`.
 
 Each rule is a function from the parsed tree to failure lines ("path:line: what; fix"),
 run on the repository and, on small trees written to tmp_path, shown to fail.
@@ -633,6 +635,28 @@ def _resolves(modules: Modules, dotted: str) -> bool:
     return False
 
 
+# ---------------------------------------------------------------- rule g: one code path
+
+ONE_CODE_PATH = ["leangrpo/train/trainer.py", "leangrpo/train/step.py"]
+
+
+def distributed_branches(src: Path, rels: Iterable[str]) -> list[str]:
+    """Reads of a context's `distributed` flag (`ctx.distributed`, `self.ctx.distributed`)."""
+    failures = []
+    for rel in rels:
+        for node in ast.walk(ast.parse((src / rel).read_text())):
+            if not (isinstance(node, ast.Attribute) and node.attr == "distributed"):
+                continue
+            owner = node.value
+            name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+            if name == "ctx":
+                failures.append(
+                    f"{rel}:{node.lineno}: reads ctx.distributed; put what differs between one "
+                    "process and torchrun behind the Strategy (contracts.Strategy)"
+                )
+    return failures
+
+
 # ---------------------------------------------------------------- the repository
 
 
@@ -673,6 +697,10 @@ def test_no_reexport_lines(modules):
 
 def test_no_prefixed_sibling_modules():
     assert not (failures := check_prefixed_siblings(SRC)), _report(failures)
+
+
+def test_the_trainer_has_one_code_path_for_one_process_and_torchrun():
+    assert not (failures := distributed_branches(SRC, ONE_CODE_PATH)), _report(failures)
 
 
 def test_paths_written_in_docs_and_docstrings_exist(modules):
@@ -840,6 +868,16 @@ def test_reexport_rule(tree):
         "pkg/c.py:3: `__all__` lists X, which pkg.c imports (a re-export); drop it, importers "
         "take it from its defining module",
     ]
+
+
+def test_one_code_path_rule(tmp_path):
+    (tmp_path / "t.py").write_text(
+        "def f(self, ctx, cfg):\n    init(cfg.distributed)\n    if ctx.distributed:\n"
+        "        pass\n    return self.ctx.distributed and self.cfg.distributed\n"
+    )
+    assert [line.split(": ")[0] for line in distributed_branches(tmp_path, ["t.py"])] == [
+        "t.py:3", "t.py:5"
+    ]  # fmt: skip
 
 
 def test_prefixed_sibling_rule(tmp_path):

@@ -110,7 +110,7 @@ class Trainer:
         check_micro_batch(prompts.train, cfg)
         # multi-turn: environment workers, the chat template and a probe reset, still
         # before the model loads
-        generates = not (ctx.distributed and cfg.rollout.engine == "vllm" and not ctx.is_main)
+        generates = strategy.generates  # torchrun with vLLM: rank 0 alone
         self.environments = start_environments(cfg, tokenizer, prompts.train) if generates else None
         started = start_shared_engine(cfg, strategy.device)  # vLLM first: the policy views it
         shared = started.build_policy(cfg, tokenizer, strategy.device) if started else None
