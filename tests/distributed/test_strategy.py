@@ -15,8 +15,14 @@ from leangrpo.distributed.strategy import choose_strategy
 
 @pytest.mark.parametrize(
     "world_size,rank,engine,generates",
-    [(1, 0, "hf", True), (1, 0, "vllm", True), (2, 0, "hf", True), (2, 1, "hf", True),
-     (2, 0, "vllm", True), (2, 1, "vllm", False)],  # fmt: skip
+    [
+        (1, 0, "hf", True),
+        (1, 0, "vllm", True),
+        (2, 0, "hf", True),
+        (2, 1, "hf", True),
+        (2, 0, "vllm", True),
+        (2, 1, "vllm", False),
+    ],  # fmt: skip
 )
 def test_the_strategy_says_which_processes_generate(tmp_path, world_size, rank, engine, generates):
     """Torchrun with the hf engine: every rank its share; with vLLM: rank 0 alone, so no other

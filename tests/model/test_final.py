@@ -108,11 +108,20 @@ def test_a_full_fine_tuning_final_model_reloads_as_saved(tmp_path):
     torch.testing.assert_close(logits(load_final(final), ids), logits(policy.model, ids))
 
 
-def test_a_directory_without_a_model_is_refused_in_one_sentence(tmp_path):
+def test_a_directory_without_a_model_or_its_base_is_refused_in_one_sentence(tmp_path):
     with pytest.raises(ModelFilesError, match="holds neither a model"):
         load_final(tmp_path)
     with pytest.raises(ModelFilesError, match="holds no LoRA adapter"):
         merge_adapter(tmp_path, tmp_path / "merged")
+    policy = trained_policy(tmp_path)
+    final = save_final_model(tmp_path / "run", policy.model, policy.tokenizer)
+    with pytest.raises(
+        ModelFilesError, match=r"the base model of the adapter.*could not be loaded.*pass base="
+    ):
+        load_final(final, base=str(tmp_path / "moved"))
+    (final / "base_model.json").write_text("[1, 2]")
+    with pytest.raises(ModelFilesError, match="base_model.json holds no JSON object"):
+        load_final(final)
 
 
 @pytest.mark.parametrize("quant", ["none", pytest.param("nf4", marks=needs_bnb)])

@@ -108,10 +108,16 @@ def load_base(path: Path, device: torch.device, *, base: str | None, quantized: 
             "quantization_config": BitsAndBytesConfig.from_dict(note),
             "device_map": {"": str(device)},
         }
-    with quiet_transformers_progress():
-        model = AutoModelForCausalLM.from_pretrained(
-            name, revision=adapter.get("revision"), dtype=dtype, **kwargs
-        )
+    try:
+        with quiet_transformers_progress():
+            model = AutoModelForCausalLM.from_pretrained(
+                name, revision=adapter.get("revision"), dtype=dtype, **kwargs
+            )
+    except (OSError, ValueError) as exc:  # moved, deleted, not cached, unreadable
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise ModelFilesError(
+            f"the base model of the adapter in {str(path)!r}, {name!r}, could not be loaded ({first}); pass base= (its directory or hub name now)."
+        ) from None
     if note is not None:
         prepare_quantized(model, device)
         return model
