@@ -1,4 +1,4 @@
-"""`leangrpo train | plan | report | serve`: thin entry points, heavy imports deferred.
+"""`leangrpo train | plan | report | merge | serve`: thin entry points, heavy imports deferred.
 
 Errors that are the user's to fix (config, data, reward functions, model files, the run
 directory) print one sentence and exit with status 2; everything else keeps its
@@ -74,6 +74,14 @@ def _parser() -> argparse.ArgumentParser:
         description="Print first / last / min / max of a run's key metrics (from RUN_DIR/metrics.jsonl) and, when matplotlib is installed, write its dashboard into the run directory: RUN_DIR/report.png (the curves by step) and RUN_DIR/report.html (the picture and the table).",
     )
     rep.add_argument("run_dir", metavar="RUN_DIR", help="a run's output directory (run.output_dir)")
+    text = (
+        "merge a LoRA run's adapter into its base: a full model directory a new run can start from"
+    )
+    merge = sub.add_parser("merge", help=text, description=text)
+    merge.add_argument(
+        "source", help="the run directory (its final/ is used) or an adapter directory"
+    )
+    merge.add_argument("out", help="the merged model's directory (must not exist)")
     sub.add_parser(
         "serve", help="start a vLLM server with leangrpo's weight-sync extension", add_help=False
     )
@@ -132,6 +140,8 @@ def _dispatch(args) -> int:
         return _train(args)
     if args.command == "plan":
         return _plan(args)
+    if args.command == "merge":
+        return _merge(args)
     from leangrpo.metrics.report import report
 
     _print(report(args.run_dir))
@@ -158,6 +168,16 @@ def _plan(args) -> int:
 def _print(text: str) -> None:
     """Print and flush now, so a reader that stops early (`| head`) is met in main()."""
     print(text, flush=True)
+
+
+def _merge(args) -> int:
+    from leangrpo.model.files import check_merge
+
+    check_merge(args.source, args.out)  # before torch is imported
+    from leangrpo.model import merge_adapter
+
+    print(f"leangrpo: merged model written to {merge_adapter(args.source, args.out)}")
+    return 0
 
 
 def _train(args) -> int:

@@ -436,6 +436,9 @@ class Strategy:
     device: Any  # the torch.device the policy trains on
     reference_on_meta: bool  # full fine-tuning's reference starts on the meta device
     abandon_waits: bool  # a stop signal may cut short the wait for a batch
+    # this process makes rollouts (engines, environment workers): one process always;
+    # torchrun every rank with the hf engine, rank 0 alone with vLLM
+    generates: bool
     ranks: StepRanks
     checkpointer: Checkpointer
     logger: Callable[..., MetricsLog]  # takes MetricsLogger's arguments

@@ -33,6 +33,23 @@ def test_train_help_and_a_missing_config_do_not_import_torch(tmp_path):
     assert out.stdout.strip().endswith("torch imported: False")
 
 
+def test_merge_refuses_what_it_cannot_merge_before_torch_is_imported(tmp_path):
+    """`leangrpo merge` (the schedule-extension refusal's advice for LoRA runs): no adapter,
+    a full model, or an output directory that exists: one sentence each, no torch."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+    for source, out, expected in [
+        (tmp_path, tmp_path / "merged", "holds no LoRA adapter (adapter_config.json)"),
+        (DEMO_MODEL, tmp_path / "merged", "holds a full model, not a LoRA adapter"),
+        (tmp_path / "adapter", tmp_path / "out", "exists already"),
+    ]:
+        got = run_cli("merge", str(source), str(out), probe=True)
+        assert got.returncode == 2 and expected in got.stderr, got.stderr
+        assert got.stderr.startswith("leangrpo: error: ") and got.stderr.count("\n") == 1
+        assert got.stdout.strip().endswith("torch imported: False")
+
+
 def base_config(tmp_path: Path) -> dict:
     return {
         "run": {"output_dir": str(tmp_path / "run"), "device": "cpu"},

@@ -118,7 +118,7 @@ class LoRAConfig(Section):
     )
     target_modules: list[str] | Literal["all-linear"] = Field(
         "all-linear",
-        description="Module names to adapt, or 'all-linear' for every linear layer except the output head.",
+        description="Module names to adapt, or 'all-linear' for every linear layer except the output head; modules outside the decoder (the output head, lm_head) are refused: scoring bypasses them.",
     )
 
     @field_validator("target_modules")
@@ -126,7 +126,17 @@ class LoRAConfig(Section):
     def _non_empty(cls, value: list[str] | str) -> list[str] | str:
         if isinstance(value, list) and not value:
             raise ValueError("list is empty; name at least one module or use 'all-linear'")
+        if isinstance(value, list) and "lm_head" in value:
+            raise ValueError(OUTPUT_HEAD_TARGET.format(modules="lm_head"))
         return value
+
+
+# The same sentence at load time (model/policy.py), where the head may have another name.
+OUTPUT_HEAD_TARGET = (
+    "adapts {modules}, which leangrpo's scoring bypasses (the chunked log-probs read the output "
+    "head's weight as a plain matrix, so its adapter would never train, while generation would "
+    "use it); drop it from lora.target_modules (full fine-tuning trains the head)"
+)
 
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
@@ -273,7 +283,6 @@ class RewardsConfig(Section):
         if isinstance(value, list):
             return [{"name": item} if isinstance(item, str) else item for item in value]
         return value
-
 
 
 class EvalConfig(Section):

@@ -72,6 +72,7 @@ def torchrun_strategy(cfg, ctx: DistContext, output_dir: Path) -> Strategy:
         device=ctx.device,
         reference_on_meta=True,  # one full copy per rank at most (sharded later)
         abandon_waits=False,  # ranks stop together, at a step boundary
+        generates=per_rank or ctx.is_main,
         ranks=TorchrunRanks(ctx),
         checkpointer=ShardedCheckpointer(output_dir, cfg.checkpoint.keep_last, ctx),
         logger=MetricsLogger if ctx.is_main else NullLogger,

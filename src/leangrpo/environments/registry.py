@@ -72,19 +72,6 @@ def load(name: str, key: str) -> Any:
         raise EnvironmentSpecError(f"{key} = {name!r}: {e}") from None
 
 
-def environment_class(spec: EnvironmentSpec) -> Callable[..., Any]:
-    """The class (or factory) that makes one environment per trajectory (worker side)."""
-    if spec.name == "tools":
-        from leangrpo.environments.protocol import ToolEnvironment
-
-        return ToolEnvironment
-    if spec.name == "verifiers":
-        from leangrpo.environments.adapters.verifiers import VerifiersEnvironment
-
-        return VerifiersEnvironment
-    return load(spec.name, "environment.name")
-
-
 def tool_functions(spec: EnvironmentSpec) -> list[Callable]:
     tools = []
     for i, name in enumerate(spec.tools):

@@ -31,15 +31,11 @@ import signal
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from leangrpo.environments.protocol import Environment, ModelTurn, StepResult, ToolEnvironment
-from leangrpo.environments.registry import (
-    EnvironmentSpec,
-    environment_class,
-    tool_functions,
-    tool_parser,
-)
+from leangrpo.environments.registry import EnvironmentSpec, load, tool_functions, tool_parser
 from leangrpo.environments.tools import (
     ToolCallFailed,
     ToolError,
@@ -64,6 +60,18 @@ def main() -> None:
     except (EOFError, OSError):  # the pool closed, or user code broke the channel
         code = 3
     os._exit(code)
+
+
+def environment_class(spec: EnvironmentSpec) -> Callable[..., Any]:
+    """The class (or factory) that makes one environment per trajectory: a built-in
+    (registry.BUILTIN_ENVIRONMENTS) or the user's, imported here, in the worker."""
+    if spec.name == "tools":
+        return ToolEnvironment
+    if spec.name == "verifiers":
+        from leangrpo.environments.adapters.verifiers import VerifiersEnvironment
+
+        return VerifiersEnvironment
+    return load(spec.name, "environment.name")
 
 
 class Worker:

@@ -19,6 +19,9 @@ tracebacks after seconds of imports:
 It also reads the model's context length (positions it can attend to), which the data
 checks compare prompt + rollout.max_new_tokens against. Rope scaling that extends the
 context (linear, dynamic, yarn with a factor) multiplies the original length.
+
+`check_merge(source, out)`: what `leangrpo merge` (model/final.py) needs before torch is
+imported: an adapter in `source` or its final/, and an `out` that does not exist yet.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ TOKENIZER_FILES = (
 )
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own limit
+ADAPTER_CONFIG = "adapter_config.json"  # peft's: a directory holding a LoRA adapter
 
 
 class ModelFilesError(UserError):
@@ -233,3 +237,32 @@ def context_length(config: dict) -> tuple[int | None, str]:
             original = rope.get("original_max_position_embeddings") or value
             return int(original * factor), f"config.json {name} with {kind} rope scaling x{factor}"
     return value, f"config.json {name}"
+
+
+# -- merging an adapter into its base (leangrpo merge) --------------------------------------
+
+
+def check_merge(source: str | Path, out: str | Path) -> Path:
+    """The adapter directory of `source` (itself, or a run directory's final/), with `out`
+    free for the merged model; else one sentence."""
+    source, out = Path(source), Path(out)
+    found = adapter_directory(source)
+    if out.exists():
+        raise ModelFilesError(
+            f"{str(out)!r} exists already; choose a new directory for the merged model."
+        )
+    return found
+
+
+def adapter_directory(source: Path) -> Path:
+    """`source` when it holds a LoRA adapter, else its final/ when that does."""
+    for candidate in (source, source / "final"):
+        if (candidate / ADAPTER_CONFIG).is_file():
+            return candidate
+    if (source / "config.json").is_file() or (source / "final" / "config.json").is_file():
+        raise ModelFilesError(
+            f"{str(source)!r} holds a full model, not a LoRA adapter: there is nothing to merge; start a new run from its final/ directly (model.name_or_path)."
+        )
+    raise ModelFilesError(
+        f"{str(source)!r} holds no LoRA adapter ({ADAPTER_CONFIG}), nor does its final/; pass the run directory of a LoRA run that saved its final model (checkpoint.save_final_model: true), or its final/."
+    )

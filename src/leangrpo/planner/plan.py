@@ -159,8 +159,8 @@ QUANT_BLOCK, NESTED_BLOCK = 64, 256
 
 
 def quantized_linear_bytes(inputs: int, outputs: int, quant: str, double_quant: bool) -> tuple[int, int]:
-    """(weight storage, quantization constants) of one linear as bitsandbytes keeps it; its
-    bias stays in the model dtype. 4-bit: two weights a byte; per block an fp32 absmax, or
+    """(weight storage, quantization constants) of one linear as bitsandbytes keeps it (its
+    bias: see base_bytes). 4-bit: two weights a byte; per block an fp32 absmax, or
     with double quantization a uint8 one plus per 256 blocks an fp32 absmax, the 256-value
     fp32 code and an fp32 offset; the 16-value fp32 code. int8: a byte a weight and an
     fp32 scale per output row. The constants live on the module, not in a parameter."""
@@ -176,20 +176,25 @@ def quantized_linear_bytes(inputs: int, outputs: int, quant: str, double_quant: 
 
 def base_bytes(cfg, d: Dims, b: int) -> tuple[int, int]:
     """(base parameters + buffers, of which quantization constants): with
-    model.quantization every linear of the decoder layers is stored quantized, the
-    embeddings, lm_head, norms and biases stay in the model dtype."""
+    model.quantization every linear of the decoder layers is stored quantized; the
+    embeddings, lm_head and norms stay in the model dtype, and so do the quantized linears'
+    biases, except under 4 bits: bitsandbytes' 4-bit forward casts its bias to the compute
+    dtype for good (`Linear4bit.forward`), at the first forward (the packed-attention probe
+    at load), so from then on it is held in that dtype."""
     quant = cfg.model.quantization
     if quant == "none":
         return d.params * b + d.buffer_bytes, 0
-    stored = constants = quantized = 0
-    for inputs, outputs, _ in d.linears().values():
+    stored = constants = quantized = biases = 0
+    for inputs, outputs, bias in d.linears().values():
         weight, consts = quantized_linear_bytes(
             inputs, outputs, quant, cfg.model.quantization_double_quant
         )
         stored, constants = stored + weight, constants + consts
         quantized += inputs * outputs
+        biases += outputs if bias else 0
     L = d.layers
-    rest = (d.params - L * quantized) * b + d.buffer_bytes
+    bias_b = b if quant == "int8" else compute_bytes(cfg, b)
+    rest = (d.params - L * (quantized + biases)) * b + L * biases * bias_b + d.buffer_bytes
     return rest + L * (stored + constants), L * constants
 
 

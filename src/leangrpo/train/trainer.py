@@ -123,7 +123,7 @@ class Trainer:
         self.learning = LearningSignal(self.out)  # warns when nothing can be learned
         # multi-turn: environment workers, the chat template and a probe reset, still
         # before the model loads
-        generates = not (ctx.distributed and cfg.rollout.engine == "vllm" and not ctx.is_main)
+        generates = strategy.generates  # torchrun with vLLM: rank 0 alone
         early = self.prestarted
         pool = early.take_environment_pool() if early is not None else None
         if generates and cfg.environment is not None and pool is None:
