@@ -169,6 +169,11 @@ def test_special_tokens_in_a_reply_cannot_forge_a_turn(engine, tokenizer, pools)
     pool = pools("support.environments:ForgedTurn")
     (group,) = rollout(engine, tokenizer, pool).generate(prompts(1), PARAMS, 2, 0)
     for c in group:
+        start = c.trajectory.start
+        assert start.messages == [{"role": "user", "content": "1+2="}]  # the reset's, cleaned
+        assert tokenizer.decode(start.ids) == "<|user|>1+2=<|end|><|assistant|>"  # no tools
         if len(c.trajectory.segments) > 1:
-            assert c.trajectory.stats["control_tokens_stripped"] == 2
+            assert c.trajectory.stats["control_tokens_stripped"] == 4 + 4
             assert c.trajectory.messages[2]["content"] == "42"
+        else:
+            assert c.trajectory.stats["control_tokens_stripped"] == 4

@@ -146,7 +146,11 @@ class MultiTurnRollout:
             t.end("error", f"reset failed: {outcome.error}")
             return
         messages = outcome.ok["messages"]
-        start = t.prompt.messages if messages is None else messages
+        if messages is None:  # the prompt's own (the data's): rendered as they are
+            start = t.prompt.messages
+        else:  # the environment's: its control tokens neutralised, as in replies
+            start, stripped = self.renderer.sanitised(messages)
+            t.stats["control_tokens_stripped"] += stripped
         try:
             t.conversation = self.renderer.start(start)
         except Exception as e:  # the template cannot render the environment's start

@@ -23,8 +23,13 @@ that renders the same text with and without `tools=` is refused too: tools would
 never reach the model (SmolLM2's does; `environment.chat_template: chatml-hermes` is a
 bundled ChatML template with Hermes tool calls).
 
-The tokenizer's special-token strings are removed from reply contents before rendering
-(counted: `control_tokens_stripped`), so a tool's output cannot forge a turn boundary.
+Control tokens (the tokenizer's special tokens, and its added tokens that the template's
+text holds, e.g. `<tool_call>`; whitespace tokens aside, as transformers' own
+`sanitize_control_tokens` infers them) are removed from every field of the messages an
+environment writes (its reset messages and replies: content, role, name, tool_call_id)
+before rendering, to a fixed point: one left-to-right pass that removes a token as soon as
+the text kept so far ends with one, so a nested `<|im_<|im_end|>end|>` leaves nothing
+either (counted: `control_tokens_stripped`). A tool's output cannot forge a turn.
 """
 
 from __future__ import annotations
@@ -126,8 +131,7 @@ class Renderer:
         self.tools = tools or None
         self.template = template
         self.name = getattr(tokenizer, "name_or_path", None) or "the tokenizer"
-        specials = getattr(tokenizer, "all_special_tokens", None) or []
-        self.special_strings = sorted({s for s in specials if s}, key=len, reverse=True)
+        self.control_tokens = control_tokens(tokenizer, template)
 
     def render(self, messages: list[dict], generation_prompt: bool) -> str:
         kwargs = {} if self.template is None else {"chat_template": self.template}
@@ -145,16 +149,56 @@ class Renderer:
         return Conversation(self, start, text, self.encode(text), len(start), text)
 
     def sanitised(self, messages: list[dict]) -> tuple[list[dict], int]:
-        """Reply messages with the special-token strings removed from their contents."""
+        """Environment messages with the control tokens removed from every string field
+        (to a fixed point), and how many were removed."""
         out, stripped = [], 0
         for m in messages:
-            content = m.get("content", "")
-            for special in self.special_strings:
-                if special in content:
-                    stripped += content.count(special)
-                    content = content.replace(special, "")
-            out.append({**m, "content": content})
+            clean = {}
+            for key, value in m.items():
+                clean[key], removed = neutralised(value, self.control_tokens) if isinstance(value, str) else (value, 0)
+                stripped += removed
+            out.append(clean)
         return out, stripped
+
+
+def control_tokens(tokenizer: Any, template: str | None = None) -> tuple[str, ...]:
+    """The strings that render as control tokens: every special added token, and the other
+    added tokens the chat template's text holds (not whitespace ones), longest first."""
+    source = template if template is not None else getattr(tokenizer, "chat_template", None)
+    text = "\0".join(source.values()) if isinstance(source, dict) else (source or "")
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    found = {s for s in getattr(tokenizer, "all_special_tokens", None) or [] if s}
+    for token in added.values():
+        content = getattr(token, "content", str(token))
+        if content and (getattr(token, "special", False) or (content in text and not content.isspace())):
+            found.add(content)
+    return tuple(sorted(found, key=lambda s: (-len(s), s)))
+
+
+def neutralised(text: str, tokens: tuple[str, ...]) -> tuple[str, int]:
+    """`text` with every control token removed, to a fixed point, and the number removed.
+
+    One pass: each character is appended to the kept text, and when the kept text then ends
+    with a token, the token is dropped. The kept text never holds a token (a new one can
+    only end at the character just appended; dropping one leaves a prefix of text that held
+    none), so what removing tokens again and again would reach is reached at once, in
+    O(len(text) x tokens ending in that character)."""
+    if not tokens or not any(t in text for t in tokens):
+        return text, 0
+    by_last: dict[str, list[str]] = {}
+    for token in tokens:  # longest first within each ending
+        by_last.setdefault(token[-1], []).append(token)
+    kept: list[str] = []
+    removed = 0
+    for ch in text:
+        kept.append(ch)
+        for token in by_last.get(ch, ()):
+            n = len(token)
+            if len(kept) >= n and "".join(kept[-n:]) == token:
+                del kept[-n:]
+                removed += 1
+                break
+    return "".join(kept), removed
 
 
 @dataclass
