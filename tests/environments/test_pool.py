@@ -78,6 +78,33 @@ def test_the_tools_environment_answers_calls_with_tool_messages_and_counts_them(
         assert again.ok["reply"][0]["content"] == "3"
 
 
+def test_malformed_calls_and_a_failing_parser_become_tool_messages_and_the_trajectory_goes_on():
+    """Model-written calls json rejects with ValueError or RecursionError, or holding NaN,
+    and a pluggable parser raising on a turn: each is an `error: ...` tool message, counted
+    (the item does not fail, the session lives on)."""
+    bad = {
+        "big int": '{"a": ' + "9" * 5000 + ', "b": 1}',
+        "deep": '{"a": ' + "[" * 20000 + "]" * 20000 + "}",
+        "NaN": '{"a": NaN, "b": 1}',
+    }
+    with pool_for("tools", tools=["support.environments:add"]) as pool:
+        keys = pool.new_sessions(len(bad))
+        pool.reset([(k, USER, {}, 0) for k in keys])
+        turns = [f'<tool_call>{{"name": "add", "arguments": {a}}}</tool_call>' for a in bad.values()]
+        out = pool.step([(k, text, 0) for k, text in zip(keys, turns)])
+        for o in out:
+            assert o.error is None and not o.ok["done"]
+            assert o.ok["reply"][0]["content"].startswith("error: tool call ")
+            assert o.ok["counts"] == {"tool_errors": 1, "parse_errors": 1}
+        assert [o.ok["reply"][0]["content"] for o in pool.step([(keys[0], CALL, 1)])] == ["3"]
+    with pool_for("tools", tools=["support.environments:add"], tool_parser="support.environments:picky_parser") as pool:
+        (key,) = pool.new_sessions(1)
+        pool.reset([(key, USER, {}, 0)])
+        (out,) = pool.step([(key, "boom", 0)])
+        assert out.ok["reply"] == [{"role": "tool", "content": "error: the tool parser failed on this turn: picky_parser: ValueError: cannot read boom"}]  # fmt: skip
+        assert out.ok["counts"]["parse_errors"] == 1 and not out.ok["done"]
+
+
 def test_an_environment_that_times_out_or_raises_ends_only_its_trajectory():
     with pool_for("support.environments:Slow", timeout_s=0.5) as pool:
         (key,) = pool.new_sessions(1)

@@ -130,3 +130,10 @@ class ToolReply(Environment):
         if turn.index:
             return StepResult(done=True)
         return StepResult([{"role": "tool", "name": "add", "content": "42"}])
+
+
+def picky_parser(text: str):
+    """A pluggable tool parser that raises on a turn holding 'boom' (model-written text)."""
+    if "boom" in text:
+        raise ValueError("cannot read boom")
+    return text, [], []

@@ -12,13 +12,14 @@ one init_error line). "check" mode stops there (the start-up check).
 
 Then tasks: (task id, operation, items), each item answered as soon as it is done:
 - reset (session, messages, row, seed): a new environment for the session, `reset` run;
-- step (session, text, turn index): the turn parsed by the tool parser, then `step`;
+- step (session, text, turn index): the turn parsed by the tool parser (a parser that
+  raises or times out on the turn gives it one parse error), then `step`;
 - finish (session, finish reason): `finish`, and the session is gone.
 Limits, one per call of user code and never nested: a `ToolEnvironment`'s own step is
 leangrpo's, so each tool call runs under environment.tool_timeout_s (a failure is a tool
 message); any other environment's reset, step and finish run whole under
-environment.timeout_s, as does the parser. A call that fails or times out fails its item
-and ends the session (the trajectory ends with finish reason 'error').
+environment.timeout_s, as does the parser. A call of the environment that fails or times
+out fails its item and ends the session (the trajectory ends with finish reason 'error').
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from leangrpo.environments.registry import (
     tool_parser,
 )
 from leangrpo.environments.tools import (
+    ParsedTurn,
     ToolCallFailed,
     ToolError,
     one_line,
@@ -147,7 +149,7 @@ class Worker:
     def _step(self, key: int, text: str, index: int) -> dict:
         env = self._session(key)
         t0 = time.perf_counter()
-        parsed = parsed_turn(self._call(self.parser, text))
+        parsed = self._parse(text)
         turn = ModelTurn(text, parsed.calls, parsed.errors, parsed.content, index)
         counts = env.__dict__.setdefault("tool_counts", Counter())
         counts.clear()
@@ -166,6 +168,14 @@ class Worker:
             "calls": [{"name": c.name, "arguments": c.arguments} for c in parsed.calls],
             "seconds": time.perf_counter() - t0,
         }
+
+    def _parse(self, text: str) -> ParsedTurn:
+        """The tool parser's reading of a turn; whatever it raises on the model's text (or
+        returns off the contract) is the turn's one parse error, never the item's failure."""
+        try:
+            return parsed_turn(self._call(self.parser, text))
+        except Exception as e:  # noqa: BLE001  model-written input: a failure is a message
+            return ParsedTurn(text.strip(), [], [one_line(f"the tool parser failed on this turn: {e}")])
 
     def _finish(self, key: int, finish_reason: str) -> dict:
         env = self._session(key)
