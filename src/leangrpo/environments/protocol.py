@@ -12,7 +12,9 @@ An `Environment` runs one trajectory (one instance per trajectory, built with
 prompt (a function of the run seed, the batch and the prompt), so an environment that
 draws its start from it gives a group one prompt and a resume the same one again.
 `StepResult.rewards` are summed over the trajectory and added to its total reward (logged
-per name as `reward/env/<name>/mean`); `StepResult.metrics` are only logged. `tools`
+per name as `reward/env/<name>/mean`); `StepResult.metrics` are only logged: each is the
+mean of the values the trajectory's steps and finish reported for it (a step that leaves
+it out does not count), then the mean over trajectories (`multiturn/env/<name>`). `tools`
 (Python functions with type hints and docstrings, plus `environment.tools`) are offered
 to the model through the chat template; `run_tools(turn)` answers a turn's calls with one
 tool message each (an error message for a failed call, counted, never a crash).
@@ -49,7 +51,7 @@ class StepResult:
     reply: list[dict[str, Any]] = field(default_factory=list)  # messages after the turn
     done: bool = False
     rewards: dict[str, float] = field(default_factory=dict)  # summed into the total reward
-    metrics: dict[str, float] = field(default_factory=dict)  # logged only
+    metrics: dict[str, float] = field(default_factory=dict)  # logged: a mean per trajectory
 
 
 class Environment:
