@@ -134,6 +134,28 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(smollm2_tokenizer):
     check_template(Renderer(tok, None, THINK_STRIP), ["tool"], eos)  # a tool loop is fine
 
 
+def test_a_template_that_trims_model_turns_is_refused_at_start_up(tools_tokenizer, smollm2_tokenizer):
+    """Llama 3 / Gemma style `| trim`: a turn that ends with a newline could not be kept
+    token for token (it ended its trajectory with 'error'); one trimming only what the
+    environment writes renders every model turn exactly and passes."""
+    tok = tools_tokenizer
+    plain = "{%- if message.content %}{{- message.content }}{%- endif %}"
+    assert plain in tok.chat_template
+    trimming = tok.chat_template.replace(plain, "{%- if message.content %}{{- message.content | trim }}{%- endif %}")
+    with pytest.raises(TemplateError, match="trims the whitespace at the edges of an assistant turn"):
+        check_template(Renderer(tok, TOOLS, trimming), ["tool"], tok.eos_token_id)
+    llama_like = (
+        "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\n' + m.content | trim + '<|im_end|>\n' }}"
+        "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+    )
+    eos = smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    with pytest.raises(TemplateError, match="trims the whitespace"):
+        check_template(Renderer(smollm2_tokenizer, None, llama_like), ["user"], eos)
+    tool_trim = tok.chat_template.replace("'<|tool|>' ~ message.content ~", "'<|tool|>' ~ message.content | trim ~")
+    assert tool_trim != tok.chat_template
+    check_template(Renderer(tok, TOOLS, tool_trim), ["tool"], tok.eos_token_id)
+
+
 def test_templates_that_cannot_be_used_are_named(tools_tokenizer):
     demo = AutoTokenizer.from_pretrained(DEMO_MODEL)
     with pytest.raises(TemplateError, match="has no chat template"):

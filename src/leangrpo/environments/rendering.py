@@ -18,7 +18,10 @@ ends the trajectory (`NotIncremental`, finish reason 'error'). At start-up, `che
 renders a probe conversation (with the reply roles the environment produces) turn by turn
 and compares the ids with the tokenisation of the whole conversation: a template that
 rewrites earlier turns (e.g. one stripping `<think>` from history), closes a turn without
-the EOS, or whose cuts change the tokens is refused with one sentence naming it. A template
+the EOS, or whose cuts change the tokens is refused with one sentence naming it, and so is
+one that does not render a model turn's text as it is: a turn with whitespace at its edges
+is probed (Llama 3 and Gemma templates `| trim` message contents, which would end every
+such turn with 'error'; the model's ids cannot be re-rendered trimmed and stay exact). A template
 that renders the same text with and without `tools=` is refused too: tools would silently
 never reach the model (SmolLM2's does; `environment.chat_template: chatml-hermes` is a
 bundled ChatML template with Hermes tool calls).
@@ -301,6 +304,7 @@ def check_template(renderer: Renderer, replies: list[str], eos_id: int | None) -
         raise TemplateError(f"{name} has no EOS token, so a model turn cannot end")
     try:
         _check_tools_listed(renderer)
+        _check_keeps_whitespace(renderer)
         start, turns = probe_conversation(replies)
         conversation = renderer.start(start)
         for assistant, reply in turns:
@@ -322,6 +326,24 @@ def check_template(renderer: Renderer, replies: list[str], eos_id: int | None) -
         raise TemplateError(
             f"the chat template of {name} cannot be rendered turn by turn: the tokens of the turn-by-turn rendering differ from the whole conversation's at token {i} ({tokenizer.decode(whole[max(0, i - 3) : i + 3])!r})"
         )
+
+
+PROBE_EDGES = " It is 42.\n"  # a model turn may start and end with whitespace
+
+
+def _check_keeps_whitespace(renderer: Renderer) -> None:
+    """A model turn is rendered as its text, whitespace at its edges included (Llama 3 and
+    Gemma templates `| trim` every message: turns ending in a newline would fail)."""
+    start = [{"role": "user", "content": "What is 12 + 30?"}]
+    before = renderer.render(start, generation_prompt=True)
+    closed = renderer.render([*start, {"role": "assistant", "content": PROBE_EDGES}], generation_prompt=False)
+    if closed.startswith(before + PROBE_EDGES):
+        return
+    trims = PROBE_EDGES.strip() in closed[len(before) :] if closed.startswith(before) else False
+    how = "trims the whitespace at the edges of an assistant turn (e.g. `| trim`)" if trims else "changes an assistant turn's text"
+    raise TemplateError(
+        f"the chat template of {renderer.name} {how}, so a model turn that starts or ends with whitespace could not be kept token for token; set environment.chat_template to a template that renders message contents as they are"
+    )
 
 
 def _check_tools_listed(renderer: Renderer) -> None:
