@@ -1,12 +1,12 @@
-"""Tools (environments/tools.py): schemas from type hints and docstrings, the Hermes
-parser, pluggable parsers' returns checked, tool messages with their counts."""
+"""Tools (environments/tools.py): the Hermes parser, pluggable parsers' returns checked,
+tool messages with their counts (schemas: test_schema.py)."""
 
 from __future__ import annotations
 
 from collections import Counter
 
 import pytest
-from support.environments import add, divide, undocumented
+from support.environments import add, divide
 
 from leangrpo.environments.tools import (
     MAX_CALL_CHARS,
@@ -16,19 +16,7 @@ from leangrpo.environments.tools import (
     parse_hermes,
     parsed_turn,
     tool_messages,
-    tool_schema,
 )
-
-
-def test_schemas_come_from_type_hints_and_docstrings():
-    schema = tool_schema(add)
-    assert schema["function"]["name"] == "add"
-    assert schema["function"]["parameters"]["properties"]["a"] == {
-        "type": "integer",
-        "description": "The first number.",
-    }
-    with pytest.raises(ToolError, match="tool undocumented cannot be offered to the model"):
-        tool_schema(undocumented)
 
 
 @pytest.mark.parametrize(

@@ -137,3 +137,42 @@ def picky_parser(text: str):
     if "boom" in text:
         raise ValueError("cannot read boom")
     return text, [], []
+
+
+class NotAnEnvironment:
+    """Has a step method but is not an Environment."""
+
+    def step(self, turn):
+        return StepResult(done=True)
+
+
+class Adder:
+    """A class where a tool function belongs."""
+
+    def __init__(self, a: int):
+        self.a = a
+
+
+class AddTwice(ToolEnvironment):
+    """Its own `add`; configured with another `add` the names clash."""
+
+    tools = [add]
+
+
+class Scores(Environment):
+    """Declares the reward term 'score' and returns another one as well."""
+
+    reward_terms = ("score",)
+
+    def step(self, turn: ModelTurn) -> StepResult:
+        rewards = {"score": 1.0, **({"bonus": 0.5} if "bonus" in turn.text else {})}
+        return StepResult(done=True, rewards=rewards)
+
+
+class Unrewarding(Environment):
+    """Says it gives no reward terms."""
+
+    reward_terms = ()
+
+    def step(self, turn: ModelTurn) -> StepResult:
+        return StepResult(done=True)

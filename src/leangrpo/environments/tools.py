@@ -1,7 +1,6 @@
-"""Tools: schemas from type hints and docstrings, calls parsed from the model's turn.
+"""Tools: calls parsed from the model's turn, and the tool messages that answer them.
 
-- Schemas: `tool_schema(fn)` is `transformers.utils.get_json_schema` (the JSON the chat
-  template's `tools=` lists), its errors made one sentence naming the function.
+- Schemas (the JSON the chat template's `tools=` lists) are schema.py's `tool_schema`.
 - Calls: the default parser (`environment.tool_parser: hermes`) reads the format Qwen2.5,
   Qwen3 and Hermes templates ask for, JSON in tags, one block per call:
   `<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>`; arguments given
@@ -56,20 +55,6 @@ class ParsedTurn:
     content: str  # the text outside the tool-call blocks, stripped
     calls: list[ToolCall] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)  # one line per block that did not parse
-
-
-def tool_schema(fn: Callable) -> dict[str, Any]:
-    """The JSON schema the chat template lists for `fn` (transformers' get_json_schema)."""
-    from transformers.utils import get_json_schema
-
-    try:
-        return get_json_schema(fn)
-    except Exception as e:  # DocstringParsingException, TypeHintParsingException: plain Exceptions
-        name = getattr(fn, "__qualname__", repr(fn))
-        raise ToolError(
-            f"tool {name} cannot be offered to the model: {e} (a tool needs type hints and a "
-            "docstring with an Args: line per argument)"
-        ) from None
 
 
 def parse_hermes(text: str) -> ParsedTurn:

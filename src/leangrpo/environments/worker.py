@@ -6,9 +6,10 @@ worker's set-up (SIGINT ignored, child subreaper, exit with the trainer) and its
 (rewards/worker.py `LimitedCall`: a watchdog signal at the time limit, processes the call
 started killed, RLIMIT_CPU, RLIMIT_AS for the whole worker).
 
-Set-up: import the environment, its tools and the tool parser, build one environment to
-read its tools' schemas (transformers' get_json_schema) and reply roles, report ready (or
-one init_error line). "check" mode stops there (the start-up check).
+Set-up: import the environment (an Environment subclass), its tools (functions, no two
+with one name) and the tool parser, build one environment to read its tools' schemas
+(schema.py), reply roles and reward terms, report ready (or one init_error line). "check"
+mode stops there (the start-up check, before the model loads).
 
 Then tasks: (task id, operation, items), each item answered as soon as it is done:
 - reset (session, messages, row, seed): a new environment for the session, `reset` run;
@@ -34,20 +35,27 @@ import time
 from collections import Counter
 from typing import Any
 
-from leangrpo.environments.protocol import Environment, ModelTurn, StepResult, ToolEnvironment
+from leangrpo.environments.protocol import (
+    Environment,
+    ModelTurn,
+    StepResult,
+    ToolEnvironment,
+    environment_rewards,
+)
 from leangrpo.environments.registry import (
     EnvironmentSpec,
     environment_class,
+    offered_tools,
     tool_functions,
     tool_parser,
 )
+from leangrpo.environments.schema import tool_schema
 from leangrpo.environments.tools import (
     ParsedTurn,
     ToolCallFailed,
     ToolError,
     one_line,
     parsed_turn,
-    tool_schema,
 )
 from leangrpo.rewards.proctree import become_subreaper
 from leangrpo.rewards.worker import Channel, LimitedCall, exit_with_parent, message
@@ -112,12 +120,14 @@ class Worker:
             self.parser = tool_parser(spec)
             self.kwargs = dict(spec.kwargs)
             probe = self._new_environment()
-            schemas = [tool_schema(fn) for fn in probe.offered_tools()]
+            schemas = [tool_schema(fn) for fn in offered_tools(probe, self.tools, spec)]
             replies = [str(r) for r in getattr(probe, "replies", ("user",))]
+            self.reward_terms = environment_rewards(self.factory)
         except BaseException as e:  # SystemExit at import included
             self.channel.send({"t": "init_error", "msg": _setup_error(e, spec)})
             return False
-        self.channel.send({"t": "ready", "tools": schemas, "replies": replies})
+        terms = None if self.reward_terms is None else list(self.reward_terms)
+        self.channel.send({"t": "ready", "tools": schemas, "replies": replies, "reward_terms": terms})
         return True
 
     def _new_environment(self) -> Environment:
@@ -162,7 +172,7 @@ class Worker:
         return {
             "reply": _messages(result.reply, "step"),
             "done": bool(result.done),
-            "rewards": _numbers(result.rewards, "rewards"),
+            "rewards": self._rewards(result.rewards, "step"),
             "metrics": _numbers(result.metrics, "metrics"),
             "counts": {k: float(v) for k, v in counts.items()},
             "calls": [{"name": c.name, "arguments": c.arguments} for c in parsed.calls],
@@ -183,10 +193,20 @@ class Worker:
         t0 = time.perf_counter()
         result = _step_result(self._call(env.finish, finish_reason))
         return {
-            "rewards": _numbers(result.rewards, "rewards"),
+            "rewards": self._rewards(result.rewards, "finish"),
             "metrics": _numbers(result.metrics, "metrics"),
             "seconds": time.perf_counter() - t0,
         }
+
+    def _rewards(self, value: Any, where: str) -> dict[str, float]:
+        rewards = _numbers(value, "rewards")
+        declared = self.reward_terms
+        undeclared = sorted(set(rewards) - set(declared)) if declared is not None else []
+        if undeclared:
+            raise ValueError(
+                f"{self.factory.__name__}.{where} returned the reward term {undeclared[0]!r}, which its reward_terms {tuple(declared)} do not list"
+            )
+        return rewards
 
     def _session(self, key: int) -> Environment:
         env = self.sessions.get(key)
