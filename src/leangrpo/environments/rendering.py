@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from leangrpo.errors import UserError
+from leangrpo.model.tokenizer import compiled_template
 
 # ChatML with Hermes tool calls: the Qwen2.5-Instruct template (tools listed as JSON in the
 # system turn, calls in <tool_call> tags, tool replies grouped into one user turn in
@@ -113,7 +114,8 @@ class NotIncremental(ValueError):
 
 
 def load_template(spec: str | None) -> str | None:
-    """environment.chat_template: None (the tokenizer's), a bundled name, or a file."""
+    """environment.chat_template: None (the tokenizer's), a bundled name, or a file holding a
+    template that parses as transformers parses it."""
     if spec is None:
         return None
     if spec in BUNDLED_TEMPLATES:
@@ -123,7 +125,18 @@ def load_template(spec: str | None) -> str | None:
         raise TemplateError(
             f"environment.chat_template = {spec!r} is neither a bundled template ({', '.join(BUNDLED_TEMPLATES)}) nor a file"
         )
-    return path.read_text()
+    try:
+        source = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise TemplateError(f"environment.chat_template = {spec!r} cannot be read: {e}") from None
+    try:
+        compiled_template(source)
+    except Exception as e:  # jinja2's TemplateSyntaxError and friends
+        line = getattr(e, "lineno", None)
+        raise TemplateError(
+            f"environment.chat_template = {spec!r} is not a valid Jinja template: {getattr(e, 'message', None) or e}{f' (line {line})' if line else ''}; fix the template"
+        ) from None
+    return source
 
 
 class Renderer:
@@ -143,11 +156,15 @@ class Renderer:
             tokenize=False, **kwargs,
         )  # fmt: skip
 
+    def first_turn(self, messages: list[dict]) -> str:
+        """The text a trajectory starting from `messages` is prompted with."""
+        return self.render(messages, generation_prompt=True)
+
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def start(self, messages: list[dict]) -> Conversation:
-        text = self.render(messages, generation_prompt=True)
+        text = self.first_turn(messages)
         start = [dict(m) for m in messages]
         return Conversation(self, start, text, self.encode(text), len(start), text)
 

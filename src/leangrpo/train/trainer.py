@@ -46,6 +46,7 @@ from leangrpo.environments.setup import start_environments
 from leangrpo.errors import RunError
 from leangrpo.model.files import check_model_files
 from leangrpo.model.policy import Policy, load_policy, load_tokenizer
+from leangrpo.model.tokenizer import remember
 from leangrpo.pipeline.builder import build_pipeline
 from leangrpo.preflight import Preflight, check_micro_batch, preflight, prompt_limit
 from leangrpo.rewards import RewardPool
@@ -106,12 +107,16 @@ class Trainer:
         if self.checked.model.directory is None:  # a hub model not cached yet: fetch config.json
             limit = prompt_limit(cfg, check_model_files(cfg.model, fetch=True))
         tokenizer = load_tokenizer(cfg.model)
-        prompts = load_prompts(cfg.data, tokenizer, cfg.run.seed, limit)
-        check_micro_batch(prompts.train, cfg)
-        # multi-turn: environment workers, the chat template and a probe reset, still
-        # before the model loads
+        # multi-turn, still before the model loads: environment workers and the chat
+        # template, the prompts as their first turn renders them, a probe reset
         generates = not (ctx.distributed and cfg.rollout.engine == "vllm" and not ctx.is_main)
-        self.environments = start_environments(cfg, tokenizer, prompts.train) if generates else None
+        self.environments = start_environments(cfg, tokenizer) if generates else None
+        first_turn = self.environments.renderer.first_turn if self.environments else None
+        prompts = load_prompts(cfg.data, tokenizer, cfg.run.seed, limit, first_turn)
+        check_micro_batch(prompts.train, cfg)
+        if self.environments is not None:
+            self.environments.probe(prompts.train[0])
+            remember(self.checked.model.directory, tokenizer)  # for the next run's preflight
         started = start_shared_engine(cfg, strategy.device)  # vLLM first: the policy views it
         shared = started.build_policy(cfg, tokenizer, strategy.device) if started else None
         self.policy: Policy = shared or load_policy(
