@@ -72,7 +72,7 @@ class Trajectory:
     messages: list[dict[str, Any]]
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # {"name", "arguments"}
     rewards: dict[str, float] = field(default_factory=dict)  # the environment's, summed
-    metrics: dict[str, float] = field(default_factory=dict)  # the environment's, logged only
+    metrics: dict[str, float] = field(default_factory=dict)  # the environment's: mean of its reports
     stats: dict[str, float] = field(default_factory=dict)  # counts and seconds (metrics)
     error: str | None = None  # the environment failed: the trajectory ended, unscored
     # the prompt the trajectory starts from: the environment's start messages rendered

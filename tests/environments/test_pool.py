@@ -78,6 +78,33 @@ def test_the_tools_environment_answers_calls_with_tool_messages_and_counts_them(
         assert again.ok["reply"][0]["content"] == "3"
 
 
+def test_malformed_calls_and_a_failing_parser_become_tool_messages_and_the_trajectory_goes_on():
+    """Model-written calls json rejects with ValueError or RecursionError, or holding NaN,
+    and a pluggable parser raising on a turn: each is an `error: ...` tool message, counted
+    (the item does not fail, the session lives on)."""
+    bad = {
+        "big int": '{"a": ' + "9" * 5000 + ', "b": 1}',
+        "deep": '{"a": ' + "[" * 20000 + "]" * 20000 + "}",
+        "NaN": '{"a": NaN, "b": 1}',
+    }
+    with pool_for("tools", tools=["support.environments:add"]) as pool:
+        keys = pool.new_sessions(len(bad))
+        pool.reset([(k, USER, {}, 0) for k in keys])
+        turns = [f'<tool_call>{{"name": "add", "arguments": {a}}}</tool_call>' for a in bad.values()]
+        out = pool.step([(k, text, 0) for k, text in zip(keys, turns)])
+        for o in out:
+            assert o.error is None and not o.ok["done"]
+            assert o.ok["reply"][0]["content"].startswith("error: tool call ")
+            assert o.ok["counts"] == {"tool_errors": 1, "parse_errors": 1}
+        assert [o.ok["reply"][0]["content"] for o in pool.step([(keys[0], CALL, 1)])] == ["3"]
+    with pool_for("tools", tools=["support.environments:add"], tool_parser="support.environments:picky_parser") as pool:
+        (key,) = pool.new_sessions(1)
+        pool.reset([(key, USER, {}, 0)])
+        (out,) = pool.step([(key, "boom", 0)])
+        assert out.ok["reply"] == [{"role": "tool", "content": "error: the tool parser failed on this turn: picky_parser: ValueError: cannot read boom"}]  # fmt: skip
+        assert out.ok["counts"]["parse_errors"] == 1 and not out.ok["done"]
+
+
 def test_an_environment_that_times_out_or_raises_ends_only_its_trajectory():
     with pool_for("support.environments:Slow", timeout_s=0.5) as pool:
         (key,) = pool.new_sessions(1)
@@ -112,12 +139,42 @@ def test_a_worker_that_dies_fails_its_items_and_is_replaced():
         ("support.environments:NeedsArgument", {}, "building it with environment.kwargs failed"),
         ("tools", {"tools": ["support.environments:undocumented"]}, "tool undocumented cannot be offered to the model"),
         ("support.environments:Again", {"tool_parser": "support.environments:missing"}, "environment.tool_parser = 'support.environments:missing'"),
+        ("support.environments:NotAnEnvironment", {}, "environment.name = 'support.environments:NotAnEnvironment' is the class NotAnEnvironment, not a subclass of leangrpo.environments.Environment; subclass it"),
+        ("support.environments:add", {}, "is a function, not a subclass of leangrpo.environments.Environment"),
+        ("tools", {"tools": ["support.environments:Adder"]}, "environment.tools[0] = 'support.environments:Adder' is the class Adder, not a function"),
+        ("tools", {"tools": ["support.environments:__doc__"]}, "environment.tools[0] = 'support.environments:__doc__': 'support.environments:__doc__' is a str, not a function"),
+        ("tools", {"tools": ["support.environments:add", "support.environments:divide", "DUP:add"]}, "environment.tools[2] = 'DUP:add' and environment.tools[0] = 'support.environments:add' are both named 'add'; the model calls tools by name"),
+        ("support.environments:AddTwice", {"tools": ["support.environments:add"]}, "environment.tools[0] = 'support.environments:add' and AddTwice.tools[0] are both named 'add'; the model calls tools by name"),
     ],
 )  # fmt: skip
-def test_set_up_failures_are_one_line(name, fields, expected):
-    with pytest.raises(EnvironmentSpecError, match=expected) as info:
+def test_set_up_failures_are_one_line(name, fields, expected, tmp_path):
+    """Each way an environment, a tool or the parser cannot be used is one sentence: a
+    class that is not an Environment (it failed later with an AttributeError), a class or
+    any other non-function given as a tool (a class was offered as one), two tools with
+    one name (one silently shadowed the other)."""
+    dup = tmp_path / "dup.py"
+    dup.write_text('def add(a: int) -> int:\n    """Add.\n\n    Args:\n        a: A.\n    """\n    return a\n')
+    if "tools" in fields:
+        fields = {**fields, "tools": [t.replace("DUP", str(dup)) for t in fields["tools"]]}
+    with pytest.raises(EnvironmentSpecError) as info:
         pool_for(name, **fields)
+    assert expected.replace("DUP", str(dup)) in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_reward_terms_are_reported_and_an_undeclared_one_fails_its_call():
+    with pool_for("tools", tools=["support.environments:add"]) as pool:
+        assert pool.reward_terms == ()  # the tool loop gives none
+    with pool_for("support.environments:Again") as pool:
+        assert pool.reward_terms is None  # it does not say
+    with pool_for("support.environments:Scores") as pool:
+        assert pool.reward_terms == ("score",)
+        keys = pool.new_sessions(2)
+        pool.reset([(k, USER, {}, 0) for k in keys])
+        good, bad = pool.step([(keys[0], "x", 0), (keys[1], "bonus", 0)])
+        assert good.ok["rewards"] == {"score": 1.0}
+        assert bad.ok is None
+        assert "Scores.step returned the reward term 'bonus', which its reward_terms ('score',) do not list" in bad.error
 
 
 def test_an_environment_file_that_exits_or_hangs_at_import(tmp_path):

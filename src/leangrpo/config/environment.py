@@ -22,7 +22,7 @@ class EnvironmentConfig(Section):
     name: str = Field(
         "tools",
         min_length=1,
-        description="The environment: 'tools' (the built-in one: offers environment.tools and ends at a turn without a call), 'verifiers' (a classic verifiers MultiTurnEnv / ToolEnv, see kwargs), 'pkg.module:Class' or 'path/to/file.py:Class' (a leangrpo.environments.protocol.Environment subclass, one instance per trajectory).",
+        description="The environment: 'tools' (the built-in one: offers environment.tools and ends at a turn without a call; it gives no reward terms, so rewards.functions must hold one with a weight), 'verifiers' (a classic verifiers MultiTurnEnv / ToolEnv, see kwargs), 'pkg.module:Class' or 'path/to/file.py:Class' (a leangrpo.environments.protocol.Environment subclass, one instance per trajectory).",
     )
     kwargs: dict[str, Any] = Field(
         default_factory=dict,
@@ -30,7 +30,7 @@ class EnvironmentConfig(Section):
     )
     tools: list[str] = Field(
         default_factory=list,
-        description="Python functions offered to the model as tools, 'pkg.module:function' or 'path/to/file.py:function'; each needs type hints and a docstring with its arguments (the schema the chat template lists, transformers.utils.get_json_schema).",
+        description="Python functions offered to the model as tools, 'pkg.module:function' or 'path/to/file.py:function'; each needs type hints and a docstring with its arguments (the schema the chat template lists: transformers.utils.get_json_schema's, made by leangrpo.environments.schema), and no two tools (these and the environment class's own) may share a name.",
     )
     tool_parser: str = Field(
         "hermes",

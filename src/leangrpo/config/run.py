@@ -192,7 +192,7 @@ class DataConfig(Section):
     )
     overlong_prompts: Literal["error", "drop", "truncate_left", "truncate_right"] = Field(
         "error",
-        description="A prompt over the limit: 'error' stops before the model loads, naming the row; 'drop' leaves it out; 'truncate_left' keeps its last tokens, 'truncate_right' its first. Dropped and truncated prompts are counted (data/dropped_prompts, data/truncated_prompts).",
+        description="A prompt over the limit: 'error' stops before the model loads, naming the row; 'drop' leaves it out; 'truncate_left' keeps its last tokens, 'truncate_right' its first (not with an environment: a multi-turn prompt is measured as its first turn renders, tools listed, and cannot be cut). Dropped and truncated prompts are counted (data/dropped_prompts, data/truncated_prompts).",
     )
     empty_prompts: Literal["error", "drop"] = Field(
         "error",

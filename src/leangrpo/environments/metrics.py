@@ -5,8 +5,9 @@ Per trajectory means unless the name says otherwise: `turns` (and `turns_max`),
 `tool_errors/<tool>`, `model_tokens`, `env_tokens`, `turn_<k>_length` (model tokens of
 turn k, over the trajectories that reached it); `env_errors` counts the trajectories an
 environment (or the rendering) failed, `env_s` sums the seconds the environments took,
-`finish/<reason>` is the fraction that ended so, and `env/<name>` means the environments'
-own metrics. Single-turn samples give nothing.
+`finish/<reason>` is the fraction that ended so, and `env/<name>` is the mean over the
+trajectories that reported it of an environment's own metric (itself the mean of its
+reports within the trajectory). Single-turn samples give nothing.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 `EnvironmentPool(cfg.environment)` starts `environment.num_workers` worker processes
 (worker.py, through the reward workers' process manager, rewards/process.py) and waits
 until each has imported the environment (`environment.startup_timeout_s`); a failure
-there is one `EnvironmentSpecError` line. `tools` and `replies` are what the first worker
-reported: the tools' schemas (for the chat template) and the roles of the replies.
+there is one `EnvironmentSpecError` line. `tools`, `replies` and `reward_terms` are what
+the first worker reported: the tools' schemas (for the chat template), the roles of the
+replies and the reward terms the environment can give (None: it does not say).
 
 A trajectory is a session (`new_sessions`), pinned to worker `session % W`, where its
 environment lives from `reset` to `finish`. `reset`, `step` and `finish` take one item
@@ -85,6 +86,7 @@ class EnvironmentPool:
         self._next_session = 0
         self.tools: list[dict] = []
         self.replies: list[str] = []
+        self.reward_terms: tuple[str, ...] | None = None
         self._workers: list[WorkerProcess] = []
         self._busy: dict[int, _Task] = {}  # worker slot -> its task
         try:
@@ -122,8 +124,9 @@ class EnvironmentPool:
                         raise EnvironmentSpecError(reply.msg)
                     if isinstance(reply, Ready):
                         waiting.discard(slot)
-                        if not self.tools and not self.replies:
+                        if not self.replies:  # the first worker's report (they all agree)
                             self.tools, self.replies = reply.tools, reply.replies
+                            self.reward_terms = reply.reward_terms
 
     def _receive_at_start(self, worker: WorkerProcess) -> list:
         try:

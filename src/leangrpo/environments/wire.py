@@ -4,7 +4,8 @@ schema. Environments and tools run model-written input, so the trainer decodes n
 JSON from a worker and refuses anything off this schema (`ProtocolError`: the worker is
 replaced and the trajectories it held end with an error).
 
-    {"t": "ready", "tools": [schema, ...], "replies": [role, ...]}   set up
+    {"t": "ready", "tools": [schema, ...], "replies": [role, ...],
+     "reward_terms": [name, ...] | null}                             set up
     {"t": "init_error", "msg": s}                                    could not set up
     {"t": "item", "task": k, "i": j, "ok": {...}}                    item j of task k done
     {"t": "item", "task": k, "i": j, "error": s}                     item j failed
@@ -37,6 +38,7 @@ MAX_NAMES = 256  # reward terms, metrics or counts in one item
 class Ready:
     tools: list[dict[str, Any]]
     replies: list[str]
+    reward_terms: tuple[str, ...] | None  # None: the environment does not say
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,12 @@ def parse_env_reply(payload: bytes) -> EnvReply:
         message = json.loads(payload.decode("utf-8"), parse_constant=_no_constants)
         kind = message["t"]
         if kind == "ready":
-            return Ready(_schemas(message["tools"]), [_text(r) for r in _list(message["replies"])])
+            terms = message["reward_terms"]
+            return Ready(
+                _schemas(message["tools"]),
+                [_text(r) for r in _list(message["replies"])],
+                None if terms is None else tuple(_text(t) for t in _list(terms)),
+            )
         if kind == "init_error":
             return InitError(_text(message["msg"]))
         if kind == "item":

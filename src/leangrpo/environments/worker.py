@@ -6,19 +6,21 @@ worker's set-up (SIGINT ignored, child subreaper, exit with the trainer) and its
 (rewards/worker.py `LimitedCall`: a watchdog signal at the time limit, processes the call
 started killed, RLIMIT_CPU, RLIMIT_AS for the whole worker).
 
-Set-up: import the environment, its tools and the tool parser, build one environment to
-read its tools' schemas (transformers' get_json_schema) and reply roles, report ready (or
-one init_error line). "check" mode stops there (the start-up check).
+Set-up: import the environment (an Environment subclass), its tools (functions, no two
+with one name) and the tool parser, build one environment to read its tools' schemas
+(schema.py), reply roles and reward terms, report ready (or one init_error line). "check"
+mode stops there (the start-up check, before the model loads).
 
 Then tasks: (task id, operation, items), each item answered as soon as it is done:
 - reset (session, messages, row, seed): a new environment for the session, `reset` run;
-- step (session, text, turn index): the turn parsed by the tool parser, then `step`;
+- step (session, text, turn index): the turn parsed by the tool parser (a parser that
+  raises or times out on the turn gives it one parse error), then `step`;
 - finish (session, finish reason): `finish`, and the session is gone.
 Limits, one per call of user code and never nested: a `ToolEnvironment`'s own step is
 leangrpo's, so each tool call runs under environment.tool_timeout_s (a failure is a tool
 message); any other environment's reset, step and finish run whole under
-environment.timeout_s, as does the parser. A call that fails or times out fails its item
-and ends the session (the trajectory ends with finish reason 'error').
+environment.timeout_s, as does the parser. A call of the environment that fails or times
+out fails its item and ends the session (the trajectory ends with finish reason 'error').
 """
 
 from __future__ import annotations
@@ -31,17 +33,30 @@ import signal
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
-from leangrpo.environments.protocol import Environment, ModelTurn, StepResult, ToolEnvironment
-from leangrpo.environments.registry import EnvironmentSpec, load, tool_functions, tool_parser
+from leangrpo.environments.protocol import (
+    Environment,
+    ModelTurn,
+    StepResult,
+    ToolEnvironment,
+    environment_rewards,
+)
+from leangrpo.environments.registry import (
+    EnvironmentSpec,
+    EnvironmentSpecError,
+    load,
+    offered_tools,
+    tool_functions,
+    tool_parser,
+)
+from leangrpo.environments.schema import tool_schema
 from leangrpo.environments.tools import (
+    ParsedTurn,
     ToolCallFailed,
     ToolError,
     one_line,
     parsed_turn,
-    tool_schema,
 )
 from leangrpo.rewards.proctree import become_subreaper
 from leangrpo.rewards.worker import Channel, LimitedCall, exit_with_parent, message
@@ -62,8 +77,8 @@ def main() -> None:
     os._exit(code)
 
 
-def environment_class(spec: EnvironmentSpec) -> Callable[..., Any]:
-    """The class (or factory) that makes one environment per trajectory: a built-in
+def environment_class(spec: EnvironmentSpec) -> type[Environment]:
+    """The Environment subclass that makes one environment per trajectory: a built-in
     (registry.BUILTIN_ENVIRONMENTS) or the user's, imported here, in the worker."""
     if spec.name == "tools":
         return ToolEnvironment
@@ -71,7 +86,13 @@ def environment_class(spec: EnvironmentSpec) -> Callable[..., Any]:
         from leangrpo.environments.adapters.verifiers import VerifiersEnvironment
 
         return VerifiersEnvironment
-    return load(spec.name, "environment.name")
+    cls = load(spec.name, "environment.name")
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        what = f"the class {cls.__name__}" if isinstance(cls, type) else f"a {type(cls).__name__}"
+        raise EnvironmentSpecError(
+            f"environment.name = {spec.name!r} is {what}, not a subclass of leangrpo.environments.Environment; subclass it (from leangrpo.environments import Environment) and implement step(turn)"
+        )
+    return cls
 
 
 class Worker:
@@ -118,12 +139,14 @@ class Worker:
             self.parser = tool_parser(spec)
             self.kwargs = dict(spec.kwargs)
             probe = self._new_environment()
-            schemas = [tool_schema(fn) for fn in probe.offered_tools()]
+            schemas = [tool_schema(fn) for fn in offered_tools(probe, self.tools, spec)]
             replies = [str(r) for r in getattr(probe, "replies", ("user",))]
+            self.reward_terms = environment_rewards(self.factory)
         except BaseException as e:  # SystemExit at import included
             self.channel.send({"t": "init_error", "msg": _setup_error(e, spec)})
             return False
-        self.channel.send({"t": "ready", "tools": schemas, "replies": replies})
+        terms = None if self.reward_terms is None else list(self.reward_terms)
+        self.channel.send({"t": "ready", "tools": schemas, "replies": replies, "reward_terms": terms})
         return True
 
     def _new_environment(self) -> Environment:
@@ -155,7 +178,7 @@ class Worker:
     def _step(self, key: int, text: str, index: int) -> dict:
         env = self._session(key)
         t0 = time.perf_counter()
-        parsed = parsed_turn(self._call(self.parser, text))
+        parsed = self._parse(text)
         turn = ModelTurn(text, parsed.calls, parsed.errors, parsed.content, index)
         counts = env.__dict__.setdefault("tool_counts", Counter())
         counts.clear()
@@ -168,12 +191,20 @@ class Worker:
         return {
             "reply": _messages(result.reply, "step"),
             "done": bool(result.done),
-            "rewards": _numbers(result.rewards, "rewards"),
+            "rewards": self._rewards(result.rewards, "step"),
             "metrics": _numbers(result.metrics, "metrics"),
             "counts": {k: float(v) for k, v in counts.items()},
             "calls": [{"name": c.name, "arguments": c.arguments} for c in parsed.calls],
             "seconds": time.perf_counter() - t0,
         }
+
+    def _parse(self, text: str) -> ParsedTurn:
+        """The tool parser's reading of a turn; whatever it raises on the model's text (or
+        returns off the contract) is the turn's one parse error, never the item's failure."""
+        try:
+            return parsed_turn(self._call(self.parser, text))
+        except Exception as e:  # noqa: BLE001  model-written input: a failure is a message
+            return ParsedTurn(text.strip(), [], [one_line(f"the tool parser failed on this turn: {e}")])
 
     def _finish(self, key: int, finish_reason: str) -> dict:
         env = self._session(key)
@@ -181,10 +212,20 @@ class Worker:
         t0 = time.perf_counter()
         result = _step_result(self._call(env.finish, finish_reason))
         return {
-            "rewards": _numbers(result.rewards, "rewards"),
+            "rewards": self._rewards(result.rewards, "finish"),
             "metrics": _numbers(result.metrics, "metrics"),
             "seconds": time.perf_counter() - t0,
         }
+
+    def _rewards(self, value: Any, where: str) -> dict[str, float]:
+        rewards = _numbers(value, "rewards")
+        declared = self.reward_terms
+        undeclared = sorted(set(rewards) - set(declared)) if declared is not None else []
+        if undeclared:
+            raise ValueError(
+                f"{self.factory.__name__}.{where} returned the reward term {undeclared[0]!r}, which its reward_terms {tuple(declared)} do not list"
+            )
+        return rewards
 
     def _session(self, key: int) -> Environment:
         env = self.sessions.get(key)

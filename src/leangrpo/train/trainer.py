@@ -48,6 +48,7 @@ from leangrpo.errors import RunError
 from leangrpo.metrics.learning import LearningSignal, warn_if_tokenizer_drops_text
 from leangrpo.model.files import check_model_files
 from leangrpo.model.policy import Policy, load_policy, load_tokenizer
+from leangrpo.model.tokenizer import remember
 from leangrpo.pipeline.builder import build_pipeline
 from leangrpo.preflight import Preflight, check_micro_batch, preflight, prompt_limit
 from leangrpo.prestart import Prestarted
@@ -116,21 +117,23 @@ class Trainer:
             limit = prompt_limit(cfg, check_model_files(cfg.model, fetch=True))
         log.info("loading transformers, the tokenizer and the prompts ...")
         tokenizer = load_tokenizer(cfg.model)
-        prompts = load_prompts(cfg.data, tokenizer, cfg.run.seed, limit)
-        check_micro_batch(prompts.train, cfg)
-        if ctx.is_main:
-            warn_if_tokenizer_drops_text(prompts.train, tokenizer, cfg.model.name_or_path)
-        self.learning = LearningSignal(self.out)  # warns when nothing can be learned
-        # multi-turn: environment workers, the chat template and a probe reset, still
-        # before the model loads
+        # multi-turn, still before the model loads: environment workers and the chat
+        # template, the prompts as their first turn renders them, a probe reset
         generates = strategy.generates  # torchrun with vLLM: rank 0 alone
         early = self.prestarted
         pool = early.take_environment_pool() if early is not None else None
         if generates and cfg.environment is not None and pool is None:
             log.info("starting %d environment worker(s) ...", cfg.environment.num_workers)
-        self.environments = (
-            start_environments(cfg, tokenizer, prompts.train, pool) if generates else None
-        )
+        self.environments = start_environments(cfg, tokenizer, pool) if generates else None
+        first_turn = self.environments.renderer.first_turn if self.environments else None
+        prompts = load_prompts(cfg.data, tokenizer, cfg.run.seed, limit, first_turn)
+        check_micro_batch(prompts.train, cfg)
+        if ctx.is_main:
+            warn_if_tokenizer_drops_text(prompts.train, tokenizer, cfg.model.name_or_path)
+        self.learning = LearningSignal(self.out)  # warns when nothing can be learned
+        if self.environments is not None:
+            self.environments.probe(prompts.train[0])
+            remember(self.checked.model.directory, tokenizer)  # for the next run's preflight
         log.info("loading the model %s (%s) ...", cfg.model.name_or_path, cfg.model.dtype)
         started = start_shared_engine(cfg, strategy.device)  # vLLM first: the policy views it
         shared = started.build_policy(cfg, tokenizer, strategy.device) if started else None
