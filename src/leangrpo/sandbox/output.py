@@ -1,0 +1,84 @@
+"""What a worker and the processes it starts print (worker side): counted, capped, passed on.
+
+The worker's descriptors 1 and 2 become the write end of a pipe that one thread of the
+worker drains, so everything printed (by user code in the worker, or by any process it
+starts, which inherits 1 and 2) passes through it:
+
+- bytes printed during a call are counted; past `max_output_bytes` the call is stopped
+  (`on_exceeded(OUTPUT)`, calls.py), so a tool that floods its output fails with a message
+  instead of occupying the trainer;
+- at most FORWARD_BYTES per call, and per stretch between calls, are passed on to the
+  trainer's pipe (which the trainer relays to its log line by line); the rest is dropped.
+
+Both ends live on high, close-on-exec descriptors: the processes user code starts hold
+only 0, 1 and 2. A thread rather than a per-call pipe: nothing is paid per call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import threading
+from collections.abc import Callable
+
+from leangrpo.sandbox.calls import OUTPUT
+from leangrpo.sandbox.frames import CHANNEL_FD_MIN
+
+FORWARD_BYTES = 64 << 10
+
+
+class OutputMeter:
+    def __init__(self, max_output_bytes: int):
+        self.max_bytes = max_output_bytes
+        self.on_exceeded: Callable[[str], None] | None = None
+        self.counted = 0  # bytes of the call running now
+        self.forwarded = 0  # bytes passed on in this stretch (a call, or between calls)
+        self.in_call = False
+        self._to_trainer = fcntl.fcntl(1, fcntl.F_DUPFD_CLOEXEC, CHANNEL_FD_MIN)
+        read, write = os.pipe()
+        os.dup2(write, 1)
+        os.dup2(write, 2)
+        os.close(write)
+        self._read = fcntl.fcntl(read, fcntl.F_DUPFD_CLOEXEC, CHANNEL_FD_MIN)
+        os.close(read)
+        threading.Thread(target=self._drain, name="output-meter", daemon=True).start()
+
+    def start_call(self) -> None:
+        self.counted = self.forwarded = 0
+        self.in_call = True
+
+    def end_call(self) -> None:
+        self.in_call = False
+        self.forwarded = 0
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                data = os.read(self._read, 1 << 16)
+            except InterruptedError:
+                continue
+            except OSError:
+                return
+            if not data:  # every writer closed it: user code closed 1 and 2
+                return
+            self._count(len(data))
+            self._forward(data)
+
+    def _count(self, size: int) -> None:
+        if not self.in_call:
+            return
+        self.counted += size
+        if self.counted > self.max_bytes and self.on_exceeded is not None:
+            self.on_exceeded(OUTPUT)
+
+    def _forward(self, data: bytes) -> None:
+        room = FORWARD_BYTES - self.forwarded
+        if room <= 0:
+            return
+        chunk = data[:room]
+        self.forwarded += len(chunk)
+        with contextlib.suppress(OSError):  # the trainer closed its end: nothing to show
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(self._to_trainer, view) :]
