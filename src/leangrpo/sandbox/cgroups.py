@@ -35,14 +35,9 @@ def pids_hierarchy() -> Path | None:
 
 
 def _find_hierarchy() -> Path | None:
-    controllers = V2 / "cgroup.controllers"
-    if controllers.is_file() and "pids" in controllers.read_text().split():
-        subtree = V2 / "cgroup.subtree_control"
-        if "pids" not in subtree.read_text().split():
-            with contextlib.suppress(OSError):
-                subtree.write_text("+pids")
-        if "pids" in subtree.read_text().split() and _writable(V2):
-            return V2
+    subtree = V2 / "cgroup.subtree_control"  # v2: where pids is enabled for child groups
+    if subtree.is_file() and "pids" in subtree.read_text().split() and _writable(V2):
+        return V2
     if (V1 / "cgroup.procs").is_file() and _writable(V1):
         return V1
     return None

@@ -72,6 +72,7 @@ def main() -> None:
             channel.send({"t": "init_error", "fn": 0, "msg": msg})
     except (EOFError, OSError):  # the pool closed, or user code broke the channel
         code = 3
+    kill_descendants(os.getpid())  # what its calls kept (the namespace's end would too)
     os._exit(code)  # no atexit handlers or non-daemon threads of user code to wait for
 
 

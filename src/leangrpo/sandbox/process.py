@@ -7,7 +7,8 @@ its output, kill it.
   session (`start_new_session`), every descriptor closed but the channel, stdin =
   /dev/null, stdout and stderr into one pipe, with the plan's environment (levels.py:
   allow-listed, HOME and TMPDIR at the worker's scratch directory). A scratch directory and,
-  for a root trainer, a pids cgroup are made per worker and removed when it is released.
+  for a root trainer, a pids cgroup are made per worker and removed when it is released
+  (those of a trainer that was killed, by the next trainer's first worker).
 - Replies are read without blocking into a FrameReader and parsed only when whole, so a
   worker cannot stall the trainer with half a message; `parse` checks each against its
   worker's schema (rewards/protocol.py, environments/wire.py).
@@ -35,6 +36,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from leangrpo.sandbox.cgroups import make_group, remove_group
@@ -94,7 +96,7 @@ class WorkerProcess:
         self.parse = parse
         if plan.level == "process":
             protect_trainer()
-        self.scratch = tempfile.mkdtemp(prefix="leangrpo-sandbox-")
+        self.scratch = scratch_directory()
         limit = plan.cgroup_limit()
         self.cgroup = make_group(limit) if limit is not None else None
         parent, child = socket.socketpair()
@@ -232,3 +234,29 @@ class WorkerProcess:
     def kill(self) -> None:
         self.terminate()
         self.release()
+
+
+SCRATCH_PREFIX = "leangrpo-sandbox-"
+_cleaned: list[bool] = []  # stale scratch directories removed, once per process
+
+
+def scratch_directory() -> str:
+    """A fresh scratch directory named after this trainer's pid; the first call also
+    removes those of trainers no longer running (killed before they could)."""
+    if not _cleaned:
+        _cleaned.append(True)
+        for path in Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*-*"):
+            owner = path.name[len(SCRATCH_PREFIX) :].partition("-")[0]
+            if owner.isdigit() and int(owner) != os.getpid() and not _running(int(owner)):
+                shutil.rmtree(path, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True

@@ -1,0 +1,95 @@
+"""One worker process (sandbox/process.py, launch.py): a worker whose trainer dies without
+closing its pool (SIGKILL) ends with its whole tree, the processes its calls keep
+included, and its scratch directory is removed by the next trainer; a released worker's
+scratch directory and cgroup go with it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from support.configs import ROOT
+from support.sandboxes import require_namespace
+
+from leangrpo.config.environment import EnvironmentConfig
+from leangrpo.environments.pool import EnvironmentPool
+from leangrpo.sandbox import process as worker_process
+
+TRAINER = """
+import os, sys, time
+sys.path.insert(0, "tests")
+from leangrpo.config.environment import EnvironmentConfig
+from leangrpo.environments.pool import EnvironmentPool
+from leangrpo.sandbox import process as worker_process
+cfg = EnvironmentConfig(name="support.environments:KeepsProcess", num_workers=1,
+                        sandbox={{"level": "{level}"}})
+pool = EnvironmentPool(cfg)
+(key,) = pool.new_sessions(1)
+pool.reset([(key, [{{"role": "user", "content": "x"}}], {{"tag": "{tag}"}}, 0)])
+print(pool._workers[0].pid, pool._workers[0].scratch, flush=True)
+time.sleep(600)
+"""
+
+
+def live_with(tag: str) -> list[int]:
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        cmdline = proc.info["cmdline"] or []
+        if proc.info["status"] != psutil.STATUS_ZOMBIE and any(tag in a for a in cmdline):
+            found.append(proc.pid)
+    return found
+
+
+@pytest.mark.parametrize("level", ["namespace", "process"])
+def test_a_worker_whose_trainer_is_killed_ends_with_its_tree(level, monkeypatch):
+    if level == "namespace":
+        require_namespace()
+    tag = f"3002.{os.getpid()}{time.monotonic_ns() % 10**6}"
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER.format(level=level, tag=tag)],
+                               cwd=ROOT, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        worker, scratch = trainer.stdout.readline().split()
+        assert live_with(tag) and psutil.pid_exists(int(worker))  # the helper, kept
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+        deadline = time.monotonic() + 10  # a liveness bound: the worker sees the hang-up
+        while time.monotonic() < deadline and (live_with(tag) or _running(int(worker))):
+            time.sleep(0.1)
+        assert live_with(tag) == [] and not _running(int(worker))
+    finally:
+        trainer.kill()
+        trainer.wait()
+    assert os.path.isdir(scratch)  # the trainer died before it could remove it: the next
+    monkeypatch.setattr(worker_process, "_cleaned", [])  # trainer's first worker does
+    fresh = worker_process.scratch_directory()
+    assert not os.path.exists(scratch) and os.path.isdir(fresh)
+    os.rmdir(fresh)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.parametrize("level", ["namespace", "process"])
+def test_a_released_worker_leaves_no_scratch_directory_or_cgroup(level):
+    if level == "namespace":
+        require_namespace()
+    cfg = EnvironmentConfig(name="support.environments:Again", num_workers=1,
+                            sandbox={"level": level})  # fmt: skip
+    pool = EnvironmentPool(cfg)
+    worker = pool._workers[0]
+    scratch, group = worker.scratch, worker.cgroup
+    assert os.path.isdir(scratch)
+    if pool.plan.process_limit == "cgroup":
+        assert group is not None and os.path.isdir(group)
+    pool.close()
+    assert not os.path.exists(scratch)
+    assert group is None or not os.path.exists(group)
