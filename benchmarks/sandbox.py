@@ -12,7 +12,9 @@ read-only filesystem, the waiting launcher process). Cases:
 - `tool call`: `EnvironmentPool.step` of one trajectory calling the tool demo's
   calculator (the `make demo-tools` path: parse, one limited tool call, reply).
 
-One JSON line per case and variant: `time_s` (mean wall time), `peak_bytes` (proportional
+One JSON line per case and variant: `time_s` (mean wall time), `cpu_s` (CPU seconds of the
+trainer and the worker's processes per call: steadier than wall time on a shared machine;
+start-up: of the trainer only), `peak_bytes` (proportional
 set size, PSS, of the worker's processes after the measured calls: at `namespace` the
 launcher waiting for the worker counts, with the pages it shares with it split between
 them), `time_ratio` and `mem_ratio` against `process` from the same run. The namespace
@@ -61,45 +63,58 @@ def rewards_cfg(level: str) -> SimpleNamespace:
                            sandbox=SimpleNamespace(level=level))  # fmt: skip
 
 
+def tree_cpu(pid: int) -> float:
+    """CPU seconds so far of this process and the worker's processes."""
+    launcher = psutil.Process(pid)
+    total = time.process_time()
+    for proc in [launcher, *launcher.children(recursive=True)]:
+        times = proc.cpu_times()
+        total += times.user + times.system
+    return total
+
+
 def tree_pss(pid: int) -> int:
     launcher = psutil.Process(pid)
     return sum(p.memory_full_info().pss for p in [launcher, *launcher.children(recursive=True)])
 
 
-def start_up(level: str, repeats: int) -> tuple[float, int]:
-    times, rss = [], 0
+def start_up(level: str, repeats: int) -> tuple[float, float, int]:
+    times, cpu, rss = [], 0.0, 0
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         with RewardPool(rewards_cfg(level)) as pool:
             pool.score(samples(1))
             times.append(time.perf_counter() - t0)
+            cpu += time.process_time() - c0
             rss = tree_pss(pool._workers[0].pid)
-    return sum(times) / len(times), rss
+    return sum(times) / len(times), cpu / repeats, rss
 
 
-def reward_calls(level: str, calls: int) -> tuple[float, int]:
+def reward_calls(level: str, calls: int) -> tuple[float, float, int]:
     with RewardPool(rewards_cfg(level)) as pool:
         pool.score(samples(8))
-        t0 = time.perf_counter()
+        pid = pool._workers[0].pid
+        t0, c0 = time.perf_counter(), tree_cpu(pid)
         for _ in range(calls):
             pool.score(samples(8))
         elapsed = (time.perf_counter() - t0) / calls
-        return elapsed, tree_pss(pool._workers[0].pid)
+        return elapsed, (tree_cpu(pid) - c0) / calls, tree_pss(pid)
 
 
-def tool_calls(level: str, calls: int) -> tuple[float, int]:
+def tool_calls(level: str, calls: int) -> tuple[float, float, int]:
     cfg = EnvironmentConfig(name="tools", tools=[CALCULATOR], num_workers=1,
                             sandbox={"level": level})  # fmt: skip
     with EnvironmentPool(cfg) as pool:
         keys = pool.new_sessions(calls + 1)
         pool.reset([(k, [{"role": "user", "content": "123+456="}], {}, 0) for k in keys])
         pool.step([(keys[0], CALL, 0)])
-        t0 = time.perf_counter()
+        pid = pool._workers[0].pid
+        t0, c0 = time.perf_counter(), tree_cpu(pid)
         for key in keys[1:]:
             (out,) = pool.step([(key, CALL, 0)])
             assert out.ok["reply"][0]["content"] == "579", out
         elapsed = (time.perf_counter() - t0) / calls
-        return elapsed, tree_pss(pool._workers[0].pid)
+        return elapsed, (tree_cpu(pid) - c0) / calls, tree_pss(pid)
 
 
 def main() -> None:
@@ -116,9 +131,10 @@ def main() -> None:
     for case, run in cases.items():
         base = None
         for level in LEVELS:
-            time_s, peak = run(level)
+            time_s, cpu_s, peak = run(level)
             row = {"bench": "sandbox", "case": case, "device": device_name("cpu"),
-                   "variant": level, "time_s": round(time_s, 5), "peak_bytes": peak}  # fmt: skip
+                   "variant": level, "time_s": round(time_s, 5), "cpu_s": round(cpu_s, 5),
+                   "peak_bytes": peak}  # fmt: skip
             if base is None:
                 base = (time_s, peak)
             else:

@@ -28,7 +28,7 @@ from leangrpo.sandbox.confine import WORKER_TASKS
 
 USER = [{"role": "user", "content": "go"}]
 TOOLS = ["attack", "read_env", "leave_processes", "write_file", "where", "connect", "allocate",
-         "fork_count", "fork_bomb", "flood"]  # fmt: skip
+         "fork_count", "fork_bomb", "flood", "burn"]  # fmt: skip
 MAX_PROCESSES = 8
 LIMITS = {"max_processes": MAX_PROCESSES, "max_output_bytes": 65536, "scratch_mb": 16}
 
@@ -40,6 +40,7 @@ def open_pool(level: str, **sandbox) -> EnvironmentPool:
         num_workers=1,
         timeout_s=10.0,
         tool_timeout_s=10.0,
+        cpu_time_limit_s=1.0,
         memory_limit_mb=2048,
         sandbox={"level": level, **LIMITS, "pass_env": ["LEANGRPO_TEST_PASSED"], **sandbox},
     )
@@ -166,7 +167,7 @@ def test_a_namespace_tool_reaches_no_network_unless_allowed():
 
 
 @pytest.mark.parametrize("level", ["namespace", "process"])
-def test_memory_and_output_limits_are_error_messages_counted(pools, level):
+def test_memory_output_and_cpu_limits_are_error_messages_counted(pools, level):
     pool = pools(level)
     text, counts = call(pool, "allocate", mb=4096)
     assert text == "error: the tool ran out of memory under the 2048 MB limit (MemoryError)"
@@ -176,6 +177,8 @@ def test_memory_and_output_limits_are_error_messages_counted(pools, level):
     assert time.monotonic() - t0 < 10.0  # stopped at the limit, far before 64 MB or the timeout
     assert text == "error: the tool printed more than 65536 bytes"
     assert counts["tool_limit/output"] == 1.0
+    text, counts = call(pool, "burn", seconds=8)
+    assert text == "error: the tool used its CPU time after 1 s" and counts["tool_limit/cpu"] == 1.0
     assert call(pool, "allocate", mb=16)[0] == "allocated 16 MB"  # the worker lives on
 
 

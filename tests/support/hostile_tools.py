@@ -188,6 +188,18 @@ def big(mb: int) -> str:
     return "x" * (mb << 20)
 
 
+def burn(seconds: float) -> str:
+    """Compute for up to `seconds` of wall time.
+
+    Args:
+        seconds: How long.
+    """
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+    return "burnt"
+
+
 def spin(seconds: float) -> str:
     """Sleep, ignoring nothing.
 
