@@ -133,3 +133,17 @@ def test_a_non_root_worker_bounds_its_processes_in_its_user_namespace():
     assert done.returncode == 0, done.stderr
     started = int(done.stdout.split()[-1])
     assert 0 < started <= 4 + WORKER_TASKS < 64
+
+
+def test_a_kernel_without_mount_setattr_falls_back_to_process(monkeypatch):
+    """Linux < 5.12 cannot make the whole filesystem read-only at once: no probe is run,
+    auto says why, namespace is refused."""
+    from leangrpo.sandbox import levels
+
+    monkeypatch.setattr(levels, "_kernel", lambda: (5, 4))
+    monkeypatch.setattr(levels, "_probed", {})
+    plan = plan_for(EnvironmentConfig(tools=["support.environments:add"]), "environment")
+    assert (plan.level, plan.reason) == ("process", "Linux 5.4 predates mount_setattr (5.12)")
+    cfg = EnvironmentConfig(tools=["support.environments:add"], sandbox={"level": "namespace"})
+    with pytest.raises(levels.SandboxError, match=r"cannot start one \(Linux 5.4 predates"):
+        plan_for(cfg, "environment")

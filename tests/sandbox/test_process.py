@@ -93,3 +93,33 @@ def test_a_released_worker_leaves_no_scratch_directory_or_cgroup(level):
     pool.close()
     assert not os.path.exists(scratch)
     assert group is None or not os.path.exists(group)
+
+
+def test_a_sandbox_that_cannot_be_set_up_is_one_init_error_line(tmp_path):
+    """The launcher's own failure (here: the scratch mount point is gone) reaches the
+    trainer as one init_error line and exit code 75, before any user code."""
+    import json
+    import socket
+
+    from leangrpo.sandbox.frames import FrameReader
+    from leangrpo.sandbox.launch import LAUNCH_CODE, SETUP_FAILED
+    from leangrpo.sandbox.levels import SandboxPlan
+
+    require_namespace()
+    plan = SandboxPlan("environment", "namespace")
+    missing = str(tmp_path / "gone")
+    parent, child = socket.socketpair()
+    with parent:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", LAUNCH_CODE, str(child.fileno()),
+             json.dumps(plan.worker_spec(missing, None))],
+            pass_fds=(child.fileno(),), env=plan.environment(str(tmp_path)),
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        child.close()
+        parent.settimeout(30)
+        payloads = FrameReader().feed(parent.recv(1 << 16))
+    assert proc.wait(timeout=30) == SETUP_FAILED, proc.stderr.read()
+    (message,) = [json.loads(p) for p in payloads]
+    assert message == {"t": "init_error", "fn": 0, "msg": (
+        f"the sandbox (namespace) could not be set up: mount tmpfs on {missing}: No such file or directory")}  # fmt: skip
