@@ -38,6 +38,7 @@ class SandboxConfig(Section):
     max_output_bytes: int = Field(
         1 << 20,
         ge=1024,
+        le=1 << 30,
         description="Bytes one call (and the processes it starts) may print to stdout/stderr; past it the call is stopped and fails with a message. The first 64 KiB of each call's output are relayed to the log.",
     )
     scratch_mb: int = Field(

@@ -186,8 +186,9 @@ class LimitedCall:
     def _end_processes(self, keep: bool) -> None:
         if not has_children():
             return
-        if keep:
-            self.started = [p for p in descendants(os.getpid()) if p not in self._before]
+        if keep:  # live ones only: a dead one's pid may be reused by the time it is ended
+            found = descendants(os.getpid())
+            self.started = [p for p in found if p not in self._before and is_live(p)]
         else:
             kill_descendants(os.getpid(), keep=self._before)
         _reap_zombies(self._before)

@@ -28,6 +28,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 
 from leangrpo.sandbox.calls import LimitedCall
@@ -72,6 +73,9 @@ def main() -> None:
             channel.send({"t": "init_error", "fn": 0, "msg": msg})
     except (EOFError, OSError):  # the pool closed, or user code broke the channel
         code = 3
+    except Exception:  # a bug of the worker's own code: its traceback reaches the log
+        traceback.print_exc()
+        code = 1
     kill_descendants(os.getpid())  # what its calls kept (the namespace's end would too)
     os._exit(code)  # no atexit handlers or non-daemon threads of user code to wait for
 
