@@ -21,7 +21,7 @@ from typing import Any
 from leangrpo.rewards.protocol import InitError, Loading, Ready, parse_reply
 from leangrpo.rewards.registry import BUILTIN_NAMES, ResolvedReward, RewardSpecError, parse_specs
 from leangrpo.sandbox.frames import ProtocolError
-from leangrpo.sandbox.levels import SandboxPlan, plan_for
+from leangrpo.sandbox.levels import SandboxPlan, check_level, plan_for
 from leangrpo.sandbox.process import OutputBudget, WorkerGone, WorkerProcess
 
 DEFAULT_STARTUP_TIMEOUT_S = 60.0
@@ -31,10 +31,10 @@ def check_rewards(rewards_cfg: Any) -> list[ResolvedReward]:
     """Check the configured functions before any model loads; returns their specs. The
     sandbox is checked first (a `namespace` this machine cannot start is refused)."""
     specs = parse_specs(rewards_cfg)
-    if specs:
-        plan = plan_for(rewards_cfg, "rewards")
-        if any(s.name not in BUILTIN_NAMES for s in specs):
-            import_check(specs, rewards_cfg, plan)
+    if any(s.name not in BUILTIN_NAMES for s in specs):  # user code: imported in a sandbox
+        import_check(specs, rewards_cfg, plan_for(rewards_cfg, "rewards"))
+    elif specs:
+        check_level(rewards_cfg, "rewards")
     return specs
 
 

@@ -275,3 +275,21 @@ def _last_cap() -> int:
             return int(f.read())
     except (OSError, ValueError):
         return 63
+
+
+def probe() -> None:
+    """The trainer's test of the namespace level (levels.py; argv: the spec JSON): set it
+    up as a worker would, print "ok" or the step that failed, exit 0 or 1. Only this
+    module is imported, so the test costs little more than an interpreter's start."""
+    import json
+
+    spec = json.loads(sys.argv[1])
+    try:
+        enter_namespace(spec, os.open(os.devnull, os.O_RDONLY))
+        confine(spec)
+        limit_tasks(spec)
+    except SetupError as e:
+        print(e, flush=True)
+        os._exit(1)
+    print("ok", flush=True)
+    os._exit(0)

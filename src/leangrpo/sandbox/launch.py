@@ -13,7 +13,6 @@ module then, before any user code:
    names (`init["entry"]`: rewards/worker.py or environments/worker.py).
 
 A set-up failure is sent as one init_error line ("the sandbox could not be set up: ...").
-`probe` is the trainer's test of whether the namespace level can start here (levels.py).
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ from leangrpo.sandbox.output import OutputMeter
 from leangrpo.sandbox.proctree import become_subreaper, kill_descendants
 
 LAUNCH_CODE = "from leangrpo.sandbox.launch import main; main()"
-PROBE_CODE = "from leangrpo.sandbox.launch import probe; probe()"
 SETUP_FAILED = 75  # exit code of a worker whose sandbox could not be set up
 
 
@@ -129,18 +127,3 @@ def _watch_parent() -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="trainer-watch", daemon=True).start()
-
-
-def probe() -> None:
-    """Set up a namespace sandbox as a worker would (argv: the spec JSON), print "ok" or
-    the step that failed, and exit (0 or 1)."""
-    spec = json.loads(sys.argv[1])
-    try:
-        enter_namespace(spec, os.open(os.devnull, os.O_RDONLY))
-        confine(spec)
-        limit_tasks(spec)
-    except SetupError as e:
-        print(e, flush=True)
-        os._exit(1)
-    print("ok", flush=True)
-    os._exit(0)

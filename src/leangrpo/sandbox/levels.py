@@ -2,7 +2,7 @@
 the refusal, the one log line, and what a worker is started with.
 
 `plan_for(section, key)` turns a section's `sandbox` settings (config/sandbox.py) and its
-`memory_limit_mb` into a `SandboxPlan`:
+`memory_limit_mb` into a `SandboxPlan` (`check_level` is preflight's part of it):
 - level `auto` is `namespace` where a probe (a throw-away worker that sets the namespace
   sandbox up and reports, run once per trainer process and network setting) succeeds, else
   `process` with the probe's reason; `namespace` asked for where the probe fails is a
@@ -35,7 +35,6 @@ from typing import Any
 from leangrpo.errors import UserError
 from leangrpo.sandbox.cgroups import pids_hierarchy
 from leangrpo.sandbox.confine import WORKER_TASKS
-from leangrpo.sandbox.launch import PROBE_CODE
 
 ENV_NAMES = (
     "PATH", "LANG", "LANGUAGE", "TZ", "TERM", "LD_LIBRARY_PATH", "SSL_CERT_FILE",
@@ -44,6 +43,7 @@ ENV_NAMES = (
     "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "VIRTUAL_ENV", "CONDA_PREFIX",
 )  # fmt: skip
 ENV_PREFIXES = ("LC_",)
+PROBE_CODE = "from leangrpo.sandbox.confine import probe; probe()"
 PROBE_TIMEOUT_S = 30.0
 _SRC = str(Path(__file__).resolve().parents[2])  # the directory holding the leangrpo package
 _probed: dict[bool, str | None] = {}  # network -> None (namespace works) or the reason
@@ -123,6 +123,14 @@ class SandboxPlan:
         if os.geteuid() == 0:
             return "no process limit (no writable cgroup pids controller)"
         return "no process limit (RLIMIT_NPROC would count every process of this user)"
+
+
+def check_level(section: Any, key: str) -> None:
+    """The start-up check (preflight, before the model loads): a `namespace` level this
+    machine cannot start is refused (SandboxError). `auto` is resolved, with its probe,
+    when the workers start."""
+    if getattr(getattr(section, "sandbox", None), "level", "auto") == "namespace":
+        plan_for(section, key)
 
 
 def plan_for(section: Any, key: str) -> SandboxPlan:
