@@ -6,7 +6,10 @@ possibly cleaning it are the first things that touch the disk):
 
 1. data files: exist, UTF-8, columns, every prompt typed and non-empty (data/prompts.py,
    data/files.py);
-2. reward functions resolve (rewards/registry.py);
+2. reward functions resolve (rewards/registry.py), and so do an environment's names and
+   files (environments/registry.py; it is imported at the trainer's set-up, before the
+   model loads: environments/setup.py); a `namespace` sandbox asked for can start here
+   (sandbox/levels.py);
 3. model files: config.json, weights, safetensors headers, tokenizer (model/files.py),
    a quantized base's needs (bitsandbytes installed, the CPU, vLLM's in-flight
    quantization: model/quantization.py), and the prompt limit that follows from the
@@ -74,6 +77,12 @@ def check_inputs(cfg: Any, warn: bool = True) -> tuple[ModelFiles, PromptLimit |
 
     check_data(cfg.data)
     check_rewards(cfg.rewards)
+    if cfg.environment is not None:  # the names and files; the import is the trainer's set-up
+        from leangrpo.environments.registry import spec_of
+        from leangrpo.sandbox.levels import check_level
+
+        spec_of(cfg.environment)
+        check_level(cfg.environment, "environment")
     model = check_model_files(cfg.model)
     check_quantization_environment(cfg)
     limit = prompt_limit(cfg, model)

@@ -552,7 +552,10 @@ def test_skipped_batches_after_a_checkpoint_are_logged_once_after_a_resume(tmp_p
     reward_file.write_text(OUTAGE_BY_CONTENT.format(seen=str(tmp_path / "seen.json")))
     cfg = tiny_run(
         tmp_path,
-        rewards={"functions": [{"name": "math"}, {"name": f"{reward_file}:outage"}]},
+        # its state must outlive the trainer (a file it writes): only the process sandbox
+        # lets a reward write outside its scratch directory
+        rewards={"functions": [{"name": "math"}, {"name": f"{reward_file}:outage"}],
+                 "sandbox": {"level": "process"}},
         pipeline={"max_consecutive_skipped_batches": 5},
         run={"max_steps": 4},
         loss={"mu": 1},

@@ -176,3 +176,40 @@ class Unrewarding(Environment):
 
     def step(self, turn: ModelTurn) -> StepResult:
         return StepResult(done=True)
+
+
+class ManyCalls(ToolEnvironment):
+    """A tool environment that allows 40 calls per turn (its documented knob)."""
+
+    tools = [nap]
+    max_tool_calls = 40
+
+
+class EndlessCalls(ToolEnvironment):
+    """Declares a number of calls per turn no time budget can hold."""
+
+    max_tool_calls = 10**9
+
+
+class BigReply(Environment):
+    """Replies with 5 MB of text to a turn saying "big", else ends."""
+
+    def step(self, turn: ModelTurn) -> StepResult:
+        if turn.text == "big":
+            return StepResult([{"role": "user", "content": "x" * (5 << 20)}])
+        return StepResult(done=True)
+
+
+class KeepsProcess(Environment):
+    """Starts a helper process at reset (its row's `tag` marks it) that its steps use:
+    `alive` is 1.0 while it runs. Ends at the second turn."""
+
+    def reset(self, messages, row, seed):
+        import subprocess
+
+        self.helper = subprocess.Popen(["sleep", row["tag"]])
+        return None
+
+    def step(self, turn: ModelTurn) -> StepResult:
+        alive = float(self.helper.poll() is None)
+        return StepResult([{"role": "user", "content": "go on"}], turn.index >= 1, metrics={"alive": alive})

@@ -16,6 +16,7 @@ from pydantic import Field, field_validator, model_validator
 
 from leangrpo.config.base import MAX_SEED, MAX_TEMPERATURE, Section
 from leangrpo.config.io import rule_error
+from leangrpo.config.sandbox import SandboxConfig
 
 
 class RunConfig(Section):
@@ -266,15 +267,19 @@ class RewardsConfig(Section):
         description="Seconds a worker may take to import the reward functions (at the start-up check and whenever a worker starts).",
     )
     memory_limit_mb: int | None = Field(
-        None,
+        8192,
         ge=256,
-        description="Address-space limit (RLIMIT_AS, MiB) of each worker and every process it starts; a call that exceeds it fails. Counts virtual memory, not resident, which for a worker running the math reward is already far above what it holds. null = no limit.",
+        description="Address-space limit (RLIMIT_AS, MiB) of each worker and every process it starts; a call that exceeds it fails (counted in reward/memory_failures). Counts virtual memory, not resident, which for a worker running the math reward is already far above what it holds. null = no limit (needed by a reward that uses CUDA, which reserves far more address space).",
     )
     cpu_time_limit_s: float | None = Field(
         None,
         gt=0,
         le=86400,
         description="CPU seconds one call may use (RLIMIT_CPU, whole seconds; processes the call starts inherit at least this much). null = only timeout_s.",
+    )
+    sandbox: SandboxConfig = Field(
+        default_factory=SandboxConfig,
+        description="How the reward workers are confined.",
     )
 
     @field_validator("functions", mode="before")

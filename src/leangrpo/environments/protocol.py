@@ -86,7 +86,8 @@ class Environment:
         tools = {fn.__name__: fn for fn in self.offered_tools()}
         counts = self.__dict__.setdefault("tool_counts", Counter())
         parsed = ParsedTurn(turn.content, turn.calls, turn.parse_errors)
-        return tool_messages(parsed, tools, self.call_tool, counts, self.max_tool_calls)
+        max_chars = getattr(self, "max_tool_result_chars", None)  # environment's setting
+        return tool_messages(parsed, tools, self.call_tool, counts, self.max_tool_calls, max_chars)
 
     def call_tool(self, fn: Callable, arguments: dict[str, Any]) -> Any:
         """Run one tool (the worker runs it under environment.tool_timeout_s)."""

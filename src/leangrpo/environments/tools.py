@@ -148,10 +148,12 @@ def tool_messages(
     call: Callable[[Callable, dict], Any],
     counts: Counter,
     max_calls: int = 16,
+    max_chars: int | None = None,
 ) -> list[dict[str, str]]:
     """One tool message per parse error and per call, in order; `counts` gets
     `tool_calls`, `tool_errors` and the same per tool (`tool_calls/<name>`, ...). Calls
-    beyond `max_calls` in one turn are not run (an error message each)."""
+    beyond `max_calls` in one turn are not run (an error message each); a result longer
+    than `max_chars` is cut, with a marker the model reads, and counted (`tool_truncated`)."""
     out = []
     for error in parsed.errors:
         out.append({"role": "tool", "content": f"error: {error}"})
@@ -171,7 +173,7 @@ def tool_messages(
             text = f"error: unknown tool {c.name!r}; tools: {', '.join(tools) or 'none'}"
         else:
             try:
-                text, failed = _as_text(call(fn, c.arguments)), False
+                text, failed = as_text(call(fn, c.arguments)), False
             except ToolCallFailed as e:  # the worker's limited call: already described
                 text = one_line(f"error: {e}")
             except Exception as e:  # noqa: BLE001  model-written arguments: any failure is a message
@@ -179,11 +181,23 @@ def tool_messages(
         if failed:
             counts["tool_errors"] += 1
             counts[f"tool_errors/{name}"] += 1
+        elif max_chars is not None and len(text) > max_chars:
+            text = truncated(text, max_chars)
+            counts["tool_truncated"] += 1
         out.append({"role": "tool", "name": c.name, "content": text})
     return out
 
 
-def _as_text(value: Any) -> str:
+def truncated(text: str, max_chars: int) -> str:
+    """The first `max_chars` characters of a tool result, and a line saying it was cut."""
+    return (
+        f"{text[:max_chars]}\n[truncated: the tool returned {len(text)} characters; only the "
+        f"first {max_chars} are shown]"
+    )
+
+
+def as_text(value: Any) -> str:
+    """A tool's return as the text of its message (JSON for a dict or list)."""
     if isinstance(value, str):
         return value
     try:
