@@ -21,6 +21,12 @@ certain (those that compile kernels) come late:
 (shared_weights needs vLLM, which the GPU image lacks: it then says so in a second, and
 its time flows to the cases after it; with vLLM, run it alone: --only shared_weights.)
 
+A case also fails when a row it produced holds an `error` (one variant's failure is a
+row, so a stale import would otherwise pass as "ok"; on the device an out-of-memory row is
+a measurement, not a failure), or when no row carries every figure the case exists for
+(`CaseSpec.figures`; a case whose every row says why it was skipped is ok). The dry run
+exits 1 unless every case is ok.
+
 Output, in $OUT (or --out, default runs/gpu_suite): results.jsonl (every row: the DESIGN.md
 benchmark format plus goal/goal_met/note; one `suite` row per case with its status),
 summary.md (the tables printed at the end), suite.log (everything the cases printed).
@@ -60,22 +66,29 @@ class CaseSpec:
     budget_s: float  # cap on the GPU machine
     dry_budget_s: float  # cap in a CPU dry run
     run: object  # Ctx -> iterator of rows
+    figures: tuple[str, ...] = ()  # what the case measures: some row carries all of them
 
 
 STARTUP_S = 20
+GRPO = ("time_s", "planned_total", "loss")
 CASES = [  # cheapest and surest first; cases that compile kernels late, where slack flows
-    CaseSpec("env", 10, 30, sc.env_case),
-    CaseSpec("shared_weights", 15, 60, sc.shared_weights_case),  # vLLM: not on the image
-    CaseSpec("grpo_1.5b", 30, 60, lambda c: sc.grpo_case(c, "qwen2.5-1.5b", "tiny-qwen2", 5, True)),
-    CaseSpec("generation", 35, 60, sc.generation_case),
-    CaseSpec("offload", 45, 60, sc.offload_case),
-    CaseSpec("packing", 35, 60, sc.packing_case),
-    CaseSpec("pytest_gpu", 60, 60, sc.pytest_case),
-    CaseSpec("qlora_1.5b", 40, 40, sc.qlora_case),  # bitsandbytes: carried in .whl/
-    CaseSpec("packing_flex", 45, 30, lambda c: sc.packing_case(c, ("flex",))),
-    CaseSpec("logprobs", 85, 90, sc.logprobs_case),
+    CaseSpec("env", 10, 30, sc.env_case, ("torch", "transformers")),
+    CaseSpec("shared_weights", 15, 60, sc.shared_weights_case, ("time_s",)),  # no vLLM on it
     CaseSpec(
-        "grpo_8b", 100, 60, lambda c: sc.grpo_case(c, "llama-3.1-8b", "tiny-llama", 40, False)
+        "grpo_1.5b", 30, 60, lambda c: sc.grpo_case(c, "qwen2.5-1.5b", "tiny-qwen2", 5, True), GRPO
+    ),
+    CaseSpec("generation", 35, 60, sc.generation_case, ("tokens_per_s",)),
+    CaseSpec("offload", 45, 60, sc.offload_case, ("time_s", "time_ratio", "moved_fraction")),
+    CaseSpec("packing", 35, 60, sc.packing_case, ("time_s", "speedup", "logprob_diff_vs_padded")),
+    CaseSpec("pytest_gpu", 60, 60, sc.pytest_case, ("exit_code", "passed")),
+    CaseSpec(  # bitsandbytes: carried in .whl/
+        "qlora_1.5b", 40, 40, sc.qlora_case, ("time_s", "peak_bytes", "weights_bytes", "mem_ratio")
+    ),
+    # flex compiles its kernels: on the device it yields speedup rows, on CPU padded ones
+    CaseSpec("packing_flex", 45, 30, lambda c: sc.packing_case(c, ("flex",)), ("time_s",)),
+    CaseSpec("logprobs", 85, 90, sc.logprobs_case, ("time_s", "peak_bytes", "mem_ratio")),
+    CaseSpec(
+        "grpo_8b", 100, 60, lambda c: sc.grpo_case(c, "llama-3.1-8b", "tiny-llama", 40, False), GRPO
     ),
 ]
 assert STARTUP_S + sum(c.budget_s for c in CASES) == TOTAL_BUDGET_S
@@ -195,7 +208,24 @@ def run_case(spec: CaseSpec, dry: bool, cap_s: float, start: str, log) -> Outcom
     code = os.waitstatus_to_exitcode(status)
     if code != 0:
         return Outcome(spec.name, "failed", wall, reader.rows, reader.last_err or f"exit {code}")
-    return Outcome(spec.name, "ok", wall, reader.rows)
+    problem = rows_problem(reader.rows, spec.figures, dry)
+    return Outcome(spec.name, "failed" if problem else "ok", wall, reader.rows, problem)
+
+
+def rows_problem(rows: list[dict], figures: tuple[str, ...], dry: bool) -> str:
+    """Why a case whose child exited cleanly failed all the same ("" if it did not): a row
+    holding an error (on the device, an out-of-memory row is a measurement), or no row
+    carrying every figure the case exists for (unless every row says it was skipped)."""
+    for row in rows:
+        error = row.get("error")
+        if error and (dry or "out of memory" not in str(error).lower()):
+            where = "/".join(str(row.get(k)) for k in ("bench", "case", "variant"))
+            return f"row {where} holds an error: {error}"
+    if not figures or (rows and all("skipped" in row for row in rows)):
+        return ""
+    if not any(all(row.get(key) is not None for key in figures) for row in rows):
+        return f"no row carries {', '.join(figures)}, the figures this case measures"
+    return ""
 
 
 class _Reader:
@@ -400,6 +430,8 @@ def main() -> int:
     (out / "summary.md").write_text(text)
     print("\n" + text)
     print(f"total {time.time() - t0:.1f} s of {budget:.0f}; files in {out}")
+    if args.dry_run and any(o.status != "ok" for o in outcomes):  # CI: a broken benchmark fails
+        return 1
     return 0
 
 

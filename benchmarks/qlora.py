@@ -2,9 +2,9 @@
 
     python benchmarks/qlora.py [--quick] [--device cpu|cuda]
 
-The step is the trainer's: `step.plan_steps` -> `step.attach_old_and_ref` (the old-log-prob
-pass, mu 2, and the reference pass, beta 0.04: adapters off on the same base) ->
-`step.train_step` (forward, backward, AdamW), on prompt groups of exactly the case's
+The step is the trainer's: `planning.plan_steps` -> `passes.attach_old_and_ref` (the
+old-log-prob pass, mu 2, and the reference pass, beta 0.04: adapters off on the same base)
+-> `step.train_step` (forward, backward, AdamW), on prompt groups of exactly the case's
 lengths (random tokens), with gradient checkpointing on (the weights are then a visible
 share of the step). The policy is loaded from disk as the trainer loads it
 (`model.load_policy`: quantized by bitsandbytes as it loads, for the nf4 variant).
@@ -150,8 +150,9 @@ def run_variant(model_dir: Path, case: str, variant: Variant, device: torch.devi
     from support.memory_probe import LiveBytes
 
     from leangrpo.model.policy import load_policy
-    from leangrpo.train.loss import LossConfig
-    from leangrpo.train.step import attach_old_and_ref, plan_steps, train_step
+    from leangrpo.train.passes import attach_old_and_ref
+    from leangrpo.train.planning import plan_steps
+    from leangrpo.train.step import train_step
 
     cuda = device.type == "cuda"
     cfg = step_config(model_dir, case, variant, device.type)
@@ -162,12 +163,12 @@ def run_variant(model_dir: Path, case: str, variant: Variant, device: torch.devi
     out = {"load_s": round(time.perf_counter() - start, 2), "weights_bytes": held_bytes(policy.model),
            "rss_loaded_bytes": rss_bytes(), "load_hwm_bytes": vm_hwm_bytes()}  # fmt: skip
     samples = samples_for(case, policy.model.get_input_embeddings().num_embeddings)
-    sampling, loss_cfg = cfg.rollout.sampling_params(), LossConfig.from_config(cfg.loss)
+    sampling = cfg.rollout.sampling_params()
 
     def step():
         steps = plan_steps(samples, cfg, policy)
-        attach_old_and_ref(policy, steps, cfg, sampling)
-        return train_step(policy, steps[0].micro_batches, optimizer, cfg, sampling, loss_cfg), steps
+        attach_old_and_ref(policy, steps, cfg.loss, cfg.logprobs, sampling)
+        return train_step(policy, steps[0].micro_batches, optimizer, cfg, sampling), steps
 
     if cuda:
         torch.cuda.synchronize()

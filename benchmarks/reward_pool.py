@@ -84,7 +84,10 @@ def main() -> None:
         for workers in (1, 2):
             with RewardPool(rewards_cfg(functions, workers)) as pool:
                 pool.score(make_samples(args.samples))  # start-up and first-call costs
-                procs = [psutil.Process(w.proc.pid) for w in pool._workers]
+                procs = []  # each worker's tree: a namespace worker runs under its launcher
+                for w in pool._workers:
+                    launcher = psutil.Process(w.proc.pid)
+                    procs += [launcher, *launcher.children(recursive=True)]
                 times = []
                 cpu0 = _cpu(procs)
                 for c in range(calls):

@@ -12,7 +12,8 @@ variant the median over runs, with min and max (the spread, on a shared machine)
 `ratio` = this / baseline per phase. One JSON object per line; `--out FILE` appends them.
 
 Cases: `demo` (examples/demo.yaml as shipped, eval every 10 steps, a checkpoint every
-10); `padding` (padding-heavy: a random 4-layer Llama on the demo's 32-token vocabulary,
+10); `tools_demo` (examples/tools_demo.yaml, the multi-turn tool demo, the same
+schedule); `padding` (padding-heavy: a random 4-layer Llama on the demo's 32-token vocabulary,
 every second prompt carries a ~180-token prefix of solved problems, 64 new tokens whose
 lengths vary (EOS has p ~ 1/32 a step), a length reward; 8 prompts x 8).
 """
@@ -49,6 +50,8 @@ def case_overrides(case: str, workdir: Path, steps: int) -> tuple[str, list[str]
     ]
     if case == "demo":
         return str(ROOT / "examples/demo.yaml"), common
+    if case == "tools_demo":  # multi-turn: the calculator in an environment worker
+        return str(ROOT / "examples/tools_demo.yaml"), common
     if case == "padding":
         model, train, evals = padding_case(workdir)
         return str(ROOT / "examples/demo.yaml"), [
@@ -62,7 +65,7 @@ def case_overrides(case: str, workdir: Path, steps: int) -> tuple[str, list[str]
             "train.learning_rate=1e-3",
             'rewards.functions=[{"name": "length", "kwargs": {"target": 24, "tolerance": 4}}]',
         ]
-    raise SystemExit(f"unknown case {case!r}: demo or padding")
+    raise SystemExit(f"unknown case {case!r}: demo, tools_demo or padding")
 
 
 def padding_case(workdir: Path) -> tuple[Path, Path, Path]:

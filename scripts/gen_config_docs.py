@@ -34,6 +34,13 @@ line with `--set section.key=value` (the value is parsed as YAML, so `1e-5`, `tr
 with one sentence naming the key. `model.name_or_path`, one of `data.path` /
 `data.dataset`, and `rewards.functions` are required.
 
+Relative paths in a config (`model.name_or_path`, `data.path`, `data.eval_path`,
+`path/to/file.py:name` rewards, tools, environments and parsers, a template file,
+`run.output_dir`) resolve against the current directory `leangrpo` runs in, not the
+config file's folder: the bundled examples are run from the repository root. A `.py` file
+named this way is imported in its worker process with its own folder first on the import
+path (as `python path/to/file.py` would have it), so it can import a module beside it.
+
 ```yaml
 model: {name_or_path: Qwen/Qwen2.5-0.5B-Instruct}
 data: {path: prompts.jsonl, chat_template: true}

@@ -10,15 +10,19 @@ Rules a-e, over every module under src/leangrpo:
   vLLM's worker extension) name a module or a name their module defines.
 - b (facades): outside a facade package its facade names come from the facade; inside it,
   from their defining modules; `__all__`, the `TYPE_CHECKING` imports and `_HOMES` agree.
-- c (cycles): no import cycle through module-level imports (function-level and
-  `TYPE_CHECKING` imports are left out; importing a package runs its `__init__` first, and
-  `from facade import name` imports the name's module right then).
+- c (cycles): no import cycle through module-level imports, and none through
+  function-level imports either (a deferred import is still a dependency: two modules
+  that need each other belong in one role, or one name moves to the module that owns
+  it); `TYPE_CHECKING` imports are left out; importing a package runs its `__init__`
+  first, and `from facade import name` imports the name's module right then.
 - d (re-export lines): no module-level import marked `noqa: F401`, no `__all__` entry that
   the module imports rather than defines.
 - e (prefixed siblings): no `x_y.py` next to `x.py` or `x_z.py` (the before-stop hook's
   check) or the package `x/`: a role that outgrew one module becomes a package.
 - f (paths in prose): every `dir/x.py`, `x.py` and `leangrpo.a.b` written in README, docs,
   benchmarks, scripts, examples and the sources exists, so moves leave no stale pointer.
+- g (one code path): the trainer and the step never ask a context whether the run is
+  distributed (`ctx.distributed`); what differs is behind the `Strategy`.
 
 Each rule is a function from the parsed tree to failure lines ("path:line: what; fix"),
 run on the repository and, on small trees written to tmp_path, shown to fail.
@@ -476,10 +480,16 @@ def check_cycles(modules: Modules) -> list[str]:
     ]
 
 
-def function_level_cycles(modules: Modules) -> list[str]:
-    """Cycles that appear once function-level imports count too (reported, not a rule)."""
+def check_function_level_cycles(modules: Modules) -> list[str]:
+    """No cycle either once function-level imports count too (a deferred import hides a
+    cycle from import time, not from the design)."""
     graph = import_graph(modules, ["module", "function"])
-    return [describe_cycle(modules, graph, path) for path in cycles(graph)]
+    return [
+        f"import cycle {' -> '.join(path)} through a function-level import: "
+        f"{describe_cycle(modules, graph, path)}; move the name one of them needs to the "
+        "module that owns it"
+        for path in cycles(graph)
+    ]
 
 
 # ---------------------------------------------------------------- rules d and e
@@ -625,6 +635,28 @@ def _resolves(modules: Modules, dotted: str) -> bool:
     return False
 
 
+# ---------------------------------------------------------------- rule g: one code path
+
+ONE_CODE_PATH = ["leangrpo/train/trainer.py", "leangrpo/train/step.py"]
+
+
+def distributed_branches(src: Path, rels: Iterable[str]) -> list[str]:
+    """Reads of a context's `distributed` flag (`ctx.distributed`, `self.ctx.distributed`)."""
+    failures = []
+    for rel in rels:
+        for node in ast.walk(ast.parse((src / rel).read_text())):
+            if not (isinstance(node, ast.Attribute) and node.attr == "distributed"):
+                continue
+            owner = node.value
+            name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+            if name == "ctx":
+                failures.append(
+                    f"{rel}:{node.lineno}: reads ctx.distributed; put what differs between one "
+                    "process and torchrun behind the Strategy (contracts.Strategy)"
+                )
+    return failures
+
+
 # ---------------------------------------------------------------- the repository
 
 
@@ -653,6 +685,10 @@ def test_no_module_level_import_cycle(modules):
     assert not (failures := check_cycles(modules)), _report(failures)
 
 
+def test_no_import_cycle_through_function_level_imports(modules):
+    assert not (failures := check_function_level_cycles(modules)), _report(failures)
+
+
 # Found in the packages the other issue-19 worktree restructures (wt/train: checkpoint/);
 # the coordinator empties this set when merging it. An entry that no longer fails fails.
 def test_no_reexport_lines(modules):
@@ -661,6 +697,10 @@ def test_no_reexport_lines(modules):
 
 def test_no_prefixed_sibling_modules():
     assert not (failures := check_prefixed_siblings(SRC)), _report(failures)
+
+
+def test_the_trainer_has_one_code_path_for_one_process_and_torchrun():
+    assert not (failures := distributed_branches(SRC, ONE_CODE_PATH)), _report(failures)
 
 
 def test_paths_written_in_docs_and_docstrings_exist(modules):
@@ -762,17 +802,30 @@ def test_facade_rule_wants_every_name_placed_consistently(tree):
     assert check_facades(mods) == []
 
 
-def test_cycle_rule_counts_module_level_imports_only(tree):
+def test_cycle_rules_see_module_and_function_level_imports(tree):
     mods = tree(
         {
             "pkg/a.py": "from pkg.b import g\n\n\ndef f(): ...\n",
             "pkg/b.py": "def g():\n    from pkg.a import f\n",
             "pkg/c.py": "import typing\nif typing.TYPE_CHECKING:\n    from pkg.a import f\n",
+            "pkg/d.py": "def h():\n    import pkg.e\n",
+            "pkg/e.py": "class E:\n    def m(self):\n        from pkg.d import h\n",
         }
     )
-    assert check_cycles(mods) == []
-    assert function_level_cycles(mods) == [
-        "pkg/a.py:1 (module) imports pkg.b -> pkg/b.py:2 (function) imports pkg.a"
+    assert check_cycles(mods) == []  # deferred imports do not run at import time
+    assert check_function_level_cycles(mods) == [
+        "import cycle pkg.a -> pkg.b -> pkg.a through a function-level import: pkg/a.py:1 "
+        "(module) imports pkg.b -> pkg/b.py:2 (function) imports pkg.a; move the name one of "
+        "them needs to the module that owns it",
+        "import cycle pkg.d -> pkg.e -> pkg.d through a function-level import: pkg/d.py:2 "
+        "(function) imports pkg.e -> pkg/e.py:3 (function) imports pkg.d; move the name one "
+        "of them needs to the module that owns it",
+    ]
+    # a function-level import answered by a TYPE_CHECKING import is no cycle
+    mods = tree({"pkg/b.py": "def g():\n    from pkg.c import x\n", "pkg/c.py": "import typing\n"
+                 "if typing.TYPE_CHECKING:\n    from pkg.b import g\nx = 1\n"})  # fmt: skip
+    assert [line.split(":")[0] for line in check_function_level_cycles(mods)] == [
+        "import cycle pkg.d -> pkg.e -> pkg.d through a function-level import"
     ]
     mods = tree({"pkg/b.py": "import pkg.a\n\n\nclass G:\n    from pkg.c import f\n"})
     assert check_cycles(mods) == [
@@ -815,6 +868,16 @@ def test_reexport_rule(tree):
         "pkg/c.py:3: `__all__` lists X, which pkg.c imports (a re-export); drop it, importers "
         "take it from its defining module",
     ]
+
+
+def test_one_code_path_rule(tmp_path):
+    (tmp_path / "t.py").write_text(
+        "def f(self, ctx, cfg):\n    init(cfg.distributed)\n    if ctx.distributed:\n"
+        "        pass\n    return self.ctx.distributed and self.cfg.distributed\n"
+    )
+    assert [line.split(": ")[0] for line in distributed_branches(tmp_path, ["t.py"])] == [
+        "t.py:3", "t.py:5"
+    ]  # fmt: skip
 
 
 def test_prefixed_sibling_rule(tmp_path):

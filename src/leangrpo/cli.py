@@ -1,10 +1,14 @@
-"""`leangrpo train | plan | report | serve`: thin entry points, heavy imports deferred.
+"""`leangrpo train | plan | report | merge | serve`: thin entry points, heavy imports deferred.
 
 Errors that are the user's to fix (config, data, reward functions, model files, the run
 directory) print one sentence and exit with status 2; everything else keeps its
 traceback. `train` runs every cheap check (preflight.py) before it imports the trainer, so
-torch is never imported for a run that cannot start; a finished run prints one line and
-exits 0. A run stopped by SIGTERM or Ctrl-C once training has begun saves a checkpoint at
+torch is never imported for a run that cannot start; a run already finished prints one
+line and exits 0. Then it starts the reward and environment workers (prestart.py) and
+imports the trainer, saying what it does as it goes; a run that ends prints a short
+summary (metrics/report.py `run_summary`) and exits without the interpreter's teardown of
+torch (every file is closed by then). Output cut short by its reader (`plan ... | head`)
+ends quietly (exit 141). A run stopped by SIGTERM or Ctrl-C once training has begun saves a checkpoint at
 the step it reached, prints one line and exits 128 + the signal (143, 130; stopping.py).
 
 Under torchrun (WORLD_SIZE > 1) every rank runs the input checks first (no torch), then
@@ -19,8 +23,11 @@ import argparse
 import logging
 import os
 import sys
+import time
 
 from leangrpo.stopping import RunStopped  # no torch: stdlib only
+
+STARTED = time.monotonic()  # the summary's time counts from the command's start
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,9 +69,19 @@ def _parser() -> argparse.ArgumentParser:
                 help="torchrun ranks, sharded with FSDP (default: $WORLD_SIZE, else 1)",
             )
     rep = sub.add_parser(
-        "report", help="summarise a run directory (and plot it if matplotlib is installed)"
+        "report",
+        help="summarise a run directory, and draw its dashboard",
+        description="Print first / last / min / max of a run's key metrics (from RUN_DIR/metrics.jsonl) and, when matplotlib is installed, write its dashboard into the run directory: RUN_DIR/report.png (the curves by step) and RUN_DIR/report.html (the picture and the table).",
     )
-    rep.add_argument("run_dir")
+    rep.add_argument("run_dir", metavar="RUN_DIR", help="a run's output directory (run.output_dir)")
+    text = (
+        "merge a LoRA run's adapter into its base: a full model directory a new run can start from"
+    )
+    merge = sub.add_parser("merge", help=text, description=text)
+    merge.add_argument(
+        "source", help="the run directory (its final/ is used) or an adapter directory"
+    )
+    merge.add_argument("out", help="the merged model's directory (must not exist)")
     sub.add_parser(
         "serve", help="start a vLLM server with leangrpo's weight-sync extension", add_help=False
     )
@@ -88,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("leangrpo: interrupted; the last complete checkpoint is intact", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `leangrpo plan ... | head`: the reader has what it wanted
+        _silence_stdout()
+        return 141  # 128 + SIGPIPE, as a shell tool killed by it
     except Exception as exc:  # user errors: one sentence, no traceback
         if _is_user_error(exc):
             if not getattr(exc, "shown_by_rank_0", False):  # torchrun: one copy of rank 0's
@@ -97,6 +117,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"leangrpo: error: {exc}", file=sys.stderr, flush=True)
             _exit_now(1)
         raise
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's final flush meets no closed pipe."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _exit_now(code: int) -> None:
@@ -112,17 +139,44 @@ def _dispatch(args) -> int:
     if args.command == "train":
         return _train(args)
     if args.command == "plan":
-        from leangrpo.config import load_config
-        from leangrpo.planner.plan import plan_memory, render_plan, world_size_from_env
-
-        cfg = load_config(args.config, args.overrides)
-        world = args.world_size or world_size_from_env()
-        given = dict(tokens=args.tokens, prompt_tokens=args.prompt_tokens, world_size=world)
-        print(render_plan(plan_memory(cfg, **given), cfg, **given))
-        return 0
+        return _plan(args)
+    if args.command == "merge":
+        return _merge(args)
     from leangrpo.metrics.report import report
 
-    print(report(args.run_dir))
+    _print(report(args.run_dir))
+    return 0
+
+
+def _plan(args) -> int:
+    from leangrpo.config import load_config
+    from leangrpo.planner.plan import (
+        plan_memory,
+        planned_prompt_tokens,
+        render_plan,
+        world_size_from_env,
+    )
+
+    cfg = load_config(args.config, args.overrides)
+    world = args.world_size or world_size_from_env()
+    prompt, source = planned_prompt_tokens(cfg, args.prompt_tokens)
+    given = dict(tokens=args.tokens, prompt_tokens=prompt, world_size=world)
+    _print(render_plan(plan_memory(cfg, **given), cfg, **given, prompt_source=source))
+    return 0
+
+
+def _print(text: str) -> None:
+    """Print and flush now, so a reader that stops early (`| head`) is met in main()."""
+    print(text, flush=True)
+
+
+def _merge(args) -> int:
+    from leangrpo.model.files import check_merge
+
+    check_merge(args.source, args.out)  # before torch is imported
+    from leangrpo.model import merge_adapter
+
+    print(f"leangrpo: merged model written to {merge_adapter(args.source, args.out)}")
     return 0
 
 
@@ -138,10 +192,20 @@ def _train(args) -> int:
         checked.release()
         print(f"leangrpo: {checked.finished_message()}")
         return 0
-    from leangrpo.train import train
+    from leangrpo.prestart import Prestarted
 
-    final = train(cfg, checked)
-    print({k: round(v, 4) for k, v in final.items()})
+    prestarted = None
+    try:
+        prestarted = Prestarted(cfg)  # their imports overlap ours (torch, transformers)
+        logging.getLogger("leangrpo").info("loading torch ...")
+        from leangrpo.train import train
+
+        train(cfg, checked, prestarted=prestarted)
+    finally:
+        if prestarted is not None:
+            prestarted.close()
+    _print_summary(cfg)
+    _exit_now(0)  # every file is closed: skip tearing torch down (seconds on a busy machine)
     return 0
 
 
@@ -171,14 +235,20 @@ def _train_ranks(cfg) -> int:
     from leangrpo.train import train
 
     try:
-        final = train(cfg, checked, ctx)
+        train(cfg, checked, ctx)
     except RunStopped:  # every rank stopped at the same step and saved it
         ctx.shutdown()
         raise
     ctx.shutdown()
     if ctx.is_main:
-        print({k: round(v, 4) for k, v in final.items()})
+        _print_summary(cfg)
     return 0
+
+
+def _print_summary(cfg) -> None:
+    from leangrpo.metrics.report import run_summary
+
+    _print(run_summary(cfg.run.output_dir, time.monotonic() - STARTED))
 
 
 def _is_distributed_error(exc: Exception) -> bool:

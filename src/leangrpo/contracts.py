@@ -72,7 +72,7 @@ class Trajectory:
     messages: list[dict[str, Any]]
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # {"name", "arguments"}
     rewards: dict[str, float] = field(default_factory=dict)  # the environment's, summed
-    metrics: dict[str, float] = field(default_factory=dict)  # the environment's, logged only
+    metrics: dict[str, float] = field(default_factory=dict)  # the environment's: mean of its reports
     stats: dict[str, float] = field(default_factory=dict)  # counts and seconds (metrics)
     error: str | None = None  # the environment failed: the trajectory ended, unscored
     # the prompt the trajectory starts from: the environment's start messages rendered
@@ -477,6 +477,9 @@ class Strategy:
     device: Any  # the torch.device the policy trains on
     reference_on_meta: bool  # full fine-tuning's reference starts on the meta device
     abandon_waits: bool  # a stop signal may cut short the wait for a batch
+    # this process makes rollouts (engines, environment workers): one process always;
+    # torchrun every rank with the hf engine, rank 0 alone with vLLM
+    generates: bool
     ranks: StepRanks
     checkpointer: Checkpointer
     logger: Callable[..., MetricsLog]  # takes MetricsLogger's arguments

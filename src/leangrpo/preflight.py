@@ -8,11 +8,14 @@ possibly cleaning it are the first things that touch the disk):
    data/files.py);
 2. reward functions resolve (rewards/registry.py), and so do an environment's names and
    files (environments/registry.py; it is imported at the trainer's set-up, before the
-   model loads: environments/setup.py);
+   model loads: environments/setup.py); a `namespace` sandbox asked for can start here
+   (sandbox/levels.py);
 3. model files: config.json, weights, safetensors headers, tokenizer (model/files.py),
    a quantized base's needs (bitsandbytes installed, the CPU, vLLM's in-flight
    quantization: model/quantization.py), and the prompt limit that follows from the
-   model's context;
+   model's context; then an environment section's checks (environments/check.py: names,
+   template, the environment and its tools imported in a worker, rewards that could only
+   be 0, and with the tokenizer's record the template and the prompts' first turns);
 4. the metrics backends are installed; options that do nothing in the chosen mode are
    listed in one warning;
 5. the run directory is locked and classified: resume, finished, or a clean start
@@ -76,11 +79,17 @@ def check_inputs(cfg: Any, warn: bool = True) -> tuple[ModelFiles, PromptLimit |
     check_rewards(cfg.rewards)
     if cfg.environment is not None:  # the names and files; the import is the trainer's set-up
         from leangrpo.environments.registry import spec_of
+        from leangrpo.sandbox.levels import check_level
 
         spec_of(cfg.environment)
+        check_level(cfg.environment, "environment")
     model = check_model_files(cfg.model)
     check_quantization_environment(cfg)
     limit = prompt_limit(cfg, model)
+    if cfg.environment is not None:  # environment, tools, template, first turns (< 2 s)
+        from leangrpo.environments.check import check_environment
+
+        check_environment(cfg, model.directory, limit)
     check_backends(list(cfg.logging.backends))
     check_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     ignored = ignored_options(cfg)

@@ -140,6 +140,56 @@ def test_driver_caps_a_slow_case_and_goes_on_after_a_failure(tmp_path):
     assert outcomes[1].message == "ValueError: the one line"
 
 
+def test_a_case_whose_rows_hold_an_error_or_lack_its_figures_fails(tmp_path):
+    """t2_bench_qlora.py: benchmarks/qlora.py failed every variant (a stale import, each
+    failure a row with an error) and the suite called the case ok. A row with an error
+    fails its case (on the device, an out-of-memory row is a measurement), and so does a
+    case none of whose rows carries the figures it exists for, unless it says it skipped."""
+    import gpu_suite
+
+    def rows(*made):
+        return lambda ctx: iter(made)
+
+    measured = {"bench": "t", "case": "c", "variant": "v", "time_s": 1.0, "peak_bytes": 2}
+    failed = {**measured, "time_s": None, "peak_bytes": None, "error": "ImportError: gone"}
+    oom = {**failed, "error": "CUDA out of memory"}
+    skipped = {"bench": "t", "case": "c", "variant": "v", "skipped": "needs CUDA"}
+    figures = ("time_s", "peak_bytes")
+    cases = [  # name, rows, dry, expected status
+        ("measured", rows(measured, failed | {"error": None}), True, "ok"),
+        ("an_error", rows(measured, failed), True, "failed"),
+        ("oom_dry", rows(measured, oom), True, "failed"),
+        ("no_figures", rows({**measured, "peak_bytes": None}), True, "failed"),
+        ("all_skipped", rows(skipped), True, "ok"),
+        ("nothing", rows(), True, "failed"),
+    ]
+    with open(tmp_path / "log", "w") as log:
+        outcomes = {
+            name: gpu_suite.run_case(
+                gpu_suite.CaseSpec(name, 5, 5, fn, figures), dry, 30, "fork", log
+            )
+            for name, fn, dry, _ in cases
+        }
+    assert {n: o.status for n, o in outcomes.items()} == {n: want for n, _, _, want in cases}
+    assert outcomes["an_error"].message == "row t/c/v holds an error: ImportError: gone"
+    assert outcomes["no_figures"].message == (
+        "no row carries time_s, peak_bytes, the figures this case measures"
+    )
+    assert gpu_suite.rows_problem([measured, oom], figures, dry=False) == ""  # on the device
+
+
+def test_the_qlora_benchmark_measures_both_variants_on_the_dry_path():
+    """benchmarks/qlora.py itself, as the suite's dry run calls it (tiny model, CPU)."""
+    import qlora
+
+    rows = list(qlora.case_rows(torch.device("cpu"), dry=True))
+    assert [r["variant"] for r in rows] == ["fp32_lora", "nf4_qlora"]
+    assert not any(r.get("error") for r in rows), rows
+    for key in ("time_s", "peak_bytes", "weights_bytes", "live_peak_bytes"):
+        assert all(r[key] for r in rows), key
+    assert rows[1]["weights_ratio"] < 1 and rows[1]["mem_ratio"] > 0
+
+
 def test_fetched_wheels_cover_what_pydantic_requires():
     """scripts/fetch_gpu_wheels.sh names every runtime requirement of pydantic, pinned."""
     script = (ROOT / "scripts" / "fetch_gpu_wheels.sh").read_text()
@@ -173,7 +223,10 @@ def test_spawned_children_run_the_same_cases(tmp_path):
 
 @pytest.mark.slow
 def test_dry_run_end_to_end(tmp_path):
-    """`gpu_suite.sh --dry-run`: every case ok, rows of every benchmark, the summary written."""
+    """`gpu_suite.sh --dry-run`: every case ok, rows of every benchmark, no row holding an
+    error, every case's rows carrying the figures it exists for, the summary written."""
+    import gpu_suite
+
     env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(SRC)}
     out = subprocess.run(
         ["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), "--dry-run", "--out", str(tmp_path)],
@@ -200,6 +253,19 @@ def test_dry_run_end_to_end(tmp_path):
     }
     for r in rows:  # the DESIGN.md row format
         assert {"bench", "case", "variant"} <= r.keys()
+    specs = {c.name: c for c in gpu_suite.CASES}
+    case_rows: list[dict] = []
+    for r in rows:  # each case's rows come before its `suite` row
+        if r["bench"] != "suite":
+            case_rows.append(r)
+            continue
+        figures, made, case_rows = specs[r["case"]].figures, case_rows, []
+        assert figures and not any(row.get("error") for row in made), (r["case"], made)
+        if all("skipped" in row for row in made):  # e.g. shared_weights without vLLM
+            assert made, r["case"]
+            continue
+        carried = [row for row in made if all(row.get(k) is not None for k in figures)]
+        assert carried, f"{r['case']}: no row carries {figures}"
     cuda_only = [r for r in rows if "needs CUDA" in str(r.get("skipped", ""))]
     assert cuda_only  # GPU-only variants say so instead of vanishing
     assert "| grpo_8b | ok |" in (tmp_path / "summary.md").read_text()

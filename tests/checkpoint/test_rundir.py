@@ -245,3 +245,41 @@ def test_config_changes_walks_sections_and_compares_lists_whole() -> None:
     ]
     saved = yaml.safe_load(make_cfg(Path("x")).to_yaml())
     assert config_changes(saved, make_cfg(Path("x")).model_dump(mode="json")) == []
+
+
+@pytest.mark.parametrize("kind", ["full", "lora", "qlora"])
+def test_the_schedule_extension_refusal_advises_what_works_for_the_kind_of_run(tmp_path, kind):
+    """b11_schedule_message.py: a LoRA run was told to start a new run from final/ as
+    model.name_or_path, where an adapter is no model (refused). Full fine-tuning: final/
+    as it is; LoRA and QLoRA: `leangrpo merge` first (tests/integration/test_trainer.py
+    follows that advice); a run without final/ is told to write it first."""
+
+    def cfg(max_steps):
+        model = {"name_or_path": "tiny", "quantization": "nf4" if kind == "qlora" else "none"}
+        return config_from_dict(
+            {
+                "run": {"output_dir": str(out), "max_steps": max_steps},
+                "model": model,
+                "lora": {"enabled": kind != "full"},
+                "data": {"path": "p.jsonl"},
+                "rewards": {"functions": ["math"]},
+                "train": {"lr_scheduler": "linear"},
+            }
+        )
+
+    out = tmp_path / "run"
+    fake_checkpoint(out, 4, cfg(4))
+    (out / "final").mkdir()
+    message = refused(cfg(6))
+    assert "past the end of this run's linear learning-rate schedule (4 steps" in message
+    if kind == "full":
+        assert f"start a new run from {str(out / 'final')!r} (model.name_or_path)" in message
+        assert "merge" not in message
+    else:
+        merged = f"{out}-merged"
+        assert f"`leangrpo merge {out} {merged}` and start a new run from {merged!r}" in message
+        assert str(out / "final") not in message
+        assert ("quantizes it again" in message) == (kind == "qlora")
+    (out / "final").rmdir()
+    first = "write its final model first (run.max_steps: 4 with checkpoint.save_final_model: true)"
+    assert first in refused(cfg(6))

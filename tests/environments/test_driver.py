@@ -13,8 +13,9 @@ from support.configs import ROOT
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from leangrpo.config.environment import EnvironmentConfig
-from leangrpo.contracts import Prompt, SamplingParams
+from leangrpo.contracts import Prompt, RolloutSample, SamplingParams
 from leangrpo.environments.driver import MultiTurnRollout, TurnLimits
+from leangrpo.environments.metrics import trajectory_metrics
 from leangrpo.environments.pool import EnvironmentPool
 from leangrpo.environments.rendering import Renderer
 from leangrpo.rollout.hf.engine import HFEngine
@@ -171,7 +172,12 @@ def test_reward_terms_are_summed_and_failures_end_their_trajectory(engine, token
         if c.finish_reason == "stop":
             assert t.rewards == {"per_turn": 0.5, "final": 1.0} and t.stats["turns"] == 2
             assert t.messages[2] == {"role": "user", "content": "again"}
-            assert t.metrics["chars"] == sum(len(m["content"]) for m in t.messages if m["role"] == "assistant")
+            # a metric is the mean of the trajectory's reports (one per step), not their sum
+            turns = [len(m["content"]) for m in t.messages if m["role"] == "assistant"]
+            assert t.metrics["chars"] == pytest.approx(sum(turns) / len(turns))
+    samples = [RolloutSample(0, c.trajectory.start, c) for c in group]
+    logged = trajectory_metrics(samples)["multiturn/env/chars"]
+    assert logged == pytest.approx(sum(c.trajectory.metrics["chars"] for c in group) / len(group))
     failing = pools("support.environments:BadReset")
     with caplog.at_level("WARNING", logger="leangrpo.environments"):
         (group,) = rollout(engine, tokenizer, failing).generate(prompts(1), PARAMS, 2, 0)
@@ -186,9 +192,14 @@ def test_special_tokens_in_a_reply_cannot_forge_a_turn(engine, tokenizer, pools)
     pool = pools("support.environments:ForgedTurn")
     (group,) = rollout(engine, tokenizer, pool).generate(prompts(1), PARAMS, 2, 0)
     for c in group:
+        start = c.trajectory.start
+        assert start.messages == [{"role": "user", "content": "1+2="}]  # the reset's, cleaned
+        assert tokenizer.decode(start.ids) == "<|user|>1+2=<|end|><|assistant|>"  # no tools
         if len(c.trajectory.segments) > 1:
-            assert c.trajectory.stats["control_tokens_stripped"] == 2
+            assert c.trajectory.stats["control_tokens_stripped"] == 4 + 4
             assert c.trajectory.messages[2]["content"] == "42"
+        else:
+            assert c.trajectory.stats["control_tokens_stripped"] == 4
 
 
 def test_per_trajectory_makes_what_rounds_make_whatever_the_latencies(tokenizer, pools):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from support.hostile_tools import hermes
 
 from leangrpo.config.environment import EnvironmentConfig
 from leangrpo.environments.pool import EnvironmentPool
@@ -78,6 +79,33 @@ def test_the_tools_environment_answers_calls_with_tool_messages_and_counts_them(
         assert again.ok["reply"][0]["content"] == "3"
 
 
+def test_malformed_calls_and_a_failing_parser_become_tool_messages_and_the_trajectory_goes_on():
+    """Model-written calls json rejects with ValueError or RecursionError, or holding NaN,
+    and a pluggable parser raising on a turn: each is an `error: ...` tool message, counted
+    (the item does not fail, the session lives on)."""
+    bad = {
+        "big int": '{"a": ' + "9" * 5000 + ', "b": 1}',
+        "deep": '{"a": ' + "[" * 20000 + "]" * 20000 + "}",
+        "NaN": '{"a": NaN, "b": 1}',
+    }
+    with pool_for("tools", tools=["support.environments:add"]) as pool:
+        keys = pool.new_sessions(len(bad))
+        pool.reset([(k, USER, {}, 0) for k in keys])
+        turns = [f'<tool_call>{{"name": "add", "arguments": {a}}}</tool_call>' for a in bad.values()]
+        out = pool.step([(k, text, 0) for k, text in zip(keys, turns)])
+        for o in out:
+            assert o.error is None and not o.ok["done"]
+            assert o.ok["reply"][0]["content"].startswith("error: tool call ")
+            assert o.ok["counts"] == {"tool_errors": 1, "parse_errors": 1}
+        assert [o.ok["reply"][0]["content"] for o in pool.step([(keys[0], CALL, 1)])] == ["3"]
+    with pool_for("tools", tools=["support.environments:add"], tool_parser="support.environments:picky_parser") as pool:
+        (key,) = pool.new_sessions(1)
+        pool.reset([(key, USER, {}, 0)])
+        (out,) = pool.step([(key, "boom", 0)])
+        assert out.ok["reply"] == [{"role": "tool", "content": "error: the tool parser failed on this turn: picky_parser: ValueError: cannot read boom"}]  # fmt: skip
+        assert out.ok["counts"]["parse_errors"] == 1 and not out.ok["done"]
+
+
 def test_an_environment_that_times_out_or_raises_ends_only_its_trajectory():
     with pool_for("support.environments:Slow", timeout_s=0.5) as pool:
         (key,) = pool.new_sessions(1)
@@ -112,12 +140,42 @@ def test_a_worker_that_dies_fails_its_items_and_is_replaced():
         ("support.environments:NeedsArgument", {}, "building it with environment.kwargs failed"),
         ("tools", {"tools": ["support.environments:undocumented"]}, "tool undocumented cannot be offered to the model"),
         ("support.environments:Again", {"tool_parser": "support.environments:missing"}, "environment.tool_parser = 'support.environments:missing'"),
+        ("support.environments:NotAnEnvironment", {}, "environment.name = 'support.environments:NotAnEnvironment' is the class NotAnEnvironment, not a subclass of leangrpo.environments.Environment; subclass it"),
+        ("support.environments:add", {}, "is a function, not a subclass of leangrpo.environments.Environment"),
+        ("tools", {"tools": ["support.environments:Adder"]}, "environment.tools[0] = 'support.environments:Adder' is the class Adder, not a function"),
+        ("tools", {"tools": ["support.environments:__doc__"]}, "environment.tools[0] = 'support.environments:__doc__': 'support.environments:__doc__' is a str, not a function"),
+        ("tools", {"tools": ["support.environments:add", "support.environments:divide", "DUP:add"]}, "environment.tools[2] = 'DUP:add' and environment.tools[0] = 'support.environments:add' are both named 'add'; the model calls tools by name"),
+        ("support.environments:AddTwice", {"tools": ["support.environments:add"]}, "environment.tools[0] = 'support.environments:add' and AddTwice.tools[0] are both named 'add'; the model calls tools by name"),
     ],
 )  # fmt: skip
-def test_set_up_failures_are_one_line(name, fields, expected):
-    with pytest.raises(EnvironmentSpecError, match=expected) as info:
+def test_set_up_failures_are_one_line(name, fields, expected, tmp_path):
+    """Each way an environment, a tool or the parser cannot be used is one sentence: a
+    class that is not an Environment (it failed later with an AttributeError), a class or
+    any other non-function given as a tool (a class was offered as one), two tools with
+    one name (one silently shadowed the other)."""
+    dup = tmp_path / "dup.py"
+    dup.write_text('def add(a: int) -> int:\n    """Add.\n\n    Args:\n        a: A.\n    """\n    return a\n')
+    if "tools" in fields:
+        fields = {**fields, "tools": [t.replace("DUP", str(dup)) for t in fields["tools"]]}
+    with pytest.raises(EnvironmentSpecError) as info:
         pool_for(name, **fields)
+    assert expected.replace("DUP", str(dup)) in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_reward_terms_are_reported_and_an_undeclared_one_fails_its_call():
+    with pool_for("tools", tools=["support.environments:add"]) as pool:
+        assert pool.reward_terms == ()  # the tool loop gives none
+    with pool_for("support.environments:Again") as pool:
+        assert pool.reward_terms is None  # it does not say
+    with pool_for("support.environments:Scores") as pool:
+        assert pool.reward_terms == ("score",)
+        keys = pool.new_sessions(2)
+        pool.reset([(k, USER, {}, 0) for k in keys])
+        good, bad = pool.step([(keys[0], "x", 0), (keys[1], "bonus", 0)])
+        assert good.ok["rewards"] == {"score": 1.0}
+        assert bad.ok is None
+        assert "Scores.step returned the reward term 'bonus', which its reward_terms ('score',) do not list" in bad.error
 
 
 def test_an_environment_file_that_exits_or_hangs_at_import(tmp_path):
@@ -192,3 +250,151 @@ def test_leaving_with_calls_in_flight_replaces_the_workers_that_held_them():
         assert gone.ok is None and "no such trajectory" in gone.error
         (kept,) = pool.step([(keys[1], "0", 0)])
         assert kept.ok["done"]
+
+
+def test_a_tool_file_imports_a_module_beside_it(tmp_path):
+    """A `path/to/file.py:function` tool runs with its folder on its import path."""
+    (tmp_path / "arith.py").write_text("def plus(a, b):\n    return a + b\n")
+    (tmp_path / "mytools.py").write_text(
+        "import arith\n\n"
+        "def add(a: int, b: int) -> int:\n"
+        '    """Add two integers.\n\n    Args:\n        a: the first\n        b: the second\n    """\n'
+        "    return arith.plus(a, b)\n"
+    )
+    with pool_for("tools", tools=[f"{tmp_path / 'mytools.py'}:add"], startup_timeout_s=30) as pool:
+        key = pool.new_sessions(1)[0]
+        pool.reset([(key, USER, {}, 0)])
+        out = pool.step([(key, CALL, 0)])[0]
+        assert out.error is None, out.error
+        assert out.ok["reply"][0]["content"] == "3"
+
+
+# -- issue 27: results and replies of any size, output, processes, calls per turn -----------
+
+
+def live_with(tag: str) -> list[int]:
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        cmdline = proc.info["cmdline"] or []
+        if proc.info["status"] != psutil.STATUS_ZOMBIE and any(tag in a for a in cmdline):
+            found.append(proc.pid)
+    return found
+
+
+def test_an_oversized_tool_result_is_cut_for_the_model_and_fails_nothing_else():
+    """A 5 MB result used to be a reply frame over the limit: the worker was killed and
+    every trajectory on it failed (big_output.py)."""
+    tools = ["support.environments:add", "support.hostile_tools:big"]
+    with pool_for("tools", tools=tools) as pool:
+        keys = pool.new_sessions(4)
+        pool.reset([(k, USER, {}, 0) for k in keys])
+        out = pool.step([(keys[0], CALL, 0), (keys[1], hermes("big", mb=5), 0), (keys[2], CALL, 0)])
+        assert [o.error for o in out] == [None, None, None]
+        text = out[1].ok["reply"][0]["content"]
+        assert text == "x" * 8000 + (
+            "\n[truncated: the tool returned 5242880 characters; only the first 8000 are shown]"
+        )
+        assert out[1].ok["counts"]["tool_truncated"] == 1 and "tool_errors" not in out[1].ok["counts"]
+        assert out[0].ok["reply"][0]["content"] == out[2].ok["reply"][0]["content"] == "3"
+        later = pool.step([(keys[3], CALL, 0)])[0]  # a session of the same worker lives on
+        assert later.error is None and later.ok["reply"][0]["content"] == "3"
+
+
+def test_an_environment_reply_too_large_for_a_frame_fails_only_its_trajectory():
+    with pool_for("support.environments:BigReply") as pool:
+        keys = pool.new_sessions(2)
+        pool.reset([(k, USER, {}, 0) for k in keys])
+        out = pool.step([(keys[0], "big", 0), (keys[1], "small", 0)])
+        assert out[0].ok is None and "over the 4194304 the trainer accepts" in out[0].error
+        assert out[1].error is None and out[1].ok["done"]
+
+
+def test_a_leftover_process_flooding_the_output_does_not_hang_the_pool():
+    """The trainer relayed worker output until the pipe ran dry, which a process writing
+    without pause never lets happen: the pool never came back to its deadlines or replies
+    (printer_hang.py). A step with such a printer behind it, and the next, return."""
+    import threading
+
+    tools = ["support.environments:add", "support.hostile_tools:printer",
+             "support.hostile_tools:pipe_flood"]  # fmt: skip
+    pool = pool_for("tools", tools=tools, timeout_s=1.0, tool_timeout_s=1.0)
+    keys = pool.new_sessions(3)
+    pool.reset([(k, USER, {}, 0) for k in keys])
+    done: dict[str, object] = {}
+
+    def steps() -> None:
+        done["printer"] = pool.step([(keys[0], hermes("printer", lines=1), 0)])[0]
+        done["flood"] = pool.step([(keys[1], hermes("pipe_flood"), 0)])[0]  # floods from now on
+        done["after"] = pool.step([(keys[2], CALL, 0)])[0]
+
+    thread = threading.Thread(target=steps, daemon=True)
+    thread.start()
+    thread.join(30)  # the item budget is 2 x 1 + 16 x 1 + 1 = 19 s; these take well under
+    hung = thread.is_alive()
+    pool.close()  # frees a hung step, and kills the flood
+    thread.join(10)
+    assert not hung, f"the pool hung relaying output (done: {sorted(done)})"
+    printed = done["printer"].ok["reply"][0]["content"]  # `yes` may fill 1 MiB before it returns
+    assert printed in ("started", "error: the tool printed more than 1048576 bytes")
+    assert done["after"].error is None and done["after"].ok["reply"][0]["content"] == "3"
+    assert live_with("spam from a leftover printer") == []
+
+
+def test_processes_end_with_the_tool_call_or_with_the_trajectory():
+    """A tool's processes used to outlive the call and the trajectory (leaked_process.py);
+    an environment's own helper lives as long as its trajectory."""
+    tag = f"3000.{time.monotonic_ns() % 10**9}"
+    with pool_for("tools", tools=["support.hostile_tools:leave_processes"]) as pool:
+        (key,) = pool.new_sessions(1)
+        pool.reset([(key, USER, {}, 0)])
+        (out,) = pool.step([(key, hermes("leave_processes", tag=tag), 0)])
+        assert out.ok["reply"][0]["content"] == "left"
+        assert live_with(tag) == []  # the sleeper and the daemon that left its session
+    helper = f"3001.{time.monotonic_ns() % 10**9}"
+    with pool_for("support.environments:KeepsProcess") as pool:
+        (key,) = pool.new_sessions(1)
+        pool.reset([(key, USER, {"tag": helper}, 0)])
+        steps = [pool.step([(key, "x", turn)])[0] for turn in (0, 1)]
+        assert [s.ok["metrics"]["alive"] for s in steps] == [1.0, 1.0]
+        assert len(live_with(helper)) == 1
+        pool.finish([(key, "stop")])
+        assert live_with(helper) == []
+
+
+def test_a_tool_does_not_see_the_trainers_secrets_or_reach_it():
+    """Workers inherited the trainer's whole environment and could signal it and read
+    /proc/<trainer>/environ (isolation.py)."""
+    import json
+    import os
+
+    os.environ["HF_TOKEN"] = "hf_secret_for_the_test"
+    try:
+        tools = ["support.hostile_tools:read_env", "support.hostile_tools:attack"]
+        with pool_for("tools", tools=tools) as pool:
+            keys = pool.new_sessions(2)
+            pool.reset([(k, USER, {}, 0) for k in keys])
+            out = pool.step([(keys[0], hermes("read_env", name="HF_TOKEN"), 0),
+                             (keys[1], hermes("attack", pid=os.getpid(), signals=False), 0)])  # fmt: skip
+    finally:
+        del os.environ["HF_TOKEN"]
+    assert out[0].ok["reply"][0]["content"] == "null"
+    found = json.loads(out[1].ok["reply"][0]["content"])
+    assert found["environ"].startswith(("FileNotFoundError", "PermissionError"))
+    assert found["mem"].startswith(("FileNotFoundError", "PermissionError"))
+
+
+def test_an_environment_that_raises_max_tool_calls_gets_the_time_for_them():
+    """The pool budgeted a step for the base class's 16 calls: a ToolEnvironment allowing 40
+    was killed as stuck on a legal turn (many_calls.py). 40 calls of 0.15 s = 6 s, over the
+    old 2 x 0.5 + 16 x 0.2 + 1 = 5.2 s budget, within the new 2 x 0.5 + 40 x 0.2 + 1."""
+    with pool_for("support.environments:ManyCalls", timeout_s=0.5, tool_timeout_s=0.2) as pool:
+        keys = pool.new_sessions(2)
+        pool.reset([(k, USER, {}, 0) for k in keys])
+        out = pool.step([(keys[0], hermes("nap", seconds=0.15) * 40, 0), (keys[1], "done", 0)])
+        assert [o.error for o in out] == [None, None]
+        assert [m["content"] for m in out[0].ok["reply"]] == ["awake"] * 40
+        assert pool.max_tool_calls == 40 and pool.item_budget_s == pytest.approx(10.0)
+    with pytest.raises(EnvironmentSpecError, match="max_tool_calls = 1000000000 must be an integer from 0 to 4096"):
+        pool_for("support.environments:EndlessCalls")

@@ -1,33 +1,22 @@
-"""Tools (environments/tools.py): schemas from type hints and docstrings, the Hermes
-parser, pluggable parsers' returns checked, tool messages with their counts."""
+"""Tools (environments/tools.py): the Hermes parser, pluggable parsers' returns checked,
+tool messages with their counts (schemas: test_schema.py)."""
 
 from __future__ import annotations
 
 from collections import Counter
 
 import pytest
-from support.environments import add, divide, undocumented
+from support.environments import add, divide
 
 from leangrpo.environments.tools import (
+    MAX_CALL_CHARS,
     ParsedTurn,
     ToolCall,
     ToolError,
     parse_hermes,
     parsed_turn,
     tool_messages,
-    tool_schema,
 )
-
-
-def test_schemas_come_from_type_hints_and_docstrings():
-    schema = tool_schema(add)
-    assert schema["function"]["name"] == "add"
-    assert schema["function"]["parameters"]["properties"]["a"] == {
-        "type": "integer",
-        "description": "The first number.",
-    }
-    with pytest.raises(ToolError, match="tool undocumented cannot be offered to the model"):
-        tool_schema(undocumented)
 
 
 @pytest.mark.parametrize(
@@ -46,6 +35,28 @@ def test_hermes_parser(text, calls, errors, content):
     parsed = parse_hermes(text)
     assert [(c.name, c.arguments) for c in parsed.calls] == calls
     assert parsed.errors == errors and parsed.content == content
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error"),
+    [
+        ('{"a": NaN, "b": 1}', "tool call holds NaN, which JSON does not have"),
+        ('{"a": -Infinity}', "tool call holds -Infinity, which JSON does not have"),
+        ('{"a": 1e999}', "tool call holds the number 1e999, too large for a float"),
+        ('{"a": ' + "9" * 5000 + "}", "tool call cannot be read (Exceeds the limit (4300 digits)"),
+        ('{"a": ' + "[" * 5000 + "]" * 5000 + "}", "tool call is nested too deeply to read"),
+        ('{"a": "' + "x" * MAX_CALL_CHARS + '"}', f"more than the {MAX_CALL_CHARS} a call may have"),
+        ('"{\\"a\\": NaN}"', "tool call arguments are a string that holds NaN"),
+    ],
+)  # fmt: skip
+def test_malformed_model_json_is_a_parse_error_never_an_exception(arguments, error):
+    """What json.loads rejects with ValueError or RecursionError (not JSONDecodeError), or
+    accepts but JSON has no value for (NaN, inf), is the call's parse error; the good call
+    of the same turn is still read."""
+    text = f'<tool_call>{{"name": "add", "arguments": {arguments}}}</tool_call>'
+    parsed = parse_hermes(text + '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
+    assert len(parsed.errors) == 1 and error in parsed.errors[0], parsed.errors
+    assert parsed.calls == [ToolCall("add", {"a": 1})]
 
 
 def test_a_pluggable_parsers_return_is_checked():

@@ -33,6 +33,23 @@ def test_train_help_and_a_missing_config_do_not_import_torch(tmp_path):
     assert out.stdout.strip().endswith("torch imported: False")
 
 
+def test_merge_refuses_what_it_cannot_merge_before_torch_is_imported(tmp_path):
+    """`leangrpo merge` (the schedule-extension refusal's advice for LoRA runs): no adapter,
+    a full model, or an output directory that exists: one sentence each, no torch."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+    for source, out, expected in [
+        (tmp_path, tmp_path / "merged", "holds no LoRA adapter (adapter_config.json)"),
+        (DEMO_MODEL, tmp_path / "merged", "holds a full model, not a LoRA adapter"),
+        (tmp_path / "adapter", tmp_path / "out", "exists already"),
+    ]:
+        got = run_cli("merge", str(source), str(out), probe=True)
+        assert got.returncode == 2 and expected in got.stderr, got.stderr
+        assert got.stderr.startswith("leangrpo: error: ") and got.stderr.count("\n") == 1
+        assert got.stdout.strip().endswith("torch imported: False")
+
+
 def base_config(tmp_path: Path) -> dict:
     return {
         "run": {"output_dir": str(tmp_path / "run"), "device": "cpu"},
@@ -289,6 +306,50 @@ def test_run_directory_is_locked_finished_refused_and_overwritten(tmp_path):
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-1"]
 
 
+def test_a_finished_run_prints_a_summary_and_a_run_without_eval_logs_no_empty_row(tmp_path):
+    """The end of a run: a few human lines (first -> last eval and reward, time, where the
+    files are), not a Python dict; without an eval set no `{"step": N}` row is written."""
+    out = tmp_path / "run"
+    done = train_demo(out)
+    assert done.returncode == 0, done.stderr
+    summary = done.stdout.strip().splitlines()[-5:]
+    assert summary[0].startswith("leangrpo: finished at step 2 in "), summary
+    assert summary[1].startswith("  eval/reward") and "(step 0) ->" in summary[1]
+    assert summary[2].startswith("  reward/mean") and "(step 2)" in summary[2]
+    assert f"files in {out}/: metrics.jsonl" in summary[3] and "checkpoints/" in summary[3]
+    assert summary[4] == f"  plots and a summary: leangrpo report {out}"
+    assert "{" not in done.stdout
+    bare = tmp_path / "bare"
+    done = train_demo(bare, "data.eval_path=null")
+    assert done.returncode == 0, done.stderr
+    rows = read_jsonl(bare / "metrics.jsonl")
+    assert all(set(row) != {"step"} for row in rows), rows[-1]
+    assert "no evaluation" in done.stdout
+
+
+def test_train_says_what_it_does_from_the_start_and_starts_workers_before_torch(tmp_path):
+    """From the first second a line says what is happening; the environment and reward
+    workers start before the trainer imports torch (their imports overlap it)."""
+    out = run_cli(
+        "train", "examples/tools_demo.yaml", "--set", f"run.output_dir={tmp_path / 'run'}",
+        "--set", "run.max_steps=1", "--set", "eval.num_prompts=8",
+        "--set", "logging.progress_bar=false", timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    said = [line for line in out.stderr.splitlines() if line.startswith("INFO leangrpo: ")]
+    expected = [
+        "starting 1 environment worker(s) and 1 reward worker(s) ...",
+        "loading torch ...",
+        "loading transformers, the tokenizer and the prompts ...",
+        "loading the model examples/tools_demo/model (float32) ...",
+        "evaluating on 8 held-out prompts ...",
+        "training: 1 steps of 16 prompts x 8 completions",
+    ]
+    positions = [next(i for i, line in enumerate(said) if line.endswith(e)) for e in expected]
+    assert positions == sorted(positions), said
+    assert "starting 1 environment worker(s) ..." not in out.stderr  # not started twice
+
+
 PROBE_LOCK = (
     "import sys, time; from pathlib import Path; from leangrpo.checkpoint.rundir import RunLock\n"
     "RunLock(Path(sys.argv[1])); print('locked', flush=True); time.sleep(300)\n"
@@ -338,15 +399,28 @@ def test_set_override_reaches_the_config(tmp_path):
 
 
 SLEEPING_REWARD = """
-import os, subprocess, time
+import subprocess, time
 
 def sleepy(prompts, completions, **columns):
     if len(completions) > 4:  # training batches (the evaluation scores 4 samples)
         subprocess.Popen(["sleep", "301"])  # a process the reward starts: must die too
-        open(os.environ["LEANGRPO_TEST_MARK"], "w").close()
         time.sleep(300)
     return [1.0] * len(completions)
 """
+
+
+def sleeping(pid: int) -> list:
+    """The `sleep 301` processes below `pid`: the sleepy reward is in flight."""
+    import psutil
+
+    found = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            if child.cmdline() == ["sleep", "301"]:
+                found.append(child)
+        except psutil.Error:
+            pass
+    return found
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -354,11 +428,9 @@ def test_ctrl_c_ends_the_run_promptly_without_orphans(tmp_path, mode):
     """Ctrl-C while a reward call is in flight: the run used to wait for the reward's own
     time limit (here 300 s) before exiting (async). The batch being made is abandoned (sync:
     in the main thread; async: the trainer's wait for it) and the step reached, 0, saved."""
-    import os
-
     import psutil
 
-    out, mark = tmp_path / "run", tmp_path / "in_flight"
+    out = tmp_path / "run"
     (tmp_path / "sleepy.py").write_text(SLEEPING_REWARD)
     sets = {
         "run.output_dir": out,
@@ -373,17 +445,15 @@ def test_ctrl_c_ends_the_run_promptly_without_orphans(tmp_path, mode):
         [sys.executable, "-m", "leangrpo", "train", "examples/demo.yaml"]
         + [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")],
         cwd=ROOT,
-        env={**os.environ, "LEANGRPO_TEST_MARK": str(mark)},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.time() + 120
-    while time.time() < deadline and not mark.exists() and proc.poll() is None:
+    deadline = time.time() + 120  # until the reward is in flight: its `sleep 301` runs
+    while time.time() < deadline and not sleeping(proc.pid) and proc.poll() is None:
         time.sleep(0.2)
-    assert mark.exists(), "the reward was never called"
+    assert sleeping(proc.pid), "the reward was never called"
     children = psutil.Process(proc.pid).children(recursive=True)
-    assert any(c.name() == "sleep" for c in children), "the reward's own process is running"
     proc.send_signal(signal.SIGINT)
     try:  # a hang guard, far below the reward's 300 s: the run does not wait for it
         _, stderr = proc.communicate(timeout=60)

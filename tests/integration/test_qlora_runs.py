@@ -83,6 +83,32 @@ def test_a_qlora_run_resumes_exactly(tmp_path):
     assert all(torch.equal(got[k], expected[k]) for k in expected)
 
 
+def test_the_final_adapter_of_a_bfloat16_run_reloads_to_the_trained_policy(tmp_path, monkeypatch):
+    """a2_final_adapter.py and a2b_final_adapter_dtype.py: final/ loaded by hand (the base
+    with the quantization note, then the adapter) repacked every 4-bit layer for
+    bitsandbytes' CPU bf16 kernel (on a CPU with AVX512-BF16; switched on here for any
+    CPU) and built a float32 base for a bfloat16 run. `leangrpo.model.load_final` gives
+    the trained policy's logits."""
+    from leangrpo.model import load_final
+
+    cfg = qlora(tiny_run(tmp_path / "bf16", run={"max_steps": 2}))
+    cfg["model"]["dtype"] = "bfloat16"
+    trainer = Trainer(config_from_dict(cfg))
+    trainer.train()
+    ids = torch.tensor([trainer.policy.tokenizer("12+34=46")["input_ids"]])
+    policy = trainer.policy.model.eval()
+    policy.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        want = policy(input_ids=ids, use_cache=False).logits.float()
+    modules = pytest.importorskip("bitsandbytes.nn.modules")
+    monkeypatch.setattr(modules, "has_avx512bf16", lambda: True)  # the repack, on any CPU
+    model = load_final(tmp_path / "bf16" / "run" / "final")
+    with torch.no_grad():
+        got = model(input_ids=ids, use_cache=False).logits.float()
+    assert (got - want).abs().max().item() <= 2e-2  # bfloat16 logits; the defects: 0.57, 2.8
+    assert model.get_input_embeddings().weight.dtype == torch.bfloat16
+
+
 # -- torchrun ---------------------------------------------------------------------------------
 
 

@@ -552,7 +552,10 @@ def test_skipped_batches_after_a_checkpoint_are_logged_once_after_a_resume(tmp_p
     reward_file.write_text(OUTAGE_BY_CONTENT.format(seen=str(tmp_path / "seen.json")))
     cfg = tiny_run(
         tmp_path,
-        rewards={"functions": [{"name": "math"}, {"name": f"{reward_file}:outage"}]},
+        # its state must outlive the trainer (a file it writes): only the process sandbox
+        # lets a reward write outside its scratch directory
+        rewards={"functions": [{"name": "math"}, {"name": f"{reward_file}:outage"}],
+                 "sandbox": {"level": "process"}},
         pipeline={"max_consecutive_skipped_batches": 5},
         run={"max_steps": 4},
         loss={"mu": 1},
@@ -671,6 +674,45 @@ def test_extending_max_steps_keeps_the_lr_schedule_it_started_with(tmp_path, kin
     assert state["schedule_steps"] == 4
 
 
+def test_a_lora_run_trains_on_from_its_adapter_merged_as_the_refusal_advises(tmp_path):
+    """b11_schedule_message.py: the schedule-extension refusal told a LoRA run to start a new
+    run from its final/ (an adapter, refused as model.name_or_path). Its advice now, taken
+    word for word: `leangrpo merge`, then a new run from the merged model, whose policy
+    starts where the LoRA run ended."""
+    import re
+    import shlex
+
+    from leangrpo.checkpoint.rundir import RunDirError
+    from leangrpo.cli import main
+    from leangrpo.model import load_final
+
+    lora = {"enabled": True, "r": 4, "alpha": 8}
+    cfg = tiny_run(tmp_path, run={"max_steps": 2}, lora=lora, train={"lr_scheduler": "linear"})
+    Trainer(config_from_dict(cfg)).train()
+    cfg["run"]["max_steps"] = 4
+    with pytest.raises(RunDirError) as refused:
+        Trainer(config_from_dict(cfg))
+    advice = re.search(
+        r"`(leangrpo merge [^`]+)` and start a new run from '([^']+)'", str(refused.value)
+    )
+    assert advice is not None, str(refused.value)
+    assert main(shlex.split(advice.group(1))[1:]) == 0
+    new = tiny_run(tmp_path / "new", run={"max_steps": 2}, lora=lora)
+    new["model"]["name_or_path"] = advice.group(2)
+    trainer = Trainer(config_from_dict(new))
+    ids = torch.tensor([trainer.policy.tokenizer("12+34=46")["input_ids"]])
+    with torch.no_grad():
+        trained = load_final(tmp_path / "run" / "final")(input_ids=ids).logits
+        trainer.policy.model.eval()
+        start = trainer.policy.model(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(start, trained, atol=1e-4, rtol=0)  # merged: rounding only
+    trainer.policy.model.train()
+    trainer.train()
+    assert (
+        trainer.step == 2 and (tmp_path / "new" / "run" / "final" / "adapter_config.json").is_file()
+    )
+
+
 # -- a stop signal: a checkpoint at the step reached, resumed exactly ------------------------
 
 
@@ -720,3 +762,62 @@ def test_a_stop_signal_saves_the_step_reached_and_resume_is_exact(tmp_path, at, 
     assert [r["step"] for r in read_metrics(out)].count(0) == 1
     assert [r["step"] for r in read_metrics(out) if "loss" in r] == list(range(1, 7))
     assert max_abs_diff(trained_params(straight), trained_params(resumed)) == 0.0
+
+
+def test_a_run_that_cannot_learn_says_so(tmp_path, caplog):
+    """A reward that scores every completion alike: every group is flat and the loss is
+    exactly 0 from the first step; the run warns once for each, naming the cause."""
+    from leangrpo.metrics.learning import FLAT_STEPS
+
+    reward_file = tmp_path / "same.py"
+    reward_file.write_text("def same(prompts, completions, **c):\n    return [1.0] * len(completions)\n")
+    cfg = tiny_run(
+        tmp_path,
+        rewards={"functions": [{"name": f"{reward_file}:same"}], "num_workers": 1},
+        run={"max_steps": FLAT_STEPS},
+        loss={"mu": 1},
+    )
+    with caplog.at_level("WARNING", logger="leangrpo"):
+        Trainer(config_from_dict(cfg)).train()
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert sum("frac_reward_zero_std 1.0" in line for line in lines) == 1, lines
+    assert sum("loss has been exactly 0.0" in line for line in lines) == 1, lines
+
+
+class SignalWhileScoring(SignalAt):
+    """Sends itself SIGTERM while the batch after step `at` is scored (before its first step)."""
+
+    at = 2
+
+    def on_step_end(self, metrics, batch):
+        Trainer.on_step_end(self, metrics, batch)
+
+    def score(self, batch):
+        if self.step == self.at:
+            self._send()
+        return super().score(batch)
+
+
+def test_a_stop_between_scoring_and_the_first_step_keeps_the_batch_metrics(tmp_path):
+    """b5_inflight_metrics.py: the checkpoint held the scored batch but not its metrics, which
+    a straight run logs with the batch's first step: the resumed step-3 row lacked 22 keys
+    (reward/*, advantage/*, completions/*, ...). Now it is the straight run's row."""
+    from leangrpo.stopping import RunStopped
+
+    def cfg(out):
+        return config_from_dict(tiny_run(out, run={"max_steps": 4}, checkpoint={"save_final_model": False}))
+
+    straight = Trainer(cfg(tmp_path / "a"))
+    straight.train()
+    with pytest.raises(RunStopped) as stopped:
+        SignalWhileScoring(cfg(tmp_path / "b")).train()
+    assert stopped.value.step == 2
+    resumed = Trainer(cfg(tmp_path / "b"))
+    assert resumed.inflight is not None and resumed.inflight.done == 0
+    resumed.train()
+    assert max_abs_diff(trained_params(straight), trained_params(resumed)) == 0.0
+    timing = ("time/", "throughput/", "pipeline/queue")
+    a, b = step_rows(tmp_path / "a" / "run")[3], step_rows(tmp_path / "b" / "run")[3]
+    a, b = ({k: v for k, v in r.items() if not k.startswith(timing)} for r in (a, b))
+    assert "reward/mean" in a and "advantage/abs_mean" in a
+    assert a == b

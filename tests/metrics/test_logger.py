@@ -127,7 +127,8 @@ def test_non_terminal_prints_a_compact_line_every_tenth(tmp_path: Path) -> None:
             logger.log(step, {"loss": 0.5, "reward/mean": step / 100, "other/x": 1.0})
     lines = out.getvalue().splitlines()
     assert len(lines) == 10
-    assert lines[-1].startswith("step 20/20 | reward/mean 0.2  loss 0.5  eval/reward 0.125")
+    assert lines[-1].startswith("step 20/20 | ")
+    assert lines[-1].endswith("| eval 0.125  reward 0.2  loss 0.5")
     assert "other/x" not in out.getvalue() and "eta" in lines[0]
 
 
@@ -147,7 +148,7 @@ def test_terminal_bar_and_samples_table(tmp_path: Path) -> None:
             1, [{"prompt": "x" * 500 + "What is 2+2?", "completion": "4", "reward": 1.0}]
         )
     text = out.getvalue()
-    assert "reward/mean 0.75" in text and "samples at step 1" in text and "What is 2+2?" in text
+    assert "reward 0.75" in text and "samples at step 1" in text and "What is 2+2?" in text
     (sample,) = read_jsonl(tmp_path / "samples.jsonl")
     assert sample["completion"] == "4" and sample["reward"] == 1.0 and sample["step"] == 1
 
@@ -196,3 +197,47 @@ def test_tensorboard_scalars(tmp_path: Path) -> None:
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 0.5), (2, 0.25)]
+
+
+def test_a_narrow_console_drops_metrics_before_the_step_and_eta(tmp_path: Path) -> None:
+    """At 80 columns the bar keeps the step count, the elapsed time and the ETA whole;
+    metrics go first (whole ones, never a cut number)."""
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=80, color_system=None)
+    with MetricsLogger(tmp_path, ["jsonl"], True, 40, console=console) as logger:
+        logger.log(0, {"eval/reward": 0.03125})
+        logger.log(4, {"reward/mean": 0.25, "loss": -4.843e-08})
+    last = out.getvalue().replace("\r", "\n").splitlines()[-2]
+    assert "4/40" in last and "eta " in last and "…" not in last, last
+    assert "eval 0.03125" in last and "loss" not in last  # the room holds one metric
+    assert len(last.replace("\x1b[2K", "")) <= 80
+
+
+def test_the_compact_line_keeps_to_80_characters(tmp_path: Path) -> None:
+    from leangrpo.metrics.logger import ProgressDisplay
+
+    console, _ = quiet_console()
+    display = ProgressDisplay(console, 1000, True, clock=lambda: 0.0)
+    display.update(500, {"eval/reward": 0.123456, "reward/mean": -1234.5678, "loss": 1e-300})
+    line = display.line(500)
+    assert line.startswith("step 500/1000 | ") and "eta " in line and len(line) <= 80
+
+
+def test_eta_counts_the_evaluations_to_come_and_paces_on_recent_steps() -> None:
+    """Steps that slow down (trajectories grow) and an evaluation every 5 steps: the ETA
+    follows the recent steps and adds the evaluations left, within 15% of the truth."""
+    from leangrpo.metrics.logger import Eta
+
+    total, every, eval_s = 40, 5, 4.0
+    step_s = [1.0 + 0.05 * step for step in range(total + 1)]  # 1 s growing to 3 s
+    eta, now = Eta(total, every, 0, 0.0), eval_s
+    eta.observe(0, now, eval_s)  # the step-0 evaluation
+    for step in range(1, 21):
+        evaluated = step % every == 0
+        now += step_s[step] + (eval_s if evaluated else 0.0)
+        eta.observe(step, now, eval_s if evaluated else None)
+    truth = sum(step_s[21 : total + 1]) + eval_s * 4  # evals at 25, 30, 35 and the final one
+    assert eta.evals_left() == 4
+    assert abs(eta.seconds_left() - truth) < 0.15 * truth, (eta.seconds_left(), truth)
+    naive = (now - 0.0) / 20 * 20  # the average since the start, evaluations ignored
+    assert abs(naive - truth) > 0.15 * truth  # what the old ETA said

@@ -43,6 +43,18 @@ def test_missing_directory_is_one_sentence(tmp_path: Path) -> None:
     assert "is a file" in error_for(tmp_path / "file")
 
 
+def test_the_smollm2_examples_missing_link_names_the_command_that_makes_it(tmp_path) -> None:
+    """A fresh clone has no examples/smollm2/model (made by --link): the message gives the
+    one command, for `leangrpo plan` (read_model_config) as for `train`."""
+    from leangrpo.model.files import read_model_config
+
+    command = "python -m leangrpo.model.smollm2 --link examples/smollm2/model"
+    assert command in error_for("examples/smollm2/model")
+    with pytest.raises(ModelFilesError, match=command.replace(".", r"\.")):
+        read_model_config(model_cfg("examples/smollm2/model"))
+    assert "--link" not in error_for(tmp_path / "elsewhere" / "model")
+
+
 def test_config_json_missing_or_invalid(model_dir: Path) -> None:
     (model_dir / "config.json").write_text('{"model_type": "qwen2",\n  "vocab_size": }')
     assert "config.json is not valid JSON (line 2" in error_for(model_dir)

@@ -218,3 +218,36 @@ def test_an_unknown_model_type_is_one_sentence(tmp_path):
     cfg = config_from_dict(minimal_run(model={"name_or_path": str(path)}))
     with pytest.raises(UserError, match="could not be loaded.*nosuchmodel.*check config.json"):
         load_policy(cfg, None, torch.device("cpu"))
+
+
+def test_an_adapter_on_a_module_scoring_bypasses_is_refused():
+    """a9_lm_head_target.py: lm_head in lora.target_modules was accepted, but scoring reads the
+    head's weight as a plain matrix (the chunked log-probs), so its adapter got no gradient
+    and scoring ignored it while generation used it. The config refuses the name; at load,
+    an adapter on any module outside the decoder (a head of another name, a config that
+    skipped validation) is refused in the same sentence. 'all-linear' leaves the head out,
+    and every adapter it makes gets a gradient from scoring."""
+    from support.configs import unvalidated
+
+    from leangrpo.config import ConfigError, config_from_dict
+    from leangrpo.config.run import LoRAConfig
+    from leangrpo.model.policy import build_policy
+
+    bypassed = "adapts lm_head, which leangrpo's scoring bypasses"
+    head = {"enabled": True, "target_modules": ["q_proj", "lm_head"]}
+    with pytest.raises(ConfigError, match=f"'lora.target_modules'.*{bypassed}"):
+        config_from_dict(minimal_run(lora=head))
+    cfg = config_from_dict(minimal_run(lora={"enabled": True, "r": 4}))
+    cfg.lora = unvalidated(LoRAConfig, **{**cfg.lora.model_dump(), **head})
+    with pytest.raises(ConfigError, match=f"^lora.target_modules {bypassed}"):
+        build_policy(make_tiny_model("qwen2"), cfg, None, torch.device("cpu"))
+
+    cfg = config_from_dict(minimal_run(lora={"enabled": True, "r": 4}))
+    policy = build_policy(make_tiny_model("qwen2"), cfg, None, torch.device("cpu"))
+    for name, param in policy.model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.5)
+    logp, _ = score(policy.model, pack_samples(samples()), SamplingParams(), LOGPROBS)
+    logp.sum().backward()
+    trainable = [(n, p) for n, p in policy.model.named_parameters() if p.requires_grad]
+    assert trainable and all(p.grad is not None and p.grad.abs().max() > 0 for _, p in trainable)

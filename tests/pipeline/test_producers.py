@@ -193,6 +193,24 @@ def test_failed_groups_are_rerolled_and_really_reinjected():
     assert 0 not in {s.prompt.uid for s in third.samples}  # attempts are capped
 
 
+def test_a_prompt_filling_two_groups_of_a_batch_is_rerolled_once():
+    """b8_reroll_duplicate.py: a re-queued prompt served while the epoch order reaches it too
+    fills two groups of one batch; both flat, it was re-queued twice and its attempts
+    counted twice, past reroll.max_attempts. One re-queue, one attempt: both its groups
+    count as re-queued, and the next batch that serves it flat drops it."""
+    worker, settings = make_worker(FakeEngine(), FakeRewards(flat_uids={0}), reroll=1)
+    worker.sampler.requeue_uids([0])  # queued, and the next new prompt too: two groups
+    producer = SyncProducer(worker, BatchFinisher(settings, 0, leave_out_flat=True))
+    first = producer.next_batch(0)
+    assert first.metrics["reroll/left_out"] == 2  # both groups were prompt 0's, flat
+    assert (first.metrics["reroll/requeued"], first.metrics["reroll/dropped"]) == (2, 0)
+    assert worker.attempts == {0: 1} and [p.uid for p in worker.sampler.queue] == [0]
+    second = producer.next_batch(0)
+    assert (second.metrics["reroll/requeued"], second.metrics["reroll/dropped"]) == (0, 1)
+    third = producer.next_batch(0)
+    assert 0 not in {s.prompt.uid for s in third.samples}
+
+
 def test_flat_groups_are_rerolled_then_dropped_and_never_trained_on():
     """reroll_flat.py: only groups whose every reward was None were re-rolled, though
     pipeline.reroll promised prompts whose group carried no signal."""
@@ -594,6 +612,27 @@ def test_streaming_chunks_merge_within_the_bound_and_none_goes_stale():
     assert max(ages) <= 4 and len(result[0][1].groups()) == 2  # merged
     uids = [s.prompt.uid for _, b in result for s in b.samples[::3]]
     assert uids == list(range(len(uids)))
+
+
+def test_a_streamed_step_never_takes_more_than_a_batch_of_groups():
+    """b9_streaming_overshoot.py: chunks of 4 groups, batches of 6 (the config allows a
+    chunk size that does not divide the batch): a step took two ready chunks, 8 groups. The
+    second chunk now waits for the next step, which takes it first."""
+    settings = RolloutSettings(3, 6, SamplingParams(), "group", 0, 1, 1)
+    worker = RolloutWorker(FakeEngine(), FakeRewards(), FakeSampler(4), settings)
+    producer = AsyncProducer(worker, BatchFinisher(settings, 4), 4, 4, streaming=True)
+    producer.start()
+    try:
+        deadline = time.monotonic() + 10
+        while producer.queue.qsize() < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)  # three chunks ready: the first step could have taken two
+        assert producer.queue.qsize() >= 3
+        batches = [producer.next_batch(0) for _ in range(3)]
+    finally:
+        producer.close()
+    assert [len(b.groups()) for b in batches] == [4, 4, 4]
+    uids = [s.prompt.uid for b in batches for s in b.samples[::3]]
+    assert uids == list(range(12))  # the chunk kept back comes first, nothing lost
 
 
 class SharedWeightsEngine(FakeEngine):

@@ -5,6 +5,7 @@ peak rule, and the copies of the trainer's constants kept equal.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import yaml
@@ -196,3 +197,83 @@ def test_the_slot_width_step_is_the_engines():
     from leangrpo.rollout.hf import turns
 
     assert planner.SLOT_WIDTH_STEP == turns.WIDTH_STEP
+
+
+def small_context_model(tmp_path, positions: int = 64):
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(
+        json.dumps({**QWEN25_15B, "max_position_embeddings": positions})
+    )
+    return model
+
+
+def test_prompts_are_planned_within_the_models_positions(tmp_path):
+    """A 64-position model: the default 512-token prompt is cut to the room left (and
+    says so); a prompt length given that cannot fit is refused, naming the room."""
+    from leangrpo.planner.plan import planned_prompt_tokens
+
+    model = small_context_model(tmp_path)
+    cfg = config_from_dict(
+        minimal_run(model={"name_or_path": str(model)}, rollout={"max_new_tokens": 6})
+    )
+    tokens, why = planned_prompt_tokens(cfg)
+    assert tokens == 58 and "64 positions" in why
+    with pytest.raises(PlanError, match="at most 58 tokens"):
+        planned_prompt_tokens(cfg, 512)
+    too_long = updated(minimal_run(model={"name_or_path": str(model)}), {})
+    too_long["data"]["max_prompt_tokens"] = 100
+    with pytest.raises(PlanError, match="data.max_prompt_tokens = 100 does not fit"):
+        planned_prompt_tokens(config_from_dict(too_long))
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(minimal_run(model={"name_or_path": str(model)})))
+    out = run_cli("plan", str(path), "--prompt-tokens", "512", timeout=60)
+    assert out.returncode == 2 and "does not fit" in out.stderr and "Traceback" not in out.stderr
+
+
+def plan_lines(stdout: str) -> dict[str, float]:
+    """The GiB figures of a rendered plan's term lines."""
+    figures = {}
+    for line in stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[2] == "GiB":
+            figures[parts[0]] = float(parts[1])
+    return figures
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_total_is_explained_as_a_sum_of_its_lines(tmp_path, mode):
+    from leangrpo.planner.plan import render_plan
+
+    cfg = config(pipeline={"mode": mode}, run={"device": "cpu"})
+    plan_ = plan_memory(cfg, dims=LLAMA_8B)
+    text = render_plan(plan_, cfg)
+    explained = [line for line in text.splitlines() if "total =" in line or line.startswith("          + the ")]
+    assert len(explained) == 2, text
+    figures = plan_lines(text)
+    persistent = ["weights", "reference_copy", "generation_copy", "adamw_state"]
+    named = [k for k in persistent if figures[k] > 0]
+    assert explained[0].startswith(f"  total = {' + '.join(named)} (")
+    train = sum(plan_[k] for k in ("gradients", "activations", "lm_head", "offloaded_to_host"))
+    both = mode == "async"
+    assert ("at the same time" in explained[1]) == both
+    phase = train + plan_["kv_cache"] if both else max(train, plan_["kv_cache"])
+    numbers = [float(x) for x in re.findall(r"(\d+\.\d{3})", " ".join(explained))]
+    assert numbers[0] == pytest.approx(sum(plan_[k] for k in persistent) / 2**30, abs=1e-3)
+    assert sum(plan_[k] for k in persistent) + phase == plan_["total"]
+
+
+def test_plan_into_a_reader_that_stops_early_ends_quietly(tmp_path):
+    """`leangrpo plan ... | head -1`: no BrokenPipeError traceback."""
+    model = small_context_model(tmp_path, positions=4096)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(minimal_run(model={"name_or_path": str(model)})))
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        f"{sys.executable} -m leangrpo plan {path} | head -1",
+        shell=True, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.stdout.startswith("memory plan")
+    assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr

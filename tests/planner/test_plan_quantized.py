@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -84,6 +85,42 @@ def test_the_weights_term_is_what_the_quantized_policy_holds(tiny_dir, quant, do
     cfg, policy = quantized(tiny_dir, quant, double_quant)
     d = dims_from_json(policy.model.config.to_dict())
     assert plan_memory(cfg, dims=d, prompt_tokens=PROMPT)["weights"] == held_bytes(policy.model)
+
+
+@pytest.mark.parametrize(
+    "dtype,compute",
+    [("float32", "bfloat16"), ("bfloat16", "float32"), ("float32", "auto"), ("bfloat16", "auto")],
+)
+def test_the_weights_term_holds_4_bit_biases_in_the_compute_dtype(dtype, compute):
+    """a4_plan_weights.py: bitsandbytes' 4-bit forward casts a linear's bias to the compute
+    dtype for good; on the demo model (Qwen2: q, k, v biases) the plan counted them in the
+    model dtype, 768 bytes off. Held bytes after the load (whose probe runs a forward) and
+    after a training forward and backward."""
+    import bitsandbytes as bnb
+    from support.configs import DEMO_MODEL
+
+    from leangrpo.contracts import SamplingParams
+    from leangrpo.model.scoring import score
+
+    model = {"name_or_path": str(DEMO_MODEL), "quantization": "nf4", "dtype": dtype,
+             "quantization_compute_dtype": compute}  # fmt: skip
+    cfg = step_config(model=model, lora={"enabled": True},
+                      rollout={"max_new_tokens": 6, "num_generations": 4},
+                      data={"max_prompt_tokens": 8})  # fmt: skip
+    torch.manual_seed(0)
+    policy = load_policy(cfg, None, CPU)
+    d = dims_from_json(policy.model.config.to_dict())
+    assert d.qkv_bias
+    planned = plan_memory(cfg, dims=d, prompt_tokens=8)["weights"]
+    assert planned == held_bytes(policy.model)
+    chunks = SimpleNamespace(chunked=True, row_tile=None, vocab_tile=None, compile=False)
+    logp, _ = score(policy.model, pack_samples(group(32, 4, 8, 6)), SamplingParams(), chunks)
+    logp.sum().backward()
+    assert planned == held_bytes(policy.model)
+    want = getattr(torch, dtype if compute == "auto" else compute)
+    layers = [m for m in policy.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    biases = [m.bias for m in layers if m.bias is not None]
+    assert len(biases) == 3 * 3 and all(b.dtype == want for b in biases)  # q, k, v
 
 
 def test_the_4_bit_layout_of_smollm2_is_counted_exactly():

@@ -1,5 +1,6 @@
 """RewardPool against hostile reward code: odd values, a garbled or malicious channel,
-closed descriptors, KeyboardInterrupt, prints, leaked processes, close() while scoring."""
+closed descriptors, KeyboardInterrupt, prints, leaked processes, close() while scoring.
+(What the sandbox keeps from reward and tool code alike: tests/sandbox/.)"""
 
 from __future__ import annotations
 
@@ -141,8 +142,12 @@ def marks(tmp_path, monkeypatch):
     return mark
 
 
+PASSED = ["LEANGRPO_TEST_MARK", "LEANGRPO_TEST_PWNED"]  # the workers get no other test variable
+
+
 def cfg(path, *names, **fields):
     """The functions `names` of the file at `path`; one worker, 5 s unless given."""
+    fields.setdefault("sandbox", {"pass_env": PASSED})
     return rewards_section(*(f"{path}:{n}" for n in names), **fields)
 
 
@@ -206,15 +211,19 @@ def test_closed_descriptors_and_keyboard_interrupt_are_one_line_failures(hostile
 
 
 def test_a_worker_holds_only_its_channel_and_output(hostile, caplog):
+    """0: /dev/null; 1 and 2: the output meter's pipe; above 100, close-on-exec: the
+    channel, the meter's end of that pipe and the trainer's output pipe. Nothing else."""
     with caplog.at_level(logging.INFO), RewardPool(cfg(hostile, "descriptors")) as pool:
         samples = make_samples(["a"])
         pool.score(samples)
     (line,) = [r.getMessage() for r in caplog.records if "held" in r.getMessage()]
     held = dict(ast.literal_eval(line.partition("held ")[2]))
-    assert samples[0].reward == 4.0 and held[0] == "/dev/null"
-    assert held[1] == held[2] and held[1].startswith("pipe:")  # relayed to the log
-    (channel,) = [fd for fd in held if fd > 2]
-    assert channel >= 100 and held[channel].startswith("socket:")
+    assert samples[0].reward == 6.0 and held[0] == "/dev/null"
+    assert held[1] == held[2] and held[1].startswith("pipe:")  # metered, relayed to the log
+    high = sorted(fd for fd in held if fd > 2)
+    assert len(high) == 3 and min(high) >= 100
+    assert sorted(held[fd].partition(":")[0] for fd in high) == ["pipe", "pipe", "socket"]
+    assert held[1] in [held[fd] for fd in high]  # the meter reads what 1 and 2 write
 
 
 def test_a_call_timed_out_mid_import_retires_its_worker(hostile, caplog, monkeypatch):
@@ -259,13 +268,14 @@ def _left(mark):
 
 def test_processes_a_reward_starts_die_with_its_call_or_worker(hostile, marks):
     with RewardPool(cfg(hostile, "spawner", timeout_s=1.0)) as pool:
-        pool.score(make_samples(["background"]))  # returns; its processes live on ...
-        assert len(_left(marks + "3")) == 3
+        samples = make_samples(["background"])
+        pool.score(samples)  # returns at once: what it started ends with the call (issue 27)
+        assert samples[0].reward == 1.0 and _left(marks + "3") == []
         pool.score(make_samples(["soft"]))  # the worker's own limit kills what the call started
         assert _left(marks + "1") == []
         pool.score(make_samples(["hard"]))  # the trainer kills the worker's whole tree
         assert _left(marks + "2") == []
-    assert _left(marks) == []  # ... until the pool closes
+    assert _left(marks) == []
 
 
 def test_close_during_a_sleeping_reward_returns_promptly(hostile):

@@ -190,3 +190,24 @@ def test_bad_names_fail_before_any_worker_starts_or_at_worker_start_up(monkeypat
     ):
         pool.score(make_samples(["a"]))
     assert pool._closed
+
+
+def test_a_reward_file_imports_a_module_beside_it(tmp_path):
+    """The file's own folder is on its import path in the check and in the scoring worker
+    (as under `python file.py`): `import helper` works, without PYTHONPATH."""
+    folder = tmp_path / "my_rewards"
+    folder.mkdir()
+    (folder / "scoring_helper.py").write_text("def score(text):\n    return float(len(text))\n")
+    (folder / "reward.py").write_text(
+        "import scoring_helper\n\n"
+        "def by_length(prompts, completions, **columns):\n"
+        "    return [scoring_helper.score(c) for c in completions]\n"
+    )
+    from leangrpo.rewards import check_rewards
+
+    name = f"{folder / 'reward.py'}:by_length"
+    assert [s.key for s in check_rewards(rewards_section(name))] == ["by_length"]
+    with RewardPool(cfg((name, 1.0, {}), timeout_s=5.0, num_workers=1)) as pool:
+        samples = make_samples(["ab", "abcd"])
+        pool.score(samples)
+    assert [s.reward for s in samples] == [2.0, 4.0]

@@ -82,3 +82,31 @@ def test_non_finite_logits_are_one_clear_error():
             eos_ids={0},
             generator=None,
         )
+
+
+def test_per_prompt_generators_draw_as_a_call_per_prompt_in_one_batched_sample(monkeypatch):
+    """Multi-turn turns carry one generator each: the rows still draw exactly what a call
+    per prompt draws, but the sampler runs once over the batch (a call per row cost as
+    much as the forward on the tool demo's model)."""
+    from leangrpo.rollout.hf import decode as decode_module
+
+    logits = torch.randn(12, 300, generator=torch.Generator().manual_seed(5)) * 2
+    params = SamplingParams(temperature=1.0, top_k=40)
+    rows, n = [0, 1, 2, 4, 5, 6, 7, 9, 10, 11, 13, 14], 3  # prompt-major, some rows finished
+    seeds = [11, 12, 13, 14, 15]
+    expected_tokens, expected_lp = [], []
+    for prompt in sorted({row // n for row in rows}):
+        mine = [i for i, row in enumerate(rows) if row // n == prompt]
+        t, lp = sample_next(logits[mine], params, torch.Generator().manual_seed(seeds[prompt]))
+        expected_tokens.append(t)
+        expected_lp.append(lp)
+    calls = []
+    real = decode_module.sample_categorical
+    monkeypatch.setattr(
+        decode_module, "sample_categorical", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    generators = [torch.Generator().manual_seed(s) for s in seeds]
+    tokens, logprobs = decode_module._sample_rows(logits, params, generators, rows, n)
+    assert torch.equal(tokens, torch.cat(expected_tokens))
+    assert torch.equal(logprobs, torch.cat(expected_lp))
+    assert len(calls) == 1  # one batched draw, not one per prompt

@@ -37,3 +37,22 @@ def test_a_batch_in_progress_resumes_with_the_same_micro_batches_and_old_logprob
             assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.targets, b.targets)
             assert torch.equal(a.old_logprobs, b.old_logprobs) and b.ref_logprobs is None
             assert torch.equal(a.advantages, b.advantages)
+
+
+def test_the_batch_metrics_are_saved_until_its_first_step_logs_them():
+    """b5_inflight_metrics.py: a stop after a batch was scored and before its first step
+    saved the batch without its metrics (reward/*, advantage/*, completions/*, ...), which
+    a straight run logs with that first step, so the resumed row lacked them."""
+    policy, _ = policy_and_optimizer()
+    cfg = step_config()
+    samples = step_samples([1.0, -1.0, 0.5, -0.5])
+    for s in samples:
+        s.reward = s.advantage
+    metrics = {"reward/mean": 0.25, "advantage/abs_mean": 0.75, "samples/unscored": 0.0}
+    work = BatchInProgress(RolloutBatch(samples, 2), plan_steps(samples, cfg, policy), 2, 0, metrics)
+    resumed = BatchInProgress.from_state(work.state_dict(), cfg, policy)
+    planned, logged = resumed.take()
+    assert {k: logged[k] for k in metrics} == metrics
+    assert planned.metrics.items() <= logged.items()
+    after_first = BatchInProgress.from_state(resumed.state_dict(), cfg, policy)
+    assert after_first.metrics == {} and not set(metrics) & set(after_first.take()[1])

@@ -25,6 +25,15 @@ GROUPS = [
 FINISH = ["stop", "max_turns", "length", "stop"]
 
 
+def model_mask(sample: RolloutSample) -> list[bool]:
+    """Per completion token: written by the model? Spelt out from the GROUPS shapes, token by
+    token, not through Trajectory.model_offsets (what packing itself uses)."""
+    mask = []
+    for n, is_model in sample.completion.trajectory.segments:
+        mask += [is_model] * n
+    return mask
+
+
 def trajectory_samples(seed: int = 0) -> list[RolloutSample]:
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -49,7 +58,7 @@ def reference_loss(model, samples, cfg) -> torch.Tensor:
     for s in samples:
         ids = torch.tensor([s.prompt.ids + s.completion.ids])
         logits = model(input_ids=ids, use_cache=False).logits[0].float()  # (L, V)
-        positions = torch.tensor(s.completion.trajectory.model_offsets()) + len(s.prompt.ids)
+        positions = torch.tensor([j for j, m in enumerate(model_mask(s)) if m]) + len(s.prompt.ids)
         logp = torch.log_softmax(logits[positions - 1], -1).gather(1, ids[0, positions, None])[:, 0]
         behaviour = torch.tensor(s.completion.logprobs)
         keep = 0.0 if masked and s.truncated else 1.0
@@ -133,7 +142,7 @@ def test_model_tokens_are_the_targets_and_environment_tokens_context():
         expected = [
             t
             for s in (samples if not shared else sorted(samples, key=lambda s: s.group_id))
-            for t in [s.completion.ids[j] for j in s.completion.trajectory.model_offsets()]
+            for t in [tok for tok, m in zip(s.completion.ids, model_mask(s)) if m]
         ]
         assert batch.targets.tolist() == expected
         assert batch.completion_lens.tolist() == [len(s.completion.logprobs) for s in samples]

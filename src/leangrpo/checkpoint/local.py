@@ -61,8 +61,8 @@ from leangrpo.checkpoint.rundir import COMPLETE, complete_checkpoints
 
 # Finding checkpoints needs no torch: the CLI does it before the model loads (rundir.py).
 from leangrpo.contracts import Completion, Prompt, RestoredCheckpoint, RolloutSample, Trajectory
+from leangrpo.model.final import write_adapter_notes
 from leangrpo.model.policy import quiet_transformers_progress
-from leangrpo.model.quantization import write_quantization_note
 
 BULKY_STATE = "trainer_state.pt"
 
@@ -174,7 +174,7 @@ def save_final_model(output_dir: str | Path, model: torch.nn.Module, tokenizer: 
     _remove_stale_tmp(output_dir, prefix=".tmp-final-")
     with _atomic_directory(output_dir / "final") as tmp:
         save_model_weights(model, tmp, for_resume=False)
-        write_quantization_note(model, tmp)
+        write_adapter_notes(model, tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     return output_dir / "final"

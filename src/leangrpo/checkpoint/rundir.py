@@ -42,6 +42,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +74,7 @@ RUN_FILES = (
     "tensorboard",
     "wandb",
     "report.png",
+    "report.html",
     "config.yaml",
 )
 # Settings that change where output goes or how often, never what is trained.
@@ -400,8 +402,29 @@ def _check_schedule_extension(checkpoint: Path, cfg: Any) -> None:
         return
     if not cfg.run.allow_config_changes:
         raise RunDirError(
-            f"run.max_steps ({cfg.run.max_steps}) goes past the end of this run's {cfg.train.lr_scheduler} learning-rate schedule ({horizon} steps, kept from when the run started), so every step after {horizon} would train at a learning rate of 0; start a new run from {str(checkpoint.parent.parent / 'final')!r} (model.name_or_path) with its own schedule, or set run.allow_config_changes: true to run those steps anyway."
+            f"run.max_steps ({cfg.run.max_steps}) goes past the end of this run's {cfg.train.lr_scheduler} learning-rate schedule ({horizon} steps, kept from when the run started), so every step after {horizon} would train at a learning rate of 0; {_new_run_advice(checkpoint.parent.parent, cfg, horizon)}, or set run.allow_config_changes: true to run those steps anyway."
         )
+
+
+def _new_run_advice(run_dir: Path, cfg: Any, horizon: int) -> str:
+    """How to train on with a schedule of its own, for the kind of run this is: full
+    fine-tuning leaves a model in final/, LoRA (quantized base or not) an adapter, which
+    `leangrpo merge` makes a model of."""
+    final = run_dir / "final"
+    first = ""
+    if not final.is_dir():
+        first = f"write its final model first (run.max_steps: {horizon} with checkpoint.save_final_model: true), then "
+    if not cfg.lora.enabled:
+        return (
+            f"{first}start a new run from {str(final)!r} (model.name_or_path) with its own schedule"
+        )
+    merged = f"{run_dir}-merged"
+    base = (
+        "its base"
+        if cfg.model.quantization == "none"
+        else "its unquantized base (the new run quantizes it again)"
+    )
+    return f"{first}merge the run's LoRA adapter into {base} with `leangrpo merge {shlex.quote(str(run_dir))} {shlex.quote(merged)}` and start a new run from {merged!r} (model.name_or_path) with its own schedule"
 
 
 MISSING = "(unset)"

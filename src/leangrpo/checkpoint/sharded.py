@@ -68,8 +68,8 @@ from leangrpo.contracts import RestoredCheckpoint
 from leangrpo.distributed.context import DistContext
 from leangrpo.distributed.fsdp import gather_for_sync
 from leangrpo.errors import RunError
+from leangrpo.model.final import write_adapter_notes
 from leangrpo.model.policy import quiet_transformers_progress
-from leangrpo.model.quantization import write_quantization_note
 
 
 def save_sharded_checkpoint(
@@ -224,7 +224,7 @@ def save_final_sharded(
         _remove_stale_tmp(final.parent, prefix=".tmp-final-")
         with _atomic_directory(final) as tmp, quiet_transformers_progress():
             model.save_pretrained(tmp, state_dict=state)
-            write_quantization_note(model, tmp)
+            write_adapter_notes(model, tmp)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
     ctx.barrier()

@@ -14,6 +14,7 @@ from pydantic import Field, field_validator, model_validator
 
 from leangrpo.config.base import ONE_DAY_S, Section
 from leangrpo.config.io import rule_error
+from leangrpo.config.sandbox import SandboxConfig
 
 
 class EnvironmentConfig(Section):
@@ -22,7 +23,7 @@ class EnvironmentConfig(Section):
     name: str = Field(
         "tools",
         min_length=1,
-        description="The environment: 'tools' (the built-in one: offers environment.tools and ends at a turn without a call), 'verifiers' (a classic verifiers MultiTurnEnv / ToolEnv, see kwargs), 'pkg.module:Class' or 'path/to/file.py:Class' (a leangrpo.environments.protocol.Environment subclass, one instance per trajectory).",
+        description="The environment: 'tools' (the built-in one: offers environment.tools and ends at a turn without a call; it gives no reward terms, so rewards.functions must hold one with a weight), 'verifiers' (a classic verifiers MultiTurnEnv / ToolEnv, see kwargs), 'pkg.module:Class' or 'path/to/file.py:Class' (a leangrpo.environments.protocol.Environment subclass, one instance per trajectory).",
     )
     kwargs: dict[str, Any] = Field(
         default_factory=dict,
@@ -30,7 +31,7 @@ class EnvironmentConfig(Section):
     )
     tools: list[str] = Field(
         default_factory=list,
-        description="Python functions offered to the model as tools, 'pkg.module:function' or 'path/to/file.py:function'; each needs type hints and a docstring with its arguments (the schema the chat template lists, transformers.utils.get_json_schema).",
+        description="Python functions offered to the model as tools, 'pkg.module:function' or 'path/to/file.py:function'; each needs type hints and a docstring with its arguments (the schema the chat template lists: transformers.utils.get_json_schema's, made by leangrpo.environments.schema), and no two tools (these and the environment class's own) may share a name.",
     )
     tool_parser: str = Field(
         "hermes",
@@ -76,16 +77,26 @@ class EnvironmentConfig(Section):
         le=3600,
         description="Seconds a worker may take to import the environment, its tools and parser.",
     )
+    max_tool_result_chars: int = Field(
+        8000,
+        ge=100,
+        le=1 << 22,
+        description="Characters of one tool result the model gets (about 2000 tokens by default); a longer result is cut and ends with a line saying so, counted in multiturn/tool_truncated.",
+    )
     memory_limit_mb: int | None = Field(
-        None,
+        8192,
         ge=256,
-        description="Address-space limit (RLIMIT_AS, MiB) of each environment worker; null = none.",
+        description="Address-space limit (RLIMIT_AS, MiB) of each environment worker and every process it starts; a tool that exceeds it fails with an error message (multiturn/tool_limit/memory). null = none.",
     )
     cpu_time_limit_s: float | None = Field(
         None,
         gt=0,
         le=ONE_DAY_S,
         description="CPU seconds one call may use (RLIMIT_CPU); null = only the time limits.",
+    )
+    sandbox: SandboxConfig = Field(
+        default_factory=SandboxConfig,
+        description="How the environment and tool workers are confined.",
     )
 
     @field_validator("tools")

@@ -171,6 +171,10 @@ class Config(Section):
             raise rule_error(
                 "environment needs data.chat_template: true, because a multi-turn conversation is rendered turn by turn with the chat template from the prompt's messages."
             )
+        if self.data.overlong_prompts.startswith("truncate"):
+            raise rule_error(
+                f"data.overlong_prompts: {self.data.overlong_prompts} cannot shorten a multi-turn prompt, whose first turn is rendered from its messages (with the tools); use error or drop."
+            )
         new = self.rollout.max_new_tokens
         if env.max_total_tokens <= new:
             raise rule_error(

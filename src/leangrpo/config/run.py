@@ -16,6 +16,7 @@ from pydantic import Field, field_validator, model_validator
 
 from leangrpo.config.base import MAX_SEED, MAX_TEMPERATURE, Section
 from leangrpo.config.io import rule_error
+from leangrpo.config.sandbox import SandboxConfig
 
 
 class RunConfig(Section):
@@ -118,7 +119,7 @@ class LoRAConfig(Section):
     )
     target_modules: list[str] | Literal["all-linear"] = Field(
         "all-linear",
-        description="Module names to adapt, or 'all-linear' for every linear layer except the output head.",
+        description="Module names to adapt, or 'all-linear' for every linear layer except the output head; modules outside the decoder (the output head, lm_head) are refused: scoring bypasses them.",
     )
 
     @field_validator("target_modules")
@@ -126,7 +127,17 @@ class LoRAConfig(Section):
     def _non_empty(cls, value: list[str] | str) -> list[str] | str:
         if isinstance(value, list) and not value:
             raise ValueError("list is empty; name at least one module or use 'all-linear'")
+        if isinstance(value, list) and "lm_head" in value:
+            raise ValueError(OUTPUT_HEAD_TARGET.format(modules="lm_head"))
         return value
+
+
+# The same sentence at load time (model/policy.py), where the head may have another name.
+OUTPUT_HEAD_TARGET = (
+    "adapts {modules}, which leangrpo's scoring bypasses (the chunked log-probs read the output "
+    "head's weight as a plain matrix, so its adapter would never train, while generation would "
+    "use it); drop it from lora.target_modules (full fine-tuning trains the head)"
+)
 
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
@@ -182,7 +193,7 @@ class DataConfig(Section):
     )
     overlong_prompts: Literal["error", "drop", "truncate_left", "truncate_right"] = Field(
         "error",
-        description="A prompt over the limit: 'error' stops before the model loads, naming the row; 'drop' leaves it out; 'truncate_left' keeps its last tokens, 'truncate_right' its first. Dropped and truncated prompts are counted (data/dropped_prompts, data/truncated_prompts).",
+        description="A prompt over the limit: 'error' stops before the model loads, naming the row; 'drop' leaves it out; 'truncate_left' keeps its last tokens, 'truncate_right' its first (not with an environment: a multi-turn prompt is measured as its first turn renders, tools listed, and cannot be cut). Dropped and truncated prompts are counted (data/dropped_prompts, data/truncated_prompts).",
     )
     empty_prompts: Literal["error", "drop"] = Field(
         "error",
@@ -256,15 +267,19 @@ class RewardsConfig(Section):
         description="Seconds a worker may take to import the reward functions (at the start-up check and whenever a worker starts).",
     )
     memory_limit_mb: int | None = Field(
-        None,
+        8192,
         ge=256,
-        description="Address-space limit (RLIMIT_AS, MiB) of each worker and every process it starts; a call that exceeds it fails. Counts virtual memory, not resident, which for a worker running the math reward is already far above what it holds. null = no limit.",
+        description="Address-space limit (RLIMIT_AS, MiB) of each worker and every process it starts; a call that exceeds it fails (counted in reward/memory_failures). Counts virtual memory, not resident, which for a worker running the math reward is already far above what it holds. null = no limit (needed by a reward that uses CUDA, which reserves far more address space).",
     )
     cpu_time_limit_s: float | None = Field(
         None,
         gt=0,
         le=86400,
         description="CPU seconds one call may use (RLIMIT_CPU, whole seconds; processes the call starts inherit at least this much). null = only timeout_s.",
+    )
+    sandbox: SandboxConfig = Field(
+        default_factory=SandboxConfig,
+        description="How the reward workers are confined.",
     )
 
     @field_validator("functions", mode="before")
@@ -273,7 +288,6 @@ class RewardsConfig(Section):
         if isinstance(value, list):
             return [{"name": item} if isinstance(item, str) else item for item in value]
         return value
-
 
 
 class EvalConfig(Section):

@@ -322,7 +322,9 @@ class RerollConfig(Section):
         description="Generate again, in the next batch, for prompts whose group carried no signal: flat (every scored completion rewarded the same) or not scored at all. Such a group is not trained on (all its advantages are 0): a flat group is left out of its batch unless the replay buffer stands in for it; once its prompt has used its re-rolls it is dropped (counted in reroll/dropped).",
     )
     max_attempts: int = Field(
-        2, ge=1, description="Re-rolls per prompt over the whole run (a resume keeps the count)."
+        2,
+        ge=1,
+        description="Re-rolls per prompt over the whole run (a resume keeps the count); a prompt that fills several groups of one batch is re-rolled once for them.",
     )
 
 
@@ -356,7 +358,7 @@ class PipelineConfig(Section):
     min_groups_per_step: int | None = Field(
         None,
         ge=1,
-        description="Async streaming: prompts are generated in chunks of this many groups, and a step starts as soon as one chunk is ready, taking every other ready chunk up to rollout.prompts_per_batch groups; a chunk is generated ahead only as far as pipeline.max_staleness allows if each chunk before it were trained alone (at 0, every batch is one chunk); null = wait for whole generation batches.",
+        description="Async streaming: prompts are generated in chunks of this many groups, and a step starts as soon as one chunk is ready, taking every other ready chunk while the step stays within rollout.prompts_per_batch groups (a chunk that would go past it waits for the next step); the chunks' metrics are merged by one rule each (counts add, means are weighted by what they average over); a chunk is generated ahead only as far as pipeline.max_staleness allows if each chunk before it were trained alone (at 0, every batch is one chunk); null = wait for whole generation batches.",
     )
     replay: ReplayConfig = Field(default_factory=ReplayConfig, description="Replay buffer.")
     reroll: RerollConfig = Field(

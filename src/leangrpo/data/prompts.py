@@ -25,6 +25,10 @@
   keep the last / first tokens (the text becomes the decoded kept tokens). Empty prompts
   (blank text, or no token ids) follow `data.empty_prompts`. `load_prompts` returns the
   counts as metrics (data/dropped_prompts, data/truncated_prompts), logged at step 0.
+  A multi-turn run renders each prompt as its trajectory's first turn does (`first_turn`:
+  the environment's tools listed, environment.chat_template), so the limit it is held to
+  (environment.max_total_tokens minus rollout.max_new_tokens among them) is checked on
+  what the model will be given, not on the data template's rendering without the tools.
 
 The order in which prompts are served is sampler.py's (`PromptSampler`).
 """
@@ -32,6 +36,7 @@ The order in which prompts are served is sampler.py's (`PromptSampler`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,11 +102,21 @@ class PromptSet:
 
 
 def load_prompts(
-    data_cfg: Any, tokenizer: Any, seed: int = 0, limit: PromptLimit | None = None
+    data_cfg: Any,
+    tokenizer: Any,
+    seed: int = 0,
+    limit: PromptLimit | None = None,
+    first_turn: Callable[[list[dict]], str] | None = None,
+    longest: int | None = None,
 ) -> PromptSet:
     """Train and eval prompts, rendered, tokenised and checked; see the module docstring.
 
     `limit` defaults to data.max_prompt_tokens alone (preflight.py adds the model's context).
+    `first_turn` (multi-turn runs: environments/rendering.py `Renderer.first_turn`) renders
+    a prompt's messages as a trajectory's first turn does, tools listed, with
+    environment.chat_template: the text, ids and limit are then those of that rendering.
+    `longest`: only the prompts with the most characters, that many of each split (a
+    quick check of the limit before the model loads; the set-up checks them all).
     """
     check_data(data_cfg)
     if limit is None and data_cfg.max_prompt_tokens is not None:
@@ -128,8 +143,10 @@ def load_prompts(
         eval_rows, eval_source = train_rows, train_source
         train_uids, eval_uids = _hold_out(len(train_rows), data_cfg.eval_size, seed)
     counts = {"dropped": 0, "truncated": 0}
-    train = _make_prompts(train_rows, train_uids, data_cfg, tokenizer, train_source, limit, counts)
-    evals = _make_prompts(eval_rows, eval_uids, data_cfg, tokenizer, eval_source, limit, counts)
+    if longest is not None:
+        train_uids, eval_uids = (_longest(rows, uids, data_cfg, longest) for rows, uids in ((train_rows, train_uids), (eval_rows, eval_uids)))  # fmt: skip
+    train = _make_prompts(train_rows, train_uids, data_cfg, tokenizer, train_source, limit, counts, first_turn)  # fmt: skip
+    evals = _make_prompts(eval_rows, eval_uids, data_cfg, tokenizer, eval_source, limit, counts, first_turn)  # fmt: skip
     if not train:
         raise DataError(
             f"no train prompts left in {train_source} after dropping empty and overlong ones; "
@@ -142,6 +159,18 @@ def load_prompts(
         "data/truncated_prompts": float(counts["truncated"]),
     }
     return PromptSet(train, evals, metrics)
+
+
+def _longest(rows: list[dict], uids: list[int], data_cfg: Any, count: int) -> list[int]:
+    """The `count` rows whose prompt has the most characters, in row order."""
+
+    def chars(uid: int) -> int:
+        cell = rows[uid].get(data_cfg.prompt_column)
+        if isinstance(cell, list):
+            return sum(len(str(m.get("content", ""))) if isinstance(m, dict) else 0 for m in cell)
+        return len(cell) if isinstance(cell, str) else 0
+
+    return sorted(sorted(uids, key=chars, reverse=True)[:count])
 
 
 def _hold_out(num_rows: int, eval_size: int, seed: int) -> tuple[list[int], list[int]]:
@@ -199,6 +228,7 @@ def _make_prompts(
     source: str,
     limit: PromptLimit | None,
     counts: dict[str, int],
+    first_turn: Callable[[list[dict]], str] | None = None,
 ) -> list[Prompt]:
     column = data_cfg.prompt_column
     check_prompt_cells(((uid, None, rows[uid].get(column)) for uid in uids), source, data_cfg)
@@ -206,10 +236,8 @@ def _make_prompts(
     dropped = set(blank)
     uids = [uid for uid in uids if uid not in dropped]
     messages = [_messages(rows[uid], data_cfg, tokenizer) for uid in uids]
-    texts = [
-        rows[uid].get(column) if m is None else _render(m, tokenizer)
-        for uid, m in zip(uids, messages)
-    ]
+    render = first_turn or (lambda m: _render(m, tokenizer))
+    texts = [rows[uid].get(column) if m is None else render(m) for uid, m in zip(uids, messages)]
     ids = (
         tokenizer(texts, add_special_tokens=not data_cfg.chat_template)["input_ids"]
         if texts
@@ -238,7 +266,9 @@ def _make_prompts(
             _rows(blank + no_ids),
         )
         counts["dropped"] += len(blank) + len(no_ids)
-    return _apply_limit(prompts, limit, data_cfg, tokenizer, source, counts) if limit else prompts
+    if not limit:
+        return prompts
+    return _apply_limit(prompts, limit, data_cfg, tokenizer, source, counts, first_turn is not None)
 
 
 def _apply_limit(
@@ -248,6 +278,7 @@ def _apply_limit(
     tokenizer: Any,
     source: str,
     counts: dict,
+    first_turn: bool = False,
 ) -> list[Prompt]:
     over = [p for p in prompts if len(p.ids) > limit.tokens]
     if not over:
@@ -256,14 +287,16 @@ def _apply_limit(
     if mode == "error":
         longest = max(over, key=lambda p: len(p.ids))
         more = (
-            f" ({len(over)} prompts are over it, the longest is row {longest.uid} with {len(longest.ids)})"
+            f" ({len(over)} of the {len(prompts)} prompts checked are over it, the longest is row {longest.uid} with {len(longest.ids)})"
             if len(over) > 1
             else ""
         )
+        what = "tokens as its first turn renders it (tools listed, with environment.chat_template)" if first_turn else "prompt tokens"  # fmt: skip
+        options = "to drop" if first_turn else "to drop, truncate_left or truncate_right"
         raise DataError(
-            f"{source} row {over[0].uid} has {len(over[0].ids)} prompt tokens, more than the "
+            f"{source} row {over[0].uid} has {len(over[0].ids)} {what}, more than the "
             f"{limit.tokens} allowed by {limit.reason}{more}; shorten it, or set "
-            f"data.overlong_prompts to drop, truncate_left or truncate_right"
+            f"data.overlong_prompts {options}"
         )
     logger.warning(
         "%s %d of %d prompts of %s longer than %d tokens (%s; rows %s)",

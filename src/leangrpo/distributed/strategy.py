@@ -54,7 +54,7 @@ RANK_SUM = ("packing/tokens", "packing/micro_batches", "packing/split_groups", "
             "offload/tensors", "offload/prefetched", "_tokens")  # fmt: skip
 RANK_MAX = ("packing/balance", "packing/padding_ratio", "time/train", "time/score",
             "time/weight_sync", "time/trainer_wait", "time/producer_idle",
-            "offload/pool_bytes", "dist/wait_max")  # fmt: skip
+            "offload/pool_bytes", "dist/wait_max", "memory/peak_gib")  # fmt: skip
 RANK_MEAN = ("packing/padding_ratio_avoided", "dist/wait_mean")
 
 
@@ -72,6 +72,7 @@ def torchrun_strategy(cfg, ctx: DistContext, output_dir: Path) -> Strategy:
         device=ctx.device,
         reference_on_meta=True,  # one full copy per rank at most (sharded later)
         abandon_waits=False,  # ranks stop together, at a step boundary
+        generates=per_rank or ctx.is_main,
         ranks=TorchrunRanks(ctx),
         checkpointer=ShardedCheckpointer(output_dir, cfg.checkpoint.keep_last, ctx),
         logger=MetricsLogger if ctx.is_main else NullLogger,

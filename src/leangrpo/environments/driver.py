@@ -20,6 +20,8 @@ loop of scheduler.py (`environment.scheduling`: per trajectory, or in rounds):
    or the reply would leave no room ('length'), after max_turns turns ('max_turns'), or when
    its environment or the rendering fails ('error': unscored, counted);
 5. finish: its environment's closing reward terms; the session ends.
+Reward terms add up over a trajectory (steps and finish); each metric is the mean of the
+values its steps and finish reported (a per-turn fraction stays a fraction).
 Weights change only between batches, so every turn of a trajectory has the same version
 (recorded per turn anyway; the completion's version is the oldest). `last_metrics` holds
 what the call's loop and stream measured (`multiturn/*`, `rollout/server*`).
@@ -68,7 +70,8 @@ class _Live:
     text: str = ""  # the last model turn's text, as the engine decoded it
     calls: list[dict] = field(default_factory=list)
     rewards: Counter = field(default_factory=Counter)
-    metrics: Counter = field(default_factory=Counter)
+    metric_sums: Counter = field(default_factory=Counter)  # the environment's metrics, over
+    metric_reports: Counter = field(default_factory=Counter)  # its reports: a mean each
     stats: Counter = field(default_factory=Counter)
     finish: FinishReason | None = None
     error: str | None = None
@@ -76,6 +79,14 @@ class _Live:
 
     def end(self, finish: FinishReason, error: str | None = None) -> None:
         self.finish, self.error = finish, error
+
+    def report(self, metrics: dict[str, float]) -> None:
+        """One step's (or the finish's) metrics: each is the mean of its reports."""
+        self.metric_sums.update(metrics)
+        self.metric_reports.update(metrics.keys())
+
+    def metrics(self) -> dict[str, float]:
+        return {k: self.metric_sums[k] / self.metric_reports[k] for k in self.metric_reports}
 
 
 class MultiTurnRollout:
@@ -138,7 +149,11 @@ class MultiTurnRollout:
             t.end("error", f"reset failed: {outcome.error}")
             return
         messages = outcome.ok["messages"]
-        start = t.prompt.messages if messages is None else messages
+        if messages is None:  # the prompt's own (the data's): rendered as they are
+            start = t.prompt.messages
+        else:  # the environment's: its control tokens neutralised, as in replies
+            start, stripped = self.renderer.sanitised(messages)
+            t.stats["control_tokens_stripped"] += stripped
         try:
             t.conversation = self.renderer.start(start)
         except Exception as e:  # the template cannot render the environment's start
@@ -178,7 +193,7 @@ class MultiTurnRollout:
             return
         ok = outcome.ok
         t.rewards.update(ok["rewards"])
-        t.metrics.update(ok["metrics"])
+        t.report(ok["metrics"])
         t.stats.update(ok["counts"])
         t.stats["env_s"] += ok["seconds"]
         t.calls.extend(ok["calls"])
@@ -212,7 +227,7 @@ class MultiTurnRollout:
             t.end("error", f"finish failed: {outcome.error}")
             return
         t.rewards.update(outcome.ok["rewards"])
-        t.metrics.update(outcome.ok["metrics"])
+        t.report(outcome.ok["metrics"])
         t.stats["env_s"] += outcome.ok["seconds"]
 
     def _log_failures(self, live: list[_Live]) -> None:
@@ -242,7 +257,7 @@ class MultiTurnRollout:
             messages=messages,
             tool_calls=t.calls,
             rewards=dict(t.rewards),
-            metrics=dict(t.metrics),
+            metrics=t.metrics(),
             stats={k: float(v) for k, v in t.stats.items()},
             error=t.error,
         )

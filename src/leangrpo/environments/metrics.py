@@ -1,12 +1,15 @@
 """What the trajectories of a batch did, as flat metrics (`multiturn/*`, `eval/multiturn/*`).
 
 Per trajectory means unless the name says otherwise: `turns` (and `turns_max`),
-`tool_calls`, `tool_errors`, `parse_errors`, per tool `tool_calls/<tool>` and
-`tool_errors/<tool>`, `model_tokens`, `env_tokens`, `turn_<k>_length` (model tokens of
+`tool_calls`, `tool_errors`, `parse_errors`, `tool_truncated` (results cut to
+environment.max_tool_result_chars), per tool `tool_calls/<tool>` and `tool_errors/<tool>`,
+per sandbox limit a tool call reached `tool_limit/<kind>` (timeout, cpu, memory, output,
+process), `model_tokens`, `env_tokens`, `turn_<k>_length` (model tokens of
 turn k, over the trajectories that reached it); `env_errors` counts the trajectories an
 environment (or the rendering) failed, `env_s` sums the seconds the environments took,
-`finish/<reason>` is the fraction that ended so, and `env/<name>` means the environments'
-own metrics. Single-turn samples give nothing.
+`finish/<reason>` is the fraction that ended so, and `env/<name>` is the mean over the
+trajectories that reported it of an environment's own metric (itself the mean of its
+reports within the trajectory). Single-turn samples give nothing.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ from collections import defaultdict
 
 from leangrpo.contracts import RolloutSample
 
-COUNTED = ("tool_calls", "tool_errors", "parse_errors", "model_tokens", "env_tokens")
-PER_TOOL = ("tool_calls/", "tool_errors/")
+COUNTED = ("tool_calls", "tool_errors", "parse_errors", "tool_truncated", "model_tokens", "env_tokens")
+PER_TOOL = ("tool_calls/", "tool_errors/", "tool_limit/")
 FINISH_REASONS = ("stop", "length", "max_turns", "error")
 
 

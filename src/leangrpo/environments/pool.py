@@ -1,10 +1,13 @@
 """The environment workers, trainer side: sessions pinned to workers, calls with limits.
 
 `EnvironmentPool(cfg.environment)` starts `environment.num_workers` worker processes
-(worker.py, through the reward workers' process manager, rewards/process.py) and waits
-until each has imported the environment (`environment.startup_timeout_s`); a failure
-there is one `EnvironmentSpecError` line. `tools` and `replies` are what the first worker
-reported: the tools' schemas (for the chat template) and the roles of the replies.
+(worker.py, in the sandbox `environment.sandbox` asks for: sandbox/process.py, levels.py;
+one log line says which) and waits until each has imported the environment
+(`environment.startup_timeout_s`); a failure there is one `EnvironmentSpecError` line.
+`tools`, `replies`, `reward_terms` and `max_tool_calls` are what the first worker
+reported: the tools' schemas (for the chat template), the roles of the replies, the reward
+terms the environment can give (None: it does not say), and the environment class's calls
+per turn.
 
 A trajectory is a session (`new_sessions`), pinned to worker `session % W`, where its
 environment lives from `reset` to `finish`. Calls are items: `submit(op, item)` queues
@@ -13,13 +16,13 @@ items answered so far, `(ticket, Outcome)`. A worker runs one task at a time (th
 of one operation queued for it, in order) and answers each item when it is done; the
 workers run concurrently, so a slow call holds up only the sessions of its own worker
 (`environment.num_workers` is the concurrency). A worker that sends nothing for an
-item's budget (its calls' limits plus a grace period: stuck in C code) has its whole tree
-killed and is replaced, and its items fail; so do those of a worker that exits or sends
-anything off the schema (wire.py). A failed item is the end of its trajectory, never an
-exception in the trainer. One caller holds the pool at a time (`exclusive`: the producer
-thread and evaluation share a pool; the multi-turn rollout holds it for a generation
-call); `reset`, `step` and `finish` are all of their items at once, answered in order.
-`close()` kills every worker at once.
+item's budget (its calls' limits, with the environment's own max_tool_calls, plus a grace
+period: stuck in C code) has its whole tree killed and is replaced, and its items fail;
+so do those of a worker that exits or sends anything off the schema (wire.py). A failed
+item is the end of its trajectory, never an exception in the trainer. One caller holds
+the pool at a time (`exclusive`: the producer thread and evaluation share a pool; the
+multi-turn rollout holds it for a generation call); `reset`, `step` and `finish` are all
+of their items at once, answered in order. `close()` kills every worker at once.
 """
 
 from __future__ import annotations
@@ -36,16 +39,13 @@ from dataclasses import asdict, dataclass
 from multiprocessing.connection import wait
 from typing import Any
 
-from leangrpo.environments.protocol import Environment
 from leangrpo.environments.registry import EnvironmentSpecError, spec_of
 from leangrpo.environments.wire import InitError, Item, Ready, checked, parse_env_reply
-from leangrpo.rewards.process import OutputBudget, WorkerGone, WorkerProcess
-from leangrpo.rewards.protocol import ProtocolError
+from leangrpo.sandbox.frames import ProtocolError
+from leangrpo.sandbox.levels import plan_for
+from leangrpo.sandbox.process import OutputBudget, WorkerGone, WorkerProcess
 
 log = logging.getLogger("leangrpo.environments")
-
-WORKER_CODE = "import sys; from leangrpo.environments.worker import main; main()"
-MAX_TOOL_CALLS = Environment.max_tool_calls  # per turn: the rest are answered with errors
 
 
 class PoolClosed(RuntimeError):
@@ -72,19 +72,16 @@ class EnvironmentPool:
         self.spec = spec_of(env_cfg)
         self.cfg = env_cfg
         self.num_workers = int(env_cfg.num_workers) if mode == "serve" else 1
-        grace = max(1.0, 0.25 * env_cfg.timeout_s)
-        # one item: the parser and the step (or reset, finish) under timeout_s each, and
-        # the tools of a turn under tool_timeout_s each
-        self.item_budget_s = 2 * env_cfg.timeout_s + MAX_TOOL_CALLS * env_cfg.tool_timeout_s + grace
+        self.plan = plan_for(env_cfg, "environment")
         self._init = {
+            "entry": "leangrpo.environments.worker",
             "mode": mode,
             "sys_path": list(sys.path),
             "spec": asdict(self.spec),
             "timeout_s": float(env_cfg.timeout_s),
             "tool_timeout_s": float(env_cfg.tool_timeout_s),
             "cpu_time_limit_s": env_cfg.cpu_time_limit_s,
-            "memory_limit_mb": env_cfg.memory_limit_mb,
-            "max_tool_calls": MAX_TOOL_CALLS,
+            "max_tool_result_chars": int(env_cfg.max_tool_result_chars),
         }
         self._lock = threading.RLock()
         self._closed = False
@@ -96,8 +93,12 @@ class EnvironmentPool:
         self._next_session = 0
         self.tools: list[dict] = []
         self.replies: list[str] = []
+        self.reward_terms: tuple[str, ...] | None = None
+        self.max_tool_calls = 0
         self._workers: list[WorkerProcess] = []
         self._busy: dict[int, _Task] = {}  # worker slot -> its task
+        if mode == "serve":
+            log.info("%s", self.plan.describe())
         try:
             self._workers = [self._spawn(slot) for slot in range(self.num_workers)]
             self._wait_ready(list(range(self.num_workers)))
@@ -105,11 +106,19 @@ class EnvironmentPool:
             self.close()
             raise
 
+    @property
+    def item_budget_s(self) -> float:
+        """How long a worker may take over one item before it counts as stuck: the parser
+        and the step (or reset, finish) under timeout_s each, the turn's tools (as many as
+        the environment allows) under tool_timeout_s each, and a grace period."""
+        cfg = self.cfg
+        grace = max(1.0, 0.25 * cfg.timeout_s)
+        return 2 * cfg.timeout_s + self.max_tool_calls * cfg.tool_timeout_s + grace
+
     # -- start-up -------------------------------------------------------------------------
     def _spawn(self, slot: int) -> WorkerProcess:
-        return WorkerProcess(
-            self._init, f"env worker {slot}", self._budget, code=WORKER_CODE, parse=parse_env_reply
-        )
+        label = f"env worker {slot}"
+        return WorkerProcess(self._init, label, self._budget, parse=parse_env_reply, plan=self.plan)
 
     def _wait_ready(self, slots: list[int]) -> None:
         waiting = set(slots)
@@ -133,14 +142,16 @@ class EnvironmentPool:
                         raise EnvironmentSpecError(reply.msg)
                     if isinstance(reply, Ready):
                         waiting.discard(slot)
-                        if not self.tools and not self.replies:
+                        if not self.replies:  # the first worker's report (they all agree)
                             self.tools, self.replies = reply.tools, reply.replies
+                            self.reward_terms = reply.reward_terms
+                            self.max_tool_calls = reply.max_tool_calls
 
     def _receive_at_start(self, worker: WorkerProcess) -> list:
         try:
             return worker.receive()
         except WorkerGone:
-            code = worker.terminate()
+            code = worker.exit_code()
             raise EnvironmentSpecError(
                 f"environment.name = {self.spec.name!r}: importing it ended the environment worker (exit code {code}); environment code must not exit at import"
             ) from None
@@ -262,7 +273,7 @@ class EnvironmentPool:
         try:
             replies = worker.receive()
         except WorkerGone:
-            code = worker.terminate()
+            code = worker.exit_code()
             self._fail(slot, f"the environment worker died (exit code {code})")
             return
         except ProtocolError as e:

@@ -12,12 +12,18 @@ An `Environment` runs one trajectory (one instance per trajectory, built with
 prompt (a function of the run seed, the batch and the prompt), so an environment that
 draws its start from it gives a group one prompt and a resume the same one again.
 `StepResult.rewards` are summed over the trajectory and added to its total reward (logged
-per name as `reward/env/<name>/mean`); `StepResult.metrics` are only logged. `tools`
+per name as `reward/env/<name>/mean`); `StepResult.metrics` are only logged: each is the
+mean of the values the trajectory's steps and finish reported for it (a step that leaves
+it out does not count), then the mean over trajectories (`multiturn/env/<name>`). `tools`
 (Python functions with type hints and docstrings, plus `environment.tools`) are offered
 to the model through the chat template; `run_tools(turn)` answers a turn's calls with one
 tool message each (an error message for a failed call, counted, never a crash).
 `replies` names the roles of the messages `step` replies with, so the start-up check
 renders those (a template may render a tool turn incrementally but not a user turn).
+`reward_terms` names the reward terms `step` and `finish` may return (None: not said); a
+run whose rewards could only ever be 0 (no reward function with a weight, an environment
+that gives no reward terms) is refused at start-up, and a term an environment returns
+without declaring it fails the call. `ToolEnvironment` gives none (`environment_rewards`).
 
 `ToolEnvironment` (environment.name 'tools') answers every turn that calls a tool with the
 tools' results and ends the trajectory at the first turn without a call (the answer).
@@ -49,7 +55,7 @@ class StepResult:
     reply: list[dict[str, Any]] = field(default_factory=list)  # messages after the turn
     done: bool = False
     rewards: dict[str, float] = field(default_factory=dict)  # summed into the total reward
-    metrics: dict[str, float] = field(default_factory=dict)  # logged only
+    metrics: dict[str, float] = field(default_factory=dict)  # logged: a mean per trajectory
 
 
 class Environment:
@@ -57,6 +63,7 @@ class Environment:
 
     tools: ClassVar[list[Callable]] = []
     replies: ClassVar[tuple[str, ...]] = ("user",)
+    reward_terms: ClassVar[tuple[str, ...] | None] = None  # the names step/finish may return
     max_tool_calls: ClassVar[int] = 16  # per turn (pool.py budgets an answer's time by it)
 
     def reset(self, messages: list[dict], row: dict[str, Any], seed: int) -> list[dict] | None:
@@ -79,7 +86,8 @@ class Environment:
         tools = {fn.__name__: fn for fn in self.offered_tools()}
         counts = self.__dict__.setdefault("tool_counts", Counter())
         parsed = ParsedTurn(turn.content, turn.calls, turn.parse_errors)
-        return tool_messages(parsed, tools, self.call_tool, counts, self.max_tool_calls)
+        max_chars = getattr(self, "max_tool_result_chars", None)  # environment's setting
+        return tool_messages(parsed, tools, self.call_tool, counts, self.max_tool_calls, max_chars)
 
     def call_tool(self, fn: Callable, arguments: dict[str, Any]) -> Any:
         """Run one tool (the worker runs it under environment.tool_timeout_s)."""
@@ -95,3 +103,14 @@ class ToolEnvironment(Environment):
         if not turn.calls and not turn.parse_errors:
             return StepResult(done=True)
         return StepResult(self.run_tools(turn))
+
+
+def environment_rewards(cls: type) -> tuple[str, ...] | None:
+    """The reward terms an environment class can give: the ones it declares; none when its
+    step and finish are leangrpo's own (ToolEnvironment's tool loop gives none); None when
+    unknown (it computes its own and does not say which)."""
+    if cls.reward_terms is not None:
+        return tuple(cls.reward_terms)
+    if cls.step is ToolEnvironment.step and cls.finish is Environment.finish:
+        return ()
+    return None

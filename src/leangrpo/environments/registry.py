@@ -12,6 +12,7 @@ that files exist) in the trainer.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,25 +73,42 @@ def load(name: str, key: str) -> Any:
         raise EnvironmentSpecError(f"{key} = {name!r}: {e}") from None
 
 
-def environment_class(spec: EnvironmentSpec) -> Callable[..., Any]:
-    """The class (or factory) that makes one environment per trajectory (worker side)."""
-    if spec.name == "tools":
-        from leangrpo.environments.protocol import ToolEnvironment
-
-        return ToolEnvironment
-    if spec.name == "verifiers":
-        from leangrpo.environments.adapters.verifiers import VerifiersEnvironment
-
-        return VerifiersEnvironment
-    return load(spec.name, "environment.name")
-
-
 def tool_functions(spec: EnvironmentSpec) -> list[Callable]:
+    return [
+        checked_tool(load(name, f"environment.tools[{i}]"), f"environment.tools[{i}] = {name!r}")
+        for i, name in enumerate(spec.tools)
+    ]
+
+
+def checked_tool(fn: Any, label: str) -> Callable:
+    """A tool is a plain function (or a bound method): the model calls it by its name with
+    the arguments its schema lists."""
+    if inspect.isfunction(fn) or inspect.ismethod(fn):
+        return fn
+    if isinstance(fn, type):
+        why = f"the class {fn.__name__}, not a function; offer a function (type hints, a docstring) that uses it"
+    else:
+        why = f"a {type(fn).__name__} object, not a function; a tool is a function with type hints and a docstring"
+    raise EnvironmentSpecError(f"{label} is {why}")
+
+
+def offered_tools(env: Any, configured: list[Callable], spec: EnvironmentSpec) -> list[Callable]:
+    """The environment's tools (its class's and the configured ones), each a function and
+    no two with one name (the model calls them by name: one would shadow the other)."""
+    offered = list(env.offered_tools())
+    own = len(offered) - len(configured)  # the class's come first, the configured ones last
+    seen: dict[str, str] = {}
     tools = []
-    for i, name in enumerate(spec.tools):
-        fn = load(name, f"environment.tools[{i}]")
-        if not callable(fn):
-            raise EnvironmentSpecError(f"environment.tools[{i}] = {name!r} is not a function")
+    for j, fn in enumerate(offered):
+        is_own = j < own or offered[own:] != configured
+        label = f"{type(env).__name__}.tools[{j}]" if is_own else f"environment.tools[{j - own}] = {spec.tools[j - own]!r}"  # fmt: skip
+        checked_tool(fn, label)
+        name = fn.__name__
+        if name in seen:
+            raise EnvironmentSpecError(
+                f"{label} and {seen[name]} are both named {name!r}; the model calls tools by name, so one would shadow the other: rename one"
+            )
+        seen[name] = label
         tools.append(fn)
     return tools
 

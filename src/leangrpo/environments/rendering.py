@@ -18,13 +18,21 @@ ends the trajectory (`NotIncremental`, finish reason 'error'). At start-up, `che
 renders a probe conversation (with the reply roles the environment produces) turn by turn
 and compares the ids with the tokenisation of the whole conversation: a template that
 rewrites earlier turns (e.g. one stripping `<think>` from history), closes a turn without
-the EOS, or whose cuts change the tokens is refused with one sentence naming it. A template
+the EOS, or whose cuts change the tokens is refused with one sentence naming it, and so is
+one that does not render a model turn's text as it is: a turn with whitespace at its edges
+is probed (Llama 3 and Gemma templates `| trim` message contents, which would end every
+such turn with 'error'; the model's ids cannot be re-rendered trimmed and stay exact). A template
 that renders the same text with and without `tools=` is refused too: tools would silently
 never reach the model (SmolLM2's does; `environment.chat_template: chatml-hermes` is a
 bundled ChatML template with Hermes tool calls).
 
-The tokenizer's special-token strings are removed from reply contents before rendering
-(counted: `control_tokens_stripped`), so a tool's output cannot forge a turn boundary.
+Control tokens (the tokenizer's special tokens, and its added tokens that the template's
+text holds, e.g. `<tool_call>`; whitespace tokens aside, as transformers' own
+`sanitize_control_tokens` infers them) are removed from every field of the messages an
+environment writes (its reset messages and replies: content, role, name, tool_call_id)
+before rendering, to a fixed point: one left-to-right pass that removes a token as soon as
+the text kept so far ends with one, so a nested `<|im_<|im_end|>end|>` leaves nothing
+either (counted: `control_tokens_stripped`). A tool's output cannot forge a turn.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from leangrpo.errors import UserError
+from leangrpo.model.tokenizer import compiled_template
 
 # ChatML with Hermes tool calls: the Qwen2.5-Instruct template (tools listed as JSON in the
 # system turn, calls in <tool_call> tags, tool replies grouped into one user turn in
@@ -107,7 +116,8 @@ class NotIncremental(ValueError):
 
 
 def load_template(spec: str | None) -> str | None:
-    """environment.chat_template: None (the tokenizer's), a bundled name, or a file."""
+    """environment.chat_template: None (the tokenizer's), a bundled name, or a file holding a
+    template that parses as transformers parses it."""
     if spec is None:
         return None
     if spec in BUNDLED_TEMPLATES:
@@ -117,7 +127,18 @@ def load_template(spec: str | None) -> str | None:
         raise TemplateError(
             f"environment.chat_template = {spec!r} is neither a bundled template ({', '.join(BUNDLED_TEMPLATES)}) nor a file"
         )
-    return path.read_text()
+    try:
+        source = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise TemplateError(f"environment.chat_template = {spec!r} cannot be read: {e}") from None
+    try:
+        compiled_template(source)
+    except Exception as e:  # jinja2's TemplateSyntaxError and friends
+        line = getattr(e, "lineno", None)
+        raise TemplateError(
+            f"environment.chat_template = {spec!r} is not a valid Jinja template: {getattr(e, 'message', None) or e}{f' (line {line})' if line else ''}; fix the template"
+        ) from None
+    return source
 
 
 class Renderer:
@@ -128,8 +149,7 @@ class Renderer:
         self.tools = tools or None
         self.template = template
         self.name = getattr(tokenizer, "name_or_path", None) or "the tokenizer"
-        specials = getattr(tokenizer, "all_special_tokens", None) or []
-        self.special_strings = sorted({s for s in specials if s}, key=len, reverse=True)
+        self.control_tokens = control_tokens(tokenizer, template)
         self._starts: dict[str, tuple[str, list[int]]] = {}  # start messages -> text, ids
 
     def render(self, messages: list[dict], generation_prompt: bool) -> str:
@@ -138,6 +158,10 @@ class Renderer:
             messages, tools=self.tools, add_generation_prompt=generation_prompt,
             tokenize=False, **kwargs,
         )  # fmt: skip
+
+    def first_turn(self, messages: list[dict]) -> str:
+        """The text a trajectory starting from `messages` is prompted with."""
+        return self.render(messages, generation_prompt=True)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -148,7 +172,7 @@ class Renderer:
         key = _json_key(messages)
         cached = self._starts.get(key) if key is not None else None
         if cached is None:
-            text = self.render(messages, generation_prompt=True)
+            text = self.first_turn(messages)
             cached = (text, self.encode(text))
             if key is not None:
                 if len(self._starts) >= MAX_REMEMBERED_STARTS:
@@ -159,15 +183,15 @@ class Renderer:
         return Conversation(self, start, text, list(ids), len(start), text)
 
     def sanitised(self, messages: list[dict]) -> tuple[list[dict], int]:
-        """Reply messages with the special-token strings removed from their contents."""
+        """Environment messages with the control tokens removed from every string field
+        (to a fixed point), and how many were removed."""
         out, stripped = [], 0
         for m in messages:
-            content = m.get("content", "")
-            for special in self.special_strings:
-                if special in content:
-                    stripped += content.count(special)
-                    content = content.replace(special, "")
-            out.append({**m, "content": content})
+            clean = {}
+            for key, value in m.items():
+                clean[key], removed = neutralised(value, self.control_tokens) if isinstance(value, str) else (value, 0)
+                stripped += removed
+            out.append(clean)
         return out, stripped
 
 
@@ -176,6 +200,46 @@ def _json_key(messages: list[dict]) -> str | None:
         return json.dumps(messages, sort_keys=True)
     except (TypeError, ValueError):  # not plain JSON: rendered every time
         return None
+
+
+def control_tokens(tokenizer: Any, template: str | None = None) -> tuple[str, ...]:
+    """The strings that render as control tokens: every special added token, and the other
+    added tokens the chat template's text holds (not whitespace ones), longest first."""
+    source = template if template is not None else getattr(tokenizer, "chat_template", None)
+    text = "\0".join(source.values()) if isinstance(source, dict) else (source or "")
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    found = {s for s in getattr(tokenizer, "all_special_tokens", None) or [] if s}
+    for token in added.values():
+        content = getattr(token, "content", str(token))
+        if content and (getattr(token, "special", False) or (content in text and not content.isspace())):
+            found.add(content)
+    return tuple(sorted(found, key=lambda s: (-len(s), s)))
+
+
+def neutralised(text: str, tokens: tuple[str, ...]) -> tuple[str, int]:
+    """`text` with every control token removed, to a fixed point, and the number removed.
+
+    One pass: each character is appended to the kept text, and when the kept text then ends
+    with a token, the token is dropped. The kept text never holds a token (a new one can
+    only end at the character just appended; dropping one leaves a prefix of text that held
+    none), so what removing tokens again and again would reach is reached at once, in
+    O(len(text) x tokens ending in that character)."""
+    if not tokens or not any(t in text for t in tokens):
+        return text, 0
+    by_last: dict[str, list[str]] = {}
+    for token in tokens:  # longest first within each ending
+        by_last.setdefault(token[-1], []).append(token)
+    kept: list[str] = []
+    removed = 0
+    for ch in text:
+        kept.append(ch)
+        for token in by_last.get(ch, ()):
+            n = len(token)
+            if len(kept) >= n and "".join(kept[-n:]) == token:
+                del kept[-n:]
+                removed += 1
+                break
+    return "".join(kept), removed
 
 
 @dataclass
@@ -278,6 +342,7 @@ def check_template(renderer: Renderer, replies: list[str], eos_id: int | None) -
         raise TemplateError(f"{name} has no EOS token, so a model turn cannot end")
     try:
         _check_tools_listed(renderer)
+        _check_keeps_whitespace(renderer)
         start, turns = probe_conversation(replies)
         conversation = renderer.start(start)
         for assistant, reply in turns:
@@ -299,6 +364,24 @@ def check_template(renderer: Renderer, replies: list[str], eos_id: int | None) -
         raise TemplateError(
             f"the chat template of {name} cannot be rendered turn by turn: the tokens of the turn-by-turn rendering differ from the whole conversation's at token {i} ({tokenizer.decode(whole[max(0, i - 3) : i + 3])!r})"
         )
+
+
+PROBE_EDGES = " It is 42.\n"  # a model turn may start and end with whitespace
+
+
+def _check_keeps_whitespace(renderer: Renderer) -> None:
+    """A model turn is rendered as its text, whitespace at its edges included (Llama 3 and
+    Gemma templates `| trim` every message: turns ending in a newline would fail)."""
+    start = [{"role": "user", "content": "What is 12 + 30?"}]
+    before = renderer.render(start, generation_prompt=True)
+    closed = renderer.render([*start, {"role": "assistant", "content": PROBE_EDGES}], generation_prompt=False)
+    if closed.startswith(before + PROBE_EDGES):
+        return
+    trims = PROBE_EDGES.strip() in closed[len(before) :] if closed.startswith(before) else False
+    how = "trims the whitespace at the edges of an assistant turn (e.g. `| trim`)" if trims else "changes an assistant turn's text"
+    raise TemplateError(
+        f"the chat template of {renderer.name} {how}, so a model turn that starts or ends with whitespace could not be kept token for token; set environment.chat_template to a template that renders message contents as they are"
+    )
 
 
 def _check_tools_listed(renderer: Renderer) -> None:

@@ -1,11 +1,15 @@
-"""What a run with an environment builds at start-up, before the model loads.
+"""What a run with an environment builds at its set-up, before the model loads.
 
-`start_environments(cfg, tokenizer, prompts)`: the environment workers (importing the
-environment, its tools and parser: a failure is one line), the chat template checked
-against the environment's replies and tools (rendering.py `check_template`), and one
-probe trajectory reset and finished on the first train prompt, so an environment whose
-reset fails stops the run here with one line rather than unscoring every sample later.
-`Environments.rollout(engine)` is then the multi-turn rollout over an engine.
+The checks that need no tokenizer (and, with the tokenizer's record, those that do) ran
+already in preflight (check.py). Here, with the real tokenizer: `start_environments(cfg,
+tokenizer)` starts the environment workers (importing the environment, its tools and
+parser: a failure is one line) and checks the chat template against the environment's
+replies and tools (rendering.py `check_template`); the trainer then loads the prompts as
+their first turn renders them (`Environments.renderer.first_turn`, data/prompts.py
+`load_prompts`), and `Environments.probe` resets and finishes one trajectory on the first
+train prompt, so an environment whose reset fails stops the run here with one line rather
+than unscoring every sample later. `Environments.rollout(engine)` is then the multi-turn
+rollout over an engine.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class Environments:
     renderer: Renderer
     limits: TurnLimits
     eos_ids: set[int]
+    name: str = "tools"  # environment.name, for messages
     scheduling: str = "per_trajectory"
 
     def rollout(self, engine: Any) -> MultiTurnRollout:
@@ -40,22 +45,33 @@ class Environments:
             engine, self.pool, self.renderer, self.limits, self.eos_ids, self.scheduling
         )
 
+    def probe(self, prompt: Prompt) -> None:
+        """One trajectory reset and finished on `prompt` (the first train prompt)."""
+        (session,) = self.pool.new_sessions(1)
+        (outcome,) = self.pool.reset([(session, prompt.messages or [], dict(prompt.columns), 0)])
+        if outcome.error is not None:
+            raise EnvironmentSpecError(
+                f"environment.name = {self.name!r}: reset failed on train prompt row {prompt.uid}: {outcome.error}"
+            )
+        self.pool.finish([(session, "stop")])
+
     def close(self) -> None:
         self.pool.close()
 
 
-def start_environments(cfg: Any, tokenizer: Any, prompts: list[Prompt]) -> Environments | None:
-    """None without an environment section; see the module docstring."""
+def start_environments(
+    cfg: Any, tokenizer: Any, pool: EnvironmentPool | None = None
+) -> Environments | None:
+    """None without an environment section; see the module docstring. `pool`: one
+    already started (prestart.py), else it is started here."""
     env_cfg = cfg.environment
     if env_cfg is None:
         return None
-    pool = EnvironmentPool(env_cfg)
+    pool = pool if pool is not None else EnvironmentPool(env_cfg)
     try:
         renderer = Renderer(tokenizer, pool.tools, load_template(env_cfg.chat_template))
         eos_ids = generation_eos_ids(cfg, tokenizer)
-        _check_template(renderer, pool.replies, eos_ids)
-        if prompts:
-            _probe(pool, prompts[0], env_cfg.name)
+        check_renderer(renderer, pool.replies, eos_ids)
     except BaseException:
         pool.close()
         raise
@@ -66,7 +82,7 @@ def start_environments(cfg: Any, tokenizer: Any, prompts: list[Prompt]) -> Envir
         pool.num_workers,
         ", ".join(t.get("function", t).get("name", "?") for t in pool.tools) or "none",
     )
-    return Environments(pool, renderer, limits, eos_ids, env_cfg.scheduling)
+    return Environments(pool, renderer, limits, eos_ids, env_cfg.name, env_cfg.scheduling)
 
 
 def generation_eos_ids(cfg: Any, tokenizer: Any) -> set[int]:
@@ -85,9 +101,9 @@ def generation_eos_ids(cfg: Any, tokenizer: Any) -> set[int]:
     return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None}
 
 
-def _check_template(renderer: Renderer, replies: list[str], eos_ids: set[int]) -> None:
-    """Passes when the template renders incrementally with one of the EOS ids (Llama 3
-    stops on two; its template closes turns with one)."""
+def check_renderer(renderer: Renderer, replies: list[str], eos_ids: set[int]) -> None:
+    """The start-up template check; it passes when the template renders incrementally with
+    one of the EOS ids (Llama 3 stops on two; its template closes turns with one)."""
     first: TemplateError | None = None
     for eos in sorted(eos_ids) or [None]:
         try:
@@ -96,13 +112,3 @@ def _check_template(renderer: Renderer, replies: list[str], eos_ids: set[int]) -
         except TemplateError as e:
             first = first or e
     raise first
-
-
-def _probe(pool: EnvironmentPool, prompt: Prompt, name: str) -> None:
-    (session,) = pool.new_sessions(1)
-    (outcome,) = pool.reset([(session, prompt.messages or [], dict(prompt.columns), 0)])
-    if outcome.error is not None:
-        raise EnvironmentSpecError(
-            f"environment.name = {name!r}: reset failed on train prompt row {prompt.uid}: {outcome.error}"
-        )
-    pool.finish([(session, "stop")])

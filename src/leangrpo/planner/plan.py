@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from leangrpo.errors import UserError
-from leangrpo.model.files import read_model_config
+from leangrpo.model.files import context_length, read_model_config
 from leangrpo.planner.inventory import (
     LINEARS,
     LOSS_BYTES_PER_TOKEN,
@@ -159,8 +159,8 @@ QUANT_BLOCK, NESTED_BLOCK = 64, 256
 
 
 def quantized_linear_bytes(inputs: int, outputs: int, quant: str, double_quant: bool) -> tuple[int, int]:
-    """(weight storage, quantization constants) of one linear as bitsandbytes keeps it; its
-    bias stays in the model dtype. 4-bit: two weights a byte; per block an fp32 absmax, or
+    """(weight storage, quantization constants) of one linear as bitsandbytes keeps it (its
+    bias: see base_bytes). 4-bit: two weights a byte; per block an fp32 absmax, or
     with double quantization a uint8 one plus per 256 blocks an fp32 absmax, the 256-value
     fp32 code and an fp32 offset; the 16-value fp32 code. int8: a byte a weight and an
     fp32 scale per output row. The constants live on the module, not in a parameter."""
@@ -176,20 +176,25 @@ def quantized_linear_bytes(inputs: int, outputs: int, quant: str, double_quant: 
 
 def base_bytes(cfg, d: Dims, b: int) -> tuple[int, int]:
     """(base parameters + buffers, of which quantization constants): with
-    model.quantization every linear of the decoder layers is stored quantized, the
-    embeddings, lm_head, norms and biases stay in the model dtype."""
+    model.quantization every linear of the decoder layers is stored quantized; the
+    embeddings, lm_head and norms stay in the model dtype, and so do the quantized linears'
+    biases, except under 4 bits: bitsandbytes' 4-bit forward casts its bias to the compute
+    dtype for good (`Linear4bit.forward`), at the first forward (the packed-attention probe
+    at load), so from then on it is held in that dtype."""
     quant = cfg.model.quantization
     if quant == "none":
         return d.params * b + d.buffer_bytes, 0
-    stored = constants = quantized = 0
-    for inputs, outputs, _ in d.linears().values():
+    stored = constants = quantized = biases = 0
+    for inputs, outputs, bias in d.linears().values():
         weight, consts = quantized_linear_bytes(
             inputs, outputs, quant, cfg.model.quantization_double_quant
         )
         stored, constants = stored + weight, constants + consts
         quantized += inputs * outputs
+        biases += outputs if bias else 0
     L = d.layers
-    rest = (d.params - L * quantized) * b + d.buffer_bytes
+    bias_b = b if quant == "int8" else compute_bytes(cfg, b)
+    rest = (d.params - L * (quantized + biases)) * b + L * biases * bias_b + d.buffer_bytes
     return rest + L * (stored + constants), L * constants
 
 
@@ -545,6 +550,36 @@ def eval_prompts(cfg) -> int:
     return 0
 
 
+def planned_prompt_tokens(cfg, prompt_tokens: int | None = None) -> tuple[int, str]:
+    """The longest prompt to plan for, and where that figure comes from: `prompt_tokens`
+    (--prompt-tokens), else data.max_prompt_tokens, else DEFAULT_PROMPT_TOKENS cut to the
+    room the model's context (and a multi-turn trajectory's budget) leaves a prompt. A
+    given length that cannot fit is refused: a plan for sequences the model cannot hold
+    would be a figure for a run that never starts."""
+    context, source = context_length(read_model_config(cfg.model))
+    new = cfg.rollout.max_new_tokens
+    rooms = []
+    if context is not None:
+        rooms.append((context - new, f"the model's {context} positions ({source}) less rollout.max_new_tokens = {new}"))
+    if cfg.environment is not None:
+        total = cfg.environment.max_total_tokens
+        rooms.append((total - new, f"environment.max_total_tokens = {total} less rollout.max_new_tokens = {new}"))
+    room, why = min(rooms, default=(None, ""))
+    given = prompt_tokens or cfg.data.max_prompt_tokens
+    if given is not None:
+        where = "--prompt-tokens" if prompt_tokens else "data.max_prompt_tokens"
+        if room is not None and given > room:
+            raise PlanError(
+                f"{where} = {given} does not fit: prompts can have at most {max(room, 0)} tokens ({why}); plan with --prompt-tokens {max(room, 1)} or less, or a model with a longer context."
+            )
+        return given, where
+    if room is not None and room < DEFAULT_PROMPT_TOKENS:
+        if room < 1:
+            raise PlanError(f"no prompt fits: {why} leaves {room} tokens; lower rollout.max_new_tokens.")
+        return room, f"the longest that fits: {why}"
+    return DEFAULT_PROMPT_TOKENS, "the default (neither --prompt-tokens nor data.max_prompt_tokens given)"
+
+
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -555,9 +590,13 @@ def render_plan(
     tokens: int | None = None,
     prompt_tokens: int | None = None,
     world_size: int = 1,
+    prompt_source: str = "",
 ) -> str:
-    """The terms in GiB, the total, and (given the config) what the figure assumes."""
+    """The terms in GiB, the total and how it is made of them, and (given the config) what
+    the figure assumes. `prompt_source`: where the prompt length came from
+    (planned_prompt_tokens)."""
     lines = ["memory plan (per device, one micro-batch):"]
+    cpu = cfg is None or cfg.run.device == "cpu"
     if cfg is not None:
         n = tokens or cfg.train.micro_batch_tokens
         prompt = prompt_tokens or cfg.data.max_prompt_tokens or DEFAULT_PROMPT_TOKENS
@@ -569,12 +608,16 @@ def render_plan(
             + (f", {cfg.model.quantization} base" if cfg.model.quantization != "none" else "")
             + "):"
         )
+        if prompt_source:
+            lines.append(f"  prompts of {prompt} tokens: {prompt_source}")
     width = max(len(k) for k in plan)
     for key, value in plan.items():
         if key == SAVED_BY_SHARING:
             continue
         note = "  (host memory)" if key == "offloaded_to_host" and value else ""
         lines.append(f"  {key:<{width}}  {value / 2**30:8.3f} GiB{note}")
+    concurrent = cfg is not None and cfg.rollout.engine == "hf" and cfg.pipeline.mode == "async"
+    lines += explain_total(plan, concurrent, cpu)
     if plan.get(SAVED_BY_SHARING):
         lines.append(
             f"  generation_copy is 0: colocated vLLM serves from the policy's weights (rollout.vllm.share_weights), which saves {plan[SAVED_BY_SHARING] / 2**30:.3f} GiB"
@@ -584,3 +627,31 @@ def render_plan(
             f"  + the process itself (python, torch, transformers, peft imported): about {PROCESS_BASELINE_CPU / 2**30:.2f} GiB of RSS, not in the total"
         )
     return "\n".join(lines)
+
+
+def explain_total(plan: dict[str, int], concurrent: bool, cpu: bool) -> list[str]:
+    """How `total` is made of the lines above it (peak()): the persistent terms plus the
+    larger of the two phases, which never hold their memory at the same time (or both,
+    when an async hf producer generates while the trainer trains)."""
+    gib = lambda value: f"{value / 2**30:.3f}"  # noqa: E731
+    persistent = [k for k in ("weights", "reference_copy", "generation_copy", "adamw_state") if plan[k]]
+    train = [k for k in ("gradients", "activations", "lm_head") if plan[k]]
+    if cpu and plan["offloaded_to_host"]:
+        train.append("offloaded_to_host")
+    fixed = sum(plan[k] for k in persistent)
+    training = sum(plan[k] for k in train)
+    generation = plan["kv_cache"]
+    first = f"  total = {' + '.join(persistent) or '0'} ({gib(fixed)}, held all run)"
+    if concurrent:
+        return [
+            first,
+            f"          + the training pass ({' + '.join(train)}: {gib(training)}) + generation (kv_cache: {gib(generation)}), at the same time: the async hf producer generates while the trainer trains",
+        ]
+    larger = "the training pass" if training >= generation else "generation"
+    host = [] if cpu or not plan["offloaded_to_host"] else [
+        "  offloaded_to_host is host memory, not the device's: not in the total"
+    ]  # fmt: skip
+    return host + [
+        first,
+        f"          + the larger of the training pass ({' + '.join(train) or '0'}: {gib(training)}) and generation (kv_cache: {gib(generation)}), which never overlap: {larger}",
+    ]

@@ -2,9 +2,9 @@
 start-up check, and a pool of worker processes that runs them with limits.
 
 Modules by role: registry.py (names, specs, errors), check.py (`check_rewards`),
-pool.py (`RewardPool`: scheduling, failures, metrics), process.py (the trainer's side of one
-worker), worker.py (the worker process), protocol.py (the wire format), proctree.py
-(finding and killing what a worker started), builtin.py (the built-in rewards).
+pool.py (`RewardPool`: scheduling, failures, metrics), worker.py (the worker's code),
+protocol.py (its replies), builtin.py (the built-in rewards). Starting, confining,
+limiting and killing worker processes is the sandbox package's (src/leangrpo/sandbox/).
 
 The names below are imported on first use, so that a worker process, which imports only
 worker.py and what it needs, starts fast.

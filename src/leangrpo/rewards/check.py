@@ -1,8 +1,9 @@
 """The start-up check of the reward functions: `check_rewards(cfg.rewards)`.
 
 First every check that imports nothing (registry.parse_specs: names, files, built-in
-kwargs, weights). Then, if any function is user code, one short-lived worker (worker.py in
-"check" mode) imports the functions and reports each by name, under
+kwargs, weights), and the sandbox (sandbox/levels.py: a `namespace` level this machine
+cannot start is refused). Then, if any function is user code, one short-lived worker
+(worker.py in "check" mode, in the sandbox) imports the functions and reports each by name, under
 `rewards.startup_timeout_s`: user code never runs in the trainer, so a file that calls
 `sys.exit`, `os._exit`, sleeps or prints at import cannot end, hang or clutter the trainer.
 Every failure is a RewardSpecError of one sentence naming the function, its file or module
@@ -17,30 +18,35 @@ from dataclasses import asdict
 from multiprocessing.connection import wait
 from typing import Any
 
-from leangrpo.rewards.process import OutputBudget, WorkerGone, WorkerProcess
-from leangrpo.rewards.protocol import InitError, Loading, ProtocolError, Ready
+from leangrpo.rewards.protocol import InitError, Loading, Ready, parse_reply
 from leangrpo.rewards.registry import BUILTIN_NAMES, ResolvedReward, RewardSpecError, parse_specs
+from leangrpo.sandbox.frames import ProtocolError
+from leangrpo.sandbox.levels import SandboxPlan, check_level, plan_for
+from leangrpo.sandbox.process import OutputBudget, WorkerGone, WorkerProcess
 
 DEFAULT_STARTUP_TIMEOUT_S = 60.0
 
 
 def check_rewards(rewards_cfg: Any) -> list[ResolvedReward]:
-    """Check the configured functions before any model loads; returns their specs."""
+    """Check the configured functions before any model loads; returns their specs. The
+    sandbox is checked first (a `namespace` this machine cannot start is refused)."""
     specs = parse_specs(rewards_cfg)
-    if any(s.name not in BUILTIN_NAMES for s in specs):
-        import_check(specs, rewards_cfg)
+    if any(s.name not in BUILTIN_NAMES for s in specs):  # user code: imported in a sandbox
+        import_check(specs, rewards_cfg, plan_for(rewards_cfg, "rewards"))
+    elif specs:
+        check_level(rewards_cfg, "rewards")
     return specs
 
 
 def worker_init(specs: list[ResolvedReward], rewards_cfg: Any, mode: str) -> dict:
     """The start-up message of a worker."""
     return {
+        "entry": "leangrpo.rewards.worker",
         "mode": mode,
         "sys_path": list(sys.path),
         "specs": [asdict(s) for s in specs],
         "timeout_s": float(rewards_cfg.timeout_s),
         "cpu_time_limit_s": getattr(rewards_cfg, "cpu_time_limit_s", None),
-        "memory_limit_mb": getattr(rewards_cfg, "memory_limit_mb", None),
     }
 
 
@@ -48,10 +54,11 @@ def startup_timeout(rewards_cfg: Any) -> float:
     return float(getattr(rewards_cfg, "startup_timeout_s", None) or DEFAULT_STARTUP_TIMEOUT_S)
 
 
-def import_check(specs: list[ResolvedReward], rewards_cfg: Any) -> None:
+def import_check(specs: list[ResolvedReward], rewards_cfg: Any, plan: SandboxPlan) -> None:
     limit = startup_timeout(rewards_cfg)
     budget = OutputBudget()
-    worker = WorkerProcess(worker_init(specs, rewards_cfg, "check"), "reward check", budget)
+    init = worker_init(specs, rewards_cfg, "check")
+    worker = WorkerProcess(init, "reward check", budget, parse=parse_reply, plan=plan)
     loading = 0
     try:
         deadline = time.monotonic() + limit
@@ -67,7 +74,7 @@ def import_check(specs: list[ResolvedReward], rewards_cfg: Any) -> None:
             try:
                 replies = worker.receive()
             except WorkerGone:
-                raise RewardSpecError(exited(specs, loading, worker.terminate())) from None
+                raise RewardSpecError(exited(specs, loading, worker.exit_code())) from None
             except ProtocolError as e:
                 raise RewardSpecError(f"{_where(specs, loading)}: {e}") from None
             for reply in replies:

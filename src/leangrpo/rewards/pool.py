@@ -4,8 +4,9 @@ Generated text is untrusted and user reward code may hang, crash, leak processes
 garbage, so nothing of it runs in the trainer's process. The pool is its own small process
 manager rather than a `ProcessPoolExecutor`, because an executor cannot stop a running task:
 
-- Workers (worker.py, started by process.py in their own sessions) resolve every function
-  once and report ready; time limits start only then, so imports never count against them.
+- Workers (worker.py, started in the sandbox `rewards.sandbox` asks for by
+  sandbox/process.py; one log line says which) resolve every function once and report
+  ready; time limits start only then, so imports never count against them.
 - `score` splits the samples into one chunk per worker (at most `chunk_size` samples while
   a function's speed is unknown) and sends each chunk to an idle worker as one message
   covering every function (functions whose measured speed calls for smaller chunks get
@@ -18,8 +19,10 @@ manager rather than a `ProcessPoolExecutor`, because an executor cannot stop a r
   logged with its message; the rest are counted in `reward/<name>/failures`.
 - Two time limits: at `timeout_s` the worker interrupts the call itself (the worker lives
   on); a worker still silent `grace_s` later (stuck in C code) has its whole process tree
-  killed and is replaced. `timeout_s` bounds one function on one chunk; chunks shrink once a
-  function's speed is measured so that a chunk takes about a quarter of it.
+  killed and is replaced. `timeout_s` bounds one function on one chunk; chunks shrink once
+  a function's speed is measured so that a chunk takes about a quarter of it. The
+  sandbox's other limits (CPU, memory, output, processes) fail a call the same way; each
+  kind is counted in `reward/<kind>_failures`.
 - Multi-turn trajectories: rewards also get the trajectory's columns (`trajectory_columns`);
   the environment's reward terms are added to the total (weight 1) as `env/<name>`, and a
   trajectory whose environment failed is unscored. With no reward function configured
@@ -47,15 +50,14 @@ from typing import TYPE_CHECKING, Any
 
 from leangrpo.pipeline.advantages import mean_std
 from leangrpo.rewards.check import did_not_start, exited, init_error, startup_timeout, worker_init
-from leangrpo.rewards.process import OutputBudget, WorkerGone, WorkerProcess
 from leangrpo.rewards.protocol import (
     CallError,
     InitError,
     Loading,
-    ProtocolError,
     Ready,
     Reply,
     Result,
+    parse_reply,
 )
 from leangrpo.rewards.registry import (
     PoolClosedError,
@@ -64,6 +66,10 @@ from leangrpo.rewards.registry import (
     RewardSpecError,
     parse_specs,
 )
+from leangrpo.sandbox.calls import LIMIT_KINDS
+from leangrpo.sandbox.frames import ProtocolError
+from leangrpo.sandbox.levels import plan_for
+from leangrpo.sandbox.process import OutputBudget, WorkerGone, WorkerProcess
 
 if TYPE_CHECKING:
     from leangrpo.contracts import RolloutSample
@@ -86,6 +92,7 @@ class _Run:
     values: list[list[float | None]]  # [function][sample]
     failures: list[int]
     queue: deque[_Task] = field(default_factory=deque)
+    limits: dict[str, int] = field(default_factory=dict)  # samples failed at a sandbox limit
 
 
 class RewardPool:
@@ -107,6 +114,9 @@ class RewardPool:
         self.grace_s = max(1.0, 0.25 * self.timeout_s)  # soft limit in the worker, then kill
         self.startup_timeout_s = startup_timeout(rewards_cfg)
         self._init = worker_init(self.specs, rewards_cfg, "serve")
+        self._plan = plan_for(rewards_cfg, "rewards") if self.specs else None
+        if self._plan is not None:
+            log.info("%s", self._plan.describe())
         self._lock = threading.RLock()  # one score() at a time; close() may re-enter
         self._state = threading.Lock()  # guards _closed against spawning new workers
         self._closed = False
@@ -137,7 +147,11 @@ class RewardPool:
                 self._budget.reset()
                 if self._closed:
                     self._release_all()
-        return _apply_and_summarise(samples, self.specs, run.values, run.failures)
+        metrics = _apply_and_summarise(samples, self.specs, run.values, run.failures)
+        if self._plan is not None:
+            for kind in LIMIT_KINDS:  # "failures" keys add up when streamed chunks merge
+                metrics[f"reward/{kind.split()[0]}_failures"] = float(run.limits.get(kind, 0))
+        return metrics
 
     # ---- scheduling ---------------------------------------------------------------------
 
@@ -240,7 +254,7 @@ class RewardPool:
         try:
             replies = worker.receive()
         except WorkerGone:
-            code = worker.terminate()
+            code = worker.exit_code()
             if not worker.ready:
                 self.close()
                 raise RewardSpecError(exited(self.specs, worker.loading, code)) from None
@@ -309,6 +323,8 @@ class RewardPool:
                 "at the first failure)"
             )
         run.failures[fn] += 1
+        if kind in LIMIT_KINDS:
+            run.limits[kind] = run.limits.get(kind, 0) + 1
         if (fn, kind) not in self._logged:
             self._logged.add((fn, kind))
             log.warning(
@@ -322,7 +338,8 @@ class RewardPool:
     # ---- worker lifecycle ---------------------------------------------------------------
 
     def _spawn(self, slot: int) -> WorkerProcess:
-        return WorkerProcess(self._init, f"reward worker {slot}", self._budget)
+        label = f"reward worker {slot}"
+        return WorkerProcess(self._init, label, self._budget, parse=parse_reply, plan=self._plan)
 
     def _fail_worker(self, slot: int, run: _Run, kind: str, msg: str) -> None:
         """The worker broke while running its task's first function: replace it, fail that

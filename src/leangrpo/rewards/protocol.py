@@ -1,16 +1,8 @@
-"""The reward workers' wire format: length-prefixed frames over a socket pair.
-
-A frame is MAGIC (4 bytes), the payload's length (4 bytes, big-endian), then the payload.
-
-- Trainer -> worker frames are pickles: trainer-made data (tasks, the start-up message), so
-  data columns reach the function with the types a direct call would give them. A worker
-  trusts its parent.
-- Worker -> trainer frames are JSON, and the trainer decodes nothing else: user reward code
-  runs in the worker, and it (or generated code it executes) can write any bytes to any
-  descriptor the worker holds. The trainer reads with its own buffer (never blocking on a
-  partial frame), and refuses a wrong magic, a payload over MAX_REPLY_BYTES, invalid JSON,
-  NaN/Infinity and every message that does not match the schema below (`ProtocolError`).
-  The pool counts that as a failure of the worker's task and replaces the worker.
+"""The reward workers' replies: the frames of sandbox/frames.py (pickles from the
+trainer, length-prefixed JSON back), with this schema. The trainer decodes nothing but
+JSON from a worker and refuses NaN/Infinity and every message that does not match
+(`ProtocolError`): the pool counts that as a failure of the worker's task and replaces the
+worker.
 
 Replies (worker -> trainer), one JSON object each:
 
@@ -30,85 +22,10 @@ from __future__ import annotations
 
 import json
 import math
-import pickle
-import socket
-import struct
 from dataclasses import dataclass
 from typing import Any
 
-MAGIC = b"LGRW"
-_HEADER = struct.Struct(">4sI")
-MAX_REPLY_BYTES = 4 << 20  # a reply holds at most a chunk's values and short messages
-MAX_TEXT = 300  # characters of an error message kept (after the worker's own truncation)
-
-
-class ProtocolError(Exception):
-    """A worker's bytes are not a valid reply (garbage, oversized, wrong schema)."""
-
-
-def one_line(text: str, limit: int = MAX_TEXT) -> str:
-    """Whitespace collapsed to single spaces, cut to `limit` characters."""
-    flat = " ".join(str(text).split())
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
-
-
-# ---- frames ------------------------------------------------------------------------------
-
-
-def frame(payload: bytes) -> bytes:
-    return _HEADER.pack(MAGIC, len(payload)) + payload
-
-
-def pickle_frame(obj: Any) -> bytes:
-    return frame(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def json_frame(message: dict) -> bytes:
-    return frame(json.dumps(message, allow_nan=False, separators=(",", ":")).encode())
-
-
-def read_frame(sock: socket.socket) -> bytes:
-    """Blocking read of one frame (worker side: its parent is trusted). EOFError at EOF."""
-    magic, size = _HEADER.unpack(_read_exact(sock, _HEADER.size))
-    if magic != MAGIC:
-        raise EOFError("bad frame from the trainer")
-    return _read_exact(sock, size)
-
-
-def _read_exact(sock: socket.socket, size: int) -> bytes:
-    chunks, left = [], size
-    while left:
-        chunk = sock.recv(min(left, 1 << 20))
-        if not chunk:
-            raise EOFError
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
-
-
-class FrameReader:
-    """Trainer side: accumulates received bytes and cuts them into payloads."""
-
-    def __init__(self, max_bytes: int = MAX_REPLY_BYTES):
-        self.max_bytes = max_bytes
-        self._buffer = bytearray()
-
-    def feed(self, data: bytes) -> list[bytes]:
-        self._buffer += data
-        payloads = []
-        while len(self._buffer) >= _HEADER.size:
-            magic, size = _HEADER.unpack_from(self._buffer)
-            if magic != MAGIC:
-                raise ProtocolError(f"garbled message from the worker (starts {bytes(magic)!r})")
-            if size > self.max_bytes:
-                raise ProtocolError(f"oversized message from the worker ({size} bytes)")
-            end = _HEADER.size + size
-            if len(self._buffer) < end:
-                break
-            payloads.append(bytes(self._buffer[_HEADER.size : end]))
-            del self._buffer[:end]
-        return payloads
-
+from leangrpo.sandbox.frames import ProtocolError, one_line
 
 # ---- replies (worker -> trainer) ---------------------------------------------------------
 

@@ -119,6 +119,9 @@ def _load_file(path: Path) -> Any:
     module_name = f"leangrpo_user_reward_{stem}_{digest}"
     if module_name in sys.modules:
         return sys.modules[module_name]
+    folder = str(path.parent)  # modules beside the file import, as under `python file.py`
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
         raise RewardSpecError(f"file {path} cannot be loaded as a Python module")

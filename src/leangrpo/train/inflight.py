@@ -5,8 +5,10 @@ the no-grad passes) and how many of its mu x steps_per_generation optimizer step
 done, taken iteration-major. A checkpoint inside a batch saves it whole: its samples
 (re-planned identically on load) and the passes' tensors, so a resume continues with the
 same micro-batches and never recomputes old or reference log-probs with weights that
-have moved since. Under torchrun the tensors are each rank's own (the checkpointer
-gathers and hands them back). See docs/ARCHITECTURE.md ("Exact resume").
+have moved since; the batch's metrics (rewards, advantages, lengths, ...), logged with its
+first step, are saved too while that step is still to come. Under torchrun the tensors
+are each rank's own (the checkpointer gathers and hands them back). See
+docs/ARCHITECTURE.md ("Exact resume").
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ class BatchInProgress:
         return planned, metrics
 
     def state_dict(self) -> dict:
-        """The samples (re-planned identically on load) and the no-grad passes' tensors."""
+        """The samples (re-planned identically on load), the no-grad passes' tensors and the
+        batch's metrics not logged yet (a stop after scoring, before its first step)."""
         attached = [
             [{k: _cpu(getattr(mb, k)) for k in NO_GRAD_FIELDS} for mb in step.micro_batches]
             for step in self.steps
@@ -56,6 +59,7 @@ class BatchInProgress:
             "attached": attached,
             "iterations": self.iterations,
             "done": self.done,
+            "metrics": {k: float(v) for k, v in self.metrics.items()},
         }
 
     @classmethod
@@ -81,7 +85,8 @@ class BatchInProgress:
         for mb, fields in zip(micro_batches, attached):
             for name, value in fields.items():
                 setattr(mb, name, None if value is None else value.to(policy.device))
-        return cls(batch, steps, state["iterations"], state["done"])
+        metrics = {str(k): float(v) for k, v in state.get("metrics", {}).items()}
+        return cls(batch, steps, state["iterations"], state["done"], metrics)
 
 
 def _cpu(value):

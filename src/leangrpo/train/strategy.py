@@ -1,7 +1,7 @@
 """The single-process strategy: one process's pieces of a run, as a `contracts.Strategy`.
 
 A Strategy holds every piece that differs between one process and torchrun: the device,
-the step's ranks, the checkpointer, the logger, sharding the policy, the weights engines
+whether this process generates, the step's ranks, the checkpointer, the logger, sharding the policy, the weights engines
 receive, the per-rank metrics reducer and the producer's shutdown. One process takes its
 roles' own pieces: `train.ranks.OneProcess`, `checkpoint.local.LocalCheckpointer`,
 `metrics.logger.MetricsLogger`, `Policy.named_trainable_tensors`, no sharding, figures as
@@ -27,6 +27,7 @@ def one_process_strategy(cfg, output_dir: Path) -> Strategy:
         device=resolve_device(cfg.run.device),
         reference_on_meta=False,
         abandon_waits=True,  # a stop signal may cut short the wait for a batch
+        generates=True,
         ranks=ONE_PROCESS,
         checkpointer=LocalCheckpointer(output_dir, cfg.checkpoint.keep_last),
         logger=MetricsLogger,

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import resource
 import time
 from pathlib import Path
 
@@ -44,10 +45,13 @@ from leangrpo.distributed.context import DistContext, init_distributed
 from leangrpo.distributed.strategy import choose_strategy
 from leangrpo.environments.setup import start_environments
 from leangrpo.errors import RunError
+from leangrpo.metrics.learning import LearningSignal, warn_if_tokenizer_drops_text
 from leangrpo.model.files import check_model_files
 from leangrpo.model.policy import Policy, load_policy, load_tokenizer
+from leangrpo.model.tokenizer import remember
 from leangrpo.pipeline.builder import build_pipeline
 from leangrpo.preflight import Preflight, check_micro_batch, preflight, prompt_limit
+from leangrpo.prestart import Prestarted
 from leangrpo.rewards import RewardPool
 from leangrpo.rollout.factory import make_engines, start_shared_engine
 from leangrpo.stopping import RunStopped, StopRequested, StopSignals
@@ -68,10 +72,16 @@ def seed_everything(seed: int) -> None:
 
 class Trainer:
     def __init__(
-        self, cfg: Config, checked: Preflight | None = None, ctx: DistContext | None = None
+        self,
+        cfg: Config,
+        checked: Preflight | None = None,
+        ctx: DistContext | None = None,
+        prestarted: Prestarted | None = None,
     ):
         """`checked`: the CLI's preflight result (its run-directory lock passes to us);
-        `ctx`: the torchrun context (default: from the environment; the caller ends it)."""
+        `ctx`: the torchrun context (default: from the environment; the caller ends it);
+        `prestarted`: worker pools the CLI started before importing torch (we take them)."""
+        self.prestarted = prestarted
         self.ctx = ctx if ctx is not None else init_distributed(cfg.distributed, cfg.run.device)
         self.checked = checked if checked is not None else preflight(cfg, self.ctx)
         try:
@@ -105,13 +115,26 @@ class Trainer:
         limit = self.checked.prompt_limit
         if self.checked.model.directory is None:  # a hub model not cached yet: fetch config.json
             limit = prompt_limit(cfg, check_model_files(cfg.model, fetch=True))
+        log.info("loading transformers, the tokenizer and the prompts ...")
         tokenizer = load_tokenizer(cfg.model)
-        prompts = load_prompts(cfg.data, tokenizer, cfg.run.seed, limit)
+        # multi-turn, still before the model loads: environment workers and the chat
+        # template, the prompts as their first turn renders them, a probe reset
+        generates = strategy.generates  # torchrun with vLLM: rank 0 alone
+        early = self.prestarted
+        pool = early.take_environment_pool() if early is not None else None
+        if generates and cfg.environment is not None and pool is None:
+            log.info("starting %d environment worker(s) ...", cfg.environment.num_workers)
+        self.environments = start_environments(cfg, tokenizer, pool) if generates else None
+        first_turn = self.environments.renderer.first_turn if self.environments else None
+        prompts = load_prompts(cfg.data, tokenizer, cfg.run.seed, limit, first_turn)
         check_micro_batch(prompts.train, cfg)
-        # multi-turn: environment workers, the chat template and a probe reset, still
-        # before the model loads
-        generates = not (ctx.distributed and cfg.rollout.engine == "vllm" and not ctx.is_main)
-        self.environments = start_environments(cfg, tokenizer, prompts.train) if generates else None
+        if ctx.is_main:
+            warn_if_tokenizer_drops_text(prompts.train, tokenizer, cfg.model.name_or_path)
+        self.learning = LearningSignal(self.out)  # warns when nothing can be learned
+        if self.environments is not None:
+            self.environments.probe(prompts.train[0])
+            remember(self.checked.model.directory, tokenizer)  # for the next run's preflight
+        log.info("loading the model %s (%s) ...", cfg.model.name_or_path, cfg.model.dtype)
         started = start_shared_engine(cfg, strategy.device)  # vLLM first: the policy views it
         shared = started.build_policy(cfg, tokenizer, strategy.device) if started else None
         self.policy: Policy = shared or load_policy(
@@ -125,7 +148,11 @@ class Trainer:
         self.schedule_steps = self._schedule_horizon()
         self.scheduler = make_scheduler(self.optimizer, cfg.train, self.schedule_steps)
         self.sampling = cfg.rollout.sampling_params()  # per-batch seeds are set by the producer
-        self.rewards = RewardPool(cfg.rewards) if engines is not None else None
+        self.rewards = early.take_rewards() if early is not None else None
+        if self.rewards is None and engines is not None:
+            if cfg.rewards.functions:
+                log.info("starting %d reward worker(s) ...", cfg.rewards.num_workers)
+            self.rewards = RewardPool(cfg.rewards)
         # hf sync, or vLLM sharing full fine-tuning weights: every version
         self.sync_every_version = cfg.generates_with_live_weights() or (
             engines is not None and engines.rollout_shares_weights
@@ -170,6 +197,7 @@ class Trainer:
             project=cfg.logging.wandb_project,
             resume_step=self.step if resumed else None,
             resume_rows=self.resume_rows if resumed else None,
+            eval_every=cfg.eval.every_steps if self.evaluator is not None else 0,
         )
 
     def _schedule_horizon(self) -> int:
@@ -225,7 +253,16 @@ class Trainer:
         clean, stopped = False, None
         try:
             if self.step == 0 and not self.resumed:
+                if self.evaluator is not None and self.evaluator.prompts:
+                    log.info("evaluating on %d held-out prompts ...", len(self.evaluator.prompts))
                 self.logger.log(0, self.evaluate(step=0))
+            rollout = self.cfg.rollout
+            log.info(
+                "training: %d steps of %d prompts x %d completions",
+                self.cfg.run.max_steps - self.step,
+                rollout.prompts_per_batch,
+                rollout.num_generations,
+            )
             self.producer.start()
             try:
                 self._loop()
@@ -372,6 +409,7 @@ class Trainer:
             "time/train": train_s,
             "time/weight_sync": sync_s,
             "throughput/train_tokens_per_s": tokens / max(train_s, 1e-9),
+            "memory/peak_gib": peak_memory_gib(self.strategy.device),
         }
         with ctx.phase("train"):  # torchrun: the ranks' figures combined (one all-gather)
             metrics = self.strategy.reduce_metrics(metrics, tokens, ctx.wait_s - waited)
@@ -402,14 +440,18 @@ class Trainer:
         """Evaluation metrics ({} on torchrun ranks that do not evaluate)."""
         if self.evaluator is None:
             return {}
+        t0 = time.perf_counter()
         with self.ctx.phase("generate"):
-            return self.evaluator.run(self.version, step=step)
+            metrics = self.evaluator.run(self.version, step=step)
+        return {**metrics, "time/eval": time.perf_counter() - t0} if metrics else {}
 
     def on_step_end(self, metrics: dict, batch: RolloutBatch) -> None:
         cfg = self.cfg
         if _due(self.step, cfg.eval.every_steps) and self.step < cfg.run.max_steps:
             metrics.update(self.evaluate(step=self.step))
         self.logger.log(self.step, metrics)
+        if self.ctx.is_main:
+            self.learning.observe(self.step, metrics)
         if _due(self.step, cfg.logging.samples_every):
             self.logger.log_samples(self.step, sample_rows(batch))
         if _due(self.step, cfg.checkpoint.every_steps) and self.step < cfg.run.max_steps:
@@ -417,7 +459,8 @@ class Trainer:
 
     def finish(self) -> dict[str, float]:
         final = self.evaluate(step=self.step)
-        self.logger.log(self.step, final)
+        if final:  # no eval set: no row of its own (it would hold only the step)
+            self.logger.log(self.step, final)
         self.save_checkpoint()
         if self.cfg.checkpoint.save_final_model:
             with self.ctx.phase("checkpoint"):
@@ -477,6 +520,13 @@ class RunSkips:
         return {"pipeline/skipped_batches": float(self.batches)}
 
 
+def peak_memory_gib(device: torch.device) -> float:
+    """The peak so far: CUDA memory allocated on a GPU, the process's RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
 def _due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
 
@@ -522,12 +572,15 @@ def _shown(sample) -> str:
 
 
 def train(
-    cfg: Config, checked: Preflight | None = None, ctx: DistContext | None = None
+    cfg: Config,
+    checked: Preflight | None = None,
+    ctx: DistContext | None = None,
+    prestarted: Prestarted | None = None,
 ) -> dict[str, float]:
     """Run `cfg` to run.max_steps; a run already finished does nothing and returns {}.
 
     `ctx`: the caller's torchrun context (it ends it); without one, the environment's is
-    made here and ended after a successful run."""
+    made here and ended after a successful run. `prestarted`: see Trainer."""
     own = ctx is None
     ctx = ctx if ctx is not None else init_distributed(cfg.distributed, cfg.run.device)
     checked = checked if checked is not None else preflight(cfg, ctx)
@@ -537,7 +590,7 @@ def train(
         log.info(checked.finished_message())
     else:
         try:
-            final = Trainer(cfg, checked, ctx).train()
+            final = Trainer(cfg, checked, ctx, prestarted).train()
         except RunStopped:  # every rank stopped at one step: they leave the group together
             if own:
                 ctx.shutdown()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import time
 import uuid
@@ -54,13 +55,14 @@ def import_verifiers() -> Any:
 
 
 def load_vf_environment(load_name: str | None = None, env_id: str | None = None, args: dict | None = None) -> Any:
-    vf = import_verifiers()
     if (load_name is None) == (env_id is None):
         raise EnvironmentSpecError(
             "environment.kwargs for verifiers need exactly one of load ('path/to/file.py:load_environment') and env_id (an installed verifiers environment)"
         )
     if env_id is not None:
-        return vf.load_environment(env_id, **(args or {}))
+        _check_installed(env_id)  # before importing verifiers, which takes seconds
+        return import_verifiers().load_environment(env_id, **(args or {}))
+    vf = import_verifiers()
     factory = load(load_name, "environment.kwargs.load")
     env = factory(**(args or {}))
     if not isinstance(env, vf.MultiTurnEnv):
@@ -70,9 +72,23 @@ def load_vf_environment(load_name: str | None = None, env_id: str | None = None,
     return env
 
 
+def _check_installed(env_id: str) -> None:
+    """verifiers imports environment `env_id` as the module `env_id` with '-' as '_'."""
+    module = str(env_id).replace("-", "_").split("/")[-1]
+    try:
+        found = module.isidentifier() and importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise EnvironmentSpecError(
+            f"environment.kwargs.env_id = {env_id!r}: no installed module {module!r}, which verifiers would import it as; install the environment's package (e.g. vf-install {env_id}), or give its file as environment.kwargs.load"
+        )
+
+
 class VerifiersEnvironment(Environment):
     """One verifiers rollout, driven turn by turn (see the module docstring)."""
 
+    reward_terms = ("reward",)  # the rubric's weighted reward
     _loaded: ClassVar[dict[str, Any]] = {}  # one verifiers environment per worker and spec
     _loop: ClassVar[asyncio.AbstractEventLoop | None] = None
 

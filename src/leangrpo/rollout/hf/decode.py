@@ -172,24 +172,28 @@ def sample_next(
     logits: torch.Tensor,
     params: SamplingParams,
     generator: torch.Generator | Sequence[torch.Generator] | None,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(b, V) logits -> sampled tokens (b,) and their processed log-probs (b,) in float32.
 
     `generator`: one stream for every row, or one per row (each row draws one uniform from
-    its own, as it would alone)."""
+    its own, as it would alone). `uniforms` (b, 1) float64: the rows' draws, already taken
+    (then `generator` is unused)."""
     scores = process_logits(logits, params.temperature, params.top_k, params.top_p, params.min_p)
     if params.temperature == 0:
         tokens = scores.argmax(dim=-1)
         return tokens, scores.gather(1, tokens[:, None]).squeeze(1) - scores.logsumexp(-1)
     peak = scores.amax(dim=-1, keepdim=True)  # (b, 1)
     weights = (scores - peak).exp_()  # (b, V) in (0, 1], filtered entries exactly 0
-    tokens, total = sample_categorical(weights, generator)  # (b,), (b,) float64
+    tokens, total = sample_categorical(weights, generator, uniforms)  # (b,), (b,) float64
     log_z = peak.squeeze(1) + total.log().float()
     return tokens, scores.gather(1, tokens.clamp(min=0)[:, None]).squeeze(1) - log_z
 
 
 def sample_categorical(
-    weights: torch.Tensor, generator: torch.Generator | Sequence[torch.Generator] | None
+    weights: torch.Tensor,
+    generator: torch.Generator | Sequence[torch.Generator] | None,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One draw per row from unnormalised weights (b, V) >= 0, by inverse CDF in float64.
 
@@ -198,14 +202,15 @@ def sample_categorical(
     drawn (the CDF does not rise there) and one uniform per row is the only randomness,
     where `torch.multinomial` draws V exponentials per row (on CPU most of a large-vocab
     decode step). Returns the tokens (b,), -1 for a row whose weights are not finite, and
-    the weight totals (b,).
+    the weight totals (b,). `uniforms` (b, 1) in [0, 1): the rows' draws when the caller
+    took them (one generator per prompt: `_sample_rows`).
     """
     b, vocab = weights.shape
     padded = torch.nn.functional.pad(weights, (0, -vocab % BLOCK)) if vocab % BLOCK else weights
     blocks = padded.reshape(b, -1, BLOCK)  # (b, nb, BLOCK), zero weights in the padding
     block_cdf = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # (b, nb)
     total = block_cdf[:, -1:]  # (b, 1)
-    u = _uniforms(b, generator, weights.device)
+    u = uniforms if uniforms is not None else _uniforms(b, generator, weights.device)
     x = torch.minimum(u * total, total * _BELOW_ONE)  # (b, 1) in [0, total)
     block = torch.searchsorted(block_cdf, x, right=True)  # (b, 1): the first cdf > x
     block = block.clamp_(max=block_cdf.shape[1] - 1)  # reached only by a NaN row
@@ -232,17 +237,17 @@ _BELOW_ONE = 1.0 - 2.0**-52  # keeps a draw strictly below its total despite rou
 
 
 def _sample_rows(logits, params, generator, rows: list[int], n: int):
-    """sample_next over the running rows, each prompt's rows with that prompt's generator."""
-    if generator is None or isinstance(generator, torch.Generator):
+    """sample_next over the running rows, each prompt's rows drawing from that prompt's
+    generator: the uniforms are taken per prompt (exactly the draws a call per prompt
+    would take), the rest runs once over the batch. A call per prompt cost as much as
+    the forward itself on a small model (multi-turn turns: one generator per row)."""
+    if generator is None or isinstance(generator, torch.Generator) or params.temperature == 0:
         return sample_next(logits, params, generator)
-    tokens, logprobs, start = [], [], 0
-    for prompt, run in itertools.groupby(rows, key=lambda row: row // n):  # prompt-major
-        stop = start + len(list(run))
-        t, lp = sample_next(logits[start:stop], params, generator[prompt])
-        tokens.append(t)
-        logprobs.append(lp)
-        start = stop
-    return torch.cat(tokens), torch.cat(logprobs)
+    draws = [
+        _uniforms(len(list(run)), generator[prompt], logits.device)
+        for prompt, run in itertools.groupby(rows, key=lambda row: row // n)  # prompt-major
+    ]
+    return sample_next(logits, params, None, torch.cat(draws))
 
 
 def append_token(row: DecodedRow, token: int, eos_ids: set[int], stop, stop_text) -> bool:

@@ -1,11 +1,11 @@
-"""Finding and killing every process a reward worker started.
+"""Finding and killing every process a worker started.
 
 Each worker is a session and process-group leader (`start_new_session`), so one killpg
-reaches what its rewards start with `os.system` or `Popen`. A process that leaves the group
-(a daemon that double-forks and calls `setsid`) is still found on Linux: the worker is a
-*child subreaper* (`PR_SET_CHILD_SUBREAPER`), so orphans are re-parented to it instead of
-init, and `descendants` walks /proc/<pid>/task/<tid>/children. Elsewhere only the group is
-reached.
+reaches what its user code starts with `os.system` or `Popen`. A process that leaves the
+group (a daemon that double-forks and calls `setsid`) is still found on Linux: the worker
+is a *child subreaper* (`PR_SET_CHILD_SUBREAPER`; in a namespace sandbox it is the PID
+namespace's init anyway), so orphans are re-parented to it instead of init, and
+`descendants` walks /proc/<pid>/task/<tid>/children. Elsewhere only the group is reached.
 
 `kill_tree` stops the worker first (SIGSTOP: it can neither fork nor reap while the tree is
 walked; a stopped subreaper still adopts orphans), SIGKILLs its live descendants until none

@@ -1,14 +1,21 @@
-"""The trainer's side of one reward worker: start it, talk to it, relay its output, kill it.
+"""The trainer's side of one worker process: start it in its sandbox, talk to it, relay
+its output, kill it.
 
 - Started with `subprocess.Popen` (thread-safe, unlike a preexec_fn): a fresh interpreter
-  (like the "spawn" start method, without re-importing the trainer's `__main__`, so torch is
-  never loaded there) in its own session (`start_new_session`), every descriptor closed but
-  the channel, stdin = /dev/null, stdout and stderr into one pipe, PYTHONUNBUFFERED so that
-  prints arrive as they happen.
+  running the launcher (launch.py, which confines it and then runs the worker's code: no
+  re-import of the trainer's `__main__`, so torch is never loaded there) in its own
+  session (`start_new_session`), every descriptor closed but the channel, stdin =
+  /dev/null, stdout and stderr into one pipe, with the plan's environment (levels.py:
+  allow-listed, HOME and TMPDIR at the worker's scratch directory). A scratch directory and,
+  for a root trainer, a pids cgroup are made per worker and removed when it is released
+  (those of a trainer that was killed, by the next trainer's first worker).
 - Replies are read without blocking into a FrameReader and parsed only when whole, so a
-  worker cannot stall the trainer with half a message; see protocol.py for what is accepted.
+  worker cannot stall the trainer with half a message; `parse` checks each against its
+  worker's schema (rewards/protocol.py, environments/wire.py).
 - Output is relayed line by line to the `leangrpo.rewards` logger as `[<label>] line`,
-  sanitised and truncated, at most `OutputBudget.lines` lines per score() call.
+  sanitised and truncated, at most `OutputBudget.lines` lines per operation; one read per
+  wake-up, so a worker that prints without pause cannot keep the pool from its deadlines
+  (the worker's own meter, output.py, already caps what it passes on).
 - `terminate` kills the worker's whole tree (proctree.kill_tree) and reaps it; it only
   signals processes, so another thread may call it while the owner is waiting on the
   worker's descriptors. `release` closes those descriptors (the owner only).
@@ -17,25 +24,31 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from leangrpo.rewards.proctree import kill_tree
-from leangrpo.rewards.protocol import FrameReader, Reply, parse_reply, pickle_frame
+from leangrpo.sandbox.cgroups import make_group, remove_group
+from leangrpo.sandbox.frames import FrameReader, pickle_frame
+from leangrpo.sandbox.launch import LAUNCH_CODE
+from leangrpo.sandbox.levels import SandboxPlan, protect_trainer
+from leangrpo.sandbox.proctree import kill_tree
 
 log = logging.getLogger("leangrpo.rewards")
 
-WORKER_CODE = "import sys; from leangrpo.rewards.worker import main; main()"
 SEND_TIMEOUT_S = 30.0  # a worker that does not read its task for this long is broken
+EXIT_REPORT_S = 1.0  # how long a worker that closed its channel may take to exit
 _LINE_CHARS = 300
 
 
@@ -65,9 +78,9 @@ class OutputBudget:
 
 
 class WorkerProcess:
-    """One worker process, its socket and its output pipe. `code` is what the fresh
-    interpreter runs (a reward worker by default; environments/ starts its own workers),
-    `parse` how its replies are read (protocol.parse_reply by default)."""
+    """One worker process, its socket and its output pipe. `init` is its start-up message
+    (`init["entry"]` names the module whose `serve` runs: rewards/worker.py or
+    environments/worker.py), `parse` how its replies are read, `plan` its sandbox."""
 
     def __init__(
         self,
@@ -75,27 +88,34 @@ class WorkerProcess:
         label: str,
         budget: OutputBudget,
         *,
-        code: str = WORKER_CODE,
-        parse: Callable[[bytes], Any] = parse_reply,
+        parse: Callable[[bytes], Any],
+        plan: SandboxPlan,
     ):
         self.label = label
         self.budget = budget
         self.parse = parse
+        if plan.level == "process":
+            protect_trainer()
+        self.scratch = scratch_directory()
+        limit = plan.cgroup_limit()
+        self.cgroup = make_group(limit) if limit is not None else None
         parent, child = socket.socketpair()
         out_read, out_write = os.pipe()
+        spec = json.dumps(plan.worker_spec(self.scratch, self.cgroup))
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", code, str(child.fileno())],
+                [sys.executable, "-c", LAUNCH_CODE, str(child.fileno()), spec],
                 pass_fds=(child.fileno(),),
                 stdin=subprocess.DEVNULL,
                 stdout=out_write,
                 stderr=out_write,
-                env=_worker_env(),
+                env=plan.environment(self.scratch),
                 start_new_session=True,
             )
         except BaseException:
             parent.close()
             os.close(out_read)
+            self._remove_files()
             raise
         finally:
             child.close()
@@ -129,7 +149,7 @@ class WorkerProcess:
         except OSError as e:  # includes the send timeout
             raise WorkerGone(f"the worker stopped reading ({type(e).__name__})") from None
 
-    def receive(self) -> list[Reply] | list[Any]:
+    def receive(self) -> list[Any]:
         """Whole replies received so far (call when the socket is readable).
         WorkerGone at EOF; protocol.ProtocolError for bytes that are not a valid reply."""
         try:
@@ -145,21 +165,21 @@ class WorkerProcess:
         return [self.sock, self.out_fd] if self.output_open else [self.sock]
 
     def relay_output(self) -> None:
-        """Log the complete lines the worker has printed so far."""
-        while True:
-            try:
-                data = os.read(self.out_fd, 1 << 16)
-            except (BlockingIOError, OSError):
-                return
-            if not data:  # every writer closed it (the worker may live on: it closed fd 1, 2)
-                self.output_open = False
-                return
-            *lines, self._line = (self._line + data).split(b"\n")
-            if len(self._line) > _LINE_CHARS:
-                lines.append(self._line)
-                self._line = b""
-            for line in lines:
-                self._show(line)
+        """Log the complete lines of one read of what the worker printed (one read: the
+        caller's loop comes back to its deadlines however fast the worker prints)."""
+        try:
+            data = os.read(self.out_fd, 1 << 16)
+        except (BlockingIOError, OSError):
+            return
+        if not data:  # every writer closed it (the worker may live on: it closed fd 1, 2)
+            self.output_open = False
+            return
+        *lines, self._line = (self._line + data).split(b"\n")
+        if len(self._line) > _LINE_CHARS:
+            lines.append(self._line)
+            self._line = b""
+        for line in lines:
+            self._show(line)
 
     def _show(self, raw: bytes) -> None:
         text = raw.decode("utf-8", "replace").rstrip("\r")
@@ -179,8 +199,23 @@ class WorkerProcess:
                     self.proc.wait(timeout=5.0)
             return self.proc.returncode
 
+    def exit_code(self) -> int | None:
+        """The exit code of a worker whose channel closed (it exited): a namespace worker's
+        launcher reports it once the kernel has ended the namespace, so it gets a moment
+        (EXIT_REPORT_S) before the tree is killed. Then as `terminate`."""
+        with self._kill_lock:
+            if self.proc.returncode is None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout=EXIT_REPORT_S)
+            if self.proc.returncode is None:
+                kill_tree(self.proc.pid)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout=5.0)
+            return self.proc.returncode
+
     def release(self) -> None:
-        """Relay the last output and close the descriptors (the owner only; idempotent)."""
+        """Relay the last output, close the descriptors and, once the worker is gone,
+        remove its scratch directory and cgroup (the owner only; idempotent)."""
         if self._released:
             return
         self._released = True
@@ -189,15 +224,39 @@ class WorkerProcess:
             self._show(self._line)
         self.sock.close()
         os.close(self.out_fd)
+        if self.proc.returncode is not None:
+            self._remove_files()
+
+    def _remove_files(self) -> None:
+        remove_group(self.cgroup)
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
     def kill(self) -> None:
         self.terminate()
         self.release()
 
 
-def _worker_env() -> dict[str, str]:
-    env = dict(os.environ)
-    src = str(Path(__file__).resolve().parents[2])  # the dir holding the leangrpo package
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
+SCRATCH_PREFIX = "leangrpo-sandbox-"
+_cleaned: list[bool] = []  # stale scratch directories removed, once per process
+
+
+def scratch_directory() -> str:
+    """A fresh scratch directory named after this trainer's pid; the first call also
+    removes those of trainers no longer running (killed before they could)."""
+    if not _cleaned:
+        _cleaned.append(True)
+        for path in Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*-*"):
+            owner = path.name[len(SCRATCH_PREFIX) :].partition("-")[0]
+            if owner.isdigit() and int(owner) != os.getpid() and not _running(int(owner)):
+                shutil.rmtree(path, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True

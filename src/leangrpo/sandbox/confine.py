@@ -1,0 +1,295 @@
+"""Confining a worker before any user code runs (worker side; stdlib and ctypes only).
+
+`spec` is the trainer's description of the sandbox (levels.py `WorkerSpec.as_dict`).
+
+namespace (Linux >= 5.14, unprivileged user namespaces or root):
+- `enter_namespace`: the launched process unshares a user namespace (its own uid mapped to
+  0 inside) with new mount, PID, IPC and, unless `network`, network namespaces, then forks:
+  the child is the worker, init of the new PID namespace (when it dies the kernel kills
+  every process in it; the trainer cannot be seen or signalled from inside). The parent
+  only waits for it and exits with its code.
+- `confine`, in the child: every mount made read-only and nosuid (recursively,
+  mount_setattr), a fresh read-only /proc of the new PID namespace, a minimal /dev (null,
+  zero, full, random, urandom, fd links, a private /dev/shm), an empty /run (no daemon
+  sockets: docker's, D-Bus's), and one writable directory, the scratch (a tmpfs of
+  `scratch_mb`, mounted over an empty directory the trainer made; HOME and TMPDIR point
+  there, while the working directory stays the trainer's, read-only, so relative paths in
+  settings and sys.path still resolve); the loopback interface up (its own, without
+  network).
+- Then privileges go: every capability (the bounding set too), no_new_privs; mounts can
+  no longer be undone.
+
+process (anywhere): no namespaces; the scratch is a plain directory; no_new_privs, and a
+root worker drops every capability (so it cannot ptrace, or read the memory of, the
+non-dumpable trainer: levels.py `protect_trainer`).
+
+Both levels: no core files (RLIMIT_CORE 0: a core pattern may run a host program),
+RLIMIT_AS at `memory_limit_mb`, and the process limit: a cgroup's pids.max, joined before
+anything else (root; cgroups.py), or RLIMIT_NPROC, which inside a user namespace counts
+the sandbox's own processes and threads only (a non-root trainer). Any failure is a
+`SetupError` naming the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import os
+import resource
+import signal
+import socket
+import struct
+import sys
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = (
+    0x00020000,
+    0x08000000,
+    0x10000000,
+    0x20000000,
+    0x40000000,
+)
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+AT_FDCWD, AT_RECURSIVE = -100, 0x8000
+MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = 0x1, 0x2
+OPEN_TREE_CLONE, OPEN_TREE_CLOEXEC, MOVE_MOUNT_F_EMPTY_PATH = 1, 0o2000000, 4
+SYS_OPEN_TREE, SYS_MOVE_MOUNT, SYS_MOUNT_SETATTR = 428, 429, 442  # one table on x86-64 and arm64
+PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT = 1, 24, 38, 47
+PR_CAP_AMBIENT_CLEAR_ALL = 4
+DEVICES = ("null", "zero", "full", "random", "urandom")
+LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
+         "stderr": "/proc/self/fd/2"}  # fmt: skip
+WORKER_TASKS = 8  # the worker's own processes and threads, beyond what its calls may start
+
+
+class SetupError(Exception):
+    """The sandbox could not be set up (one line naming the step)."""
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in ("attr_set", "attr_clr", "propagation", "userns_fd")]
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint32) for n in ("effective", "permitted", "inheritable")]
+
+
+def _check(result: int, step: str) -> int:
+    if result < 0:
+        code = ctypes.get_errno()
+        raise SetupError(f"{step}: {os.strerror(code)}")
+    return result
+
+
+def _prctl(option: int, arg: int, step: str) -> None:
+    _check(_libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0), step)
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str = "") -> None:
+    enc = [None if s is None else s.encode() for s in (source, target, fstype)]
+    result = _libc.mount(enc[0], enc[1], enc[2], ctypes.c_ulong(flags), data.encode() or None)
+    _check(result, f"mount {fstype or 'bind'} on {target}")
+
+
+# -- the namespaces (the launched process) -------------------------------------------------
+
+
+def enter_namespace(spec: dict, channel_fd: int) -> None:
+    """Unshare the namespaces and fork the worker; returns in the worker only (the parent
+    waits for it and exits with its code). The parent keeps no copy of the channel."""
+    uid, gid = os.geteuid(), os.getegid()
+    flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC
+    if not spec["network"]:
+        flags |= CLONE_NEWNET
+    _check(_libc.unshare(flags), "unshare (user namespaces may be disabled here)")
+    _write("/proc/self/setgroups", "deny")
+    _write("/proc/self/uid_map", f"0 {uid} 1")
+    _write("/proc/self/gid_map", f"0 {gid} 1")
+    try:
+        child = os.fork()
+    except OSError as e:
+        raise SetupError(f"fork: {e.strerror}") from None
+    if child == 0:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "prctl PDEATHSIG")
+        return
+    os.close(channel_fd)
+    os._exit(_wait_for(child))
+
+
+def _wait_for(child: int) -> int:
+    while True:
+        try:
+            _, status = os.waitpid(child, 0)
+        except InterruptedError:
+            continue
+        code = os.waitstatus_to_exitcode(status)
+        return code if code >= 0 else 128 - code
+
+
+def _write(path: str, text: str) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError as e:
+        raise SetupError(f"writing {path}: {e.strerror}") from None
+
+
+# -- the worker's view of the filesystem (namespace) ---------------------------------------
+
+
+def confine(spec: dict) -> None:
+    """Everything after the namespaces, in the worker; see the module docstring."""
+    try:
+        _confine(spec)
+    except OSError as e:
+        raise SetupError(str(e)) from None
+
+
+def _confine(spec: dict) -> None:
+    if spec["level"] == "namespace":
+        _mount_view(spec)
+        if not spec["network"]:
+            _loopback_up()
+    _set_limits(spec)
+    _drop_privileges()
+
+
+def _mount_view(spec: dict) -> None:
+    devices = {n: _open_tree(f"/dev/{n}") for n in DEVICES if os.path.exists(f"/dev/{n}")}
+    carried = _carried_files(spec)
+    attr = _MountAttr(MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0, 0, 0)
+    args = (AT_FDCWD, b"/", AT_RECURSIVE, ctypes.byref(attr), ctypes.sizeof(attr))
+    _check(_libc.syscall(SYS_MOUNT_SETATTR, *args), "mount_setattr (Linux >= 5.12)")
+    _mount("proc", "/proc", "proc", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    _populate_dev(devices, spec["scratch_mb"])
+    if os.path.isdir("/run"):
+        _populate("/run", carried, "mode=755,size=1m")
+    size = f"size={spec['scratch_mb']}m"
+    _mount("tmpfs", spec["scratch"], "tmpfs", MS_NOSUID | MS_NODEV, f"mode=700,{size}")
+
+
+def _open_tree(path: str) -> int:
+    flags = OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC
+    return _check(_libc.syscall(SYS_OPEN_TREE, AT_FDCWD, path.encode(), flags), f"open_tree {path}")
+
+
+def _attach(tree: int, path: str) -> None:
+    with open(path, "w"):
+        pass
+    args = (tree, b"", AT_FDCWD, path.encode(), MOVE_MOUNT_F_EMPTY_PATH)
+    _check(_libc.syscall(SYS_MOVE_MOUNT, *args), f"move_mount {path}")
+    os.close(tree)
+
+
+def _populate_dev(devices: dict[str, int], shm_mb: int) -> None:
+    flags = MS_NOSUID | MS_NOEXEC
+    _mount("tmpfs", "/dev", "tmpfs", flags, "mode=755,size=64k")
+    for name, tree in devices.items():
+        _attach(tree, f"/dev/{name}")
+    for name, target in LINKS.items():
+        os.symlink(target, f"/dev/{name}")
+    os.mkdir("/dev/shm")
+    _mount("tmpfs", "/dev", "tmpfs", flags | MS_REMOUNT | MS_RDONLY, "mode=755,size=64k")
+    _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={shm_mb}m")
+
+
+def _carried_files(spec: dict) -> dict[str, int]:
+    """Files under /run the worker still needs: with network, the resolver configuration
+    /etc/resolv.conf may point at (systemd-resolved)."""
+    if not spec["network"]:
+        return {}
+    target = os.path.realpath("/etc/resolv.conf")
+    if target.startswith("/run/") and os.path.isfile(target):
+        return {target: _open_tree(target)}
+    return {}
+
+
+def _populate(root: str, carried: dict[str, int], options: str) -> None:
+    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, options)
+    for path, tree in carried.items():
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        _attach(tree, path)
+    flags = MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_REMOUNT | MS_RDONLY
+    _mount("tmpfs", root, "tmpfs", flags, options)
+
+
+def _loopback_up() -> None:
+    """`ip link set lo up` in the worker's own network namespace."""
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        request = struct.pack("16sH22x", b"lo", 0)
+        try:
+            flags = struct.unpack("16sH22x", fcntl.ioctl(s, siocgifflags, request))[1]
+            fcntl.ioctl(s, siocsifflags, struct.pack("16sH22x", b"lo", flags | iff_up))
+        except OSError as e:
+            raise SetupError(f"bringing up the loopback interface: {e.strerror}") from None
+
+
+# -- limits and privileges (both levels) ---------------------------------------------------
+
+
+def _set_limits(spec: dict) -> None:
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if spec.get("memory_limit_mb"):
+        limit = int(spec["memory_limit_mb"]) << 20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def limit_tasks(spec: dict) -> None:
+    """RLIMIT_NPROC where it counts only the sandbox's tasks (a user namespace of a non-root
+    trainer): the tasks there now (the waiting parent, the worker's threads) plus
+    `max_processes` and room for the worker's own threads. Call once the worker's own
+    threads run."""
+    if spec.get("nproc_limit"):
+        tasks = len(os.listdir("/proc/self/task")) + 1
+        limit = tasks + WORKER_TASKS + int(spec["max_processes"])
+        resource.setrlimit(resource.RLIMIT_NPROC, (limit, limit))
+
+
+def _drop_privileges() -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    _prctl(PR_SET_NO_NEW_PRIVS, 1, "prctl NO_NEW_PRIVS")
+    with contextlib.suppress(SetupError):  # without CAP_SETPCAP there is nothing to drop
+        _prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, "prctl CAP_AMBIENT")
+    for cap in range(_last_cap() + 1):
+        if _libc.prctl(PR_CAPBSET_DROP, ctypes.c_ulong(cap), 0, 0, 0) < 0:
+            if ctypes.get_errno() == errno.EINVAL:  # beyond what this kernel knows
+                break
+            if ctypes.get_errno() == errno.EPERM:  # no CAP_SETPCAP: no capability to lose
+                break
+    header, data = _CapHeader(0x20080522, 0), (_CapData * 2)()
+    _check(_libc.capset(ctypes.byref(header), data), "capset")
+
+
+def _last_cap() -> int:
+    try:
+        with open("/proc/sys/kernel/cap_last_cap") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 63
+
+
+def probe() -> None:
+    """The trainer's test of the namespace level (levels.py; argv: the spec JSON): set it
+    up as a worker would, print "ok" or the step that failed, exit 0 or 1. Only this
+    module is imported, so the test costs little more than an interpreter's start."""
+    import json
+
+    spec = json.loads(sys.argv[1])
+    try:
+        enter_namespace(spec, os.open(os.devnull, os.O_RDONLY))
+        confine(spec)
+        limit_tasks(spec)
+    except SetupError as e:
+        print(e, flush=True)
+        os._exit(1)
+    print("ok", flush=True)
+    os._exit(0)

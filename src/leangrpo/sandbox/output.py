@@ -1,0 +1,105 @@
+"""What a worker and the processes it starts print (worker side): counted, capped, passed on.
+
+The worker's descriptors 1 and 2 become the write end of a pipe that one thread of the
+worker drains, so everything printed (by user code in the worker, or by any process it
+starts, which inherits 1 and 2) passes through it:
+
+- bytes printed during a call are counted; past `max_output_bytes` the call is stopped
+  (`on_exceeded(OUTPUT)`, calls.py), so a tool that floods its output fails with a message
+  instead of occupying the trainer;
+- at most FORWARD_BYTES per call, and per stretch between calls, are passed on to the
+  trainer's pipe (which the trainer relays to its log line by line); the rest is dropped.
+
+Both ends live on high, close-on-exec descriptors: the processes user code starts hold
+only 0, 1 and 2. A thread rather than a per-call pipe: nothing is paid per call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import sys
+import termios
+import threading
+import time
+from collections.abc import Callable
+
+from leangrpo.sandbox.calls import OUTPUT
+from leangrpo.sandbox.frames import CHANNEL_FD_MIN
+
+FORWARD_BYTES = 64 << 10
+SETTLE_S = 0.2  # at a call's end, how long its output may take to reach the trainer's pipe
+
+
+class OutputMeter:
+    def __init__(self, max_output_bytes: int):
+        self.max_bytes = max_output_bytes
+        self.on_exceeded: Callable[[str], None] | None = None
+        self.counted = 0  # bytes of the call running now
+        self.forwarded = 0  # bytes passed on in this stretch (a call, or between calls)
+        self.in_call = False
+        self._passing = False  # the drain thread holds bytes it has read but not passed on
+        self._to_trainer = fcntl.fcntl(1, fcntl.F_DUPFD_CLOEXEC, CHANNEL_FD_MIN)
+        read, write = os.pipe()
+        os.dup2(write, 1)
+        os.dup2(write, 2)
+        os.close(write)
+        self._read = fcntl.fcntl(read, fcntl.F_DUPFD_CLOEXEC, CHANNEL_FD_MIN)
+        os.close(read)
+        threading.Thread(target=self._drain, name="output-meter", daemon=True).start()
+
+    def start_call(self) -> None:
+        self.counted = self.forwarded = 0
+        self.in_call = True
+
+    def end_call(self) -> None:
+        """The call's own output is passed on before its reply leaves (so the log shows it
+        even if the worker is killed next); a process still printing gets SETTLE_S."""
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # user code may have closed or replaced it
+                stream.flush()
+        deadline = time.monotonic() + SETTLE_S
+        while (self._passing or self._unread() > 0) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        self.in_call = False
+        self.forwarded = 0
+
+    def _unread(self) -> int:
+        try:
+            return int.from_bytes(fcntl.ioctl(self._read, termios.FIONREAD, b"\0" * 4), "little")
+        except OSError:
+            return 0
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                data = os.read(self._read, 1 << 16)
+            except InterruptedError:
+                continue
+            except OSError:
+                return
+            if not data:  # every writer closed it: user code closed 1 and 2
+                return
+            self._passing = True
+            self._count(len(data))
+            self._forward(data)
+            self._passing = False
+
+    def _count(self, size: int) -> None:
+        if not self.in_call:
+            return
+        self.counted += size
+        if self.counted > self.max_bytes and self.on_exceeded is not None:
+            self.on_exceeded(OUTPUT)
+
+    def _forward(self, data: bytes) -> None:
+        room = FORWARD_BYTES - self.forwarded
+        if room <= 0:
+            return
+        chunk = data[:room]
+        self.forwarded += len(chunk)
+        with contextlib.suppress(OSError):  # the trainer closed its end: nothing to show
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(self._to_trainer, view) :]
