@@ -197,40 +197,54 @@ def latency_case(prompts_n: int, group: int, turns: int, workers: int, repeats: 
         kwargs = {"turns": turns, "fast_s": fast_s, "slow_s": slow_s}
         env = EnvironmentConfig(name=f"{LATENCY_ENV}:HeavyTail", kwargs=kwargs, num_workers=workers)
         with EnvironmentPool(env) as pool:
-            results = {}
-            for scheduling in ("rounds", "per_trajectory"):
-                engine = HFEngine(model, tokenizer)
-                results[scheduling] = _timed_rollouts(engine, pool, tokenizer, prompts, params, group, turns, scheduling, repeats)  # fmt: skip
-            extra = {"mix": mix, "fast_s": fast_s, "slow_s": slow_s, **info}
-            yield from rows_with_ratios(f"latency_{mix}", extra, results, "rounds")
+            renderer = Renderer(tokenizer, pool.tools)
+
+            def rollout(engine, scheduling, pool=pool, renderer=renderer):
+                limits, eos = TurnLimits(turns, 512), {tokenizer.eos_token_id}
+                return MultiTurnRollout(engine, pool, renderer, limits, eos, scheduling)
+
+            variants = {s: rollout(HFEngine(model, tokenizer), s) for s in ("rounds", "per_trajectory")}
             if mix == "zero":
-                caches = {
-                    "no_kept_caches": _timed_rollouts(NoKeptCaches(HFEngine(model, tokenizer)), pool, tokenizer, prompts, params, group, turns, "per_trajectory", repeats),  # fmt: skip
-                    "kept_caches": results["per_trajectory"],
-                }
+                variants["no_kept_caches"] = rollout(NoKeptCaches(HFEngine(model, tokenizer)), "per_trajectory")  # fmt: skip
+            results = _timed_rollouts(variants, prompts, params, group, repeats)
+            extra = {"mix": mix, "fast_s": fast_s, "slow_s": slow_s, **info}
+            schedulers = {k: results[k] for k in ("rounds", "per_trajectory")}
+            yield from rows_with_ratios(f"latency_{mix}", extra, schedulers, "rounds")
+            if mix == "zero":
+                caches = {"no_kept_caches": results["no_kept_caches"], "kept_caches": results["per_trajectory"]}  # fmt: skip
                 yield from rows_with_ratios("kept_caches", info, caches, "no_kept_caches")
 
 
-def _timed_rollouts(engine, pool, tokenizer, prompts, params, group, turns, scheduling, repeats):
-    renderer = Renderer(tokenizer, pool.tools)
-    limits = TurnLimits(turns, 512)
-    rollout = MultiTurnRollout(engine, pool, renderer, limits, {tokenizer.eos_token_id}, scheduling)
-    made = []
+def _timed_rollouts(variants: dict, prompts, params, group, repeats) -> dict:
+    """Each variant's best time over `repeats` calls, the variants taking turns (a shared
+    machine's load changes over a run: each variant meets the same), its peak, figures."""
+    made: dict[str, list] = {name: [] for name in variants}
 
-    def run():
+    def run(name):
+        rollout = variants[name]
         t0 = time.perf_counter()
         groups = rollout.generate(prompts, params, group, 0)
-        made.append((time.perf_counter() - t0, groups, dict(rollout.last_metrics)))
+        made[name].append((time.perf_counter() - t0, groups, dict(rollout.last_metrics)))
 
-    run()  # warm-up
-    made.clear()
-    t = timed(run, torch.device("cpu"), repeats)
-    _, groups, metrics = min(made, key=lambda m: m[0])  # the figures of the timed best
-    peak = peak_of(run, torch.device("cpu"))
+    for name in variants:
+        run(name)  # warm-up
+        made[name].clear()
+    for _ in range(repeats):
+        for name in variants:
+            run(name)
+    results = {}
+    for name, rollout in variants.items():
+        t, groups, metrics = min(made[name], key=lambda m: m[0])  # the figures of the best
+        peak = peak_of(lambda name=name: run(name), torch.device("cpu"))
+        results[name] = (t, peak, _rollout_figures(rollout.scheduling, t, groups, metrics))
+    return results
+
+
+def _rollout_figures(scheduling: str, t: float, groups, metrics: dict) -> dict:
     completions = [c for g in groups for c in g]
     model_turns = sum(len(c.trajectory.turn_versions) for c in completions)
     prefill = metrics.get("multiturn/prefill_tokens", 0.0)
-    extra = {
+    return {
         "scheduling": scheduling,
         "trajectories_per_s": round(len(completions) / t, 3),
         "model_turns": model_turns,
@@ -241,7 +255,6 @@ def _timed_rollouts(engine, pool, tokenizer, prompts, params, group, turns, sche
         "generation_s": round(metrics.get("multiturn/generation_s", 0.0), 4),
         "in_flight_mean": round(metrics.get("multiturn/in_flight_mean", 0.0), 2),
     }  # fmt: skip
-    return t, peak, extra
 
 
 # -- train --------------------------------------------------------------------------------
