@@ -77,8 +77,6 @@ class Trainer:
         try:
             self.cfg = cfg
             self.out = self.checked.run_dir.path
-            if self.ctx.is_main:
-                cfg.save(self.out / "config.yaml")
             if cfg.run.num_threads:
                 torch.set_num_threads(cfg.run.num_threads)
             seed_everything(cfg.run.seed)
@@ -143,6 +141,9 @@ class Trainer:
                 named = self._weights()
                 if engines is not None:
                     engines.rollout.update_weights(named, self.version)
+        if ctx.is_main:  # set-up done: run.overwrite sets the earlier run aside only now
+            self.checked.run_dir.begin_writing()
+            cfg.save(self.out / "config.yaml")
         self.logger = self._make_logger(resumed)
         if not resumed:
             self.logger.stage(prompts.metrics)  # merged into the step-0 row
@@ -443,6 +444,8 @@ class Trainer:
                 extra_files=extra, bulky_state=bulky, inflight=inflight,
             )  # fmt: skip
         self.saved = (self.step, path)
+        if self.ctx.is_main:  # run.overwrite: the earlier run is deleted now
+            self.checked.run_dir.checkpoint_saved()
         return path
 
     def close(self, clean: bool = False) -> None:
