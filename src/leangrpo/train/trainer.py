@@ -39,15 +39,13 @@ import torch
 from leangrpo.checkpoint.rundir import schedule_horizon
 from leangrpo.config import Config
 from leangrpo.contracts import RolloutBatch
-from leangrpo.data.prompts import load_prompts
 from leangrpo.distributed.context import DistContext, init_distributed
 from leangrpo.distributed.strategy import choose_strategy
 from leangrpo.environments.setup import start_environments
 from leangrpo.errors import RunError
-from leangrpo.model.files import check_model_files
-from leangrpo.model.policy import Policy, load_policy, load_tokenizer
+from leangrpo.model.policy import Policy, load_policy
 from leangrpo.pipeline.builder import build_pipeline
-from leangrpo.preflight import Preflight, check_micro_batch, preflight, prompt_limit
+from leangrpo.preflight import Preflight, preflight, prepare_prompts
 from leangrpo.rewards import RewardPool
 from leangrpo.rollout.factory import make_engines, start_shared_engine
 from leangrpo.stopping import RunStopped, StopRequested, StopSignals
@@ -100,12 +98,7 @@ class Trainer:
     def _build(self, cfg: Config) -> None:
         ctx = self.ctx
         self.strategy = strategy = choose_strategy(cfg, ctx, self.out)
-        limit = self.checked.prompt_limit
-        if self.checked.model.directory is None:  # a hub model not cached yet: fetch config.json
-            limit = prompt_limit(cfg, check_model_files(cfg.model, fetch=True))
-        tokenizer = load_tokenizer(cfg.model)
-        prompts = load_prompts(cfg.data, tokenizer, cfg.run.seed, limit)
-        check_micro_batch(prompts.train, cfg)
+        tokenizer, prompts = prepare_prompts(cfg, self.checked)  # `leangrpo check` runs it too
         # multi-turn: environment workers, the chat template and a probe reset, still
         # before the model loads
         generates = not (ctx.distributed and cfg.rollout.engine == "vllm" and not ctx.is_main)
