@@ -186,6 +186,36 @@ def test_a_run_killed_with_the_earlier_run_set_aside_is_settled_at_the_next_star
     again.release()
 
 
+def test_setting_aside_is_all_or_nothing(tmp_path: Path, monkeypatch) -> None:
+    """A failure half-way puts back what moved; a kill half-way leaves `.replaced-run.tmp`,
+    which the next start empties back (the files beside it are the earlier run's too)."""
+    import leangrpo.checkpoint.overwrite as overwrite
+
+    out = tmp_path / "run"
+    before = earlier_run(out)
+    run_dir = open_run_dir(make_cfg(out, overwrite=True))
+    rename, calls = os.rename, []
+
+    def second_fails(src, dst):
+        calls.append(src)
+        if len(calls) == 2:
+            raise OSError(5, "Input/output error")
+        rename(src, dst)
+
+    monkeypatch.setattr(overwrite.os, "rename", second_fails)
+    with pytest.raises(OSError):
+        run_dir.begin_writing()
+    monkeypatch.setattr(overwrite.os, "rename", rename)
+    assert tree(out) == before and not (out / (ASIDE + ".tmp")).exists()
+    run_dir.release()
+    (out / (ASIDE + ".tmp")).mkdir()  # killed after moving checkpoints/ and final/
+    for name in ("checkpoints", "final"):
+        os.rename(out / name, out / (ASIDE + ".tmp") / name)
+    again = open_run_dir(make_cfg(out))
+    assert again.finished and tree(out) == before and not (out / (ASIDE + ".tmp")).exists()
+    again.release()
+
+
 def read_only(path: Path) -> None:
     """A directory this process cannot write to, root included (chattr +i), or skip."""
     path.chmod(0o555)

@@ -9,7 +9,9 @@ deletes that directory (`EarlierRun.discard`); a run that ends before one (an er
 Ctrl-C) removes the files it wrote and puts the earlier run back (`EarlierRun.restore`).
 A process killed in between leaves `.replaced-run/` behind: the next run in the directory
 settles it first (`settle`): deleted when a complete checkpoint sits beside it (the new
-run wrote one), else restored. No torch, no leangrpo imports: rundir.py uses it.
+run wrote one), else restored. Setting aside is all or nothing (`set_aside`), so the
+files beside `.replaced-run/` are always the new run's. No torch, no leangrpo imports:
+rundir.py uses it.
 """
 
 from __future__ import annotations
@@ -52,11 +54,21 @@ class EarlierRun:
 
 
 def set_aside(output_dir: Path, names: list[str], run_files: Iterable[str]) -> EarlierRun:
-    """Move the earlier run's `names` into `.replaced-run/`; the caller discards or restores."""
+    """Move the earlier run's `names` into `.replaced-run/`; the caller discards or restores.
+
+    All or nothing: the names go into `.replaced-run.tmp/` first, which one rename then
+    makes `.replaced-run/`; a failure moves them back, a kill leaves the `.tmp` directory
+    that `settle` empties back (nothing of the new run exists yet)."""
     earlier = EarlierRun(output_dir, run_files)
-    earlier.aside.mkdir()
-    for name in names:
-        os.rename(output_dir / name, earlier.aside / name)
+    partial = output_dir / (ASIDE + ".tmp")
+    partial.mkdir()
+    try:
+        for name in names:
+            os.rename(output_dir / name, partial / name)
+        os.rename(partial, earlier.aside)
+    except BaseException:
+        _move_back(partial, output_dir)
+        raise
     log.warning(
         "run.overwrite: the earlier run in %s is set aside in %s until this run writes its first "
         "checkpoint, then deleted (put back if this run ends before)",
@@ -67,8 +79,12 @@ def set_aside(output_dir: Path, names: list[str], run_files: Iterable[str]) -> E
 
 
 def settle(output_dir: Path, run_files: Iterable[str], has_checkpoint: bool) -> None:
-    """A `.replaced-run/` left by a killed run: deleted if that run wrote a checkpoint
+    """What a run killed while replacing an earlier one left: a half-made `.replaced-run.tmp/`
+    goes back; a `.replaced-run/` is deleted if that run wrote a checkpoint
     (`has_checkpoint`), else put back."""
+    partial = output_dir / (ASIDE + ".tmp")
+    if partial.is_dir():
+        _move_back(partial, output_dir)
     earlier = EarlierRun(output_dir, run_files)
     if not earlier.aside.is_dir():
         return
@@ -76,6 +92,12 @@ def settle(output_dir: Path, run_files: Iterable[str], has_checkpoint: bool) -> 
         earlier.discard()
     else:
         earlier.restore("the run that was to replace it stopped before its first checkpoint")
+
+
+def _move_back(partial: Path, output_dir: Path) -> None:
+    for entry in sorted(partial.iterdir()):
+        os.rename(entry, output_dir / entry.name)
+    partial.rmdir()
 
 
 def _remove(path: Path) -> None:
