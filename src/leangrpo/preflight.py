@@ -45,6 +45,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from leangrpo.checkpoint.overwrite import ASIDE
 from leangrpo.checkpoint.rundir import RunDir, RunDirError, open_run_dir
 from leangrpo.config import ConfigError
 from leangrpo.data.lengths import check_prompt_text
@@ -257,6 +258,8 @@ def check_summary(cfg: Any, checked: Preflight, load_model: bool = False) -> Ite
 def describe_run_dir(run_dir: RunDir) -> str:
     """What a run would do with its directory, as `open_run_dir(dry=True)` decided."""
     path = str(run_dir.path)
+    if (run_dir.path / ASIDE).is_dir() or (run_dir.path / f"{ASIDE}.tmp").is_dir():
+        return f"{path} holds {ASIDE}/, left by a run killed while replacing an earlier one: train settles it first (deleted beside a complete checkpoint, else put back), so what it then does is decided only after that"
     if run_dir.finished:
         return run_dir.finished
     if run_dir.resume_from is not None:

@@ -24,6 +24,7 @@ from leangrpo.checkpoint.manifest import record_files, write_complete
 from leangrpo.checkpoint.overwrite import ASIDE
 from leangrpo.checkpoint.rundir import RunDirError, config_changes, open_run_dir, schedule_horizon
 from leangrpo.config import config_from_dict
+from leangrpo.preflight import describe_run_dir
 
 
 def make_cfg(out: Path, **run):
@@ -177,6 +178,8 @@ def test_a_run_killed_with_the_earlier_run_set_aside_is_settled_at_the_next_star
     if wrote_checkpoint:  # killed between its first checkpoint and deleting the earlier run
         fake_checkpoint(out, 1, make_cfg(out, overwrite=True))
     run_dir.lock.release()  # SIGKILL: the OS drops the lock, nothing else runs
+    looked = open_run_dir(make_cfg(out), dry=True)  # `leangrpo check` changes nothing
+    assert (out / ASIDE).is_dir() and "train settles it first" in describe_run_dir(looked)
     again = open_run_dir(make_cfg(out))
     assert not (out / ASIDE).exists()
     if wrote_checkpoint:  # the new run's, resumed; the earlier run is gone

@@ -58,7 +58,7 @@ from typing import Any
 import yaml
 
 from leangrpo.checkpoint.manifest import COMPLETE, checkpoint_problem
-from leangrpo.checkpoint.overwrite import EarlierRun, set_aside, settle
+from leangrpo.checkpoint.overwrite import ASIDE, EarlierRun, set_aside, settle
 from leangrpo.errors import UserError
 
 try:
@@ -253,12 +253,16 @@ def open_run_dir(cfg: Any, dry: bool = False) -> RunDir:
     """Validate, lock and classify `cfg.run.output_dir`; see the module docstring.
 
     `dry` (`leangrpo check`): the same checks and decision, but nothing is created, locked
-    or moved (a lock held by another run is still reported)."""
+    or moved (a lock held by another run is still reported); a directory still holding an
+    earlier run set aside by a killed run is left unclassified (`leangrpo check` says so)."""
     path = Path(cfg.run.output_dir).expanduser()
     make_directory(path, create=not dry)
     run_dir = RunDir(path, RunLock(path, probe=dry))
+    unsettled = any((path / name).is_dir() for name in (ASIDE, f"{ASIDE}.tmp"))
     try:
-        if not dry:  # a run killed while an earlier run was set aside
+        if unsettled and dry:  # what train decides depends on settling it first
+            return run_dir
+        if unsettled:  # a run killed while an earlier run was set aside
             settle(path, RUN_FILES, has_checkpoint=bool(complete_checkpoints(path / "checkpoints")))
         _classify(run_dir, cfg)
     except BaseException:
