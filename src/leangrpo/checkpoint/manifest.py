@@ -26,8 +26,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
 COMPLETE = "COMPLETE"
 CHUNK_BYTES = 8 << 20
 # What a resume reads from a checkpoint without a record (written by an older leangrpo)
@@ -39,6 +37,8 @@ Record = dict[str, list]  # relative path -> [bytes, checksum]
 
 
 def file_checksum(path: Path) -> str:
+    import xxhash  # only where a checkpoint is written or verified: not for --help
+
     digest = xxhash.xxh3_64()
     with open(path, "rb") as f:
         while chunk := f.read(CHUNK_BYTES):
