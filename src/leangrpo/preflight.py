@@ -232,11 +232,11 @@ def check_summary(cfg: Any, checked: Preflight, load_model: bool = False) -> Ite
     longest = max(len(p.ids) for p in [*prompts.train, *prompts.eval])
     limit = checked.prompt_limit
     allowed = f" ({limit.tokens} allowed by {limit.reason})" if limit is not None else ""
-    changed = {k.split("/")[1]: int(v) for k, v in prompts.metrics.items() if "_prompts" in k and v}
+    counts = [(int(prompts.metrics[f"data/{what}_prompts"]), what) for what in ("dropped", "truncated")]
     yield (
         f"prompts: {len(prompts.train)} to train on, {len(prompts.eval)} to evaluate; the "
         f"longest has {longest} tokens{allowed}"
-        + "".join(f", {n} {what.replace('_', ' ')}" for what, n in changed.items() if what != "eval_prompts")
+        + "".join(f", {n} {what}" for n, what in counts if n)
     )
     if cfg.environment is not None:
         from leangrpo.environments.setup import start_environments
