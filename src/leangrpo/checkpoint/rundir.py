@@ -202,7 +202,7 @@ class RunDir:
         if self.replaces and self._earlier is None:
             self._earlier = set_aside(self.path, self.replaces, RUN_FILES)
             self.replaces = []
-            left = earlier_run_files(self.path)
+            left = ", ".join(n for n in earlier_run_files(self.path) if not n.startswith(ASIDE))
             if left:
                 log.info("run.overwrite keeps the files leangrpo did not write: %s", left)
 
