@@ -85,7 +85,6 @@ def preflight(cfg: Any, ctx: Any = None, dry: bool = False) -> Preflight:
 
 def check_inputs(cfg: Any, warn: bool = True) -> tuple[ModelFiles, PromptLimit | None]:
     """Checks 1-4: everything but the run directory."""
-    from leangrpo.metrics.logger import check_backends
     from leangrpo.rewards import check_rewards
 
     check_engine_installed(cfg)
@@ -101,6 +100,8 @@ def check_inputs(cfg: Any, warn: bool = True) -> tuple[ModelFiles, PromptLimit |
     if limit is not None:  # prompts too long by their text alone, untokenised
         bound = check_prompt_text(cfg.data, limit, model.directory)
         limit = dataclasses.replace(limit, text=bound)
+    from leangrpo.metrics.logger import check_backends  # rich: imported once it is needed
+
     check_backends(list(cfg.logging.backends))
     check_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     ignored = ignored_options(cfg)
