@@ -86,6 +86,29 @@ def test_the_config_says_when_weights_cannot_be_shared():
     assert config_from_dict(lora_async).shares_vllm_weights()  # adapters are copied at sync
 
 
+def test_dtypes_are_compared_as_dtypes_and_a_worker_elsewhere_rules_sharing_out():
+    for vllm_name, model_dtype in (("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16")):
+        raw = colocated(model={"name_or_path": "m", "dtype": model_dtype})
+        raw["rollout"]["vllm"] = {"dtype": vllm_name, "share_weights": True}
+        cfg = config_from_dict(raw)  # vLLM's own name for the same dtype: no refusal
+        assert cfg.vllm_share_blocker() is None and cfg.rollout.vllm.weight_dtype() == model_dtype
+    raw = colocated(model={"name_or_path": "m", "dtype": "float32"})
+    raw["rollout"]["vllm"] = {"dtype": "half"}
+    assert "rollout.vllm.dtype (half) differs from model.dtype (float32)" in config_from_dict(raw).vllm_share_blocker()[0]  # fmt: skip
+    raw["rollout"]["vllm"] = {"dtype": "fp16"}  # not a name vLLM takes: one sentence now
+    with pytest.raises(ConfigError, match="rollout.vllm.dtype"):
+        config_from_dict(raw)
+    for executor in ("mp", "ray"):
+        raw = colocated(rollout={"engine": "vllm", "vllm": {"engine_kwargs": {"distributed_executor_backend": executor}}})  # fmt: skip
+        why, fix = config_from_dict(raw).vllm_share_blocker()
+        assert f"distributed_executor_backend is {executor}, so vLLM's worker runs in another process" in why
+        raw["rollout"]["vllm"]["share_weights"] = True
+        with pytest.raises(ConfigError, match="share_weights is true, but .*distributed_executor_backend"):
+            config_from_dict(raw)
+    uni = colocated(rollout={"engine": "vllm", "vllm": {"engine_kwargs": {"distributed_executor_backend": "uni"}}})  # fmt: skip
+    assert config_from_dict(uni).vllm_share_blocker() is None
+
+
 def test_async_full_fine_tuning_on_shared_weights_is_refused_naming_the_keys():
     raw = colocated(pipeline={"mode": "async"})
     raw["rollout"]["vllm"] = {"share_weights": True}
