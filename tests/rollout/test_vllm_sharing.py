@@ -449,7 +449,8 @@ RUN = [
     "logging.samples_every=0",
     f"rollout.vllm.engine_kwargs={ENGINE_KWARGS}",
 ]
-LORA = ["lora.enabled=true", "lora.r=8", "train.learning_rate=2e-3"]
+# not all-linear: a subset of what vLLM serves LoRA on (embed_tokens it does not serve)
+LORA = ["lora.enabled=true", "lora.r=8", "train.learning_rate=2e-3", "lora.target_modules=[q_proj, v_proj, up_proj, down_proj]"]  # fmt: skip
 
 
 @dataclass
@@ -787,6 +788,34 @@ def test_a_layout_the_views_cannot_express_is_refused_before_vllms_layers_change
         assert max_logprob_gap(policy.model, prompts, groups, params) < 1e-4
     finally:
         engines.close()
+
+
+@pytest.mark.vllm
+def test_an_adapter_on_a_module_vllm_serves_no_lora_on_is_refused_before_training(tmp_path):
+    """LoRA on q_proj and embed_tokens (Qwen2: vLLM serves no LoRA on embed_tokens), shared
+    weights: the in-memory sync refuses it naming the module (vLLM would serve the q_proj
+    part alone), and the engines are refused before any training, the engine closed."""
+    from leangrpo.model.policy import load_tokenizer
+    from leangrpo.rollout.factory import make_engines, start_shared_engine
+
+    cfg = load_config(DEMO_YAML, [f"run.output_dir={tmp_path / 'run'}", "rollout.engine=vllm", f"rollout.vllm.engine_kwargs={ENGINE_KWARGS}", "rollout.vllm.share_weights=true", *LORA[:3], "lora.target_modules=[q_proj, embed_tokens]"])  # fmt: skip
+    tokenizer = load_tokenizer(cfg.model)
+    started = start_shared_engine(cfg, torch.device("cpu"))
+    policy = started.build_policy(cfg, tokenizer, torch.device("cpu"))
+    engine = started.engine
+    try:
+        assert engine.backend.lora_modules() == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]  # fmt: skip
+        engine.adapter_config = policy.model.peft_config["default"]
+        perturb(policy.model, scale=0.5, seed=1)  # every adapter part non-zero
+        why = r"lora.target_modules puts adapters on embed_tokens \(model.embed_tokens\), which vLLM does not serve LoRA on"
+        with pytest.raises(ValueError, match=why):  # in memory: vLLM would keep the q_proj part
+            engine.update_weights(policy.named_trainable_tensors(), 1)
+        assert engine.version == 0 and not engine.backend.adapters.slots
+        with pytest.raises(RunError, match=why):
+            make_engines(cfg, policy, None, None, started=engine)
+        assert engine.backend.llm is None  # closed by the refusal
+    finally:
+        engine.close()
 
 
 class Interrupt:

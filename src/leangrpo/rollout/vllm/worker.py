@@ -23,7 +23,9 @@ trainer (sharing.py), in-process only, where `collective_rpc` passes live object
 ways: the model itself; where the worker runs and which storages it serves from (plain
 numbers, so the answer is true across any process boundary); on CPU, plain weights
 again where vLLM prepacked them, and vLLM's own processing back after a refusal; and LoRA
-adapters from tensors in memory. Its methods are prefixed `leangrpo_`: an extension may not define a name
+adapters from tensors in memory, refused when they adapt a module vLLM serves no LoRA on
+(the check vLLM's file loader makes; `leangrpo_lora_modules` lists what it serves, for
+every engine). Its methods are prefixed `leangrpo_`: an extension may not define a name
 the worker has (vLLM asserts it).
 """
 
@@ -35,6 +37,8 @@ from collections.abc import Iterator
 
 import torch
 from safetensors import safe_open
+
+from leangrpo.rollout.vllm.files import unservable_message, unservable_modules
 
 
 def iter_safetensors(paths: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -66,6 +70,21 @@ class SharingExtension:
         storages: what the caller compares with its own process and the model it got."""
         model = self.model_runner.get_model()
         return os.getpid(), sorted({p.untyped_storage().data_ptr() for p in model.parameters()})
+
+    def leangrpo_lora_modules(self) -> list[str]:
+        """The module names vLLM serves LoRA on for this model (packed names expanded), as
+        `WorkerLoRAManager._load_adapter` computes them; [] with LoRA off."""
+        workers = getattr(self.model_runner, "lora_manager", None)
+        manager = getattr(workers, "_adapter_manager", None)
+        if manager is None:
+            return []
+        packed = manager.packed_modules_mapping
+        names: set[str] = set()
+        for module in manager.supported_lora_modules:
+            names.update(packed.get(module, [module]))
+            if module == "experts":
+                names.add(module)
+        return sorted(names)
 
     @torch.no_grad()
     def leangrpo_plain_weights(self) -> list[str]:
@@ -158,6 +177,10 @@ class SharingExtension:
 
         workers = self.model_runner.lora_manager
         manager = workers._adapter_manager
+        servable = self.leangrpo_lora_modules()
+        refused = unservable_modules(tensors, servable)
+        if refused:  # vLLM would keep the rest and serve half an adapter
+            raise ValueError(unservable_message(refused, servable))
         helper = PEFTHelper.from_dict(
             {**config, "vllm_max_position_embeddings": workers.max_position_embeddings}
         )
