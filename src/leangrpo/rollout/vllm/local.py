@@ -226,6 +226,7 @@ class LocalVLLM:
         self._base_run: str | None = None  # whose full weights replaced the ones from disk
         self._lock = threading.Lock()
         self._asleep = False
+        self._lora_modules: list[str] | None = None
 
     @property
     def version(self) -> int:
@@ -321,6 +322,12 @@ class LocalVLLM:
         if self._asleep:
             self.llm.wake_up()
             self._asleep = False
+
+    def lora_modules(self) -> list[str]:
+        """The module names this vLLM serves LoRA on ([] with LoRA off), asked once."""
+        if self._lora_modules is None:
+            self._lora_modules = list(self.call_workers("leangrpo_lora_modules")[0])
+        return self._lora_modules
 
     def call_workers(self, method: str, *args: Any) -> list[Any]:
         with self._lock:
