@@ -155,7 +155,7 @@ def child(args) -> list[dict]:
     from leangrpo.contracts import Prompt, SamplingParams
     from leangrpo.model.policy import load_policy, load_tokenizer
     from leangrpo.rollout.factory import make_engines, start_shared_engine
-    from leangrpo.rollout.vllm.sharing import unshared_parameters
+    from leangrpo.rollout.vllm.views import unshared_parameters
 
     device, size = args.device, SIZES[args.size]
     meter = Meter(device)

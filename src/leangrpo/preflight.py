@@ -1,11 +1,12 @@
 """The cheap checks, in one place: everything that can fail before the model loads.
 
 `preflight(cfg)` runs right after the config validates and imports no torch, so bad input
-costs a second, not a model load. In order (the run directory last, since locking and
-possibly cleaning it are the first things that touch the disk):
+costs a second, not a model load. In order (the run directory last, since locking it is
+the first thing that touches the disk):
 
-1. data files: exist, UTF-8, columns, every prompt typed and non-empty (data/prompts.py,
-   data/files.py);
+0. the rollout engine is installed (vLLM, where this process runs it);
+1. data files: exist, UTF-8, parse (Parquet magic, CSV quoting and field counts, named by
+   line), columns, every prompt typed and non-empty (data/prompts.py, data/files.py);
 2. reward functions resolve (rewards/registry.py), and so do an environment's names and
    files (environments/registry.py; it is imported at the trainer's set-up, before the
    model loads: environments/setup.py); a `namespace` sandbox asked for can start here
@@ -13,16 +14,24 @@ possibly cleaning it are the first things that touch the disk):
 3. model files: config.json, weights, safetensors headers, tokenizer (model/files.py),
    a quantized base's needs (bitsandbytes installed, the CPU, vLLM's in-flight
    quantization: model/quantization.py), and the prompt limit that follows from the
-   model's context; then an environment section's checks (environments/check.py: names,
-   template, the environment and its tools imported in a worker, rewards that could only
-   be 0, and with the tokenizer's record the template and the prompts' first turns);
+   model's context; a prompt whose text is longer than that many tokens can hold is
+   refused before anything is tokenised (data/lengths.py); then an environment section's
+   checks (environments/check.py: names, template, the environment and its tools imported
+   in a worker, rewards that could only be 0, and with the tokenizer's record the template
+   and the prompts' first turns);
 4. the metrics backends are installed; options that do nothing in the chosen mode are
    listed in one warning;
-5. the run directory is locked and classified: resume, finished, or a clean start
-   (checkpoint/rundir.py), config changes since the resume checkpoint checked.
+5. the run directory is locked and classified: resume (from the newest intact
+   checkpoint), finished, or a clean start (checkpoint/rundir.py), config changes since
+   the resume checkpoint checked. An earlier run that run.overwrite replaces stays in
+   place until the trainer's set-up is done (`RunDir.begin_writing`).
+
+`leangrpo check CONFIG` runs the same `preflight(cfg, dry=True)`: the run directory is
+classified without being created, locked or changed (cli.py).
 
 The trainer's set-up takes the returned `Preflight` over (it releases the lock at close)
-and, once prompts are tokenised, calls `check_micro_batch`.
+and runs `load_checked_tokenizer` and `prepare_prompts` (prompts, `check_micro_batch`) before the model
+loads; so does `leangrpo check`.
 
 Under torchrun every rank runs checks 1-4 (`check_inputs`; only rank 0 warns), then rank
 0 alone opens the run directory and broadcasts its decision, or its error, which every
@@ -31,14 +40,20 @@ rank then raises (`open_shared_run_dir`): the other ranks never take or wait for
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import logging
 import os
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from leangrpo.checkpoint.overwrite import ASIDE
 from leangrpo.checkpoint.rundir import RunDir, RunDirError, open_run_dir
 from leangrpo.config import ConfigError
-from leangrpo.data.prompts import PromptLimit, check_data
+from leangrpo.data.lengths import check_prompt_text
+from leangrpo.data.prompts import PromptLimit, PromptSet, check_data, load_prompts
 from leangrpo.model.files import ModelFiles, check_model_files
 from leangrpo.model.quantization import check_environment as check_quantization_environment
 
@@ -64,17 +79,19 @@ class Preflight:
         self.run_dir.release()
 
 
-def preflight(cfg: Any, ctx: Any = None) -> Preflight:
-    """Every check; `ctx` (a DistContext) when running under torchrun."""
+def preflight(cfg: Any, ctx: Any = None, dry: bool = False) -> Preflight:
+    """Every check; `ctx` (a DistContext) when running under torchrun; `dry`: the run
+    directory is only inspected (`leangrpo check`)."""
     model, limit = check_inputs(cfg, warn=ctx is None or ctx.is_main)
-    return Preflight(open_shared_run_dir(cfg, ctx), model, limit)
+    run_dir = open_run_dir(cfg, dry=True) if dry else open_shared_run_dir(cfg, ctx)
+    return Preflight(run_dir, model, limit)
 
 
 def check_inputs(cfg: Any, warn: bool = True) -> tuple[ModelFiles, PromptLimit | None]:
     """Checks 1-4: everything but the run directory."""
-    from leangrpo.metrics.logger import check_backends
     from leangrpo.rewards import check_rewards
 
+    check_engine_installed(cfg)
     check_data(cfg.data)
     check_rewards(cfg.rewards)
     if cfg.environment is not None:  # the names and files; the import is the trainer's set-up
@@ -86,16 +103,36 @@ def check_inputs(cfg: Any, warn: bool = True) -> tuple[ModelFiles, PromptLimit |
     model = check_model_files(cfg.model)
     check_quantization_environment(cfg)
     limit = prompt_limit(cfg, model)
+    if limit is not None:  # prompts too long by their text alone, untokenised
+        bound = check_prompt_text(cfg.data, limit, model.directory)
+        limit = dataclasses.replace(limit, text=bound)
     if cfg.environment is not None:  # environment, tools, template, first turns (< 2 s)
         from leangrpo.environments.check import check_environment
 
         check_environment(cfg, model.directory, limit)
+    from leangrpo.metrics.logger import check_backends  # rich: imported once it is needed
+
     check_backends(list(cfg.logging.backends))
     check_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     ignored = ignored_options(cfg)
     if ignored and warn:
         log.warning("options ignored in this configuration: %s", "; ".join(ignored))
     return model, limit
+
+
+def check_engine_installed(cfg: Any) -> None:
+    """vLLM must be importable where this process runs it: colocated, or the local server
+    it starts when rollout.vllm.urls is empty (servers at urls need none here)."""
+    v = cfg.rollout.vllm
+    if cfg.rollout.engine != "vllm" or (v.mode == "server" and v.urls):
+        return
+    if importlib.util.find_spec("vllm") is None:
+        from leangrpo.rollout.vllm.local import INSTALL_HINT
+
+        where = "runs vLLM in this process" if v.mode == "colocate" else "starts a local vLLM server"
+        raise ConfigError(
+            f"rollout.engine: vllm (rollout.vllm.mode: {v.mode}) {where}, but vLLM is not installed for {sys.executable}; install it with {INSTALL_HINT}, or set rollout.engine: hf."
+        )
 
 
 def check_world(cfg: Any, world_size: int) -> None:
@@ -179,6 +216,84 @@ def prompt_limit(cfg: Any, model: ModelFiles) -> PromptLimit | None:
             )
         )
     return min(limits, key=lambda lim: lim.tokens, default=None)
+
+
+def load_checked_tokenizer(cfg: Any, checked: Preflight) -> tuple[Any, PromptLimit | None]:
+    """The set-up's first step past the cheap checks (the trainer's and `leangrpo
+    check`'s): a hub model's config.json fetched for its context, and the tokenizer.
+    Returns the tokenizer and the prompt limit."""
+    from leangrpo.model.policy import load_tokenizer  # transformers: not a cheap check
+
+    limit = checked.prompt_limit
+    if checked.model.directory is None:  # a hub model not cached yet: fetch config.json
+        limit = prompt_limit(cfg, check_model_files(cfg.model, fetch=True))
+    return load_tokenizer(cfg.model), limit
+
+
+def prepare_prompts(
+    cfg: Any, tokenizer: Any, limit: PromptLimit | None, first_turn: Any = None
+) -> PromptSet:
+    """Every prompt rendered (as its first turn renders it, for multi-turn), tokenised and
+    held to the limit, and the longest sequence against the micro-batch; still before the
+    model loads."""
+    prompts = load_prompts(cfg.data, tokenizer, cfg.run.seed, limit, first_turn)
+    check_micro_batch(prompts.train, cfg)
+    return prompts
+
+
+def check_summary(cfg: Any, checked: Preflight, load_model: bool = False) -> Iterator[str]:
+    """`leangrpo check` after `preflight(cfg, dry=True)`: one line per check as it passes,
+    running what the trainer's set-up runs before the model loads (the tokenizer, the
+    environment's start-up, `prepare_prompts`, the probe), and with `load_model` the model load itself."""
+    yield f"run directory: {describe_run_dir(checked.run_dir)}"
+    tokenizer, limit = load_checked_tokenizer(cfg, checked)
+    environments = None
+    if cfg.environment is not None:
+        from leangrpo.environments.setup import start_environments
+
+        environments = start_environments(cfg, tokenizer)
+    try:
+        first_turn = environments.renderer.first_turn if environments is not None else None
+        prompts = prepare_prompts(cfg, tokenizer, limit, first_turn)
+        longest = max(len(p.ids) for p in [*prompts.train, *prompts.eval])
+        allowed = f" ({limit.tokens} allowed by {limit.reason})" if limit is not None else ""
+        counts = [(int(prompts.metrics[f"data/{what}_prompts"]), what) for what in ("dropped", "truncated")]
+        yield (
+            f"prompts: {len(prompts.train)} to train on, {len(prompts.eval)} to evaluate; the "
+            f"longest has {longest} tokens{allowed}"
+            + "".join(f", {n} {what}" for n, what in counts if n)
+        )
+        if environments is not None:
+            environments.probe(prompts.train[0])
+            yield f"environment: {cfg.environment.name} started, its template checked and a reset probed"
+    finally:
+        if environments is not None:
+            environments.close()
+    if not load_model:
+        yield "model: its files are checked, not loaded (add --model to load it)"
+        return
+    from leangrpo.model.policy import load_policy, resolve_device
+
+    device = resolve_device(cfg.run.device)
+    policy = load_policy(cfg, tokenizer, device)
+    total = sum(p.numel() for p in policy.model.parameters())
+    trained = sum(p.numel() for p in policy.trainable_parameters())
+    yield f"model: loaded on {device}, {total:,} parameters, {trained:,} of them trained"
+
+
+def describe_run_dir(run_dir: RunDir) -> str:
+    """What a run would do with its directory, as `open_run_dir(dry=True)` decided."""
+    path = str(run_dir.path)
+    if (run_dir.path / ASIDE).is_dir() or (run_dir.path / f"{ASIDE}.tmp").is_dir():
+        return f"{path} holds {ASIDE}/, left by a run killed while replacing an earlier one: train settles it first (deleted beside a complete checkpoint, else put back), so what it then does is decided only after that"
+    if run_dir.finished:
+        return run_dir.finished
+    if run_dir.resume_from is not None:
+        notes = f"; changed settings: {'; '.join(run_dir.config_notes)}" if run_dir.config_notes else ""
+        return f"{path}: resumes from {run_dir.resume_from} (step {run_dir.resume_step}, its files verified){notes}"
+    if run_dir.replaces:
+        return f"{path}: run.overwrite replaces the earlier run there ({', '.join(run_dir.replaces)}) once the new run has written its first checkpoint"
+    return f"{path}: a fresh start" + ("" if run_dir.path.is_dir() else " (to be created)")
 
 
 def check_micro_batch(prompts: list, cfg: Any) -> None:

@@ -1,7 +1,10 @@
-"""rundir.py: the run directory's lock, clean starts, finished runs and resume config checks.
+"""rundir.py: the run directory's lock, clean starts, finished runs and resume config checks;
+overwrite.py: an earlier run replaced only once the new run holds a checkpoint; the choice
+of the newest intact checkpoint (manifest.py).
 
-Checkpoints are faked (a step-N directory with COMPLETE and config.yaml): these rules run
-before any model loads, so they need none.
+Checkpoints are faked (a step-N directory with config.yaml, a few weight-like files and a
+COMPLETE marker recording them, as manifest.py writes it): these rules run before any
+model loads, so they need none. tests/checkpoint/test_manifest.py damages real ones.
 """
 
 from __future__ import annotations
@@ -17,8 +20,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from leangrpo.checkpoint.manifest import record_files, write_complete
+from leangrpo.checkpoint.overwrite import ASIDE
 from leangrpo.checkpoint.rundir import RunDirError, config_changes, open_run_dir, schedule_horizon
 from leangrpo.config import config_from_dict
+from leangrpo.preflight import describe_run_dir
 
 
 def make_cfg(out: Path, **run):
@@ -34,10 +40,17 @@ def make_cfg(out: Path, **run):
 
 def fake_checkpoint(out: Path, step: int, cfg) -> Path:
     path = out / "checkpoints" / f"step-{step}"
-    path.mkdir(parents=True)
+    (path / "model").mkdir(parents=True)
     (path / "config.yaml").write_text(cfg.to_yaml())
-    (path / "COMPLETE").write_text(f'{{"step": {step}}}\n')
+    (path / "model" / "model.safetensors").write_bytes(bytes(range(256)) * 4)
+    (path / "optimizer.pt").write_bytes(b"optimizer state" * 10)
+    seal(path, step)
     return path
+
+
+def seal(path: Path, step: int) -> None:
+    """The COMPLETE marker recording the files `path` holds now."""
+    write_complete(path, step, record_files(path))
 
 
 def refused(cfg) -> str:
@@ -94,7 +107,7 @@ def test_output_dir_that_is_a_file_or_under_one(tmp_path: Path) -> None:
     assert f"because {str(tmp_path / 'f')!r} is a file" in refused(make_cfg(tmp_path / "f" / "x"))
 
 
-def test_earlier_run_without_checkpoint_is_refused_then_overwritten(tmp_path: Path) -> None:
+def test_earlier_run_without_checkpoint_is_refused_then_replaced(tmp_path: Path) -> None:
     out = tmp_path / "run"
     out.mkdir()
     (out / "config.yaml").write_text("old")  # written by a run that failed its checks: fine
@@ -105,9 +118,218 @@ def test_earlier_run_without_checkpoint_is_refused_then_overwritten(tmp_path: Pa
     message = refused(make_cfg(out))
     assert "already holds an earlier run (metrics.jsonl, notes.txt)" in message
     assert "no complete checkpoint" in message and "run.overwrite: true" in message
-    open_run_dir(make_cfg(out, overwrite=True)).release()
+    run_dir = open_run_dir(make_cfg(out, overwrite=True))
+    assert (out / "metrics.jsonl").is_file()  # untouched through every check and the set-up
+    run_dir.begin_writing()
     assert not (out / "metrics.jsonl").exists() and not (out / "config.yaml").exists()
+    assert (out / ASIDE / "metrics.jsonl").is_file()
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')  # the new run's
+    run_dir.checkpoint_saved()  # its first checkpoint: the earlier run goes for good
+    assert not (out / ASIDE).exists() and (out / "metrics.jsonl").read_text() == '{"step": 0}\n'
     assert (out / "notes.txt").read_text() == "mine"  # not leangrpo's: never deleted
+    run_dir.release()
+    assert (out / "metrics.jsonl").read_text() == '{"step": 0}\n'
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    """Every file under `root` and its bytes, the lock file left out."""
+    files = (p for p in root.rglob("*") if p.is_file() and p.name != ".lock")
+    return {str(p.relative_to(root)): p.read_bytes() for p in files}
+
+
+def earlier_run(out: Path) -> dict[str, bytes]:
+    """A finished run's files (a checkpoint, metrics, a final model) and what they hold."""
+    fake_checkpoint(out, 10, make_cfg(out))
+    (out / "metrics.jsonl").write_text('{"step": 10}\n')
+    (out / "final").mkdir()
+    (out / "final" / "model.safetensors").write_bytes(b"w" * 100)
+    (out / "config.yaml").write_text(make_cfg(out).to_yaml())
+    return tree(out)
+
+
+def test_overwrite_puts_the_earlier_run_back_when_the_new_one_ends_before_a_checkpoint(
+    tmp_path: Path, caplog
+) -> None:
+    out = tmp_path / "run"
+    before = earlier_run(out)
+    run_dir = open_run_dir(make_cfg(out, overwrite=True))
+    assert run_dir.resume_from is None and tree(out) == before  # nothing moved by the checks
+    run_dir.begin_writing()
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')  # the new run starts writing ...
+    (out / "config.yaml").write_text("new")
+    (out / "tensorboard").mkdir()
+    (out / "tensorboard" / "events").write_text("x")
+    with caplog.at_level(logging.WARNING, logger="leangrpo"):
+        run_dir.release()  # ... and fails before its first checkpoint
+    assert "back in place" in caplog.text
+    assert tree(out) == before
+    assert not (out / ASIDE).exists() and not (out / "tensorboard").exists()
+
+
+@pytest.mark.parametrize("wrote_checkpoint", [False, True], ids=["before", "after"])
+def test_a_run_killed_with_the_earlier_run_set_aside_is_settled_at_the_next_start(
+    tmp_path: Path, wrote_checkpoint: bool
+) -> None:
+    out = tmp_path / "run"
+    before = earlier_run(out)
+    run_dir = open_run_dir(make_cfg(out, overwrite=True))
+    run_dir.begin_writing()
+    (out / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
+    if wrote_checkpoint:  # killed between its first checkpoint and deleting the earlier run
+        fake_checkpoint(out, 1, make_cfg(out, overwrite=True))
+    run_dir.lock.release()  # SIGKILL: the OS drops the lock, nothing else runs
+    looked = open_run_dir(make_cfg(out), dry=True)  # `leangrpo check` changes nothing
+    assert (out / ASIDE).is_dir() and "train settles it first" in describe_run_dir(looked)
+    again = open_run_dir(make_cfg(out))
+    assert not (out / ASIDE).exists()
+    if wrote_checkpoint:  # the new run's, resumed; the earlier run is gone
+        assert again.resume_step == 1 and "final/model.safetensors" not in tree(out)
+    else:  # the earlier run, whole, as if the killed run had never started
+        assert again.finished and tree(out) == before
+    again.release()
+
+
+def test_setting_aside_is_all_or_nothing(tmp_path: Path, monkeypatch) -> None:
+    """A failure half-way puts back what moved; a kill half-way leaves `.replaced-run.tmp`,
+    which the next start empties back (the files beside it are the earlier run's too)."""
+    import leangrpo.checkpoint.overwrite as overwrite
+
+    out = tmp_path / "run"
+    before = earlier_run(out)
+    run_dir = open_run_dir(make_cfg(out, overwrite=True))
+    rename, calls = os.rename, []
+
+    def second_fails(src, dst):
+        calls.append(src)
+        if len(calls) == 2:
+            raise OSError(5, "Input/output error")
+        rename(src, dst)
+
+    monkeypatch.setattr(overwrite.os, "rename", second_fails)
+    with pytest.raises(OSError):
+        run_dir.begin_writing()
+    monkeypatch.setattr(overwrite.os, "rename", rename)
+    assert tree(out) == before and not (out / (ASIDE + ".tmp")).exists()
+    run_dir.release()
+    (out / (ASIDE + ".tmp")).mkdir()  # killed after moving checkpoints/ and final/
+    for name in ("checkpoints", "final"):
+        os.rename(out / name, out / (ASIDE + ".tmp") / name)
+    again = open_run_dir(make_cfg(out))
+    assert again.finished and tree(out) == before and not (out / (ASIDE + ".tmp")).exists()
+    again.release()
+
+
+def read_only(path: Path) -> None:
+    """A directory this process cannot write to, root included (chattr +i), or skip."""
+    path.chmod(0o555)
+    if os.access(path, os.W_OK):
+        made = subprocess.run(["chattr", "+i", str(path)], capture_output=True)
+        if made.returncode != 0 or os.access(path, os.W_OK):
+            pytest.skip("cannot make a read-only directory here (root without chattr)")
+
+
+def writable(path: Path) -> None:
+    subprocess.run(["chattr", "-i", str(path)], capture_output=True)
+    path.chmod(0o755)
+
+
+def test_read_only_output_dir_is_one_sentence(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    read_only(out)
+    try:
+        for dry in (False, True):
+            with pytest.raises(RunDirError) as info:
+                open_run_dir(make_cfg(out), dry=dry)
+            assert f"run.output_dir {str(out)!r} is not writable" in str(info.value)
+        with pytest.raises(RunDirError) as info:  # under it: the directory cannot be made
+            open_run_dir(make_cfg(out / "sub"))
+        assert "cannot be created" in str(info.value)
+    finally:
+        writable(out)
+
+
+def test_dry_open_decides_without_creating_locking_or_moving(tmp_path: Path) -> None:
+    missing = tmp_path / "not" / "yet"
+    run_dir = open_run_dir(make_cfg(missing), dry=True)
+    assert run_dir.resume_from is None and not (tmp_path / "not").exists()
+    out = tmp_path / "run"
+    before = earlier_run(out)
+    run_dir = open_run_dir(make_cfg(out, overwrite=True), dry=True)
+    assert run_dir.replaces == ["checkpoints", "final", "metrics.jsonl", "config.yaml"]
+    assert tree(out) == before  # no .lock created, nothing set aside
+    held = open_run_dir(make_cfg(out, max_steps=12))  # a run in progress holds the lock
+    with pytest.raises(RunDirError, match="in use by this process"):
+        open_run_dir(make_cfg(out, max_steps=12), dry=True)
+    held.release()
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(
+    tmp_path: Path, caplog
+) -> None:
+    out = tmp_path / "run"
+    cfg = make_cfg(out)
+    fake_checkpoint(out, 2, cfg)
+    middle = fake_checkpoint(out, 4, cfg)
+    newest = fake_checkpoint(out, 6, cfg)
+    truncate(newest / "model" / "model.safetensors")
+    with caplog.at_level(logging.WARNING, logger="leangrpo"):
+        run_dir = open_run_dir(cfg)
+    assert run_dir.resume_from == middle and run_dir.resume_step == 4
+    warning = caplog.records[-1].getMessage()
+    assert warning == (
+        "resuming from step-4, the newest intact checkpoint: step-6 is damaged "
+        "(model/model.safetensors holds 512 bytes, not the 1024 it was written with)"
+    )
+    run_dir.release()
+    flipped = bytearray((middle / "optimizer.pt").read_bytes())
+    flipped[3] ^= 1  # same size, other bytes
+    (middle / "optimizer.pt").write_bytes(bytes(flipped))
+    run_dir = open_run_dir(cfg)
+    assert run_dir.resume_step == 2
+    run_dir.release()
+    explicit = refused(make_cfg(out, resume=str(middle)))
+    assert explicit.startswith(f"run.resume = {str(middle)!r} is damaged: optimizer.pt does not")
+
+
+def test_every_checkpoint_damaged_is_one_sentence_naming_them_and_the_way_out(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "run"
+    cfg = make_cfg(out)
+    old = fake_checkpoint(out, 2, cfg)
+    new = fake_checkpoint(out, 4, cfg)
+    (old / "optimizer.pt").unlink()
+    (new / "COMPLETE").write_text("garbage")
+    message = refused(cfg)
+    assert message.startswith(f"No intact checkpoint to resume from in {str(out / 'checkpoints')!r}")
+    assert "step-4 is damaged (its COMPLETE marker is not what leangrpo writes)" in message
+    assert "step-2 is damaged (optimizer.pt is missing)" in message
+    assert "restore those files from a copy, or set run.overwrite: true" in message
+    run_dir = open_run_dir(make_cfg(out, overwrite=True))  # the way out it names
+    assert run_dir.resume_from is None
+    run_dir.release()
+
+
+def test_a_checkpoint_from_before_the_record_is_checked_for_the_files_a_resume_reads(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "run"
+    cfg = make_cfg(out)
+    path = fake_checkpoint(out, 2, cfg)
+    for name in ("rng.pt", "scheduler.pt"):
+        (path / name).write_text("x")
+    (path / "trainer_state.json").write_text('{"step": 2}')
+    (path / "COMPLETE").write_text('{"step": 2}\n')  # as leangrpo wrote it before
+    run_dir = open_run_dir(cfg)
+    assert run_dir.resume_step == 2
+    run_dir.release()
+    (path / "rng.pt").write_text("")
+    assert "step-2 is damaged (rng.pt is empty)" in refused(cfg)
 
 
 def test_resume_never_with_checkpoints_is_refused_unless_overwrite(tmp_path: Path) -> None:
@@ -120,8 +342,11 @@ def test_resume_never_with_checkpoints_is_refused_unless_overwrite(tmp_path: Pat
     assert "(checkpoints/, final/)" in message and "run.resume is 'never'" in message
     run_dir = open_run_dir(make_cfg(out, resume="never", overwrite=True))
     assert run_dir.resume_from is None
+    run_dir.begin_writing()
     assert not (out / "checkpoints").exists() and not (out / "final").exists()
+    run_dir.checkpoint_saved()
     run_dir.release()
+    assert not (out / "checkpoints").exists() and not (out / ASIDE).exists()
 
 
 def test_auto_resumes_the_newest_checkpoint_and_notes_harmless_changes(
@@ -204,7 +429,9 @@ def test_explicit_resume_from_another_directory_needs_a_clean_one(tmp_path: Path
     (out / "metrics.jsonl").write_text('{"step": 0}\n')
     assert "resumes from" in refused(make_cfg(out, resume=str(ckpt)))
     run_dir = open_run_dir(make_cfg(out, resume=str(ckpt), overwrite=True))
+    run_dir.begin_writing()
     assert run_dir.resume_from == ckpt and not (out / "metrics.jsonl").exists()
+    run_dir.checkpoint_saved()
     run_dir.release()
     inside = fake_checkpoint(out, 5, make_cfg(out))
     message = refused(make_cfg(out, resume=str(inside), overwrite=True))
@@ -215,6 +442,7 @@ def test_checkpoint_without_config_is_resumed_with_a_warning(tmp_path: Path, cap
     out = tmp_path / "run"
     ckpt = fake_checkpoint(out, 2, make_cfg(out))
     (ckpt / "config.yaml").unlink()
+    seal(ckpt, 2)  # written so by an older leangrpo
     with caplog.at_level(logging.WARNING, logger="leangrpo"):
         run_dir = open_run_dir(make_cfg(out))
     assert run_dir.resume_step == 2

@@ -117,6 +117,67 @@ def test_check_data_reads_csv_parquet_and_json_headers(tmp_path):
             check_data(DataConfig(path=path))
 
 
+def test_a_file_that_is_not_parquet_is_named_before_pyarrow_is_imported(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    fake = tmp_path / "fake.parquet"
+    fake.write_text("not parquet at all\n")
+    with pytest.raises(DataError) as err:
+        check_data(DataConfig(path=str(fake)))
+    assert str(err.value).startswith(f"{fake} is not a Parquet file (it starts with b'not '")
+    assert "convert it to Parquet, or give it the extension of its format" in str(err.value)
+    real = tmp_path / "real.parquet"
+    pq.write_table(pa.table({"prompt": ["q1"] * 50}), real)
+    cut = tmp_path / "cut.parquet"
+    cut.write_bytes(real.read_bytes()[:-20])
+    with pytest.raises(DataError, match=r"cut.parquet is not a Parquet file \(its end is missing"):
+        check_data(DataConfig(path=str(cut)))
+    (tmp_path / "empty.parquet").write_bytes(b"")
+    with pytest.raises(DataError, match=r"not a Parquet file \(it is empty"):
+        check_data(DataConfig(path=str(tmp_path / "empty.parquet")))
+    probe = (
+        "import sys\nfrom leangrpo.config.run import DataConfig\n"
+        "from leangrpo.data.prompts import check_data\n"
+        "try:\n    check_data(DataConfig(path=sys.argv[1]))\nexcept Exception as e:\n"
+        "    print(type(e).__name__, 'pyarrow' in sys.modules)\n"
+    )
+    assert run_python(probe, str(fake)).stdout.strip() == "DataError False"
+
+
+CSV_DEFECTS = {
+    "unclosed quote": (
+        'prompt,answer\nq1,1\n"q2,2\nq3,3\n',
+        "line 3: a quoted field opens there and is never closed (the file ends inside it)",
+    ),
+    "text after a closing quote": (
+        'prompt,answer\n"q1"x,1\n',
+        "line 2: malformed quoting (',' expected after '\"')",
+    ),
+    "more fields than the header": (
+        "prompt,answer\nq1,1\nq2, 3,2\n",
+        "line 3 has 3 fields but the header has 2; quote fields that hold a comma",
+    ),
+}
+
+
+@pytest.mark.parametrize("defect", sorted(CSV_DEFECTS))
+def test_csv_defects_are_named_with_their_line(tmp_path, defect):
+    text, named = CSV_DEFECTS[defect]
+    path = tmp_path / "d.csv"
+    path.write_text(text)
+    with pytest.raises(DataError) as err:
+        check_data(DataConfig(path=str(path)))
+    assert str(err.value).startswith(f"{path} {named}"), str(err.value)
+
+
+def test_csv_quoted_newlines_and_blank_lines_keep_their_line_numbers(tmp_path):
+    path = tmp_path / "d.csv"
+    path.write_text('prompt,answer\n"q1\nq2",1\n\nq3,3\n,4\n')
+    with pytest.raises(DataError, match=r"d\.csv' row 2 \(line 6\) has an empty prompt"):
+        check_data(DataConfig(path=str(path)))
+
+
 def test_check_data_source_rules():
     """check_data's own rules, for sections that skipped DataConfig's (which has them too)."""
     with pytest.raises(DataError, match="exactly one of data.path"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import signal
@@ -206,7 +207,30 @@ BAD_INPUTS = {
         ),
         ["train.jsonl line 8 is not UTF-8 text"],
     ),
+    "a file named .parquet that is not Parquet": (
+        lambda c, t: c["data"].update(path=text_file(t / "fake.parquet", "not parquet\n")),
+        ["fake.parquet is not a Parquet file (it starts with b'not '"],
+    ),
+    "CSV with an unclosed quote": (
+        lambda c, t: c["data"].update(path=text_file(t / "d.csv", 'prompt,answer\n"1+1=,2\n')),
+        ["d.csv line 2: a quoted field opens there and is never closed"],
+    ),
+    "a 5 MB prompt": (
+        lambda c, t: c["data"].update(path=data_copy(t, set_prompt(3, "1+" * (5 << 19) + "1="))),
+        ["row 3 (line 4) has 5242882 bytes of text, more than the 58 tokens allowed"],
+    ),
 }
+if importlib.util.find_spec("vllm") is None:
+    BAD_INPUTS["vLLM not installed"] = (
+        lambda c, t: c["rollout"].update(engine="vllm"),
+        ["rollout.engine: vllm (rollout.vllm.mode: colocate) runs vLLM in this process, but "
+         "vLLM is not installed", "pip install 'leangrpo[vllm]'"],
+    )  # fmt: skip
+
+
+def text_file(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
@@ -348,6 +372,106 @@ def test_train_says_what_it_does_from_the_start_and_starts_workers_before_torch(
     positions = [next(i for i, line in enumerate(said) if line.endswith(e)) for e in expected]
     assert positions == sorted(positions), said
     assert "starting 1 environment worker(s) ..." not in out.stderr  # not started twice
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    """Every file under `root` and its bytes, the lock file left out."""
+    files = (p for p in root.rglob("*") if p.is_file() and p.name != ".lock")
+    return {str(p.relative_to(root)): p.read_bytes() for p in files}
+
+
+BAD_REWARD = "def words(prompts, completions, **columns):\n    return ['many'] * len(completions)\n"
+
+
+def test_overwrite_keeps_the_earlier_run_until_the_new_one_has_a_checkpoint(tmp_path):
+    """run.overwrite used to delete the earlier run before checks that then refused the
+    run. Now a check after tokenising, or a failure in the run's first batch, leaves it
+    whole; a run that writes a checkpoint replaces it."""
+    out = tmp_path / "run"
+    assert train_demo(out, "run.max_steps=1").returncode == 0
+    before = tree(out)
+    late = train_demo(out, "run.overwrite=true", "train.micro_batch_tokens=10")
+    assert late.returncode == 2 and "train.micro_batch_tokens (10)" in late.stderr
+    assert tree(out) == before
+    (tmp_path / "bad.py").write_text(BAD_REWARD)
+    functions = f"rewards.functions=[{{name: {tmp_path / 'bad.py'}:words}}]"
+    failed = train_demo(out, "run.overwrite=true", functions)
+    assert failed.returncode == 2 and "Traceback" not in failed.stderr, failed.stderr
+    assert "reward 'words' failed on all 8 samples of a batch the same way" in failed.stderr
+    assert "the earlier run" in failed.stderr and "is back in place" in failed.stderr
+    assert tree(out) == before
+    fresh = train_demo(out, "run.overwrite=true", "run.max_steps=2")
+    assert fresh.returncode == 0, fresh.stderr
+    assert max(metric_steps(out)) == 2 and not (out / ".replaced-run").exists()
+
+
+def test_damaged_checkpoints_resume_from_the_newest_intact_one_or_stop_in_one_sentence(tmp_path):
+    out = tmp_path / "run"
+    every = ("checkpoint.every_steps=1", "checkpoint.keep_last=2")
+    assert train_demo(out, *every).returncode == 0  # step-1 and step-2
+    (out / "checkpoints" / "step-2" / "optimizer.pt").unlink()
+    again = train_demo(out, "run.max_steps=3", *every)
+    assert again.returncode == 0, again.stderr
+    assert (
+        "resuming from step-1, the newest intact checkpoint: step-2 is damaged "
+        "(optimizer.pt is missing)" in again.stderr
+    )
+    assert re.search(r"resumed from \S*step-1 at step 1", again.stderr)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-3"]
+    for step in (2, 3):  # both damaged: nothing to resume exactly
+        weights = out / "checkpoints" / f"step-{step}" / "model" / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])
+    none = train_demo(out, "run.max_steps=4", *every, probe=True)
+    assert none.returncode == 2 and "Traceback" not in none.stderr
+    message = none.stderr.strip()
+    assert message.count("\n") == 0 and message.startswith("leangrpo: error: No intact checkpoint")
+    assert "step-3 is damaged (model/model.safetensors holds 100 bytes, not the" in message
+    assert "set run.overwrite: true to start this run again" in message
+    assert none.stdout.strip() == "torch imported: False"  # refused before anything loads
+
+
+def test_version_and_check_run_the_checks_of_train_and_write_nothing(tmp_path):
+    version = run_cli("--version")
+    assert version.returncode == 0 and re.fullmatch(r"leangrpo \S+\n", version.stdout)
+    cfg = base_config(tmp_path)
+    ok = run_cli("check", write(tmp_path, cfg))
+    assert ok.returncode == 0, ok.stderr
+    assert f"run directory: {tmp_path / 'run'}: a fresh start (to be created)" in ok.stdout
+    assert "prompts: 2000 to train on, 0 to evaluate; the longest has" in ok.stdout
+    assert ok.stdout.strip().endswith("leangrpo check: OK (nothing was written)")
+    assert not (tmp_path / "run").exists()
+    for case in ("a 5 MB prompt", "micro-batch below max_new_tokens", "missing column"):
+        bad = base_config(tmp_path)
+        BAD_INPUTS[case][0](bad, tmp_path)
+        checked = run_cli("check", write(tmp_path, bad))
+        trained = run_cli("train", write(tmp_path, bad))
+        assert checked.returncode == trained.returncode == 2
+        assert checked.stderr == trained.stderr  # the same check, the same sentence
+    late = base_config(tmp_path)
+    late["train"] = {"micro_batch_tokens": 10}  # found after tokenising, in the set-up
+    checked = run_cli("check", write(tmp_path, late))
+    assert checked.returncode == 2 and "train.micro_batch_tokens (10) is smaller" in checked.stderr
+    loaded = run_cli("check", write(tmp_path, cfg), "--model")
+    assert loaded.returncode == 0, loaded.stderr
+    assert "model: loaded on cpu, 187,200 parameters, 187,200 of them trained" in loaded.stdout
+
+
+def test_check_describes_a_run_directory_without_touching_it(tmp_path):
+    out = tmp_path / "run"
+    assert train_demo(out, "checkpoint.every_steps=1").returncode == 0
+    before = tree(out)
+    args = ["check", "examples/demo.yaml", "--set", f"run.output_dir={out}", *SHORT_DEMO]
+    finished = run_cli(*args)
+    assert finished.returncode == 0 and "is already finished" in finished.stdout
+    resumed = run_cli(*args, "--set", "run.max_steps=3")
+    assert f"resumes from {out / 'checkpoints' / 'step-2'} (step 2, its files verified)" in (
+        resumed.stdout
+    )
+    replaced = run_cli(*args, "--set", "run.overwrite=true")
+    assert "run.overwrite replaces the earlier run there (checkpoints, final, metrics.jsonl" in (
+        replaced.stdout
+    )
+    assert tree(out) == before
 
 
 PROBE_LOCK = (

@@ -1,4 +1,5 @@
-"""RewardPool: scoring in worker processes, failure isolation, time limits, fail_fast, close."""
+"""RewardPool: scoring in worker processes, failure isolation, time limits, fail_fast, a
+wrong-length return and systematic failures stopping the run, close."""
 
 from __future__ import annotations
 
@@ -40,6 +41,26 @@ USER_CODE = textwrap.dedent(
     def wrong_length(prompts, completions, **columns):
         return [1.0] * (len(completions) + 1)
 
+    def one_value(prompts, completions, **columns):  # fits a one-sample retry
+        return [1.0]
+
+    def strings(prompts, completions, **columns):
+        return ["yes" for c in completions]
+
+    def nans(prompts, completions, **columns):
+        return [float("nan") for c in completions]
+
+    def scalar(prompts, completions, **columns):
+        return 1.0
+
+    def needs_column(prompts, completions, **columns):
+        return [float(a == c) for a, c in zip(columns["solution"], completions)]
+
+    def strings_or_keyerror(prompts, completions, **columns):
+        if len(completions) == 1 and completions[0] == "a":
+            raise KeyError("solution")
+        return ["yes" for c in completions]
+
     def echo_level(prompts, completions, level, scale=1.0, **columns):
         return [scale * lv for lv in level]
     """
@@ -53,10 +74,10 @@ def user_module(tmp_path_factory):
     return path
 
 
-def cfg(*functions, timeout_s=1.0, num_workers=2, fail_fast=False):
+def cfg(*functions, timeout_s=1.0, num_workers=2, fail_fast=False, **fields):
     """functions: (name, weight, kwargs) triples."""
     return rewards_section(
-        *functions, timeout_s=timeout_s, num_workers=num_workers, fail_fast=fail_fast
+        *functions, timeout_s=timeout_s, num_workers=num_workers, fail_fast=fail_fast, **fields
     )
 
 
@@ -167,10 +188,79 @@ def test_fail_fast_is_one_sentence_naming_function_sample_and_error(user_module)
         assert [s.reward for s in samples] == [2.0, 2.0]
 
 
-def test_wrong_length_is_an_error_naming_the_function(user_module):
-    with RewardPool(cfg((f"{user_module}:wrong_length", 1.0, {}), fail_fast=True)) as pool, \
-            pytest.raises(RewardError, match=r"'wrong_length' failed on sample 0 .*returned 2 values for 1 samples"):  # fmt: skip
-        pool.score(make_samples(["a", "b"]))
+@pytest.mark.parametrize("name", ["one_value", "wrong_length"])
+def test_a_list_of_the_wrong_length_stops_at_once_naming_the_function_and_lengths(
+    user_module, name
+):
+    """Never retried one sample per call, where `[1.0]` fits and hides the bug."""
+    from leangrpo.errors import user_error_types
+
+    got = 1 if name == "one_value" else 5
+    with RewardPool(cfg((f"{user_module}:{name}", 1.0, {}), timeout_s=5.0, num_workers=1)) as pool:
+        with pytest.raises(RewardFailedError) as err:
+            pool.score(make_samples(["a", "b", "c", "d"]))
+        text = str(err.value)
+        assert text.startswith(f"reward '{name}' returned {got} values for 4 samples; ")
+        assert "returns one reward per completion" in text and "\n" not in text
+        assert isinstance(err.value, user_error_types())
+
+
+SYSTEMATIC = {  # function -> what the sentence names
+    "strings": r"\(returned 'yes' \(str\); return a float or None per sample\); fix it",
+    "nans": r"\(returned nan; rewards must be finite \(or None\)\); fix it",
+    "scalar": r"\(returned a float for 1 samples; return a list of 1\); fix it",
+    "needs_column": r"\(KeyError: 'solution'\); fix the error it raises",
+}
+
+
+@pytest.mark.parametrize("name", sorted(SYSTEMATIC))
+def test_a_function_failing_on_every_sample_the_same_way_stops_after_that_batch(
+    user_module, name
+):
+    pool = RewardPool(cfg((f"{user_module}:{name}", 1.0, {}), timeout_s=5.0))
+    with pool, pytest.raises(RewardFailedError) as err:
+        pool.score(make_samples(["a", "b", "c"]))
+    text = str(err.value)
+    assert text.startswith(f"reward '{name}' failed on all 3 samples of a batch the same way ")
+    assert re.search(SYSTEMATIC[name], text), text
+    assert text.endswith("or set rewards.systematic_failures: warn to go on with such samples unscored")
+
+
+def test_systematic_failures_warn_leaves_samples_unscored_and_says_so_once(user_module, caplog):
+    import logging
+
+    functions = [(f"{user_module}:strings", 1.0, {}), ("length", 1.0, {"target": 1})]
+    pool = RewardPool(cfg(*functions, timeout_s=5.0, systematic_failures="warn"))
+    with pool, caplog.at_level(logging.WARNING, logger="leangrpo.rewards"):
+        for _ in range(2):
+            samples = make_samples(["a", "b"])
+            metrics = pool.score(samples)
+            assert [s.reward for s in samples] == [None, None]
+            assert metrics["reward/strings/failures"] == 2.0
+    said = [r.getMessage() for r in caplog.records if "the same way" in r.getMessage()]
+    assert said == [
+        "reward 'strings' failed on all 2 samples of a batch the same way (returned 'yes' "
+        "(str); return a float or None per sample); they are unscored "
+        "(rewards.systematic_failures: warn)"
+    ]
+
+
+def test_failures_of_several_ways_or_of_the_moment_do_not_stop_the_run(user_module):
+    """Mixed failures (the chunk's bad values, then a KeyError on one sample), a single
+    sample, and timeouts on every sample: unscored samples, no stop."""
+    f = f"{user_module}:"
+    with RewardPool(cfg((f + "strings_or_keyerror", 1.0, {}), timeout_s=5.0)) as pool:
+        samples = make_samples(["a", "b"])
+        pool.score(samples)  # per sample: KeyError on "a", a string on "b"
+        assert [s.reward for s in samples] == [None, None]
+    with RewardPool(cfg((f + "strings", 1.0, {}), timeout_s=5.0)) as pool:
+        samples = make_samples(["a"])
+        pool.score(samples)
+        assert samples[0].reward is None
+    with RewardPool(cfg((f + "slow", 1.0, {}), timeout_s=0.5)) as pool:
+        samples = make_samples(["sleep", "sleep"])
+        metrics = pool.score(samples)
+        assert [s.reward for s in samples] == [None, None] and metrics["reward/failures"] == 2
 
 
 def test_bad_names_fail_before_any_worker_starts_or_at_worker_start_up(monkeypatch):

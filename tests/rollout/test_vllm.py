@@ -32,6 +32,7 @@ from support.vllm_fakes import FakeLocal, Served
 from support.vllm_models import CHARS, EOS, build_char_model, mean_abs_logprob_gap, perturb
 
 from leangrpo.contracts import EngineVersionError, Prompt, SamplingParams, TurnRequest
+from leangrpo.errors import RunError
 from leangrpo.rollout.vllm.client import ServerPool, VLLMServerError, free_port
 from leangrpo.rollout.vllm.engine import VLLMEngine, make_vllm_engine
 from leangrpo.rollout.vllm.files import (
@@ -443,6 +444,22 @@ def test_lora_sync_by_version_named_adapter_files(colocated, tied_char_model, tm
 
 
 @pytest.mark.vllm
+def test_an_adapter_on_a_module_vllm_serves_no_lora_on_is_refused_before_any_sync(colocated, tied_char_model):  # fmt: skip
+    """Two copies (adapters through files): the engine says what it serves LoRA on (Qwen2:
+    its linears, not embed_tokens), and an adapter on more is refused naming the module."""
+    from peft import LoraConfig, get_peft_model
+
+    linears = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert colocated.backend.lora_modules() == linears
+    config = LoraConfig(r=8, target_modules=["q_proj", "embed_tokens"])
+    policy = get_peft_model(copy.deepcopy(tied_char_model[1]), config)
+    names = [n for n, _ in policy.named_parameters() if "lora_" in n]
+    with pytest.raises(RunError, match=r"puts adapters on embed_tokens \(model.embed_tokens\), which vLLM does not serve LoRA on for this model \(it serves: down_proj, gate_proj"):  # fmt: skip
+        colocated.check_adapter(names)
+    colocated.check_adapter([n for n in names if "embed_tokens" not in n])
+
+
+@pytest.mark.vllm
 def test_server_mode_over_loopback_sync_while_two_requests_are_in_flight(char_model):
     """`leangrpo serve` in a subprocess (engine core in its own process: paths cross msgspec)."""
     from transformers import AutoModelForCausalLM
@@ -464,6 +481,7 @@ def test_server_mode_over_loopback_sync_while_two_requests_are_in_flight(char_mo
     try:
         pool = engine.backend
         assert pool.token  # a server the trainer starts gets a fresh random token
+        assert pool.lora_modules() == []  # started without LoRA, said in /health
         with pytest.raises(VLLMServerError, match="refused the token"):
             ServerPool(pool.urls, max_retries=0)
         engine.update_weights(old.state_dict().items(), version=0)  # as the trainer at start

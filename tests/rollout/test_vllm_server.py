@@ -24,6 +24,7 @@ from support.files import read_jsonl
 from support.vllm_fakes import FakeLocal, Served
 
 from leangrpo.contracts import Completion, EngineVersionError, Prompt, SamplingParams
+from leangrpo.errors import RunError
 from leangrpo.pipeline.batch import _seeded
 from leangrpo.rollout.vllm.client import TOKEN_ENV, ServerPool, VLLMServerError
 from leangrpo.rollout.vllm.engine import VLLMEngine, check_groups
@@ -58,6 +59,36 @@ def server_engine(url: str, token: str | None = None) -> VLLMEngine:
 
 def push(engine: VLLMEngine, version: int, value: float = 0.0) -> None:
     engine.update_weights({"w": torch.full((2,), value)}.items(), version)
+
+
+# --------------------------------------------------------------------------- adapters servers serve
+
+
+def test_an_adapter_on_modules_a_server_serves_no_lora_on_is_refused_before_training(served):
+    """Servers say in /health what they serve LoRA on; the engine refuses (one sentence
+    naming the modules) an adapter that would be served in part, before any push."""
+    linears = ["down_proj", "k_proj", "o_proj", "q_proj", "v_proj"]
+    a = served(FakeLocal(lora_modules=linears + ["gate_proj", "up_proj"]))
+    b = served(FakeLocal(lora_modules=linears))
+    pool = ServerPool([a.url, b.url], timeout_s=10, max_retries=0)
+    engine = VLLMEngine(pool, VLLMSettings(mode="server"))
+    assert pool.lora_modules() == linears  # what every server serves
+    adapter = [
+        f"base_model.model.model.layers.{i}.{m}.lora_{ab}.default.weight"
+        for i in range(2) for m in ("self_attn.q_proj", "mlp.up_proj", "mlp.down_proj") for ab in "AB"
+    ] + ["base_model.model.model.embed_tokens.lora_embedding_A.default"]  # fmt: skip
+    with pytest.raises(RunError) as err:
+        engine.check_adapter(adapter)
+    message = str(err.value)
+    assert message.startswith("lora.target_modules puts adapters on embed_tokens, up_proj (model.layers.0.mlp.up_proj, and 2 more), which vLLM does not serve LoRA on")  # fmt: skip
+    assert "remove them from lora.target_modules" in message and "\n" not in message
+    engine.check_adapter([n for n in adapter if "up_proj" not in n and "embed" not in n])
+    assert a.local.loaded == b.local.loaded == []  # nothing was pushed
+    off = served(FakeLocal(lora_modules=[]))  # started without LoRA
+    with pytest.raises(RunError, match=r"\(it serves: none: LoRA is off on that engine\)"):
+        VLLMEngine(ServerPool([off.url], max_retries=0), VLLMSettings(mode="server")).check_adapter(adapter[:2])  # fmt: skip
+    silent = served(FakeLocal())  # says nothing: left to refuse at the push
+    VLLMEngine(ServerPool([silent.url, a.url], max_retries=0), VLLMSettings(mode="server")).check_adapter(adapter)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- version identity

@@ -37,12 +37,11 @@ from leangrpo.errors import RunError
 from leangrpo.planner.plan import SAVED_BY_SHARING, plan_memory, render_plan
 from leangrpo.preflight import ignored_options
 from leangrpo.rollout.vllm.local import IN_MEMORY_ADAPTERS, AdapterSlots
-from leangrpo.rollout.vllm.sharing import (
-    adapter_config_dict,
+from leangrpo.rollout.vllm.sharing import adapter_config_dict, start_shared_vllm
+from leangrpo.rollout.vllm.views import (
     checkpoint_mismatch,
     model_on_views,
     same_memory,
-    start_shared_vllm,
     unshared_parameters,
     vllm_views,
 )
@@ -86,6 +85,29 @@ def test_the_config_says_when_weights_cannot_be_shared():
     assert config_from_dict(lora_async).shares_vllm_weights()  # adapters are copied at sync
 
 
+def test_dtypes_are_compared_as_dtypes_and_a_worker_elsewhere_rules_sharing_out():
+    for vllm_name, model_dtype in (("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16")):
+        raw = colocated(model={"name_or_path": "m", "dtype": model_dtype})
+        raw["rollout"]["vllm"] = {"dtype": vllm_name, "share_weights": True}
+        cfg = config_from_dict(raw)  # vLLM's own name for the same dtype: no refusal
+        assert cfg.vllm_share_blocker() is None and cfg.rollout.vllm.weight_dtype() == model_dtype
+    raw = colocated(model={"name_or_path": "m", "dtype": "float32"})
+    raw["rollout"]["vllm"] = {"dtype": "half"}
+    assert "rollout.vllm.dtype (half) differs from model.dtype (float32)" in config_from_dict(raw).vllm_share_blocker()[0]  # fmt: skip
+    raw["rollout"]["vllm"] = {"dtype": "fp16"}  # not a name vLLM takes: one sentence now
+    with pytest.raises(ConfigError, match="rollout.vllm.dtype"):
+        config_from_dict(raw)
+    for executor in ("mp", "ray"):
+        raw = colocated(rollout={"engine": "vllm", "vllm": {"engine_kwargs": {"distributed_executor_backend": executor}}})  # fmt: skip
+        why, fix = config_from_dict(raw).vllm_share_blocker()
+        assert f"distributed_executor_backend is {executor}, so vLLM's worker runs in another process" in why
+        raw["rollout"]["vllm"]["share_weights"] = True
+        with pytest.raises(ConfigError, match="share_weights is true, but .*distributed_executor_backend"):
+            config_from_dict(raw)
+    uni = colocated(rollout={"engine": "vllm", "vllm": {"engine_kwargs": {"distributed_executor_backend": "uni"}}})  # fmt: skip
+    assert config_from_dict(uni).vllm_share_blocker() is None
+
+
 def test_async_full_fine_tuning_on_shared_weights_is_refused_naming_the_keys():
     raw = colocated(pipeline={"mode": "async"})
     raw["rollout"]["vllm"] = {"share_weights": True}
@@ -116,11 +138,61 @@ def test_the_planner_counts_one_copy_when_the_weights_are_shared(tmp_path):
     assert copies["total"] - shared["total"] == copies["generation_copy"]
     assert shared[SAVED_BY_SHARING] == copies["generation_copy"] and SAVED_BY_SHARING not in copies
     shown = render_plan(shared, config_from_dict(colocated(model={"name_or_path": str(tmp_path)})))
-    assert "generation_copy is 0: colocated vLLM serves from the policy's weights" in shown
+    assert "generation_copy is 0 if sharing holds at start-up: colocated vLLM then serves from the policy's weights" in shown
     assert f"  {SAVED_BY_SHARING}" not in shown  # a note, not a term
     hf = colocated(model={"name_or_path": str(tmp_path)})
     hf["rollout"]["engine"] = "hf"
     assert plan_memory(config_from_dict(hf))["generation_copy"] == 0
+
+
+def bin_only(model: nn.Module, path):
+    """`model` saved as pytorch_model.bin only (transformers and vLLM load it)."""
+    model.save_pretrained(path)
+    for file in path.glob("*.safetensors"):
+        file.unlink()
+    torch.save(model.state_dict(), path / "pytorch_model.bin")
+    assert (path / "pytorch_model.bin").is_file() and not list(path.glob("*.safetensors"))
+    return path
+
+
+def test_the_plan_counts_the_copy_a_run_keeps_for_a_reason_known_before_start(tmp_path):
+    model = make_tiny_model(vocab_size=64, hidden_size=32)
+    weights = sum(p.numel() for p in model.parameters()) * 4
+    raw = colocated(model={"name_or_path": str(bin_only(model, tmp_path / "bin")), "dtype": "float32"}, run={"device": "cpu"})  # fmt: skip
+    cfg = config_from_dict(raw)
+    plan = plan_memory(cfg)
+    assert plan["generation_copy"] >= weights and SAVED_BY_SHARING not in plan
+    assert "generation_copy: colocated vLLM keeps its own copy, because " in render_plan(plan, cfg)
+    assert "holds no .safetensors checkpoint" in render_plan(plan, cfg)
+    model.save_pretrained(tmp_path / "st")  # the same model as safetensors: one copy, hedged
+    raw["model"]["name_or_path"] = str(tmp_path / "st")
+    raw["model"]["dtype"] = "auto"  # float32 on CPU ...
+    raw["rollout"]["vllm"] = {"dtype": "bfloat16"}  # ... so vLLM in bfloat16 keeps its own
+    assert plan_memory(config_from_dict(raw))["generation_copy"] >= weights
+    raw["rollout"]["vllm"] = {"dtype": "float"}  # vLLM's name for float32
+    cfg = config_from_dict(raw)
+    assert plan_memory(cfg)["generation_copy"] == 0
+    assert "if sharing holds at start-up" in render_plan(plan_memory(cfg), cfg)
+
+
+def test_a_model_without_safetensors_keeps_two_copies_before_vllm_starts(tmp_path, caplog, monkeypatch):
+    """No vLLM is imported: the reason is known from the files (the run used to start the
+    engine, change its layers and then refuse, so the first file sync crashed)."""
+    import leangrpo.rollout.vllm.sharing as sharing
+
+    def no_vllm():
+        raise AssertionError("vLLM was imported for a refusal the files tell")
+
+    monkeypatch.setattr(sharing, "import_vllm", no_vllm)
+    model = make_tiny_model(vocab_size=64, hidden_size=32)
+    raw = colocated(model={"name_or_path": str(bin_only(model, tmp_path / "bin")), "dtype": "float32"})  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="leangrpo"):
+        assert start_shared_vllm(config_from_dict(raw), torch.device("cpu")) is None
+    (line,) = [r.getMessage() for r in caplog.records if "own copy" in r.getMessage()]
+    assert line.endswith("bin holds no .safetensors checkpoint to check vLLM's tensors against")
+    raw["rollout"]["vllm"] = {"share_weights": True}
+    with pytest.raises(RunError, match=r"share_weights is true, but .*holds no .safetensors checkpoint.*; use the model saved as safetensors"):  # fmt: skip
+        start_shared_vllm(config_from_dict(raw), torch.device("cpu"))
 
 
 class Fused(nn.Module):
@@ -130,6 +202,7 @@ class Fused(nn.Module):
     def __init__(self, parts: list[torch.Tensor], biases: list[torch.Tensor] | None = None):
         super().__init__()
         self.output_partition_sizes = [p.shape[0] for p in parts]
+        self.input_size_per_partition = parts[0].shape[1]
         self.weight = nn.Parameter(torch.cat(parts).clone(), requires_grad=False)
         if biases is not None:
             self.bias = nn.Parameter(torch.cat(biases).clone(), requires_grad=False)
@@ -164,13 +237,11 @@ def vllm_shaped(hf: nn.Module, swap_gate_up: bool = False) -> nn.Module:
             [a.q_proj.weight.detach(), a.k_proj.weight.detach(), a.v_proj.weight.detach()],
             [a.q_proj.bias.detach(), a.k_proj.bias.detach(), a.v_proj.bias.detach()],
         )
-        new.self_attn.o_proj = nn.Module()
-        new.self_attn.o_proj.weight = nn.Parameter(a.o_proj.weight.detach().clone())
+        new.self_attn.o_proj = Fused([a.o_proj.weight.detach()])  # a row-parallel linear
         gate_up = [m.gate_proj.weight.detach(), m.up_proj.weight.detach()]
         new.mlp = nn.Module()
         new.mlp.gate_up_proj = Fused(gate_up[::-1] if swap_gate_up else gate_up)
-        new.mlp.down_proj = nn.Module()
-        new.mlp.down_proj.weight = nn.Parameter(m.down_proj.weight.detach().clone())
+        new.mlp.down_proj = Fused([m.down_proj.weight.detach()])
         for norm in ("input_layernorm", "post_attention_layernorm"):
             setattr(new, norm, nn.Module())
             getattr(new, norm).weight = nn.Parameter(getattr(layer, norm).weight.detach().clone())
@@ -227,6 +298,81 @@ def test_a_layout_that_maps_by_shape_but_not_by_meaning_is_caught(tiny_dir):
     assert vllm_views(vmodel)[1][0] == "model.layers.0.self_attn.qkv_proj.weight fuses ['q_proj', 'k_proj', 'v_proj'] in sizes [32, 16]"  # fmt: skip
 
 
+def packed_as_on_cpu(vmodel: nn.Module, dtype=torch.float32) -> nn.Module:
+    """As vLLM's CPU path leaves its linears: each weight packed elsewhere, `weight` empty."""
+    for module in vmodel.modules():
+        if isinstance(module, Fused):
+            module.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+    return vmodel
+
+
+def test_the_layout_is_checked_before_vllms_layers_change(tiny_dir, tmp_path):
+    """What refuses sharing before vLLM's emptied CPU weights are made plain again: names,
+    ties, shapes and dtypes against the transformers skeleton, and the checkpoint's names;
+    each emptied weight is planned from its layer (meta), never read."""
+    from leangrpo.rollout.vllm.views import NotShared, check_layout
+
+    hf, model_cfg = tiny_dir
+    planned, problems = vllm_views(packed_as_on_cpu(vllm_shaped(hf)), stand_ins=True)
+    assert problems == [] and sorted(planned) == sorted(n for n, _ in hf.named_parameters())
+    for name, param in hf.named_parameters():
+        assert planned[name].shape == param.shape, name
+    assert planned["model.layers.0.mlp.down_proj.weight"].is_meta
+    assert not planned["model.norm.weight"].is_meta  # kept by vLLM: the real tensor
+    check_layout(model_cfg, planned, torch.float32)  # the layout holds
+
+    def refused(views, why, cfg=model_cfg):
+        with pytest.raises(NotShared, match=why):
+            check_layout(cfg, views, torch.float32)
+
+    fused_qkv = vllm_shaped(hf)  # a checkpoint fused as vLLM is (Phi-3's qkv_proj)
+    fused_qkv.packed_modules_mapping = {"qkv_proj": ["qkv_proj"]}
+    assert "fuses ['qkv_proj'] in sizes" in vllm_views(packed_as_on_cpu(fused_qkv), stand_ins=True)[1][0]
+    renamed = dict(planned)
+    renamed["model.layers.0.mlp.fused_gate_up.weight"] = renamed.pop("model.layers.0.mlp.up_proj.weight")
+    refused(renamed, "do not map onto Qwen2ForCausalLM: unexpected key model.layers.0.mlp.fused_gate_up.weight")  # fmt: skip
+    refused({k: v for k, v in planned.items() if "norm" not in k}, "missing key model.layers.0.input_layernorm.weight")  # fmt: skip
+    narrow = dict(planned, **{"model.layers.1.self_attn.o_proj.weight": torch.empty(32, 16, device="meta")})  # fmt: skip
+    refused(narrow, r"mismatched key model.layers.1.self_attn.o_proj.weight \(\(32, 16\) in vLLM")
+    half = dict(planned, **{"lm_head.weight": planned["lm_head.weight"].to(torch.bfloat16)})
+    refused(half, "vLLM holds lm_head.weight in torch.bfloat16, not torch.float32")
+    as_bin = ModelConfig(name_or_path=str(bin_only(hf, tmp_path / "bin")))
+    refused(planned, "no .safetensors checkpoint of .*bin to check vLLM's tensors against", as_bin)
+    from safetensors.torch import save_file
+
+    partial = tmp_path / "partial"
+    hf.save_pretrained(partial)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "model.norm.weight"}
+    save_file(state, str(partial / "model.safetensors"))
+    refused(planned, "model.norm.weight is not in the checkpoint under that name", ModelConfig(name_or_path=str(partial)))  # fmt: skip
+
+
+def test_a_worker_in_another_process_or_a_copied_model_is_never_shared():
+    """The model `collective_rpc` hands over must be the one the worker serves from, in this
+    process: a pickled copy (another executor: the mp backend, ray; on GPUs a copy would
+    otherwise be "shared" silently) is refused before anything changes."""
+    import copy
+    from types import SimpleNamespace as NS
+
+    from leangrpo.rollout.vllm.sharing import SharedVLLM
+    from leangrpo.rollout.vllm.views import NotShared
+
+    backend = object.__new__(SharedVLLM)  # its methods on a scripted vLLM (no start-up)
+    config = NS(parallel_config=NS(tensor_parallel_size=1, pipeline_parallel_size=1), model_config=NS(quantization=None))  # fmt: skip
+    backend.llm = NS(llm_engine=NS(engine_core=type("InprocClient", (), {})(), vllm_config=config))
+    served = nn.Linear(4, 4)
+    storages = sorted({p.untyped_storage().data_ptr() for p in served.parameters()})
+    answers = {"leangrpo_whereabouts": [(os.getpid(), storages)], "leangrpo_model": [served]}
+    backend.call_workers = lambda method, *args: answers[method]
+    assert backend._model_in_this_process() == (served, set(storages))
+    answers["leangrpo_model"] = [copy.deepcopy(served)]  # what a serialiser hands back
+    with pytest.raises(NotShared, match="the model vLLM's worker handed over is a copy"):
+        backend._model_in_this_process()
+    answers["leangrpo_whereabouts"] = [(os.getpid() + 1, storages)]
+    with pytest.raises(NotShared, match=r"vLLM's worker runs in another process \(pid"):
+        backend._model_in_this_process()
+
+
 def test_share_weights_true_stops_before_vllm_starts_when_it_cannot_share(caplog):
     raw = colocated(model={"name_or_path": "m", "dtype": "auto"})
     raw["rollout"]["vllm"] = {"dtype": "bfloat16", "share_weights": True}
@@ -238,6 +384,37 @@ def test_share_weights_true_stops_before_vllm_starts_when_it_cannot_share(caplog
         assert start_shared_vllm(cfg, torch.device("cpu")) is None
     (line,) = [r.getMessage() for r in caplog.records if "own copy" in r.getMessage()]
     assert line == "colocated vLLM keeps its own copy of the weights: rollout.vllm.dtype (bfloat16) differs from the trainer's dtype (float32)"  # fmt: skip
+
+
+def test_what_a_vllm_worker_changes_in_the_process_is_put_back():
+    """What vLLM's workers do to the trainer's process when they start in it: the GPU
+    worker sets 1 thread (`set_torch_threads_for_runtime`; the CPU worker leaves the count,
+    so the real-vLLM test below cannot see this one), the CPU worker makes
+    `torch.set_num_threads` a no-op, both seed random, numpy and torch."""
+    import random
+
+    import numpy as np
+
+    from leangrpo.rollout.vllm.local import keep_process_state
+
+    def draws() -> tuple:
+        return random.random(), float(np.random.rand()), float(torch.rand(1))
+
+    own, threads = torch.set_num_threads, torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        random.seed(1), np.random.seed(1), torch.manual_seed(1)
+        expected = draws()
+        random.seed(1), np.random.seed(1), torch.manual_seed(1)
+        with keep_process_state():
+            torch.set_num_threads(1)
+            torch.set_num_threads = lambda n: None
+            random.seed(0), np.random.seed(0), torch.manual_seed(0)
+        assert torch.set_num_threads is own and torch.get_num_threads() == 3
+        assert draws() == expected
+    finally:
+        torch.set_num_threads = own
+        torch.set_num_threads(threads)
 
 
 def test_adapters_handed_over_in_memory_have_unique_paths_that_exist_nowhere(tmp_path):
@@ -272,7 +449,8 @@ RUN = [
     "logging.samples_every=0",
     f"rollout.vllm.engine_kwargs={ENGINE_KWARGS}",
 ]
-LORA = ["lora.enabled=true", "lora.r=8", "train.learning_rate=2e-3"]
+# not all-linear: a subset of what vLLM serves LoRA on (embed_tokens it does not serve)
+LORA = ["lora.enabled=true", "lora.r=8", "train.learning_rate=2e-3", "lora.target_modules=[q_proj, v_proj, up_proj, down_proj]"]  # fmt: skip
 
 
 @dataclass
@@ -298,7 +476,7 @@ def shared_demo(tmp_path_factory):
          f"rollout.vllm.engine_kwargs={kwargs}", "rollout.vllm.share_weights=true"],
     )  # fmt: skip
     tokenizer = load_tokenizer(cfg.model)
-    torch.set_num_threads(1)
+    torch.set_num_threads(3)  # not 1, which vLLM's GPU worker sets
     own_set_num_threads, rng = torch.set_num_threads, torch.get_rng_state()
     started = start_shared_engine(cfg, torch.device("cpu"))
     kept = {
@@ -306,6 +484,7 @@ def shared_demo(tmp_path_factory):
         "threads": torch.get_num_threads(),
         "rng": torch.equal(torch.get_rng_state(), rng),
     }
+    torch.set_num_threads(1)
     policy = started.build_policy(cfg, tokenizer, torch.device("cpu"))
     engines = make_engines(cfg, policy, None, None, started=started.engine)
     yield SharedDemo(cfg, started, policy, engines, kept)
@@ -334,21 +513,49 @@ def test_every_base_parameter_of_the_demo_policy_is_a_view_of_vllms_tensor(share
 
 @pytest.mark.vllm
 def test_starting_vllm_in_process_leaves_the_trainers_process_as_it_was(shared_demo):
-    assert shared_demo.process_kept == {"set_num_threads": True, "threads": 1, "rng": True}
+    assert shared_demo.process_kept == {"set_num_threads": True, "threads": 3, "rng": True}
+
+
+def no_files(*args, **kwargs):
+    raise AssertionError("a sync of shared weights wrote files")
+
+
+def perturb(model: nn.Module, scale: float, seed: int) -> None:
+    """An optimizer-like in-place update of every parameter."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+
+
+def demo_prompts(tokenizer) -> list[Prompt]:
+    return [Prompt(uid=i, text=t, ids=tokenizer(t)["input_ids"]) for i, t in enumerate(["12+3=", "47-9=", "5+5="])]  # fmt: skip
+
+
+def max_logprob_gap(model, prompts, groups, params) -> float:
+    gaps = [
+        (teacher_forced_logprobs(model, p.ids, c.ids, params).double() - torch.tensor(c.logprobs, dtype=torch.float64)).abs()  # fmt: skip
+        for p, g in zip(prompts, groups)
+        for c in g
+    ]
+    return float(torch.cat(gaps).max())
 
 
 @pytest.mark.vllm
-def test_logprobs_of_the_policy_and_of_vllm_agree_on_shared_weights(shared_demo):
+def test_logprobs_of_the_policy_and_of_vllm_agree_on_shared_weights(shared_demo, monkeypatch):
+    """After an in-place update of every weight and a sync that writes no files: an engine
+    serving a copy (two copies, a stale engine) would sample from the old weights."""
     engine, policy = shared_demo.engines.rollout, shared_demo.policy
-    tokenizer = policy.tokenizer
-    prompts = [
-        Prompt(uid=i, text=t, ids=tokenizer(t)["input_ids"]) for i, t in enumerate(["12+3=", "47-9=", "5+5="])
-    ]  # fmt: skip
+    prompts = demo_prompts(policy.tokenizer)
+    perturb(policy.model, scale=0.05, seed=3)
+    monkeypatch.setattr("leangrpo.rollout.vllm.engine.write_weight_buckets", no_files)
+    version = engine.version + 1
+    engine.update_weights(policy.named_trainable_tensors(), version)
     for params in (
         SamplingParams(temperature=0.8, max_new_tokens=6, seed=5),
         SamplingParams(temperature=1.2, top_k=6, min_p=0.05, max_new_tokens=6, seed=6),
     ):
-        groups = engine.generate(prompts, params, 4, engine.version)
+        groups = engine.generate(prompts, params, 4, version)
         gaps = [
             (teacher_forced_logprobs(policy.model, p.ids, c.ids, params).double() - torch.tensor(c.logprobs, dtype=torch.float64)).abs()  # fmt: skip
             for p, g in zip(prompts, groups)
@@ -393,15 +600,45 @@ def test_an_optimizer_step_is_what_vllm_serves_next(shared_demo, monkeypatch):
     assert want != before  # the step changed what greedy decoding writes
     assert vllm_itself()[1] == BLOCK  # without a sync, the stale block would be served
 
-    def no_files(*args, **kwargs):
-        raise AssertionError("a sync of shared weights wrote files")
-
     monkeypatch.setattr("leangrpo.rollout.vllm.engine.write_weight_buckets", no_files)
     version = engine.version + 1
     engine.update_weights(policy.named_trainable_tensors(), version)
     first, cached = vllm_itself()
     assert cached == 0 and first == want  # recomputed, with the new weights
     assert engine.generate(prompt, greedy, 1, version)[0][0].ids == want
+
+
+@pytest.mark.vllm
+def test_a_sync_of_tensors_that_are_not_vllms_own_writes_into_the_one_copy(shared_demo, monkeypatch):
+    """Full weights from elsewhere (a checkpoint's, say): copied into the tensors vLLM and
+    the policy share (vLLM's own reload would replace them, or crash on CPU), checked
+    name by name first; vLLM then serves them, and the next in-place sync too."""
+    import copy
+
+    engine, policy = shared_demo.engines.rollout, shared_demo.policy
+    backend, prompts = engine.backend, demo_prompts(policy.tokenizer)
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=7)
+    monkeypatch.setattr("leangrpo.rollout.vllm.engine.write_weight_buckets", no_files)
+    other = copy.deepcopy(policy.model)
+    perturb(other, scale=0.05, seed=4)
+    named = list(other.state_dict().items())  # tied: embed_tokens and lm_head, one tensor
+    before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
+    version = engine.version
+    with pytest.raises(ValueError, match="model.extra.weight is not one of the weights colocated vLLM shares"):
+        engine.update_weights([*named, ("model.extra.weight", torch.zeros(2))], version + 1)
+    with pytest.raises(ValueError, match=r"lm_head.weight has shape \(4, 64\), the shared weight \(32, 64\)"):
+        engine.update_weights([("lm_head.weight", torch.zeros(4, 64))], version + 1)
+    assert engine.version == version
+    assert all(torch.equal(p, before[n]) for n, p in policy.model.named_parameters())  # untouched
+    engine.update_weights(named, version + 1)
+    for name, param in policy.model.named_parameters():
+        assert torch.equal(param, other.get_parameter(name)), name
+    (vmodel,) = backend.call_workers("leangrpo_model")
+    assert unshared_parameters(policy.model, vllm_views(vmodel)[0]) == []  # still one copy
+    assert max_logprob_gap(policy.model, prompts, engine.generate(prompts, params, 4, version + 1), params) < 1e-4  # fmt: skip
+    perturb(policy.model, scale=0.05, seed=5)
+    engine.update_weights(policy.named_trainable_tensors(), version + 2)
+    assert max_logprob_gap(policy.model, prompts, engine.generate(prompts, params, 4, version + 2), params) < 1e-4  # fmt: skip
 
 
 @dataclass
@@ -483,6 +720,102 @@ def test_grpo_on_shared_weights_equals_grpo_on_two_copies(straight, mode):
     versions = [r["version"] for r in shared.rows if "loss" in r]
     assert versions == [1.0, 2.0, 3.0, 4.0]
     assert all(r["staleness/max"] == 0 for r in shared.rows if "loss" in r)
+
+
+def computes_with_plain_weights(backend) -> list[str]:
+    """vLLM's layers that `leangrpo_plain_weights` switched to F.linear (CPU)."""
+    import torch.nn.functional as F
+
+    (vmodel,) = backend.call_workers("leangrpo_model")
+    return [n for n, m in vmodel.named_modules() if getattr(m, "cpu_linear", None) is F.linear]
+
+
+@pytest.mark.vllm
+def test_a_refusal_after_vllms_layers_changed_leaves_an_engine_that_trains_as_two_copies(straight, tmp_path, monkeypatch, caplog):  # fmt: skip
+    """share_weights auto, refused by a check that needs the weights' values (run after the
+    CPU layers became plain): vLLM's own processing comes back, and the run (file syncs
+    every step, evaluations, checkpoints) equals the two-copy run."""
+    forced = "vLLM's tensor for model.norm.weight differs from the checkpoint's (forced)"
+    monkeypatch.setattr("leangrpo.rollout.vllm.sharing.checkpoint_mismatch", lambda model, cfg: forced)
+    restored: list = []
+
+    def check(trainer) -> None:
+        backend = trainer.engines.rollout.backend
+        assert type(backend).__name__ == "SharedVLLM" and not backend.storages
+        restored.append(computes_with_plain_weights(backend))
+
+    with caplog.at_level(logging.INFO, logger="leangrpo"):
+        run = run_demo(tmp_path / "run", ["rollout.vllm.share_weights=auto"], arm=check)
+    lines = [r.getMessage() for r in caplog.records if "own copy" in r.getMessage()]
+    assert lines == [f"colocated vLLM keeps its own copy of the weights: {forced}"]
+    assert restored == [[]] and not run.shared  # packed again, as vLLM left them at load
+    assert_same_run(run, straight("full", "two_copies"), tol=1e-5, param_tol=0.1 * 2e-4)
+
+
+def phi3_model(path):
+    """A tiny Phi-3 (q/k/v and gate/up fused in the checkpoint too) with the demo's tokenizer."""
+    from transformers import AutoTokenizer, Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Phi3Config(vocab_size=32, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=1, tie_word_embeddings=False)  # fmt: skip
+    Phi3ForCausalLM(config).to(torch.float32).save_pretrained(path)
+    AutoTokenizer.from_pretrained(DEMO_MODEL).save_pretrained(path)
+    return path
+
+
+@pytest.mark.vllm
+def test_a_layout_the_views_cannot_express_is_refused_before_vllms_layers_change(tmp_path, caplog):
+    """Phi-3 (fused in its checkpoint too): the planned views already fail, so vLLM's layers
+    are never touched; the policy loads its own copy and file syncs are served."""
+    from leangrpo.model.policy import load_policy, load_tokenizer
+    from leangrpo.rollout.factory import make_engines, start_shared_engine
+
+    cfg = load_config(DEMO_YAML, [f"run.output_dir={tmp_path / 'run'}", f"model.name_or_path={phi3_model(tmp_path / 'phi3')}", "rollout.engine=vllm", f"rollout.vllm.engine_kwargs={ENGINE_KWARGS}"])  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="leangrpo"):
+        started = start_shared_engine(cfg, torch.device("cpu"))
+    (line,) = [r.getMessage() for r in caplog.records if "own copy" in r.getMessage()]
+    assert line.startswith("colocated vLLM keeps its own copy of the weights: vLLM's model.layers.0.self_attn.qkv_proj.weight fuses ['qkv_proj'] in sizes [128, 128, 128]")  # fmt: skip
+    assert started.views is None and computes_with_plain_weights(started.engine.backend) == []
+    tokenizer = load_tokenizer(cfg.model)
+    policy = started.build_policy(cfg, tokenizer, torch.device("cpu")) or load_policy(cfg, tokenizer, torch.device("cpu"))  # fmt: skip
+    engines = make_engines(cfg, policy, None, None, started=started.engine)
+    try:
+        assert not engines.rollout_shares_weights
+        prompts, params = demo_prompts(tokenizer), SamplingParams(temperature=1.0, max_new_tokens=6, seed=2)
+        perturb(policy.model, scale=0.05, seed=6)
+        engines.rollout.update_weights(policy.named_trainable_tensors(), 1)  # through files
+        groups = engines.rollout.generate(prompts, params, 4, 1)
+        assert max_logprob_gap(policy.model, prompts, groups, params) < 1e-4
+    finally:
+        engines.close()
+
+
+@pytest.mark.vllm
+def test_an_adapter_on_a_module_vllm_serves_no_lora_on_is_refused_before_training(tmp_path):
+    """LoRA on q_proj and embed_tokens (Qwen2: vLLM serves no LoRA on embed_tokens), shared
+    weights: the in-memory sync refuses it naming the module (vLLM would serve the q_proj
+    part alone), and the engines are refused before any training, the engine closed."""
+    from leangrpo.model.policy import load_tokenizer
+    from leangrpo.rollout.factory import make_engines, start_shared_engine
+
+    cfg = load_config(DEMO_YAML, [f"run.output_dir={tmp_path / 'run'}", "rollout.engine=vllm", f"rollout.vllm.engine_kwargs={ENGINE_KWARGS}", "rollout.vllm.share_weights=true", *LORA[:3], "lora.target_modules=[q_proj, embed_tokens]"])  # fmt: skip
+    tokenizer = load_tokenizer(cfg.model)
+    started = start_shared_engine(cfg, torch.device("cpu"))
+    policy = started.build_policy(cfg, tokenizer, torch.device("cpu"))
+    engine = started.engine
+    try:
+        assert engine.backend.lora_modules() == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]  # fmt: skip
+        engine.adapter_config = policy.model.peft_config["default"]
+        perturb(policy.model, scale=0.5, seed=1)  # every adapter part non-zero
+        why = r"lora.target_modules puts adapters on embed_tokens \(model.embed_tokens\), which vLLM does not serve LoRA on"
+        with pytest.raises(ValueError, match=why):  # in memory: vLLM would keep the q_proj part
+            engine.update_weights(policy.named_trainable_tensors(), 1)
+        assert engine.version == 0 and not engine.backend.adapters.slots
+        with pytest.raises(RunError, match=why):
+            make_engines(cfg, policy, None, None, started=engine)
+        assert engine.backend.llm is None  # closed by the refusal
+    finally:
+        engine.close()
 
 
 class Interrupt:

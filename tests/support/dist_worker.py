@@ -754,7 +754,7 @@ def unshared_ranks(out: Path) -> None:
 
         def elsewhere(tmp, model, optimizer, ctx):
             (own_disk / tmp.name).mkdir(parents=True)
-            write(own_disk / tmp.name, model, optimizer, ctx)
+            return write(own_disk / tmp.name, model, optimizer, ctx)
 
         dist_checkpoint._write_rank_files = elsewhere
     error = None
@@ -769,6 +769,30 @@ def unshared_ranks(out: Path) -> None:
     )
     if error is not None:  # fatal inside ctx.phase: the backstop ends the process (exit 1)
         time.sleep(60)
+    ctx.shutdown()
+
+
+def damaged_ranks(out: Path) -> None:
+    """Two sharded checkpoints (steps 1 and 2); rank 0 then reads step-2's COMPLETE record,
+    verifies it, truncates rank 1's shard of step-2 and asks the run directory for the
+    newest intact checkpoint. Rank 0 writes OUT_DIR/damaged.pt."""
+    from leangrpo.checkpoint.manifest import checkpoint_problem, read_complete
+    from leangrpo.checkpoint.rundir import newest_intact_checkpoint
+    from leangrpo.checkpoint.sharded import save_sharded_checkpoint
+    from leangrpo.distributed.context import init_distributed
+
+    ctx = init_distributed(dist_cfg(), "cpu")
+    model, _, _, _, opt = sharded_setup("full", ctx, checkpointing=False)
+    with ctx.phase("checkpoint"):
+        for step in (1, 2):
+            path = save_sharded_checkpoint(out / "run", step, model, opt, None, {}, 2, ctx)
+    if ctx.is_main:
+        seen = {"record": read_complete(path)["files"], "intact": checkpoint_problem(path)}
+        shard = path / "dcp" / "__1_0.distcp"
+        shard.write_bytes(shard.read_bytes()[:-8])
+        seen["damaged"] = checkpoint_problem(path)
+        seen["resume"] = str(newest_intact_checkpoint(path.parent))
+        (out / "damaged.pt").write_bytes(pickle.dumps(seen))
     ctx.shutdown()
 
 
@@ -850,6 +874,8 @@ def main() -> None:
         setup_memory_ranks(out)
     elif scenario == "unshared":
         unshared_ranks(out)
+    elif scenario == "damaged":
+        damaged_ranks(out)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
 

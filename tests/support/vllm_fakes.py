@@ -22,12 +22,15 @@ from leangrpo.rollout.vllm.versions import VersionGate
 class FakeLocal:
     """LocalVLLM's interface with the real gate; completions reverse the prompt."""
 
-    def __init__(self, name: str = "fake", delay_s: float = 0.0, version: int = 0, run=None):
+    def __init__(
+        self, name: str = "fake", delay_s: float = 0.0, version: int = 0, run=None, lora_modules=None
+    ):
         self.name, self.delay_s = name, delay_s
         # "ok"; "error": generation and weight loads fail (500); "hang": generation sleeps
         # until released (the client times out)
         self.behaviour = "ok"
         self.release = threading.Event()
+        self.served_lora_modules = lora_modules  # what /health says it serves LoRA on
         self.gate = VersionGate(version, run)
         self.weights: dict = {}
         self.adapter_files: dict[str, bytes] = {}
@@ -83,6 +86,9 @@ class FakeLocal:
             if needed:
                 self.adapter_files = {p.name: p.read_bytes() for p in source.iterdir()}
                 self.loaded.append(("adapter", run, version))
+
+    def lora_modules(self):
+        return self.served_lora_modules
 
     def sleep(self, level: int = 1) -> None:
         self.loaded.append(("sleep", level, None))

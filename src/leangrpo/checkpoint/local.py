@@ -10,7 +10,8 @@ A checkpoint is `output_dir/checkpoints/step-N/`:
     config.yaml         the run's resolved config (compared with the config of a resume)
     trainer_state.pt    bulky state (optional): the batch being trained on, the replay buffer,
                         ...; tensors, lists, dicts, numbers and strings (`torch.save`)
-    COMPLETE            written last
+    COMPLETE            written last: the step and every other file's size and checksum
+                        (manifest.py), verified before a resume (rundir.py)
 
 Atomicity: everything is written into `checkpoints/.tmp-step-N-<random>/`, every file and
 directory is fsynced, `COMPLETE` is the last file written, then the directory is renamed to
@@ -57,7 +58,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from leangrpo.checkpoint.rundir import COMPLETE, complete_checkpoints
+from leangrpo.checkpoint.manifest import COMPLETE, record_files, write_complete
+from leangrpo.checkpoint.rundir import complete_checkpoints
 
 # Finding checkpoints needs no torch: the CLI does it before the model loads (rundir.py).
 from leangrpo.contracts import Completion, Prompt, RestoredCheckpoint, RolloutSample, Trajectory
@@ -129,7 +131,7 @@ def save_checkpoint(
             (tmp / name).write_text(text, encoding="utf-8")
         if bulky_state is not None:
             torch.save(bulky_state, tmp / BULKY_STATE)
-        (tmp / COMPLETE).write_text(json.dumps({"step": step}) + "\n")
+        write_complete(tmp, step, record_files(tmp))
     _prune(root, step, keep_last)
     return root / f"step-{step}"
 

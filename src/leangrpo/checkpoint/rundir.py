@@ -3,15 +3,20 @@
 `open_run_dir(cfg)` runs before any model loads and imports no torch. It decides what a
 run does with `run.output_dir`, in this order:
 
-1. The path must be a directory or creatable: a file, or a path under a file, is refused.
+1. The path must be a writable directory or creatable: a file, a path under a file, or a
+   read-only directory is refused in one sentence.
 2. An exclusive `fcntl.flock` on `output_dir/.lock` (which holds the pid) is taken for the
    whole run. The OS drops it when the process ends, however it ends, so a crashed run
    never leaves a stale lock; a second run in the same directory is refused naming the
    holder's pid. The lock file itself is never deleted (deleting it would let two
-   processes lock two different inodes).
+   processes lock two different inodes). An earlier run that run.overwrite had set aside
+   when its replacement was killed is settled now (overwrite.py).
 3. Where to resume from: `run.resume: auto` takes the newest complete checkpoint of this
-   directory, an explicit path must be a complete checkpoint (checked now, not after the
-   model has loaded), `never` and `run.overwrite: true` take none.
+   directory whose files match the record in its COMPLETE marker (manifest.py); newer
+   damaged ones are named in one warning, and a directory whose checkpoints are all
+   damaged is refused, naming them. An explicit path must be a complete, intact
+   checkpoint (checked now, not after the model has loaded); `never` and
+   `run.overwrite: true` take none.
 4. A resume checkpoint at or beyond `run.max_steps` (with final/ written, when
    `checkpoint.save_final_model`) means the run is finished: the CLI says so and exits 0
    without loading anything. Without final/ (a crash between the last checkpoint and
@@ -20,7 +25,10 @@ run does with `run.output_dir`, in this order:
    without an earlier run's files (metrics, samples, checkpoints, final model...):
    starting over there would append a second run to the old metrics.jsonl and prune the
    old checkpoints. It is refused, naming the files, unless `run.overwrite: true`, which
-   deletes exactly the files leangrpo writes (never anything else) and starts clean.
+   replaces exactly the files leangrpo writes (never anything else): they stay in place
+   through every check and the set-up, are set aside when the run starts writing
+   (`RunDir.begin_writing`), deleted at its first checkpoint and put back if it ends
+   before one (overwrite.py).
 6. A checkpoint written by another number of processes (torchrun ranks; 1 without
    torchrun) is refused: the sharded state and the per-rank RNG streams fit only the
    world size that wrote them.
@@ -32,8 +40,9 @@ run does with `run.output_dir`, in this order:
    `run.max_steps` only says where to stop: the LR schedule keeps the horizon the run
    started with (`schedule_horizon`, saved in every checkpoint's trainer_state.json).
 
-Under torchrun only rank 0 opens (locks, cleans, classifies) the directory; the others
-receive its decision (`follower`) and never touch the lock (preflight.py).
+Under torchrun only rank 0 opens (locks, classifies, sets aside) the directory; the others
+receive its decision (`follower`) and never touch the lock (preflight.py). `leangrpo
+check` opens it `dry`: every check and the decision, nothing created, locked or moved.
 """
 
 from __future__ import annotations
@@ -43,13 +52,14 @@ import logging
 import os
 import re
 import shlex
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from leangrpo.checkpoint.manifest import COMPLETE, checkpoint_problem
+from leangrpo.checkpoint.overwrite import ASIDE, EarlierRun, set_aside, settle
 from leangrpo.errors import UserError
 
 try:
@@ -59,7 +69,6 @@ except ImportError:  # Windows: no flock; runs are not locked there
 
 log = logging.getLogger("leangrpo")
 
-COMPLETE = "COMPLETE"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 LOCK_FILE = ".lock"
 CHECKPOINT_CONFIG = "config.yaml"
@@ -128,14 +137,20 @@ def checkpoint_step(path: Path) -> int:
 
 
 class RunLock:
-    """An exclusive flock on `directory/.lock`, held until `release()` or process exit."""
+    """An exclusive flock on `directory/.lock`, held until `release()` or process exit.
 
-    def __init__(self, directory: Path):
+    `probe`: only check that no other run holds it (an existing lock file is opened
+    read-only, nothing is created) and let go at once: `leangrpo check`."""
+
+    def __init__(self, directory: Path, probe: bool = False):
         self.path = directory / LOCK_FILE
         self._fd: int | None = None
-        if fcntl is None:
+        if fcntl is None or (probe and not self.path.is_file()):
             return
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self.path, os.O_RDONLY if probe else os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise RunDirError(not_writable(directory, exc.strerror or str(exc))) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -149,6 +164,9 @@ class RunLock:
             raise RunDirError(
                 f"run.output_dir {str(directory)!r} is in use by {who}; wait for it to end or give this run another run.output_dir."
             ) from None
+        if probe:
+            os.close(fd)  # closing the descriptor drops the lock
+            return
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._fd = fd
@@ -158,6 +176,10 @@ class RunLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+
+def not_writable(directory: Path, why: str) -> str:
+    return f"run.output_dir {str(directory)!r} is not writable ({why}); make it writable for this user, or choose another run.output_dir."
 
 
 # -- the decision ---------------------------------------------------------------------------
@@ -173,9 +195,33 @@ class RunDir:
     resume_step: int | None = None
     finished: str = ""  # set (to a sentence) when the resume checkpoint is at run.max_steps
     config_notes: list[str] = field(default_factory=list)  # harmless config changes
+    replaces: list[str] = field(default_factory=list)  # run.overwrite: the earlier run's files
+    _earlier: EarlierRun | None = None  # set aside until this run's first checkpoint
+
+    def begin_writing(self) -> None:
+        """Right before the run writes its first file: run.overwrite sets the earlier run
+        aside now, every check and the whole set-up having passed (overwrite.py)."""
+        if self.replaces and self._earlier is None:
+            self._earlier = set_aside(self.path, self.replaces, RUN_FILES)
+            self.replaces = []
+            left = ", ".join(n for n in earlier_run_files(self.path) if not n.startswith(ASIDE))
+            if left:
+                log.info("run.overwrite keeps the files leangrpo did not write: %s", left)
+
+    def checkpoint_saved(self) -> None:
+        """The run holds a checkpoint: an earlier run set aside is deleted now."""
+        if self._earlier is not None:
+            self._earlier.discard()
+            self._earlier = None
 
     def release(self) -> None:
-        self.lock.release()
+        """Unlock; an earlier run still set aside (no checkpoint written) is put back."""
+        try:
+            if self._earlier is not None:
+                self._earlier.restore()
+                self._earlier = None
+        finally:
+            self.lock.release()
 
     def decision(self) -> dict[str, Any]:
         """What other torchrun ranks need to know (plain data, see `follower`)."""
@@ -185,7 +231,8 @@ class RunDir:
 
     @classmethod
     def follower(cls, decision: dict[str, Any]) -> RunDir:
-        """Rank 0's decision on a rank > 0: the same run directory, without the lock."""
+        """Rank 0's decision on a rank > 0: the same run directory, without the lock (and
+        nothing to set aside: rank 0 does that)."""
         resume = decision["resume_from"]
         return cls(
             Path(decision["path"]),
@@ -204,12 +251,21 @@ class _NoLock:
         pass
 
 
-def open_run_dir(cfg: Any) -> RunDir:
-    """Validate, lock and classify `cfg.run.output_dir`; see the module docstring."""
+def open_run_dir(cfg: Any, dry: bool = False) -> RunDir:
+    """Validate, lock and classify `cfg.run.output_dir`; see the module docstring.
+
+    `dry` (`leangrpo check`): the same checks and decision, but nothing is created, locked
+    or moved (a lock held by another run is still reported); a directory still holding an
+    earlier run set aside by a killed run is left unclassified (`leangrpo check` says so)."""
     path = Path(cfg.run.output_dir).expanduser()
-    make_directory(path)
-    run_dir = RunDir(path, RunLock(path))
+    make_directory(path, create=not dry)
+    run_dir = RunDir(path, RunLock(path, probe=dry))
+    unsettled = any((path / name).is_dir() for name in (ASIDE, f"{ASIDE}.tmp"))
     try:
+        if unsettled and dry:  # what train decides depends on settling it first
+            return run_dir
+        if unsettled:  # a run killed while an earlier run was set aside
+            settle(path, RUN_FILES, has_checkpoint=bool(complete_checkpoints(path / "checkpoints")))
         _classify(run_dir, cfg)
     except BaseException:
         run_dir.release()
@@ -217,7 +273,8 @@ def open_run_dir(cfg: Any) -> RunDir:
     return run_dir
 
 
-def make_directory(path: Path) -> None:
+def make_directory(path: Path, create: bool = True) -> None:
+    """`path` is (or can become) a writable directory; created unless `create` is False."""
     key = f"run.output_dir = {str(path)!r}"
     if path.exists() and not path.is_dir():
         raise RunDirError(f"{key} is a file, not a directory; choose a directory path.")
@@ -226,10 +283,15 @@ def make_directory(path: Path) -> None:
         raise RunDirError(
             f"{key} cannot be created because {str(blocker)!r} is a file; choose a directory path."
         )
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise RunDirError(f"{key} cannot be created: {exc.strerror or exc}.") from None
+    if create:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RunDirError(f"{key} cannot be created: {exc.strerror or exc}.") from None
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        why = "read-only" if existing == path else f"{str(existing)!r} is read-only"
+        raise RunDirError(not_writable(path, why))
 
 
 def _classify(run_dir: RunDir, cfg: Any) -> None:
@@ -250,17 +312,21 @@ def _classify(run_dir: RunDir, cfg: Any) -> None:
         check_world_size(resume)
         run_dir.config_notes = check_config_changes(resume, cfg)
     if resume is None or not _is_inside(resume, own):
-        _start_clean(run_dir.path, run.overwrite, run.resume)
+        run_dir.replaces = _earlier_run(run_dir.path, run.overwrite, run.resume)
 
 
 def _resume_checkpoint(run: Any, own: Path) -> Path | None:
     if run.resume == "auto":
-        found = complete_checkpoints(own)
-        return found[-1][1] if found else None
+        return newest_intact_checkpoint(own)
     path = Path(run.resume).expanduser()
-    if (path / COMPLETE).is_file():
-        return path
     key = f"run.resume = {run.resume!r}"
+    if (path / COMPLETE).is_file():
+        problem = checkpoint_problem(path)
+        if problem is not None:
+            raise RunDirError(
+                f"{key} is damaged: {problem}; restore its files from a copy, or resume from another checkpoint (run.resume: auto takes the newest intact one of run.output_dir)."
+            )
+        return path
     inside = complete_checkpoints(path / "checkpoints") or complete_checkpoints(path)
     if inside:
         raise RunDirError(
@@ -273,6 +339,29 @@ def _resume_checkpoint(run: Any, own: Path) -> Path | None:
     raise RunDirError(
         f"{key} does not exist; pass a checkpoints/step-N directory written by leangrpo, or 'auto'."
     )
+
+
+def newest_intact_checkpoint(root: Path) -> Path | None:
+    """The newest complete checkpoint under `root` whose files match their record
+    (manifest.py); the damaged ones newer than it are named in one warning. None when there
+    is no checkpoint; RunDirError when every one is damaged."""
+    damaged: list[str] = []
+    for _, path in reversed(complete_checkpoints(root)):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            if damaged:
+                log.warning(
+                    "resuming from %s, the newest intact checkpoint: %s",
+                    path.name,
+                    "; ".join(damaged),
+                )
+            return path
+        damaged.append(f"{path.name} is damaged ({problem})")
+    if damaged:
+        raise RunDirError(
+            f"No intact checkpoint to resume from in {str(root)!r}: {'; '.join(damaged)}; restore those files from a copy, or set run.overwrite: true to start this run again (its files are deleted once the new run writes a checkpoint)."
+        )
+    return None
 
 
 def _is_inside(path: Path, root: Path) -> bool:
@@ -299,10 +388,12 @@ def _is_empty(path: Path) -> bool:
     return path.is_file() and path.stat().st_size == 0
 
 
-def _start_clean(path: Path, overwrite: bool, resume: str) -> None:
-    files = earlier_run_files(path)
+def _earlier_run(path: Path, overwrite: bool, resume: str) -> list[str]:
+    """The earlier run's files (RUN_FILES) that run.overwrite replaces; a directory holding
+    an earlier run without run.overwrite is refused."""
+    files = earlier_run_files(path) if path.is_dir() else []
     if not files:
-        return
+        return []
     if not overwrite:
         shown = ", ".join(files[:4]) + (f" and {len(files) - 4} more" if len(files) > 4 else "")
         why = {
@@ -310,22 +401,9 @@ def _start_clean(path: Path, overwrite: bool, resume: str) -> None:
             "auto": "it has no complete checkpoint to resume from",
         }.get(resume, f"this run resumes from {resume!r}, outside it")
         raise RunDirError(
-            f"run.output_dir {str(path)!r} already holds an earlier run ({shown}) and {why}, so a new run would mix with it; set run.overwrite: true to delete it first, or choose another run.output_dir."
+            f"run.output_dir {str(path)!r} already holds an earlier run ({shown}) and {why}, so a new run would mix with it; set run.overwrite: true to replace it, or choose another run.output_dir."
         )
-    for name in RUN_FILES:
-        target = path / name
-        if target.is_dir():
-            shutil.rmtree(target)
-        elif target.exists():
-            target.unlink()
-    for stale in path.glob(".tmp-final-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    left = earlier_run_files(path)
-    log.warning(
-        "run.overwrite: deleted the earlier run in %s%s",
-        path,
-        f" (kept files leangrpo did not write: {', '.join(left)})" if left else "",
-    )
+    return [name for name in RUN_FILES if (path / name).exists()]
 
 
 def check_world_size(checkpoint: Path) -> None:

@@ -8,15 +8,18 @@ A sharded checkpoint is `output_dir/checkpoints/step-N/`:
     trainer_state.json  rank 0: {"step": N, "world_size": W, ...the trainer's state}
     trainer_state.pt    rank 0 (optional): bulky state, as local.py's
     config.yaml, ...    rank 0: `extra_files`
-    COMPLETE            written last, by rank 0
+    COMPLETE            written last, by rank 0: the step and every other file's size and
+                        checksum (manifest.py), verified before a resume (rundir.py)
 
 Atomic as local.py: rank 0 creates `checkpoints/.tmp-step-N-<random>/` and broadcasts
 its name, every rank writes its part there (DCP and the rng file are fsynced by the rank
-that wrote them), a barrier, then rank 0 checks that every rank's files are there (each
-`rng-<rank>.pt`, and every file DCP's metadata names, at least as long as it says) and
-broadcasts the verdict: a file missing (ranks that do not share one filesystem) stops
-every rank with one CheckpointError and no COMPLETE marker. Otherwise rank 0 fsyncs the
-tree, writes COMPLETE and renames the directory to `step-N`, and a last barrier keeps
+that wrote them) and sends rank 0 the record of its own files (sizes and checksums: no
+rank reads another's shards), then rank 0 checks that every rank's files are there (each
+`rng-<rank>.pt`, every file DCP's metadata names, at least as long as it says, and every
+recorded file at its recorded size) and broadcasts the verdict: a file missing (ranks that
+do not share one filesystem) stops every rank with one CheckpointError and no COMPLETE
+marker. Otherwise rank 0 records the files it wrote, fsyncs the tree, writes COMPLETE
+(every rank's record) and renames the directory to `step-N`, and a last barrier keeps
 every rank from reading `latest_checkpoint` before the rename. `output_dir` must be one filesystem every rank sees (DCP's
 FileSystemWriter needs that too). State dicts come from `get_state_dict` (FQNs of the
 unwrapped model, sharded DTensors), so a resume at the same world size is exact; resuming
@@ -63,7 +66,13 @@ from leangrpo.checkpoint.local import (
     restore_rng_state,
     restored,
 )
-from leangrpo.checkpoint.rundir import COMPLETE
+from leangrpo.checkpoint.manifest import (
+    COMPLETE,
+    Record,
+    files_under,
+    record_files,
+    write_complete,
+)
 from leangrpo.contracts import RestoredCheckpoint
 from leangrpo.distributed.context import DistContext
 from leangrpo.distributed.fsdp import gather_for_sync
@@ -97,8 +106,8 @@ def save_sharded_checkpoint(
     root = Path(output_dir) / "checkpoints"
     final = root / f"step-{step}"
     if not ctx.is_main:
-        _write_rank_files(Path(ctx.broadcast_object(None)), model, optimizer, ctx)
-        ctx.barrier()  # rank 0 checks every rank's files after this one ...
+        tmp = Path(ctx.broadcast_object(None))
+        ctx.gather_to_main(_write_rank_files(tmp, model, optimizer, ctx))  # rank 0 checks ...
         missing = ctx.broadcast_object(None)
         if missing:
             raise CheckpointError(missing)
@@ -107,7 +116,7 @@ def save_sharded_checkpoint(
     _remove_stale_tmp(root)
     with _atomic_directory(final) as tmp:
         ctx.broadcast_object(str(tmp))
-        _write_rank_files(tmp, model, optimizer, ctx)
+        own = _write_rank_files(tmp, model, optimizer, ctx)
         if scheduler is not None:
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         (tmp / "trainer_state.json").write_text(state_json)
@@ -115,20 +124,24 @@ def save_sharded_checkpoint(
             (tmp / name).write_text(text, encoding="utf-8")
         if bulky_state is not None:
             torch.save(bulky_state, tmp / BULKY_STATE)
-        ctx.barrier()  # every rank's files are in place ...
-        missing = _missing_rank_files(tmp, ctx.world_size)  # ... where rank 0 sees them
+        records = ctx.gather_to_main(own)  # every rank has written its files ...
+        others = {name: entry for record in records[1:] for name, entry in record.items()}
+        missing = _missing_rank_files(tmp, ctx.world_size, others)  # ... where rank 0 sees it
         ctx.broadcast_object(missing)
         if missing:
             raise CheckpointError(missing)
-        (tmp / COMPLETE).write_text(json.dumps({"step": step}) + "\n")
+        rest = [name for name in files_under(tmp) if name not in others and name not in own]
+        shared = record_files(tmp, rest)
+        write_complete(tmp, step, {**others, **own, **shared})
     _prune(root, step, keep_last)
     ctx.barrier()
     return final
 
 
-def _missing_rank_files(tmp: Path, world_size: int) -> str | None:
+def _missing_rank_files(tmp: Path, world_size: int, others: Record | None = None) -> str | None:
     """None when every rank's part of the checkpoint in `tmp` is there (as rank 0 sees
-    it), else the sentence to raise: which files are missing or short."""
+    it: as long as DCP's metadata and the writing rank's record say), else the sentence
+    to raise: which files are missing or short."""
     missing = [f"rng-{r}.pt" for r in range(world_size) if not (tmp / f"rng-{r}.pt").is_file()]
     shards = tmp / "dcp"
     if (shards / ".metadata").is_file():
@@ -141,6 +154,10 @@ def _missing_rank_files(tmp: Path, world_size: int) -> str | None:
                 missing.append(f"dcp/{name}")
     else:
         missing.append("dcp/.metadata")
+    for name, (size, _) in sorted((others or {}).items()):
+        path = tmp / name
+        if (not path.is_file() or path.stat().st_size != size) and name not in missing:
+            missing.append(name)
     if not missing:
         return None
     listed = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
@@ -151,13 +168,18 @@ def _missing_rank_files(tmp: Path, world_size: int) -> str | None:
     )
 
 
-def _write_rank_files(tmp: Path, model: nn.Module, optimizer, ctx: DistContext) -> None:
+def _write_rank_files(tmp: Path, model: nn.Module, optimizer, ctx: DistContext) -> Record:
+    """This rank's DCP shard and RNG file (fsynced); returns their record, read back where
+    this rank wrote them (rank 0's DCP metadata is recorded with the files only rank 0
+    writes)."""
     state = _sharded_state(model, optimizer)
     dcp.save(state, checkpoint_id=tmp / "dcp")
     rng_file = tmp / f"rng-{ctx.rank}.pt"
     torch.save(capture_rng_state(), rng_file)
     with open(rng_file, "rb") as f:
         os.fsync(f.fileno())
+    shards = sorted((tmp / "dcp").glob(f"__{ctx.rank}_*.distcp"))  # DCP's per-rank prefix
+    return record_files(tmp, [rng_file.name, *(f"dcp/{shard.name}" for shard in shards)])
 
 
 def _sharded_state(model: nn.Module, optimizer) -> dict[str, Any]:

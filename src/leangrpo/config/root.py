@@ -238,6 +238,12 @@ class Config(Section):
                     f"rollout.vllm.engine_kwargs.{key} is {kwargs[key]}, so vLLM holds shards of each weight, not tensors the policy can view",
                     f"rollout.vllm.engine_kwargs.{key}: 1",
                 )
+        executor = kwargs.get("distributed_executor_backend")
+        if executor not in (None, "uni"):
+            return (
+                f"rollout.vllm.engine_kwargs.distributed_executor_backend is {executor}, so vLLM's worker runs in another process with a copy of the weights the policy cannot view",
+                "no rollout.vllm.engine_kwargs.distributed_executor_backend (or uni)",
+            )
         if kwargs.get("quantization"):
             return (
                 f"rollout.vllm.engine_kwargs.quantization is {kwargs['quantization']}, so vLLM serves other tensors than the trainer's",
@@ -253,7 +259,7 @@ class Config(Section):
                 "model.trust_remote_code is true, and a model class from the hub cannot be built on vLLM's tensors",
                 "model.trust_remote_code: false",
             )
-        if v.dtype != "auto" and self.model.dtype != "auto" and v.dtype != self.model.dtype:
+        if v.weight_dtype() not in (None, self.model.dtype) and self.model.dtype != "auto":
             return (
                 f"rollout.vllm.dtype ({v.dtype}) differs from model.dtype ({self.model.dtype})",
                 "rollout.vllm.dtype: auto",

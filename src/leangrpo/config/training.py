@@ -16,6 +16,8 @@ from leangrpo.config.base import MAX_TEMPERATURE, ONE_DAY_S, Section
 from leangrpo.config.io import rule_error
 from leangrpo.contracts import SamplingParams
 
+VLLM_DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's own names for dtypes
+
 
 class VLLMConfig(Section):
     """vLLM engine settings (used when rollout.engine is 'vllm')."""
@@ -39,7 +41,10 @@ class VLLMConfig(Section):
         ge=1,
         description="Longest prompt + completion vLLM serves; null = the model's maximum.",
     )
-    dtype: str = Field("auto", description="vLLM weight dtype.")
+    dtype: Literal["auto", "float32", "float", "bfloat16", "float16", "half"] = Field(
+        "auto",
+        description="vLLM weight dtype, in vLLM's names ('half' is float16, 'float' is float32; compared as dtypes with model.dtype); 'auto' = model.dtype when set, the trainer's resolved dtype when vLLM shares the weights, else vLLM's choice.",
+    )
     kv_cache_dtype: str = Field("auto", description="vLLM KV-cache dtype, e.g. 'auto' or 'fp8'.")
     enable_sleep_mode: bool = Field(
         True,
@@ -73,6 +78,11 @@ class VLLMConfig(Section):
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Extra keyword arguments for vllm.LLM / the server."
     )
+
+    def weight_dtype(self) -> str | None:
+        """`dtype` as the dtype it names (vLLM's aliases resolved: 'half' is 'float16',
+        'float' is 'float32'); None for 'auto'."""
+        return None if self.dtype == "auto" else VLLM_DTYPE_ALIASES.get(self.dtype, self.dtype)
 
 
 class RolloutConfig(Section):

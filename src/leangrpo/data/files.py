@@ -40,20 +40,24 @@ def check_file(path_str: str, key: str, data_cfg: Any) -> None:
     if not columns:
         raise DataError(f"{key} = '{path_str}' holds no rows (or no columns)")
     check_columns(columns, str(path), data_cfg)
+    check_prompt_cells(local_prompt_cells(path_str, data_cfg), f"{key} = '{path_str}'", data_cfg)
+
+
+def local_prompt_cells(path_str: str, data_cfg: Any) -> Iterator[tuple[int, int | None, Any]]:
+    """(row index, line number or None, prompt value) of every row of a checked local file
+    (`check_file`), its prompt column found through data.column_map."""
     source_column = {v: k for k, v in data_cfg.column_map.items()}.get(
         data_cfg.prompt_column, data_cfg.prompt_column
     )
-    check_prompt_cells(_prompt_cells(path, source_column), f"{key} = '{path_str}'", data_cfg)
+    return _prompt_cells(Path(path_str).expanduser(), source_column)
 
 
 def _file_columns(path: Path) -> list[str]:
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return list(pq.read_schema(path).names)
+        return list(_parquet(path, lambda pq: pq.read_schema(path)).names)
     if suffix == ".csv":
-        return next(csv.reader(io.StringIO(read_utf8(path))), [])
+        return _read_csv(path)[0]
     if suffix == ".json":
         rows = _read_json_rows(path)
         return list(rows[0]) if rows else []
@@ -65,18 +69,82 @@ def _prompt_cells(path: Path, column: str) -> Iterator[tuple[int, int | None, An
     """(row index, line number or None, prompt value) of every row of a local file."""
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        values = pq.read_table(path, columns=[column]).column(0).to_pylist()
-        yield from ((i, None, v) for i, v in enumerate(values))
+        table = _parquet(path, lambda pq: pq.read_table(path, columns=[column]))
+        yield from ((i, None, v) for i, v in enumerate(table.column(0).to_pylist()))
     elif suffix == ".csv":
-        reader = csv.DictReader(io.StringIO(read_utf8(path)))
-        for i, row in enumerate(reader):
-            yield i, reader.line_num, row.get(column)
+        yield from ((i, line, row.get(column)) for i, (line, row) in enumerate(_read_csv(path)[1]))
     elif suffix == ".json":
         yield from ((i, None, row.get(column)) for i, row in enumerate(_read_json_rows(path)))
     else:
         yield from ((i, line, row.get(column)) for i, line, row in _jsonl_rows(path))
+
+
+PARQUET_MAGIC = b"PAR1"  # a Parquet file starts and ends with it
+
+
+def _parquet(path: Path, read: Any) -> Any:
+    """`read(pyarrow.parquet)`, for a file that is Parquet: one that is not (a wrong
+    extension, a truncated copy) is named before pyarrow is imported."""
+    with path.open("rb") as f:
+        head = f.read(4)
+        f.seek(max(path.stat().st_size - 4, 0))
+        tail = f.read(4)
+    if head != PARQUET_MAGIC or tail != PARQUET_MAGIC or path.stat().st_size < 12:
+        found = "it is empty" if not head else f"it starts with {head!r}"
+        if head == PARQUET_MAGIC:
+            found = "its end is missing (a truncated copy?)"
+        raise DataError(
+            f"{path} is not a Parquet file ({found}; Parquet files start and end with "
+            f"{PARQUET_MAGIC!r}); convert it to Parquet, or give it the extension of its format "
+            f"({', '.join(FILE_BUILDERS)})"
+        )
+    import pyarrow.parquet as pq
+
+    try:
+        return read(pq)
+    except Exception as e:  # pyarrow's ArrowInvalid, OSError ...
+        raise DataError(f"{path} cannot be read as Parquet: {type(e).__name__}: {e}") from None
+
+
+def _read_csv(path: Path) -> tuple[list[str], list[tuple[int, dict]]]:
+    """The header and every record (its first line, its fields by column) of a CSV file,
+    parsed as strictly as the loader (pandas) needs: an unclosed or malformed quote, and a
+    record with more fields than the header (pandas would shift it into an index), are
+    named with their line. Blank lines are skipped, as pandas does."""
+    reader = csv.reader(io.StringIO(read_utf8(path)), strict=True)
+    header: list[str] | None = None
+    records: list[tuple[int, dict]] = []
+    while True:
+        start = reader.line_num + 1
+        try:
+            fields = next(reader)
+        except StopIteration:
+            return header or [], records
+        except csv.Error as e:
+            raise DataError(_csv_problem(path, start, reader.line_num, str(e))) from None
+        if not fields:
+            continue
+        if header is None:
+            header = fields
+        elif len(fields) > len(header):
+            raise DataError(
+                f"{path} line {start} has {len(fields)} fields but the header has "
+                f"{len(header)}; quote fields that hold a comma (\"like, this\")"
+            )
+        else:
+            records.append((start, dict(zip(header, fields))))
+
+
+def _csv_problem(path: Path, start: int, end: int, error: str) -> str:
+    if error == "unexpected end of data":
+        return (
+            f"{path} line {start}: a quoted field opens there and is never closed (the file "
+            f"ends inside it); close the quote, and double any quote inside a quoted field (\"\")"
+        )
+    return (
+        f"{path} line {end}: malformed quoting ({error}); quote the whole field and double "
+        f"any quote inside it (\"say \"\"hi\"\"\")"
+    )
 
 
 def read_utf8(path: Path) -> str:

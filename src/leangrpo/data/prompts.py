@@ -51,6 +51,7 @@ from leangrpo.data.files import (
     prompt_problem,
     read_json_table,
 )
+from leangrpo.data.lengths import TextBound, prompt_text, too_long
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,15 @@ class PromptLimit:
 
     tokens: int
     reason: str  # e.g. "data.max_prompt_tokens = 512"
+    # set when prompt text can be bounded untokenised (lengths.py): what a token covers
+    text: TextBound | None = None
+
+    def over_by_text(self, value: Any) -> int | None:
+        """The size of a prompt cell that is over the limit for certain, untokenised."""
+        if self.text is None:
+            return None
+        size = self.text.measure(prompt_text(value))
+        return size if size > self.tokens * self.text.per_token else None
 
 
 @dataclass
@@ -200,7 +210,8 @@ def _load_rows(data_cfg: Any, path: str | None, split: str | None) -> list[dict]
         try:
             ds = datasets.load_dataset(builder, data_files=str(path), split="train")
         except Exception as e:
-            raise DataError(f"could not read {path}: {type(e).__name__}: {e}") from e
+            cause = _root_cause(e)  # datasets wraps it: "An error occurred while generating"
+            raise DataError(f"could not read {path}: {type(cause).__name__}: {cause}") from e
     else:
         name, config = data_cfg.dataset, data_cfg.dataset_config
         try:
@@ -220,6 +231,16 @@ def _load_rows(data_cfg: Any, path: str | None, split: str | None) -> list[dict]
     return [{name: values[i] for name, values in columns.items()} for i in range(num_rows)]
 
 
+def _root_cause(exc: BaseException) -> BaseException:
+    """The innermost exception of a chain (bounded: a chain may loop)."""
+    for _ in range(32):
+        inner = exc.__cause__ or exc.__context__
+        if inner is None:
+            break
+        exc = inner
+    return exc
+
+
 def _make_prompts(
     rows: list[dict],
     uids: list[int],
@@ -235,6 +256,7 @@ def _make_prompts(
     blank = [uid for uid in uids if prompt_problem(rows[uid].get(column), True) == "empty"]
     dropped = set(blank)
     uids = [uid for uid in uids if uid not in dropped]
+    uids = _drop_by_text(rows, uids, data_cfg, source, limit, counts)
     messages = [_messages(rows[uid], data_cfg, tokenizer) for uid in uids]
     render = first_turn or (lambda m: _render(m, tokenizer))
     texts = [rows[uid].get(column) if m is None else render(m) for uid, m in zip(uids, messages)]
@@ -269,6 +291,29 @@ def _make_prompts(
     if not limit:
         return prompts
     return _apply_limit(prompts, limit, data_cfg, tokenizer, source, counts, first_turn is not None)
+
+
+def _drop_by_text(
+    rows: list[dict], uids: list[int], data_cfg: Any, source: str, limit: Any, counts: dict
+) -> list[int]:
+    """Prompts too long by their text alone (lengths.py) are refused or dropped before
+    they are tokenised; truncation tokenises everything."""
+    mode = data_cfg.overlong_prompts
+    if limit is None or limit.text is None or mode not in ("error", "drop"):
+        return uids
+    column = data_cfg.prompt_column
+    long = {uid: size for uid in uids if (size := limit.over_by_text(rows[uid].get(column)))}
+    if not long:
+        return uids
+    if mode == "error":
+        uid = next(iter(long))
+        raise DataError(too_long(f"{source} row {uid}", long[uid], limit, limit.text))
+    logger.warning(
+        "dropped %d prompts of %s longer than %d tokens can hold by their text alone (%s; rows %s)",
+        len(long), source, limit.tokens, limit.reason, _rows(list(long)),
+    )  # fmt: skip
+    counts["dropped"] += len(long)
+    return [uid for uid in uids if uid not in long]
 
 
 def _apply_limit(

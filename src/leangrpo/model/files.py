@@ -16,7 +16,9 @@ tracebacks after seconds of imports:
   little-endian header length, a JSON header, and tensors whose byte ranges end exactly at
   the end of the file. A truncated download or a corrupt header is named now.
 
-It also reads the model's context length (positions it can attend to), which the data
+It also lists the model's safetensors files on this machine without fetching any
+(`local_safetensors`: what colocated vLLM's shared tensors are checked against), and reads
+the model's context length (positions it can attend to), which the data
 checks compare prompt + rollout.max_new_tokens against. Rope scaling that extends the
 context (linear, dynamic, yarn with a factor) multiplies the original length.
 
@@ -103,6 +105,32 @@ def _no_directory(key: str, path: Path) -> str:
     if hint is not None:
         return f"{key}: no such directory ({path.resolve()}); {hint}."
     return f"{key}: no such directory ({path.resolve()}); point it at a model directory or a Hugging Face hub id such as Qwen/Qwen2.5-0.5B-Instruct."
+
+
+def local_safetensors(model_cfg: Any) -> list[Path] | None:
+    """The `*.safetensors` files of `model.name_or_path` on this machine, never fetched: a
+    local directory's ([] when it holds none), or those of a hub id in the local cache
+    (None when none are cached yet: whether the hub has them is not known here)."""
+    name = model_cfg.name_or_path
+    path = Path(name).expanduser()
+    if not path.is_dir():
+        if name.startswith(("/", ".", "~")) or not HUB_ID.match(name):
+            return None
+        from huggingface_hub import snapshot_download
+
+        try:
+            path = Path(
+                snapshot_download(
+                    name,
+                    revision=model_cfg.revision,
+                    allow_patterns=["*.safetensors", "config.json"],
+                    local_files_only=True,
+                )
+            )
+        except Exception:  # not in the local hub cache
+            return None
+        return sorted(path.glob("*.safetensors")) or None
+    return sorted(path.glob("*.safetensors"))
 
 
 def _hub_config(repo: str, revision: str | None, key: str, fetch: bool) -> Path | None:

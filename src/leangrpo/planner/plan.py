@@ -12,8 +12,10 @@ second) and counts, per device, for one micro-batch of `train.micro_batch_tokens
                      the same weights with the adapters off: no copy) [exact]
     generation_copy  the hf engine's own copy of the policy (async mode, torchrun), or
                      colocated vLLM's own copy of the base weights; none when vLLM and
-                     the policy share one (rollout.vllm.share_weights, as far as the
-                     config tells: `Config.shares_vllm_weights`) [exact]
+                     the policy share one (rollout.vllm.share_weights), as far as the
+                     checks before vLLM starts tell (rollout/vllm/precheck.py: the
+                     config, the dtypes, a safetensors checkpoint); the rest is checked
+                     once vLLM runs, so the plan says "if sharing holds at start-up" [exact]
     gradients        one per trainable parameter, in its dtype [exact]
     adamw_state      exp_avg + exp_avg_sq per trainable parameter (+ the 4-byte step
                      counters, which only count on CPU: on CUDA they live on the host) [exact]
@@ -74,6 +76,7 @@ from leangrpo.planner.inventory import (
     layer_saved,
     rotary_bytes,
 )
+from leangrpo.rollout.vllm.precheck import share_blocker, trainer_dtype_name
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # a copy of logprobs.DEFAULT_TILES (that module imports torch); tests keep them equal
@@ -342,7 +345,7 @@ def plan_memory(
         "offloaded_to_host": host,
     }
     plan["total"] = peak(plan, concurrent=hf and cfg.pipeline.mode == "async", cpu=device == "cpu")
-    if cfg.shares_vllm_weights():
+    if sharing_blocker(cfg) is None:
         plan[SAVED_BY_SHARING] = base  # not a term: the copy colocated vLLM does not hold
     return plan
 
@@ -351,7 +354,18 @@ def vllm_copy(cfg, base: int) -> int:
     """Colocated vLLM's own weights (in the trainer's dtype, as the engine is given it), or
     0: no colocated vLLM, or one that serves from the policy's tensors."""
     colocated = cfg.rollout.engine == "vllm" and cfg.rollout.vllm.mode == "colocate"
-    return base if colocated and not cfg.shares_vllm_weights() else 0
+    return base if colocated and sharing_blocker(cfg) is not None else 0
+
+
+def sharing_blocker(cfg) -> tuple[str, str] | None:
+    """Why colocated vLLM keeps its own copy, as the start-up's checks before vLLM starts
+    would say (rollout/vllm/precheck.py); ("", "") when sharing is off or does not apply
+    (no colocated vLLM, share_weights false); None when they let it share."""
+    v = cfg.rollout.vllm
+    if cfg.rollout.engine != "vllm" or v.mode != "colocate" or v.share_weights is False:
+        return ("", "")
+    device = "cpu" if cfg.run.device == "cpu" else "cuda"
+    return share_blocker(cfg, trainer_dtype_name(cfg.model.dtype, device))
 
 
 def peak(plan: dict[str, int], concurrent: bool, cpu: bool) -> int:
@@ -584,6 +598,19 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def _sharing_note(plan: dict[str, int], cfg) -> list[str]:
+    """What the generation copy assumes about colocated vLLM sharing the weights."""
+    saved = plan.get(SAVED_BY_SHARING)
+    if saved:
+        gib = saved / 2**30
+        return [
+            f"  generation_copy is 0 if sharing holds at start-up: colocated vLLM then serves from the policy's weights (rollout.vllm.share_weights), which saves {gib:.3f} GiB",
+            f"    (checked once vLLM runs: its engine core and worker in this process, a vLLM version sharing is tested with, a layout the policy can view; where one fails, share_weights auto keeps two copies, {gib:.3f} GiB more, and true stops)",
+        ]
+    why = sharing_blocker(cfg)[0] if cfg is not None else ""
+    return [f"  generation_copy: colocated vLLM keeps its own copy, because {why}"] if why else []
+
+
 def render_plan(
     plan: dict[str, int],
     cfg=None,
@@ -618,10 +645,7 @@ def render_plan(
         lines.append(f"  {key:<{width}}  {value / 2**30:8.3f} GiB{note}")
     concurrent = cfg is not None and cfg.rollout.engine == "hf" and cfg.pipeline.mode == "async"
     lines += explain_total(plan, concurrent, cpu)
-    if plan.get(SAVED_BY_SHARING):
-        lines.append(
-            f"  generation_copy is 0: colocated vLLM serves from the policy's weights (rollout.vllm.share_weights), which saves {plan[SAVED_BY_SHARING] / 2**30:.3f} GiB"
-        )
+    lines.extend(_sharing_note(plan, cfg))
     if cfg is not None and cfg.run.device == "cpu":
         lines.append(
             f"  + the process itself (python, torch, transformers, peft imported): about {PROCESS_BASELINE_CPU / 2**30:.2f} GiB of RSS, not in the total"

@@ -75,6 +75,8 @@ if TYPE_CHECKING:
     from leangrpo.contracts import RolloutSample
 
 log = logging.getLogger("leangrpo.rewards")
+# Failures that say more about the moment than the function: never "the same way" (item 5)
+CIRCUMSTANTIAL = ("worker died", "garbled reply", *LIMIT_KINDS)
 
 
 @dataclass
@@ -93,6 +95,7 @@ class _Run:
     failures: list[int]
     queue: deque[_Task] = field(default_factory=deque)
     limits: dict[str, int] = field(default_factory=dict)  # samples failed at a sandbox limit
+    ways: list[dict[str, str]] = field(default_factory=list)  # [function]: kind -> first detail
 
 
 class RewardPool:
@@ -102,6 +105,7 @@ class RewardPool:
         self.specs = parse_specs(rewards_cfg)  # the workers import; check_rewards did already
         self.timeout_s = float(rewards_cfg.timeout_s)
         self.fail_fast = bool(rewards_cfg.fail_fast)
+        self.systematic = rewards_cfg.systematic_failures
         self.num_workers = int(rewards_cfg.num_workers)
         if not 0 < self.timeout_s < math.inf or self.num_workers < 1:
             raise RewardSpecError(
@@ -147,11 +151,35 @@ class RewardPool:
                 self._budget.reset()
                 if self._closed:
                     self._release_all()
+        self._check_systematic(run)
         metrics = _apply_and_summarise(samples, self.specs, run.values, run.failures)
         if self._plan is not None:
             for kind in LIMIT_KINDS:  # "failures" keys add up when streamed chunks merge
                 metrics[f"reward/{kind.split()[0]}_failures"] = float(run.limits.get(kind, 0))
         return metrics
+
+    def _check_systematic(self, run: _Run) -> None:
+        """A function that failed on every sample the same way (its code, not its luck):
+        stop with one sentence, or warn once (rewards.systematic_failures)."""
+        n = len(run.samples)
+        for fn, spec in enumerate(self.specs):
+            ways = run.ways[fn]
+            if n < 2 or run.failures[fn] < n or len(ways) != 1:
+                continue
+            ((kind, detail),) = ways.items()
+            if kind in CIRCUMSTANTIAL:
+                continue
+            fix = "fix it" if kind in ("bad value", "bad return") else "fix the error it raises"
+            what = f"reward '{spec.key}' failed on all {n} samples of a batch the same way"
+            what += f" ({detail})"
+            if self.systematic == "stop":
+                raise RewardFailedError(
+                    f"{what}; {fix}, or set rewards.systematic_failures: warn to go on with "
+                    "such samples unscored"
+                )
+            if (fn, "systematic") not in self._logged:
+                self._logged.add((fn, "systematic"))
+                log.warning("%s; they are unscored (rewards.systematic_failures: warn)", what)
 
     # ---- scheduling ---------------------------------------------------------------------
 
@@ -159,6 +187,7 @@ class RewardPool:
         self._restart_busy_workers()  # left over from a call that was interrupted
         n = len(samples)
         run = _Run(samples, [[None] * n for _ in self.specs], [0] * len(self.specs))
+        run.ways = [{} for _ in self.specs]
         run.queue.extend(self._initial_tasks(n))
         payload = _payload(samples)
         while run.queue or any(w.task for w in self._workers):
@@ -297,6 +326,12 @@ class RewardPool:
                 run.values[reply.fn][i] = value
             for j, kind, msg in reply.errors:
                 self._sample_failed(run, reply.fn, task.indices[j], kind, msg)
+        elif reply.kind == "wrong length":  # a broken contract: retrying one by one hides it
+            self._restart_busy_workers()
+            raise RewardFailedError(
+                f"reward '{self.specs[reply.fn].key}' {reply.msg} (it is called with lists of "
+                "prompts and completions, and returns one reward per completion, in order)"
+            )
         else:
             self._call_failed(run, task, reply.kind, reply.msg)
         rest = task.fns[1:]
@@ -325,6 +360,7 @@ class RewardPool:
         run.failures[fn] += 1
         if kind in LIMIT_KINDS:
             run.limits[kind] = run.limits.get(kind, 0) + 1
+        run.ways[fn].setdefault(kind, detail)
         if (fn, kind) not in self._logged:
             self._logged.add((fn, kind))
             log.warning(

@@ -86,14 +86,19 @@ def score(call: LimitedCall, fn: Any, prompts: list, completions: list, kwargs: 
     try:
         values, errors = validate(raw, n)
     except BadReturn as e:
-        return {"t": "error", "kind": "bad return", "msg": message(e)}
+        return {"t": "error", "kind": e.kind, "msg": message(e)}
     except BaseException as e:  # a returned object whose tolist() raises
         return {"t": "error", "kind": type(e).__name__, "msg": message(e)}
     return {"t": "result", "values": values, "errors": errors}
 
 
 class BadReturn(ValueError):
-    """A reward returned something other than one value per sample."""
+    """A reward returned something other than one value per sample: `kind` is "wrong
+    length" (a list of another length: never retried, rewards/pool.py) or "bad return"."""
+
+    def __init__(self, msg: str, kind: str = "bad return"):
+        super().__init__(msg)
+        self.kind = kind
 
 
 def validate(raw: Any, n: int) -> tuple[list[float | None], list[list]]:
@@ -110,7 +115,9 @@ def validate(raw: Any, n: int) -> tuple[list[float | None], list[list]]:
     if not isinstance(items, (list, tuple)):
         raise BadReturn(f"returned a {type(raw).__name__} for {n} samples; return a list of {n}")
     if len(items) != n:
-        raise BadReturn(f"returned {len(items)} values for {n} samples; return a list of {n}")
+        raise BadReturn(
+            f"returned {len(items)} values for {n} samples; return a list of {n}", "wrong length"
+        )
     values: list[float | None] = []
     errors: list[list] = []
     for j, item in enumerate(items):

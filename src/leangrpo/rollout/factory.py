@@ -7,7 +7,8 @@
   colocated one that shares the policy's weights (rollout/vllm/sharing.py) starts before
   the policy, which is built from views of its tensors (`start_shared_engine`), and is
   handed to `make_engines` as `started`; with full fine-tuning in sync mode it then
-  generates with the trainer's live weights.
+  generates with the trainer's live weights. A LoRA policy's adapter is checked against
+  the modules the vLLM engine serves LoRA on before training (`check_adapter`).
 
 Under torchrun (`ctx.distributed`): the hf engine is one own copy per rank (a sharded
 model cannot generate without collectives whose count would depend on each rank's
@@ -93,6 +94,12 @@ def _vllm_engines(cfg, policy, started=None) -> Engines:
     from leangrpo.rollout.vllm.engine import make_vllm_engine
 
     engine = started if started is not None else make_vllm_engine(cfg, policy)
+    if policy.is_lora:
+        try:  # before training: an adapter vLLM would serve in part is refused now
+            engine.check_adapter(name for name, _ in policy.named_trainable_tensors())
+        except BaseException:
+            engine.close()
+            raise
     if started is not None and policy.is_lora:
         engine.adapter_config = policy.model.peft_config["default"]
     # full fine-tuning on shared weights: vLLM serves the trainer's tensors as they are

@@ -40,17 +40,15 @@ import torch
 from leangrpo.checkpoint.rundir import schedule_horizon
 from leangrpo.config import Config
 from leangrpo.contracts import RolloutBatch
-from leangrpo.data.prompts import load_prompts
 from leangrpo.distributed.context import DistContext, init_distributed
 from leangrpo.distributed.strategy import choose_strategy
 from leangrpo.environments.setup import start_environments
 from leangrpo.errors import RunError
 from leangrpo.metrics.learning import LearningSignal, warn_if_tokenizer_drops_text
-from leangrpo.model.files import check_model_files
-from leangrpo.model.policy import Policy, load_policy, load_tokenizer
+from leangrpo.model.policy import Policy, load_policy
 from leangrpo.model.tokenizer import remember
 from leangrpo.pipeline.builder import build_pipeline
-from leangrpo.preflight import Preflight, check_micro_batch, preflight, prompt_limit
+from leangrpo.preflight import Preflight, load_checked_tokenizer, preflight, prepare_prompts
 from leangrpo.prestart import Prestarted
 from leangrpo.rewards import RewardPool
 from leangrpo.rollout.factory import make_engines, start_shared_engine
@@ -87,8 +85,6 @@ class Trainer:
         try:
             self.cfg = cfg
             self.out = self.checked.run_dir.path
-            if self.ctx.is_main:
-                cfg.save(self.out / "config.yaml")
             if cfg.run.num_threads:
                 torch.set_num_threads(cfg.run.num_threads)
             seed_everything(cfg.run.seed)
@@ -112,11 +108,8 @@ class Trainer:
     def _build(self, cfg: Config) -> None:
         ctx = self.ctx
         self.strategy = strategy = choose_strategy(cfg, ctx, self.out)
-        limit = self.checked.prompt_limit
-        if self.checked.model.directory is None:  # a hub model not cached yet: fetch config.json
-            limit = prompt_limit(cfg, check_model_files(cfg.model, fetch=True))
         log.info("loading transformers, the tokenizer and the prompts ...")
-        tokenizer = load_tokenizer(cfg.model)
+        tokenizer, limit = load_checked_tokenizer(cfg, self.checked)  # `leangrpo check` too
         # multi-turn, still before the model loads: environment workers and the chat
         # template, the prompts as their first turn renders them, a probe reset
         generates = strategy.generates  # torchrun with vLLM: rank 0 alone
@@ -126,8 +119,7 @@ class Trainer:
             log.info("starting %d environment worker(s) ...", cfg.environment.num_workers)
         self.environments = start_environments(cfg, tokenizer, pool) if generates else None
         first_turn = self.environments.renderer.first_turn if self.environments else None
-        prompts = load_prompts(cfg.data, tokenizer, cfg.run.seed, limit, first_turn)
-        check_micro_batch(prompts.train, cfg)
+        prompts = prepare_prompts(cfg, tokenizer, limit, first_turn)
         if ctx.is_main:
             warn_if_tokenizer_drops_text(prompts.train, tokenizer, cfg.model.name_or_path)
         self.learning = LearningSignal(self.out)  # warns when nothing can be learned
@@ -170,6 +162,9 @@ class Trainer:
                 named = self._weights()
                 if engines is not None:
                     engines.rollout.update_weights(named, self.version)
+        if ctx.is_main:  # set-up done: run.overwrite sets the earlier run aside only now
+            self.checked.run_dir.begin_writing()
+            cfg.save(self.out / "config.yaml")
         self.logger = self._make_logger(resumed)
         if not resumed:
             self.logger.stage(prompts.metrics)  # merged into the step-0 row
@@ -486,6 +481,8 @@ class Trainer:
                 extra_files=extra, bulky_state=bulky, inflight=inflight,
             )  # fmt: skip
         self.saved = (self.step, path)
+        if self.ctx.is_main:  # run.overwrite: the earlier run is deleted now
+            self.checked.run_dir.checkpoint_saved()
         return path
 
     def close(self, clean: bool = False) -> None:

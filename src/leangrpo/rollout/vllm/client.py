@@ -119,6 +119,16 @@ class ServerPool:
         )
         health = [self.request(url, "GET", "/health") for url in self.urls]
         self.max_body_bytes = min(h.get("max_body_bytes", 1 << 62) for h in health)
+        served = [h.get("lora_modules") for h in health]
+        # what every server serves LoRA on; None when one does not say
+        self._lora_modules = (
+            None if any(m is None for m in served) else sorted(set.intersection(*map(set, served)))
+        )
+
+    def lora_modules(self) -> list[str] | None:
+        """The module names every server serves LoRA on (their /health replies); None
+        when a server does not say."""
+        return self._lora_modules
 
     @property
     def version(self) -> int:

@@ -18,7 +18,10 @@ prompt groups evenly (router.py). Both implement `contracts.RolloutEngine`:
 - LoRA sync: the adapter (config + safetensors only) is published atomically under a name
   and integer id unique per run and version (`local.AdapterSlots`), so requests
   admitted under the previous version finish on the adapter they started with, and a
-  cached adapter is never served for other weights.
+  cached adapter is never served for other weights. Before training, `check_adapter`
+  refuses an adapter on modules vLLM serves no LoRA on (embed_tokens, lm_head on most
+  models), naming them: every engine says what it serves (`lora_modules`; a server in
+  its /health reply).
 - A quantized base (`model.quantization: nf4`, QLoRA) is passed as
   `quantization="bitsandbytes"`: vLLM quantizes the checkpoint in flight with the same
   recipe as the trainer (nf4, blocks of 64, double quantization) and serves the adapter on
@@ -54,10 +57,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from leangrpo.contracts import Completion, EngineVersionError, Prompt, SamplingParams, TurnRequest
+from leangrpo.errors import RunError
 from leangrpo.rollout.vllm.client import ServerPool, client_token, start_local_server
 from leangrpo.rollout.vllm.files import (
     DEFAULT_BUCKET_BYTES,
     is_lora_name,
+    unservable_message,
+    unservable_modules,
     write_adapter,
     write_weight_buckets,
 )
@@ -281,6 +287,18 @@ class VLLMEngine:
 
     def load_adapter(self, path: str | os.PathLike, version: int) -> None:
         self.backend.load_adapter(Path(path), version, run=self.run_id)
+
+    def check_adapter(self, names: Iterable[str]) -> None:
+        """Before training: refuse (one sentence naming them) an adapter whose tensors
+        (`names`) adapt modules this engine serves no LoRA on; vLLM would serve the rest
+        of it (in memory) or refuse it at the first sync (files). A server that does not
+        say what it serves is left to refuse at the push."""
+        servable = self.backend.lora_modules()
+        if servable is None:
+            return
+        refused = unservable_modules(names, servable)
+        if refused:
+            raise RunError(unservable_message(refused, servable))
 
     def sleep(self, level: int = 1) -> None:
         """Free accelerator memory while the trainer trains (no-op where unsupported)."""

@@ -84,6 +84,35 @@ def saved_lora_name(name: str) -> str:
     return re.sub(r"\.(lora_embedding_A|lora_embedding_B)\.[^.]+$", r".\1", name)
 
 
+def adapter_modules(names: Iterable[str]) -> list[str]:
+    """The modules a LoRA adapter's tensors adapt (live or saved peft names -> the module
+    path without peft's `base_model.model.`), once each, in order."""
+    modules: dict[str, None] = {}
+    for name in names:
+        if is_lora_name(name):
+            saved = saved_lora_name(name).removeprefix("base_model.model.")
+            path = re.sub(r"\.(lora_A|lora_B)\.weight$|\.(lora_embedding_A|lora_embedding_B)$", "", saved)
+            modules[path] = None
+    return list(modules)
+
+
+def unservable_modules(names: Iterable[str], servable: Iterable[str]) -> list[str]:
+    """The adapted modules whose last name vLLM serves no LoRA on (its own rule:
+    vllm.lora.worker_manager `expected_lora_modules`)."""
+    allowed = set(servable)
+    return [m for m in adapter_modules(names) if m.rpartition(".")[2] not in allowed]
+
+
+def unservable_message(modules: list[str], servable: Iterable[str]) -> str:
+    """One sentence: the adapter's modules vLLM would not serve, and what to do."""
+    leaves = sorted({m.rpartition(".")[2] for m in modules})
+    served = ", ".join(sorted(servable)) or "none: LoRA is off on that engine"
+    more = f", and {len(modules) - 1} more" if len(modules) > 1 else ""
+    return (
+        f"lora.target_modules puts adapters on {', '.join(leaves)} ({modules[0]}{more}), which vLLM does not serve LoRA on for this model (it serves: {served}), so generation would run without that part of the adapter; remove them from lora.target_modules, or generate with rollout.engine: hf."
+    )
+
+
 def write_adapter(
     named_tensors: Iterable[tuple[str, Tensor]], adapter_config: Any, directory: Path
 ) -> Path:

@@ -207,6 +207,7 @@ def _route(method: str, path: str, body: Body, st: ServerState) -> dict:
                 "model": st.model,
                 "in_flight": st.local.gate.in_flight,
                 "max_body_bytes": st.max_body_bytes,
+                "lora_modules": st.local.lora_modules(),
             }
         case ("POST", ["generate"]):
             return _generate(st.local, body.json())

@@ -237,6 +237,7 @@ class LocalVLLM:
         self._asleep = False
         self._finished: dict[str, Any] = {}  # outputs a step finished for another caller
         self._request_ids = 0
+        self._lora_modules: list[str] | None = None
 
     @property
     def version(self) -> int:
@@ -380,6 +381,12 @@ class LocalVLLM:
         if self._asleep:
             self.llm.wake_up()
             self._asleep = False
+
+    def lora_modules(self) -> list[str]:
+        """The module names this vLLM serves LoRA on ([] with LoRA off), asked once."""
+        if self._lora_modules is None:
+            self._lora_modules = list(self.call_workers("leangrpo_lora_modules")[0])
+        return self._lora_modules
 
     def call_workers(self, method: str, *args: Any) -> list[Any]:
         with self._lock:

@@ -20,18 +20,25 @@ This module imports nothing from vLLM at import time: the worker provides `reloa
 
 `SharingExtension` (mixed in too) serves colocated vLLM that shares its weights with the
 trainer (sharing.py), in-process only, where `collective_rpc` passes live objects both
-ways: the model itself; on CPU, plain weights again where vLLM prepacked them; and LoRA
-adapters from tensors in memory. Its methods are prefixed `leangrpo_`: an extension may
-not define a name the worker has (vLLM asserts it).
+ways: the model itself; where the worker runs and which storages it serves from (plain
+numbers, so the answer is true across any process boundary); on CPU, plain weights
+again where vLLM prepacked them, and vLLM's own processing back after a refusal; and LoRA
+adapters from tensors in memory, refused when they adapt a module vLLM serves no LoRA on
+(the check vLLM's file loader makes; `leangrpo_lora_modules` lists what it serves, for
+every engine). Its methods are prefixed `leangrpo_`: an extension may not define a name
+the worker has (vLLM asserts it).
 """
 
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Iterator
 
 import torch
 from safetensors import safe_open
+
+from leangrpo.rollout.vllm.files import unservable_message, unservable_modules
 
 
 def iter_safetensors(paths: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -58,6 +65,27 @@ class SharingExtension:
         """The live model (in-process, `collective_rpc` returns it as it is)."""
         return self.model_runner.get_model()
 
+    def leangrpo_whereabouts(self) -> tuple[int, list[int]]:
+        """This worker's process id and the data pointers of its model's parameter
+        storages: what the caller compares with its own process and the model it got."""
+        model = self.model_runner.get_model()
+        return os.getpid(), sorted({p.untyped_storage().data_ptr() for p in model.parameters()})
+
+    def leangrpo_lora_modules(self) -> list[str]:
+        """The module names vLLM serves LoRA on for this model (packed names expanded), as
+        `WorkerLoRAManager._load_adapter` computes them; [] with LoRA off."""
+        workers = getattr(self.model_runner, "lora_manager", None)
+        manager = getattr(workers, "_adapter_manager", None)
+        if manager is None:
+            return []
+        packed = manager.packed_modules_mapping
+        names: set[str] = set()
+        for module in manager.supported_lora_modules:
+            names.update(packed.get(module, [module]))
+            if module == "experts":
+                names.add(module)
+        return sorted(names)
+
     @torch.no_grad()
     def leangrpo_plain_weights(self) -> list[str]:
         """CPU: serve every linear layer from a plain weight again, read from the checkpoint.
@@ -81,7 +109,7 @@ class SharingExtension:
         from vllm.model_executor.model_loader import get_model_loader
 
         model = self.model_runner.get_model()
-        emptied, plain = [], []
+        emptied, plain, names = [], [], []
         for name, layer in model.named_modules():
             method = getattr(layer, "quant_method", None)
             if "weight" not in layer._parameters:  # LoRA wrappers: the weight is base_layer's
@@ -105,8 +133,11 @@ class SharingExtension:
                     layer.weight.requires_grad_(False)  # vLLM's parameters never train
                     emptied.append(name)
                 plain.append(layer)
+                names.append(name)
             elif isinstance(method, UnquantizedEmbeddingMethod):
                 plain.append(layer)  # the lm_head's packed copy goes too
+                names.append(name)
+        self._leangrpo_plain = names  # what leangrpo_vllm_weights processes again
         for layer in plain:
             layer.cpu_linear = F.linear
         gc.collect()
@@ -120,6 +151,21 @@ class SharingExtension:
             if "weight" in layer._parameters and layer.weight.numel() == 0
         ]
 
+    @torch.no_grad()
+    def leangrpo_vllm_weights(self) -> int:
+        """Undo `leangrpo_plain_weights` (sharing was refused after it ran): each layer it
+        changed is processed again by its own quant method, as vLLM did after loading (on
+        CPU: packed for oneDNN, the weight emptied), so the layers are again the ones its
+        layerwise reload recorded. Returns how many layers were processed."""
+        names = getattr(self, "_leangrpo_plain", [])
+        modules = dict(self.model_runner.get_model().named_modules())
+        for name in names:
+            layer = modules[name]
+            layer.quant_method.process_weights_after_loading(layer)
+        self._leangrpo_plain = []
+        gc.collect()
+        return len(names)
+
     def leangrpo_add_adapter(self, int_id: int, tensors: dict, config: dict) -> bool:
         """Register a LoRA adapter from tensors (peft's saved names) and its peft config,
         as `WorkerLoRAManager._load_adapter` does after reading the files
@@ -131,6 +177,10 @@ class SharingExtension:
 
         workers = self.model_runner.lora_manager
         manager = workers._adapter_manager
+        servable = self.leangrpo_lora_modules()
+        refused = unservable_modules(tensors, servable)
+        if refused:  # vLLM would keep the rest and serve half an adapter
+            raise ValueError(unservable_message(refused, servable))
         helper = PEFTHelper.from_dict(
             {**config, "vllm_max_position_embeddings": workers.max_position_embeddings}
         )
