@@ -155,6 +155,28 @@ def test_the_budget_bounds_the_batch_and_the_kept_caches(model, tokenizer, monke
         stream.submit(TurnRequest([1, 2], 1, 12, 0))
 
 
+def test_turns_that_join_together_grow_the_slot_cache_once(model, tokenizer, monkeypatch):
+    """Without a budget the slot cache is sized for every waiting turn at once: it grew by
+    doubling, one copy of the whole cache per doubling (1, 2, 4, ... rows for 33 turns)."""
+    from leangrpo.rollout.hf import kv_cache
+
+    sizes = []
+    original = kv_cache.SlotCache.resize
+
+    def counted(self, rows, width):
+        sizes.append((rows, width))
+        return original(self, rows, width)
+
+    monkeypatch.setattr(kv_cache.SlotCache, "resize", counted)
+    with HFEngine(model, tokenizer).open_turns(PARAMS, 0) as stream:
+        for k in range(33):
+            stream.submit(TurnRequest(list(STARTS[k % len(STARTS)]), 1000 + k, 12 + k, k))
+        stream.advance()
+        assert sizes == [(33, 64)] and stream.stats["prefills"] == 1  # one forward for all
+        while stream.pending():
+            stream.advance()
+
+
 def test_ids_that_do_not_extend_the_kept_cache_are_prefilled_whole(model, tokenizer):
     engine = HFEngine(model, tokenizer)
     with engine.open_turns(PARAMS, 0) as stream:

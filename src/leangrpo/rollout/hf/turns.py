@@ -157,12 +157,13 @@ class HFTurnStream:
     # -- admission --------------------------------------------------------------------------
     def _admit(self) -> list[tuple[TurnRequest, Completion]]:
         joining: list[_Joining] = []
+        room = self._room_for_waiting()
         while self.waiting and len(self.rows) + len(joining) < self.max_rows:
             request = self.waiting[0]
             kept = self._kept_prefix(request)
             rows = len(self.rows) + len(joining) + 1
             width = max(_bound(r) for r in [request] + [j.request for j in joining])
-            if not self._make_room(rows, width):
+            if not self._make_room(rows, width, room):
                 if kept is not None:
                     self.kept.put(request.key, kept)
                 if not self.rows and not joining:
@@ -193,17 +194,28 @@ class HFTurnStream:
             return None
         return kept
 
-    def _make_room(self, rows: int, width: int) -> bool:
+    def _room_for_waiting(self) -> tuple[int, int]:
+        """Without a budget: rows and width for every waiting turn that may join now, so
+        that the slot cache grows once for them, not once per doubling (each growth copies
+        the whole cache). Under a budget: (0, 0), growth by doubling (a larger cache would
+        evict kept caches for turns that might not fit anyway)."""
+        if self.budget is not None or not self.waiting:
+            return 0, 0
+        rows = min(self.max_rows, len(self.rows) + len(self.waiting))
+        joining = [self.waiting[i] for i in range(max(0, rows - len(self.rows)))]
+        return rows, max((_bound(r) for r in joining), default=0)
+
+    def _make_room(self, rows: int, width: int, room: tuple[int, int] = (0, 0)) -> bool:
         """Size the slot cache for `rows` rows of `width` positions (every row in use must
         fit too), evicting kept caches (oldest first) when the budget asks for it; False
-        when it cannot fit now. Rows grow by doubling, the width in steps of WIDTH_STEP;
-        shrinks only to fit the budget."""
+        when it cannot fit now. Rows grow by doubling (at once to `room`'s rows when
+        given), the width in steps of WIDTH_STEP; shrinks only to fit the budget."""
         width = max([width] + [row.bound for row in self.rows])
         current = (self.cache.rows, self.cache.width)
         if rows <= current[0] and width <= current[1] and self._fits(*current):
             return True
-        stepped = -(-width // WIDTH_STEP) * WIDTH_STEP
-        grown = (_grown(current[0], rows, self.max_rows), max(stepped, current[1]))
+        stepped = -(-max(width, room[1]) // WIDTH_STEP) * WIDTH_STEP
+        grown = (_grown(current[0], max(rows, room[0]), self.max_rows), max(stepped, current[1]))
         for target in (grown, (rows, stepped), (rows, width)):
             if self._fits(*target, evict=True):
                 self.cache.resize(*target)
