@@ -177,6 +177,42 @@ def test_turns_that_join_together_grow_the_slot_cache_once(model, tokenizer, mon
             stream.advance()
 
 
+def test_a_turn_draws_one_uniform_per_token_from_its_own_seed(tokenizer, monkeypatch):
+    """Rows draw their uniforms in blocks; the draws are still the seed's stream, one per
+    token, past a block's end, whichever rows share the steps."""
+    from leangrpo.rollout.hf import turns as turns_module
+
+    used: list[list[float]] = []
+    original = turns_module.sample_next
+
+    def recorded(logits, params, generator, uniforms=None):
+        used.append(uniforms[:, 0].tolist())
+        return original(logits, params, generator, uniforms)
+
+    monkeypatch.setattr(turns_module, "sample_next", recorded)
+    model = make_tiny_model(vocab_size=len(tokenizer), seed=4)
+    head = model.get_output_embeddings()
+    never_eos = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    with torch.no_grad():
+        never_eos.weight.copy_(head.weight)
+        never_eos.bias.zero_()
+        never_eos.bias[tokenizer.eos_token_id] = -1e4  # the rows run to their budgets
+    model.set_output_embeddings(never_eos)
+    budgets = {0: turns_module.DRAW_BLOCK + 6, 1: 9}
+    with HFEngine(model, tokenizer).open_turns(PARAMS, 0) as stream:
+        for key, budget in budgets.items():
+            stream.submit(TurnRequest(list(STARTS[key]), 77 + key, budget, key))
+        done = {}
+        while stream.pending():
+            done.update({r.key: c for r, c in stream.advance()})
+    rows = {0: [step[0] for step in used], 1: [step[1] for step in used if len(step) == 2]}
+    for key, budget in budgets.items():
+        generator = torch.Generator().manual_seed(77 + key)
+        expected = [torch.rand(1, generator=generator, dtype=torch.float64).item() for _ in range(budget)]
+        assert len(done[key].ids) == budget and rows[key] == expected
+    assert len(done[0].ids) > turns_module.DRAW_BLOCK
+
+
 def test_ids_that_do_not_extend_the_kept_cache_are_prefilled_whole(model, tokenizer):
     engine = HFEngine(model, tokenizer)
     with engine.open_turns(PARAMS, 0) as stream:

@@ -9,7 +9,7 @@ turns of one multi-turn generation call as they are submitted. Each `advance`:
    turn's EOS and the environment's segment); any other turn prefills all its ids. The
    turns admitted together are prefilled in one forward, left-padded to the longest new
    part (padding tokens are never written to the cache); each one's first token is drawn
-   from its own generator;
+   from its own uniforms;
 2. runs one decode step over every row: (b, 1) tokens at each row's own position, the
    attention mask cut at each row's length (no mask when every row fills the width);
 3. ends the rows that stopped (EOS, a stop string, their own budget): each becomes a
@@ -28,7 +28,10 @@ evicted trajectory's next turn prefills all its ids (counted). Choices:
 - A lone row prefilled from scratch, and decode steps whose rows all fill the width,
   run without a mask (transformers' causal SDPA path), as decode.py's loop does.
 - Sampling: decode.py's `sample_next`, one generator per request (seeded: its own seed;
-  unseeded: from the OS; greedy: none), so a turn's draws never depend on its batch.
+  unseeded: from the OS; greedy: none), so a turn's draws never depend on its batch. A
+  row draws its uniforms DRAW_BLOCK at a time (on CPU the same values as one call per
+  token; a call per row and step cost a tenth of a decode step, and on a GPU it would be
+  a kernel launch per row); each step takes the next one of each row.
 - Tokens and log-probs of a step cross to the host in one copy.
 """
 
@@ -57,9 +60,18 @@ class _Row:
     """One turn in the batch."""
 
     request: TurnRequest
-    generator: torch.Generator | None
+    generator: torch.Generator | None  # its own stream (greedy: None)
     length: int = 0  # positions in the cache: tokens fed so far
     out: DecodedRow = field(default_factory=DecodedRow)
+    draws: list[float] = field(default_factory=list)  # uniforms drawn, not yet used
+
+    def next_uniform(self) -> float:
+        """The row's next draw; its generator is asked for DRAW_BLOCK at a time."""
+        if not self.draws:
+            block = torch.rand(DRAW_BLOCK, generator=self.generator, dtype=torch.float64,
+                               device=self.generator.device)  # fmt: skip
+            self.draws = block.tolist()[::-1]
+        return self.draws.pop()
 
     @property
     def bound(self) -> int:
@@ -342,10 +354,11 @@ class HFTurnStream:
 
     def _sample(self, logits: torch.Tensor, rows: range) -> list[tuple[TurnRequest, Completion]]:
         """Draw one token for each of `rows` (their logits, in order); end the rows that stop."""
-        generators = None
+        uniforms = None
         if self.params.temperature != 0:
-            generators = [self.rows[i].generator for i in rows]
-        tokens, logprobs = sample_next(logits, self.params, generators)
+            drawn = [self.rows[i].next_uniform() for i in rows]
+            uniforms = torch.tensor(drawn, dtype=torch.float64, device=self.device)[:, None]
+        tokens, logprobs = sample_next(logits, self.params, None, uniforms)
         host = torch.stack([tokens.double(), logprobs.double()]).tolist()  # one copy
         if host[0] and min(host[0]) < 0:
             raise RuntimeError("the model's logits are not finite: no token can be sampled")
@@ -377,6 +390,7 @@ class HFTurnStream:
 
 
 WIDTH_STEP = 64  # the slot cache's width grows in steps of this many positions
+DRAW_BLOCK = 64  # uniforms a row draws from its generator at a time
 
 
 def _bound(request: TurnRequest) -> int:
