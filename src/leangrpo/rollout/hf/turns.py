@@ -170,11 +170,12 @@ class HFTurnStream:
     def _admit(self) -> list[tuple[TurnRequest, Completion]]:
         joining: list[_Joining] = []
         room = self._room_for_waiting()
+        widest = max((row.bound for row in self.rows), default=0)  # and the joining turns'
         while self.waiting and len(self.rows) + len(joining) < self.max_rows:
             request = self.waiting[0]
             kept = self._kept_prefix(request)
             rows = len(self.rows) + len(joining) + 1
-            width = max(_bound(r) for r in [request] + [j.request for j in joining])
+            width = max(widest, _bound(request))
             if not self._make_room(rows, width, room):
                 if kept is not None:
                     self.kept.put(request.key, kept)
@@ -190,6 +191,7 @@ class HFTurnStream:
                 self.cache.load_row(rows - 1, kept.layers)
                 start = len(kept.ids)
             joining.append(_Joining(request, start))
+            widest = width
         if not joining:
             return []
         return self._prefill(joining)
@@ -218,11 +220,10 @@ class HFTurnStream:
         return rows, max((_bound(r) for r in joining), default=0)
 
     def _make_room(self, rows: int, width: int, room: tuple[int, int] = (0, 0)) -> bool:
-        """Size the slot cache for `rows` rows of `width` positions (every row in use must
-        fit too), evicting kept caches (oldest first) when the budget asks for it; False
+        """Size the slot cache for `rows` rows of `width` positions (`width` covers every
+        row in use), evicting kept caches (oldest first) when the budget asks for it; False
         when it cannot fit now. Rows grow by doubling (at once to `room`'s rows when
         given), the width in steps of WIDTH_STEP; shrinks only to fit the budget."""
-        width = max([width] + [row.bound for row in self.rows])
         current = (self.cache.rows, self.cache.width)
         if rows <= current[0] and width <= current[1] and self._fits(*current):
             return True
