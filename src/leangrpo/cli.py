@@ -61,6 +61,13 @@ def _parser() -> argparse.ArgumentParser:
                 default=None,
                 help="torchrun ranks, sharded with FSDP (default: $WORLD_SIZE, else 1)",
             )
+            p.add_argument(
+                "--memory",
+                type=float,
+                default=None,
+                metavar="GIB",
+                help="also print the longest micro-batch (sequence) that fits GIB per device",
+            )
     rep = sub.add_parser(
         "report", help="summarise a run directory (and plot it if matplotlib is installed)"
     )
@@ -118,7 +125,7 @@ def _dispatch(args) -> int:
         cfg = load_config(args.config, args.overrides)
         world = args.world_size or world_size_from_env()
         given = dict(tokens=args.tokens, prompt_tokens=args.prompt_tokens, world_size=world)
-        print(render_plan(plan_memory(cfg, **given), cfg, **given))
+        print(render_plan(plan_memory(cfg, **given), cfg, **given, memory_gib=args.memory))
         return 0
     from leangrpo.metrics.report import report
 

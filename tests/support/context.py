@@ -9,6 +9,7 @@ first error is raised here.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -57,8 +58,48 @@ class RankExchange:
         return self._everyone(values, total)
 
 
+class PerThread(threading.local):
+    """A module-level cache dict of the attention kernels, one per thread: each rank of a
+    real group is a process with its own (threads sharing one would rebuild each other's
+    plans, which changes what autograd saves, though not the values)."""
+
+    def __init__(self):
+        self.entries: dict = {}
+
+    def get(self, key, default=None):
+        return self.entries.get(key, default)
+
+    def __getitem__(self, key):
+        return self.entries[key]
+
+    def __setitem__(self, key, value):
+        self.entries[key] = value
+
+
+@contextlib.contextmanager
+def per_thread_caches():
+    from leangrpo.ops.attention import adapter, kernels
+
+    names = [(kernels, "_HOST_BOUNDS"), (kernels, "_BATCHED_PLANS"),
+             (kernels, "_FLEX_PLAIN_CACHE"), (adapter, "_IMPLICIT_CACHE")]  # fmt: skip
+    saved = [getattr(module, name) for module, name in names]
+    for module, name in names:
+        setattr(module, name, PerThread())
+    try:
+        yield
+    finally:
+        for (module, name), value in zip(names, saved):
+            setattr(module, name, value)
+
+
 def run_ranks(size: int, fn: Callable[[int, RankExchange], Any]) -> list[Any]:
-    """fn(rank, exchange) on `size` threads; results in rank order (the first error raised)."""
+    """fn(rank, exchange) on `size` threads; results in rank order (the first error raised).
+    The kernels' caches are per thread meanwhile, as per process on real ranks."""
+    with per_thread_caches():
+        return _run_threads(size, fn)
+
+
+def _run_threads(size: int, fn: Callable[[int, RankExchange], Any]) -> list[Any]:
     group = ThreadGroup(size)
     results: list[Any] = [None] * size
     errors: list[BaseException] = []
