@@ -3,8 +3,9 @@
 Each launch runs many cases (tests/support/cp_worker.py: a torchrun start-up costs seconds
 on 2 cores):
 - C = 2 (2 processes): every loss type, full fine-tuning (checkpointing, hidden-state
-  offload, the sharded frozen reference for beta > 0) and LoRA (adapters-off reference),
-  plain, shared-prefix and multi-turn rows; then rank 1 is killed inside an attention
+  offload, the sharded frozen reference for beta > 0), LoRA (adapters-off reference) and
+  QLoRA (an nf4 base), plain, shared-prefix and multi-turn rows; then rank 1 is killed
+  inside an attention
   all-to-all and rank 0 stops with one line naming it;
 - dp 2 x cp 2 (4 processes): groups dealt to two shares (padding micro-batches on the
   lighter one) against one process; a sharded checkpoint taken inside a batch on the 2-D

@@ -169,8 +169,18 @@ BOUNDARY_ROWS = {  # (prompt, completion) per sequence, context-parallel size
 @pytest.mark.parametrize("prefix", [False, True], ids=["plain", "shared-prefix"])
 @pytest.mark.parametrize("case", list(BOUNDARY_ROWS))
 def test_split_scoring_equals_one_process_at_the_boundaries(case, prefix):
+    split_scoring_equals_one_process("qwen2", case, prefix)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
+def test_other_architectures_split_alike(arch):
+    """Llama (no q/k/v bias), Qwen3 (per-head q/k norms before attention), Mistral."""
+    split_scoring_equals_one_process(arch, "many sequences, several boundaries", prefix=True)
+
+
+def split_scoring_equals_one_process(arch: str, case: str, prefix: bool) -> None:
     spec, size = BOUNDARY_ROWS[case]
-    model = make_tiny_model("qwen2", num_attention_heads=4, num_key_value_heads=2).train()
+    model = make_tiny_model(arch, num_attention_heads=4, num_key_value_heads=2).train()
     enable_packed_attention(model, "sdpa_segments")
     samples = [sample(p, c, group=0 if prefix else i, seed=i) for i, (p, c) in enumerate(spec)]
     if prefix:  # one group sharing the first prompt

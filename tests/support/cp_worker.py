@@ -9,7 +9,8 @@ strategy does.
 
 - exact (or exact:NAME,NAME for some cases): every case of CASES (the setups built once:
   full fine-tuning with checkpointing, hidden-state offload and a sharded reference;
-  LoRA): one optimizer step's no-grad passes, loss, metrics and every (clipped) gradient,
+  LoRA; QLoRA, the demo's linears quantized to nf4 as they load): one optimizer step's
+  no-grad passes, loss, metrics and every (clipped) gradient,
   on the mesh and, on rank 0, in one process on the same batch. Rank 0 writes
   OUT_DIR/exact.pt.
 - resume: two optimizer steps of one batch (mu = 2) with AdamW; a sharded checkpoint
@@ -42,6 +43,7 @@ FULL = {"model": {"gradient_checkpointing": True},
         "offload": {"activations": "hidden_states", "keep_last_layers": 1, "min_tensor_bytes": 0},
         "loss": {"beta": 0.04}}  # fmt: skip
 LORA = {"lora": {"enabled": True, "r": 4, "alpha": 8}}
+QLORA = {"model": {"quantization": "nf4"}, **LORA}  # the demo's linears, 4-bit (bitsandbytes)
 # (name, setup, sections, multi-turn): every loss type, both references, every layout
 CASES = [
     ("full/plain/grpo-kl-is", "full", {"loss": {"type": "grpo", "mu": 2, "beta": 0.04}}, False),
@@ -54,8 +56,10 @@ CASES = [
                                              "packing": {"shared_prefix": "on"}}, True),
     ("lora/plain/dr_grpo-masked", "lora", {"loss": {"type": "dr_grpo",
                                                     "mask_truncated_completions": True}}, False),
+    ("qlora/prefix/grpo-kl", "qlora", {"loss": {"type": "grpo", "beta": 0.04},
+                                       "packing": {"shared_prefix": "on"}}, False),
 ]  # fmt: skip
-SETUPS = {"full": FULL, "lora": LORA}
+SETUPS = {"full": FULL, "lora": LORA, "qlora": QLORA}
 
 
 def config(setup: str, size: int, sections: dict | None = None):
@@ -69,13 +73,15 @@ def build(setup: str, size: int, base, *, sharded_on=None):
     """The setup's policy (LoRA's adapters started away from 0, the same on every rank);
     `sharded_on` = (ctx, mesh): sharded and split as the torchrun strategy does."""
     from leangrpo.distributed.strategy import shard_on_mesh
-    from leangrpo.model.policy import build_policy
+    from leangrpo.model.policy import build_policy, load_policy
 
     cfg = config(setup, size)
     torch.manual_seed(0)
-    policy = build_policy(
-        copy.deepcopy(base), cfg, None, torch.device("cpu"), reference_on_meta=bool(sharded_on)
-    )
+    cpu, on_meta = torch.device("cpu"), bool(sharded_on)
+    if cfg.model.quantization != "none":  # quantized as it loads, as the trainer does
+        policy = load_policy(cfg, None, cpu, reference_on_meta=on_meta)
+    else:
+        policy = build_policy(copy.deepcopy(base), cfg, None, cpu, reference_on_meta=on_meta)
     g = torch.Generator().manual_seed(1)
     for name, p in sorted(policy.model.named_parameters()):
         if "lora_B" in name:
