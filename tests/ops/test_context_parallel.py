@@ -356,5 +356,8 @@ def test_models_whose_attention_the_split_cannot_reach_are_refused():
 
     opaque = OpaqueLM()
     enable_packed_attention(opaque, "sdpa_segments")
-    with pytest.raises(ContextParallelError, match="OpaqueLM cannot be context-parallel: its attention does not receive"):
+    with pytest.raises(
+        ContextParallelError,
+        match="OpaqueLM cannot be context-parallel: its attention does not receive",
+    ):
         check_splittable(opaque, mesh)
