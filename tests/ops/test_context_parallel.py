@@ -34,6 +34,7 @@ from support.samples import make_samples
 
 from leangrpo.contracts import Completion, Prompt, RolloutSample, SamplingParams
 from leangrpo.distributed.mesh import ContextParallelError, ParallelMesh, check_splittable
+from leangrpo.distributed.strategy import shard_on_mesh
 from leangrpo.model.policy import build_policy
 from leangrpo.model.scoring import PackedScorer, score
 from leangrpo.ops.attention import adapter
@@ -342,6 +343,12 @@ def test_models_whose_attention_the_split_cannot_reach_are_refused():
     three = ParallelMesh(1, 3, 0, 0)
     with pytest.raises(ContextParallelError, match="4 query heads cannot be split over 3"):
         check_splittable(model, three)
+    policy = SimpleNamespace(model=model)
+    for rank in (0, 1):  # under torchrun every rank refuses alike; rank 0 alone prints it
+        with pytest.raises(ContextParallelError) as refused:
+            shard_on_mesh(policy, dist_cfg=None, ctx=SimpleNamespace(rank=rank), mesh=three,
+                          engine_copy=False)  # fmt: skip
+        assert refused.value.shown_by_rank_0 is (rank > 0)
 
     mixing = make_tiny_model("qwen2", num_attention_heads=4, num_key_value_heads=2)
     layer = mixing.model.layers[1].self_attn

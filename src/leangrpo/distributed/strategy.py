@@ -54,7 +54,12 @@ from leangrpo.distributed.fsdp import (
     reshard,
     shard_for_training,
 )
-from leangrpo.distributed.mesh import ParallelMesh, build_mesh, check_splittable
+from leangrpo.distributed.mesh import (
+    ContextParallelError,
+    ParallelMesh,
+    build_mesh,
+    check_splittable,
+)
 from leangrpo.distributed.rollout import stop_rank_producer
 from leangrpo.metrics.logger import MetricsLogger, NullLogger
 from leangrpo.train.strategy import one_process_strategy
@@ -101,7 +106,11 @@ def shard_on_mesh(policy, *, dist_cfg, ctx: DistContext, mesh: ParallelMesh, eng
     """`fsdp.shard_for_training` with the scoring roots splitting rows over the mesh's
     context group; a model whose attention cannot be split is refused first."""
     if mesh.context_size > 1:
-        log.info(check_splittable(policy.model, mesh))
+        try:
+            log.info(check_splittable(policy.model, mesh))
+        except ContextParallelError as error:  # every rank refuses alike: rank 0 says it
+            error.shown_by_rank_0 = ctx.rank > 0  # type: ignore[attr-defined]
+            raise
     split = mesh.split()
     return shard_for_training(policy, dist_cfg, ctx, engine_copy, split=split)
 
