@@ -13,13 +13,15 @@ process, no torchrun; C > 1: C ranks, gloo on CPU, NCCL on GPUs), variants one a
 another in the same run.
 
 Per variant (the worst rank): `time_s` (the step), `peak_bytes` (the step's peak of tensor
-bytes allocated during it and still alive: activations, the head's tiles, the exchange
-buffers and the gradients; on CPU counted op by op with a dispatch mode, on CUDA
-max_memory_allocated above the start), `activation_bytes` = peak_bytes - the gradients the
-step leaves, and against C = 1 measured in the same run: `time_ratio`, `mem_ratio`
-(activation_bytes, the goal: <= 0.6 at C = 2) and `peak_ratio`. FSDP runs `no_shard`
-(parameters replicated), so the weights neither enter the figures nor differ between
-variants, and every rank holds whole gradients, as one process does.
+bytes allocated during it and still alive: activations, the head's working set, the
+exchange buffers and the gradients; on CPU counted op by op with a dispatch mode, on CUDA
+max_memory_allocated above the start), `head_bytes` (the log-prob head's own peak on the
+rank's completion rows, measured alone as benchmarks/grpo_step.py does: its tiles do not
+grow with the sequence), `activation_bytes` = peak_bytes - the gradients the step leaves -
+head_bytes (grpo_step.py's definition), and against C = 1 measured in the same run:
+`time_ratio`, `mem_ratio` (activation_bytes; the goal: <= 0.6 at C = 2) and `peak_ratio`.
+FSDP runs `no_shard` (parameters replicated), so the weights neither enter the figures nor
+differ between variants, and every rank holds whole gradients, as one process does.
 
 `--quick`: 4096 tokens, C = 1 and 2 (about a minute on 2 CPU cores). Without flags: 8192
 tokens, C = 1, 2, 4 (C = 4 runs 4 processes; on 2 cores it is slow, not wrong). On a CUDA
@@ -75,8 +77,11 @@ def rank_main(model_name: str, tokens: int, size: int) -> None:
         shard_on_mesh(policy, dist_cfg=cfg.distributed, ctx=ctx, mesh=mesh, engine_copy=False)
         ranks = TorchrunRanks(ctx, mesh)
     steps = plan_steps([long_sample(model_name, tokens)], cfg, policy, ranks.rank, ranks.world_size)
-    figures = measured_step(policy, steps[0].micro_batches, cfg, ranks, ctx.device)
-    print(ROW + json.dumps({"rank": ctx.rank, **figures}), flush=True)
+    micro_batches = steps[0].micro_batches
+    figures = measured_step(policy, micro_batches, cfg, ranks, ctx.device)
+    rows = sum(_split(policy).local_row(mb).completion_index.numel() for mb in micro_batches)
+    figures["head_bytes"] = head_peak(model, rows, cfg, ctx.device, dtype)
+    print(ROW + json.dumps({"rank": ctx.rank, "rows": rows, **figures}), flush=True)
     ctx.shutdown()
 
 
@@ -175,6 +180,44 @@ def _live_bytes_mode():
 _LiveBytes = _live_bytes_mode
 
 
+def _split(policy):
+    """The row split the scoring root uses (one process: the whole row)."""
+    from leangrpo.ops.context_parallel.shards import WHOLE_ROW
+
+    return getattr(policy.scoring_module, "split", WHOLE_ROW)
+
+
+def head_peak(model, rows: int, cfg, device, dtype) -> int:
+    """Peak bytes of the log-prob head alone, forward and backward with entropy, on `rows`
+    completion rows through a frozen (V, H) head of the model's shape."""
+    import torch
+
+    from leangrpo.ops.logprobs.api import token_logprobs
+
+    vocab, hidden_size = model.config.vocab_size, model.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(rows, hidden_size, generator=g).to(device, dtype).requires_grad_()
+    weight = (torch.randn(vocab, hidden_size, generator=g) * hidden_size**-0.5).to(device, dtype)
+    targets = torch.randint(0, vocab, (rows,), generator=g).to(device)
+    options = {"chunked": cfg.logprobs.chunked, "with_entropy": True,
+               "row_tile": cfg.logprobs.row_tile, "vocab_tile": cfg.logprobs.vocab_tile}  # fmt: skip
+
+    def head() -> None:
+        lp, ent = token_logprobs(hidden, weight, targets, **options)
+        (lp.sum() + ent.sum()).backward()
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        head()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    with _LiveBytes() as mode:
+        head()
+    return mode.peak
+
+
 # ----------------------------------------------------------------------------- the driver
 
 
@@ -206,8 +249,11 @@ def run_variant(model_name: str, tokens: int, size: int, limit_s: float) -> dict
     if len(ranks) != size:
         errors = [err.strip().splitlines()[-1] for _, err in outs if err.strip()]
         return {"error": errors[0] if errors else "a rank printed no figures"}
-    worst = {k: max(r[k] for r in ranks) for k in ("time_s", "peak_bytes", "gradient_bytes")}
-    worst["activation_bytes"] = max(r["peak_bytes"] - r["gradient_bytes"] for r in ranks)
+    keys = ("time_s", "peak_bytes", "gradient_bytes", "head_bytes", "rows")
+    worst = {k: max(r[k] for r in ranks) for k in keys}
+    worst["activation_bytes"] = max(
+        r["peak_bytes"] - r["gradient_bytes"] - r["head_bytes"] for r in ranks
+    )
     return worst
 
 

@@ -13,8 +13,10 @@ possibly cleaning it are the first things that touch the disk):
    a quantized base's needs (bitsandbytes installed, the CPU, vLLM's in-flight
    quantization: model/quantization.py), and the prompt limit that follows from the
    model's context;
-4. the metrics backends are installed; options that do nothing in the chosen mode are
-   listed in one warning;
+4. the metrics backends are installed; what torchrun runs cannot do, and a
+   distributed.context_parallel_size that the processes or the model's heads cannot take
+   (`check_world`, `check_context_parallel`); options that do nothing in the chosen mode
+   are listed in one warning;
 5. the run directory is locked and classified: resume, finished, or a clean start
    (checkpoint/rundir.py), config changes since the resume checkpoint checked.
 
