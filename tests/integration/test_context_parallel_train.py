@@ -6,9 +6,9 @@ checkpointed layers), 6 steps:
   each on half of every row) ends with the parameters of one process on the same batches
   (same prompts, per-group seeds, micro-batch budget), and logs the same figures once;
 - the async run at max_staleness 0, stopped by SIGTERM on one rank after step 4 (every
-  rank saves the same step) and resumed by the same command, ends bitwise with the
-  parameters of the uninterrupted sync run: async at staleness 0 equals sync at C = 2,
-  and the sharded checkpoint of the 1 x 2 mesh resumes exactly.
+  rank saves the same step) and resumed from a checkpoint inside a batch, ends bitwise
+  with the parameters of the uninterrupted sync run: async at staleness 0 equals sync at
+  C = 2, and the sharded checkpoint of the 1 x 2 mesh resumes exactly.
 Step-level exactness (every loss type, LoRA, dp 2 x cp 2) is tests/distributed/test_context_parallel.py.
 """
 
@@ -107,6 +107,13 @@ def test_async_at_staleness_0_stopped_and_resumed_equals_sync(runs, tmp_path):
     assert len(found) == 1, texts[0][-3000:]
     step = int(found[0])
     assert 4 <= step < STEPS and max(logged_steps(metrics)) == step
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert (checkpoints / f"step-{step}" / "COMPLETE").is_file()
+    # resume inside a batch (mu = 2: batches end at even steps), where each rank takes back
+    # its own share's old and reference log-probs: the SIGTERM's checkpoint when odd, else
+    # the step-3 one (checkpoint.every_steps = 3)
+    inside = step if step % 2 else 3
+    cfg["run"]["resume"] = str(checkpoints / f"step-{inside}")
     log = finish(torchrun(cfg), cfg)
-    assert f"at step {step}" in log and "resumed from" in log
+    assert f"at step {inside}" in log and "resumed from" in log
     assert max_abs_diff(final_tensors(tmp_path / "run"), final_tensors(tmp / "two")) == 0.0
