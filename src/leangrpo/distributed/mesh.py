@@ -128,8 +128,9 @@ def describe_split(mesh: ParallelMesh, heads: int, kv_heads: int) -> str:
     )
     repeats = kv_repeats(kv_heads, mesh.context_size)
     if repeats > 1:
+        how = "are fewer than" if kv_heads < mesh.context_size else "do not divide evenly over"
         text += (
-            f"; the model's {kv_heads} key/value heads are fewer than or do not divide over "
-            f"{mesh.context_size} ranks, so each is replicated {repeats}x across the group"
+            f"; the model's {kv_heads} key/value heads {how} the {mesh.context_size} ranks, "
+            f"so each is replicated {repeats}x across the group"
         )
     return text
