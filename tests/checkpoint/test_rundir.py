@@ -511,3 +511,26 @@ def test_the_schedule_extension_refusal_advises_what_works_for_the_kind_of_run(t
     (out / "final").rmdir()
     first = "write its final model first (run.max_steps: 4 with checkpoint.save_final_model: true)"
     assert first in refused(cfg(6))
+
+
+def test_resume_with_another_context_parallel_size_is_refused_even_when_allowed(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The batch in progress a checkpoint holds was dealt to the shares of its
+    distributed.context_parallel_size: another one would hand each process another
+    share's old log-probs (run.allow_config_changes does not waive it)."""
+    out = tmp_path / "run"
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    saved = make_cfg(out)
+    saved.distributed.context_parallel_size = 2
+    ckpt = fake_checkpoint(out, 4, saved)
+    (ckpt / "trainer_state.json").write_text('{"step": 4, "world_size": 4}')
+    other = make_cfg(out, allow_config_changes=True)
+    message = refused(other)
+    assert "context_parallel_size = 2 but this run has 1" in message
+    assert "resume it with distributed.context_parallel_size: 2" in message
+    same = make_cfg(out)
+    same.distributed.context_parallel_size = 2
+    run_dir = open_run_dir(same)
+    assert run_dir.resume_step == 4
+    run_dir.release()

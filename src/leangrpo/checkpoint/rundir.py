@@ -310,6 +310,7 @@ def _classify(run_dir: RunDir, cfg: Any) -> None:
             run_dir.finished = f"Run {str(run_dir.path)!r} is already finished: its checkpoint {resume.name} is at step {run_dir.resume_step} and run.max_steps is {run.max_steps}; nothing to do (raise run.max_steps to train on, or set run.overwrite: true to start again)."
             return
         check_world_size(resume)
+        check_context_parallel_size(resume, cfg.distributed.context_parallel_size)
         run_dir.config_notes = check_config_changes(resume, cfg)
     if resume is None or not _is_inside(resume, own):
         run_dir.replaces = _earlier_run(run_dir.path, run.overwrite, run.resume)
@@ -417,6 +418,23 @@ def check_world_size(checkpoint: Path) -> None:
         how = "without torchrun" if saved == 1 else f"with torchrun on {saved} processes"
         raise RunDirError(
             f"Checkpoint {str(checkpoint)!r} was written by {saved} process(es) but this run has {now}; its sharded state and per-rank random streams fit only that number, so resume it {how} (or start a new run in another run.output_dir)."
+        )
+
+
+def check_context_parallel_size(checkpoint: Path, size: int) -> None:
+    """The checkpoint's distributed.context_parallel_size (its config.yaml; 1 when absent)
+    = this run's: the batch in progress it holds was dealt to that many data-parallel
+    shares, and each process kept its own share's old and reference log-probs, so another
+    split would hand them to the wrong micro-batches. run.allow_config_changes does not
+    waive it."""
+    saved_path = checkpoint / CHECKPOINT_CONFIG
+    if not saved_path.is_file():
+        return
+    saved = yaml.safe_load(saved_path.read_text(encoding="utf-8")) or {}
+    saved_size = int((saved.get("distributed") or {}).get("context_parallel_size", 1))
+    if saved_size != size:
+        raise RunDirError(
+            f"Checkpoint {str(checkpoint)!r} was written with distributed.context_parallel_size = {saved_size} but this run has {size}; the batch in progress it holds is split for that size, so resume it with distributed.context_parallel_size: {saved_size} (or start a new run in another run.output_dir)."
         )
 
 

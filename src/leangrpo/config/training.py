@@ -368,7 +368,8 @@ class PipelineConfig(Section):
 
 
 class DistributedConfig(Section):
-    """Data-parallel training under torchrun (FSDP2); a single process ignores this section."""
+    """Data- and context-parallel training under torchrun (FSDP2); a single process ignores
+    this section (but refuses context_parallel_size > 1)."""
 
     sharding: Literal["full_shard", "shard_grad_op", "no_shard"] = Field(
         "full_shard",
@@ -393,4 +394,10 @@ class DistributedConfig(Section):
         600.0,
         gt=0,
         description="Limit on every collective, barrier and weight sync; a rank that dies, raises or hangs makes the others exit within it, naming the rank and phase.",
+    )
+    context_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Context parallelism (Ulysses): C consecutive torchrun processes split every packed row of their micro-batches, each holding 1/C of its tokens and attending over the whole row for 1/C of the heads, so activation memory per process falls about C-fold; groups are dealt to the world size / C data-parallel shares. Must divide the number of processes and the model's attention heads; 1 = off.",
     )
