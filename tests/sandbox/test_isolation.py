@@ -27,8 +27,8 @@ from leangrpo.rewards import RewardPool
 from leangrpo.sandbox.confine import WORKER_TASKS
 
 USER = [{"role": "user", "content": "go"}]
-TOOLS = ["attack", "read_env", "leave_processes", "write_file", "where", "connect", "allocate",
-         "fork_count", "fork_bomb", "flood", "burn"]  # fmt: skip
+TOOLS = ["attack", "read_env", "leave_processes", "write_file", "where", "connect", "connect_unix",
+         "allocate", "fork_count", "fork_bomb", "flood", "burn"]  # fmt: skip
 MAX_PROCESSES = 8
 LIMITS = {"max_processes": MAX_PROCESSES, "max_output_bytes": 65536, "scratch_mb": 16}
 
@@ -162,6 +162,26 @@ def test_a_namespace_tool_reaches_no_network_unless_allowed():
             assert call(pool, "connect", port=port)[0].startswith("ConnectionRefusedError")
         with open_pool("namespace", allow_network=True) as pool:  # the control: it can connect
             assert call(pool, "connect", port=port)[0] == "ok"
+    finally:
+        server.close()
+
+
+def test_a_namespace_tool_reaches_no_unix_socket_daemon_unless_network_is_allowed(tmp_path):
+    """A pathname unix socket is reached through the filesystem, not the network namespace,
+    and its read-only mount does not stop connect(): a daemon listening under /tmp (tmux,
+    vLLM's ipc sockets) was in reach of a tool without network."""
+    require_namespace(network=True)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    path = str(tmp_path / "daemon.sock")
+    server.bind(path)
+    server.listen()
+    try:
+        with open_pool("namespace") as pool:
+            found = json.loads(call(pool, "connect_unix", path=path)[0])
+            assert found["connect"].startswith("PermissionError"), found
+            assert found["socketpair"] == "ok"  # a tool's own pipes still work
+        with open_pool("namespace", allow_network=True) as pool:  # the control: it can connect
+            assert json.loads(call(pool, "connect_unix", path=path)[0])["connect"] == "ok"
     finally:
         server.close()
 
