@@ -126,6 +126,18 @@ def test_a_process_level_tool_cannot_ptrace_or_read_the_trainer(pools):
     assert found["ptrace"] == "errno 1"  # EPERM
 
 
+def test_a_process_level_tool_cannot_ptrace_or_read_a_reward_worker(pools):
+    """Workers run as the trainer's user: a dumpable reward worker's memory was open to a
+    tool (/proc/<pid>/mem, ptrace), which could then rewrite the scores it returns."""
+    cfg = rewards_section("support.hostile_tools:isolated", sandbox={"level": "process"})
+    with RewardPool(cfg) as rewards:
+        target = rewards._workers[0].pid
+        found = json.loads(call(pools("process"), "attack", pid=target, signals=False)[0])
+    assert found["mem"].startswith("PermissionError"), found
+    assert found["environ"].startswith("PermissionError"), found
+    assert found["ptrace"] == "errno 1"  # EPERM
+
+
 @pytest.mark.parametrize("level", ["namespace", "process"])
 def test_no_process_outlives_the_tool_call_that_started_it(pools, level):
     pool = pools(level)

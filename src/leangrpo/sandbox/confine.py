@@ -29,7 +29,10 @@ process (anywhere): no namespaces; the scratch is a plain directory; no_new_priv
 root worker drops every capability (so it cannot ptrace, or read the memory of, the
 non-dumpable trainer: levels.py `protect_trainer`).
 
-Both levels: no core files (RLIMIT_CORE 0: a core pattern may run a host program),
+Both levels: the worker is non-dumpable (PR_SET_DUMPABLE 0, before user code: another
+worker's code, at the `process` level as the same user, could otherwise ptrace it or
+rewrite its memory through /proc/<pid>/mem: a tool forging a reward worker's scores); no
+core files (RLIMIT_CORE 0: a core pattern may run a host program),
 RLIMIT_AS at `memory_limit_mb`, and the process limit: a cgroup's pids.max, joined before
 anything else (root; cgroups.py), or RLIMIT_NPROC, which inside a user namespace counts
 the sandbox's own processes and threads only (a non-root trainer). Any failure is a
@@ -64,7 +67,8 @@ AT_FDCWD, AT_RECURSIVE = -100, 0x8000
 MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = 0x1, 0x2
 OPEN_TREE_CLONE, OPEN_TREE_CLOEXEC, MOVE_MOUNT_F_EMPTY_PATH = 1, 0o2000000, 4
 SYS_OPEN_TREE, SYS_MOVE_MOUNT, SYS_MOUNT_SETATTR = 428, 429, 442  # one table on x86-64 and arm64
-PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT = 1, 24, 38, 47
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 38
+PR_CAP_AMBIENT = 47
 PR_CAP_AMBIENT_CLEAR_ALL = 4
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 # (audit arch, socket's number) of the tables the filter knows; io_uring_setup is 425 in both
@@ -258,6 +262,7 @@ def _loopback_up() -> None:
 
 
 def _set_limits(spec: dict) -> None:
+    _prctl(PR_SET_DUMPABLE, 0, "prctl DUMPABLE")
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     if spec.get("memory_limit_mb"):
         limit = int(spec["memory_limit_mb"]) << 20
