@@ -315,3 +315,19 @@ def test_cli_plans_context_parallelism_and_the_longest_sequence(tmp_path):
         "longest micro-batch (one sequence, or several packed) that fits 40 GiB per device:"
         in out.stdout
     )
+
+
+def test_context_parallel_head_is_planned_for_the_rank_holding_the_completions():
+    """A row's completion tokens follow its prompt, so its shards do not share them
+    evenly: a 10240-token prompt and a 10240-token completion over C = 2 leave shard 0
+    one completion row and shard 1 all of its 10240 tokens (the predicting positions
+    10239..20478). The per-device figure is shard 1's, not rows / C: with the full (T, V)
+    logits (logprobs.chunked: false) it holds as many as one process does."""
+    from leangrpo.planner.plan import completion_rows
+
+    sections = {"logprobs": {"chunked": False}, "packing": {"shared_prefix": "off"},
+                "data": {"max_prompt_tokens": 10240},
+                "rollout": {"max_new_tokens": 10240, "num_generations": 2}}  # fmt: skip
+    assert completion_rows(config(**sections), 20480, 10240) == 10240
+    split = plan(world_size=2, distributed={"context_parallel_size": 2}, **sections)
+    assert split["lm_head"] == plan(world_size=2, **sections)["lm_head"]

@@ -40,9 +40,11 @@ second) and counts, per device, for one micro-batch of `train.micro_batch_tokens
 With colocated vLLM sharing the weights, the plan also holds `saved_by_sharing`: the copy
 vLLM does not hold (not a term, not in the total).
 
-Context parallelism: each of the C ranks of a share holds ceil(N / C) of a row's tokens
-and its share of the completion rows, so the activation and lm_head terms are counted for
-those; attention's saved tensors cover the whole row for H / C query heads and lcm(K, C) / C
+Context parallelism: each of the C ranks of a share holds ceil(N / C) of a row's tokens,
+and the completion rows of its shard: not rows / C, since a row's completion tokens follow
+its prompt (one long sequence puts them all on the later shards), so the per-device figure
+is that of a rank whose tokens are all completion rows, min(ceil(N / C), rows). The
+activation and lm_head terms are counted for those; attention's saved tensors cover the whole row for H / C query heads and lcm(K, C) / C
 key/value heads, which per local token is the layer's own inventory with lcm(K, C) key/value
 heads (`context_dims`). Weights, gradients and optimizer state are sharded over all W
 processes. `longest_micro_batch` inverts the plan: the most tokens a micro-batch (one long
@@ -333,7 +335,9 @@ def plan_memory(
     row = tokens or cfg.train.micro_batch_tokens
     prompt = prompt_tokens or cfg.data.max_prompt_tokens or DEFAULT_PROMPT_TOKENS
     n = math.ceil(row / c)  # this rank's tokens of the row
-    rows = math.ceil(completion_rows(cfg, row, prompt, s.kernel) / c)
+    # the rank holding the completions: a row's completion tokens follow its prompt, so
+    # one shard may hold completion tokens only (one long sequence: every later shard)
+    rows = min(n, completion_rows(cfg, row, prompt, s.kernel))
     base, replicated = base_bytes(cfg, d, s.b)
     adapters = lora_params(d, s) * s.a
     trainable = adapters if s.lora else d.params * s.b
