@@ -219,6 +219,39 @@ def test_setting_aside_is_all_or_nothing(tmp_path: Path, monkeypatch) -> None:
     again.release()
 
 
+@pytest.mark.parametrize("renames_done", [1, 2])
+def test_a_run_killed_while_putting_the_earlier_run_back_loses_none_of_it(
+    tmp_path: Path, monkeypatch, renames_done: int
+) -> None:
+    """A kill (a second Ctrl-C, SIGKILL) between the renames that put an earlier run back:
+    its checkpoints/ already back must not make the next start take it for the new run's
+    checkpoint and delete the rest of the earlier run (final/, metrics.jsonl ...)."""
+    import leangrpo.checkpoint.overwrite as overwrite
+
+    out = tmp_path / "run"
+    before = earlier_run(out)
+    run_dir = open_run_dir(make_cfg(out, overwrite=True))
+    run_dir.begin_writing()
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')  # the new run's, then it fails
+    rename, calls = os.rename, []
+
+    def killed_after(src, dst):
+        if len(calls) == renames_done:
+            raise SystemExit("killed")  # nothing after this point runs
+        calls.append(src)
+        rename(src, dst)
+
+    monkeypatch.setattr(overwrite.os, "rename", killed_after)
+    with pytest.raises(SystemExit):
+        run_dir.release()
+    monkeypatch.setattr(overwrite.os, "rename", rename)
+    run_dir.lock.release()  # the OS drops the lock of the killed process
+    again = open_run_dir(make_cfg(out))
+    assert again.finished and tree(out) == before
+    assert not (out / ASIDE).exists() and not (out / (ASIDE + ".tmp")).exists()
+    again.release()
+
+
 def read_only(path: Path) -> None:
     """A directory this process cannot write to, root included (chattr +i), or skip."""
     path.chmod(0o555)
