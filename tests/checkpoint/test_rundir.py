@@ -329,6 +329,33 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(
     assert explicit.startswith(f"run.resume = {str(middle)!r} is damaged: optimizer.pt does not")
 
 
+def test_damaged_checkpoints_passed_over_are_kept_out_of_the_pruning(
+    tmp_path: Path, caplog
+) -> None:
+    """The run's first save prunes every checkpoint past the step it saves: the damaged
+    newer ones, whose weights may be intact, are renamed out of its way instead (once the
+    set-up is done; `leangrpo check` and a refused start leave them as they are)."""
+    from leangrpo.checkpoint.rundir import complete_checkpoints
+
+    out = tmp_path / "run"
+    cfg = make_cfg(out)
+    fake_checkpoint(out, 2, cfg)
+    newest = fake_checkpoint(out, 6, cfg)
+    truncate(newest / "optimizer.pt")
+    weights = (newest / "model" / "model.safetensors").read_bytes()
+    open_run_dir(cfg, dry=True)
+    assert newest.is_dir()
+    run_dir = open_run_dir(cfg)
+    assert newest.is_dir()  # nothing moved before the set-up is done
+    with caplog.at_level(logging.WARNING, logger="leangrpo"):
+        run_dir.begin_writing()
+    kept = out / "checkpoints" / "damaged-step-6"
+    assert not newest.exists() and (kept / "model" / "model.safetensors").read_bytes() == weights
+    assert [step for step, _ in complete_checkpoints(out / "checkpoints")] == [2]
+    assert f"kept the damaged checkpoint step-6 as {kept}" in caplog.text
+    run_dir.release()
+
+
 def test_every_checkpoint_damaged_is_one_sentence_naming_them_and_the_way_out(
     tmp_path: Path,
 ) -> None:
