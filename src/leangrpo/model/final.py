@@ -167,6 +167,9 @@ def merge_adapter(source: str | Path, out: str | Path) -> Path:
         ).merge_and_unload()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
+    mask = os.umask(0o022)
+    os.umask(mask)
+    tmp.chmod(0o777 & ~mask)  # mkdtemp makes it private; a merged model is not
     try:  # written beside `out`, then renamed: never a half-written model under its name
         with quiet_transformers_progress():
             merged.save_pretrained(tmp)
