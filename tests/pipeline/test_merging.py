@@ -118,8 +118,11 @@ def test_the_reward_pools_own_chunk_metrics_merge():
 
     def samples(texts):
         return [
-            RolloutSample(i // 2, Prompt(i, "q", [1], columns={"answer": "42"}),
-                          Completion([1], t, [0.0], "stop", 0))  # fmt: skip
+            RolloutSample(
+                i // 2,
+                Prompt(i, "q", [1], columns={"answer": "42"}),
+                Completion([1], t, [0.0], "stop", 0),
+            )  # fmt: skip
             for i, t in enumerate(texts)
         ]
 
