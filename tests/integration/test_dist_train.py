@@ -491,7 +491,7 @@ def test_a_batch_gathered_from_shares_has_the_whole_batchs_metrics():
         {"reward/math/failures": 0.0, "reward/unscored": 0.0, "time/generate": 1.0,
          "time/rewards": 0.5},
     ]  # fmt: skip
-    merged = merge_share_metrics(per_rank, samples)
+    merged = merge_share_metrics([(samples[:3], per_rank[0]), (samples[3:], per_rank[1])])
     scored = [r for r in rewards if r is not None]
     mean = sum(scored) / len(scored)
     assert merged["reward/mean"] == pytest.approx(mean)  # over the batch, not a rank's
@@ -500,6 +500,34 @@ def test_a_batch_gathered_from_shares_has_the_whole_batchs_metrics():
     assert merged["reward/math/mean"] == pytest.approx(mean)
     assert merged["reward/math/failures"] == 1.0 and merged["reward/unscored"] == 1.0
     assert merged["time/generate"] == 2.0 and merged["dist/wait_generate"] == 1.5
+
+
+def test_a_batch_gathered_from_shares_keeps_every_figure_of_its_shares():
+    """share_metrics_dropped.py: only time/, */failures, */unscored and the reward means
+    survived the gather, so under torchrun every multiturn/* figure and the sandbox's
+    reward/<limit kind>_failures counts were missing from the step's row. The shares'
+    figures merge by their rules: the multi-turn means are the whole batch's."""
+    from leangrpo.contracts import Completion, Prompt, RolloutSample, Trajectory
+    from leangrpo.distributed.rollout import merge_share_metrics
+    from leangrpo.environments.metrics import trajectory_metrics
+
+    def sample(i: int, turns: int) -> RolloutSample:
+        segments = [(3, True), (2, False)] * (turns - 1) + [(3, True)]
+        trajectory = Trajectory(segments, [0] * turns, [], stats={"tool_calls": float(i % 3)})
+        completion = Completion([2], "", [-1.0], "stop", 0, trajectory)
+        return RolloutSample(i // 2, Prompt(i // 2, "", [1]), completion, rewards={}, reward=1.0)
+
+    samples = [sample(i, turns) for i, turns in enumerate([1, 3, 2, 2, 1, 4])]
+    shares = [samples[:2], samples[2:]]  # unequal: means weigh by trajectories
+    parts = [
+        (share, {**trajectory_metrics(share), "reward/timeout_failures": float(n)})
+        for n, share in enumerate(shares, start=1)
+    ]
+    merged = merge_share_metrics(parts)
+    whole = trajectory_metrics(samples)
+    for key, value in whole.items():
+        assert merged[key] == pytest.approx(value), key
+    assert merged["reward/timeout_failures"] == 3.0
 
 
 def test_steps_are_dealt_to_ranks_whole_and_padded_to_one_count():
