@@ -14,6 +14,16 @@ per-token model mask, plain transformers SDPA) and `packed` (leangrpo's layout: 
 the environment's tokens context only, `score` + `compute_loss`). The two losses are
 checked to agree before timing.
 
+Cases `latency_heavy_tail` and `latency_zero`: trajectories of several turns (the tool
+demo's model; an environment, benchmarks/latency_env.py, that asks for another turn, each
+step taking 10 ms, or a second one time in ten, or nothing), `environment.num_workers`
+workers. Variants: `rounds` (baseline: every trajectory's turn, then every step, in
+lockstep) and `per_trajectory` (a turn as soon as its trajectory's step returns).
+Figures: trajectories per second, the engine's idle wait for environments. Case
+`kept_caches` (zero latency, per-trajectory): prefill tokens per turn when every turn
+prefills its whole conversation (`no_kept_caches`, baseline) and with each trajectory's
+KV cache kept between its turns (`kept_caches`).
+
 One JSON line per case and variant (`bench`, `case`, `device`, `variant`, `time_s`,
 `peak_bytes`, `time_ratio` and `mem_ratio` against the baseline of the same run).
 peak_bytes: CUDA max_memory_allocated; on CPU the peak of live tensor bytes created during
@@ -133,6 +143,118 @@ def rollout_case(prompts_n: int, group: int, repeats: int, device):
                      "tokens_per_s": round(per_run / t, 1)}  # fmt: skip
             results[name] = (t, peak, extra)
     yield from rows_with_ratios("rollout", {"device": device_name(device.type)}, results, "one_at_a_time")
+
+
+# -- latency: rounds vs per-trajectory scheduling; kept KV caches ------------------------
+
+LATENCY_ENV = Path(__file__).resolve().parent / "latency_env.py"
+MIXES = {"heavy_tail": (0.01, 1.0), "zero": (0.0, 0.0)}  # (fast_s, slow_s), 1 step in 10 slow
+
+
+class NoKeptCaches:
+    """An engine whose turn streams keep nothing between turns (every turn prefills its
+    whole conversation): the baseline of the kept-cache rows."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    @property
+    def version(self):
+        return self.engine.version
+
+    def open_turns(self, params, version):
+        stream = self.engine.open_turns(params, version)
+        advance = stream.advance
+
+        def advance_and_forget(timeout_s=0.0):
+            done = advance(timeout_s)
+            for request, _ in done:
+                stream.release(request.key)  # its kept cache goes at once
+            return done
+
+        stream.advance = advance_and_forget
+        return stream
+
+
+def latency_case(prompts_n: int, group: int, turns: int, workers: int, repeats: int):
+    """Trajectories of `turns` turns through the tool demo's model and an environment whose
+    steps take a heavy-tailed latency (benchmarks/latency_env.py), rounds (baseline) vs
+    per-trajectory; then, at zero latency, prefill tokens per turn without and with kept
+    caches."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TOOLS_DEMO / "model")
+    model = AutoModelForCausalLM.from_pretrained(TOOLS_DEMO / "model", dtype=torch.float32).eval()
+    rows = [json.loads(s) for s in (TOOLS_DEMO / "train.jsonl").read_text().splitlines()]
+    prompts = [
+        Prompt(i, r["prompt"], [0], {}, [{"role": "user", "content": r["prompt"]}])
+        for i, r in enumerate(rows[:prompts_n])
+    ]
+    params = SamplingParams(temperature=1.0, max_new_tokens=24, seed=7)  # a few tokens a turn
+    info = {"device": device_name("cpu"), "trajectories": prompts_n * group, "turns": turns,
+            "env_workers": workers, "slow_every": 10}  # fmt: skip
+    for mix, (fast_s, slow_s) in MIXES.items():
+        kwargs = {"turns": turns, "fast_s": fast_s, "slow_s": slow_s}
+        env = EnvironmentConfig(name=f"{LATENCY_ENV}:HeavyTail", kwargs=kwargs, num_workers=workers)
+        with EnvironmentPool(env) as pool:
+            renderer = Renderer(tokenizer, pool.tools)
+
+            def rollout(engine, scheduling, pool=pool, renderer=renderer):
+                limits, eos = TurnLimits(turns, 512), {tokenizer.eos_token_id}
+                return MultiTurnRollout(engine, pool, renderer, limits, eos, scheduling)
+
+            variants = {s: rollout(HFEngine(model, tokenizer), s) for s in ("rounds", "per_trajectory")}
+            if mix == "zero":
+                variants["no_kept_caches"] = rollout(NoKeptCaches(HFEngine(model, tokenizer)), "per_trajectory")  # fmt: skip
+            results = _timed_rollouts(variants, prompts, params, group, repeats)
+            extra = {"mix": mix, "fast_s": fast_s, "slow_s": slow_s, **info}
+            schedulers = {k: results[k] for k in ("rounds", "per_trajectory")}
+            yield from rows_with_ratios(f"latency_{mix}", extra, schedulers, "rounds")
+            if mix == "zero":
+                caches = {"no_kept_caches": results["no_kept_caches"], "kept_caches": results["per_trajectory"]}  # fmt: skip
+                yield from rows_with_ratios("kept_caches", info, caches, "no_kept_caches")
+
+
+def _timed_rollouts(variants: dict, prompts, params, group, repeats) -> dict:
+    """Each variant's best time over `repeats` calls, the variants taking turns (a shared
+    machine's load changes over a run: each variant meets the same), its peak, figures."""
+    made: dict[str, list] = {name: [] for name in variants}
+
+    def run(name):
+        rollout = variants[name]
+        t0 = time.perf_counter()
+        groups = rollout.generate(prompts, params, group, 0)
+        made[name].append((time.perf_counter() - t0, groups, dict(rollout.last_metrics)))
+
+    for name in variants:
+        run(name)  # warm-up
+        made[name].clear()
+    for _ in range(repeats):
+        for name in variants:
+            run(name)
+    results = {}
+    for name, rollout in variants.items():
+        t, groups, metrics = min(made[name], key=lambda m: m[0])  # the figures of the best
+        peak = peak_of(lambda name=name: run(name), torch.device("cpu"))
+        results[name] = (t, peak, _rollout_figures(rollout.scheduling, t, groups, metrics))
+    return results
+
+
+def _rollout_figures(scheduling: str, t: float, groups, metrics: dict) -> dict:
+    completions = [c for g in groups for c in g]
+    model_turns = sum(len(c.trajectory.turn_versions) for c in completions)
+    prefill = metrics.get("multiturn/prefill_tokens", 0.0)
+    return {
+        "scheduling": scheduling,
+        "trajectories_per_s": round(len(completions) / t, 3),
+        "model_turns": model_turns,
+        "model_tokens": sum(len(c.logprobs) for c in completions),
+        "prefill_tokens_per_turn": round(prefill / max(1, model_turns), 2),
+        "prefill_tokens_saved_per_turn": round(metrics.get("multiturn/prefill_tokens_saved", 0.0) / max(1, model_turns), 2),
+        "env_wait_s": round(metrics.get("multiturn/env_wait_s", 0.0), 4),
+        "generation_s": round(metrics.get("multiturn/generation_s", 0.0), 4),
+        "in_flight_mean": round(metrics.get("multiturn/in_flight_mean", 0.0), 2),
+    }  # fmt: skip
 
 
 # -- train --------------------------------------------------------------------------------
@@ -256,7 +378,7 @@ def train_case(groups: int, group: int, quick: bool, repeats: int, device):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a CPU-sized run of a minute or two")
-    parser.add_argument("--case", choices=["rollout", "train", "all"], default="all")
+    parser.add_argument("--case", choices=["rollout", "latency", "train", "all"], default="all")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     ns = parser.parse_args()
@@ -265,6 +387,10 @@ def main() -> None:
     if ns.case in ("rollout", "all"):
         prompts_n = 8 if ns.quick else 32
         for row in rollout_case(prompts_n, 8, ns.repeats, torch.device("cpu") if ns.quick else device):
+            print(json.dumps(row), flush=True)
+    if ns.case in ("latency", "all"):
+        prompts_n, turns, workers = (8, 12, 16) if ns.quick else (16, 12, 32)
+        for row in latency_case(prompts_n, 4, turns, workers, ns.repeats):
             print(json.dumps(row), flush=True)
     if ns.case in ("train", "all"):
         groups = 4 if ns.quick else 16

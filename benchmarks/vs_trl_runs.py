@@ -278,7 +278,8 @@ def run_leangrpo(case, paths: dict, workdir: Path, device: str) -> dict:
     result = {**clock.summary(), **peak_memory(device, children)}
     model = trainer.policy.model
     causal_lm(model).set_attn_implementation("sdpa")  # the common eval uses plain attention
-    result["final_eval"] = greedy_eval(
+    evaluate = tools_eval if case.tools else greedy_eval
+    result["final_eval"] = evaluate(
         model, trainer.policy.tokenizer, read_rows(paths["eval"], case), case, device
     )
     return result
@@ -367,17 +368,24 @@ def timed_trl_classes(clock: StepClock):
     return TimedGRPO, Clock
 
 
-def trl_args(case, out_dir: Path, device: str):
-    """GRPOConfig for the same job: one optimizer step per generation batch, no accumulation."""
+def trl_args(case, out_dir: Path, device: str, tools: dict | None = None):
+    """GRPOConfig for the same job: one optimizer step per generation batch, no accumulation.
+    `tools`: the multi-turn settings (tool-calling iterations, the completion budget)."""
     from trl import GRPOConfig
 
+    extra = {}
+    if tools is not None:
+        extra = {
+            "max_tool_calling_iterations": tools["iterations"],
+            "max_completion_length": tools["completion_tokens"],
+        }
     return GRPOConfig(
+        **({"max_completion_length": case.max_new_tokens} | extra),
         output_dir=str(out_dir),
         per_device_train_batch_size=case.prompts_per_step * case.group,
         gradient_accumulation_steps=1,
         steps_per_generation=1,
         num_generations=case.group,
-        max_completion_length=case.max_new_tokens,
         temperature=case.temperature,
         top_p=1.0,
         top_k=0,
@@ -422,21 +430,105 @@ def run_trl(case, paths: dict, workdir: Path, device: str) -> dict:
             target_modules="all-linear",
             task_type="CAUSAL_LM",
         )
+    tools, multi_turn = [], None
+    if case.tools:
+        tools, multi_turn = trl_tools(case, tokenizer, paths["train"])
     trainer = timed_trainer(
         model=model,
         reward_funcs=[trl_reward(spec) for spec in case.rewards],
-        args=trl_args(case, workdir / f"run-trl-{os.getpid()}", device),
+        args=trl_args(case, workdir / f"run-trl-{os.getpid()}", device, multi_turn),
         train_dataset=trl_dataset(paths["train"], case),
         processing_class=tokenizer,
         peft_config=peft_config,
         callbacks=[step_callback()],
+        **({"tools": tools} if tools else {}),
     )
     trainer.train()
     result = {**clock.summary(), **peak_memory(device, children)}
-    result["final_eval"] = greedy_eval(
+    evaluate = tools_eval if case.tools else greedy_eval
+    result["final_eval"] = evaluate(
         trainer.model, tokenizer, read_rows(paths["eval"], case), case, device
     )
     return result
+
+
+# ---------------------------------------------------------------- multi-turn (case e)
+
+# How TRL reads a turn of the tool demo's template (transformers' response_template): its
+# content up to <|end|>, and Hermes tool calls, JSON in <tool_call> tags, as TRL's Qwen one.
+TOOL_DEMO_RESPONSE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|assistant|>",
+    "fields": {
+        "tool_calls": {
+            "open": "<tool_call>",
+            "close_pattern": r"</tool_call>\s*",
+            "repeats": True,
+            "content": "json",
+            "transform": {"type": "function", "function": "{content}"},
+        },
+        "content": {"close_pattern": r"<\|end\|>\s*", "content": "text"},
+    },
+}
+
+
+def tool_demo_settings(case) -> tuple:
+    """The example config's environment: (its tool functions, max_turns, max_total_tokens)."""
+    import importlib.util
+
+    from leangrpo.config import load_config
+
+    env = load_config(str(ROOT / case.yaml)).environment
+    tools = []
+    for spec in env.tools:
+        path, name = spec.rsplit(":", 1)
+        loader = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
+        module = importlib.util.module_from_spec(loader)
+        loader.loader.exec_module(module)
+        tools.append(getattr(module, name))
+    return tools, env.max_turns, env.max_total_tokens
+
+
+def trl_tools(case, tokenizer, train_path: str) -> tuple[list, dict]:
+    """TRL's side of the same multi-turn job: the tools, its parser for the template, and
+    the budgets: max_turns - 1 tool-calling iterations, and every turn of a trajectory
+    within max_total_tokens (TRL counts completion tokens: max_total less the longest
+    prompt, as the prompts render with the tools listed)."""
+    tools, max_turns, max_total = tool_demo_settings(case)
+    tokenizer.response_template = TOOL_DEMO_RESPONSE
+    longest = max(
+        len(tokenizer.apply_chat_template(chat_messages(r["prompt"], case), tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False))
+        for r in read_jsonl(train_path)
+    )  # fmt: skip
+    return tools, {"iterations": max_turns - 1, "completion_tokens": max_total - longest}
+
+
+@torch.no_grad()
+def tools_eval(model, tokenizer, rows: list[dict], case, device: str) -> float:
+    """Greedy multi-turn trajectories with the tool (leangrpo's rollout on either model), and
+    the mean reward of their last turns: the same measure for both trainers."""
+    from leangrpo.config import load_config
+    from leangrpo.contracts import Prompt, SamplingParams
+    from leangrpo.environments.driver import MultiTurnRollout, TurnLimits
+    from leangrpo.environments.pool import EnvironmentPool
+    from leangrpo.environments.rendering import Renderer
+    from leangrpo.rollout.hf.engine import HFEngine
+
+    env_cfg = load_config(str(ROOT / case.yaml)).environment
+    prompts = [
+        Prompt(i, r["prompt"], [0], {}, chat_messages(r["prompt"], case))
+        for i, r in enumerate(rows)
+    ]
+    engine = HFEngine(model.eval(), tokenizer)
+    with EnvironmentPool(env_cfg) as pool:  # the example's paths: relative to the root (cwd)
+        limits = TurnLimits(env_cfg.max_turns, env_cfg.max_total_tokens)
+        rollout = MultiTurnRollout(
+            engine, pool, Renderer(tokenizer, pool.tools), limits, {tokenizer.eos_token_id}
+        )
+        params = SamplingParams(temperature=0.0, max_new_tokens=case.max_new_tokens)
+        groups = rollout.generate(prompts, params, 1, 0)
+    completions = [g[0].text for g in groups]
+    return statistics.mean(total_reward(case, [r["prompt"] for r in rows], completions, rows))
 
 
 # --------------------------------------------------------------------------- entry

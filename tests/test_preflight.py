@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.configs import DEMO_YAML
+from support.configs import DEMO_YAML, ROOT
 from support.files import write_jsonl
 from support.processes import run_python
 
@@ -175,3 +175,19 @@ def test_context_parallel_without_torchrun_is_one_line_and_no_torch(tmp_path: Pa
     )
     assert out.stdout.strip().splitlines()[-1] == "torch imported: False"
     assert not (tmp_path / "run").exists()  # before the run directory is touched
+
+
+def test_the_continuous_batch_knobs_are_listed_where_nothing_reads_them(tmp_path: Path) -> None:
+    knobs = ("rollout.max_batch_size=4", "rollout.kv_cache_tokens=4096")
+    assert ignored_options(demo(tmp_path, *knobs)) == [
+        "rollout.max_batch_size, rollout.kv_cache_tokens (there is no environment: single-turn "
+        "generation batches by rollout.hf_prompts_per_forward)"
+    ]
+    tools = load_config(
+        ROOT / "examples" / "tools_demo.yaml",
+        [f"run.output_dir={tmp_path / 'tools'}", *knobs, "rollout.hf_prompts_per_forward=2"],
+    )
+    assert ignored_options(tools) == [
+        "rollout.hf_prompts_per_forward (multi-turn turns decode in a continuous batch of "
+        "rollout.max_batch_size rows)"
+    ]

@@ -11,9 +11,9 @@ Tensor shapes are given in the comments: N = real tokens in a packed row, S = se
 in it, T = completion tokens in it (the only positions that get log-probs; of a multi-turn
 trajectory, the model's tokens only: the environment's are context, like the prompt).
 
-The roles' interfaces live here too: `RolloutEngine` and `TurnEngine` (rollout/; the
-multi-turn rollout of environments/ drives the latter), `Producer` (pipeline/ and
-distributed/rollout.py), and what differs between one process and torchrun, chosen once
+The roles' interfaces live here too: `RolloutEngine`, `TurnEngine` and `TurnStream`
+(rollout/; the multi-turn rollout of environments/ drives the latter two), `Producer`
+(pipeline/ and distributed/rollout.py), and what differs between one process and torchrun, chosen once
 at set-up (`Strategy`, picked by distributed/strategy.py: `StepRanks`, `Checkpointer`,
 `MetricsLog`). See docs/ARCHITECTURE.md.
 """
@@ -115,12 +115,15 @@ class Completion:
 
 @dataclass(frozen=True)
 class TurnRequest:
-    """One model turn of one trajectory (`TurnEngine.generate_turns`): the ids so far
-    (ending with the generation prompt), its own seed and its own token budget."""
+    """One model turn of one trajectory (`TurnStream.submit`, `TurnEngine.generate_turns`):
+    the ids so far (ending with the generation prompt), its own seed and its own token
+    budget. `key` names the trajectory within its generation call (its kept KV cache, its
+    server); None: a turn of its own, nothing kept."""
 
     ids: list[int]
     seed: int | None
     max_new_tokens: int
+    key: int | None = None
 
 
 def sample_prompt(prompt: Prompt, completion: Completion) -> Prompt:
@@ -326,6 +329,44 @@ class TurnEngine(Protocol):
     ) -> list[Completion]:
         """One completion per request, in order; each request sampled with its own seed and
         at most its own max_new_tokens (params.seed and params.max_new_tokens unused)."""
+        ...
+
+    def open_turns(self, params: SamplingParams, version: int) -> TurnStream:
+        """A stream for one generation call's turns at `version` (close it when done)."""
+        ...
+
+
+@runtime_checkable
+class TurnStream(Protocol):
+    """The turns of one generation call, generated as they are submitted (per-trajectory
+    scheduling): the hf engine's continuous batch, colocated vLLM's engine loop, or
+    requests in flight to vLLM servers. One thread drives it. A key has at most one turn
+    pending; each turn is sampled with its own seed and budget, as in `generate_turns`."""
+
+    def submit(self, request: TurnRequest) -> None:
+        """Start generating `request` (its key must not have a turn pending)."""
+        ...
+
+    def pending(self) -> int:
+        """Turns submitted and not yet returned by `advance`."""
+        ...
+
+    def advance(self, timeout_s: float) -> list[tuple[TurnRequest, Completion]]:
+        """Make progress and return the turns that finished: an engine that computes does
+        one step (timeout_s unused); one that waits on servers waits at most timeout_s."""
+        ...
+
+    def release(self, key: int) -> None:
+        """The trajectory `key` ended: whatever the stream kept for it (a KV cache, its
+        server) may go."""
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """What the stream did so far: prefill tokens computed and saved, evictions, load."""
+        ...
+
+    def close(self) -> None:
+        """Abandon pending turns and free what the stream holds (idempotent)."""
         ...
 
 

@@ -62,3 +62,18 @@ def test_leangrpo_side_of_the_demo_case_runs(tmp_path, monkeypatch):
     assert result["peak_bytes"] >= result["peak_rss_self_bytes"] > 0
     assert 0.0 <= result["final_eval"] <= 1.0
     assert result["tokens_per_step"] > 0 and result["generate_s"] > 0
+
+
+@pytest.mark.slow
+def test_leangrpo_side_of_the_multi_turn_tools_case_runs(tmp_path, monkeypatch):
+    """Case e: examples/tools_demo.yaml (the environment and its tool) through the trainer;
+    the eval is greedy multi-turn trajectories with the tool."""
+    from vs_trl_runs import run_variant
+
+    monkeypatch.chdir(ROOT)
+    case = replace(vs_trl.CASES["e"], steps=2, eval_prompts=4)
+    prepare_case(case, tmp_path, ROOT)
+    result = run_variant("leangrpo", case, tmp_path, "cpu")
+    assert result["steps"] == 2 and result["generate_s"] > 0
+    assert result["peak_bytes"] > result["peak_rss_self_bytes"] > 0  # workers counted
+    assert 0.0 <= result["final_eval"] <= 1.0

@@ -378,3 +378,14 @@ def test_unreadable_config_files(tmp_path: Path, content: bytes, expected: str) 
     path = tmp_path / "cfg.yaml"
     path.write_bytes(content)
     assert expected in error_for([], path)
+
+
+def test_the_hf_kv_budget_must_hold_one_trajectory() -> None:
+    """rollout.kv_cache_tokens below environment.max_total_tokens could never admit a long
+    trajectory's turn (the engine would stop mid-batch): refused in one sentence."""
+    tools = ROOT / "examples" / "tools_demo.yaml"
+    assert load_config(tools, ["rollout.kv_cache_tokens=192"]).rollout.kv_cache_tokens == 192
+    expected = r"kv_cache_tokens \(191\) must be at least environment.max_total_tokens \(192\)"
+    with pytest.raises(ConfigError, match=expected):
+        load_config(tools, ["rollout.kv_cache_tokens=191"])
+    assert load_config(tools, ["rollout.kv_cache_tokens=8", "rollout.engine=vllm"])  # not read

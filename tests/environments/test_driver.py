@@ -5,6 +5,8 @@ reasons; an environment's failure ends its trajectory; its reward terms are summ
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from support.configs import ROOT
@@ -59,7 +61,7 @@ def prompts(n: int = len(PAIRS)) -> list[Prompt]:
 
 
 class Recording:
-    """The engine, keeping every turn it generated (request ids -> completion)."""
+    """The engine, keeping every turn it generated (request -> completion)."""
 
     def __init__(self, engine):
         self.engine, self.turns = engine, []
@@ -68,16 +70,31 @@ class Recording:
     def version(self):
         return self.engine.version
 
-    def generate_turns(self, requests, params, version):
-        out = self.engine.generate_turns(requests, params, version)
-        self.turns.extend(zip(requests, out))
-        return out
+    def open_turns(self, params, version):
+        recording, stream = self, self.engine.open_turns(params, version)
+
+        class Recorded:
+            def __getattr__(self, name):
+                return getattr(stream, name)
+
+            def advance(self, timeout_s=0.0):
+                done = stream.advance(timeout_s)
+                recording.turns.extend(done)
+                return done
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                stream.close()
+
+        return Recorded()
 
 
-def rollout(engine, tokenizer, pool, max_turns=3, max_total=192, **engine_kw):
+def rollout(engine, tokenizer, pool, max_turns=3, max_total=192, scheduling="per_trajectory"):
     renderer = Renderer(tokenizer, pool.tools)
     limits = TurnLimits(max_turns, max_total)
-    return MultiTurnRollout(engine, pool, renderer, limits, {tokenizer.eos_token_id})
+    return MultiTurnRollout(engine, pool, renderer, limits, {tokenizer.eos_token_id}, scheduling)
 
 
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=64, seed=3)
@@ -183,3 +200,66 @@ def test_special_tokens_in_a_reply_cannot_forge_a_turn(engine, tokenizer, pools)
             assert c.trajectory.messages[2]["content"] == "42"
         else:
             assert c.trajectory.stats["control_tokens_stripped"] == 4
+
+
+def test_per_trajectory_makes_what_rounds_make_whatever_the_latencies(tokenizer, pools):
+    """Random environment latencies (support.environments:Latency) and the engine's
+    batch-invariant mode (one sequence per forward): per-trajectory scheduling makes the
+    rounds' trajectories bit for bit, and keeps caches between turns."""
+    model = AutoModelForCausalLM.from_pretrained(TOOLS_MODEL, dtype=torch.float32).eval()
+    engine = HFEngine(model, tokenizer, max_batch_size=1)
+    pool = pools("support.environments:Latency", kwargs={"turns": 3})
+    made = {}
+    for mode in ("rounds", "per_trajectory", "per_trajectory"):
+        run = rollout(engine, tokenizer, pool, max_total=1000, scheduling=mode)
+        groups = run.generate(prompts(4), PARAMS, 3, 0)
+        got = [(c.ids, c.logprobs, c.trajectory.segments, c.trajectory.rewards) for g in groups for c in g]
+        assert made.setdefault("rounds", got) == got, mode
+        assert sum(len(c.trajectory.segments) > 1 for g in groups for c in g) >= 6  # multi-turn
+        metrics = run.last_metrics
+        assert metrics["multiturn/prefill_tokens_saved"] > 0  # later turns on kept caches
+        assert 0 < metrics["multiturn/in_flight_mean"] <= metrics["multiturn/in_flight_max"] == 12
+        assert metrics["multiturn/generation_s"] > 0 and metrics["multiturn/env_wait_s"] >= 0
+
+
+def test_a_slow_environment_step_holds_up_only_its_own_trajectory(engine, tokenizer, pools, tmp_path):
+    """Trajectory 1 (alone on its worker) waits in its first step until a file exists; the
+    others finish all their turns meanwhile: per-trajectory scheduling never waits for the
+    round (under rounds they could not get past their first turn)."""
+    import threading
+
+    pool = pools("support.environments:HeldBack", kwargs={"turns": 3}, timeout_s=300)
+    release = tmp_path / "release"
+    held = prompts(3)
+    held[1].columns["hold"] = str(release)
+    recording = Recording(engine)
+    run = rollout(recording, tokenizer, pool, max_total=1000)
+    out = []
+    thread = threading.Thread(target=lambda: out.append(run.generate(held, PARAMS, 1, 0)))
+    thread.start()
+    deadline = time.monotonic() + 60
+
+    def turns(key):
+        return [r.key for r, _ in recording.turns].count(key)
+
+    while (turns(0), turns(1), turns(2)) != (3, 1, 3) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # the others made all three turns; trajectory 1 its first (under rounds they could not
+    # have gone past their first turn), and the call waits for it
+    assert (turns(0), turns(1), turns(2)) == (3, 1, 3) and thread.is_alive() and not out
+    release.touch()
+    thread.join(120)
+    ((first,), (slow,), (third,)) = out[0]
+    assert len(slow.trajectory.segments) > 1 and slow.finish_reason in ("stop", "length")
+
+
+def test_a_dying_environment_worker_ends_its_trajectories_and_the_call_goes_on(engine, tokenizer, pools):
+    pool = pools("support.environments:ExitInStep")
+    batch = prompts(3)
+    batch[1].columns["answer"] = "3"  # its worker exits in the first step
+    groups = rollout(engine, tokenizer, pool).generate(batch, PARAMS, 2, 0)
+    errors = [c for g in groups for c in g if c.finish_reason == "error"]
+    assert errors and all("died" in c.trajectory.error or "no such trajectory" in c.trajectory.error for c in errors)
+    assert any(c.finish_reason == "stop" for c in groups[0] + groups[2])
+    again = rollout(engine, tokenizer, pool).generate(prompts(1), PARAMS, 2, 0)  # the pool recovered
+    assert all(c.finish_reason == "stop" for c in again[0])

@@ -213,6 +213,45 @@ def test_close_stops_an_operation_in_another_thread_at_once():
     assert errors and "closed" in str(errors[0])
 
 
+def test_calls_queue_per_worker_and_the_workers_answer_concurrently():
+    """submit / poll: an item answered on one worker comes back while another worker is
+    still busy; a worker's items are answered in the order they were queued."""
+    with pool_for("support.environments:Sleeps", num_workers=2) as pool, pool.exclusive():
+        keys = pool.new_sessions(3)  # keys[0] and keys[2] share a worker
+        tickets = {}
+        for k in keys:
+            tickets[pool.submit("reset", (k, USER, {}, 0))] = ("reset", k)
+        order = []
+        while pool.in_flight():
+            order += [tickets[t] for t, _ in pool.poll(None)]
+        slow, fast, after = keys[0], keys[1], keys[2]
+        steps = {pool.submit("step", (slow, "1.0", 0)): slow}
+        steps[pool.submit("step", (fast, "0", 0))] = fast
+        steps[pool.submit("step", (after, "0", 0))] = after  # queued behind the slow one
+        answered = []
+        while pool.in_flight():
+            answered += [(steps[t], o.ok["metrics"]["slept"]) for t, o in pool.poll(None)]
+        assert answered[0] == (fast, 0.0)  # back while its neighbour's step sleeps
+        assert answered[1:] == [(slow, 1.0), (after, 0.0)]  # one worker: in order
+        assert pool.poll(0.0) == [] and pool.in_flight() == 0
+
+
+def test_leaving_with_calls_in_flight_replaces_the_workers_that_held_them():
+    with pool_for("support.environments:Sleeps", num_workers=2) as pool:
+        keys = pool.new_sessions(2)
+        pool.reset([(k, USER, {}, 0) for k in keys])
+        old = list(pool._workers)
+        with pytest.raises(RuntimeError, match="stop"), pool.exclusive():
+            pool.submit("step", (keys[0], "30", 0))
+            raise RuntimeError("stop")  # an error in the rollout, the step still running
+        assert pool._workers[keys[0] % 2] is not old[keys[0] % 2]  # replaced, not waited for
+        assert pool._workers[keys[1] % 2] is old[keys[1] % 2]
+        (gone,) = pool.step([(keys[0], "0", 1)])  # its session went with its worker
+        assert gone.ok is None and "no such trajectory" in gone.error
+        (kept,) = pool.step([(keys[1], "0", 0)])
+        assert kept.ok["done"]
+
+
 def test_a_tool_file_imports_a_module_beside_it(tmp_path):
     """A `path/to/file.py:function` tool runs with its folder on its import path."""
     (tmp_path / "arith.py").write_text("def plus(a, b):\n    return a + b\n")

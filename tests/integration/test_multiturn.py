@@ -34,7 +34,9 @@ def tools_run(out: Path, **sections) -> dict:
         "rewards": {"functions": [{"name": "math", "kwargs": {"answer_column": "answer"}}], "num_workers": 1},
         "environment": {"tools": [str(TOOLS_DEMO / "calculator.py") + ":add"], "max_turns": 3,
                         "max_total_tokens": 160, "num_workers": 1},
-        "rollout": {"num_generations": 4, "prompts_per_batch": 4, "max_new_tokens": 64},
+        # per-trajectory scheduling (the default) in the batch-invariant mode, one sequence per
+        # forward: batches are then exact whatever the environments' timing
+        "rollout": {"num_generations": 4, "prompts_per_batch": 4, "max_new_tokens": 64, "max_batch_size": 1},
         "loss": {"mu": 2},
         "train": {"learning_rate": 1e-3, "micro_batch_tokens": 600, "steps_per_generation": 2},
         "eval": {"every_steps": 2, "num_prompts": 8},
@@ -100,10 +102,17 @@ def test_the_tool_demo_trains_on_trajectories_and_resumes_exactly_inside_a_batch
         assert max_abs_diff(after, params(resumed)) == 0.0, mode
 
 
-def test_async_at_zero_staleness_equals_sync(tmp_path):
-    sync = Trainer(config_from_dict(tools_run(tmp_path / "sync")))
+@pytest.mark.parametrize(
+    "scheduling",
+    [
+        {"environment": {"scheduling": "per_trajectory"}},  # one sequence per forward
+        {"environment": {"scheduling": "rounds"}, "rollout": {"max_batch_size": None}},  # batched
+    ],
+)
+def test_async_at_zero_staleness_equals_sync(tmp_path, scheduling):
+    sync = Trainer(config_from_dict(tools_run(tmp_path / "sync", **scheduling)))
     sync.train()
-    cfg = tools_run(tmp_path / "async", pipeline={"mode": "async", "max_staleness": 0})
+    cfg = tools_run(tmp_path / "async", pipeline={"mode": "async", "max_staleness": 0}, **scheduling)
     asynchronous = Trainer(config_from_dict(cfg))
     asynchronous.train()
     assert max_abs_diff(params(sync), params(asynchronous)) == 0.0

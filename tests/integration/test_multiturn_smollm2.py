@@ -25,6 +25,8 @@ from leangrpo.rollout.hf.engine import HFEngine
 
 
 class Recording:
+    """The engine, keeping every turn its turn stream generated (seed -> completion)."""
+
     def __init__(self, engine):
         self.engine, self.turns = engine, {}
 
@@ -32,10 +34,17 @@ class Recording:
     def version(self):
         return self.engine.version
 
-    def generate_turns(self, requests, params, version):
-        out = self.engine.generate_turns(requests, params, version)
-        self.turns.update({r.seed: c for r, c in zip(requests, out)})
-        return out
+    def open_turns(self, params, version):
+        stream = self.engine.open_turns(params, version)
+        advance = stream.advance
+
+        def recorded(timeout_s=0.0):
+            done = advance(timeout_s)
+            self.turns.update({r.seed: c for r, c in done})
+            return done
+
+        stream.advance = recorded
+        return stream
 
 
 def test_smollm2_trajectories_with_a_tool_are_token_exact():

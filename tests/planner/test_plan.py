@@ -181,6 +181,24 @@ def test_cli_plans_without_importing_torch(tmp_path):
     assert len(out.stderr.strip().splitlines()) == 1
 
 
+def test_multi_turn_kv_is_every_trajectorys_cache_or_the_budget():
+    env = {"tools": ["t.py:f"], "max_total_tokens": 3000}
+    base = dict(environment=env, data={"chat_template": True}, rollout={"prompts_per_batch": 4})
+    per_position = 2 * 32 * 8 * 128 * 2  # K and V, every layer, bf16
+    unbounded = plan(**base)["kv_cache"]
+    assert unbounded == 32 * 3008 * per_position  # 32 trajectories, width in steps of 64
+    assert plan(world_size=2, **base)["kv_cache"] == unbounded // 2
+    bounded = plan(**updated(base, {"rollout": {"kv_cache_tokens": 10_000}}))["kv_cache"]
+    assert bounded == 10_000 * per_position
+
+
+def test_the_slot_width_step_is_the_engines():
+    from leangrpo.planner import plan as planner
+    from leangrpo.rollout.hf import turns
+
+    assert planner.SLOT_WIDTH_STEP == turns.WIDTH_STEP
+
+
 def small_context_model(tmp_path, positions: int = 64):
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)

@@ -132,6 +132,38 @@ class ToolReply(Environment):
         return StepResult([{"role": "tool", "name": "add", "content": "42"}])
 
 
+class Latency(Again):
+    """Again, with each step taking a random time (0 to 30 ms, one in three 150 ms): the
+    order in which trajectories come back differs from the order they went out."""
+
+    def step(self, turn: ModelTurn) -> StepResult:
+        import random
+
+        time.sleep(0.15 if random.random() < 1 / 3 else random.random() * 0.03)
+        return super().step(turn)
+
+
+class HeldBack(Again):
+    """Again, except that the trajectory whose prompt row says `hold` waits in its first
+    step until the file the row names exists."""
+
+    def reset(self, messages, row, seed):
+        self.hold = row.get("hold")
+
+    def step(self, turn: ModelTurn) -> StepResult:
+        while self.hold and turn.index == 0 and not os.path.exists(self.hold):
+            time.sleep(0.01)
+        return super().step(turn)
+
+
+class Sleeps(Environment):
+    """Sleeps as many seconds as the turn's text says, then is done."""
+
+    def step(self, turn: ModelTurn) -> StepResult:
+        time.sleep(float(turn.text))
+        return StepResult(done=True, metrics={"slept": float(turn.text)})
+
+
 def picky_parser(text: str):
     """A pluggable tool parser that raises on a turn holding 'boom' (model-written text)."""
     if "boom" in text:

@@ -26,6 +26,10 @@ class FakeLocal:
         self, name: str = "fake", delay_s: float = 0.0, version: int = 0, run=None, lora_modules=None
     ):
         self.name, self.delay_s = name, delay_s
+        # "ok"; "error": generation and weight loads fail (500); "hang": generation sleeps
+        # until released (the client times out)
+        self.behaviour = "ok"
+        self.release = threading.Event()
         self.served_lora_modules = lora_modules  # what /health says it serves LoRA on
         self.gate = VersionGate(version, run)
         self.weights: dict = {}
@@ -44,6 +48,7 @@ class FakeLocal:
         return self.gate.held
 
     def generate(self, prompt_ids, params, n, version, seeds=None, *, run):
+        self._misbehave()
         with self.gate.admit(version, run):
             self.seeds = seeds
             time.sleep(self.delay_s)
@@ -60,7 +65,16 @@ class FakeLocal:
                 for ids in prompt_ids
             ]
 
+    def _misbehave(self) -> None:
+        if self.behaviour == "error":
+            raise RuntimeError(f"server {self.name} is broken")
+        if self.behaviour == "hang":
+            self.release.wait(30)
+            raise RuntimeError(f"server {self.name} hung")
+
     def load_weight_files(self, paths, version, *, run):
+        if self.behaviour == "error":
+            raise RuntimeError(f"server {self.name} cannot load weights")
         with self.gate.update(version, drain=True, run=run) as needed:
             if needed:
                 for p in paths:

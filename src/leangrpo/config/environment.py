@@ -8,7 +8,7 @@ context) live on `Config` in root.py.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -41,6 +41,10 @@ class EnvironmentConfig(Section):
     chat_template: str | None = Field(
         None,
         description="Chat template for multi-turn conversations: null = the tokenizer's; 'chatml-hermes' (bundled: ChatML with Hermes tool calls, for ChatML models such as SmolLM2 whose own template ignores tools); or a path to a .jinja file.",
+    )
+    scheduling: Literal["per_trajectory", "rounds"] = Field(
+        "per_trajectory",
+        description="'per_trajectory': a trajectory's next turn is generated as soon as its environment answers, while the others keep decoding (a slow environment step delays only its own trajectory). 'rounds': every live trajectory's turn, then every environment step, in lockstep (batches independent of environment timing; reproducible bit for bit with any batch size).",
     )
     max_turns: int = Field(
         4,

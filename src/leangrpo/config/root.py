@@ -184,6 +184,11 @@ class Config(Section):
             raise rule_error(
                 f"train.micro_batch_tokens ({self.train.micro_batch_tokens}) must be at least environment.max_total_tokens ({env.max_total_tokens}), because a micro-batch must hold a whole trajectory; raise train.micro_batch_tokens or lower environment.max_total_tokens."
             )
+        budget = self.rollout.kv_cache_tokens
+        if self.rollout.engine == "hf" and budget is not None and budget < env.max_total_tokens:
+            raise rule_error(
+                f"rollout.kv_cache_tokens ({budget}) must be at least environment.max_total_tokens ({env.max_total_tokens}), because the hf engine must hold one whole trajectory's KV cache; raise it, or set it to null (no bound)."
+            )
         vllm_len = self.rollout.vllm.max_model_len
         if self.rollout.engine == "vllm" and vllm_len is not None and vllm_len < env.max_total_tokens:
             raise rule_error(

@@ -124,6 +124,16 @@ class RolloutConfig(Section):
         ge=1,
         description="hf engine: prompts decoded together in one batched forward (each with its n completions); null = all prompts of a call. 1 makes a group's completions bitwise independent of which prompts share its forward, so a torchrun run samples exactly what one process does (slower).",
     )
+    max_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="hf engine, multi-turn: the most sequences decoding together in the continuous batch (turns join and leave it between decode steps); null = every trajectory of a call. 1 is the batch-invariant mode: every forward holds one sequence, so a trajectory's tokens do not depend on which others ran beside it (per-trajectory scheduling then makes exactly what rounds make; slower).",
+    )
+    kv_cache_tokens: int | None = Field(
+        None,
+        ge=2,
+        description="hf engine, multi-turn: the most KV-cache positions the engine holds, the continuous batch's rows (padding included) and the caches kept between turns together; kept caches are evicted least recently used to stay within it and recomputed when their trajectory comes back (rollout/multiturn metrics count them). At least environment.max_total_tokens; null = no bound (every trajectory of a call keeps its cache; leangrpo plan counts it).",
+    )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM settings.")
 
     @field_validator("stop")

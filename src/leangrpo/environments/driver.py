@@ -4,27 +4,27 @@
 call shape (the producer and the evaluator call it as they call `engine.generate`) and
 returns one `Completion` per trajectory, n per prompt, each with its `Trajectory`.
 
-One call = P prompts x n trajectories, all made together in rounds:
+One call = P prompts x n trajectories, all made together through one turn stream of the
+engine (`engine.open_turns`) and the environment pool (held for the call), by the event
+loop of scheduler.py (`environment.scheduling`: per trajectory, or in rounds):
 1. reset: a session per trajectory in the environment workers, seeded per prompt
    (`derive_seed(batch seed, prompt index)`: the n trajectories of a prompt start alike);
    its messages (or the prompt's own) rendered with the tools: the trajectory's prompt ids;
-2. round k: one `TurnRequest` per live trajectory, its ids so far, its own seed
-   (`derive_seed(batch seed, version, trajectory index, k)`: a trajectory's draws do not
-   depend on which others are still live) and its own budget, min(rollout.max_new_tokens,
-   max_total_tokens - its length); one engine call generates every turn of the round
-   (hf: batched across trajectories and groups; vLLM: one request each);
-3. every turn that ended on EOS (or a stop string) goes to its environment, all of the
-   round's steps at once; each reply becomes an environment segment (rendering.py);
+2. turn k: one `TurnRequest`: its ids so far, its own seed (`derive_seed(batch seed,
+   version, trajectory index, k)`: its draws depend on nothing else), its own budget,
+   min(rollout.max_new_tokens, max_total_tokens - its length), and its key (the
+   trajectory's index: the engine keeps its KV cache, a server router its server);
+3. a turn that ended on EOS (or a stop string) goes to its environment; the reply
+   becomes an environment segment (rendering.py);
 4. a trajectory ends when its environment says done ('stop'), a turn is cut at its budget
    or the reply would leave no room ('length'), after max_turns turns ('max_turns'), or when
    its environment or the rendering fails ('error': unscored, counted);
-5. finish: each environment's closing reward terms; the sessions end.
+5. finish: its environment's closing reward terms; the session ends.
 Reward terms add up over a trajectory (steps and finish); each metric is the mean of the
 values its steps and finish reported (a per-turn fraction stays a fraction).
-Rounds keep the batch deterministic (exact resume, async at staleness 0 = sync): the
-slowest environment step of a round delays the next one. Weights change only between
-batches, so every turn of a trajectory has the same version (recorded per turn anyway;
-the completion's version is the oldest).
+Weights change only between batches, so every turn of a trajectory has the same version
+(recorded per turn anyway; the completion's version is the oldest). `last_metrics` holds
+what the call's loop and stream measured (`multiturn/*`, `rollout/server*`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from leangrpo.contracts import (
     Completion,
@@ -45,6 +45,7 @@ from leangrpo.contracts import (
 )
 from leangrpo.environments.pool import EnvironmentPool, Outcome
 from leangrpo.environments.rendering import Conversation, NotIncremental, Renderer
+from leangrpo.environments.scheduler import Mode, Scheduler
 from leangrpo.seeding import SEED_BITS, derive_seed
 
 log = logging.getLogger("leangrpo.environments")
@@ -98,12 +99,15 @@ class MultiTurnRollout:
         renderer: Renderer,
         limits: TurnLimits,
         eos_ids: set[int],
+        scheduling: Mode = "per_trajectory",
     ):
         self.engine = engine
         self.pool = pool
         self.renderer = renderer
         self.limits = limits
         self.eos_ids = set(eos_ids)
+        self.scheduling = scheduling
+        self.last_metrics: dict[str, float] = {}  # the last call's loop and engine figures
         self._logged: set[str] = set()  # kinds of failure logged once already
 
     @property
@@ -119,38 +123,26 @@ class MultiTurnRollout:
         prompt_offset: int = 0,
     ) -> list[list[Completion]]:
         seed = params.seed if params.seed is not None else secrets.randbits(SEED_BITS)
-        live = self._reset(prompts, n, seed, prompt_offset)
-        for turn in range(self.limits.max_turns):
-            going = [t for t in live if t.finish is None]
-            if not going:
-                break
-            stepping = self._model_turns(going, params, version, seed, turn)
-            self._environment_turns(stepping, turn)
-        self._finish(live)
+        for prompt in prompts:
+            if prompt.messages is None:
+                raise ValueError(
+                    f"prompt uid={prompt.uid} has no chat messages; multi-turn needs data.chat_template: true"
+                )
+        sessions = self.pool.new_sessions(len(prompts) * n)
+        live = [
+            _Live((prompt_offset + p) * n + g, prompt, sessions[p * n + g])
+            for p, prompt in enumerate(prompts)
+            for g in range(n)
+        ]
+        call = _Call(self, live, params, version, seed, n)
+        with self.pool.exclusive(), self.engine.open_turns(params, version) as stream:
+            stats = Scheduler(stream, self.pool, self.scheduling, call).run()
+            self.last_metrics = _call_metrics(stats.metrics(), stream.metrics())
         self._log_failures(live)
         completions = [self._completion(t, version) for t in live]
         return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    # -- the rounds ------------------------------------------------------------------------
-    def _reset(self, prompts: list[Prompt], n: int, seed: int, offset: int) -> list[_Live]:
-        sessions = self.pool.new_sessions(len(prompts) * n)
-        live = [
-            _Live((offset + p) * n + g, prompt, sessions[p * n + g])
-            for p, prompt in enumerate(prompts)
-            for g in range(n)
-        ]
-        items = []
-        for t in live:
-            if t.prompt.messages is None:
-                raise ValueError(
-                    f"prompt uid={t.prompt.uid} has no chat messages; multi-turn needs data.chat_template: true"
-                )
-            prompt_index = t.index // n
-            items.append((t.session, t.prompt.messages, dict(t.prompt.columns), derive_seed(seed, prompt_index)))
-        for t, outcome in zip(live, self.pool.reset(items)):
-            self._start(t, outcome)
-        return live
-
+    # -- one trajectory's steps (scheduler.py calls them through _Call) --------------------
     def _start(self, t: _Live, outcome: Outcome) -> None:
         if outcome.error is not None:
             t.session_open = False
@@ -170,53 +162,47 @@ class MultiTurnRollout:
         if t.conversation.num_tokens >= self.limits.max_total_tokens:
             t.end("error", f"prompt too long: it has {t.conversation.num_tokens} tokens, no room for a turn within environment.max_total_tokens = {self.limits.max_total_tokens}")  # fmt: skip
 
-    def _model_turns(
-        self, going: list[_Live], params: SamplingParams, version: int, seed: int, turn: int
-    ) -> list[tuple[_Live, str]]:
+    def _request(self, t: _Live, params: SamplingParams, version: int, seed: int) -> TurnRequest:
         total = self.limits.max_total_tokens
-        requests = [
-            TurnRequest(
-                t.conversation.prompt_ids + t.conversation.ids,
-                derive_seed(seed, version, t.index, turn),
-                min(params.max_new_tokens, total - t.conversation.num_tokens),
-            )
-            for t in going
-        ]
-        stepping = []
-        for t, c in zip(going, self.engine.generate_turns(requests, params, version)):
-            t.versions.append(c.version)
-            t.logprobs.extend(c.logprobs)
-            t.text = c.text
-            t.stats["turns"] += 1
-            stopped_on_eos = c.finish_reason == "stop" and c.ids[-1] in self.eos_ids
-            content = t.conversation.add_model_turn(c.ids, stopped_on_eos)
-            if c.finish_reason == "stop":
-                stepping.append((t, content))
-            elif c.finish_reason == "length":  # cut at its budget: nothing to answer
-                t.end("length")
-            else:
-                t.end("error", f"generation failed: the engine ended the turn with finish reason {c.finish_reason!r}")  # fmt: skip
-        return stepping
+        return TurnRequest(
+            t.conversation.prompt_ids + t.conversation.ids,
+            derive_seed(seed, version, t.index, len(t.versions)),
+            min(params.max_new_tokens, total - t.conversation.num_tokens),
+        )
 
-    def _environment_turns(self, stepping: list[tuple[_Live, str]], turn: int) -> None:
-        outcomes = self.pool.step([(t.session, content, turn) for t, content in stepping])
-        for (t, _), outcome in zip(stepping, outcomes):
-            if outcome.error is not None:
-                t.session_open = False
-                t.end("error", f"step failed: {outcome.error}")
-                continue
-            ok = outcome.ok
-            t.rewards.update(ok["rewards"])
-            t.report(ok["metrics"])
-            t.stats.update(ok["counts"])
-            t.stats["env_s"] += ok["seconds"]
-            t.calls.extend(ok["calls"])
-            if ok["done"]:
-                t.end("stop")
-            elif turn + 1 == self.limits.max_turns:
-                t.end("max_turns")
-            else:
-                self._reply(t, ok["reply"])
+    def _model_turn(self, t: _Live, c: Completion) -> str | None:
+        """The turn's content when it goes to the environment; None when the trajectory ended."""
+        t.versions.append(c.version)
+        t.logprobs.extend(c.logprobs)
+        t.text = c.text
+        t.stats["turns"] += 1
+        stopped_on_eos = c.finish_reason == "stop" and c.ids[-1] in self.eos_ids
+        content = t.conversation.add_model_turn(c.ids, stopped_on_eos)
+        if c.finish_reason == "stop":
+            return content
+        if c.finish_reason == "length":  # cut at its budget: nothing to answer
+            t.end("length")
+        else:
+            t.end("error", f"generation failed: the engine ended the turn with finish reason {c.finish_reason!r}")  # fmt: skip
+        return None
+
+    def _environment_turn(self, t: _Live, outcome: Outcome) -> None:
+        if outcome.error is not None:
+            t.session_open = False
+            t.end("error", f"step failed: {outcome.error}")
+            return
+        ok = outcome.ok
+        t.rewards.update(ok["rewards"])
+        t.report(ok["metrics"])
+        t.stats.update(ok["counts"])
+        t.stats["env_s"] += ok["seconds"]
+        t.calls.extend(ok["calls"])
+        if ok["done"]:
+            t.end("stop")
+        elif len(t.versions) == self.limits.max_turns:
+            t.end("max_turns")
+        else:
+            self._reply(t, ok["reply"])
 
     def _reply(self, t: _Live, reply: list[dict]) -> None:
         reply, stripped = self.renderer.sanitised(reply)
@@ -234,18 +220,15 @@ class MultiTurnRollout:
             t.conversation.messages.extend(reply)  # the conversation as the environment saw it
             t.end("length")
 
-    def _finish(self, live: list[_Live]) -> None:
-        open_ = [t for t in live if t.session_open]
-        outcomes = self.pool.finish([(t.session, t.finish or "max_turns") for t in open_])
-        for t, outcome in zip(open_, outcomes):
-            if t.finish is None:
-                t.end("max_turns")
-            if outcome.error is not None:
-                t.end("error", f"finish failed: {outcome.error}")
-                continue
-            t.rewards.update(outcome.ok["rewards"])
-            t.report(outcome.ok["metrics"])
-            t.stats["env_s"] += outcome.ok["seconds"]
+    def _finished(self, t: _Live, outcome: Outcome) -> None:
+        if t.finish is None:
+            t.end("max_turns")
+        if outcome.error is not None:
+            t.end("error", f"finish failed: {outcome.error}")
+            return
+        t.rewards.update(outcome.ok["rewards"])
+        t.report(outcome.ok["metrics"])
+        t.stats["env_s"] += outcome.ok["seconds"]
 
     def _log_failures(self, live: list[_Live]) -> None:
         """The first failure of each kind (reset, step, finish, rendering) is logged with its
@@ -290,3 +273,68 @@ class MultiTurnRollout:
             version=min(t.versions, default=version),
             trajectory=trajectory,
         )
+
+
+class _Call:
+    """The trajectories of one generation call, as scheduler.py's `Trajectories`."""
+
+    def __init__(self, rollout: MultiTurnRollout, live: list[_Live], params, version, seed, n):
+        self.rollout, self.live = rollout, live
+        self.params, self.version, self.seed, self.n = params, version, seed, n
+        self.content: dict[int, str] = {}  # the last turn's text, for its environment step
+
+    def count(self) -> int:
+        return len(self.live)
+
+    def reset_item(self, t: int) -> tuple:
+        trajectory = self.live[t]
+        prompt_index = trajectory.index // self.n
+        messages, row = trajectory.prompt.messages, dict(trajectory.prompt.columns)
+        return (trajectory.session, messages, row, derive_seed(self.seed, prompt_index))
+
+    def on_reset(self, t: int, outcome: Outcome) -> str:
+        self.rollout._start(self.live[t], outcome)
+        return self._then(t, "turn")
+
+    def turn_request(self, t: int) -> TurnRequest:
+        request = self.rollout._request(self.live[t], self.params, self.version, self.seed)
+        return replace(request, key=t)
+
+    def on_turn(self, t: int, completion: Completion) -> str:
+        content = self.rollout._model_turn(self.live[t], completion)
+        if content is not None:
+            self.content[t] = content
+        return self._then(t, "step")
+
+    def step_item(self, t: int) -> tuple:
+        trajectory = self.live[t]
+        return (trajectory.session, self.content.pop(t), len(trajectory.versions) - 1)
+
+    def on_step(self, t: int, outcome: Outcome) -> str:
+        self.rollout._environment_turn(self.live[t], outcome)
+        return self._then(t, "turn")
+
+    def finish_item(self, t: int) -> tuple | None:
+        trajectory = self.live[t]
+        if not trajectory.session_open:
+            return None
+        return (trajectory.session, trajectory.finish or "max_turns")
+
+    def on_finish(self, t: int, outcome: Outcome) -> None:
+        self.rollout._finished(self.live[t], outcome)
+
+    def _then(self, t: int, going_on: str) -> str:
+        """`going_on` while the trajectory goes on, else its finish (or nothing to end)."""
+        trajectory = self.live[t]
+        if trajectory.finish is None:
+            return going_on
+        return "finish" if trajectory.session_open else "done"
+
+
+def _call_metrics(loop: dict[str, float], stream: dict[str, float]) -> dict[str, float]:
+    """The call's figures under their metric names: the loop's and the engine's under
+    multiturn/, the servers' under rollout/."""
+    out = {f"multiturn/{k}": v for k, v in loop.items()}
+    for key, value in stream.items():
+        out[f"rollout/{key}" if key.startswith("server") else f"multiturn/{key}"] = value
+    return out

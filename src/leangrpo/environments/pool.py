@@ -10,14 +10,19 @@ terms the environment can give (None: it does not say), and the environment clas
 per turn.
 
 A trajectory is a session (`new_sessions`), pinned to worker `session % W`, where its
-environment lives from `reset` to `finish`. `reset`, `step` and `finish` take one item
-per session, send every worker its items as one task, and return one `Outcome` per item
-in order: the worker answers each item when it is done; a worker that sends nothing for
-an item's budget (its calls' limits, with the environment's own max_tool_calls, plus a
-grace period: stuck in C code) has its whole tree killed and is replaced, and its items fail; so do those of a worker that exits or
-sends anything off the schema (wire.py). A failed item is the end of its trajectory,
-never an exception in the trainer. One operation runs at a time (the producer thread and
-evaluation share a pool); `close()` kills every worker at once.
+environment lives from `reset` to `finish`. Calls are items: `submit(op, item)` queues
+one behind its worker's earlier items and returns a ticket; `poll(timeout)` returns the
+items answered so far, `(ticket, Outcome)`. A worker runs one task at a time (the items
+of one operation queued for it, in order) and answers each item when it is done; the
+workers run concurrently, so a slow call holds up only the sessions of its own worker
+(`environment.num_workers` is the concurrency). A worker that sends nothing for an
+item's budget (its calls' limits, with the environment's own max_tool_calls, plus a grace
+period: stuck in C code) has its whole tree killed and is replaced, and its items fail;
+so do those of a worker that exits or sends anything off the schema (wire.py). A failed
+item is the end of its trajectory, never an exception in the trainer. One caller holds
+the pool at a time (`exclusive`: the producer thread and evaluation share a pool; the
+multi-turn rollout holds it for a generation call); `reset`, `step` and `finish` are all
+of their items at once, answered in order. `close()` kills every worker at once.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ import logging
 import sys
 import threading
 import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import wait
 from typing import Any
@@ -54,7 +62,7 @@ class Outcome:
 class _Task:
     id: int
     op: str
-    indices: list[int]  # positions in the operation's items, in the order sent
+    tickets: list[int]  # the items' tickets, in the order sent
     done: int = 0
     since: float = 0.0
 
@@ -75,10 +83,13 @@ class EnvironmentPool:
             "cpu_time_limit_s": env_cfg.cpu_time_limit_s,
             "max_tool_result_chars": int(env_cfg.max_tool_result_chars),
         }
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._closed = False
         self._budget = OutputBudget()
         self._tasks = 0
+        self._tickets = 0
+        self._queued: dict[int, deque[tuple[int, str, tuple]]] = {}  # slot -> items to send
+        self._ready: list[tuple[int, Outcome]] = []  # answered, not yet polled
         self._next_session = 0
         self.tools: list[dict] = []
         self.replies: list[str] = []
@@ -166,39 +177,86 @@ class EnvironmentPool:
         return self._run("finish", items)
 
     def _run(self, op: str, items: list[tuple]) -> list[Outcome]:
+        """All the items at once; their outcomes in order."""
         if not items:
             return []
+        with self.exclusive():
+            tickets = [self.submit(op, item) for item in items]
+            got: dict[int, Outcome] = {}
+            while len(got) < len(tickets):
+                got.update(self.poll(None))
+            return [got[t] for t in tickets]
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the pool for one caller (the producer thread and evaluation share it): a
+        generation call submits and polls inside. Leaving it with items still in flight
+        (an error, a stop) replaces the workers that held them: whatever they held is lost."""
         with self._lock:
             if self._closed:
                 raise PoolClosed("the environment pool is closed")
-            outcomes: list[Outcome | None] = [None] * len(items)
             try:
-                self._send_tasks(op, items, outcomes)
-                while self._busy:
-                    self._wait_and_handle(outcomes)
+                yield
             finally:
                 self._budget.reset()
-                for slot in list(self._busy):  # interrupted (closed): whatever it held is lost
+                for slot in list(self._busy):
                     self._replace(slot)
-            return [o if o is not None else Outcome(None, "no reply") for o in outcomes]
+                self._queued.clear()
+                self._ready.clear()
 
-    def _send_tasks(self, op: str, items: list[tuple], outcomes: list) -> None:
-        by_slot: dict[int, list[int]] = {}
-        for i, item in enumerate(items):
-            by_slot.setdefault(item[0] % self.num_workers, []).append(i)
-        for slot, indices in by_slot.items():
-            self._tasks += 1
-            task = _Task(self._tasks, op, indices, since=time.monotonic())
-            self._busy[slot] = task
-            try:
-                self._workers[slot].send((task.id, op, [items[i] for i in indices]))
-            except WorkerGone as e:
-                self._fail(slot, outcomes, f"the environment worker died ({e})")
+    def submit(self, op: str, item: tuple) -> int:
+        """Queue one item on its session's worker (`item[0] % W`, in order behind that
+        worker's earlier items); returns its ticket for `poll`. Call inside `exclusive`."""
+        self._tickets += 1
+        slot = item[0] % self.num_workers
+        self._queued.setdefault(slot, deque()).append((self._tickets, op, item))
+        if slot not in self._busy:
+            self._send_next(slot)
+        return self._tickets
 
-    def _wait_and_handle(self, outcomes: list) -> None:
-        deadline = min(t.since + self.item_budget_s for t in self._busy.values())
+    def in_flight(self) -> int:
+        """Items submitted and not yet returned by `poll`."""
+        busy = sum(len(t.tickets) - t.done for t in self._busy.values())
+        return busy + sum(len(q) for q in self._queued.values()) + len(self._ready)
+
+    def poll(self, timeout_s: float | None) -> list[tuple[int, Outcome]]:
+        """The items answered (or failed) so far: waits at most `timeout_s` (None: until one
+        is) for a worker to answer. A worker silent past an item's budget is killed."""
+        if self._ready or not self._busy:
+            return self._take_ready()
+        wait_until = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self._ready and self._busy:
+            budget_end = min(t.since + self.item_budget_s for t in self._busy.values())
+            end = budget_end if wait_until is None else min(budget_end, wait_until)
+            self._wait_and_handle(max(0.0, end - time.monotonic()))
+            if wait_until is not None and time.monotonic() >= wait_until:
+                break
+        return self._take_ready()
+
+    def _take_ready(self) -> list[tuple[int, Outcome]]:
+        ready, self._ready = self._ready, []
+        return ready
+
+    def _send_next(self, slot: int) -> None:
+        """The worker's next task: its queued items of one operation, in order."""
+        queued = self._queued.get(slot)
+        if not queued:
+            return
+        op = queued[0][1]
+        batch = []
+        while queued and queued[0][1] == op:
+            batch.append(queued.popleft())
+        self._tasks += 1
+        task = _Task(self._tasks, op, [t for t, _, _ in batch], since=time.monotonic())
+        self._busy[slot] = task
+        try:
+            self._workers[slot].send((task.id, op, [item for _, _, item in batch]))
+        except WorkerGone as e:
+            self._fail(slot, f"the environment worker died ({e})")
+
+    def _wait_and_handle(self, timeout_s: float) -> None:
         handles = [h for slot in self._busy for h in self._workers[slot].handles()]
-        ready = set(wait(handles, max(0.0, deadline - time.monotonic())))
+        ready = set(wait(handles, timeout_s))
         if self._closed:
             raise PoolClosed("the environment pool was closed during an operation")
         now = time.monotonic()
@@ -207,50 +265,51 @@ class EnvironmentPool:
             if worker.out_fd in ready:
                 worker.relay_output()
             if worker.sock in ready:
-                self._read(slot, worker, task, outcomes)
+                self._read(slot, worker, task)
             elif now >= task.since + self.item_budget_s:
-                self._fail(slot, outcomes, f"the environment did not answer within {self.item_budget_s:g} s (its worker was killed)")  # fmt: skip
+                self._fail(slot, f"the environment did not answer within {self.item_budget_s:g} s (its worker was killed)")  # fmt: skip
 
-    def _read(self, slot: int, worker: WorkerProcess, task: _Task, outcomes: list) -> None:
+    def _read(self, slot: int, worker: WorkerProcess, task: _Task) -> None:
         try:
             replies = worker.receive()
         except WorkerGone:
             code = worker.exit_code()
-            self._fail(slot, outcomes, f"the environment worker died (exit code {code})")
+            self._fail(slot, f"the environment worker died (exit code {code})")
             return
         except ProtocolError as e:
-            self._fail(slot, outcomes, str(e))
+            self._fail(slot, str(e))
             return
         for reply in replies:
             if not isinstance(reply, Item) or reply.task != task.id or reply.index != task.done:
-                self._fail(slot, outcomes, "the environment worker sent a reply that fits no item")
+                self._fail(slot, "the environment worker sent a reply that fits no item")
                 return
-            index = task.indices[reply.index]
+            ticket = task.tickets[reply.index]
             if reply.ok is None:
-                outcomes[index] = Outcome(None, reply.error)
+                self._ready.append((ticket, Outcome(None, reply.error)))
             else:
                 try:
-                    outcomes[index] = Outcome(checked(task.op, reply.ok))
+                    self._ready.append((ticket, Outcome(checked(task.op, reply.ok))))
                 except ProtocolError as e:
-                    self._fail(slot, outcomes, str(e))
+                    self._fail(slot, str(e))
                     return
             task.done += 1
             task.since = time.monotonic()
-            if task.done == len(task.indices):
+            if task.done == len(task.tickets):
                 del self._busy[slot]
                 if reply.retire:
                     self._replace(slot)
+                self._send_next(slot)
                 return
 
-    def _fail(self, slot: int, outcomes: list, why: str) -> None:
+    def _fail(self, slot: int, why: str) -> None:
         """The worker broke: the items it still owed fail, and it is replaced (its other
-        sessions are gone with it: their next step fails too)."""
+        sessions are gone with it: their next calls fail too)."""
         task = self._busy.pop(slot, None)
         if task is not None:
-            for index in task.indices[task.done :]:
-                outcomes[index] = Outcome(None, why)
+            self._ready.extend((ticket, Outcome(None, why)) for ticket in task.tickets[task.done :])
         log.warning("environment worker %d replaced: %s", slot, why)
         self._replace(slot)
+        self._send_next(slot)
 
     def _replace(self, slot: int) -> None:
         self._busy.pop(slot, None)

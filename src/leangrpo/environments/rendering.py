@@ -37,6 +37,7 @@ either (counted: `control_tokens_stripped`). A tool's output cannot forge a turn
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,7 @@ CHATML_HERMES = r"""{%- if tools %}
 {%- endif %}
 """
 BUNDLED_TEMPLATES = {"chatml-hermes": CHATML_HERMES}
+MAX_REMEMBERED_STARTS = 4096  # renderings of start messages kept (a group shares one)
 
 
 class TemplateError(UserError):
@@ -148,6 +150,7 @@ class Renderer:
         self.template = template
         self.name = getattr(tokenizer, "name_or_path", None) or "the tokenizer"
         self.control_tokens = control_tokens(tokenizer, template)
+        self._starts: dict[str, tuple[str, list[int]]] = {}  # start messages -> text, ids
 
     def render(self, messages: list[dict], generation_prompt: bool) -> str:
         kwargs = {} if self.template is None else {"chat_template": self.template}
@@ -164,9 +167,20 @@ class Renderer:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def start(self, messages: list[dict]) -> Conversation:
-        text = self.first_turn(messages)
+        """A conversation from its start messages; the rendering of messages seen before
+        (a group's trajectories start alike) is reused."""
+        key = _json_key(messages)
+        cached = self._starts.get(key) if key is not None else None
+        if cached is None:
+            text = self.first_turn(messages)
+            cached = (text, self.encode(text))
+            if key is not None:
+                if len(self._starts) >= MAX_REMEMBERED_STARTS:
+                    self._starts.pop(next(iter(self._starts)))
+                self._starts[key] = cached
+        text, ids = cached
         start = [dict(m) for m in messages]
-        return Conversation(self, start, text, self.encode(text), len(start), text)
+        return Conversation(self, start, text, list(ids), len(start), text)
 
     def sanitised(self, messages: list[dict]) -> tuple[list[dict], int]:
         """Environment messages with the control tokens removed from every string field
@@ -179,6 +193,13 @@ class Renderer:
                 stripped += removed
             out.append(clean)
         return out, stripped
+
+
+def _json_key(messages: list[dict]) -> str | None:
+    try:
+        return json.dumps(messages, sort_keys=True)
+    except (TypeError, ValueError):  # not plain JSON: rendered every time
+        return None
 
 
 def control_tokens(tokenizer: Any, template: str | None = None) -> tuple[str, ...]:

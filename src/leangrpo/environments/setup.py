@@ -34,13 +34,16 @@ class Environments:
     limits: TurnLimits
     eos_ids: set[int]
     name: str = "tools"  # environment.name, for messages
+    scheduling: str = "per_trajectory"
 
     def rollout(self, engine: Any) -> MultiTurnRollout:
         if not isinstance(engine, TurnEngine):
             raise TypeError(
                 f"{type(engine).__name__} cannot generate turns (generate_turns): multi-turn rollouts need the hf or vllm engine"
             )
-        return MultiTurnRollout(engine, self.pool, self.renderer, self.limits, self.eos_ids)
+        return MultiTurnRollout(
+            engine, self.pool, self.renderer, self.limits, self.eos_ids, self.scheduling
+        )
 
     def probe(self, prompt: Prompt) -> None:
         """One trajectory reset and finished on `prompt` (the first train prompt)."""
@@ -79,7 +82,7 @@ def start_environments(
         pool.num_workers,
         ", ".join(t.get("function", t).get("name", "?") for t in pool.tools) or "none",
     )
-    return Environments(pool, renderer, limits, eos_ids, env_cfg.name)
+    return Environments(pool, renderer, limits, eos_ids, env_cfg.name, env_cfg.scheduling)
 
 
 def generation_eos_ids(cfg: Any, tokenizer: Any) -> set[int]:

@@ -128,6 +128,8 @@ class RolloutWorker:
             metrics = self.rewards.score(samples)
         metrics.update({"time/generate": t1 - t0, "time/rewards": time.perf_counter() - t1})
         metrics.update(trajectory_metrics(samples))
+        if self.turns is not None:  # the call's loop and engine: waits, prefill, servers
+            metrics.update(self.turns.last_metrics)
         return samples, metrics
 
     def _reroll(self, groups: list[list[RolloutSample]]) -> tuple[float, float]:

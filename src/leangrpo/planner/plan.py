@@ -600,6 +600,8 @@ def prefix_kv_bytes(cfg, d: Dims, s: Setup, tokens: int, prompt: int) -> int:
 
 def _kv_cache(cfg, d: Dims, s: Setup, prompt: int, world_size: int) -> int:
     """The longest cache of one decode call: training generation or evaluation."""
+    if cfg.environment is not None:
+        return _turns_kv_cache(cfg, d, s, world_size)
     length = prompt + cfg.rollout.max_new_tokens - 1  # the last sampled token is never fed
     per_forward = cfg.rollout.hf_prompts_per_forward
 
@@ -616,6 +618,24 @@ def _kv_cache(cfg, d: Dims, s: Setup, prompt: int, world_size: int) -> int:
     if cfg.eval.every_steps > 0:
         evaluation = rows(eval_prompts(cfg), cfg.eval.num_generations, cfg.eval.temperature)
     return kv_cache_bytes(d, max(train, evaluation), length, s.b)
+
+
+def _turns_kv_cache(cfg, d: Dims, s: Setup, world_size: int) -> int:
+    """Multi-turn (rollout/hf/turns.py): rollout.kv_cache_tokens positions, or with no bound
+    every trajectory of a call keeping its cache, each at most environment.max_total_tokens
+    (rounded up to the slot cache's width step); K and V per layer in the model dtype."""
+    positions = cfg.rollout.kv_cache_tokens
+    if positions is None:
+        width = -(-cfg.environment.max_total_tokens // SLOT_WIDTH_STEP) * SLOT_WIDTH_STEP
+        train = cfg.rollout.prompts_per_batch * cfg.rollout.num_generations
+        evaluation = 0
+        if cfg.eval.every_steps > 0:
+            evaluation = eval_prompts(cfg) * cfg.eval.num_generations
+        positions = math.ceil(max(train, evaluation) / world_size) * width
+    return 2 * d.layers * positions * d.kv_heads * d.head_dim * s.b
+
+
+SLOT_WIDTH_STEP = 64  # rollout/hf/turns.py grows its rows' width in steps of this many
 
 
 def eval_prompts(cfg) -> int:

@@ -74,9 +74,11 @@ def _hf_engines(cfg, policy, own_copy) -> Engines:
     from leangrpo.rollout.hf.engine import HFEngine
 
     per_forward = cfg.rollout.hf_prompts_per_forward
+    rows = None if per_forward is None else per_forward * cfg.rollout.num_generations
+    if cfg.environment is not None:  # multi-turn: the continuous batch's rows
+        rows = cfg.rollout.max_batch_size
     common = dict(
-        device=policy.device,
-        max_batch_size=None if per_forward is None else per_forward * cfg.rollout.num_generations,
+        device=policy.device, max_batch_size=rows, kv_cache_tokens=cfg.rollout.kv_cache_tokens
     )
     if own_copy is not None:  # torchrun: every rank generates its share with its own copy
         own = HFEngine(own_copy, policy.tokenizer, share_weights=False, owned=True, **common)

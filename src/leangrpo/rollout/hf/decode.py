@@ -28,8 +28,9 @@ Choices:
   process generating the whole batch draws (given the same logits). Only running rows
   draw, in row order, so when finished rows leave the batch changes no draw.
 - A row finishes on an EOS id (kept in its ids: the policy must learn to stop), on a stop
-  string in its decoded text (the completing token is kept), or at max_new_tokens (or its
-  own limit, `max_new`: the turns of multi-turn trajectories have budgets of their own).
+  string in its decoded text (the completing token is kept), or at max_new_tokens.
+  (Multi-turn turns, each with its own budget, go through turns.py's continuous batch,
+  which shares this module's sampler and its stop rule, `append_token`.)
 - Stop strings are checked on the whole decoded completion of each running row after
   each step (exact, as vLLM's result; a suffix-only check could miss a string that a
   tokenizer decodes differently in context).
@@ -49,7 +50,15 @@ import torch
 from leangrpo.contracts import SamplingParams
 from leangrpo.rollout.sampling import process_logits
 
-__all__ = ["DecodedRow", "decode"]
+__all__ = [
+    "DecodedRow",
+    "append_token",
+    "cache_kwarg_name",
+    "causal_lm",
+    "decode",
+    "forward_last",
+    "sample_next",
+]
 
 
 @dataclass
@@ -91,19 +100,16 @@ def decode(
     eos_ids: set[int],
     generator: torch.Generator | Sequence[torch.Generator] | None,
     stop_text=None,  # callable(ids) -> decoded text, needed when params.stop
-    max_new: Sequence[int] | None = None,
 ) -> list[DecodedRow]:
     """B * n rows (prompt-major) of at most params.max_new_tokens tokens each.
 
     `generator`: one stream for the whole call, or one per prompt (B of them).
-    `max_new`: each row's own limit instead (B * n of them; multi-turn trajectories).
     """
-    longest = params.max_new_tokens if max_new is None else max(max_new)
-    caps = [longest] * (input_ids.shape[0] * n) if max_new is None else list(max_new)
+    longest = params.max_new_tokens
     capacity = input_ids.shape[1] + longest
-    cache, cache_kwarg = _new_cache(model, capacity), _cache_kwarg(model)
+    cache, cache_kwarg = _new_cache(model, capacity), cache_kwarg_name(model)
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
-    logits = _forward(model, cache_kwarg, input_ids, attention_mask, positions, cache)  # (B, V)
+    logits = forward_last(model, cache_kwarg, input_ids, attention_mask, positions, cache)  # (B, V)
     if n > 1:
         cache.batch_repeat_interleave(n)
         logits = logits.repeat_interleave(n, dim=0)
@@ -122,12 +128,12 @@ def decode(
         if host and min(host) < 0:
             raise RuntimeError("the model's logits are not finite: no token can be sampled")
         running = [i for i, token in zip(state.live, host)
-                   if not _finished(out[state.rows[i]], token, eos_ids, params.stop, stop_text)
-                   and len(out[state.rows[i]].ids) < caps[state.rows[i]]]  # fmt: skip
+                   if not append_token(out[state.rows[i]], token, eos_ids, params.stop, stop_text)
+                   and len(out[state.rows[i]].ids) < longest]  # fmt: skip
         if not running or t + 1 == longest:
             break
         _advance(state, cache, tokens, running)
-        logits = _forward(
+        logits = forward_last(
             model,
             cache_kwarg,
             state.tokens[:, None],
@@ -165,12 +171,14 @@ def _advance(state: _Running, cache, tokens: torch.Tensor, running: list[int]) -
 def sample_next(
     logits: torch.Tensor,
     params: SamplingParams,
-    generator: torch.Generator | None,
+    generator: torch.Generator | Sequence[torch.Generator] | None,
     uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(b, V) logits -> sampled tokens (b,) and their processed log-probs (b,) in float32.
 
-    `uniforms` (b, 1) float64: the rows' draws, already taken (then `generator` is unused)."""
+    `generator`: one stream for every row, or one per row (each row draws one uniform from
+    its own, as it would alone). `uniforms` (b, 1) float64: the rows' draws, already taken
+    (then `generator` is unused)."""
     scores = process_logits(logits, params.temperature, params.top_k, params.top_p, params.min_p)
     if params.temperature == 0:
         tokens = scores.argmax(dim=-1)
@@ -184,7 +192,7 @@ def sample_next(
 
 def sample_categorical(
     weights: torch.Tensor,
-    generator: torch.Generator | None,
+    generator: torch.Generator | Sequence[torch.Generator] | None,
     uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One draw per row from unnormalised weights (b, V) >= 0, by inverse CDF in float64.
@@ -215,12 +223,17 @@ def sample_categorical(
     return tokens.squeeze(1), total.squeeze(1)
 
 
+def _uniforms(rows: int, generator, device) -> torch.Tensor:
+    """(rows, 1) float64 uniforms: from one stream, or one from each row's own."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.rand(rows, 1, generator=generator, dtype=torch.float64, device=device)
+    return torch.cat(
+        [torch.rand(1, 1, generator=g, dtype=torch.float64, device=device) for g in generator]
+    )
+
+
 BLOCK = 256  # tokens per first-level block of sample_categorical
 _BELOW_ONE = 1.0 - 2.0**-52  # keeps a draw strictly below its total despite rounding
-
-
-def _uniforms(count: int, generator: torch.Generator | None, device) -> torch.Tensor:
-    return torch.rand(count, 1, generator=generator, dtype=torch.float64, device=device)
 
 
 def _sample_rows(logits, params, generator, rows: list[int], n: int):
@@ -237,7 +250,7 @@ def _sample_rows(logits, params, generator, rows: list[int], n: int):
     return sample_next(logits, params, None, torch.cat(draws))
 
 
-def _finished(row: DecodedRow, token: int, eos_ids: set[int], stop, stop_text) -> bool:
+def append_token(row: DecodedRow, token: int, eos_ids: set[int], stop, stop_text) -> bool:
     """Append `token` to the row; True when the row ends with it."""
     row.ids.append(token)
     if token in eos_ids:
@@ -256,7 +269,9 @@ def _attach_logprobs(out: list[DecodedRow], steps: list[tuple[list[int], torch.T
         out[row].logprobs.append(value)
 
 
-def _forward(model, cache_kwarg, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+def forward_last(
+    model, cache_kwarg, input_ids, attention_mask, position_ids, cache
+) -> torch.Tensor:
     """Logits (b, V) at the last position; `cache` is extended in place."""
     kwargs: dict[str, Any] = {cache_kwarg: cache}
     out = model(
@@ -270,7 +285,7 @@ def _forward(model, cache_kwarg, input_ids, attention_mask, position_ids, cache)
     return out.logits[:, -1]
 
 
-def _causal_lm(model):
+def causal_lm(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
@@ -281,7 +296,7 @@ def _new_cache(model, capacity: int):
 
     from leangrpo.rollout.hf.kv_cache import PreallocatedLayer
 
-    cache = DynamicCache(config=_causal_lm(model).config)  # sliding-window layers as configured
+    cache = DynamicCache(config=causal_lm(model).config)  # sliding-window layers as configured
     cache.layers = [
         PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer
         for layer in cache.layers
@@ -289,7 +304,7 @@ def _new_cache(model, capacity: int):
     return cache
 
 
-def _cache_kwarg(model) -> str:
+def cache_kwarg_name(model) -> str:
     """transformers 5 renamed `past_key_values` to `cache` (the old name is deprecated)."""
-    params = inspect.signature(_causal_lm(model).forward).parameters
+    params = inspect.signature(causal_lm(model).forward).parameters
     return "cache" if "cache" in params else "past_key_values"

@@ -28,9 +28,11 @@ Choices:
   hidden per-engine counter takes part, so evaluations or a resume in between change
   nothing. The global RNG streams are never read or seeded, so an async producer thread
   cannot race the trainer's dropout masks.
-- Multi-turn (`generate_turns`): one request per trajectory's turn, each with its own seed
-  and token budget (a (b,) limit in decode.py), batched across trajectories; the whole
-  prefix is prefilled again each turn (no KV cache kept across turns).
+- Multi-turn (`open_turns`, turns.py): a stream per generation call, batching turns
+  continuously (they join and leave the decode batch between steps, at most
+  `max_batch_size` rows) and keeping each trajectory's KV cache between its turns within
+  `kv_cache_tokens` (least recently used evicted, recomputed when needed);
+  `generate_turns` is a stream whose requests are all submitted at once.
 - share_weights=True generates with the caller's model object (sync training: weight sync
   only moves the version tag); train mode and gradient checkpointing flags are restored
   afterwards. share_weights=False deep-copies the model at construction (async generation
@@ -58,6 +60,7 @@ from leangrpo.contracts import (
     TurnRequest,
 )
 from leangrpo.rollout.hf.decode import DecodedRow, decode
+from leangrpo.rollout.hf.turns import HFTurnStream
 from leangrpo.rollout.sampling import check_sampling
 from leangrpo.seeding import derive_seed
 
@@ -77,12 +80,16 @@ class HFEngine:
         device=None,
         max_batch_size: int | None = None,
         owned: bool = False,  # share_weights=False: `model` is this engine's own, not copied
+        kv_cache_tokens: int | None = None,  # turn streams: KV positions held at most
     ):
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size}")
+        if kv_cache_tokens is not None and kv_cache_tokens < 2:
+            raise ValueError(f"kv_cache_tokens must be >= 2 or None, got {kv_cache_tokens}")
         self.tokenizer = tokenizer
         self.share_weights = share_weights
         self.max_batch_size = max_batch_size
+        self.kv_cache_tokens = kv_cache_tokens
         model_device = next(model.parameters()).device
         self.device = torch.device(device) if device is not None else model_device
         if share_weights:
@@ -146,37 +153,55 @@ class HFEngine:
     ) -> list[Completion]:
         """One completion per request (a turn of a multi-turn trajectory), tagged with
         `version`: request i sampled from its own seed (a generator of its own; none given:
-        from the OS) and at most its own max_new_tokens, batched `max_batch_size` at a time."""
-        check_sampling(params.temperature, params.top_k, params.top_p, params.min_p)
+        from the OS) and at most its own max_new_tokens, through a turn stream (all
+        submitted at once, nothing kept)."""
         for i, request in enumerate(requests):
             if not request.ids or request.max_new_tokens < 1:
                 raise ValueError(f"turn request {i} needs token ids and max_new_tokens >= 1")
-        prompts = [Prompt(i, "", list(r.ids)) for i, r in enumerate(requests)]
-        with self._lock:
-            self._check_ready(version)
-            generators = None if params.temperature == 0 else [
-                self._seeded_generator(r.seed) for r in requests
-            ]  # fmt: skip
-            with _generation_mode(self.model), torch.no_grad():
-                return [
-                    group[0]
-                    for start, chunk in self._chunks(prompts, 1)
-                    for group in self._generate_chunk(
-                        chunk,
-                        params,
-                        1,
-                        _chunk_of(generators, start, len(chunk)),
-                        [r.max_new_tokens for r in requests[start : start + len(chunk)]],
-                    )
-                ]
+        submitted = [dataclasses.replace(r, key=None) for r in requests]  # nothing kept
+        position = {id(r): i for i, r in enumerate(submitted)}
+        out: list[Completion | None] = [None] * len(requests)
+        with self.open_turns(params, version) as stream:
+            for request in submitted:
+                stream.submit(request)
+            while stream.pending():
+                for request, completion in stream.advance():
+                    out[position[id(request)]] = completion
+        return out
 
-    def _seeded_generator(self, seed: int | None) -> torch.Generator:
-        generator = torch.Generator(device=self.device)
-        if seed is None:
-            generator.seed()  # from the OS: the global RNG stays untouched
-        else:
-            generator.manual_seed(seed)
-        return generator
+    def open_turns(self, params: SamplingParams, version: int) -> HFTurnStream:
+        """A continuous batch for one generation call's turns (turns.py): at most
+        `max_batch_size` rows, at most `kv_cache_tokens` KV positions with the kept caches.
+        The engine is held (no weight update, no other generation) until it is closed."""
+        check_sampling(params.temperature, params.top_k, params.top_p, params.min_p)
+        self._lock.acquire()
+        try:
+            self._check_ready(version)
+            mode = _generation_mode(self.model)
+            mode.__enter__()
+        except BaseException:
+            self._lock.release()
+            raise
+
+        def on_close() -> None:
+            try:
+                mode.__exit__(None, None, None)
+            finally:
+                self._lock.release()
+
+        return HFTurnStream(
+            self.model,
+            params,
+            eos_ids=eos_token_ids(self.model, self.tokenizer),
+            device=self.device,
+            completion=lambda row, p: self._completion(
+                row, self.tokenizer.decode(row.ids, skip_special_tokens=True), p
+            ),
+            stop_text=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+            max_rows=self.max_batch_size,
+            kv_cache_tokens=self.kv_cache_tokens,
+            on_close=on_close,
+        )
 
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
@@ -258,7 +283,7 @@ class HFEngine:
             yield start, prompts[start : start + per_chunk]
 
     def _generate_chunk(
-        self, prompts: list[Prompt], params: SamplingParams, n: int, generator, max_new=None
+        self, prompts: list[Prompt], params: SamplingParams, n: int, generator
     ) -> list[list[Completion]]:
         input_ids, attention_mask = self._left_pad(prompts)  # (B, P) each
         copies = n if params.temperature == 0 else 1  # greedy: one sample, n identical copies
@@ -271,7 +296,6 @@ class HFEngine:
             eos_ids=eos_token_ids(self.model, self.tokenizer),
             generator=generator,
             stop_text=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
-            max_new=max_new,
         )
         texts = self.tokenizer.batch_decode([row.ids for row in rows], skip_special_tokens=True)
         completions = [self._completion(row, text, params) for row, text in zip(rows, texts)]

@@ -1,21 +1,30 @@
 """`ServerPool`: the vLLM engine's client for one or more `leangrpo serve` processes.
 
-Prompts spread round-robin over the servers; weight updates go to all of them. Every
-request carries the shared-secret token (`Authorization: Bearer`, from
-`rollout.vllm.token_file` or `$LEANGRPO_SERVE_TOKEN`), and every push and generation the
-run id of the engine that owns the pool (see `versions.VersionGate` for the rules).
-The pool's `held` is what this client pushed: (run id, version), or (None, NO_VERSION)
-before its first push, whatever an earlier run left on the servers.
+Requests go where `router.Router` says: a single-turn call's prompt groups spread evenly,
+a trajectory's turns to its sticky server (`turn`, used by turns.py's stream, many in
+flight at once on the pool's threads). Every request carries the shared-secret token
+(`Authorization: Bearer`, from `rollout.vllm.token_file` or `$LEANGRPO_SERVE_TOKEN`), and
+every push and generation the run id of the engine that owns the pool (see
+`versions.VersionGate` for the rules). The pool's `held` is what this client pushed:
+(run id, version), or (None, NO_VERSION) before its first push, whatever an earlier run
+left on the servers.
 
-The client retries connection errors, timeouts and 5xx with exponential backoff, then
-raises one error naming the URL and `rollout.vllm.urls`; 409 (another version or run)
-becomes `EngineVersionError`, other 4xx one error with the server's reason.
+Failures: with one server, connection errors, timeouts and 5xx are retried with
+exponential backoff, then raise one error naming the URL and `rollout.vllm.urls`. With
+several, a generation request that fails so marks its server down and goes to another
+server holding the version (counted, `router.retries`); only when none is left does the
+call fail. Weight sync is two-phase (every server stages the buckets, then every server
+commits): a server that fails either phase is marked down and skipped until the next
+sync reaches it; the sync fails only when no server took it. 409 (another version or
+run) becomes `EngineVersionError`, other 4xx one error with the server's reason: neither
+is a server failure.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -24,23 +33,35 @@ import tarfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from leangrpo.contracts import Completion, EngineVersionError, SamplingParams
+from leangrpo.contracts import Completion, EngineVersionError, SamplingParams, TurnRequest
 from leangrpo.rollout.vllm.files import adapter_files
+from leangrpo.rollout.vllm.router import NoServerLeft, Router, Server
 from leangrpo.rollout.vllm.versions import NO_VERSION
+
+log = logging.getLogger(__name__)
 
 TOKEN_ENV = "LEANGRPO_SERVE_TOKEN"
 MIN_TOKEN_CHARS = 16
+TURNS_IN_FLIGHT = 64  # per server: threads of a turn stream's requests
+
+
+def one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
 
 
 class VLLMServerError(RuntimeError):
     """A rollout server could not be reached, or failed a request."""
+
+
+class ServerUnreachable(VLLMServerError):
+    """Connection errors, timeouts or 5xx, after the retries: the server failed."""
 
 
 def read_token(token_file: str | os.PathLike | None, what: str) -> str | None:
@@ -66,7 +87,7 @@ def client_token(token_file: str | None) -> str | None:
 
 
 class ServerPool:
-    """Client for one or more `leangrpo serve` processes; prompts spread round-robin."""
+    """Client for one or more `leangrpo serve` processes; see the module docstring."""
 
     def __init__(
         self,
@@ -88,9 +109,13 @@ class ServerPool:
         self.process = process
         self.token = token
         self.held: tuple[str | None, int] = (None, NO_VERSION)
-        self._next = 0
+        self.router = Router(self.urls)
         self._pool = ThreadPoolExecutor(
             max_workers=max(2, 2 * len(self.urls)), thread_name_prefix="vllm-client"
+        )
+        # a trajectory's turn is one request; many are in flight at once
+        self.turn_threads = ThreadPoolExecutor(
+            max_workers=TURNS_IN_FLIGHT * len(self.urls), thread_name_prefix="vllm-turn"
         )
         health = [self.request(url, "GET", "/health") for url in self.urls]
         self.max_body_bytes = min(h.get("max_body_bytes", 1 << 62) for h in health)
@@ -116,10 +141,13 @@ class ServerPool:
         path: str,
         body: bytes | Path | None = None,
         content_type: str = "application/json",
+        retries: int | None = None,
     ) -> Any:
-        """One HTTP call with retries; returns the decoded JSON reply. A Path body streams."""
+        """One HTTP call with retries (default `max_retries`); returns the decoded JSON
+        reply. A Path body streams."""
+        retries = self.max_retries if retries is None else retries
         last: Exception | None = None
-        for attempt in range(self.max_retries + 1):
+        for attempt in range(retries + 1):
             if attempt:
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
             headers = {"Content-Type": content_type}
@@ -138,17 +166,18 @@ class ServerPool:
                 last = VLLMServerError(f"{err.code}: {_error_message(err)}")
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as err:
                 last = err
-        raise VLLMServerError(
-            f"vLLM server {url} did not answer {method} {path} after {self.max_retries + 1} attempts "
+        raise ServerUnreachable(
+            f"vLLM server {url} did not answer {method} {path} after {retries + 1} attempts "
             f"(last error: {last}); check that `leangrpo serve` runs there and that rollout.vllm.urls is right"
         )
 
-    def _post_json(self, url: str, path: str, payload: dict) -> Any:
-        return self.request(url, "POST", path, json.dumps(payload).encode())
+    def _post_json(self, url: str, path: str, payload: dict, retries: int | None = None) -> Any:
+        return self.request(url, "POST", path, json.dumps(payload).encode(), retries=retries)
 
     def _broadcast(self, fn: Any) -> list[Any]:
         return list(self._pool.map(fn, self.urls))
 
+    # -- generation -------------------------------------------------------------------------
     def generate(
         self,
         prompt_ids: list[list[int]],
@@ -159,31 +188,97 @@ class ServerPool:
         *,
         run: str,
     ) -> list[list[Completion]]:
+        """n completions per prompt; prompt groups spread evenly over the servers, a failed
+        server's share re-sent to another."""
+        servers = self.router.spread(len(prompt_ids), run, version)
         shares: dict[int, list[int]] = {}  # server index -> prompt indices
-        for i in range(len(prompt_ids)):
-            shares.setdefault((self._next + i) % len(self.urls), []).append(i)
-        self._next = (self._next + len(prompt_ids)) % len(self.urls)
+        for i, server in enumerate(servers):
+            shares.setdefault(server.index, []).append(i)
         wire_params = asdict(params) | {"stop": list(params.stop)}
 
-        def call(server: int) -> list[list[dict]]:
+        def call(first: int) -> list[list[dict]]:
+            indices = shares[first]
             payload = {
-                "prompts": [prompt_ids[i] for i in shares[server]],
+                "prompts": [prompt_ids[i] for i in indices],
                 "params": wire_params,
                 "n": n,
                 "run": run,
                 "version": version,
-                "seeds": None if seeds is None else [seeds[i] for i in shares[server]],
+                "seeds": None if seeds is None else [seeds[i] for i in indices],
             }
-            return self._post_json(self.urls[server], "/generate", payload)["completions"]
+            reply = self._with_failover(
+                self.router.servers[first], None, run, version, len(indices), payload
+            )
+            return reply["completions"]
 
         results: list[list[Completion]] = [[] for _ in prompt_ids]
-        futures = {server: self._pool.submit(call, server) for server in shares}
-        for server, future in futures.items():
-            for i, group in zip(shares[server], future.result()):
+        futures = {first: self._pool.submit(call, first) for first in shares}
+        for first, future in futures.items():
+            for i, group in zip(shares[first], future.result()):
                 results[i] = [Completion(**c) for c in group]
         return results
 
+    def turn(
+        self,
+        request: TurnRequest,
+        params: SamplingParams,
+        version: int,
+        *,
+        run: str,
+        route: Hashable | None = None,
+    ) -> Completion:
+        """One turn on the trajectory's server (sticky by `route`, default the request's key;
+        re-routed if it fails)."""
+        route = request.key if route is None else route
+        server = self.router.for_turn(route, run, version)
+        payload = {
+            "prompts": [list(request.ids)],
+            "params": asdict(params) | {"stop": list(params.stop)},
+            "n": 1,
+            "run": run,
+            "version": version,
+            "seeds": None if request.seed is None else [request.seed],
+        }
+        reply = self._with_failover(server, route, run, version, 1, payload)
+        return Completion(**reply["completions"][0][0])
+
+    def _with_failover(
+        self,
+        server: Server,
+        key: Hashable | None,
+        run: str,
+        version: int,
+        requests: int,
+        payload: dict,
+    ) -> dict:
+        """POST /generate on `server` (counted in flight by the router); a server that
+        fails is marked down and the request goes to another one."""
+        while True:
+            alone = len(self.router.eligible(run, version)) <= 1
+            try:
+                reply = self._post_json(server.url, "/generate", payload, None if alone else 0)
+            except ServerUnreachable as err:
+                self.router.failed(server, one_line(err), requests)
+                log.warning(
+                    "vLLM server %s failed (%s); its requests go to another server",
+                    server.url,
+                    one_line(err),
+                )
+                try:
+                    server = self.router.reroute(key, run, version, requests)
+                except NoServerLeft as gone:
+                    raise ServerUnreachable(str(gone)) from None
+                continue
+            except BaseException:
+                self.router.done(server, requests)
+                raise
+            self.router.done(server, requests)
+            return reply
+
+    # -- weights ----------------------------------------------------------------------------
     def load_weight_files(self, paths: list[Path], version: int, *, run: str) -> None:
+        """Two phases: every server stages the buckets, then every server commits; a server
+        that fails is marked down (skipped until a later sync reaches it)."""
         too_big = [p for p in paths if p.stat().st_size > self.max_body_bytes]
         if too_big:
             raise ValueError(
@@ -192,19 +287,25 @@ class ServerPool:
                 "(rollout.vllm.max_body_mb for a server the trainer starts)"
             )
 
-        def push(url: str) -> None:
+        def stage(server: Server) -> None:
             for index, path in enumerate(paths):
                 self.request(
-                    url,
+                    server.url,
                     "PUT",
                     f"/weights/{run}/{version}/{index}",
                     path,
                     "application/octet-stream",
+                    retries=self._sync_retries(server),
                 )
-            self._post_json(url, f"/weights/{run}/{version}/commit", {"num_buckets": len(paths)})
 
-        self._broadcast(push)
-        self.held = (run, version)
+        def commit(server: Server) -> None:
+            body = {"num_buckets": len(paths)}
+            path = f"/weights/{run}/{version}/commit"
+            self._post_json(server.url, path, body, self._sync_retries(server))
+
+        staged = self._on_every_server(stage, self.router.servers, "stage")
+        committed = self._on_every_server(commit, staged, "commit")
+        self._took_version(committed, run, version)
 
     def load_adapter(self, source: Path, version: int, *, run: str) -> None:
         buffer = io.BytesIO()
@@ -212,11 +313,45 @@ class ServerPool:
             for item in adapter_files(source):  # config + safetensors: all a server accepts
                 tar.add(item, arcname=item.name)
         body = buffer.getvalue()
-        self._broadcast(
-            lambda url: self.request(
-                url, "PUT", f"/adapter/{run}/{version}", body, "application/x-tar"
+
+        def load(server: Server) -> None:
+            path, retries = f"/adapter/{run}/{version}", self._sync_retries(server)
+            self.request(server.url, "PUT", path, body, "application/x-tar", retries=retries)
+
+        self._took_version(self._on_every_server(load, self.router.servers, "load"), run, version)
+
+    def _on_every_server(self, fn, servers: list[Server], phase: str) -> list[Server]:
+        """`fn(server)` on every server at once; the ones it failed on are marked down (a
+        refusal, 4xx or a version conflict, is raised as it is: a bug, not a failure)."""
+
+        def attempt(server: Server) -> bool:
+            try:
+                fn(server)
+            except ServerUnreachable as err:
+                self.router.failed(server, f"weight sync ({phase}) failed: {one_line(err)}", 0)
+                log.warning(
+                    "vLLM server %s missed a weight sync (%s): marked down",
+                    server.url,
+                    one_line(err),
+                )
+                return False
+            return True
+
+        ok = list(self._pool.map(attempt, servers))
+        return [server for server, good in zip(servers, ok) if good]
+
+    def _sync_retries(self, server: Server) -> int | None:
+        """A server marked down is probed once per sync (it may be back), not retried."""
+        return None if server.healthy else 0
+
+    def _took_version(self, servers: list[Server], run: str, version: int) -> None:
+        if not servers:
+            raise ServerUnreachable(
+                f"no vLLM server took version {version} of the weights: "
+                + "; ".join(f"{s.url} ({s.last_error})" for s in self.router.servers)
             )
-        )
+        for server in servers:
+            self.router.committed(server, (run, version))
         self.held = (run, version)
 
     def sleep(self, level: int = 1) -> None:
@@ -227,6 +362,7 @@ class ServerPool:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
+        self.turn_threads.shutdown(wait=False)
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:

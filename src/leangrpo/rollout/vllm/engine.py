@@ -3,7 +3,7 @@
 `VLLMEngine.colocated(model_path, cfg)` runs a `vllm.LLM` next to the trainer (sleep mode
 frees its memory while the trainer trains, where the platform supports it);
 `VLLMEngine.server(urls, cfg)` talks to `leangrpo serve` processes over HTTP, spreading
-prompts round-robin. Both implement `contracts.RolloutEngine`:
+prompt groups evenly (router.py). Both implement `contracts.RolloutEngine`:
 
 - Behaviour log-probs are vLLM's *processed* log-probs (`logprobs_mode=
   "processed_logprobs"`: after temperature, top-k/top-p and min-p), of each sampled token.
@@ -35,7 +35,11 @@ prompts round-robin. Both implement `contracts.RolloutEngine`:
   with negative staleness).
 - Seeds: `params.seed` is the batch's seed; prompt i is seeded `seeding.prompt_seed`, a
   hash with 16 low bits free for vLLM's per-sample `seed + k`, so no two samples of a run
-  share a seed. A multi-turn turn (`generate_turns`) is one request with its own seed.
+  share a seed. A multi-turn turn is one request with its own seed.
+- Multi-turn (`open_turns`, turns.py): colocated, each turn enters the in-process
+  engine as it comes and is stepped there with the others (prefix caching on); servers,
+  each turn is a request to its trajectory's server (router.py: sticky, least-loaded,
+  re-routed when a server fails), many in flight.
 
 vLLM is imported lazily, so this module imports without it.
 """
@@ -49,7 +53,6 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Iterable, Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +69,7 @@ from leangrpo.rollout.vllm.files import (
 )
 from leangrpo.rollout.vllm.local import LocalVLLM, build_llm_kwargs
 from leangrpo.rollout.vllm.settings import VLLMSettings
+from leangrpo.rollout.vllm.turns import LocalTurnStream, ServerTurnStream
 from leangrpo.rollout.vllm.versions import NO_VERSION
 from leangrpo.seeding import prompt_seed
 
@@ -73,6 +77,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 log = logging.getLogger(__name__)
+STREAM_WAIT_S = 0.05  # generate_turns: how long one advance waits for server replies
 
 
 # --------------------------------------------------------------------------- the engine
@@ -230,31 +235,33 @@ class VLLMEngine:
         self, requests: list[TurnRequest], params: SamplingParams, version: int
     ) -> list[Completion]:
         """One completion per request (a multi-turn trajectory's turn): one vLLM request
-        each, n = 1, seeded with the request's seed, at most its own max_new_tokens (the
-        requests of one budget go together; prefix caching makes their shared prefixes
-        cheap)."""
-        by_budget: dict[int, list[int]] = {}
-        for i, request in enumerate(requests):
-            by_budget.setdefault(request.max_new_tokens, []).append(i)
+        each, n = 1, seeded with the request's seed, at most its own max_new_tokens, all
+        submitted to one turn stream at once."""
+        position = {id(r): i for i, r in enumerate(requests)}
         out: list[Completion | None] = [None] * len(requests)
-        for budget, indices in by_budget.items():
-            ids = [requests[i].ids for i in indices]
-            seeds = [requests[i].seed for i in indices]
-            turn_params = replace(params, max_new_tokens=budget, seed=None)
-            for i, (completion,) in zip(indices, self._generate_turns(ids, turn_params, version, seeds)):
-                out[i] = completion
+        with self.open_turns(params, version) as stream:
+            for request in requests:
+                stream.submit(request)
+            while stream.pending():
+                for request, completion in stream.advance(STREAM_WAIT_S):
+                    out[position[id(request)]] = completion
         return out
 
-    def _generate_turns(self, ids, params, version, seeds) -> list[list[Completion]]:
+    def open_turns(
+        self, params: SamplingParams, version: int
+    ) -> LocalTurnStream | ServerTurnStream:
+        """A stream for one generation call's turns (turns.py): colocated, each turn added
+        to the engine as it comes; servers, each turn a request to its trajectory's server."""
         held = self.version
         if version != held:
             raise EngineVersionError(
                 f"generation requested for policy version {version}, but the engine holds version {held}"
             )
-        seeds = None if any(seed is None for seed in seeds) else seeds
-        groups = self.backend.generate(ids, params, 1, version, seeds, run=self.run_id)
-        check_groups(groups, len(ids), 1, version)
-        return groups
+        if isinstance(self.backend, ServerPool):
+            return CheckedStream(
+                ServerTurnStream(self.backend, params, version, self.run_id), version
+            )
+        return CheckedStream(LocalTurnStream(self.backend, params, version, self.run_id), version)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         """Full weights (checkpoint names), or LoRA tensors by their peft names."""
@@ -306,6 +313,39 @@ class VLLMEngine:
             shutil.rmtree(self._owned_dir, ignore_errors=True)
 
     def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class CheckedStream:
+    """A turn stream whose completions are checked to carry the version asked for."""
+
+    def __init__(self, stream: LocalTurnStream | ServerTurnStream, version: int):
+        self.stream, self.version = stream, version
+
+    def submit(self, request: TurnRequest) -> None:
+        self.stream.submit(request)
+
+    def pending(self) -> int:
+        return self.stream.pending()
+
+    def advance(self, timeout_s: float = 0.0) -> list[tuple[TurnRequest, Completion]]:
+        done = self.stream.advance(timeout_s)
+        check_groups([[c] for _, c in done], len(done), 1, self.version)
+        return done
+
+    def release(self, key: int) -> None:
+        self.stream.release(key)
+
+    def metrics(self) -> dict[str, float]:
+        return self.stream.metrics()
+
+    def close(self) -> None:
+        self.stream.close()
+
+    def __enter__(self) -> CheckedStream:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -14,6 +14,13 @@ id, so reusing one would serve the old tensors), requests admitted earlier finis
 their own adapter, and adapters beyond the two newest are dropped once no request uses
 them. Only `adapter_config.json` and `*.safetensors` files are published (never a
 pickled `adapter_model.bin`; files.py `publish_adapter`).
+
+Generation is cooperative: a caller adds its requests to the engine (`enqueue`, vLLM's
+`llm_engine.add_request`) and steps the engine until they are finished (`step`, one
+`llm_engine.step()` under the lock); every step advances every caller's requests, and
+outputs that finish for another caller are kept for it. So concurrent callers (the
+threads of `leangrpo serve`, a turn stream and an evaluation) are batched by vLLM's
+scheduler together, and a turn stream adds each turn the moment it is ready.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import json
 import logging
 import shutil
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -200,6 +207,8 @@ def build_llm_kwargs(
         worker_extension_cls=WORKER_EXTENSION,
         logprobs_mode="processed_logprobs",
         seed=seed,
+        # multi-turn: a trajectory's next turn recomputes only what its engine did not cache
+        enable_prefix_caching=True,
     )
     if enable_lora:
         kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=2)
@@ -226,6 +235,8 @@ class LocalVLLM:
         self._base_run: str | None = None  # whose full weights replaced the ones from disk
         self._lock = threading.Lock()
         self._asleep = False
+        self._finished: dict[str, Any] = {}  # outputs a step finished for another caller
+        self._request_ids = 0
         self._lora_modules: list[str] | None = None
 
     @property
@@ -247,22 +258,70 @@ class LocalVLLM:
         run: str | None,
     ) -> list[list[Completion]]:
         """`seeds`: one per prompt (vLLM seeds completion k of a prompt with seed + k)."""
-        from vllm.inputs import TokensPrompt
-
         for i, ids in enumerate(prompt_ids):
             if not ids:
                 raise ValueError(f"prompt {i} has no token ids; tokenise prompts before generating")
         if seeds is None:
-            sampling = to_vllm_sampling_params(params, n)
+            sampling = [to_vllm_sampling_params(params, n) for _ in prompt_ids]
         else:
             sampling = [to_vllm_sampling_params(replace(params, seed=s), n) for s in seeds]
-        prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
-        with self.gate.admit(version, run), self._lock:
-            self._wake_locked()
-            outputs = self.llm.generate(
-                prompts, sampling, use_tqdm=False, lora_request=self._requests.get((run, version))
-            )
+        with self.gate.admit(version, run):
+            outputs = self.collect(self.enqueue(prompt_ids, sampling, run=run, version=version))
         return [[completion_from_output(o, version) for o in req.outputs] for req in outputs]
+
+    # -- requests, stepped cooperatively ----------------------------------------------------
+    def enqueue(
+        self, prompt_ids: list[list[int]], sampling: list[Any], *, run: str | None, version: int
+    ) -> list[str]:
+        """Add requests to the engine (admitted by the caller under `gate.admit`); their
+        request ids, for `step` / `collect`. The ids are ours (vLLM's outputs carry the id a
+        request was added with; `LLM.enqueue` returns the engine's internal ones)."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        lora = self._requests.get((run, version))
+        added = []
+        with self._lock:
+            self._wake_locked()
+            try:
+                for ids, params in zip(prompt_ids, sampling):
+                    params.output_kind = RequestOutputKind.FINAL_ONLY  # as LLM.generate asks
+                    self._request_ids += 1
+                    request_id = f"leangrpo-{self._request_ids}"
+                    prompt = TokensPrompt(prompt_token_ids=list(ids))
+                    self.llm.llm_engine.add_request(request_id, prompt, params, lora_request=lora)
+                    added.append(request_id)
+            except BaseException:
+                if added:
+                    self.llm.llm_engine.abort_request(added)
+                raise
+        return added
+
+    def step(self, wanted: Iterable[str]) -> dict[str, Any]:
+        """The finished outputs of `wanted` requests: those already done, else after one
+        engine step (which advances every caller's requests; theirs are kept for them)."""
+        wanted = list(wanted)
+        with self._lock:
+            if not any(i in self._finished for i in wanted):
+                for output in self.llm.llm_engine.step():
+                    if output.finished:
+                        self._finished[output.request_id] = output
+            return {i: self._finished.pop(i) for i in wanted if i in self._finished}
+
+    def collect(self, request_ids: list[str]) -> list[Any]:
+        """Step until every request is finished; their outputs in order."""
+        done: dict[str, Any] = {}
+        while len(done) < len(request_ids):
+            done.update(self.step([i for i in request_ids if i not in done]))
+        return [done[i] for i in request_ids]
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Drop requests nobody waits for any more (finished or not)."""
+        with self._lock:
+            for i in request_ids:
+                self._finished.pop(i, None)
+            if self.llm is not None:
+                self.llm.llm_engine.abort_request(list(request_ids))
 
     def load_weight_files(self, paths: list[Path], version: int, *, run: str | None) -> None:
         with self.gate.update(version, drain=True, run=run) as needed:
