@@ -127,7 +127,7 @@ class RolloutConfig(Section):
     max_batch_size: int | None = Field(
         None,
         ge=1,
-        description="hf engine, multi-turn: the most sequences decoding together in the continuous batch (turns join and leave it between decode steps); null = every trajectory of a call. 1 is the batch-invariant mode: every forward holds one sequence, so a trajectory's tokens do not depend on which others ran beside it (per-trajectory scheduling then makes exactly what rounds make; slower).",
+        description="hf engine, multi-turn: the most sequences decoding together in the continuous batch (turns join and leave it between decode steps); null = every trajectory of a call. 1 is the batch-invariant mode: every forward holds one sequence, so a trajectory's tokens do not depend on which others ran beside it (per-trajectory scheduling then makes exactly what rounds make, as long as rollout.kv_cache_tokens evicts nothing: a recomputed cache rounds differently from a kept one, and which caches are evicted depends on the timing; slower).",
     )
     kv_cache_tokens: int | None = Field(
         None,
