@@ -24,8 +24,8 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/leangrpo train examples/demo.yaml --set run.overwrite=true
 
-# Multi-turn GRPO with a calculator tool on the bundled tool-use demo (about 50 s of CPU:
-# under a minute on a quiet 2-core machine; examples/tools_demo/README.md has its curve)
+# Multi-turn GRPO with a calculator tool on the bundled tool-use demo (about 58 s of CPU,
+# about a minute on a quiet 2-core machine; examples/tools_demo/README.md has its curve)
 demo-tools: $(STAMP)
 	$(BIN)/leangrpo train examples/tools_demo.yaml --set run.overwrite=true
 	$(BIN)/leangrpo report runs/tools_demo

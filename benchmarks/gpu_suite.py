@@ -15,11 +15,12 @@ Budget on one H200 (seconds; with start-up they add up to the 520 s total, a dea
 counted from when gpu_suite.sh started). A case may also use what the cases before it
 left unused, never the budgets of the cases after it, so the cases whose time is least
 certain (those that compile kernels) come late:
-    start-up 20 (wheels, CUDA check, imports) | env 10 | shared_weights 15 | grpo_1.5b 30
-    | generation 35 | offload 45 | packing 35 | pytest_gpu 60 | qlora_1.5b 40 | packing_flex 45
-    | logprobs 85 | grpo_8b 100
+    start-up 20 (wheels, CUDA check, imports) | env 10 | shared_weights 5 | grpo_1.5b 30
+    | generation 35 | offload 45 | packing 35 | pytest_gpu 60 | qlora_1.5b 40
+    | context_parallel 25 | packing_flex 30 | logprobs 85 | grpo_8b 100
 (shared_weights needs vLLM, which the GPU image lacks: it then says so in a second, and
-its time flows to the cases after it; with vLLM, run it alone: --only shared_weights.)
+its time flows to the cases after it; with vLLM, run it alone: --only shared_weights.
+context_parallel runs C = 1 on one GPU, C = 2 where two are visible.)
 
 A case also fails when a row it produced holds an `error` (one variant's failure is a
 row, so a stale import would otherwise pass as "ok"; on the device an out-of-memory row is
@@ -73,7 +74,7 @@ STARTUP_S = 20
 GRPO = ("time_s", "planned_total", "loss")
 CASES = [  # cheapest and surest first; cases that compile kernels late, where slack flows
     CaseSpec("env", 10, 30, sc.env_case, ("torch", "transformers")),
-    CaseSpec("shared_weights", 15, 60, sc.shared_weights_case, ("time_s",)),  # no vLLM on it
+    CaseSpec("shared_weights", 5, 60, sc.shared_weights_case, ("time_s",)),  # no vLLM on it
     CaseSpec(
         "grpo_1.5b", 30, 60, lambda c: sc.grpo_case(c, "qwen2.5-1.5b", "tiny-qwen2", 5, True), GRPO
     ),
@@ -84,8 +85,11 @@ CASES = [  # cheapest and surest first; cases that compile kernels late, where s
     CaseSpec(  # bitsandbytes: carried in .whl/
         "qlora_1.5b", 40, 40, sc.qlora_case, ("time_s", "peak_bytes", "weights_bytes", "mem_ratio")
     ),
+    CaseSpec(  # C = 2 needs 2 GPUs: one GPU measures C = 1
+        "context_parallel", 25, 120, sc.context_parallel_case, ("peak_bytes", "time_s")
+    ),
     # flex compiles its kernels: on the device it yields speedup rows, on CPU padded ones
-    CaseSpec("packing_flex", 45, 30, lambda c: sc.packing_case(c, ("flex",)), ("time_s",)),
+    CaseSpec("packing_flex", 30, 30, lambda c: sc.packing_case(c, ("flex",)), ("time_s",)),
     CaseSpec("logprobs", 85, 90, sc.logprobs_case, ("time_s", "peak_bytes", "mem_ratio")),
     CaseSpec(
         "grpo_8b", 100, 60, lambda c: sc.grpo_case(c, "llama-3.1-8b", "tiny-llama", 40, False), GRPO
@@ -98,6 +102,7 @@ DRY_BUDGET_S = 120 + sum(c.dry_budget_s for c in CASES)  # generous: CI shares i
 def heavy_imports() -> None:
     """Import once in the parent what every child needs (never initialises CUDA)."""
     import async_overlap  # noqa: F401
+    import context_parallel  # noqa: F401
     import grpo_step  # noqa: F401
     import hf_generation  # noqa: F401
     import logprob_memory  # noqa: F401

@@ -35,6 +35,20 @@ CONFIGS: dict[str, dict] = {
         rms_norm_eps=1e-5,
         rope_theta=500000.0,
     ),
+    # benchmarks/context_parallel.py on CPU: long sequences through a small Llama (GQA: 8
+    # query heads, 2 key/value heads), about 4M parameters
+    "cp-small": dict(
+        arch="llama",
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+    ),
     # CPU dry-run stand-ins: same architectures, a few hundred KB
     "tiny-qwen2": dict(
         arch="qwen2",

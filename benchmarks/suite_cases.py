@@ -141,6 +141,28 @@ def grpo_case(ctx: Ctx, model: str, tiny: str, peak_goal_gb: float, above_weight
         yield row
 
 
+def context_parallel_case(ctx: Ctx):
+    """One training step on one long sequence (benchmarks/context_parallel.py: each C in
+    processes of its own), Qwen2.5-1.5B shape bf16, 16K tokens: C = 1, and C = 2 wherever two
+    GPUs are visible (one GPU: a "needs 2 GPUs" row; the first multi-GPU machine yields the
+    figure): peak memory per rank, mem_ratio of the activations against C = 1. Dry run: the
+    tiny Llama, 512 tokens, C = 1 and 2 on CPU (gloo)."""
+    import context_parallel
+
+    model, tokens = ("tiny-llama", 512) if ctx.dry else ("qwen2.5-1.5b", 16384)
+    for row in context_parallel.case_rows(model, tokens, [1, 2], limit_s=120.0):
+        if "error" in row or "skipped" in row:
+            row["note"] = row.get("error") or f"skipped: {row['skipped']}"
+        else:
+            ratio = f", mem_ratio {row['mem_ratio']}" if "mem_ratio" in row else ""
+            row["note"] = f"peak per rank {_gb(row['peak_bytes'])}{ratio}"
+            if "mem_ratio" in row:
+                judged = ctx.device.type == "cuda"
+                met = row["mem_ratio"] <= 0.6 if judged else None
+                _goal(row, "activation memory per rank at C = 2 <= 0.6 x C = 1", met)
+        yield row
+
+
 def qlora_case(ctx: Ctx):
     """One GRPO step, Qwen2.5-1.5B LoRA: bf16 base vs nf4 (benchmarks/qlora.py)."""
     import qlora

@@ -140,6 +140,43 @@ def test_preflight_checks_the_model_files_and_the_metrics_backends(
     assert not (tmp_path / "run").exists()  # refused before the run directory was touched
 
 
+def test_context_parallel_needs_torchrun_a_divisor_of_the_processes_and_of_the_heads(
+    tmp_path: Path,
+) -> None:
+    """distributed.context_parallel_size is refused in one sentence before the model loads:
+    without torchrun, when it does not divide the processes, or the model's heads (the
+    demo model has 2)."""
+    from leangrpo.model.files import check_model_files
+    from leangrpo.preflight import check_context_parallel
+
+    def cfg(size: int):
+        return demo(tmp_path, f"distributed.context_parallel_size={size}")
+
+    files = check_model_files(cfg(2).model)
+    check_context_parallel(cfg(1), 1, files)  # off: nothing to check
+    check_context_parallel(cfg(2), 4, files)  # 2 shares of 2 ranks, 1 head each
+    with pytest.raises(ConfigError, match="this run is a single process; start it with torchrun"):
+        check_context_parallel(cfg(2), 1, files)
+    with pytest.raises(ConfigError, match=r"\(3\) does not divide the 4 torchrun processes"):
+        check_context_parallel(cfg(3), 4, files)
+    with pytest.raises(ConfigError, match="must divide the model's 2 attention heads"):
+        check_context_parallel(cfg(4), 4, files)
+
+
+def test_context_parallel_without_torchrun_is_one_line_and_no_torch(tmp_path: Path) -> None:
+    from support.processes import run_cli
+
+    out = run_cli("train", str(DEMO_YAML), "--set", f"run.output_dir={tmp_path / 'run'}",
+                  "--set", "distributed.context_parallel_size=2", probe=True)  # fmt: skip
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "leangrpo: error: distributed.context_parallel_size is 2"
+    )
+    assert out.stdout.strip().splitlines()[-1] == "torch imported: False"
+    assert not (tmp_path / "run").exists()  # before the run directory is touched
+
+
 def test_the_continuous_batch_knobs_are_listed_where_nothing_reads_them(tmp_path: Path) -> None:
     knobs = ("rollout.max_batch_size=4", "rollout.kv_cache_tokens=4096")
     assert ignored_options(demo(tmp_path, *knobs)) == [

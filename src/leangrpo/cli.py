@@ -77,6 +77,13 @@ def _parser() -> argparse.ArgumentParser:
                 default=None,
                 help="torchrun ranks, sharded with FSDP (default: $WORLD_SIZE, else 1)",
             )
+            p.add_argument(
+                "--memory",
+                type=float,
+                default=None,
+                metavar="GIB",
+                help="also print the longest micro-batch (sequence) that fits GIB per device",
+            )
     rep = sub.add_parser(
         "report",
         help="summarise a run directory, and draw its dashboard",
@@ -190,7 +197,7 @@ def _plan(args) -> int:
     world = args.world_size or world_size_from_env()
     prompt, source = planned_prompt_tokens(cfg, args.prompt_tokens)
     given = dict(tokens=args.tokens, prompt_tokens=prompt, world_size=world)
-    _print(render_plan(plan_memory(cfg, **given), cfg, **given, prompt_source=source))
+    _print(render_plan(plan_memory(cfg, **given), cfg, **given, prompt_source=source, memory_gib=args.memory))
     return 0
 
 

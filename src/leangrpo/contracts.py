@@ -29,6 +29,8 @@ if TYPE_CHECKING:  # torch stays out of modules that only need the records' shap
 
     from torch import Tensor
 
+    from leangrpo.ops.context_parallel.shards import LocalRow
+
 # "max_turns": a multi-turn trajectory used its environment.max_turns model turns
 FinishReason = Literal["stop", "length", "error", "max_turns"]
 
@@ -221,6 +223,23 @@ class PackedBatch:
         return PackedBatch(**moved)
 
 
+class RowSplit(Protocol):
+    """How the scoring forward splits a packed row over a context-parallel group: one
+    process's `ops.context_parallel.shards.WHOLE_ROW` (the row itself), or a strategy such
+    as `ops.context_parallel.ulysses.Ulysses` (each rank a shard of the row; attention over
+    the whole row through `attend`). model/scoring.py runs the backbone on `local_row`'s
+    tokens and the head on its completion tokens, and `gather` hands back the whole row's
+    (T,) values, so nothing after scoring depends on the split."""
+
+    size: int  # ranks in the group (1: nothing split)
+
+    def local_row(self, batch: PackedBatch) -> LocalRow: ...
+
+    def gather(
+        self, logprobs: Tensor, entropy: Tensor | None, row: LocalRow
+    ) -> tuple[Tensor, Tensor | None]: ...
+
+
 @dataclass(frozen=True)
 class LossNormalisers:
     """Global counts that make a token-level loss exact under any micro-batching.
@@ -394,16 +413,28 @@ class Producer(Protocol):
 class StepRanks(Protocol):
     """What the no-grad passes and an optimizer step need of the trainer's ranks: one
     process (`train.ranks.OneProcess`: identities, torch's gradient clipping) or torchrun
-    (`distributed.strategy.TorchrunRanks`: collectives, the sharded gradient norm)."""
+    (`distributed.strategy.TorchrunRanks`: collectives, the sharded gradient norm).
 
-    rank: int
-    world_size: int
+    A step's groups are dealt to data-parallel *shares*: one per process, or under context
+    parallelism one per context-parallel group, whose ranks all train on the share's
+    micro-batches (distributed/mesh.py). `all_reduce` and `all_gather_object` count each
+    share once; `all_true` asks every process."""
 
-    def all_reduce(self, values: Sequence[float], op: str = "sum") -> list[float]: ...
+    rank: int  # this process's share (its data-parallel rank)
+    world_size: int  # shares (data-parallel ranks): processes / context_parallel_size
+    processes: int  # processes whose gradients are averaged (FSDP: every one)
 
-    def all_true(self, flag: bool) -> bool: ...
+    def all_reduce(self, values: Sequence[float], op: str = "sum") -> list[float]:
+        """Over the shares (each counted once)."""
+        ...
 
-    def all_gather_object(self, obj: Any) -> list[Any]: ...
+    def all_true(self, flag: bool) -> bool:
+        """True on every process iff `flag` is True on every process."""
+        ...
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """One entry per share, in share order."""
+        ...
 
     def clip_gradients(self, parameters: list[Tensor], max_norm: float | None) -> float:
         """Clip the step's gradients to `max_norm` (None: measure only); the global norm."""

@@ -19,8 +19,10 @@ the first thing that touches the disk):
    checks (environments/check.py: names, template, the environment and its tools imported
    in a worker, rewards that could only be 0, and with the tokenizer's record the template
    and the prompts' first turns);
-4. the metrics backends are installed; options that do nothing in the chosen mode are
-   listed in one warning;
+4. the metrics backends are installed; what torchrun runs cannot do, and a
+   distributed.context_parallel_size that the processes or the model's heads cannot take
+   (`check_world`, `check_context_parallel`); options that do nothing in the chosen mode
+   are listed in one warning;
 5. the run directory is locked and classified: resume (from the newest intact
    checkpoint), finished, or a clean start (checkpoint/rundir.py), config changes since
    the resume checkpoint checked. An earlier run that run.overwrite replaces stays in
@@ -54,7 +56,7 @@ from leangrpo.checkpoint.rundir import RunDir, RunDirError, open_run_dir
 from leangrpo.config import ConfigError
 from leangrpo.data.lengths import check_prompt_text
 from leangrpo.data.prompts import PromptLimit, PromptSet, check_data, load_prompts
-from leangrpo.model.files import ModelFiles, check_model_files
+from leangrpo.model.files import ModelFiles, check_model_files, read_model_config
 from leangrpo.model.quantization import check_environment as check_quantization_environment
 
 log = logging.getLogger("leangrpo")
@@ -114,6 +116,7 @@ def check_inputs(cfg: Any, warn: bool = True) -> tuple[ModelFiles, PromptLimit |
 
     check_backends(list(cfg.logging.backends))
     check_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    check_context_parallel(cfg, int(os.environ.get("WORLD_SIZE", "1")), model)
     ignored = ignored_options(cfg)
     if ignored and warn:
         log.warning("options ignored in this configuration: %s", "; ".join(ignored))
@@ -150,6 +153,32 @@ def check_world(cfg: Any, world_size: int) -> None:
     if cfg.rollout.engine == "hf" and cfg.pipeline.min_groups_per_step is not None:
         raise ConfigError(
             f"pipeline.min_groups_per_step (streaming) lets each process take whatever chunks are ready, which {world_size} torchrun processes generating their own shares with the hf engine cannot agree on; unset it, or generate with vLLM servers (rollout.vllm.mode: server), where rank 0 decides."
+        )
+
+
+def check_context_parallel(cfg: Any, world_size: int, model: ModelFiles) -> None:
+    """distributed.context_parallel_size C must fit the processes and the model's heads:
+    one sentence each, before the model loads (its config.json, when on disk, tells the
+    heads; the set-up checks the attention itself, distributed/mesh.py)."""
+    c = cfg.distributed.context_parallel_size
+    if c == 1:
+        return
+    if world_size < 2:
+        raise ConfigError(
+            f"distributed.context_parallel_size is {c}, which splits each sequence over {c} processes, but this run is a single process; start it with torchrun --nproc_per_node {c} (or a multiple of {c}), or set distributed.context_parallel_size: 1."
+        )
+    if world_size % c:
+        raise ConfigError(
+            f"distributed.context_parallel_size ({c}) does not divide the {world_size} torchrun processes; use a context_parallel_size that divides {world_size}, or start a multiple of {c} processes."
+        )
+    if model.directory is None:
+        return
+    config = read_model_config(cfg.model)
+    config = config["text_config"] if isinstance(config.get("text_config"), dict) else config
+    heads = config.get("num_attention_heads")
+    if isinstance(heads, int) and heads % c:
+        raise ConfigError(
+            f"distributed.context_parallel_size ({c}) must divide the model's {heads} attention heads (Ulysses gives each process an equal share of them; config.json of model.name_or_path = {cfg.model.name_or_path!r}); use a context_parallel_size that divides {heads}."
         )
 
 

@@ -238,7 +238,7 @@ def test_dry_run_end_to_end(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = read_jsonl(tmp_path / "results.jsonl")
     suite = {r["case"]: r["variant"] for r in rows if r["bench"] == "suite"}
-    assert suite == {name: "ok" for name in suite} and len(suite) == 11, suite
+    assert suite == {name: "ok" for name in suite} and len(suite) == 12, suite
     benches = {r["bench"] for r in rows}
     assert benches >= {
         "env",
@@ -250,7 +250,10 @@ def test_dry_run_end_to_end(tmp_path):
         "logprob_memory",
         "qlora",
         "shared_weights",  # a "no vLLM" row where it is not installed
+        "context_parallel",
     }
+    cp = {r["variant"]: r for r in rows if r["bench"] == "context_parallel"}
+    assert sorted(cp) == ["C=1", "C=2"] and "mem_ratio" in cp["C=2"], cp  # 2 CPU ranks (gloo)
     for r in rows:  # the DESIGN.md row format
         assert {"bench", "case", "variant"} <= r.keys()
     specs = {c.name: c for c in gpu_suite.CASES}

@@ -113,6 +113,19 @@ def test_lora_checkpoint_holds_adapter_only(tmp_path: Path) -> None:
     assert "adapter_model.safetensors" in files and "model.safetensors" not in files
 
 
+def test_a_checkpoint_is_as_readable_as_the_umask_says(tmp_path: Path) -> None:
+    """mkdtemp made every checkpoint (and final/) private, 0700, whatever the umask:
+    colleagues in the group could not read a run."""
+    import os
+
+    old = os.umask(0o027)
+    try:
+        path = save_checkpoint(tmp_path, 1, make_tiny_model(), None, None, {}, keep_last=1)
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o750
+
+
 def test_crash_mid_save_leaves_nothing_loadable(tmp_path: Path, monkeypatch) -> None:
     model = make_tiny_model()
     optimizer, scheduler = make_run(model)

@@ -219,6 +219,39 @@ def test_setting_aside_is_all_or_nothing(tmp_path: Path, monkeypatch) -> None:
     again.release()
 
 
+@pytest.mark.parametrize("renames_done", [1, 2])
+def test_a_run_killed_while_putting_the_earlier_run_back_loses_none_of_it(
+    tmp_path: Path, monkeypatch, renames_done: int
+) -> None:
+    """A kill (a second Ctrl-C, SIGKILL) between the renames that put an earlier run back:
+    its checkpoints/ already back must not make the next start take it for the new run's
+    checkpoint and delete the rest of the earlier run (final/, metrics.jsonl ...)."""
+    import leangrpo.checkpoint.overwrite as overwrite
+
+    out = tmp_path / "run"
+    before = earlier_run(out)
+    run_dir = open_run_dir(make_cfg(out, overwrite=True))
+    run_dir.begin_writing()
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')  # the new run's, then it fails
+    rename, calls = os.rename, []
+
+    def killed_after(src, dst):
+        if len(calls) == renames_done:
+            raise SystemExit("killed")  # nothing after this point runs
+        calls.append(src)
+        rename(src, dst)
+
+    monkeypatch.setattr(overwrite.os, "rename", killed_after)
+    with pytest.raises(SystemExit):
+        run_dir.release()
+    monkeypatch.setattr(overwrite.os, "rename", rename)
+    run_dir.lock.release()  # the OS drops the lock of the killed process
+    again = open_run_dir(make_cfg(out))
+    assert again.finished and tree(out) == before
+    assert not (out / ASIDE).exists() and not (out / (ASIDE + ".tmp")).exists()
+    again.release()
+
+
 def read_only(path: Path) -> None:
     """A directory this process cannot write to, root included (chattr +i), or skip."""
     path.chmod(0o555)
@@ -294,6 +327,33 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(
     run_dir.release()
     explicit = refused(make_cfg(out, resume=str(middle)))
     assert explicit.startswith(f"run.resume = {str(middle)!r} is damaged: optimizer.pt does not")
+
+
+def test_damaged_checkpoints_passed_over_are_kept_out_of_the_pruning(
+    tmp_path: Path, caplog
+) -> None:
+    """The run's first save prunes every checkpoint past the step it saves: the damaged
+    newer ones, whose weights may be intact, are renamed out of its way instead (once the
+    set-up is done; `leangrpo check` and a refused start leave them as they are)."""
+    from leangrpo.checkpoint.rundir import complete_checkpoints
+
+    out = tmp_path / "run"
+    cfg = make_cfg(out)
+    fake_checkpoint(out, 2, cfg)
+    newest = fake_checkpoint(out, 6, cfg)
+    truncate(newest / "optimizer.pt")
+    weights = (newest / "model" / "model.safetensors").read_bytes()
+    open_run_dir(cfg, dry=True)
+    assert newest.is_dir()
+    run_dir = open_run_dir(cfg)
+    assert newest.is_dir()  # nothing moved before the set-up is done
+    with caplog.at_level(logging.WARNING, logger="leangrpo"):
+        run_dir.begin_writing()
+    kept = out / "checkpoints" / "damaged-step-6"
+    assert not newest.exists() and (kept / "model" / "model.safetensors").read_bytes() == weights
+    assert [step for step, _ in complete_checkpoints(out / "checkpoints")] == [2]
+    assert f"kept the damaged checkpoint step-6 as {kept}" in caplog.text
+    run_dir.release()
 
 
 def test_every_checkpoint_damaged_is_one_sentence_naming_them_and_the_way_out(
@@ -511,3 +571,26 @@ def test_the_schedule_extension_refusal_advises_what_works_for_the_kind_of_run(t
     (out / "final").rmdir()
     first = "write its final model first (run.max_steps: 4 with checkpoint.save_final_model: true)"
     assert first in refused(cfg(6))
+
+
+def test_resume_with_another_context_parallel_size_is_refused_even_when_allowed(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The batch in progress a checkpoint holds was dealt to the shares of its
+    distributed.context_parallel_size: another one would hand each process another
+    share's old log-probs (run.allow_config_changes does not waive it)."""
+    out = tmp_path / "run"
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    saved = make_cfg(out)
+    saved.distributed.context_parallel_size = 2
+    ckpt = fake_checkpoint(out, 4, saved)
+    (ckpt / "trainer_state.json").write_text('{"step": 4, "world_size": 4}')
+    other = make_cfg(out, allow_config_changes=True)
+    message = refused(other)
+    assert "context_parallel_size = 2 but this run has 1" in message
+    assert "resume it with distributed.context_parallel_size: 2" in message
+    same = make_cfg(out)
+    same.distributed.context_parallel_size = 2
+    run_dir = open_run_dir(same)
+    assert run_dir.resume_step == 4
+    run_dir.release()

@@ -85,6 +85,30 @@ def test_only_byte_level_vocabularies_that_keep_their_text_have_a_bound(tmp_path
     assert text_bound(tmp_path) is None
 
 
+def test_a_compatibility_normalizer_widens_the_bound(tmp_path):
+    """NFKC maps a 4-byte mathematical letter to its 1-byte letter: a byte-level tokenizer
+    with NFKC and a token of 8 letters turns 4 x 8 bytes of such letters into one token,
+    more than the 3 bytes per byte a composing normalizer (NFC) can fold."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    from leangrpo.data.lengths import BYTE_CHARS
+
+    vocab = {c: i for i, c in enumerate(sorted(set(BYTE_CHARS.values())))}
+    merges = [("a" * k, "a" * k) for k in (1, 2, 4)]
+    vocab.update({"a" * 2 * k: len(vocab) + i for i, k in enumerate((1, 2, 4))})
+    for normalizer in (normalizers.NFKC(), normalizers.Sequence([normalizers.NFKD()])):
+        built = tokenizer_json(
+            tmp_path,
+            model=models.BPE(vocab, merges),
+            pre_tokenizer=pre_tokenizers.ByteLevel(add_prefix_space=False),
+            normalizer=normalizer,
+        )
+        text = "\U0001d41a" * 700  # '𝐚', 4 bytes each: 88 tokens of 'aaaaaaaa'
+        bound = text_bound(built)
+        assert len(Tokenizer.from_file(str(built / "tokenizer.json")).encode(text).ids) == 88
+        assert 88 * bound.per_token >= bound.measure(text) == 2800
+
+
 HUGE = "1+" * 50_000 + "1="  # 100,002 bytes; a demo token covers at most 5 (15 with NFC)
 
 

@@ -11,7 +11,7 @@ import pytest
 from support.hostile_tools import hermes
 
 from leangrpo.config.environment import EnvironmentConfig
-from leangrpo.environments.pool import EnvironmentPool
+from leangrpo.environments.pool import EnvironmentPool, PoolClosed
 from leangrpo.environments.registry import EnvironmentSpecError
 
 USER = [{"role": "user", "content": "1+2="}]
@@ -234,6 +234,28 @@ def test_calls_queue_per_worker_and_the_workers_answer_concurrently():
         assert answered[0] == (fast, 0.0)  # back while its neighbour's step sleeps
         assert answered[1:] == [(slow, 1.0), (after, 0.0)]  # one worker: in order
         assert pool.poll(0.0) == [] and pool.in_flight() == 0
+
+
+
+def test_a_pool_closed_between_calls_of_a_generation_stops_it():
+    """Closed (shutdown, another thread) while a generation call holds the pool with
+    nothing in flight (its engine generating): its next submit raises, and so does a poll
+    of what it had submitted; no failed outcome ever comes back (the driver would make
+    'error' trajectories of them, a batch that looks real)."""
+    import threading
+
+    pool = pool_for("support.environments:Again", kwargs={"turns": 3})
+    keys = pool.new_sessions(2)
+    with pytest.raises(PoolClosed), pool.exclusive():
+        pool.submit("reset", (keys[0], USER, {"answer": "3"}, 7))
+        while pool.in_flight():
+            pool.poll(None)
+        closing = threading.Thread(target=pool.close)
+        closing.start()
+        closing.join()
+        pool.submit("step", (keys[0], "turn", 0))
+    with pytest.raises(PoolClosed):
+        pool.poll(0.0)
 
 
 def test_leaving_with_calls_in_flight_replaces_the_workers_that_held_them():

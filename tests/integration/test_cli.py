@@ -417,7 +417,9 @@ def test_damaged_checkpoints_resume_from_the_newest_intact_one_or_stop_in_one_se
         "(optimizer.pt is missing)" in again.stderr
     )
     assert re.search(r"resumed from \S*step-1 at step 1", again.stderr)
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-3"]
+    assert "kept the damaged checkpoint step-2 as" in again.stderr  # not pruned by step-2's save
+    kept = ["damaged-step-2", "step-2", "step-3"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == kept
     for step in (2, 3):  # both damaged: nothing to resume exactly
         weights = out / "checkpoints" / f"step-{step}" / "model" / "model.safetensors"
         weights.write_bytes(weights.read_bytes()[:100])

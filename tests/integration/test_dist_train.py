@@ -15,11 +15,9 @@ The multi-process tests are marked slow (each 2-rank run takes ~20-40 s on 2 bus
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,57 +25,23 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 from support.configs import DEMO, STEPS, demo_config
+from support.torchrun import (
+    descendants,
+    final_tensors,
+    finish,
+    is_alive,
+    kill_tree,
+    logged_steps,
+    max_abs_diff,
+    start_ranks,
+    torchrun,
+    wait_for_logged_step,
+)
 
 from leangrpo.config import config_from_dict
 from leangrpo.train import Trainer
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(cfg: dict, *, limit_s: float = 300.0) -> subprocess.Popen:
-    """`torchrun --standalone --nproc_per_node 2 -m leangrpo train cfg.yaml`, own session."""
-    path = Path(cfg["run"]["output_dir"]).with_suffix(".yaml")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(cfg))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           "2", "-m", "leangrpo", "train", str(path)]  # fmt: skip
-    log = open(path.with_suffix(".log"), "w")  # noqa: SIM115 (the process owns it)
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def finish(proc: subprocess.Popen, cfg: dict, limit_s: float = 300.0) -> str:
-    """Wait for a torchrun started by `torchrun`; its log, asserting it exited 0."""
-    try:
-        proc.wait(timeout=limit_s)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc)
-            proc.wait()
-    log = Path(cfg["run"]["output_dir"]).with_suffix(".log").read_text()
-    assert proc.returncode == 0, log[-4000:]
-    return log
-
-
-def final_tensors(out: Path) -> dict[str, torch.Tensor]:
-    """The final model's weights as loaded (full: every state-dict key, tied ones too)."""
-    final = out / "final"
-    if (final / "adapter_config.json").is_file():
-        return load_file(final / "adapter_model.safetensors")
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(final).state_dict()
-
-
-def max_abs_diff(a: dict, b: dict) -> float:
-    assert sorted(a) == sorted(b)
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
 @pytest.fixture(scope="module", params=["full_sync", "lora_async"])
@@ -243,57 +207,6 @@ def test_with_vllm_servers_rank_0_generates_and_broadcasts(tmp_path):
 # ------------------------------------------------------------------- a rank that dies
 
 
-def _descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL a process and every descendant (torchrun puts each rank in its own session)."""
-    for pid in [proc.pid, *_descendants(proc.pid)]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def start_ranks(cfg: dict, tmp_path: Path) -> tuple[list[subprocess.Popen], list]:
-    """Two ranks launched as torchrun would (RANK, WORLD_SIZE, MASTER_ADDR/PORT, each in its
-    own session) but without its agent; logs in tmp_path/rank<r>.log (close them)."""
-    path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}  # fmt: skip
-    procs, logs = [], []
-    for rank in range(2):
-        logs.append(open(tmp_path / f"rank{rank}.log", "w"))  # noqa: SIM115
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "leangrpo", "train", str(path)],
-            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True,
-        ))  # fmt: skip
-    return procs, logs
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process tree from /proc")
 def test_a_killed_rank_stops_the_other_with_one_line_and_no_orphans(tmp_path):
@@ -316,7 +229,7 @@ def test_a_killed_rank_stops_the_other_with_one_line_and_no_orphans(tmp_path):
                 break
             time.sleep(0.1)
         assert all(p.poll() is None for p in procs), "a rank ended before the kill"
-        family = _descendants(procs[0].pid) | _descendants(procs[1].pid)
+        family = descendants(procs[0].pid) | descendants(procs[1].pid)
         assert family, "no reward worker found under the ranks"
         killed_at = time.monotonic()
         os.kill(procs[1].pid, signal.SIGKILL)
@@ -338,25 +251,9 @@ def test_a_killed_rank_stops_the_other_with_one_line_and_no_orphans(tmp_path):
     assert "rank 1 (in " in lines[0] and "stopped answering" in lines[0], lines[0]
     assert any(f"during {p}" in lines[0] for p in ("generate", "score", "train", "sync")), lines[0]
     deadline = time.monotonic() + 10  # reward workers notice their parent's death within ~1 s
-    while any(_alive(pid) for pid in family) and time.monotonic() < deadline:
+    while any(is_alive(pid) for pid in family) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not [pid for pid in family if _alive(pid)], "processes outlived the run"
-
-
-def logged_steps(metrics: Path) -> list[int]:
-    if not metrics.exists():
-        return []
-    lines = metrics.read_text().splitlines()
-    return [json.loads(x)["step"] for x in lines if x.endswith("}")]  # the last may be torn
-
-
-def wait_for_logged_step(procs: list[subprocess.Popen], metrics: Path, step: int) -> None:
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and all(p.poll() is None for p in procs):
-        if step in logged_steps(metrics):
-            return
-        time.sleep(0.05)
-    pytest.fail(f"step {step} was never logged (exit codes {[p.poll() for p in procs]})")
+    assert not [pid for pid in family if is_alive(pid)], "processes outlived the run"
 
 
 @pytest.mark.slow
@@ -594,7 +491,7 @@ def test_a_batch_gathered_from_shares_has_the_whole_batchs_metrics():
         {"reward/math/failures": 0.0, "reward/unscored": 0.0, "time/generate": 1.0,
          "time/rewards": 0.5},
     ]  # fmt: skip
-    merged = merge_share_metrics(per_rank, samples)
+    merged = merge_share_metrics([(samples[:3], per_rank[0]), (samples[3:], per_rank[1])])
     scored = [r for r in rewards if r is not None]
     mean = sum(scored) / len(scored)
     assert merged["reward/mean"] == pytest.approx(mean)  # over the batch, not a rank's
@@ -603,6 +500,34 @@ def test_a_batch_gathered_from_shares_has_the_whole_batchs_metrics():
     assert merged["reward/math/mean"] == pytest.approx(mean)
     assert merged["reward/math/failures"] == 1.0 and merged["reward/unscored"] == 1.0
     assert merged["time/generate"] == 2.0 and merged["dist/wait_generate"] == 1.5
+
+
+def test_a_batch_gathered_from_shares_keeps_every_figure_of_its_shares():
+    """share_metrics_dropped.py: only time/, */failures, */unscored and the reward means
+    survived the gather, so under torchrun every multiturn/* figure and the sandbox's
+    reward/<limit kind>_failures counts were missing from the step's row. The shares'
+    figures merge by their rules: the multi-turn means are the whole batch's."""
+    from leangrpo.contracts import Completion, Prompt, RolloutSample, Trajectory
+    from leangrpo.distributed.rollout import merge_share_metrics
+    from leangrpo.environments.metrics import trajectory_metrics
+
+    def sample(i: int, turns: int) -> RolloutSample:
+        segments = [(3, True), (2, False)] * (turns - 1) + [(3, True)]
+        trajectory = Trajectory(segments, [0] * turns, [], stats={"tool_calls": float(i % 3)})
+        completion = Completion([2], "", [-1.0], "stop", 0, trajectory)
+        return RolloutSample(i // 2, Prompt(i // 2, "", [1]), completion, rewards={}, reward=1.0)
+
+    samples = [sample(i, turns) for i, turns in enumerate([1, 3, 2, 2, 1, 4])]
+    shares = [samples[:2], samples[2:]]  # unequal: means weigh by trajectories
+    parts = [
+        (share, {**trajectory_metrics(share), "reward/timeout_failures": float(n)})
+        for n, share in enumerate(shares, start=1)
+    ]
+    merged = merge_share_metrics(parts)
+    whole = trajectory_metrics(samples)
+    for key, value in whole.items():
+        assert merged[key] == pytest.approx(value), key
+    assert merged["reward/timeout_failures"] == 3.0
 
 
 def test_steps_are_dealt_to_ranks_whole_and_padded_to_one_count():

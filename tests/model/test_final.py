@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 
 import pytest
 import torch
@@ -151,3 +152,41 @@ def test_an_adapter_merged_into_its_base_is_a_model_of_its_own(tmp_path, quant):
     )
     with pytest.raises(ModelFilesError, match="exists already"):
         merge_adapter(tmp_path / "run", merged_dir)
+
+
+def test_the_final_adapter_reloads_onto_the_base_revision_it_trained_on(tmp_path, monkeypatch):
+    """A LoRA run from a hub model pinned at model.revision: adapter_config.json recorded no
+    revision, so load_final (and merge) took the base from the hub's main branch, another
+    model than the one trained (logits 21.9 apart here). Two cached revisions of one hub
+    id, offline: the run trains on the one that is not main."""
+    import huggingface_hub.constants as hub
+    from safetensors.torch import load_file, save_file
+    from support.configs import DEMO_MODEL
+
+    main, pinned = "a" * 40, "b" * 40
+    repo = tmp_path / "hub" / "models--leangrpo-test--tiny"
+    for revision, shift in ((main, 0.0), (pinned, 0.05)):
+        snapshot = repo / "snapshots" / revision
+        shutil.copytree(DEMO_MODEL, snapshot)
+        weights = load_file(snapshot / "model.safetensors")
+        shifted = {k: v + shift for k, v in weights.items()}
+        save_file(shifted, snapshot / "model.safetensors", metadata={"format": "pt"})
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(main)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+
+    cfg = tiny_run(tmp_path, lora={"enabled": True, "r": 4, "alpha": 8})
+    cfg["model"].update(name_or_path="leangrpo-test/tiny", revision=pinned)
+    cfg = config_from_dict(cfg)
+    torch.manual_seed(0)
+    policy = load_policy(cfg, load_tokenizer(cfg.model), CPU)
+    final = save_final_model(tmp_path / "run", policy.model, policy.tokenizer)
+    ids = prompt_ids(policy.tokenizer)
+    want = logits(policy.model, ids)
+    torch.testing.assert_close(logits(load_final(final), ids), want, atol=1e-5, rtol=0)
+    merged = merge_adapter(tmp_path / "run", tmp_path / "merged")
+    from transformers import AutoModelForCausalLM
+
+    got = logits(AutoModelForCausalLM.from_pretrained(merged), ids)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

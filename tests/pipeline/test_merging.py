@@ -105,3 +105,34 @@ def test_a_metric_without_a_rule_is_an_error():
     assert rule_for("reward/mean/mean")[0].kind == "mean"  # a function named "mean"
     assert rule_for("multiturn/tool_errors/calc")[0].kind == "mean"
     assert rule_for("multiturn/turns_max")[0].kind == "max"
+
+
+def test_the_reward_pools_own_chunk_metrics_merge():
+    """b10_streaming_metrics.py after the sandbox: the pool adds
+    `reward/<limit kind>_failures` (timeout, cpu, memory, ...), which no rule named, so every
+    streamed step with more than one chunk stopped the run with a KeyError. Merged from
+    the real pool's chunks, they are the whole batch's (counts add up)."""
+    from support.configs import rewards_section
+
+    from leangrpo.rewards import RewardPool
+
+    def samples(texts):
+        return [
+            RolloutSample(
+                i // 2,
+                Prompt(i, "q", [1], columns={"answer": "42"}),
+                Completion([1], t, [0.0], "stop", 0),
+            )  # fmt: skip
+            for i, t in enumerate(texts)
+        ]
+
+    texts = ["so 42", "7", "42", "no", "it is 42", "x"]
+    with RewardPool(rewards_section("math", ("length", 0.5, {"target": 3}))) as pool:
+        chunks = [samples(texts[:2]), samples(texts[2:])]
+        parts = [(chunk, pool.score(chunk)) for chunk in chunks]
+        whole = pool.score(samples(texts))
+    assert any(k.endswith("_failures") and k.count("/") == 1 for k in whole)  # the limit kinds
+    merged = merge_metrics(parts)
+    assert sorted(merged) == sorted(whole)
+    for key, want in whole.items():
+        assert math.isclose(merged[key], want, rel_tol=1e-9, abs_tol=1e-12), key

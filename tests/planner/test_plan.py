@@ -277,3 +277,75 @@ def test_plan_into_a_reader_that_stops_early_ends_quietly(tmp_path):
     )  # fmt: skip
     assert out.stdout.startswith("memory plan")
     assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr
+
+
+def test_context_parallelism_splits_the_activations_and_adds_the_exchange():
+    """C ranks of a share hold 1/C of a row's tokens: the activation and head terms fall
+    about C-fold, the exchange buffers appear, weights and optimizer state shard over W."""
+    from leangrpo.planner.plan import all_to_all_bytes
+
+    cp = {"distributed": {"context_parallel_size": 2}}
+    dp, split = plan(world_size=2), plan(world_size=2, **cp)
+    assert split["activations"] < 0.55 * dp["activations"]
+    # the head's rows halve (its tiles and a trained head's weight gradient do not)
+    assert split["lm_head"] < dp["lm_head"]
+    assert split["gradients"] == dp["gradients"] and split["weights"] == dp["weights"]
+    # q (32 heads) + k and v (8 heads each) of 10240 local tokens, sent and received, bf16
+    assert split["all_to_all"] == 2 * 10240 * (32 + 2 * 8) * 128 * 2
+    assert dp["all_to_all"] == 0 and all_to_all_bytes(LLAMA_8B, 1, 10240, 2) == 0
+    assert plan(**cp) == split  # without a world size: one context group of C processes
+    grid = plan(world_size=4, **cp)  # dp 2 x cp 2
+    assert grid["activations"] < 0.55 * plan(world_size=4)["activations"]
+    with pytest.raises(PlanError, match=r"\(2\) does not divide the 3 processes"):
+        plan(world_size=3, **cp)
+    # fewer key/value heads than C: attention holds lcm(K, C) of them per local token
+    few = plan(world_size=16, distributed={"context_parallel_size": 16})
+    assert few["all_to_all"] == 2 * 1280 * (32 + 2 * 16) * 128 * 2
+
+
+def test_the_longest_micro_batch_that_fits_a_memory():
+    from leangrpo.planner.plan import longest_micro_batch
+
+    cfg = config(model={"gradient_checkpointing": True})
+    memory = 80 * 2**30
+    one = longest_micro_batch(cfg, memory, LLAMA_8B, world_size=8)
+    assert plan_memory(cfg, one, LLAMA_8B, world_size=8)["total"] <= memory
+    assert plan_memory(cfg, one + 1, LLAMA_8B, world_size=8)["total"] > memory
+    cfg.distributed.context_parallel_size = 4
+    split = longest_micro_batch(cfg, memory, LLAMA_8B, world_size=8)
+    assert split > 2.5 * one  # the activations are split, the weights' shards are not
+    assert longest_micro_batch(cfg, 2**20, LLAMA_8B, world_size=8) == 0  # weights alone
+
+
+def test_cli_plans_context_parallelism_and_the_longest_sequence(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN25_15B))
+    cfg = minimal_run(model={"name_or_path": str(model)}, run={"device": "cuda"},
+                      distributed={"context_parallel_size": 2})  # fmt: skip
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = run_cli("plan", str(path), "--world-size", "4", "--memory", "40", timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "4 ranks, each row split over 2 context-parallel ranks" in out.stdout
+    assert "  all_to_all " in out.stdout
+    assert (
+        "longest micro-batch (one sequence, or several packed) that fits 40 GiB per device:"
+        in out.stdout
+    )
+
+
+def test_context_parallel_head_is_planned_for_the_rank_holding_the_completions():
+    """A row's completion tokens follow its prompt, so its shards do not share them
+    evenly: a 10240-token prompt and a 10240-token completion over C = 2 leave shard 0
+    one completion row and shard 1 all of its 10240 tokens (the predicting positions
+    10239..20478). The per-device figure is shard 1's, not rows / C: with the full (T, V)
+    logits (logprobs.chunked: false) it holds as many as one process does."""
+    from leangrpo.planner.plan import completion_rows
+
+    sections = {"logprobs": {"chunked": False}, "packing": {"shared_prefix": "off"},
+                "data": {"max_prompt_tokens": 10240},
+                "rollout": {"max_new_tokens": 10240, "num_generations": 2}}  # fmt: skip
+    assert completion_rows(config(**sections), 20480, 10240) == 10240
+    split = plan(world_size=2, distributed={"context_parallel_size": 2}, **sections)
+    assert split["lm_head"] == plan(world_size=2, **sections)["lm_head"]

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -130,3 +131,50 @@ def test_train_pass_peak_is_within_the_stated_tolerance(arch, dtype, lora, over,
     assert PEAK_TOLERANCE[0] <= error <= PEAK_TOLERANCE[1], (planned, measured, error)
     grads = sum(p.grad.numel() * p.grad.element_size() for p in policy.trainable_parameters())
     assert grads == plan["gradients"]
+
+
+@pytest.mark.parametrize(
+    "arch, lora, size, kv_heads",
+    [("llama", False, 2, 2), ("llama", False, 2, 1), ("qwen2", True, 4, 1), ("qwen3", False, 4, 4)],
+)
+def test_context_parallel_ranks_save_what_the_plan_counts_for_them(arch, lora, size, kv_heads):
+    """Each rank of a Ulysses group (simulated: a thread per rank, support/context.py) saves
+    the plan's inventory for its ceil(N / C) tokens, with attention over the whole row at
+    H / C heads, i.e. per local token `context_dims` (lcm(K, C) key/value heads: replicated
+    when K < C), and the kernel's indices over the padded row (`rotary_bytes` x C)."""
+    from support.context import run_ranks
+
+    from leangrpo.model.scoring import row_hidden
+    from leangrpo.ops.attention.adapter import enable_packed_attention
+    from leangrpo.ops.context_parallel.ulysses import Ulysses
+    from leangrpo.planner.plan import context_dims
+
+    model = make_tiny_model(arch, vocab_size=VOCAB, hidden_size=64, num_layers=3,
+                            intermediate_size=176, head_dim=24, num_attention_heads=4,
+                            num_key_value_heads=kv_heads).train()  # fmt: skip
+    d = dims_from_json(model.config.to_dict())
+    cfg = step_config(lora={"enabled": lora}, data={"max_prompt_tokens": PROMPT},
+                      rollout={"max_new_tokens": COMPLETION, "num_generations": GENERATIONS})  # fmt: skip
+    policy = build_policy(model, cfg, None, torch.device("cpu"))
+    # equal sequences (no bucket padding, which the inventory leaves out) over 256 tokens
+    batch = pack_samples(group(VOCAB, GENERATIONS, PROMPT, COMPLETION))
+    copies = [copy.deepcopy(policy.model) for _ in range(size)]
+    for m in copies:
+        enable_packed_attention(m, "sdpa_segments")
+
+    def rank(c, exchange):
+        row = Ulysses(exchange, c, size).local_row(batch)
+        exclude = storages(copies[c].parameters()) | storages(copies[c].buffers())
+        exclude |= batch_storages(batch) | storages(
+            [row.input_ids, row.position_ids, row.completion_index]
+        )
+        out: dict = {}
+        with saved_bytes(out, exclude):
+            row_hidden(copies[c], row)
+        return out["bytes"], row.input_ids.numel()
+
+    s, dc, L = make_setup(cfg, "cpu"), context_dims(d, size), d.layers
+    for saved, n in run_ranks(size, rank):
+        assert n == -(-batch.num_tokens // size)
+        layers = n * (layer_saved(dc, s, first=True) + (L - 1) * layer_saved(dc, s))
+        assert saved == layers + n * rotary_bytes(d, s, size) + n * final_norm_bytes(d, s)

@@ -263,6 +263,33 @@ def test_failures_of_several_ways_or_of_the_moment_do_not_stop_the_run(user_modu
         assert [s.reward for s in samples] == [None, None] and metrics["reward/failures"] == 2
 
 
+def test_one_prompts_group_failing_the_same_way_does_not_stop_the_run(user_module):
+    """A scoring batch of one prompt's group (a streamed chunk of one group, a torchrun
+    rank's share) failing alike may be that prompt's data row, not the function: its
+    samples are unscored and the run goes on; two prompts failing alike stop it."""
+    f = f"{user_module}:needs_column"
+
+    def group(uid, size=3):
+        return [
+            RolloutSample(
+                group_id=uid,
+                prompt=Prompt(uid=uid, text="q", ids=[1], columns={"answer": "42"}),
+                completion=Completion(
+                    ids=[1], text="a", logprobs=[0.0], finish_reason="stop", version=0
+                ),
+            )
+            for _ in range(size)
+        ]
+
+    with RewardPool(cfg((f, 1.0, {}), timeout_s=5.0)) as pool:
+        samples = group(7)
+        metrics = pool.score(samples)
+        assert [s.reward for s in samples] == [None] * 3
+        assert metrics["reward/needs_column/failures"] == 3.0
+        with pytest.raises(RewardFailedError, match="failed on all 6 samples of a batch"):
+            pool.score(group(8) + group(9))
+
+
 def test_bad_names_fail_before_any_worker_starts_or_at_worker_start_up(monkeypatch):
     import leangrpo.rewards.pool as pool_module
 

@@ -262,3 +262,25 @@ def test_a_stream_holds_the_engine_until_it_is_closed(model, tokenizer):
     assert len(result) == 1
     with pytest.raises(RuntimeError, match="closed"):
         stream.submit(TurnRequest([5], 1, 2))
+
+
+@pytest.mark.parametrize(
+    "arch, window",
+    [
+        ("mistral", {"sliding_window": 4}),  # every layer slides: one windowed mask
+        ("qwen3", {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4, "use_sliding_window": True}),  # fmt: skip
+    ],
+)
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_sliding_window_layers_see_only_their_window(tokenizer, arch, window, attention):
+    """Turns longer than the window, batched and on kept caches, give the log-probs of the
+    model's own forward (which masks the sliding layers to their window)."""
+    model = make_tiny_model(arch, vocab_size=len(tokenizer), seed=3, **window)
+    model.config._attn_implementation = attention
+    kept, _ = trajectories(HFEngine(model, tokenizer), turns=2)
+    for k, turns in kept.items():
+        ids = list(STARTS[k])
+        for i, c in enumerate(turns):
+            expected = teacher_forced_logprobs(model, ids, c.ids, PARAMS)
+            torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=2e-5, rtol=0)
+            ids = ids + c.ids + ENV[i + 1 :]

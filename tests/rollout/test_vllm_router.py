@@ -182,3 +182,18 @@ def test_router_rules_without_servers():
     router.failed(router.servers[0], "reset", 2)
     assert router.reroute(0, "run", 4).index in (1, 2) and router.retries == 1
     assert [s.index for s in router.spread(4, "run", 4)] == [1, 2, 1, 2]
+
+
+def test_single_turn_groups_count_in_flight_until_they_come_back():
+    """spread counts its assignments in flight (generate's `done` takes them back): the
+    load never goes negative, so a server that served more single-turn groups is not
+    taken for the least loaded afterwards."""
+    router = Router(["http://a", "http://b"])
+    for s in router.servers:
+        router.committed(s, ("run", 1))
+    assigned = router.spread(3, "run", 1)
+    assert [s.in_flight for s in router.servers] == [2, 1]
+    for server in assigned:
+        router.done(server)
+    assert [s.in_flight for s in router.servers] == [0, 0]
+    assert router.for_turn(0, "run", 1).index == 1  # fewer served, not "fewer in flight"

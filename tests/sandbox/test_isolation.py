@@ -27,8 +27,8 @@ from leangrpo.rewards import RewardPool
 from leangrpo.sandbox.confine import WORKER_TASKS
 
 USER = [{"role": "user", "content": "go"}]
-TOOLS = ["attack", "read_env", "leave_processes", "write_file", "where", "connect", "allocate",
-         "fork_count", "fork_bomb", "flood", "burn"]  # fmt: skip
+TOOLS = ["attack", "read_env", "leave_processes", "write_file", "where", "connect", "connect_unix",
+         "allocate", "fork_count", "fork_bomb", "flood", "burn"]  # fmt: skip
 MAX_PROCESSES = 8
 LIMITS = {"max_processes": MAX_PROCESSES, "max_output_bytes": 65536, "scratch_mb": 16}
 
@@ -126,6 +126,18 @@ def test_a_process_level_tool_cannot_ptrace_or_read_the_trainer(pools):
     assert found["ptrace"] == "errno 1"  # EPERM
 
 
+def test_a_process_level_tool_cannot_ptrace_or_read_a_reward_worker(pools):
+    """Workers run as the trainer's user: a dumpable reward worker's memory was open to a
+    tool (/proc/<pid>/mem, ptrace), which could then rewrite the scores it returns."""
+    cfg = rewards_section("support.hostile_tools:isolated", sandbox={"level": "process"})
+    with RewardPool(cfg) as rewards:
+        target = rewards._workers[0].pid
+        found = json.loads(call(pools("process"), "attack", pid=target, signals=False)[0])
+    assert found["mem"].startswith("PermissionError"), found
+    assert found["environ"].startswith("PermissionError"), found
+    assert found["ptrace"] == "errno 1"  # EPERM
+
+
 @pytest.mark.parametrize("level", ["namespace", "process"])
 def test_no_process_outlives_the_tool_call_that_started_it(pools, level):
     pool = pools(level)
@@ -162,6 +174,26 @@ def test_a_namespace_tool_reaches_no_network_unless_allowed():
             assert call(pool, "connect", port=port)[0].startswith("ConnectionRefusedError")
         with open_pool("namespace", allow_network=True) as pool:  # the control: it can connect
             assert call(pool, "connect", port=port)[0] == "ok"
+    finally:
+        server.close()
+
+
+def test_a_namespace_tool_reaches_no_unix_socket_daemon_unless_network_is_allowed(tmp_path):
+    """A pathname unix socket is reached through the filesystem, not the network namespace,
+    and its read-only mount does not stop connect(): a daemon listening under /tmp (tmux,
+    vLLM's ipc sockets) was in reach of a tool without network."""
+    require_namespace(network=True)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    path = str(tmp_path / "daemon.sock")
+    server.bind(path)
+    server.listen()
+    try:
+        with open_pool("namespace") as pool:
+            found = json.loads(call(pool, "connect_unix", path=path)[0])
+            assert found["connect"].startswith("PermissionError"), found
+            assert found["socketpair"] == "ok"  # a tool's own pipes still work
+        with open_pool("namespace", allow_network=True) as pool:  # the control: it can connect
+            assert json.loads(call(pool, "connect_unix", path=path)[0])["connect"] == "ok"
     finally:
         server.close()
 

@@ -115,6 +115,23 @@ def connect(port: int) -> str:
     return _attempt(lambda: socket.create_connection(("127.0.0.1", port), timeout=2).close())
 
 
+def connect_unix(path: str) -> str:
+    """Connect to a unix socket on the filesystem; then make a socket pair.
+
+    Args:
+        path: The socket's path.
+    """
+    result = _attempt(lambda: _unix_connect(path))
+    pair = _attempt(lambda: [s.close() for s in socket.socketpair()] and None)
+    return json.dumps({"connect": result, "socketpair": pair})
+
+
+def _unix_connect(path: str) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(2)
+        s.connect(path)
+
+
 def allocate(mb: int) -> str:
     """Allocate memory.
 

@@ -1,6 +1,6 @@
-"""Launching the per-rank worker (support/dist_worker.py) on 2 ranks as torchrun would
-(RANK, WORLD_SIZE, MASTER_ADDR/PORT), each in its own session, and checking that no
-process is left behind."""
+"""Launching a per-rank worker (support/dist_worker.py, or another script: `worker`) on 2
+ranks (or `world_size`) as torchrun would (RANK, WORLD_SIZE, MASTER_ADDR/PORT), each in its
+own session, and checking that no process is left behind."""
 
 from __future__ import annotations
 
@@ -24,21 +24,26 @@ def free_port() -> int:
 
 
 def launch(
-    out: Path, *args: str, limit_s: float = 300.0, env: dict | None = None
+    out: Path,
+    *args: str,
+    limit_s: float = 300.0,
+    env: dict | None = None,
+    world_size: int = 2,
+    worker: Path = WORKER,
 ) -> list[SimpleNamespace]:
-    """Run the worker on 2 ranks; returns per rank (returncode, log text, seconds)."""
+    """Run the worker on `world_size` ranks; returns per rank (returncode, log text, seconds)."""
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **(env or {}), "MASTER_ADDR": "127.0.0.1"}
     env["MASTER_PORT"] = str(free_port())
-    env.update(WORLD_SIZE="2", OMP_NUM_THREADS="1")
+    env.update(WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     procs, logs = [], []
     start = time.monotonic()
-    for rank in range(2):
+    for rank in range(world_size):
         log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 (closed below)
         logs.append(log)
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(WORKER), *args],
+                [sys.executable, str(worker), *args],
                 env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                 stdout=log,
                 stderr=subprocess.STDOUT,

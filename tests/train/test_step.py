@@ -231,7 +231,7 @@ def test_bypass_applies_no_is_weight_whatever_the_is_mode():
 class _PeerRank:
     """Rank 1 of 2 (a contracts.StepRanks) whose peer trained 3 sequences of 20 loss tokens."""
 
-    world_size, rank = 2, 1
+    world_size, rank, processes = 2, 1, 2
 
     def __init__(self):
         self.reduced: list[list[float]] = []

@@ -376,6 +376,12 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 # -- files ----------------------------------------------------------------------------------
 
 
+def current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextmanager
 def _atomic_directory(final: Path) -> Iterator[Path]:
     """Yield a temporary sibling of `final`; on success fsync it and rename it to `final`.
@@ -385,6 +391,7 @@ def _atomic_directory(final: Path) -> Iterator[Path]:
     """
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    tmp.chmod(0o777 & ~current_umask())  # mkdtemp makes it private; a run's files are not
     yield tmp
     _fsync_tree(tmp)
     if final.exists():  # re-saving a step: swap the old one out, then delete it

@@ -9,8 +9,9 @@ deletes that directory (`EarlierRun.discard`); a run that ends before one (an er
 Ctrl-C) removes the files it wrote and puts the earlier run back (`EarlierRun.restore`).
 A process killed in between leaves `.replaced-run/` behind: the next run in the directory
 settles it first (`settle`): deleted when a complete checkpoint sits beside it (the new
-run wrote one), else restored. Setting aside is all or nothing (`set_aside`), so the
-files beside `.replaced-run/` are always the new run's. No torch, no leangrpo imports:
+run wrote one), else restored. Setting aside is all or nothing (`set_aside`), and
+putting back goes through `.replaced-run.tmp/` (`EarlierRun.restore`), so the files beside
+`.replaced-run/` are always the new run's. No torch, no leangrpo imports:
 rundir.py uses it.
 """
 
@@ -42,12 +43,19 @@ class EarlierRun:
 
     def restore(self, why: str = "this run ended before its first checkpoint") -> None:
         """The new run ended before its first checkpoint: its files go, the earlier run's
-        come back."""
+        come back.
+
+        Crash-safe: a kill while the new run's files go leaves `.replaced-run/` whole (the
+        next start restores it again); then one rename makes it `.replaced-run.tmp/`, whose
+        entries the next start only moves back. Moving them straight out of
+        `.replaced-run/` would let a kill half-way leave the earlier checkpoints/ back
+        beside a `.replaced-run/`: taken for the new run's checkpoint, the rest of the
+        earlier run would be deleted."""
         for name in self.run_files:
             _remove(self.output_dir / name)
-        for entry in sorted(self.aside.iterdir()):
-            os.rename(entry, self.output_dir / entry.name)
-        self.aside.rmdir()
+        partial = self.output_dir / (ASIDE + ".tmp")
+        os.rename(self.aside, partial)
+        _move_back(partial, self.output_dir)
         log.warning(
             "run.overwrite: the earlier run in %s is back in place: %s", self.output_dir, why
         )

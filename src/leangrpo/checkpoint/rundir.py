@@ -13,7 +13,9 @@ run does with `run.output_dir`, in this order:
    when its replacement was killed is settled now (overwrite.py).
 3. Where to resume from: `run.resume: auto` takes the newest complete checkpoint of this
    directory whose files match the record in its COMPLETE marker (manifest.py); newer
-   damaged ones are named in one warning, and a directory whose checkpoints are all
+   damaged ones are named in one warning and, once the set-up is done, renamed
+   `damaged-step-N` (`keep_damaged`: the run's first save would prune them, intact
+   weights and all), and a directory whose checkpoints are all
    damaged is refused, naming them. An explicit path must be a complete, intact
    checkpoint (checked now, not after the model has loaded); `never` and
    `run.overwrite: true` take none.
@@ -196,11 +198,15 @@ class RunDir:
     finished: str = ""  # set (to a sentence) when the resume checkpoint is at run.max_steps
     config_notes: list[str] = field(default_factory=list)  # harmless config changes
     replaces: list[str] = field(default_factory=list)  # run.overwrite: the earlier run's files
+    damaged: list[Path] = field(default_factory=list)  # newer than resume_from, damaged
     _earlier: EarlierRun | None = None  # set aside until this run's first checkpoint
 
     def begin_writing(self) -> None:
         """Right before the run writes its first file: run.overwrite sets the earlier run
-        aside now, every check and the whole set-up having passed (overwrite.py)."""
+        aside now, every check and the whole set-up having passed (overwrite.py); damaged
+        checkpoints newer than the resume one are kept out of the pruning (`keep_damaged`)."""
+        keep_damaged(self.damaged)
+        self.damaged = []
         if self.replaces and self._earlier is None:
             self._earlier = set_aside(self.path, self.replaces, RUN_FILES)
             self.replaces = []
@@ -241,6 +247,25 @@ class RunDir:
             decision["resume_step"],
             decision["finished"],
             list(decision["config_notes"]),
+        )
+
+
+def keep_damaged(damaged: list[Path]) -> None:
+    """Rename damaged checkpoints `step-N` to `damaged-step-N`: no longer a checkpoint to
+    resume from or to prune. Newer than the step a run resumed from, they would otherwise
+    be deleted by its first save (local.py's `_prune` drops checkpoints past the step
+    saved), and their weights may be intact (a full disk cuts the optimizer state short)."""
+    for path in damaged:
+        kept = path.with_name(f"damaged-{path.name}")
+        n = 1
+        while kept.exists():
+            kept, n = path.with_name(f"damaged-{path.name}.{n}"), n + 1
+        os.rename(path, kept)
+        log.warning(
+            "kept the damaged checkpoint %s as %s, out of this run's way (never resumed or "
+            "pruned): copy what is intact out of it, then delete it",
+            path.name,
+            kept,
         )
 
 
@@ -305,11 +330,15 @@ def _classify(run_dir: RunDir, cfg: Any) -> None:
         )
     if resume is not None:
         run_dir.resume_from, run_dir.resume_step = resume, checkpoint_step(resume)
+        if run.resume == "auto":  # any newer complete checkpoint was passed over as damaged
+            newer = complete_checkpoints(own)
+            run_dir.damaged = [path for step, path in newer if step > run_dir.resume_step]
         final_missing = cfg.checkpoint.save_final_model and not (run_dir.path / "final").is_dir()
         if run_dir.resume_step >= run.max_steps and not final_missing:
             run_dir.finished = f"Run {str(run_dir.path)!r} is already finished: its checkpoint {resume.name} is at step {run_dir.resume_step} and run.max_steps is {run.max_steps}; nothing to do (raise run.max_steps to train on, or set run.overwrite: true to start again)."
             return
         check_world_size(resume)
+        check_context_parallel_size(resume, cfg.distributed.context_parallel_size)
         run_dir.config_notes = check_config_changes(resume, cfg)
     if resume is None or not _is_inside(resume, own):
         run_dir.replaces = _earlier_run(run_dir.path, run.overwrite, run.resume)
@@ -417,6 +446,23 @@ def check_world_size(checkpoint: Path) -> None:
         how = "without torchrun" if saved == 1 else f"with torchrun on {saved} processes"
         raise RunDirError(
             f"Checkpoint {str(checkpoint)!r} was written by {saved} process(es) but this run has {now}; its sharded state and per-rank random streams fit only that number, so resume it {how} (or start a new run in another run.output_dir)."
+        )
+
+
+def check_context_parallel_size(checkpoint: Path, size: int) -> None:
+    """The checkpoint's distributed.context_parallel_size (its config.yaml; 1 when absent)
+    = this run's: the batch in progress it holds was dealt to that many data-parallel
+    shares, and each process kept its own share's old and reference log-probs, so another
+    split would hand them to the wrong micro-batches. run.allow_config_changes does not
+    waive it."""
+    saved_path = checkpoint / CHECKPOINT_CONFIG
+    if not saved_path.is_file():
+        return
+    saved = yaml.safe_load(saved_path.read_text(encoding="utf-8")) or {}
+    saved_size = int((saved.get("distributed") or {}).get("context_parallel_size", 1))
+    if saved_size != size:
+        raise RunDirError(
+            f"Checkpoint {str(checkpoint)!r} was written with distributed.context_parallel_size = {saved_size} but this run has {size}; the batch in progress it holds is split for that size, so resume it with distributed.context_parallel_size: {saved_size} (or start a new run in another run.output_dir)."
         )
 
 

@@ -127,7 +127,7 @@ class RolloutConfig(Section):
     max_batch_size: int | None = Field(
         None,
         ge=1,
-        description="hf engine, multi-turn: the most sequences decoding together in the continuous batch (turns join and leave it between decode steps); null = every trajectory of a call. 1 is the batch-invariant mode: every forward holds one sequence, so a trajectory's tokens do not depend on which others ran beside it (per-trajectory scheduling then makes exactly what rounds make; slower).",
+        description="hf engine, multi-turn: the most sequences decoding together in the continuous batch (turns join and leave it between decode steps); null = every trajectory of a call. 1 is the batch-invariant mode: every forward holds one sequence, so a trajectory's tokens do not depend on which others ran beside it (per-trajectory scheduling then makes exactly what rounds make, as long as rollout.kv_cache_tokens evicts nothing: a recomputed cache rounds differently from a kept one, and which caches are evicted depends on the timing; slower).",
     )
     kv_cache_tokens: int | None = Field(
         None,
@@ -378,7 +378,8 @@ class PipelineConfig(Section):
 
 
 class DistributedConfig(Section):
-    """Data-parallel training under torchrun (FSDP2); a single process ignores this section."""
+    """Data- and context-parallel training under torchrun (FSDP2); a single process ignores
+    this section (but refuses context_parallel_size > 1)."""
 
     sharding: Literal["full_shard", "shard_grad_op", "no_shard"] = Field(
         "full_shard",
@@ -403,4 +404,10 @@ class DistributedConfig(Section):
         600.0,
         gt=0,
         description="Limit on every collective, barrier and weight sync; a rank that dies, raises or hangs makes the others exit within it, naming the rank and phase.",
+    )
+    context_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Context parallelism (Ulysses): C consecutive torchrun processes split every packed row of their micro-batches, each holding 1/C of its tokens and attending over the whole row for 1/C of the heads, so activation memory per process falls about C-fold; groups are dealt to the world size / C data-parallel shares. Must divide the number of processes and the model's attention heads; 1 = off.",
     )

@@ -14,7 +14,9 @@ rebuilds a tokenizer from its vocabulary with its class's own normalizer, pre-to
 and unknown-token rules (Qwen2Tokenizer adds NFC and drops unknown bytes where
 tokenizer.json said otherwise), so the bound assumes the worst of those:
 - k = the longest vocabulary entry or special token, in bytes, times 3: a normalizer that
-  keeps text (NFC, NFKC) folds at most 3 code points into one (Hangul), 9 bytes into 3;
+  keeps text (NFC) folds at most 3 code points into one (Hangul), 9 bytes into 3; times 4
+  where tokenizer.json's normalizer holds NFKC or NFKD, whose compatibility mappings turn
+  a 4-byte letter into a 1-byte one (U+1D41A '𝐚' into 'a');
 - the bytes the vocabulary has no token for are not counted (a tokenizer may drop them:
   SmolLM2's lacks a few control characters and bytes UTF-8 never uses);
 - a tokenizer.json whose normalizer or pre-tokenizer may delete text (Strip,
@@ -36,6 +38,7 @@ from typing import Any
 from leangrpo.data.files import DataError, local_prompt_cells
 
 FOLD = 3  # the most code points a normalizer that keeps text composes into one (NFC)
+COMPATIBILITY_FOLD = 4  # NFKC, NFKD: a 4-byte mathematical letter becomes its 1-byte letter
 KEEPS = {"NFC", "NFKC", "NFD", "NFKD", "Lowercase", "Prepend", "ByteLevel"}
 PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts"}
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
@@ -72,7 +75,8 @@ def text_bound(directory: Path | None) -> TextBound | None:
         return None
     longest = max([*map(len, vocab), *(len(t.encode()) for t in specials), 0])
     dropped = bytes(b for b, char in BYTE_CHARS.items() if char not in vocab)
-    return TextBound(longest * FOLD, dropped) if longest else None
+    fold = COMPATIBILITY_FOLD if _maps_compatibility(spec.get("normalizer")) else FOLD
+    return TextBound(longest * fold, dropped) if longest else None
 
 
 def _configured_tokens(file: Path) -> list[str]:
@@ -116,6 +120,15 @@ def _keeps(normalizer: dict | None) -> bool:
         literal = pattern.get("String")
         return bool(literal) and len(content.encode()) >= len(literal.encode())
     return kind in KEEPS
+
+
+def _maps_compatibility(normalizer: dict | None) -> bool:
+    """`normalizer` (a `_keeps` one) applies Unicode compatibility mappings (NFKC, NFKD)."""
+    if normalizer is None:
+        return False
+    if normalizer.get("type") == "Sequence":
+        return any(_maps_compatibility(part) for part in normalizer["normalizers"])
+    return normalizer.get("type") in ("NFKC", "NFKD")
 
 
 def _keeps_text(pre_tokenizer: dict | None) -> bool:

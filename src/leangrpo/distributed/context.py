@@ -98,14 +98,15 @@ class DistContext:
         finally:
             self.wait_s += time.perf_counter() - start
 
-    def all_reduce(self, values: Sequence[float], op: str = "sum") -> list[float]:
-        """Element-wise sum / max / min of `values` over ranks (float64)."""
+    def all_reduce(self, values: Sequence[float], op: str = "sum", group: Any = None) -> list[float]:
+        """Element-wise sum / max / min of `values` over ranks (float64); over `group`'s
+        ranks when given (a group of the mesh, distributed/mesh.py)."""
         if not self.distributed:
             return [float(v) for v in values]
         ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
         t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.comm_device)
         with self._timed():
-            dist.all_reduce(t, op=ops[op])
+            dist.all_reduce(t, op=ops[op], group=group)
         return t.tolist()
 
     def all_true(self, flag: bool) -> bool:
@@ -123,12 +124,14 @@ class DistContext:
         self.all_reduce([0.0])  # a tiny all-reduce: a barrier that honours the timeout everywhere
         return time.perf_counter() - start
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
+    def all_gather_object(self, obj: Any, group: Any = None) -> list[Any]:
+        """Every rank's `obj` (of `group`'s ranks when given), in rank order."""
         if not self.distributed:
             return [obj]
-        out: list[Any] = [None] * self.world_size
+        size = self.world_size if group is None else dist.get_world_size(group)
+        out: list[Any] = [None] * size
         with self._timed():
-            dist.all_gather_object(out, obj)
+            dist.all_gather_object(out, obj, group=group)
         return out
 
     def gather_to_main(self, obj: Any) -> list[Any] | None:

@@ -41,9 +41,11 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
+from leangrpo.contracts import RowSplit
 from leangrpo.distributed.context import DistContext
 from leangrpo.model.policy import DTYPES, meta_copy
 from leangrpo.model.scoring import PackedScorer, causal_lm, install_chunked_head
+from leangrpo.ops.context_parallel.shards import WHOLE_ROW
 
 # Prefixes wrappers add to parameter names: checkpoint_wrapper, FSDP1, torch.compile.
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
@@ -56,12 +58,17 @@ def clean_name(name: str) -> str:
     return name
 
 
-def shard_model(model: nn.Module, dist_cfg, ctx: DistContext) -> PackedScorer:
+def shard_model(
+    model: nn.Module, dist_cfg, ctx: DistContext, split: RowSplit = WHOLE_ROW
+) -> PackedScorer:
     """Shard `model` (a transformers causal LM, or a peft model around one) in place.
 
     Returns the root: call it (or `leangrpo.model.scoring.score(root, ...)`) for log-probs. Build the
     optimizer after this, over the model's (now DTensor) parameters. Needs the process
     group of `init_distributed` (world size >= 2); a single process is never sharded.
+    `split`: how the root's scoring pass splits a row over a context-parallel group
+    (distributed/mesh.py; the whole row without one). Parameters are sharded over every
+    process (the data x context mesh flattened) either way.
     """
     if not ctx.distributed:
         raise ValueError(
@@ -80,7 +87,7 @@ def shard_model(model: nn.Module, dist_cfg, ctx: DistContext) -> PackedScorer:
     if embed.weight is not head.weight:  # untied: each big matrix is its own unit
         fully_shard(embed, reshard_after_forward=reshard, **units)
         fully_shard(head, reshard_after_forward=reshard, **units)
-    scorer = PackedScorer(model)
+    scorer = PackedScorer(model, split)
     fully_shard(scorer, **units)  # root: stays gathered from forward to backward
     return scorer
 
@@ -247,22 +254,24 @@ def local_param_bytes(model: nn.Module) -> int:
     return total
 
 
-def shard_policy(policy, dist_cfg, ctx: DistContext) -> None:
+def shard_policy(policy, dist_cfg, ctx: DistContext, split: RowSplit = WHOLE_ROW) -> None:
     """Shard a loaded policy in place: `policy.root` becomes its FSDP root, and a full
     fine-tuning reference (beta > 0) is sharded the same way (no full copy per rank). A
     reference still on the meta device (`model.meta_copy`) is sharded there and its shards
     are then copied from the policy's: the same values, never a second full copy. Build
-    the optimizer afterwards."""
-    policy.root = shard_model(policy.model, dist_cfg, ctx)
+    the optimizer afterwards. `split`: the scoring passes' row split (`shard_model`)."""
+    policy.root = shard_model(policy.model, dist_cfg, ctx, split)
     if policy.reference is not None:
         on_meta = any(p.is_meta for p in policy.reference.parameters())
-        reference = shard_model(policy.reference, dist_cfg, ctx)
+        reference = shard_model(policy.reference, dist_cfg, ctx, split)
         if on_meta:
             _copy_shards(reference, policy.root)
         policy.reference = reference
 
 
-def shard_for_training(policy, dist_cfg, ctx: DistContext, engine_copy: bool) -> nn.Module | None:
+def shard_for_training(
+    policy, dist_cfg, ctx: DistContext, engine_copy: bool, split: RowSplit = WHOLE_ROW
+) -> nn.Module | None:
     """Shard `policy` (and its reference) in place; with `engine_copy` (the per-rank hf
     engine) return the rank's own unsharded copy for it (`unsharded_copy`), else None.
 
@@ -270,7 +279,7 @@ def shard_for_training(policy, dist_cfg, ctx: DistContext, engine_copy: bool) ->
     with its plain lm_head), its tensors after, from the shards: a rank holds at most one
     full copy of the weights at any moment of the set-up."""
     structure = meta_copy(policy.model) if engine_copy else None
-    shard_policy(policy, dist_cfg, ctx)
+    shard_policy(policy, dist_cfg, ctx, split)
     if structure is None:
         return None
     return unsharded_copy(structure, policy.model, policy.device)

@@ -7,8 +7,9 @@ Two arrangements (docs/ARCHITECTURE.md "Distributed"):
   `bounds(P)` of them with its own engine copy (group seeds depend on the prompt's index
   in the batch, never on the rank), and `RankShare.gather` all-gathers the scored samples
   (token ids, log-probs, rewards: small) so that every rank holds the same batch before
-  re-rolls, replay and advantages, which then run identically everywhere. Reward figures
-  are recomputed over the whole batch, failure counts added, times are the slowest rank's.
+  re-rolls, replay and advantages, which then run identically everywhere. The shares'
+  metrics merge by pipeline/merging.py's rules (reward figures recomputed over the whole
+  batch, counts added, multi-turn means weighted), times are the slowest rank's.
   The exchange of an async producer runs in its thread, on a process group of its own
   (`DistContext.new_group`), so it never interleaves with the main thread's collectives.
 - **Rank 0 decides** (vLLM servers). `MainRankProducer`: rank 0 alone runs the producer
@@ -38,6 +39,7 @@ from typing import Any
 from leangrpo.contracts import Producer, RolloutBatch, RolloutSample
 from leangrpo.distributed.context import DistContext
 from leangrpo.pipeline.advantages import mean_std
+from leangrpo.pipeline.merging import merge_metrics
 from leangrpo.pipeline.producers import AsyncProducer, ProductionAborted
 
 _ABORT = "leangrpo:abort"
@@ -81,7 +83,7 @@ class RankShare:
         """The whole scored batch (rank slices in order) and its metrics, on every rank."""
         parts = self.exchange((samples, metrics))
         everything = [s for part, _ in parts for s in part]
-        return everything, merge_share_metrics([m for _, m in parts], everything)
+        return everything, merge_share_metrics(parts)
 
     def abort(self) -> None:
         """Join the exchange a peer's producer is waiting in, abandoning its batch."""
@@ -121,19 +123,23 @@ class RankShare:
             return stand_in
 
 
-def merge_share_metrics(per_rank: list[dict[str, float]], samples: list[RolloutSample]) -> dict:
-    """One batch's metrics from its ranks' shares: reward means and stds over the whole
-    batch (as one process computes them), failure counts added, the slowest rank's times,
-    and how much longer the slowest rank took than the fastest (`dist/wait_generate`)."""
-    out: dict[str, float] = {}
+def merge_share_metrics(parts: list[tuple[list[RolloutSample], dict[str, float]]]) -> dict:
+    """One batch's metrics from its ranks' shares (samples, metrics): each figure merged by
+    its declared rule (pipeline/merging.py: counts added, means weighted by what they
+    average over, the multi-turn figures included), reward means and stds recomputed over
+    the whole batch (as one process computes them), the slowest rank's times, and how much
+    longer the slowest rank took than the fastest (`dist/wait_generate`)."""
+    per_rank = [metrics for _, metrics in parts]
+    out = merge_metrics(
+        [(share, {k: v for k, v in m.items() if not k.startswith("time/")}) for share, m in parts]
+    )
     for metrics in per_rank:
         for key, value in metrics.items():
             if key.startswith("time/"):
                 out[key] = max(out.get(key, 0.0), value)
-            elif key.endswith(("/failures", "/unscored")):
-                out[key] = out.get(key, 0.0) + value
     busy = [m.get("time/generate", 0.0) + m.get("time/rewards", 0.0) for m in per_rank]
     out["dist/wait_generate"] = max(busy) - min(busy)
+    samples = [s for share, _ in parts for s in share]
     totals = [s.reward for s in samples if s.reward is not None]
     if totals:
         out["reward/mean"], out["reward/std"] = mean_std(totals)

@@ -23,12 +23,20 @@ strategy: what a multi-process run puts where one process has its own pieces
   gathers inside forward and backward are not in it.
 - Shutdown: per-rank async producers stop without leaving a peer in a batch exchange
   (`rollout.stop_rank_producer`).
+- Context parallelism (`distributed.context_parallel_size` C > 1): the processes form a
+  data x context mesh (mesh.py); groups are dealt to the D = W / C shares, the scoring
+  roots split each row over their context group (Ulysses), and the step's reductions
+  count each share once (`TorchrunRanks`). Generation is unchanged: with the hf engine
+  every process generates 1/W of each batch and every process receives every sample
+  (the trainer's dealing needs the whole batch anyway, and no device sits idle while a
+  batch is made); with vLLM servers rank 0 generates and broadcasts.
 
 See docs/ARCHITECTURE.md "Distributed".
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from functools import partial
 from pathlib import Path
@@ -46,12 +54,21 @@ from leangrpo.distributed.fsdp import (
     reshard,
     shard_for_training,
 )
+from leangrpo.distributed.mesh import (
+    ContextParallelError,
+    ParallelMesh,
+    build_mesh,
+    check_splittable,
+)
 from leangrpo.distributed.rollout import stop_rank_producer
 from leangrpo.metrics.logger import MetricsLogger, NullLogger
 from leangrpo.train.strategy import one_process_strategy
 
-RANK_SUM = ("packing/tokens", "packing/micro_batches", "packing/split_groups", "offload/bytes",
-            "offload/tensors", "offload/prefetched", "_tokens")  # fmt: skip
+log = logging.getLogger("leangrpo")
+
+# counted per data-parallel share (the ranks of a context group hold the same figures)
+SHARE_SUM = ("packing/tokens", "packing/micro_batches", "packing/split_groups", "_tokens")
+RANK_SUM = ("offload/bytes", "offload/tensors", "offload/prefetched")  # per process
 RANK_MAX = ("packing/balance", "packing/padding_ratio", "time/train", "time/score",
             "time/weight_sync", "time/trainer_wait", "time/producer_idle",
             "offload/pool_bytes", "dist/wait_max", "memory/peak_gib")  # fmt: skip
@@ -68,36 +85,55 @@ def choose_strategy(cfg, ctx: DistContext, output_dir: Path) -> Strategy:
 def torchrun_strategy(cfg, ctx: DistContext, output_dir: Path) -> Strategy:
     """The torchrun pieces of a run (`cfg`: its Config; `ctx`: the process group's)."""
     per_rank = cfg.rollout.engine == "hf"  # every rank its own engine; else rank 0 generates
+    mesh = build_mesh(ctx, cfg.distributed.context_parallel_size)
     return Strategy(
         device=ctx.device,
         reference_on_meta=True,  # one full copy per rank at most (sharded later)
         abandon_waits=False,  # ranks stop together, at a step boundary
         generates=per_rank or ctx.is_main,
-        ranks=TorchrunRanks(ctx),
+        ranks=TorchrunRanks(ctx, mesh),
         checkpointer=ShardedCheckpointer(output_dir, cfg.checkpoint.keep_last, ctx),
         logger=MetricsLogger if ctx.is_main else NullLogger,
-        shard=partial(shard_for_training, dist_cfg=cfg.distributed, ctx=ctx, engine_copy=per_rank),
+        shard=partial(
+            shard_on_mesh, dist_cfg=cfg.distributed, ctx=ctx, mesh=mesh, engine_copy=per_rank
+        ),
         weights=partial(gathered_weights, ctx=ctx, to_all=per_rank),
-        reduce_metrics=partial(reduce_rank_metrics, ctx),
+        reduce_metrics=partial(reduce_rank_metrics, ctx, mesh=mesh),
         stop_producer=partial(stop_rank_producer, ctx=ctx) if per_rank else _nothing_to_stop,
     )
 
 
-class TorchrunRanks:
-    """`contracts.StepRanks` over the process group of `ctx`."""
+def shard_on_mesh(policy, *, dist_cfg, ctx: DistContext, mesh: ParallelMesh, engine_copy: bool):
+    """`fsdp.shard_for_training` with the scoring roots splitting rows over the mesh's
+    context group; a model whose attention cannot be split is refused first."""
+    if mesh.context_size > 1:
+        try:
+            log.info(check_splittable(policy.model, mesh))
+        except ContextParallelError as error:  # every rank refuses alike: rank 0 says it
+            error.shown_by_rank_0 = ctx.rank > 0  # type: ignore[attr-defined]
+            raise
+    split = mesh.split()
+    return shard_for_training(policy, dist_cfg, ctx, engine_copy, split=split)
 
-    def __init__(self, ctx: DistContext):
+
+class TorchrunRanks:
+    """`contracts.StepRanks` over the process group of `ctx`, arranged as `mesh` (default:
+    one share per process)."""
+
+    def __init__(self, ctx: DistContext, mesh: ParallelMesh | None = None):
         self.ctx = ctx
-        self.rank, self.world_size = ctx.rank, ctx.world_size
+        self.mesh = mesh or ParallelMesh(ctx.world_size, 1, ctx.rank, 0)
+        self.rank, self.world_size = self.mesh.data_rank, self.mesh.data_size
+        self.processes = ctx.world_size
 
     def all_reduce(self, values: Sequence[float], op: str = "sum") -> list[float]:
-        return self.ctx.all_reduce(values, op)
+        return self.ctx.all_reduce(values, op, group=self.mesh.data_group)
 
     def all_true(self, flag: bool) -> bool:
         return self.ctx.all_true(flag)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        return self.ctx.all_gather_object(obj)
+        return self.ctx.all_gather_object(obj, group=self.mesh.data_group)
 
     def clip_gradients(self, parameters: list[torch.Tensor], max_norm: float | None) -> float:
         """After a barrier, the norm of the sharded gradients reduced over ranks, clipped."""
@@ -124,18 +160,24 @@ def gathered_weights(policy, *, ctx: DistContext, to_all: bool) -> Iterable[tupl
     return gather_for_sync(policy.model, ctx, adapters_only=policy.is_lora, device="cpu")
 
 
-def reduce_rank_metrics(ctx: DistContext, metrics: dict, tokens: float, wait_s: float) -> dict:
+def reduce_rank_metrics(
+    ctx: DistContext, metrics: dict, tokens: float, wait_s: float, mesh: ParallelMesh | None = None
+) -> dict:
     """Combine the per-rank figures of one step (one all-gather); the rest is already
     the same on every rank. `tokens`: this rank's trained tokens (padding left out);
-    `wait_s`: this rank's seconds in collectives this step."""
-    per_rank = RANK_SUM + RANK_MAX + RANK_MEAN
+    `wait_s`: this rank's seconds in collectives this step. Packing figures are a share's
+    (added over the shares' first ranks: a context group's ranks hold the same ones)."""
+    per_rank = SHARE_SUM + RANK_SUM + RANK_MAX + RANK_MEAN
     mine = {k: v for k, v in {**metrics, "_tokens": tokens}.items() if k in per_rank}
     mine["dist/wait_max"] = mine["dist/wait_mean"] = wait_s
     parts = ctx.all_gather_object(mine)
+    leaders = parts if mesh is None else mesh.share_leaders(parts)
     out = dict(metrics)
     for key in {k for part in parts for k in part}:
         values = [part[key] for part in parts if key in part]
-        if key in RANK_SUM:
+        if key in SHARE_SUM:
+            out[key] = sum(part[key] for part in leaders if key in part)
+        elif key in RANK_SUM:
             out[key] = sum(values)
         elif key in RANK_MAX:
             out[key] = max(values)

@@ -207,6 +207,8 @@ class EnvironmentPool:
     def submit(self, op: str, item: tuple) -> int:
         """Queue one item on its session's worker (`item[0] % W`, in order behind that
         worker's earlier items); returns its ticket for `poll`. Call inside `exclusive`."""
+        if self._closed:  # closed (another thread) while a call holds it
+            raise PoolClosed("the environment pool was closed during an operation")
         self._tickets += 1
         slot = item[0] % self.num_workers
         self._queued.setdefault(slot, deque()).append((self._tickets, op, item))
@@ -222,6 +224,8 @@ class EnvironmentPool:
     def poll(self, timeout_s: float | None) -> list[tuple[int, Outcome]]:
         """The items answered (or failed) so far: waits at most `timeout_s` (None: until one
         is) for a worker to answer. A worker silent past an item's budget is killed."""
+        if self._closed:
+            raise PoolClosed("the environment pool was closed during an operation")
         if self._ready or not self._busy:
             return self._take_ready()
         wait_until = None if timeout_s is None else time.monotonic() + timeout_s

@@ -7,7 +7,8 @@ is peft's adapter and the tokenizer, plus two notes on the base the adapter was 
 as resolved, which the checkpoint's own dtype need not be) and, for a quantized base,
 `quantization_config.json` (its `BitsAndBytesConfig`, model/quantization.py).
 
-`load_final(path)` gives the trainer's model back: the base in the recorded dtype, quantized
+`load_final(path)` gives the trainer's model back: the base named in adapter_config.json at
+the revision recorded there (model.revision, model/policy.py), in the recorded dtype, quantized
 as recorded, with leangrpo's load-time fixes (`prepare_quantized`: bitsandbytes' CPU bf16
 repack off, int8 layers in train mode), then the adapter; in eval mode. Loading by hand
 misses them: on a CPU with AVX512-BF16 bitsandbytes repacks every 4-bit layer at its first
@@ -167,6 +168,9 @@ def merge_adapter(source: str | Path, out: str | Path) -> Path:
         ).merge_and_unload()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
+    mask = os.umask(0o022)
+    os.umask(mask)
+    tmp.chmod(0o777 & ~mask)  # mkdtemp makes it private; a merged model is not
     try:  # written beside `out`, then renamed: never a half-written model under its name
         with quiet_transformers_progress():
             merged.save_pretrained(tmp)

@@ -185,7 +185,7 @@ def build_policy(
         frozen = meta_copy(model) if reference_on_meta else copy.deepcopy(model)
         reference = frozen.eval().requires_grad_(False)
     if cfg.lora.enabled:
-        model = _wrap_lora(model, cfg.lora)
+        model = _wrap_lora(model, cfg.lora, cfg.model.revision)
     if cfg.model.disable_dropout:
         disable_dropout(model)
     offloader = None
@@ -247,7 +247,10 @@ def refuse_scaled_logits(config) -> None:
             )
 
 
-def _wrap_lora(model: nn.Module, lora_cfg) -> nn.Module:
+def _wrap_lora(model: nn.Module, lora_cfg, revision: str | None) -> nn.Module:
+    """`revision` (model.revision) is recorded in the adapter's config beside its base's
+    name, so the saved adapter (final/) is loaded back onto the base it was trained on
+    (model/final.py), not the hub's newest."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
@@ -257,7 +260,7 @@ def _wrap_lora(model: nn.Module, lora_cfg) -> nn.Module:
         target_modules=lora_cfg.target_modules,
         task_type="CAUSAL_LM",
     )
-    wrapped = get_peft_model(model, config)
+    wrapped = get_peft_model(model, config, revision=revision)
     refuse_bypassed_adapters(wrapped)
     return wrapped
 

@@ -11,6 +11,12 @@ any token outside the reference's set, which becomes near-certain once the polic
 For FSDP2 (distributed/fsdp.py) the chunked lm_head can be a module (`ChunkedLMHead`, the
 same parameters under the same names) and the whole scoring pass a module
 (`PackedScorer`), so that every weight is read inside a forward, where FSDP has gathered it.
+
+The forward runs on a row split (`contracts.RowSplit`): one process's is the whole row
+(`ops.context_parallel.shards.WHOLE_ROW`); under context parallelism the `PackedScorer`
+holds the group's split (ops/context_parallel/ulysses.py), and each rank runs the backbone
+on its shard of the row and the head on the completion tokens its shard predicts, and gets
+back the whole row's (T,) log-probs. Nothing after scoring sees the difference.
 """
 
 from __future__ import annotations
@@ -21,9 +27,9 @@ import dataclasses
 import torch
 from torch import nn
 
-from leangrpo.contracts import PackedBatch, SamplingParams
+from leangrpo.contracts import PackedBatch, RowSplit, SamplingParams
 from leangrpo.model.policy import Policy
-from leangrpo.ops.attention.adapter import packed_model_kwargs
+from leangrpo.ops.context_parallel.shards import WHOLE_ROW, LocalRow, whole_row
 from leangrpo.ops.logprobs.api import token_logprobs
 
 
@@ -39,14 +45,19 @@ def backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
 
 def completion_hidden(model: nn.Module, batch: PackedBatch) -> torch.Tensor:
     """Final hidden states (T, H) at the positions that predict completion tokens."""
+    return row_hidden(model, whole_row(batch))
+
+
+def row_hidden(model: nn.Module, row: LocalRow) -> torch.Tensor:
+    """Final hidden states (T_c, H) of a (local) row at its predicting positions."""
     backbone, _ = backbone_and_head(model)
     out = backbone(
-        input_ids=batch.input_ids,
-        position_ids=batch.position_ids,
+        input_ids=row.input_ids,
+        position_ids=row.position_ids,
         use_cache=False,
-        **packed_model_kwargs(batch),
+        **row.model_kwargs,
     )
-    return out.last_hidden_state[0].index_select(0, batch.completion_index)
+    return out.last_hidden_state[0].index_select(0, row.completion_index)
 
 
 def score(
@@ -65,13 +76,20 @@ def score(
             "score(): the model is FSDP-sharded; score through the PackedScorer that "
             "leangrpo.distributed.fsdp.shard_model returned, so that the sharded weights are gathered"
         )
-    return _score(model, batch, sampling, logprob_cfg, with_entropy)
+    return _score(model, batch, sampling, logprob_cfg, with_entropy, WHOLE_ROW)
 
 
-def _score(model, batch, sampling, logprob_cfg, with_entropy: bool):
+def _score(model, batch, sampling, logprob_cfg, with_entropy: bool, split: RowSplit):
     """score() without the check (inside the FSDP root's forward, units not yet reached
-    still hold sharded weights; each unit's forward gathers its own)."""
-    hidden = completion_hidden(model, batch)
+    still hold sharded weights; each unit's forward gathers its own), on `split`'s part of
+    the row; the (T,) log-probs (and entropies) of the whole row."""
+    row = split.local_row(batch)
+    logprobs, entropy = _head_logprobs(model, row_hidden(model, row), row.targets, sampling,
+                                       logprob_cfg, with_entropy)  # fmt: skip
+    return split.gather(logprobs, entropy, row)
+
+
+def _head_logprobs(model, hidden, targets, sampling, logprob_cfg, with_entropy: bool):
     _, head = backbone_and_head(model)
     options = {
         "chunked": logprob_cfg.chunked,
@@ -84,10 +102,8 @@ def _score(model, batch, sampling, logprob_cfg, with_entropy: bool):
         "vocab_tile": logprob_cfg.vocab_tile,
     }
     if isinstance(head, ChunkedLMHead):  # a module call: FSDP gathers the head around it
-        return head(hidden, batch.targets, **options)
-    return token_logprobs(
-        hidden, head.weight, batch.targets, getattr(head, "bias", None), **options
-    )
+        return head(hidden, targets, **options)
+    return token_logprobs(hidden, head.weight, targets, getattr(head, "bias", None), **options)
 
 
 def reference_sampling(sampling: SamplingParams) -> SamplingParams:
@@ -147,15 +163,17 @@ class PackedScorer(nn.Module):
     FSDP2 gathers a unit's parameters in its forward pre-hook, so whatever is left outside
     the per-layer units (embeddings, final norm, a tied head) must be read inside some
     module's forward: this one is the root unit. `scorer(batch, sampling, logprob_cfg)`
-    equals `score(model, ...)`.
+    equals `score(model, ...)`. `split`: how the row is split over a context-parallel
+    group (default: the whole row, one process's).
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, split: RowSplit = WHOLE_ROW):
         super().__init__()
         self.model = model
+        self.split = split
 
     def forward(self, batch: PackedBatch, sampling, logprob_cfg, with_entropy: bool = False):
-        return _score(self.model, batch, sampling, logprob_cfg, with_entropy)
+        return _score(self.model, batch, sampling, logprob_cfg, with_entropy, self.split)
 
 
 @torch.no_grad()

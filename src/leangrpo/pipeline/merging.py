@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from leangrpo.contracts import RolloutSample
 from leangrpo.environments.metrics import COUNTED, FINISH_REASONS, PER_TOOL
+from leangrpo.sandbox.calls import LIMIT_KINDS
 
 Over = Callable[[list[RolloutSample], re.Match], int]
 
@@ -65,10 +66,12 @@ SUM, MAX = Rule("sum"), Rule("max")
 CALL_COUNTS = ("generation_s", "env_wait_s", "prefill_tokens", "prefill_tokens_saved",
                "prefills", "prefills_beside_decoding", "decode_steps", "decode_rows",
                "cache_evictions", "cache_misses")  # fmt: skip
+LIMITED = [kind.split()[0] for kind in LIMIT_KINDS]  # as the pool names them
 RULES: list[tuple[str, Rule]] = [  # (full-match pattern, rule): the first that matches
     (r"time/.+", SUM),
     (r"reroll/(requeued|dropped)", SUM),
     (r"reward/(failures|unscored)", SUM),
+    (rf"reward/({_names(LIMITED)})_failures", SUM),  # the sandbox's limit kinds (rewards/pool.py)
     (r"reward/mean", Rule("mean", _scored)),
     (r"reward/std", Rule("std", _scored)),
     (r"reward/.+/failures", SUM),

@@ -119,12 +119,14 @@ def layer_saved(d, s: Setup, first: bool = False) -> int:
     return attn + o_in + mlp + _inputs(s, d.intermediate, ("down_proj",))
 
 
-def rotary_bytes(d, s: Setup) -> int:
+def rotary_bytes(d, s: Setup, row_per_token: int = 1) -> int:
     """Per token, what one forward builds once for every layer: rotary cos and sin, (N,
     head_dim) each in the model dtype, and with the per-segment kernel the batched SDPA's two
     int64 token indices (into the buckets and back). Under checkpointing the layers' frames
-    hold them rather than autograd's saved tensors: alive all the same."""
-    return 2 * d.head_dim * s.b + (16 if s.kernel == "segments" else 0)
+    hold them rather than autograd's saved tensors: alive all the same. `row_per_token`:
+    the kernel's row per local token (context parallelism: C, its kernel runs on the
+    whole row of C shards)."""
+    return 2 * d.head_dim * s.b + (16 * row_per_token if s.kernel == "segments" else 0)
 
 
 def final_norm_bytes(d, s: Setup) -> int:

@@ -28,6 +28,10 @@ second) and counts, per device, for one micro-batch of `train.micro_batch_tokens
                      one layer's backward working set [estimated, measured on CPU]
     lm_head          the log-prob head's peak: chunked tiles, or the full (T, V) logits [exact
                      tiles; full logits measured on CPU]
+    all_to_all       context parallelism (distributed.context_parallel_size C > 1): one
+                     layer's Ulysses exchange buffers, the send and the receive buffer of
+                     this rank's q, k and v (key/value heads replicated to lcm(K, C))
+                     [exact for the exchange; other transients of the layer not counted]
     kv_cache         the hf engine's DynamicCache at its longest, for the larger of a training
                      generation call and an evaluation call (vLLM sizes its own) [exact]
     offloaded_to_host  layer inputs moved to host memory (not device memory; on CPU it is
@@ -36,8 +40,18 @@ second) and counts, per device, for one micro-batch of `train.micro_batch_tokens
 With colocated vLLM sharing the weights, the plan also holds `saved_by_sharing`: the copy
 vLLM does not hold (not a term, not in the total).
 
+Context parallelism: each of the C ranks of a share holds ceil(N / C) of a row's tokens,
+and the completion rows of its shard: not rows / C, since a row's completion tokens follow
+its prompt (one long sequence puts them all on the later shards), so the per-device figure
+is that of a rank whose tokens are all completion rows, min(ceil(N / C), rows). The
+activation and lm_head terms are counted for those; attention's saved tensors cover the whole row for H / C query heads and lcm(K, C) / C
+key/value heads, which per local token is the layer's own inventory with lcm(K, C) key/value
+heads (`context_dims`). Weights, gradients and optimizer state are sharded over all W
+processes. `longest_micro_batch` inverts the plan: the most tokens a micro-batch (one long
+sequence) may hold within a given memory per device.
+
 `total` is the peak: weights + reference_copy + generation_copy + adamw_state + the larger of
-the training pass (gradients + activations + lm_head) and generation (kv_cache); both at
+the training pass (gradients + activations + lm_head + all_to_all) and generation (kv_cache); both at
 once when an async hf producer generates while the trainer trains. The activation term is
 defined as benchmarks/grpo_step.py measures it (train-pass peak - weights - gradients - the
 head's own peak), so the GPU suite compares like with like.
@@ -56,6 +70,7 @@ prefill's transient activations.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -95,6 +110,7 @@ TERMS = (
     "adamw_state",
     "activations",
     "lm_head",
+    "all_to_all",
     "kv_cache",
     "offloaded_to_host",
 )
@@ -314,9 +330,14 @@ def plan_memory(
     d = dims or model_dims(cfg.model)
     device = "cpu" if cfg.run.device == "cpu" else "cuda"
     s = make_setup(cfg, device, kernel)
-    n = tokens or cfg.train.micro_batch_tokens
+    c = cfg.distributed.context_parallel_size
+    world_size = planned_world(c, world_size)
+    row = tokens or cfg.train.micro_batch_tokens
     prompt = prompt_tokens or cfg.data.max_prompt_tokens or DEFAULT_PROMPT_TOKENS
-    rows = completion_rows(cfg, n, prompt, s.kernel)
+    n = math.ceil(row / c)  # this rank's tokens of the row
+    # the rank holding the completions: a row's completion tokens follow its prompt, so
+    # one shard may hold completion tokens only (one long sequence: every later shard)
+    rows = min(n, completion_rows(cfg, row, prompt, s.kernel))
     base, replicated = base_bytes(cfg, d, s.b)
     adapters = lora_params(d, s) * s.a
     trainable = adapters if s.lora else d.params * s.b
@@ -330,7 +351,7 @@ def plan_memory(
     ) // shard.divisor
     head_grad = 0 if s.lora else d.vocab * d.hidden * s.b // shard.divisor
     grads = (layer_grad, head_grad, trainable // shard.divisor)
-    activations, host = _activations(cfg, d, s, n, rows, head, grads, prompt)
+    activations, host = _activations(cfg, context_dims(d, c), s, n, rows, head, grads, prompt, c)
     plan = {
         "weights": weights,
         "reference_copy": base if (cfg.loss.beta > 0 and not s.lora) else 0,
@@ -341,6 +362,7 @@ def plan_memory(
         "adamw_state": 2 * trainable // shard.divisor + (4 * tensors if device == "cpu" else 0),
         "activations": activations,
         "lm_head": head,
+        "all_to_all": all_to_all_bytes(d, c, n, s.b),
         "kv_cache": _kv_cache(cfg, d, s, prompt, world_size) if hf else 0,
         "offloaded_to_host": host,
     }
@@ -348,6 +370,61 @@ def plan_memory(
     if sharing_blocker(cfg) is None:
         plan[SAVED_BY_SHARING] = base  # not a term: the copy colocated vLLM does not hold
     return plan
+
+
+def planned_world(context_size: int, world_size: int) -> int:
+    """The processes to plan for: at least one context group (C) when none was given."""
+    if context_size == 1:
+        return world_size
+    if world_size == 1:
+        return context_size
+    if world_size % context_size:
+        raise PlanError(
+            f"distributed.context_parallel_size ({context_size}) does not divide the {world_size} processes planned for; pass --world-size as a multiple of {context_size}."
+        )
+    return world_size
+
+
+def context_dims(d: Dims, context_size: int) -> Dims:
+    """The decoder as one rank of a Ulysses group sees it per local token: attention holds
+    the whole row for H / C query heads and lcm(K, C) / C key/value heads, i.e. per token
+    the full query heads and lcm(K, C) key/value heads (replicated when K < C)."""
+    if context_size == 1:
+        return d
+    return dataclasses.replace(d, kv_heads=math.lcm(d.kv_heads, context_size))
+
+
+def all_to_all_bytes(d: Dims, context_size: int, tokens: int, b: int) -> int:
+    """One layer's q/k/v exchange: the send and the receive buffer of this rank's `tokens`
+    (key/value heads replicated to lcm(K, C)); 0 without context parallelism."""
+    if context_size == 1:
+        return 0
+    kv = math.lcm(d.kv_heads, context_size) * d.head_dim
+    return 2 * tokens * (d.heads * d.head_dim + 2 * kv) * b
+
+
+def longest_micro_batch(
+    cfg, memory_bytes: int, dims: Dims | None = None, *, prompt_tokens=None, world_size: int = 1
+) -> int:
+    """The most tokens one micro-batch (e.g. a single long sequence) may hold with the
+    plan's total within `memory_bytes` per device (0: not even one token fits; capped at
+    MAX_PLANNED_TOKENS)."""
+    d = dims or model_dims(cfg.model)
+
+    def fits(tokens: int) -> bool:
+        plan = plan_memory(cfg, tokens, d, prompt_tokens=prompt_tokens, world_size=world_size)
+        return plan["total"] <= memory_bytes
+
+    low, high = 0, MAX_PLANNED_TOKENS
+    if fits(high):
+        return high
+    while high - low > 1:  # fits(low) (or low = 0), not fits(high)
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+MAX_PLANNED_TOKENS = 1 << 24
 
 
 def vllm_copy(cfg, base: int) -> int:
@@ -373,7 +450,7 @@ def peak(plan: dict[str, int], concurrent: bool, cpu: bool) -> int:
     persistent = sum(
         plan[k] for k in ("weights", "reference_copy", "generation_copy", "adamw_state")
     )
-    train = plan["gradients"] + plan["activations"] + plan["lm_head"]
+    train = plan["gradients"] + plan["activations"] + plan["lm_head"] + plan["all_to_all"]
     train += plan["offloaded_to_host"] if cpu else 0  # host memory is the device's on CPU
     generation = plan["kv_cache"]
     return persistent + (train + generation if concurrent else max(train, generation))
@@ -452,7 +529,15 @@ def _lm_head(cfg, d: Dims, s: Setup, rows: int, device: str) -> int:
 
 
 def _activations(
-    cfg, d: Dims, s: Setup, n: int, rows: int, head: int, grads: tuple[int, int, int], prompt: int
+    cfg,
+    d: Dims,
+    s: Setup,
+    n: int,
+    rows: int,
+    head: int,
+    grads: tuple[int, int, int],
+    prompt: int,
+    context_size: int = 1,
 ) -> tuple[int, int]:
     """(device bytes of the activation term, bytes offloaded to the host).
 
@@ -460,11 +545,13 @@ def _activations(
     set), a layer's backward (from the top: what is still saved, that layer's working set,
     and the gradients made so far), or the end (every gradient). `grads` = (per layer, the
     head weight's (made by the head's backward), all) in bytes per device. The term is that
-    peak - all gradients - the head, as benchmarks/grpo_step.py derives it."""
+    peak - all gradients - the head, as benchmarks/grpo_step.py derives it. Context
+    parallelism: `n` and `rows` are this rank's, `d` the `context_dims` (attention over the
+    whole row for 1/C of the heads), the kernel's indices span the C shards' row."""
     L, mode = d.layers, cfg.offload.activations
     layer_grad, head_grad, all_grads = grads
     layer_input = n * s.b * d.hidden  # what checkpointing keeps of each layer
-    rope = n * rotary_bytes(d, s)
+    rope = n * rotary_bytes(d, s, row_per_token=context_size)
     head_rest = n * final_norm_bytes(d, s) + rows * (s.b * d.hidden + LOSS_BYTES_PER_TOKEN)
     extra = n * backward_extra(d, s) + dequantized_bytes(cfg, d, s.b)  # + one weight
     prefix = prefix_kv_bytes(cfg, d, s, n, prompt)  # per layer, shared-prefix layout only
@@ -618,10 +705,12 @@ def render_plan(
     prompt_tokens: int | None = None,
     world_size: int = 1,
     prompt_source: str = "",
+    memory_gib: float | None = None,
 ) -> str:
     """The terms in GiB, the total and how it is made of them, and (given the config) what
     the figure assumes. `prompt_source`: where the prompt length came from
-    (planned_prompt_tokens)."""
+    (planned_prompt_tokens); with `memory_gib`, the longest micro-batch that fits that much
+    per device."""
     lines = ["memory plan (per device, one micro-batch):"]
     cpu = cfg is None or cfg.run.device == "cpu"
     if cfg is not None:
@@ -629,9 +718,12 @@ def render_plan(
         prompt = prompt_tokens or cfg.data.max_prompt_tokens or DEFAULT_PROMPT_TOKENS
         device = "cpu" if cfg.run.device == "cpu" else "cuda"
         rows = completion_rows(cfg, n, prompt, make_setup(cfg, device).kernel)
+        c = cfg.distributed.context_parallel_size
+        world_size = planned_world(c, world_size)
         lines[0] = (
             f"memory plan (per device, {device}, one micro-batch of {n} tokens, {rows} completion rows, prompts of {prompt} tokens"
             + (f", {world_size} ranks" if world_size > 1 else "")
+            + (f", each row split over {c} context-parallel ranks" if c > 1 else "")
             + (f", {cfg.model.quantization} base" if cfg.model.quantization != "none" else "")
             + "):"
         )
@@ -649,6 +741,15 @@ def render_plan(
     if cfg is not None and cfg.run.device == "cpu":
         lines.append(
             f"  + the process itself (python, torch, transformers, peft imported): about {PROCESS_BASELINE_CPU / 2**30:.2f} GiB of RSS, not in the total"
+        )
+    if cfg is not None and memory_gib is not None:
+        longest = longest_micro_batch(
+            cfg, int(memory_gib * 2**30), prompt_tokens=prompt_tokens, world_size=world_size
+        )
+        at_least = "at least " if longest == MAX_PLANNED_TOKENS else ""
+        lines.append(
+            f"longest micro-batch (one sequence, or several packed) that fits {memory_gib:g} GiB per device: {at_least}{longest} tokens"
+            + (" (none fits: the weights alone exceed it)" if longest == 0 else "")
         )
     return "\n".join(lines)
 

@@ -160,11 +160,14 @@ class RewardPool:
 
     def _check_systematic(self, run: _Run) -> None:
         """A function that failed on every sample the same way (its code, not its luck):
-        stop with one sentence, or warn once (rewards.systematic_failures)."""
+        stop with one sentence, or warn once (rewards.systematic_failures). The samples
+        must come from 2 or more prompts: a batch of one prompt's group (a streamed chunk
+        of one group, a torchrun rank's share) failing may be that prompt's data row."""
         n = len(run.samples)
+        prompts = len({sample.prompt.uid for sample in run.samples})
         for fn, spec in enumerate(self.specs):
             ways = run.ways[fn]
-            if n < 2 or run.failures[fn] < n or len(ways) != 1:
+            if prompts < 2 or run.failures[fn] < n or len(ways) != 1:
                 continue
             ((kind, detail),) = ways.items()
             if kind in CIRCUMSTANTIAL:

@@ -18,12 +18,21 @@ namespace (Linux >= 5.14, unprivileged user namespaces or root):
   network).
 - Then privileges go: every capability (the bounding set too), no_new_privs; mounts can
   no longer be undone.
+- Without `network`, a seccomp filter refuses socket(AF_UNIX) (EACCES; socketpair still
+  works): a pathname unix socket is reached through the filesystem, not the network
+  namespace, and a read-only mount does not stop connect(), so a daemon listening
+  anywhere the worker can see (tmux under /tmp, vLLM's ZMQ ipc sockets) would be in
+  reach. It also refuses io_uring (which can open sockets past the filter) and system
+  calls of another architecture's table (i386, x32), which the filter does not check.
 
 process (anywhere): no namespaces; the scratch is a plain directory; no_new_privs, and a
 root worker drops every capability (so it cannot ptrace, or read the memory of, the
 non-dumpable trainer: levels.py `protect_trainer`).
 
-Both levels: no core files (RLIMIT_CORE 0: a core pattern may run a host program),
+Both levels: the worker is non-dumpable (PR_SET_DUMPABLE 0, before user code: another
+worker's code, at the `process` level as the same user, could otherwise ptrace it or
+rewrite its memory through /proc/<pid>/mem: a tool forging a reward worker's scores); no
+core files (RLIMIT_CORE 0: a core pattern may run a host program),
 RLIMIT_AS at `memory_limit_mb`, and the process limit: a cgroup's pids.max, joined before
 anything else (root; cgroups.py), or RLIMIT_NPROC, which inside a user namespace counts
 the sandbox's own processes and threads only (a non-root trainer). Any failure is a
@@ -37,6 +46,7 @@ import ctypes
 import errno
 import fcntl
 import os
+import platform
 import resource
 import signal
 import socket
@@ -57,8 +67,13 @@ AT_FDCWD, AT_RECURSIVE = -100, 0x8000
 MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = 0x1, 0x2
 OPEN_TREE_CLONE, OPEN_TREE_CLOEXEC, MOVE_MOUNT_F_EMPTY_PATH = 1, 0o2000000, 4
 SYS_OPEN_TREE, SYS_MOVE_MOUNT, SYS_MOUNT_SETATTR = 428, 429, 442  # one table on x86-64 and arm64
-PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT = 1, 24, 38, 47
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 38
+PR_CAP_AMBIENT = 47
 PR_CAP_AMBIENT_CLEAR_ALL = 4
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+# (audit arch, socket's number) of the tables the filter knows; io_uring_setup is 425 in both
+SECCOMP_ARCHES = {"x86_64": (0xC000003E, 41), "aarch64": (0xC00000B7, 198)}
+NR_IO_URING_SETUP, X32_SYSCALL_BIT, AF_UNIX = 425, 0x40000000, 1
 DEVICES = ("null", "zero", "full", "random", "urandom")
 LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
          "stderr": "/proc/self/fd/2"}  # fmt: skip
@@ -67,6 +82,15 @@ WORKER_TASKS = 8  # the worker's own processes and threads, beyond what its call
 
 class SetupError(Exception):
     """The sandbox could not be set up (one line naming the step)."""
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
+                ("k", ctypes.c_uint32)]  # fmt: skip
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(_SockFilter))]
 
 
 class _MountAttr(ctypes.Structure):
@@ -159,6 +183,8 @@ def _confine(spec: dict) -> None:
             _loopback_up()
     _set_limits(spec)
     _drop_privileges()
+    if spec["level"] == "namespace" and not spec["network"]:
+        _refuse_unix_sockets()
 
 
 def _mount_view(spec: dict) -> None:
@@ -236,6 +262,7 @@ def _loopback_up() -> None:
 
 
 def _set_limits(spec: dict) -> None:
+    _prctl(PR_SET_DUMPABLE, 0, "prctl DUMPABLE")
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     if spec.get("memory_limit_mb"):
         limit = int(spec["memory_limit_mb"]) << 20
@@ -267,6 +294,34 @@ def _drop_privileges() -> None:
                 break
     header, data = _CapHeader(0x20080522, 0), (_CapData * 2)()
     _check(_libc.capset(ctypes.byref(header), data), "capset")
+
+
+def _refuse_unix_sockets() -> None:
+    """The seccomp filter of the module docstring (after no_new_privs)."""
+    known = SECCOMP_ARCHES.get(platform.machine())
+    if known is None:
+        raise SetupError(f"no seccomp filter for {platform.machine()} (allow_network: true skips it)")
+    arch, nr_socket = known
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, JMP|JEQ|K, JMP|JGE|K, RET|K
+    allow, eacces = 0x7FFF0000, 0x00050000 | errno.EACCES  # SECCOMP_RET_ALLOW, RET_ERRNO
+    enosys = 0x00050000 | errno.ENOSYS
+    program = [
+        (ld, 0, 0, 4),  # seccomp_data.arch
+        (jeq, 1, 0, arch),
+        (ret, 0, 0, enosys),  # another table: not checked here, so refused
+        (ld, 0, 0, 0),  # seccomp_data.nr
+        (jge, 5, 0, X32_SYSCALL_BIT),  # x32 (x86-64): -> enosys
+        (jeq, 4, 0, NR_IO_URING_SETUP),  # -> enosys
+        (jeq, 0, 4, nr_socket),  # else -> allow
+        (ld, 0, 0, 16),  # seccomp_data.args[0], low half: the address family
+        (jeq, 0, 2, AF_UNIX),  # else -> allow
+        (ret, 0, 0, eacces),
+        (ret, 0, 0, enosys),
+        (ret, 0, 0, allow),
+    ]
+    filters = (_SockFilter * len(program))(*program)
+    prog = _SockFprog(len(program), filters)
+    _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0), "seccomp")
 
 
 def _last_cap() -> int:

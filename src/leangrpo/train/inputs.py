@@ -37,10 +37,13 @@ def normalisers(
 ) -> LossNormalisers:
     """Counts over the whole optimizer step (`micro_batches`: its real ones, no padding).
 
-    `sum_over_ranks` (e.g. `DistContext.all_reduce`, called once) makes the counts global
-    and each rank gets its share, global / world_size: FSDP averages the ranks' gradients,
-    so the ranks' losses must add up to W times the loss of one process. One process: the
-    counts themselves.
+    `sum_over_ranks` (`StepRanks.all_reduce`, called once) makes the counts global, each
+    data-parallel share counted once, and each rank gets its share, global / world_size
+    (world_size: the W processes whose gradients FSDP averages), so the gradients of the
+    W processes add up to W times one process's. Under context parallelism every rank of
+    a share holds the share's whole micro-batches and the same normalisers; its gradients
+    cover its own tokens, and the share's ranks together the share's loss once
+    (ops/context_parallel/ulysses.py). One process: the counts themselves.
     """
     sequences = sum(mb.num_sequences for mb in micro_batches)
     tokens = _loss_tokens(micro_batches, loss)

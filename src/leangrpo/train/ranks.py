@@ -20,6 +20,7 @@ class OneProcess:
 
     rank = 0
     world_size = 1
+    processes = 1
 
     def all_reduce(self, values: Sequence[float], op: str = "sum") -> list[float]:
         return [float(v) for v in values]

@@ -52,7 +52,7 @@ def train_step(
 
     `cfg`: the run's Config (its loss, logprobs, rollout and train sections)."""
     real = [mb for mb in micro_batches if not mb.padding]
-    norm = normalisers(real, cfg.loss, cfg.model_token_budget(), ranks.world_size, ranks.all_reduce)
+    norm = normalisers(real, cfg.loss, cfg.model_token_budget(), ranks.processes, ranks.all_reduce)
     on_device = []  # per micro-batch: (loss, loss metrics, IS metrics), 0-d tensors
     sums_offload: dict[str, float] = defaultdict(float)
     for mb in micro_batches:
@@ -110,16 +110,18 @@ def _offload_scope(policy: Policy):
 
 
 def _combine_ranks(ranks: StepRanks, sums, is_metrics, total_loss):
-    """Loss-metric sums added over ranks, IS metrics pooled, the loss averaged: each rank's
-    loss carries the normaliser share global / W, so their mean is the step's loss (one
-    process: the figures themselves)."""
+    """Loss-metric sums added over the shares, IS metrics pooled, the loss averaged: each
+    share's loss carries the normaliser share global / W (W processes), so their sum over
+    the shares, divided by W, is the step's loss (one process: the figures themselves).
+    Under context parallelism the ranks of a share computed the same loss and metrics on
+    the same (T,) vectors: each share counts once."""
     gathered = ranks.all_gather_object((dict(sums), is_metrics, total_loss))
     combined: dict[str, float] = defaultdict(float)
     for rank_sums, _, _ in gathered:
         for k, v in rank_sums.items():
             combined[k] += v
     pooled = [m for _, rank_is, _ in gathered for m in rank_is]
-    return combined, pooled, sum(loss for _, _, loss in gathered) / ranks.world_size
+    return combined, pooled, sum(loss for _, _, loss in gathered) / ranks.processes
 
 
 def _step_metrics(sums, is_metrics, total_loss, grad_norm) -> dict[str, float]:

@@ -226,8 +226,9 @@ class Trainer:
         self.skips = RunSkips(**state.get("skips", {}))
         self.producer.load_state_dict(bulky.get("producer", state.get("producer")))
         if restored.inflight is not None:
+            ranks = self.strategy.ranks  # this process's data-parallel share
             self.inflight = BatchInProgress.from_state(
-                restored.inflight, self.cfg, self.policy, self.ctx.rank, self.ctx.world_size
+                restored.inflight, self.cfg, self.policy, ranks.rank, ranks.world_size
             )
         # the engine gets these weights before it generates anything (async: a floor)
         self.producer.report_progress(self.version, self._steps_left())

@@ -38,6 +38,8 @@ logger = logging.getLogger("leangrpo")
 
 ATTENTION_NAME = "leangrpo_packed"
 PREFIX_KWARG = "leangrpo_prefix"
+# context parallelism: the row split (ops/context_parallel) whose `attend` runs the kernel
+CONTEXT_KWARG = "leangrpo_context"
 Backend = Literal["auto", "flash_varlen", "torch_varlen", "flex", "sdpa_segments"]
 BACKENDS = ("flash_varlen", "torch_varlen", "flex", "sdpa_segments")
 PREFIX_BACKENDS = ("flex", "sdpa_segments")  # kernels that implement the shared-prefix layout
@@ -60,6 +62,9 @@ class PackedSupport:
     packed_kwargs: bool  # cu_seq_lens reached it: packed attention runs inside the model
     prefix_kwarg: bool  # the shared-prefix layout reached it
     padded_view: bool  # neither did: forward hooks pad and unpad around the backbone
+    # attention calls of one forward that a context-parallel split reached: a row can be
+    # split over ranks when that is every decoder layer (each mixes tokens only there)
+    context_layers: int = 0
 
 
 def _log_once(key: str, message: str, level: int = logging.INFO) -> None:
@@ -245,13 +250,25 @@ def packed_attention_forward(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     layout = kwargs.pop(PREFIX_KWARG, None)
+    split = kwargs.pop(CONTEXT_KWARG, None)
     cu = kwargs.get("cu_seq_lens_q")
-    _PROBE.record(cu is not None, layout is not None)
+    _PROBE.record(cu is not None, layout is not None, split is not None)
+    if split is PROBE_SPLIT:
+        split = None
     if layout is not None or cu is not None:
         _check_packed_call(module, query, key, attention_mask, is_causal, kwargs, layout)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out = _run_packed(query, key, value, cu, kwargs.get("max_length_q"), layout, scale, dropout)
-        return out, None
+        max_len = kwargs.get("max_length_q")
+
+        def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return _run_packed(q, k, v, cu, max_len, layout, scale, dropout)
+
+        return (run(query, key, value) if split is None else split.attend(query, key, value, run)), None
+    if split is not None:
+        raise PackedAttentionError(
+            "a context-parallel split reached attention without packed kwargs; "
+            "score packed batches only (model.scoring.score)."
+        )
     if attention_mask is None and query.shape[2] == key.shape[2] and query.shape[2] > 1:
         attention_mask = _implicit_mask(kwargs.get("position_ids"), query, kwargs)
     return sdpa_attention_forward(
@@ -379,14 +396,17 @@ class _Probe:
 
     def __init__(self) -> None:
         self.active, self.saw_cu, self.saw_prefix = False, False, False
+        self.split_calls = 0  # attention calls that received the probe's split marker
 
-    def record(self, saw_cu: bool, saw_prefix: bool) -> None:
+    def record(self, saw_cu: bool, saw_prefix: bool, saw_split: bool = False) -> None:
         if self.active:
             self.saw_cu |= saw_cu
             self.saw_prefix |= saw_prefix
+            self.split_calls += saw_split
 
 
 _PROBE = _Probe()
+PROBE_SPLIT = object()  # the probe's stand-in for a context-parallel split (never attends)
 
 
 def _backbone(lm: nn.Module) -> nn.Module:
@@ -395,23 +415,29 @@ def _backbone(lm: nn.Module) -> nn.Module:
 
 
 def _probe(lm: nn.Module, device: torch.device) -> PackedSupport:
-    """Run two sequences (2 + 3 tokens) packed, plainly and with a shared prefix."""
+    """Run two sequences (2 + 3 tokens) packed, plainly (with the split marker) and with a
+    shared prefix."""
     backbone = _backbone(lm)
     ids = torch.zeros(1, 5, dtype=torch.long, device=device)
     cu = torch.tensor([0, 2, 5], dtype=torch.int32, device=device)
     plain = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 3, "max_length_k": 3}
     layout = PrefixLayout((GroupSpan(0, 2, (2, 4), (2, 1)),), 5)
-    runs = [(torch.tensor([[0, 1, 0, 1, 2]], device=device), plain)]
+    runs = [(torch.tensor([[0, 1, 0, 1, 2]], device=device), {**plain, CONTEXT_KWARG: PROBE_SPLIT})]
     if current_backend() in PREFIX_BACKENDS:
         runs.append((torch.tensor([[0, 1, 2, 3, 2]], device=device), {PREFIX_KWARG: layout}))
-    _PROBE.active, _PROBE.saw_cu, _PROBE.saw_prefix = True, False, False
+    _PROBE.active, _PROBE.saw_cu, _PROBE.saw_prefix, _PROBE.split_calls = True, False, False, 0
     try:
         with torch.no_grad():
             for position_ids, extra in runs:
                 backbone(input_ids=ids, position_ids=position_ids, use_cache=False, **extra)
     finally:
         _PROBE.active = False
-    return PackedSupport(_PROBE.saw_cu, _PROBE.saw_prefix, padded_view=not _PROBE.saw_cu)
+    return PackedSupport(
+        _PROBE.saw_cu,
+        _PROBE.saw_prefix,
+        padded_view=not _PROBE.saw_cu,
+        context_layers=_PROBE.split_calls,
+    )
 
 
 class _PaddedView:

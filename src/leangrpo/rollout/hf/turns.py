@@ -27,6 +27,9 @@ evicted trajectory's next turn prefills all its ids (counted). Choices:
   holds one sequence, so a trajectory's arithmetic is its own (the batch-invariant mode).
 - A lone row prefilled from scratch, and decode steps whose rows all fill the width,
   run without a mask (transformers' causal SDPA path), as decode.py's loop does.
+- Sliding-window layers (Mistral, Qwen2/3 with a window): the masks are always explicit,
+  theirs cut to the window (a mask per layer type when full layers are mixed in), as the
+  model's own forward would; the cache keeps every position.
 - Sampling: decode.py's `sample_next`, one generator per request (seeded: its own seed;
   unseeded: from the OS; greedy: none), so a turn's draws never depend on its batch. A
   row draws its uniforms DRAW_BLOCK at a time (on CPU the same values as one call per
@@ -111,6 +114,7 @@ class HFTurnStream:
         self._on_close = on_close
         self._cache_kwarg = cache_kwarg_name(model)
         self._eager = getattr(causal_lm(model).config, "_attn_implementation", "") == "eager"
+        self._window, self._per_type = _sliding_window(causal_lm(model).config)
         self.cache = SlotCache(causal_lm(model).config.num_hidden_layers)
         self.kept = KeptCaches()
         self.rows: list[_Row] = []
@@ -279,7 +283,7 @@ class HFTurnStream:
             positions[real].to(self.device),
             None if bool(real.all()) else real.reshape(-1).to(self.device),
         )
-        plain = count == 1 and joining[0].start == 0  # causal from scratch: no mask needed
+        plain = count == 1 and joining[0].start == 0 and self._window is None  # no mask needed
         mask = None if plain else self._prefill_mask(positions, real, width)
         logits = self._forward(ids, mask, positions)
         self.stats["prefill_tokens"] += sum(len(n) for n in news)
@@ -304,9 +308,10 @@ class HFTurnStream:
             query_offset=width - 1,
         )
         mask = None
-        if int(lengths.min()) + 1 != width:  # some row is shorter than the width
+        if int(lengths.min()) + 1 != width or self._window is not None:  # not plain causal
             keys = torch.arange(width)
-            mask = self._mask_format((keys[None, :] <= lengths[:, None])[:, None, None, :])
+            allowed = (keys[None, :] <= lengths[:, None])[:, None, None, :]
+            mask = self._masks(allowed, lengths[:, None])
         logits = self._forward(tokens, mask, lengths[:, None])
         for row in self.rows:
             row.length += 1
@@ -320,7 +325,23 @@ class HFTurnStream:
         mask = keys[None, None, :] <= positions[:, :, None]  # (j, q, width)
         mask &= real[:, :, None]
         mask[:, :, 0] |= ~real
-        return self._mask_format(mask[:, None])
+        return self._masks(mask[:, None], positions)
+
+    def _masks(self, allowed: torch.Tensor, positions: torch.Tensor):
+        """The forward's attention mask from `allowed` (rows, 1, q, width: key visible from
+        query) and the queries' positions (rows, q): with sliding-window layers, their mask
+        sees only the window's last keys (a dict by layer type when the model mixes them,
+        as transformers' own `causal_mask_mapping`)."""
+        if self._window is None:
+            return self._mask_format(allowed)
+        keys = torch.arange(allowed.shape[-1])
+        windowed = allowed & (keys > positions[:, None, :, None] - self._window)
+        if not self._per_type:
+            return self._mask_format(windowed)
+        return {
+            "full_attention": self._mask_format(allowed),
+            "sliding_attention": self._mask_format(windowed),
+        }
 
     def _mask_format(self, mask: torch.Tensor) -> torch.Tensor:
         """Boolean (True = attend) for SDPA and leangrpo's adapter; additive for eager."""
@@ -392,6 +413,26 @@ class HFTurnStream:
 
 WIDTH_STEP = 64  # the slot cache's width grows in steps of this many positions
 DRAW_BLOCK = 64  # uniforms a row draws from its generator at a time
+
+
+def _sliding_window(config) -> tuple[int | None, bool]:
+    """The window of the model's sliding-window layers (None: none has one; their layers as
+    transformers' `DynamicCache` makes them) and whether the model mixes them with full
+    attention layers (`config.layer_types`: its forward takes a mask per layer type)."""
+    from transformers import DynamicCache
+
+    layers = DynamicCache(config=config).layers
+    windows = {getattr(layer, "sliding_window", None) for layer in layers} - {None}
+    if not windows:
+        return None, False
+    types = set(getattr(config, "layer_types", None) or ())
+    if len(windows) > 1 or not types <= {"full_attention", "sliding_attention"}:
+        raise ValueError(
+            f"the hf engine's multi-turn stream supports full and sliding-window attention "
+            f"with one window; this model has windows {sorted(windows)} and layer types "
+            f"{sorted(types)}: use rollout.engine: vllm"
+        )
+    return windows.pop(), bool(types)
 
 
 def _bound(request: TurnRequest) -> int:

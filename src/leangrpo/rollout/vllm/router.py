@@ -84,6 +84,7 @@ class Router:
             for _ in range(groups):
                 chosen = min(candidates, key=lambda s: (assigned[s.index], *_load(s)))
                 assigned[chosen.index] += 1
+                chosen.in_flight += 1  # `done` / `failed` count it back
                 out.append(chosen)
             return out
 
