@@ -222,6 +222,31 @@ def test_per_trajectory_makes_what_rounds_make_whatever_the_latencies(tokenizer,
         assert metrics["multiturn/generation_s"] > 0 and metrics["multiturn/env_wait_s"] >= 0
 
 
+def test_a_calls_loop_and_engine_metrics_merge_as_streamed_chunks(tokenizer, pools):
+    """A streamed step merges its chunks' metrics by declared rules (pipeline/merging.py):
+    the call's loop and engine figures had none, so a streamed multi-turn step with two
+    chunks stopped on a KeyError. Counts and seconds add, the largest in-flight is kept."""
+    from leangrpo.pipeline.merging import merge_metrics
+
+    model = AutoModelForCausalLM.from_pretrained(TOOLS_MODEL, dtype=torch.float32).eval()
+    engine = HFEngine(model, tokenizer, kv_cache_tokens=400)  # evicts: every count shows
+    pool = pools("support.environments:Again", kwargs={"turns": 3})
+    run = rollout(engine, tokenizer, pool, max_total=192)
+    chunks = []
+    for batch in (prompts(3), prompts(6)[3:]):
+        groups = run.generate(batch, PARAMS, 4, 0)
+        samples = [RolloutSample(c.trajectory.start.uid, c.trajectory.start, c) for g in groups for c in g]
+        chunks.append((samples, dict(run.last_metrics)))
+    for key in ("generation_s", "env_wait_s", "prefill_tokens", "prefill_tokens_saved",
+                "decode_steps", "cache_evictions", "in_flight_max", "in_flight_mean"):  # fmt: skip
+        assert all(f"multiturn/{key}" in m for _, m in chunks), key
+    merged = merge_metrics(chunks)
+    first, second = (m for _, m in chunks)
+    for key in ("multiturn/prefill_tokens", "multiturn/decode_steps", "multiturn/generation_s"):
+        assert merged[key] == pytest.approx(first[key] + second[key])
+    assert merged["multiturn/in_flight_max"] == 12.0
+
+
 def test_a_slow_environment_step_holds_up_only_its_own_trajectory(engine, tokenizer, pools, tmp_path):
     """Trajectory 1 (alone on its worker) waits in its first step until a file exists; the
     others finish all their turns meanwhile: per-trajectory scheduling never waits for the

@@ -15,6 +15,7 @@ import torch
 from support.vllm_fakes import FakeLocal, Served
 
 from leangrpo.contracts import EngineVersionError, Prompt, SamplingParams, TurnRequest
+from leangrpo.pipeline.merging import rule_for
 from leangrpo.rollout.vllm.client import ServerPool, ServerUnreachable
 from leangrpo.rollout.vllm.engine import VLLMEngine
 from leangrpo.rollout.vllm.router import Router
@@ -75,6 +76,8 @@ def test_turns_stick_to_their_server_and_new_trajectories_take_the_least_loaded(
         assert [c.ids for c in out[k]] == [[t, 100 + k, 0] for t in range(3)]  # each served once
     assert [len(s.local.requests) for s in served] == [6, 6, 6]  # 2 trajectories each
     assert [metrics[f"server/{i}/requests"] for i in range(3)] == [6.0, 6.0, 6.0]
+    for key in metrics:  # logged as rollout/<key>; a streamed step merges them by rule
+        assert rule_for(f"rollout/{key}")[0].kind in ("sum", "max")
     # a loaded server is skipped: s0 holds two long requests, the next two go elsewhere
     pool = engine.backend
     pool.router.servers[0].in_flight += 2

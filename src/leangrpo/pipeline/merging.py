@@ -2,8 +2,9 @@
 one declared rule per metric.
 
 A chunk's metrics come from the reward pool (`reward/*`, rewards/pool.py), its
-trajectories (`multiturn/*`, environments/metrics.py), the worker's timings (`time/*`) and
-its re-rolls (`reroll/*`, batch.py). Each is a count or a sum (added), a maximum (the
+trajectories (`multiturn/*`, environments/metrics.py), its multi-turn generation call's
+loop and engine (`multiturn/*` seconds and counts, `rollout/server*`: driver.py's
+`last_metrics`), the worker's timings (`time/*`) and its re-rolls (`reroll/*`, batch.py). Each is a count or a sum (added), a maximum (the
 largest), or a mean over some of the chunk's samples, weighted by how many of them it
 averages over, counted on the chunk's own samples (the scored ones for `reward/mean`,
 those a function scored for its mean, the trajectories, those that reached turn k, those
@@ -62,6 +63,9 @@ def _names(names) -> str:
 
 
 SUM, MAX = Rule("sum"), Rule("max")
+CALL_COUNTS = ("generation_s", "env_wait_s", "prefill_tokens", "prefill_tokens_saved",
+               "prefills", "prefills_beside_decoding", "decode_steps", "decode_rows",
+               "cache_evictions", "cache_misses")  # fmt: skip
 LIMITED = [kind.split()[0] for kind in LIMIT_KINDS]  # as the pool names them
 RULES: list[tuple[str, Rule]] = [  # (full-match pattern, rule): the first that matches
     (r"time/.+", SUM),
@@ -79,6 +83,12 @@ RULES: list[tuple[str, Rule]] = [  # (full-match pattern, rule): the first that 
     (rf"multiturn/(turns|{_names(COUNTED)})", Rule("mean", _trajectories)),
     (rf"multiturn/({_names(PER_TOOL)})/.+", Rule("mean", _trajectories)),  # absent: 0
     (rf"multiturn/finish/({_names(FINISH_REASONS)})", Rule("mean", _trajectories)),
+    # the generation call's loop and turn stream (driver.py's last_metrics), one per chunk
+    (r"multiturn/in_flight_max", MAX),
+    (r"multiturn/in_flight_mean", Rule("mean", _trajectories)),
+    (rf"multiturn/({_names(CALL_COUNTS)})", SUM),
+    (r"rollout/server/\d+/requests|rollout/server_retries", SUM),
+    (r"rollout/servers_down", MAX),
 ]
 
 
