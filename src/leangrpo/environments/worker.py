@@ -99,6 +99,7 @@ class Worker:
         self.sessions: dict[int, Environment] = {}
         self.processes: dict[int, list[int]] = {}  # session -> processes its calls kept
         self.limits = sandbox.limited_call(init["timeout_s"], init.get("cpu_time_limit_s"))
+        self.settle_output = sandbox.meter.settle
         self.counts: Counter = Counter()  # the step's counts (a tool's limits add to them)
         self.retire = False
 
@@ -152,6 +153,7 @@ class Worker:
         kill_descendants(os.getpid())  # what building the probe started
         terms = None if self.reward_terms is None else list(self.reward_terms)
         ready = {"t": "ready", "tools": schemas, "replies": replies, "reward_terms": terms, "max_tool_calls": calls}
+        self.settle_output()  # what the imports printed reaches the log before a check ends it
         self.channel.send(ready)
         return True
 

@@ -32,7 +32,7 @@ def serve(channel: Channel, init: dict, sandbox: Any) -> None:
     """Resolve the functions, then answer tasks until the channel closes (EOFError)."""
     sys.path[:0] = [p for p in init["sys_path"] if p not in sys.path]
     specs = [ResolvedReward(**d) for d in init["specs"]]
-    functions = _resolve_all(channel, specs, warm_up=init["mode"] == "serve")
+    functions = _resolve_all(channel, specs, init["mode"] == "serve", sandbox.meter.settle)
     if functions is None or init["mode"] != "serve":
         return
     call = sandbox.limited_call(init["timeout_s"], init.get("cpu_time_limit_s"))
@@ -51,7 +51,9 @@ def serve(channel: Channel, init: dict, sandbox: Any) -> None:
             return
 
 
-def _resolve_all(channel: Channel, specs: list[ResolvedReward], warm_up: bool) -> list | None:
+def _resolve_all(
+    channel: Channel, specs: list[ResolvedReward], warm_up: bool, settle: Any
+) -> list | None:
     functions = []
     for i, spec in enumerate(specs):
         channel.send({"t": "loading", "fn": i})
@@ -64,6 +66,7 @@ def _resolve_all(channel: Channel, specs: list[ResolvedReward], warm_up: bool) -
         except BaseException as e:  # SystemExit and KeyboardInterrupt at import included
             channel.send({"t": "init_error", "fn": i, "msg": _describe(e, spec)})
             return None
+    settle()  # what the imports printed reaches the log before the check ends the worker
     channel.send({"t": "ready"})
     return functions
 

@@ -54,16 +54,20 @@ class OutputMeter:
         self.in_call = True
 
     def end_call(self) -> None:
-        """The call's own output is passed on before its reply leaves (so the log shows it
-        even if the worker is killed next); a process still printing gets SETTLE_S."""
+        self.settle()
+        self.in_call = False
+        self.forwarded = 0
+
+    def settle(self) -> None:
+        """What was printed so far is passed on before the next reply leaves (so the log
+        shows it even if the worker is killed next); a process still printing gets
+        SETTLE_S."""
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):  # user code may have closed or replaced it
                 stream.flush()
         deadline = time.monotonic() + SETTLE_S
         while (self._passing or self._unread() > 0) and time.monotonic() < deadline:
             time.sleep(0.001)
-        self.in_call = False
-        self.forwarded = 0
 
     def _unread(self) -> int:
         try:
