@@ -42,7 +42,7 @@ from leangrpo.config import Config
 from leangrpo.contracts import RolloutBatch
 from leangrpo.distributed.context import DistContext, init_distributed
 from leangrpo.distributed.strategy import choose_strategy
-from leangrpo.environments.setup import start_environments
+from leangrpo.environments.setup import Environments, start_environments
 from leangrpo.errors import RunError
 from leangrpo.metrics.learning import LearningSignal, warn_if_tokenizer_drops_text
 from leangrpo.model.policy import Policy, load_policy
@@ -112,12 +112,8 @@ class Trainer:
         tokenizer, limit = load_checked_tokenizer(cfg, self.checked)  # `leangrpo check` too
         # multi-turn, still before the model loads: environment workers and the chat
         # template, the prompts as their first turn renders them, a probe reset
-        generates = strategy.generates  # torchrun with vLLM: rank 0 alone
+        self.environments = self._start_environments(cfg, tokenizer)
         early = self.prestarted
-        pool = early.take_environment_pool() if early is not None else None
-        if generates and cfg.environment is not None and pool is None:
-            log.info("starting %d environment worker(s) ...", cfg.environment.num_workers)
-        self.environments = start_environments(cfg, tokenizer, pool) if generates else None
         first_turn = self.environments.renderer.first_turn if self.environments else None
         prompts = prepare_prompts(cfg, tokenizer, limit, first_turn)
         if ctx.is_main:
@@ -168,6 +164,17 @@ class Trainer:
         self.logger = self._make_logger(resumed)
         if not resumed:
             self.logger.stage(prompts.metrics)  # merged into the step-0 row
+
+    def _start_environments(self, cfg: Config, tokenizer) -> Environments | None:
+        """The environment workers (prestarted where they could be), on the processes that
+        generate (torchrun with vLLM: rank 0 alone)."""
+        if not self.strategy.generates:
+            return None
+        early = self.prestarted
+        pool = early.take_environment_pool() if early is not None else None
+        if cfg.environment is not None and pool is None:
+            log.info("starting %d environment worker(s) ...", cfg.environment.num_workers)
+        return start_environments(cfg, tokenizer, pool)
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         t = self.cfg.train
