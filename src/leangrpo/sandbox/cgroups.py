@@ -19,6 +19,8 @@ import os
 import time
 from pathlib import Path
 
+from leangrpo.sandbox.proctree import process_exists
+
 V2, V1 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/pids")
 PREFIX = "leangrpo-"
 _counter = itertools.count()
@@ -96,16 +98,7 @@ def remove_group(group: str | None, wait_s: float = 2.0) -> None:
 def _remove_stale(root: Path) -> None:
     for group in root.glob(f"{PREFIX}*-*"):
         owner = group.name[len(PREFIX) :].partition("-")[0]
-        if owner.isdigit() and int(owner) != os.getpid() and not _running(int(owner)):
+        if owner.isdigit() and int(owner) != os.getpid() and not process_exists(int(owner)):
             with contextlib.suppress(OSError):
                 group.rmdir()
 
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True

@@ -43,7 +43,7 @@ from leangrpo.sandbox.cgroups import make_group, remove_group
 from leangrpo.sandbox.frames import FrameReader, pickle_frame
 from leangrpo.sandbox.launch import LAUNCH_CODE
 from leangrpo.sandbox.levels import SandboxPlan, protect_trainer
-from leangrpo.sandbox.proctree import kill_tree
+from leangrpo.sandbox.proctree import kill_tree, process_exists
 
 log = logging.getLogger("leangrpo.rewards")
 
@@ -247,16 +247,7 @@ def scratch_directory() -> str:
         _cleaned.append(True)
         for path in Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*-*"):
             owner = path.name[len(SCRATCH_PREFIX) :].partition("-")[0]
-            if owner.isdigit() and int(owner) != os.getpid() and not _running(int(owner)):
+            if owner.isdigit() and int(owner) != os.getpid() and not process_exists(int(owner)):
                 shutil.rmtree(path, ignore_errors=True)
     return tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
 
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True

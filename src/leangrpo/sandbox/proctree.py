@@ -74,6 +74,17 @@ def descendants(pid: int) -> list[int]:
     return list(found)
 
 
+def process_exists(pid: int) -> bool:
+    """A process with this pid exists (one of another user's included; zombies too)."""
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
 def is_live(pid: int) -> bool:
     """True unless `pid` is gone or a zombie."""
     try:
