@@ -31,6 +31,35 @@ from leangrpo.stopping import RunStopped  # no torch: stdlib only
 STARTED = time.monotonic()  # the summary's time counts from the command's start
 
 
+def _plan_arguments(p: argparse.ArgumentParser) -> None:
+    """`plan`'s own options: the shape and the world to plan for."""
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help="tokens per micro-batch to plan for (default: train.micro_batch_tokens)",
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=None,
+        help="longest prompt in tokens (default: data.max_prompt_tokens, else 512)",
+    )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="torchrun ranks, sharded with FSDP (default: $WORLD_SIZE, else 1)",
+    )
+    p.add_argument(
+        "--memory",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="also print the longest micro-batch (sequence) that fits GIB per device",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="leangrpo", description="Memory-lean, asynchronous GRPO training."
@@ -59,31 +88,7 @@ def _parser() -> argparse.ArgumentParser:
                 help="also load the model (and LoRA, quantization) as training would",
             )
         if name == "plan":
-            p.add_argument(
-                "--tokens",
-                type=int,
-                default=None,
-                help="tokens per micro-batch to plan for (default: train.micro_batch_tokens)",
-            )
-            p.add_argument(
-                "--prompt-tokens",
-                type=int,
-                default=None,
-                help="longest prompt in tokens (default: data.max_prompt_tokens, else 512)",
-            )
-            p.add_argument(
-                "--world-size",
-                type=int,
-                default=None,
-                help="torchrun ranks, sharded with FSDP (default: $WORLD_SIZE, else 1)",
-            )
-            p.add_argument(
-                "--memory",
-                type=float,
-                default=None,
-                metavar="GIB",
-                help="also print the longest micro-batch (sequence) that fits GIB per device",
-            )
+            _plan_arguments(p)
     rep = sub.add_parser(
         "report",
         help="summarise a run directory, and draw its dashboard",
