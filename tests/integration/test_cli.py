@@ -285,7 +285,7 @@ SHORT_DEMO = [
 def train_demo(out: Path, *overrides: str, probe: bool = False) -> subprocess.CompletedProcess:
     extra = [x for o in overrides for x in ("--set", o)]
     args = ["train", "examples/demo.yaml", "--set", f"run.output_dir={out}", *SHORT_DEMO, *extra]
-    return run_cli(*args, probe=probe, timeout=300)
+    return run_cli(*args, probe=probe)
 
 
 def metric_steps(out: Path) -> list[int]:

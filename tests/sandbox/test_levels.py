@@ -32,7 +32,7 @@ def without_user_namespaces(*command: str) -> subprocess.CompletedProcess:
         pytest.skip("util-linux's unshare is not installed")
     env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
     return subprocess.run(["unshare", "--user", *command], capture_output=True, text=True,
-                          cwd=ROOT, env=env, timeout=120)  # fmt: skip
+                          cwd=ROOT, env=env, timeout=600)  # fmt: skip
 
 
 def test_the_default_is_the_namespace_where_it_starts():
