@@ -19,7 +19,9 @@ CALL = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
 
 
 def pool_for(name: str, **fields) -> EnvironmentPool:
-    fields = {"num_workers": 1, "timeout_s": 2.0, "tool_timeout_s": 0.5, **fields}
+    # limits many times what a call here takes, on a loaded machine too (a test whose limit
+    # must fire gives its own, against an environment or tool that sleeps far longer)
+    fields = {"num_workers": 1, "timeout_s": 10.0, "tool_timeout_s": 5.0, **fields}
     return EnvironmentPool(EnvironmentConfig(name=name, **fields))
 
 
@@ -65,7 +67,7 @@ def test_the_tools_environment_answers_calls_with_tool_messages_and_counts_them(
         assert out[0].ok["calls"] == [{"name": "add", "arguments": {"a": 1, "b": 2}}]
         assert out[0].ok["counts"] == {"tool_calls": 1, "tool_calls/add": 1}
         assert out[1].ok["done"] and out[1].ok["reply"] == []
-        assert out[2].ok["reply"][0]["content"] == "error: the tool timed out after 0.5 s"
+        assert out[2].ok["reply"][0]["content"] == "error: the tool timed out after 5 s"
         assert out[2].ok["counts"]["tool_errors/nap"] == 1 and not out[2].ok["done"]
         assert [m["content"] for m in out[3].ok["reply"]] == [
             "error: unclosed <tool_call> block",
