@@ -63,6 +63,7 @@ def test_two_context_ranks_equal_one_process_and_a_killed_rank_stops_the_other(t
     assert not list(tmp_path.glob("finished-*"))
 
 
+@pytest.mark.exact
 @pytest.mark.slow
 def test_data_by_context_parallel_mesh_equals_one_process_and_resumes_exactly(tmp_path):
     few = "full/plain/grpo-kl-is,lora/prefix-multiturn/cispo"

@@ -71,6 +71,7 @@ class CrashAt(Trainer):
             raise _Crash
 
 
+@pytest.mark.exact
 def test_the_tool_demo_trains_on_trajectories_and_resumes_exactly_inside_a_batch(tmp_path):
     straight = Trainer(config_from_dict(tools_run(tmp_path / "a")))
     before = params(straight)
@@ -102,6 +103,7 @@ def test_the_tool_demo_trains_on_trajectories_and_resumes_exactly_inside_a_batch
         assert max_abs_diff(after, params(resumed)) == 0.0, mode
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize(
     "scheduling",
     [

@@ -327,6 +327,7 @@ def exact_resume_config(tmp_path: Path, mode: str, reward_file: Path, **run) -> 
     )
 
 
+@pytest.mark.exact
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_resume_is_exact_inside_a_batch(tmp_path, mode):

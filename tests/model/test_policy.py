@@ -253,6 +253,7 @@ def test_an_adapter_on_a_module_scoring_bypasses_is_refused():
     assert trainable and all(p.grad is not None and p.grad.abs().max() > 0 for _, p in trainable)
 
 
+@pytest.mark.exact
 def test_a_loaded_policy_decodes_as_a_copy_of_it_does_bitwise():
     """transformers leaves CPU weights in the memory-mapped safetensors file, where the tool
     demo's tensors start 40 bytes past a 64-byte boundary; oneMKL's one-row products (every
