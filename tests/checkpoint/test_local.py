@@ -183,6 +183,19 @@ def test_keep_last_prunes_and_resave_replaces(tmp_path: Path) -> None:
     assert latest_checkpoint(tmp_path) == root / "step-4"
 
 
+def test_pruning_goes_by_the_step_a_checkpoint_records_not_its_name(tmp_path: Path) -> None:
+    """A checkpoint renamed by hand (step-2 -> step-999) is pruned as the step-2 it is: kept
+    as the newest but one after step 3, not taken for a newer history and deleted."""
+    model = make_tiny_model()
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, model, None, None, {}, keep_last=2)
+    root = tmp_path / "checkpoints"
+    (root / "step-2").rename(root / "step-999")
+    save_checkpoint(tmp_path, 3, model, None, None, {}, keep_last=2)
+    assert sorted(p.name for p in root.iterdir()) == ["step-3", "step-999"]
+    assert latest_checkpoint(tmp_path) == root / "step-3"
+
+
 def test_mismatches_are_clear(tmp_path: Path) -> None:
     full = save_checkpoint(tmp_path / "a", 1, make_tiny_model(), None, None, {}, keep_last=1)
     with pytest.raises(CheckpointError, match="lora.enabled"):
