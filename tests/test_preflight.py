@@ -294,3 +294,32 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused_once_loaded(tmp_path: 
     checked = Preflight(None, ModelFiles(model, 64, "config.json"), None)  # type: ignore[arg-type]
     with pytest.raises(ModelFilesError, match="has 105 tokens .* only 32 embedding rows"):
         load_checked_tokenizer(cfg, checked)
+
+
+def test_a_chat_row_the_template_refuses_is_named_before_torch_with_the_record(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """With the tokenizer's record (left by an earlier run of this model), preflight renders
+    a prompt of each kind of messages: a role the template refuses is one sentence now."""
+    from leangrpo import preflight as module
+    from leangrpo.data.files import DataError
+
+    class Record:  # a TokenizerRecord's one call the check makes
+        chat_template = "strict"
+
+        def apply_chat_template(self, messages, **kwargs):
+            if any(m["role"] not in ("system", "user", "assistant") for m in messages):
+                raise ValueError(f"unknown role {messages[-1]['role']}")
+            return "text"
+
+    monkeypatch.setattr(module, "recall", lambda directory: Record())
+    rows = [{"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}] * 2
+    data = write_jsonl(
+        tmp_path / "chat.jsonl",
+        [*rows, {"prompt": [{"role": "bot", "content": "x"}], "answer": "1"}],
+    )
+    cfg = demo(tmp_path, f"data.path={data}", "data.chat_template=true")
+    with pytest.raises(
+        DataError, match=r"row 2: the chat template cannot render .*unknown role bot"
+    ):
+        preflight(cfg, dry=True)

@@ -15,7 +15,10 @@ the first thing that touches the disk):
    a quantized base's needs (bitsandbytes installed, the CPU, vLLM's in-flight
    quantization: model/quantization.py), and the prompt limit that follows from the
    model's context; a prompt whose text is longer than that many tokens can hold is
-   refused before anything is tokenised (data/lengths.py); then an environment section's
+   refused before anything is tokenised (data/lengths.py); with data.chat_template and the
+   tokenizer's record (model/tokenizer.py `recall`), a prompt of each kind of messages
+   rendered, so a role the template refuses is named (data/prompts.py `check_chat_rows`);
+   then an environment section's
    checks (environments/check.py: names, template, the environment and its tools imported
    in a worker, rewards that could only be 0, and with the tokenizer's record the template
    and the prompts' first turns);
@@ -56,7 +59,13 @@ from leangrpo.checkpoint.rundir import RunDir, RunDirError, open_run_dir
 from leangrpo.config import ConfigError
 from leangrpo.data.files import CheckedFile
 from leangrpo.data.lengths import check_prompt_text
-from leangrpo.data.prompts import PromptLimit, PromptSet, check_data, load_prompts
+from leangrpo.data.prompts import (
+    PromptLimit,
+    PromptSet,
+    check_chat_rows,
+    check_data,
+    load_prompts,
+)
 from leangrpo.model.files import (
     ModelFiles,
     check_model_files,
@@ -65,6 +74,7 @@ from leangrpo.model.files import (
     read_model_config,
 )
 from leangrpo.model.quantization import check_environment as check_quantization_environment
+from leangrpo.model.tokenizer import recall
 
 log = logging.getLogger("leangrpo")
 
@@ -111,6 +121,8 @@ def check_inputs(cfg: Any, warn: bool = True) -> tuple[ModelFiles, PromptLimit |
         check_level(cfg.environment, "environment")
     model = check_model_files(cfg.model)
     check_model_fits(cfg, model)
+    if cfg.data.chat_template and cfg.environment is None:  # its check renders the first turns
+        check_chat_rows(cfg.data, recall(model.directory))
     check_attention_backend(cfg)
     check_quantization_environment(cfg)
     limit = prompt_limit(cfg, model)

@@ -14,7 +14,7 @@ from support.processes import run_python
 from leangrpo.config.run import DataConfig
 from leangrpo.contracts import Prompt
 from leangrpo.data.files import DataError
-from leangrpo.data.prompts import check_data
+from leangrpo.data.prompts import check_chat_rows, check_data
 from leangrpo.data.prompts import load_prompts as load_prompt_set
 from leangrpo.data.sampler import PromptSampler
 
@@ -489,18 +489,34 @@ def test_a_directory_as_data_path_points_to_data_dataset(tmp_path):
         check_data(unvalidated(DataConfig, path=str(tmp_path / "data.jsonl")))
 
 
-def test_a_row_the_chat_template_refuses_is_named(tmp_path, tokenizer):
+def strict_template(tokenizer):
     strict = copy.deepcopy(tokenizer)
     strict.chat_template = (
         "{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
         "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
         "<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endfor %}"
     )
+    return strict
+
+
+def bot_row_file(tmp_path) -> str:
     rows = [{"prompt": [{"role": "user", "content": "q1"}]}] * 3
     rows.append({"prompt": [{"role": "bot", "content": "q2"}]})
-    path = write_jsonl(tmp_path / "chat.jsonl", rows)
-    with pytest.raises(DataError) as err:
-        load_prompts(DataConfig(path=path, chat_template=True), strict)
-    message = str(err.value)
-    assert f"data.path = '{path}' row 3: the chat template cannot render its messages" in message
-    assert "roles 'bot'" in message and "unknown role bot" in message and "\n" not in message
+    return write_jsonl(tmp_path / "chat.jsonl", rows)
+
+
+def test_a_row_the_chat_template_refuses_is_named(tmp_path, tokenizer):
+    """bad_chat_role_traceback.sh: a jinja2 TemplateError traceback naming neither the file
+    nor the row, at the set-up; preflight.py finds it before torch with the tokenizer's
+    record (`check_chat_rows`), the set-up with the tokenizer (`load_prompts`)."""
+    path = bot_row_file(tmp_path)
+    cfg = DataConfig(path=path, chat_template=True)
+    for check in (load_prompts, check_chat_rows):
+        with pytest.raises(DataError) as err:
+            check(cfg, strict_template(tokenizer))
+        message = str(err.value)
+        assert (
+            f"data.path = '{path}' row 3: the chat template cannot render its messages" in message
+        )
+        assert "roles 'bot'" in message and "unknown role bot" in message and "\n" not in message
+    check_chat_rows(cfg, tokenizer)  # a template that takes any role

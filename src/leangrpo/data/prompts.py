@@ -49,6 +49,7 @@ from leangrpo.data.files import (
     check_columns,
     check_file,
     check_prompt_cells,
+    local_prompt_cells,
     prompt_problem,
     read_json_table,
 )
@@ -93,6 +94,25 @@ def check_eval_size(eval_size: int, num_rows: int) -> None:
         raise DataError(
             f"data.eval_size = {eval_size} leaves no train rows out of {num_rows}; lower it"
         )
+
+
+def check_chat_rows(data_cfg: Any, tokenizer: Any) -> None:
+    """With data.chat_template, before the model loads (preflight.py passes the tokenizer's
+    record, model/tokenizer.py `recall`): the first prompt of each kind in the local files
+    (its messages' roles and content types) rendered by the chat template, so that a role
+    the template refuses is named now, as `load_prompts` names it, not seconds later."""
+    if not data_cfg.chat_template or getattr(tokenizer, "chat_template", None) is None:
+        return
+    render = lambda m: _render(m, tokenizer)  # noqa: E731
+    for key in ("path", "eval_path"):
+        path = getattr(data_cfg, key)
+        seen: set[tuple] = set()
+        for row, _, value in local_prompt_cells(path, data_cfg) if path else ():
+            messages = _messages({data_cfg.prompt_column: value}, data_cfg, tokenizer)
+            kind = tuple((m.get("role"), type(m.get("content")).__name__) for m in messages)
+            if kind not in seen:
+                seen.add(kind)
+                _rendered(render, messages, f"data.{key} = '{path}' row {row}")
 
 
 # ---- loading ------------------------------------------------------------------------------

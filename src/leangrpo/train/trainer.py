@@ -124,6 +124,7 @@ class Trainer:
         self.learning = LearningSignal(self.out)  # warns when nothing can be learned
         if self.environments is not None:
             self.environments.probe(prompts.train[0])
+        if self.environments is not None or cfg.data.chat_template:
             remember(self.checked.model.directory, tokenizer)  # for the next run's preflight
         log.info("loading the model %s (%s) ...", cfg.model.name_or_path, cfg.model.dtype)
         started = start_shared_engine(cfg, strategy.device)  # vLLM first: the policy views it
