@@ -282,6 +282,21 @@ def test_a_function_that_times_out_on_every_call_is_not_retried_sample_by_sample
     assert metrics["reward/slow/timeouts"] == 1
 
 
+def test_startup_timeout_bounds_a_built_in_workers_start_too():
+    """rewards.startup_timeout_s 'had no effect on a built-in': it bounds the wait for a
+    worker that scoring needs (math's: a sandboxed process and math-verify's warm-up, far
+    over 10 ms), and its sentence named "importing module ''" for a built-in."""
+    from leangrpo.rewards import RewardSpecError
+
+    with RewardPool(cfg(("math", 1.0, {}), num_workers=1, startup_timeout_s=0.01)) as pool:
+        with pytest.raises(RewardSpecError) as err:
+            pool.score(make_samples(["42", "41"]))
+    message = str(err.value)
+    assert message.startswith("rewards.functions[0].name = 'math': starting its worker")
+    assert "did not finish within 0.01 s; raise rewards.startup_timeout_s" in message
+    assert "module ''" not in message
+
+
 def test_one_prompts_group_failing_the_same_way_does_not_stop_the_run(user_module):
     """A scoring batch of one prompt's group (a streamed chunk of one group, a torchrun
     rank's share) failing alike may be that prompt's data row, not the function: its

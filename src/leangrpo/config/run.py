@@ -274,7 +274,7 @@ class RewardsConfig(Section):
         60.0,
         gt=0,
         le=3600,
-        description="Seconds a worker may take to import the reward functions (at the start-up check and whenever a worker starts).",
+        description="Seconds a reward worker may take to be ready: user functions are imported within it at the start-up check, before the model loads (built-ins have nothing to import there); during the run, a worker that scoring waits for (built-ins included, with their warm-up) and that is still not ready this long after it started stops the run. A worker ready by the time scoring needs it (started beside torch's import) is never timed.",
     )
     memory_limit_mb: int | None = Field(
         8192,
