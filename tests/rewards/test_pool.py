@@ -288,9 +288,9 @@ def test_startup_timeout_bounds_a_built_in_workers_start_too():
     over 10 ms), and its sentence named "importing module ''" for a built-in."""
     from leangrpo.rewards import RewardSpecError
 
-    with RewardPool(cfg(("math", 1.0, {}), num_workers=1, startup_timeout_s=0.01)) as pool:
-        with pytest.raises(RewardSpecError) as err:
-            pool.score(make_samples(["42", "41"]))
+    quick = cfg(("math", 1.0, {}), num_workers=1, startup_timeout_s=0.01)
+    with RewardPool(quick) as pool, pytest.raises(RewardSpecError) as err:
+        pool.score(make_samples(["42", "41"]))
     message = str(err.value)
     assert message.startswith("rewards.functions[0].name = 'math': starting its worker")
     assert "did not finish within 0.01 s; raise rewards.startup_timeout_s" in message
