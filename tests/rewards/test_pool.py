@@ -263,6 +263,40 @@ def test_failures_of_several_ways_or_of_the_moment_do_not_stop_the_run(user_modu
         assert [s.reward for s in samples] == [None, None] and metrics["reward/failures"] == 2
 
 
+def test_a_function_that_times_out_on_every_call_is_not_retried_sample_by_sample(user_module):
+    """bad_reward_always_timeout_slow.sh: a chunk that timed out was retried one sample per
+    call, each its own timeout (17 calls of timeout_s for 16 samples), on every batch. Now
+    after the chunk and 2 samples alone time out, none of its calls having returned, the
+    rest fail as timed out without a call; a slow sample among fast ones is still found."""
+    f = f"{user_module}:slow"
+    with RewardPool(cfg((f, 1.0, {}), timeout_s=0.5, num_workers=1)) as pool:
+        samples = make_samples(["sleep"] * 16)
+        metrics = pool.score(samples)
+        assert pool._task_ids == 3  # the chunk, then 2 samples alone (not 1 + 16)
+    assert all(s.reward is None for s in samples)
+    assert metrics["reward/slow/timeouts"] == 16 and metrics["reward/slow/failures"] == 16
+    with RewardPool(cfg((f, 1.0, {}), timeout_s=0.5, num_workers=1)) as pool:
+        samples = make_samples(["sleep", "a", "b", "c", "d"])
+        metrics = pool.score(samples)
+    assert [s.reward for s in samples] == [None, 0.5, 0.5, 0.5, 0.5]
+    assert metrics["reward/slow/timeouts"] == 1
+
+
+def test_startup_timeout_bounds_a_built_in_workers_start_too():
+    """rewards.startup_timeout_s 'had no effect on a built-in': it bounds the wait for a
+    worker that scoring needs (math's: a sandboxed process and math-verify's warm-up, far
+    over 10 ms), and its sentence named "importing module ''" for a built-in."""
+    from leangrpo.rewards import RewardSpecError
+
+    quick = cfg(("math", 1.0, {}), num_workers=1, startup_timeout_s=0.01)
+    with RewardPool(quick) as pool, pytest.raises(RewardSpecError) as err:
+        pool.score(make_samples(["42", "41"]))
+    message = str(err.value)
+    assert message.startswith("rewards.functions[0].name = 'math': starting its worker")
+    assert "did not finish within 0.01 s; raise rewards.startup_timeout_s" in message
+    assert "module ''" not in message
+
+
 def test_one_prompts_group_failing_the_same_way_does_not_stop_the_run(user_module):
     """A scoring batch of one prompt's group (a streamed chunk of one group, a torchrun
     rank's share) failing alike may be that prompt's data row, not the function: its
