@@ -50,7 +50,7 @@ from leangrpo.sandbox.confine import (
 )
 from leangrpo.sandbox.frames import FrameReader, frame, json_payload
 from leangrpo.sandbox.output import OutputMeter
-from leangrpo.sandbox.proctree import children, kill_pids
+from leangrpo.sandbox.proctree import become_subreaper, children, kill_pids
 from leangrpo.sandbox.seccomp import compile_filter, load
 
 BOX_SETUP_FAILED = 75
@@ -81,6 +81,7 @@ class Zygote:
         self.control.sendall(frame(json_payload(message)))
 
     def serve(self, init: dict) -> None:
+        become_subreaper()  # what an ended box left is re-parented here, and killed
         entry = importlib.import_module(init["entry"])
         self.box_main = entry.prepare(init, self.announce)
         if self.box_main is None or init.get("mode", "serve") != "serve":
@@ -160,6 +161,7 @@ class Zygote:
                 self.groups.join(group)  # first: everything the box does is counted
             fds = _settle_descriptors(keep)  # the cgroups' and the zygote's are closed
             os.setsid()
+            become_subreaper()  # orphans of its processes stay in its tree (process level)
             confine_box(self.spec, scratch, own_network=bool(request.get("network")))
             os.environ.update(HOME=scratch, TMPDIR=scratch)
             tempfile.tempdir = None  # the zygote's cached one is not this box's
