@@ -77,7 +77,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("leangrpo.rewards")
 # Failures that say more about the moment than the function: never "the same way" (item 5)
-CIRCUMSTANTIAL = ("worker died", "garbled reply", *LIMIT_KINDS)
+CIRCUMSTANTIAL = ("worker died", "box died", "garbled reply", "forged reply", *LIMIT_KINDS)
 
 
 @dataclass

@@ -264,7 +264,7 @@ class Boxes:
         if notice.get("oom"):
             return Failed(MEMORY, "was killed at the memory limit of its call")
         code = notice.get("code")
-        return Failed(DIED, f"its process ended (exit code {code})")
+        return Failed(DIED, f"the call's process died (exit code {code})")
 
     def relay(self, box: Box) -> None:
         """Pass on what the box printed, at most FORWARD_BYTES per request."""
