@@ -156,8 +156,9 @@ def make_samples(texts, prompt=None):
     return [
         RolloutSample(
             group_id=0,
-            prompt=Prompt(uid=i if prompt is None else prompt, text=f"q{i}", ids=[1],
-                          columns={"level": i}),  # fmt: skip
+            prompt=Prompt(
+                uid=i if prompt is None else prompt, text=f"q{i}", ids=[1], columns={"level": i}
+            ),  # fmt: skip
             completion=Completion(ids=[1], text=t, logprobs=[0.0], finish_reason="stop", version=0),
         )
         for i, t in enumerate(texts)

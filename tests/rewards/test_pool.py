@@ -87,7 +87,10 @@ def make_samples(texts, answer="42", prompt=None):
         RolloutSample(
             group_id=i // 2 if prompt is None else prompt,
             prompt=Prompt(
-                uid=i if prompt is None else prompt, text=f"question {i}", ids=[1], columns={"answer": answer, "level": i}
+                uid=i if prompt is None else prompt,
+                text=f"question {i}",
+                ids=[1],
+                columns={"answer": answer, "level": i},
             ),
             completion=Completion(ids=[1], text=t, logprobs=[0.0], finish_reason="stop", version=0),
         )
@@ -215,16 +218,16 @@ SYSTEMATIC = {  # function -> what the sentence names
 
 
 @pytest.mark.parametrize("name", sorted(SYSTEMATIC))
-def test_a_function_failing_on_every_sample_the_same_way_stops_after_that_batch(
-    user_module, name
-):
+def test_a_function_failing_on_every_sample_the_same_way_stops_after_that_batch(user_module, name):
     pool = RewardPool(cfg((f"{user_module}:{name}", 1.0, {}), timeout_s=5.0))
     with pool, pytest.raises(RewardFailedError) as err:
         pool.score(make_samples(["a", "b", "c"]))
     text = str(err.value)
     assert text.startswith(f"reward '{name}' failed on all 3 samples of a batch the same way ")
     assert re.search(SYSTEMATIC[name], text), text
-    assert text.endswith("or set rewards.systematic_failures: warn to go on with such samples unscored")
+    assert text.endswith(
+        "or set rewards.systematic_failures: warn to go on with such samples unscored"
+    )
 
 
 def test_systematic_failures_warn_leaves_samples_unscored_and_says_so_once(user_module, caplog):

@@ -68,7 +68,7 @@ from leangrpo.environments.tools import (
     one_line,
     parsed_turn,
 )
-from leangrpo.environments.wire import MAX_TOOL_CALLS, checked
+from leangrpo.environments.wire import MAX_TOOL_CALLS, checked, undeclared_term
 from leangrpo.sandbox.box import Box, BoxConn, Boxes, Failed
 from leangrpo.sandbox.calls import LIMIT_KINDS, message
 from leangrpo.sandbox.frames import Channel, ProtocolError
@@ -196,9 +196,9 @@ class Sessions:
 
     def _checked(self, op: str, outcome: Any) -> dict:
         if isinstance(outcome, Failed):
-            what = {"timeout": f"did not answer within {self.budget_s:g} s (its box was killed)"}
-            return {"error": f"the environment {what.get(outcome.kind, outcome.kind)}"
-                    + (f": {outcome.msg}" if outcome.msg else "")}  # fmt: skip
+            if outcome.kind == "timeout":
+                return {"error": f"the environment did not answer within {self.budget_s:g} s (its box was killed)"}  # fmt: skip
+            return {"error": f"the environment's box ({outcome.kind}): {outcome.msg}"}
         reply = outcome.message
         if set(reply) == {"error"} and isinstance(reply["error"], str):
             return {"error": one_line(reply["error"]) or "error"}
@@ -208,13 +208,9 @@ class Sessions:
             ok = checked(op, reply["ok"])
         except ProtocolError as e:
             return {"error": str(e)}
-        undeclared = (
-            sorted(set(ok.get("rewards", {})) - self.reward_terms)
-            if self.reward_terms is not None
-            else []
-        )
-        if undeclared:
-            return {"error": f"the environment returned the reward term {undeclared[0]!r}, which its reward_terms {tuple(sorted(self.reward_terms))} do not list"}  # fmt: skip
+        term = undeclared_term(ok, self.reward_terms)
+        if term is not None:
+            return {"error": f"the environment returned the reward term {term!r}, which its reward_terms {tuple(sorted(self.reward_terms))} do not list"}  # fmt: skip
         return {"ok": ok}
 
     def end(self, key: int) -> None:

@@ -70,6 +70,10 @@ PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 
 PR_CAP_AMBIENT = 47
 PR_CAP_AMBIENT_CLEAR_ALL = 4
 MS_REC, MS_PRIVATE = 0x4000, 0x40000
+SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
+LANDLOCK_CREATE_RULESET_VERSION, LANDLOCK_RULE_PATH_BENEATH = 1, 1
+LANDLOCK_ACCESS_FS_EXECUTE = 1
+LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET, LANDLOCK_SCOPE_SIGNAL = 1, 2
 DEVICES = ("null", "zero", "full", "random", "urandom")
 LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
          "stderr": "/proc/self/fd/2"}  # fmt: skip
@@ -334,6 +338,53 @@ def drop_privileges() -> None:
         _drop_privileges()
     except OSError as e:
         raise SetupError(str(e)) from None
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in ("handled_access_fs", "handled_access_net", "scoped")]
+
+
+class _PathBeneath(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+def own_domain() -> bool:
+    """A Landlock domain of the box's own (after no_new_privs): a process outside it (the
+    trainer, the supervisor and zygote, another box) can then not be ptraced, nor its
+    /proc/<pid>/mem, fd or environ opened, and (Landlock ABI >= 6) neither signalled nor
+    reached through an abstract unix socket, whatever its user: what keeps boxes apart at
+    the `process` level, where they share a PID namespace and a user. The filesystem is
+    not restricted by it. False where the kernel has no Landlock (the log line says so)."""
+    abi = _libc.syscall(SYS_LANDLOCK_CREATE_RULESET, None, 0, LANDLOCK_CREATE_RULESET_VERSION)
+    if abi < 1:
+        return False
+    if abi >= 6:
+        attr = _RulesetAttr(0, 0, LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET | LANDLOCK_SCOPE_SIGNAL)
+        size = ctypes.sizeof(attr)
+    else:  # a domain handling one right it then allows everywhere: ptrace is scoped
+        attr = _RulesetAttr(LANDLOCK_ACCESS_FS_EXECUTE, 0, 0)
+        size = 8
+    ruleset = _check(_libc.syscall(SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), size, 0),
+                     "landlock_create_ruleset")  # fmt: skip
+    try:
+        if abi < 6:
+            root = os.open("/", os.O_PATH | os.O_CLOEXEC)
+            rule = _PathBeneath(LANDLOCK_ACCESS_FS_EXECUTE, root)
+            args = (ruleset, LANDLOCK_RULE_PATH_BENEATH, ctypes.byref(rule), 0)
+            _check(_libc.syscall(SYS_LANDLOCK_ADD_RULE, *args), "landlock_add_rule")
+            os.close(root)
+        _check(_libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ruleset, 0), "landlock_restrict_self")
+    finally:
+        os.close(ruleset)
+    return True
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version (0: none)."""
+    return max(
+        0, _libc.syscall(SYS_LANDLOCK_CREATE_RULESET, None, 0, LANDLOCK_CREATE_RULESET_VERSION)
+    )
 
 
 def _last_cap() -> int:

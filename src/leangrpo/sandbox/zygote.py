@@ -47,6 +47,7 @@ from leangrpo.sandbox.confine import (
     drop_privileges,
     limit_box_tasks,
     new_pid_namespace,
+    own_domain,
 )
 from leangrpo.sandbox.frames import FrameReader, frame, json_payload
 from leangrpo.sandbox.output import OutputMeter
@@ -168,6 +169,7 @@ class Zygote:
             endpoint = self._forwarder(request.get("forward"))
             limit_box_tasks(self.spec, tasks)
             drop_privileges()
+            own_domain()
             load(self.programs[bool(self.spec["network"])])
             if request.get("argv"):
                 _exec(request, fds, endpoint)
