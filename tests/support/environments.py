@@ -53,7 +53,9 @@ class Again(Environment):
     def step(self, turn: ModelTurn) -> StepResult:
         done = turn.index + 1 >= self.turns
         reply = [] if done else [{"role": "user", "content": "again"}]
-        return StepResult(reply, done, rewards={"per_turn": 0.25}, metrics={"chars": len(turn.text)})
+        return StepResult(
+            reply, done, rewards={"per_turn": 0.25}, metrics={"chars": len(turn.text)}
+        )
 
     def finish(self, finish_reason: str) -> StepResult:
         return StepResult(rewards={"final": 1.0 if finish_reason == "stop" else 0.0})
@@ -244,4 +246,19 @@ class KeepsProcess(Environment):
 
     def step(self, turn: ModelTurn) -> StepResult:
         alive = float(self.helper.poll() is None)
-        return StepResult([{"role": "user", "content": "go on"}], turn.index >= 1, metrics={"alive": alive})
+        return StepResult(
+            [{"role": "user", "content": "go on"}], turn.index >= 1, metrics={"alive": alive}
+        )
+
+
+class KeepsHelper(ToolEnvironment):
+    """A tool environment whose trajectory keeps a process reading its stdin (the shape of
+    a REPL per trajectory); its row's `tag` marks the process's command line."""
+
+    def reset(self, messages, row, seed):
+        import subprocess
+        import sys
+
+        self.helper = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()", row["tag"]],
+                                       stdin=subprocess.PIPE)  # fmt: skip
+        return None
