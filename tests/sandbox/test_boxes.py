@@ -25,7 +25,7 @@ from leangrpo.rewards import RewardPool
 USER = [{"role": "user", "content": "go"}]
 LEVELS = ["namespace", "process"]
 TOOLS = ["hold_memory", "plant", "find", "read_keyring", "nested_userns", "attack_tagged",
-         "forge_terms"]  # fmt: skip
+         "forge_terms", "read_file"]  # fmt: skip
 KEY, SECRET = "leangrpo-test-token", "hf_keyring_secret_for_the_test"
 
 
@@ -205,3 +205,13 @@ def test_a_nested_user_namespace_is_refused(level):
         found = json.loads(text(trajectory(pool, "nested_userns")))
     assert found["unshare"] == "EPERM" and found["clone"] == "EPERM", found
     assert found["caps"].strip("0") == "" and found["vsock"] == "EAFNOSUPPORT", found
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_box_reads_what_the_trainer_can_read(level, tmp_path):
+    """What the threat table says stays open: a dataset with its answers, readable by the
+    trainer's user, is readable in a box (read-only). Keep answers out of its reach."""
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text('{"answer": "42"}\n')
+    with tools_pool(level) as pool:
+        assert text(trajectory(pool, "read_file", path=str(answers))) == "ok 17"

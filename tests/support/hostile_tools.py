@@ -532,3 +532,12 @@ def keyring_reward(prompts: list, completions: list, **columns) -> list:
     return [float(os.environ["LEANGRPO_TEST_KEY_SECRET"] in read_keyring(completions[0]))] * len(
         completions
     )
+
+
+def read_file(path: str) -> str:
+    """Read a file's first bytes.
+
+    Args:
+        path: Its path.
+    """
+    return _attempt(lambda: _read(path))
