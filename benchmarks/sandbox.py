@@ -5,7 +5,7 @@ Per sandbox level (sandbox/levels.py): **baseline = `process`** (no namespaces) 
 
 - `start-up`: one reward worker (the `length` built-in) from `RewardPool(...)` until it
   has scored its first call: interpreter, confinement, imports.
-- `reward call`: `RewardPool.score` of 8 samples with `length`, calls back to back (no
+- `reward call`: `RewardPool.score` of one prompt's 8 samples with `length` (one call), calls back to back (no
   compute: the per-call cost of the round trip, the call's box and its clean-up).
 - `trajectory start`: `EnvironmentPool.reset` of one new trajectory of the tool demo's
   environment (its box started and the environment built).
@@ -46,7 +46,7 @@ def samples(n: int) -> list:
     from leangrpo.contracts import Completion, Prompt, RolloutSample
 
     return [
-        RolloutSample(i, Prompt(i, "1+2=", [1]), Completion([1], "3", [0.0], "stop", 0))
+        RolloutSample(0, Prompt(0, "1+2=", [1]), Completion([1], "3", [0.0], "stop", 0))
         for i in range(n)
     ]
 
