@@ -215,3 +215,65 @@ def test_a_box_reads_what_the_trainer_can_read(level, tmp_path):
     answers.write_text('{"answer": "42"}\n')
     with tools_pool(level) as pool:
         assert text(trajectory(pool, "read_file", path=str(answers))) == "ok 17"
+
+
+CLIENT = """
+import os, socket, sys
+host, port = os.environ["LEANGRPO_ENDPOINT"].removeprefix("http://").split(":")
+with socket.create_connection((host, int(port)), timeout=10) as s:
+    s.sendall(sys.stdin.read().encode())
+    s.shutdown(socket.SHUT_WR)
+    print("endpoint:", s.recv(100).decode())
+try:
+    socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=2).close()
+    print("outside: reached")
+except OSError as e:
+    print("outside:", type(e).__name__)
+"""
+
+
+def test_a_command_in_a_box_reaches_its_forwarded_endpoint_only(tmp_path, monkeypatch):
+    """The box API's command half (what agent episodes use): stdin and stdout are pipes,
+    and the one place a box without network reaches is the endpoint forwarded into it."""
+    import socket
+    import sys
+    import threading
+
+    from support.configs import ROOT
+
+    from leangrpo.sandbox.frames import FrameReader
+    from leangrpo.sandbox.levels import SandboxPlan
+    from leangrpo.sandbox.process import OutputBudget, WorkerProcess
+
+    require_namespace()
+    path = str(tmp_path / "endpoint.sock")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    server.listen()
+    outside = socket.socket()
+    outside.bind(("127.0.0.1", 0))
+    outside.listen()
+
+    def answer() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.sendall(b"pong:" + conn.recv(100))
+
+    threading.Thread(target=answer, daemon=True).start()
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests"))
+    init = {"entry": "support.box_entry", "mode": "serve", "forward": path, "stdin": "ping",
+            "argv": [sys.executable, "-c", CLIENT, str(outside.getsockname()[1])]}  # fmt: skip
+    replies = []
+    worker = WorkerProcess(init, "box test", OutputBudget(), parse=lambda p: json.loads(p),
+                           plan=SandboxPlan("environment", "namespace"))  # fmt: skip
+    try:
+        worker.sock.settimeout(60)
+        reader = FrameReader()
+        while not any(r.get("t") == "result" for r in replies):
+            replies += [json.loads(p) for p in reader.feed(worker.sock.recv(1 << 16))]
+    finally:
+        worker.kill()
+        server.close()
+        outside.close()
+    (result,) = [r for r in replies if r["t"] == "result"]
+    assert result["out"].splitlines() == ["endpoint: pong:ping", "outside: ConnectionRefusedError"]
