@@ -941,7 +941,5 @@ def test_the_architecture_tree_names_every_module():
         package = "/".join(rel.parts[:-1]) + "/" if len(rel.parts) > 1 else ""
         words = {w for line in blocks.get(package, []) for w in line.replace(",", " ").split()}
         if rel.name not in words:
-            missing.append(
-                f"{rel}: not in docs/ARCHITECTURE.md's layout tree under {package or 'the top'}"
-            )
+            missing.append(f"{rel}: not in docs/ARCHITECTURE.md's layout tree under {package or 'the top'}")
     assert not missing, "\n".join(missing)

@@ -11,9 +11,7 @@ def test_ratios_are_leangrpo_over_trl_from_medians(monkeypatch):
     runs = {"trl": iter([{"time_s": 20.0, "peak_bytes": 600}, {"time_s": 30.0, "peak_bytes": 800}]),
             "leangrpo": iter([{"time_s": 10.0, "peak_bytes": 300}, {"time_s": 24.0, "peak_bytes": 500}])}  # fmt: skip
     monkeypatch.setattr(first_step, "run_trl", lambda case, timeout: next(runs["trl"]))
-    monkeypatch.setattr(
-        first_step, "run_leangrpo", lambda case, workdir, timeout: next(runs["leangrpo"])
-    )
+    monkeypatch.setattr(first_step, "run_leangrpo", lambda case, workdir, timeout: next(runs["leangrpo"]))
     trl, lean = first_step.run_case("demo", ["trl", "leangrpo"], 2, 60)
     assert trl["time_s"] == 25.0 and lean["time_s"] == 17.0
     assert lean["time_ratio"] == pytest.approx(17 / 25)

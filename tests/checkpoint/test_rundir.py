@@ -366,9 +366,7 @@ def test_every_checkpoint_damaged_is_one_sentence_naming_them_and_the_way_out(
     (old / "optimizer.pt").unlink()
     (new / "COMPLETE").write_text("garbage")
     message = refused(cfg)
-    assert message.startswith(
-        f"No intact checkpoint to resume from in {str(out / 'checkpoints')!r}"
-    )
+    assert message.startswith(f"No intact checkpoint to resume from in {str(out / 'checkpoints')!r}")
     assert "step-4 is damaged (its COMPLETE marker is not what leangrpo writes)" in message
     assert "step-2 is damaged (optimizer.pt is missing)" in message
     assert "restore those files from a copy, or set run.overwrite: true" in message

@@ -116,14 +116,8 @@ def test_min_p_of_one_refused_in_one_sentence(config_file: Path) -> None:
         (["pipeline.min_groups_per_step=9"], "pipeline.min_groups_per_step"),
         (["distributed.param_dtype=bfloat16", "model.dtype=bfloat16"], "model.dtype: float32"),
         (["distributed.timeout_s=0"], "distributed.timeout_s"),
-        (
-            [
-                "environment={tools: ['t.py:add']}",
-                "data.chat_template=true",
-                "data.overlong_prompts=truncate_left",
-            ],
-            "data.overlong_prompts: truncate_left cannot shorten a multi-turn prompt",
-        ),
+        (["environment={tools: ['t.py:add']}", "data.chat_template=true", "data.overlong_prompts=truncate_left"],
+         "data.overlong_prompts: truncate_left cannot shorten a multi-turn prompt"),
     ],
 )
 def test_cross_field_rules(config_file: Path, overrides: list[str], expected: str) -> None:

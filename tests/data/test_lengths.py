@@ -73,19 +73,12 @@ def test_only_byte_level_vocabularies_that_keep_their_text_have_a_bound(tmp_path
     assert len(bound.dropped) == 254 and bound.measure("abab\x04é") == 4  # dropped bytes
     (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<|a_long_end_token|>"}')
     assert text_bound(tmp_path).per_token == 20 * 3  # a special token a rebuild adds
-    for normalizer in (
-        normalizers.Strip(),
-        normalizers.StripAccents(),
-        normalizers.Replace("ab", ""),
-    ):
+    for normalizer in (normalizers.Strip(), normalizers.StripAccents(), normalizers.Replace("ab", "")):
         built = tokenizer_json(tmp_path, model=bpe, pre_tokenizer=byte_level, normalizer=normalizer)
         assert text_bound(built) is None, normalizer
     removes = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(), byte_level])
     assert text_bound(tokenizer_json(tmp_path, model=bpe, pre_tokenizer=removes)) is None
-    for model in (
-        models.BPE(vocab, [("a", "b")], unk_token="<unk>"),
-        models.WordPiece(vocab, unk_token="<unk>"),
-    ):
+    for model in (models.BPE(vocab, [("a", "b")], unk_token="<unk>"), models.WordPiece(vocab, unk_token="<unk>")):
         assert text_bound(tokenizer_json(tmp_path, model=model)) is None  # not byte-level
     assert text_bound(tmp_path / "nowhere") is None
     (tmp_path / "tokenizer.json").write_text("{not json")
@@ -177,9 +170,7 @@ def test_loading_drops_a_prompt_too_long_by_its_text_untokenised(tmp_path, caplo
     assert "dropped 1 prompts of" in caplog.text and "by their text alone" in caplog.text
     with pytest.raises(DataError, match=r"row 1 has 100002 bytes of text, more than the 58"):
         load_prompts(DataConfig(path=path), tokenizer, 0, limit)
-    truncated = load_prompts(
-        DataConfig(path=path, overlong_prompts="truncate_right"), tokenizer, 0, limit
-    )
+    truncated = load_prompts(DataConfig(path=path, overlong_prompts="truncate_right"), tokenizer, 0, limit)
     assert [len(p.ids) for p in truncated.train] == [4, 58]  # tokenised whole, then cut
 
 
@@ -188,6 +179,4 @@ def test_chat_messages_count_their_contents(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps(rows[0]) + "\n")
     with pytest.raises(DataError, match=r"row 0 \(line 1\) has 100002 bytes of text"):
-        check_prompt_text(
-            DataConfig(path=str(path), chat_template=True), PromptLimit(58, "x"), DEMO_MODEL
-        )
+        check_prompt_text(DataConfig(path=str(path), chat_template=True), PromptLimit(58, "x"), DEMO_MODEL)

@@ -115,9 +115,7 @@ TRIM = "{%- if message.content %}{{- message.content }}{%- endif %}"
         ({"max_total_tokens": 64}, "passed"),
     ],
 )  # fmt: skip
-def test_the_template_and_the_first_turns_are_checked_before_transformers_loads(
-    tmp_path, cache, environment, expected
-):
+def test_the_template_and_the_first_turns_are_checked_before_transformers_loads(tmp_path, cache, environment, expected):
     """With the record, the prompt-length check renders prompts as the first turn does (the
     tools listing included: without it the prompt is 12 tokens and passed, then every
     trajectory ended 'prompt too long'), and the template checks run, all without
@@ -128,9 +126,7 @@ def test_the_template_and_the_first_turns_are_checked_before_transformers_loads(
     (tmp_path / "trim.jinja").write_text(template.replace(TRIM, TRIM.replace("message.content }}", "message.content | trim }}")))  # fmt: skip
     (tmp_path / "broken.jinja").write_text("{% for m in messages %}{{ m.content }{% endfor %}")
     paths = {"trimming": str(tmp_path / "trim.jinja"), "broken": str(tmp_path / "broken.jinja")}
-    environment = {
-        k: v.format(**paths) if isinstance(v, str) else v for k, v in environment.items()
-    }
+    environment = {k: v.format(**paths) if isinstance(v, str) else v for k, v in environment.items()}
     cfg = tools_config(tmp_path, environment, train={"micro_batch_tokens": 4096})
     lines = check_in_a_fresh_process(cfg, model_dir, cache)
     want = expected.format(train=TOOLS_DEMO / "train.jsonl", model=model_dir, **paths)

@@ -153,24 +153,18 @@ def test_a_trajectory_samples_the_same_whichever_others_share_its_rounds(engine,
 
 def test_limits_end_trajectories_with_their_finish_reasons(engine, tokenizer, pools):
     pool = pools("support.environments:Forever")
-    out = rollout(engine, tokenizer, pool, max_turns=2, max_total=1000).generate(
-        prompts(2), PARAMS, 4, 0
-    )
+    out = rollout(engine, tokenizer, pool, max_turns=2, max_total=1000).generate(prompts(2), PARAMS, 4, 0)
     for c in (c for g in out for c in g):
         assert c.finish_reason in ("max_turns", "length")
         if c.finish_reason == "max_turns":
             assert [m for _, m in c.trajectory.segments] == [True, False, True]
-    tight = rollout(engine, tokenizer, pool, max_turns=5, max_total=60).generate(
-        prompts(2), PARAMS, 4, 0
-    )
+    tight = rollout(engine, tokenizer, pool, max_turns=5, max_total=60).generate(prompts(2), PARAMS, 4, 0)
     for c in (c for g in tight for c in g):
         assert c.finish_reason == "length" and c.trajectory.segments[-1][1]  # ends on a model turn
         assert len(c.trajectory.start.ids) + len(c.ids) <= 60
 
 
-def test_reward_terms_are_summed_and_failures_end_their_trajectory(
-    engine, tokenizer, pools, caplog
-):
+def test_reward_terms_are_summed_and_failures_end_their_trajectory(engine, tokenizer, pools, caplog):
     pool = pools("support.environments:Again", kwargs={"turns": 2})
     (group,) = rollout(engine, tokenizer, pool, max_total=1000).generate(prompts(1), PARAMS, 2, 0)
     for c in group:
@@ -219,11 +213,7 @@ def test_per_trajectory_makes_what_rounds_make_whatever_the_latencies(tokenizer,
     for mode in ("rounds", "per_trajectory", "per_trajectory"):
         run = rollout(engine, tokenizer, pool, max_total=1000, scheduling=mode)
         groups = run.generate(prompts(4), PARAMS, 3, 0)
-        got = [
-            (c.ids, c.logprobs, c.trajectory.segments, c.trajectory.rewards)
-            for g in groups
-            for c in g
-        ]
+        got = [(c.ids, c.logprobs, c.trajectory.segments, c.trajectory.rewards) for g in groups for c in g]
         assert made.setdefault("rounds", got) == got, mode
         assert sum(len(c.trajectory.segments) > 1 for g in groups for c in g) >= 6  # multi-turn
         metrics = run.last_metrics
@@ -245,9 +235,7 @@ def test_a_calls_loop_and_engine_metrics_merge_as_streamed_chunks(tokenizer, poo
     chunks = []
     for batch in (prompts(3), prompts(6)[3:]):
         groups = run.generate(batch, PARAMS, 4, 0)
-        samples = [
-            RolloutSample(c.trajectory.start.uid, c.trajectory.start, c) for g in groups for c in g
-        ]
+        samples = [RolloutSample(c.trajectory.start.uid, c.trajectory.start, c) for g in groups for c in g]
         chunks.append((samples, dict(run.last_metrics)))
     for key in ("generation_s", "env_wait_s", "prefill_tokens", "prefill_tokens_saved",
                 "decode_steps", "cache_evictions", "in_flight_max", "in_flight_mean"):  # fmt: skip
@@ -259,9 +247,7 @@ def test_a_calls_loop_and_engine_metrics_merge_as_streamed_chunks(tokenizer, poo
     assert merged["multiturn/in_flight_max"] == 12.0
 
 
-def test_a_slow_environment_step_holds_up_only_its_own_trajectory(
-    engine, tokenizer, pools, tmp_path
-):
+def test_a_slow_environment_step_holds_up_only_its_own_trajectory(engine, tokenizer, pools, tmp_path):
     """Trajectory 1 (alone on its worker) waits in its first step until a file exists; the
     others finish all their turns meanwhile: per-trajectory scheduling never waits for the
     round (under rounds they could not get past their first turn)."""
@@ -292,19 +278,13 @@ def test_a_slow_environment_step_holds_up_only_its_own_trajectory(
     assert len(slow.trajectory.segments) > 1 and slow.finish_reason in ("stop", "length")
 
 
-def test_a_dying_environment_worker_ends_its_trajectories_and_the_call_goes_on(
-    engine, tokenizer, pools
-):
+def test_a_dying_environment_worker_ends_its_trajectories_and_the_call_goes_on(engine, tokenizer, pools):
     pool = pools("support.environments:ExitInStep")
     batch = prompts(3)
     batch[1].columns["answer"] = "3"  # its worker exits in the first step
     groups = rollout(engine, tokenizer, pool).generate(batch, PARAMS, 2, 0)
     errors = [c for g in groups for c in g if c.finish_reason == "error"]
-    assert errors and all(
-        "died" in c.trajectory.error or "no such trajectory" in c.trajectory.error for c in errors
-    )
+    assert errors and all("died" in c.trajectory.error or "no such trajectory" in c.trajectory.error for c in errors)
     assert any(c.finish_reason == "stop" for c in groups[0] + groups[2])
-    again = rollout(engine, tokenizer, pool).generate(
-        prompts(1), PARAMS, 2, 0
-    )  # the pool recovered
+    again = rollout(engine, tokenizer, pool).generate(prompts(1), PARAMS, 2, 0)  # the pool recovered
     assert all(c.finish_reason == "stop" for c in again[0])

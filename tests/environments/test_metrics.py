@@ -12,14 +12,10 @@ from leangrpo.environments.metrics import trajectory_metrics
 
 def sample(finish, segments, stats, metrics=None, error=None) -> RolloutSample:
     turns = sum(m for _, m in segments)
-    trajectory = Trajectory(
-        segments, [0] * turns, [], metrics=metrics or {}, stats=stats, error=error
-    )
+    trajectory = Trajectory(segments, [0] * turns, [], metrics=metrics or {}, stats=stats, error=error)
     ids = [5] * sum(n for n, _ in segments)
     model = sum(n for n, m in segments if m)
-    return RolloutSample(
-        0, Prompt(0, "", [1]), Completion(ids, "", [-1.0] * model, finish, 0, trajectory)
-    )
+    return RolloutSample(0, Prompt(0, "", [1]), Completion(ids, "", [-1.0] * model, finish, 0, trajectory))
 
 
 def test_every_figure_is_its_value():

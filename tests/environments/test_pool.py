@@ -91,18 +91,14 @@ def test_malformed_calls_and_a_failing_parser_become_tool_messages_and_the_traje
     with pool_for("tools", tools=["support.environments:add"]) as pool:
         keys = pool.new_sessions(len(bad))
         pool.reset([(k, USER, {}, 0) for k in keys])
-        turns = [
-            f'<tool_call>{{"name": "add", "arguments": {a}}}</tool_call>' for a in bad.values()
-        ]
+        turns = [f'<tool_call>{{"name": "add", "arguments": {a}}}</tool_call>' for a in bad.values()]
         out = pool.step([(k, text, 0) for k, text in zip(keys, turns)])
         for o in out:
             assert o.error is None and not o.ok["done"]
             assert o.ok["reply"][0]["content"].startswith("error: tool call ")
             assert o.ok["counts"] == {"tool_errors": 1, "parse_errors": 1}
         assert [o.ok["reply"][0]["content"] for o in pool.step([(keys[0], CALL, 1)])] == ["3"]
-    with pool_for(
-        "tools", tools=["support.environments:add"], tool_parser="support.environments:picky_parser"
-    ) as pool:
+    with pool_for("tools", tools=["support.environments:add"], tool_parser="support.environments:picky_parser") as pool:
         (key,) = pool.new_sessions(1)
         pool.reset([(key, USER, {}, 0)])
         (out,) = pool.step([(key, "boom", 0)])
@@ -162,9 +158,7 @@ def test_set_up_failures_are_one_line(name, fields, expected, tmp_path):
     any other non-function given as a tool (a class was offered as one), two tools with
     one name (one silently shadowed the other)."""
     dup = tmp_path / "dup.py"
-    dup.write_text(
-        'def add(a: int) -> int:\n    """Add.\n\n    Args:\n        a: A.\n    """\n    return a\n'
-    )
+    dup.write_text('def add(a: int) -> int:\n    """Add.\n\n    Args:\n        a: A.\n    """\n    return a\n')
     if "tools" in fields:
         fields = {**fields, "tools": [t.replace("DUP", str(dup)) for t in fields["tools"]]}
     with pytest.raises(EnvironmentSpecError) as info:
@@ -185,10 +179,7 @@ def test_reward_terms_are_reported_and_an_undeclared_one_fails_its_call():
         good, bad = pool.step([(keys[0], "x", 0), (keys[1], "bonus", 0)])
         assert good.ok["rewards"] == {"score": 1.0}
         assert bad.ok is None
-        assert (
-            "Scores.step returned the reward term 'bonus', which its reward_terms ('score',) do not list"
-            in bad.error
-        )
+        assert "Scores.step returned the reward term 'bonus', which its reward_terms ('score',) do not list" in bad.error
 
 
 def test_an_environment_file_that_exits_or_hangs_at_import(tmp_path):
@@ -330,9 +321,7 @@ def test_an_oversized_tool_result_is_cut_for_the_model_and_fails_nothing_else():
         assert text == "x" * 8000 + (
             "\n[truncated: the tool returned 5242880 characters; only the first 8000 are shown]"
         )
-        assert (
-            out[1].ok["counts"]["tool_truncated"] == 1 and "tool_errors" not in out[1].ok["counts"]
-        )
+        assert out[1].ok["counts"]["tool_truncated"] == 1 and "tool_errors" not in out[1].ok["counts"]
         assert out[0].ok["reply"][0]["content"] == out[2].ok["reply"][0]["content"] == "3"
         later = pool.step([(keys[3], CALL, 0)])[0]  # a session of the same worker lives on
         assert later.error is None and later.ok["reply"][0]["content"] == "3"
@@ -432,7 +421,5 @@ def test_an_environment_that_raises_max_tool_calls_gets_the_time_for_them():
         assert [o.error for o in out] == [None, None]
         assert [m["content"] for m in out[0].ok["reply"]] == ["awake"] * 40
         assert pool.max_tool_calls == 40 and pool.item_budget_s == pytest.approx(10.0)
-    with pytest.raises(
-        EnvironmentSpecError, match="max_tool_calls = 1000000000 must be an integer from 0 to 4096"
-    ):
+    with pytest.raises(EnvironmentSpecError, match="max_tool_calls = 1000000000 must be an integer from 0 to 4096"):
         pool_for("support.environments:EndlessCalls")

@@ -13,9 +13,7 @@ import warnings
 
 import pytest
 
-reasoning_gym = pytest.importorskip(
-    "reasoning_gym", reason="reasoning-gym is not installed (extra 'reasoning-gym')"
-)
+reasoning_gym = pytest.importorskip("reasoning_gym", reason="reasoning-gym is not installed (extra 'reasoning-gym')")
 from reasoning_gym.factory import DATASETS  # noqa: E402
 
 from leangrpo.environments.adapters.reasoning_gym import (  # noqa: E402
@@ -71,9 +69,7 @@ def test_entries_keep_tuples_and_keys_that_are_not_strings():
     text = entry_text(entry, "a test item")
     assert entry_from_text(text) == entry and json.loads(json.dumps(text)) == text
     assert isinstance(entry_from_text(text)["grid"][0], tuple)
-    with pytest.raises(
-        ValueError, match="a test item cannot be written as data: it holds a set value"
-    ):
+    with pytest.raises(ValueError, match="a test item cannot be written as data: it holds a set value"):
         entry_text({"s": {1, 2}}, "a test item")
     with pytest.raises(ValueError, match="rg_entry is not the entry text this adapter writes"):
         score(["q"], ["1"], [{"question": "1+0=", "answer": "1"}], ["basic_arithmetic"], ["{}"])

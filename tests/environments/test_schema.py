@@ -179,10 +179,7 @@ def test_what_transformers_refuses_is_one_sentence_naming_the_tool(fn, why):
     with pytest.raises(ToolError) as info:
         tool_schema(fn)
     message = str(info.value)
-    assert (
-        message.startswith(f"tool {fn.__qualname__} cannot be offered to the model: ")
-        and why in message
-    )
+    assert message.startswith(f"tool {fn.__qualname__} cannot be offered to the model: ") and why in message
     assert "\n" not in message
 
 

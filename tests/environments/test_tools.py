@@ -64,7 +64,7 @@ def test_a_pluggable_parsers_return_is_checked():
     assert parsed == ParsedTurn("x", [ToolCall("add", {"a": 1})], [])
     with pytest.raises(ToolError, match="return \\(content, calls, errors\\)"):
         parsed_turn("x")
-    with pytest.raises(ToolError, match='not {"name": str'):
+    with pytest.raises(ToolError, match="not {\"name\": str"):
         parsed_turn(("x", [{"name": 3}], []))
 
 

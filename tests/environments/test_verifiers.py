@@ -25,9 +25,7 @@ def test_a_guessing_environment_answers_each_turn_and_scores_with_its_rubric():
     with EnvironmentPool(cfg) as pool:
         assert pool.reward_terms == ("reward",) and pool.replies == ["user"] and pool.tools == []
         slow, fast, never = pool.new_sessions(3)
-        resets = pool.reset(
-            [(k, PROMPT, {"answer": "531", "example_id": 0}, 0) for k in (slow, fast, never)]
-        )
+        resets = pool.reset([(k, PROMPT, {"answer": "531", "example_id": 0}, 0) for k in (slow, fast, never)])
         assert [o.ok["messages"] for o in resets] == [PROMPT] * 3
         first = pool.step([(slow, "500", 0), (fast, "531", 0), (never, "600", 0)])
         assert [(o.ok["reply"], o.ok["done"]) for o in first] == [
@@ -41,7 +39,5 @@ def test_a_guessing_environment_answers_each_turn_and_scores_with_its_rubric():
     # reward = 1.0 x solved + 0.0 x short; short = 1 / (1 + the completion's messages)
     assert [o.ok["rewards"] for o in ends] == [{"reward": 1.0}, {"reward": 1.0}, {"reward": 0.0}]
     assert [(o.ok["metrics"]["solved"], o.ok["metrics"]["short"]) for o in ends] == [
-        (1.0, 1 / 4),
-        (1.0, 1 / 2),
-        (0.0, 1 / 2),  # the last reply is not yet in the completion
+        (1.0, 1 / 4), (1.0, 1 / 2), (0.0, 1 / 2)  # the last reply is not yet in the completion
     ]

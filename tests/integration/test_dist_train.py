@@ -359,9 +359,7 @@ def one_full_copy(mode: str) -> int:
     cfg = config_from_dict(demo_config(Path("/tmp/unused"), mode, 1))
     model = load_policy(cfg, None, torch.device("cpu")).model
     tensors = [*model.parameters(), *model.buffers()]
-    return sum(
-        {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values()
-    )
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 @pytest.mark.slow

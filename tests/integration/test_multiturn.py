@@ -112,9 +112,7 @@ def test_the_tool_demo_trains_on_trajectories_and_resumes_exactly_inside_a_batch
 def test_async_at_zero_staleness_equals_sync(tmp_path, scheduling):
     sync = Trainer(config_from_dict(tools_run(tmp_path / "sync", **scheduling)))
     sync.train()
-    cfg = tools_run(
-        tmp_path / "async", pipeline={"mode": "async", "max_staleness": 0}, **scheduling
-    )
+    cfg = tools_run(tmp_path / "async", pipeline={"mode": "async", "max_staleness": 0}, **scheduling)
     asynchronous = Trainer(config_from_dict(cfg))
     asynchronous.train()
     assert max_abs_diff(params(sync), params(asynchronous)) == 0.0
@@ -175,10 +173,7 @@ def test_prompts_too_long_for_their_first_turn_are_refused_at_the_set_up(tmp_pat
 
 def cli_with_test_modules(*args: str):
     """The CLI with tests/ on the path (for `support.environments`)."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
-    }
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
     code = "import sys\nfrom leangrpo.cli import main\nsys.exit(main(sys.argv[1:]))\n"
     return run_python(code, *args, timeout=120, env=env)
 
@@ -197,19 +192,13 @@ def test_a_template_that_ignores_the_tools_is_refused_in_one_line(tmp_path):
 def test_reasoning_gym_tasks_as_data_and_reward(tmp_path):
     """reasoning-gym's basic_arithmetic generated locally, scored by its own scorer in the
     reward workers, through the trainer (single-turn)."""
-    pytest.importorskip(
-        "reasoning_gym", reason="reasoning-gym is not installed (extra 'reasoning-gym')"
-    )
+    pytest.importorskip("reasoning_gym", reason="reasoning-gym is not installed (extra 'reasoning-gym')")
     from leangrpo.environments.adapters.reasoning_gym import main, score
 
     train, evals = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
     config = json.dumps({"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})
-    main(
-        ["basic_arithmetic", "--size", "64", "--seed", "0", "--config", config, "--out", str(train)]
-    )
-    main(
-        ["basic_arithmetic", "--size", "8", "--seed", "1", "--config", config, "--out", str(evals)]
-    )
+    main(["basic_arithmetic", "--size", "64", "--seed", "0", "--config", config, "--out", str(train)])
+    main(["basic_arithmetic", "--size", "8", "--seed", "1", "--config", config, "--out", str(evals)])
     row = json.loads(train.read_text().splitlines()[0])
     right, near = row["answer"], str(int(row["answer"]) + 1)
     args = ([row["rg_entry"]] * 3, [row["rg_dataset"]] * 3, [row["rg_config"]] * 3)
@@ -229,6 +218,8 @@ def test_reasoning_gym_tasks_as_data_and_reward(tmp_path):
     logged = rows(tmp_path / "run")
     assert any("reward/score/mean" in r for r in logged)
     assert all(r.get("reward/score/failures", 0) == 0 for r in logged)
+
+
 
 
 def test_a_verifiers_environment_driven_turn_by_turn(tmp_path):

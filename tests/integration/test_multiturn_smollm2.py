@@ -54,17 +54,13 @@ def test_smollm2_trajectories_with_a_tool_are_token_exact():
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    with EnvironmentPool(
-        EnvironmentConfig(name="support.environments:ToolReply", num_workers=1)
-    ) as pool:
+    with EnvironmentPool(EnvironmentConfig(name="support.environments:ToolReply", num_workers=1)) as pool:
         renderer = Renderer(tokenizer, pool.tools, load_template("chatml-hermes"))
         check_template(renderer, pool.replies, eos)
         engine = Recording(HFEngine(model, tokenizer))
         rollout = MultiTurnRollout(engine, pool, renderer, TurnLimits(2, 512), {eos})
         questions = ["What is 12 + 30? Use the add tool.", "Add 7 and 5."]
-        prompts = [
-            Prompt(i, q, [0], {}, [{"role": "user", "content": q}]) for i, q in enumerate(questions)
-        ]
+        prompts = [Prompt(i, q, [0], {}, [{"role": "user", "content": q}]) for i, q in enumerate(questions)]
         params = SamplingParams(temperature=1.0, max_new_tokens=48, seed=5)
         completions = [c for g in rollout.generate(prompts, params, 2, 0) for c in g]
     assert '"name": "add"' in tokenizer.decode(completions[0].trajectory.start.ids)  # listed

@@ -27,9 +27,7 @@ from leangrpo.model.smollm2 import missing_reason
 
 if missing_reason() is not None:
     pytest.skip(missing_reason(), allow_module_level=True)
-pytest.importorskip(
-    "bitsandbytes", reason="QLoRA needs bitsandbytes: pip install 'leangrpo[qlora]'"
-)
+pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes: pip install 'leangrpo[qlora]'")
 
 from leangrpo.config import config_from_dict
 from leangrpo.contracts import Prompt, RolloutSample, SamplingParams
@@ -73,9 +71,7 @@ def qlora():
                 param.normal_(0, 0.02)
     linears = [m for m in policy.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert len(linears) == 30 * 7  # q, k, v, o, gate, up, down of each layer
-    return SimpleNamespace(
-        cfg=cfg, policy=policy, tokenizer=tokenizer, samples=real_samples(tokenizer)
-    )
+    return SimpleNamespace(cfg=cfg, policy=policy, tokenizer=tokenizer, samples=real_samples(tokenizer))
 
 
 @pytest.fixture(scope="module")

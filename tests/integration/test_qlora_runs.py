@@ -49,9 +49,7 @@ class StopAfterTwo(Trainer):
 
 
 def adapters(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return {
-        n: p.detach().clone() for n, p in trainer.policy.model.named_parameters() if p.requires_grad
-    }
+    return {n: p.detach().clone() for n, p in trainer.policy.model.named_parameters() if p.requires_grad}
 
 
 def qlora(cfg: dict, quant: str = "nf4") -> dict:

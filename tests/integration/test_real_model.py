@@ -39,8 +39,6 @@ from leangrpo.rollout.hf.engine import HFEngine
 from leangrpo.train.packing import pack_samples
 
 TOL = 2e-4
-
-
 @pytest.fixture(scope="module")
 def real():
     from transformers import AutoModelForCausalLM

@@ -37,11 +37,7 @@ def test_a_run_through_hostile_tools_finishes_with_each_limit_counted(tmp_path, 
     assert sorted(args) == sorted(HOSTILE)
     monkeypatch.setenv("LEANGRPO_TEST_TOOL_ARGS", json.dumps(args))
     out = tmp_path / "run"
-    sandbox = {
-        "max_processes": 8,
-        "max_output_bytes": 65536,
-        "pass_env": ["LEANGRPO_TEST_TOOL_ARGS"],
-    }
+    sandbox = {"max_processes": 8, "max_output_bytes": 65536, "pass_env": ["LEANGRPO_TEST_TOOL_ARGS"]}
     cfg = {
         "run": {"output_dir": str(out), "seed": 1, "max_steps": 2, "device": "cpu", "num_threads": 1},
         "model": {"name_or_path": str(TOOLS_DEMO / "model"), "dtype": "float32"},

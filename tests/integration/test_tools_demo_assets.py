@@ -104,9 +104,7 @@ def test_template_lists_the_tools_given(tokenizer, build):
     assert render(tokenizer, user, True, tools=build.tool_schemas()) == render(
         tokenizer, user, True
     )
-    assert render(tokenizer, user, True, tools=[build.TOOLS["add"]]) == render(
-        tokenizer, user, True
-    )
+    assert render(tokenizer, user, True, tools=[build.TOOLS["add"]]) == render(tokenizer, user, True)
     system = [{"role": "system", "content": "Be exact."}, *user]
     two = [*TOOLS, {"type": "function", "function": {"name": "mul"}}]
     assert render(tokenizer, system, False, tools=two).startswith(

@@ -387,9 +387,7 @@ def test_a_run_whose_groups_are_all_flat_stops_with_one_sentence(tmp_path):
     from leangrpo.errors import RunError
 
     reward_file = tmp_path / "same.py"
-    reward_file.write_text(
-        "def same(prompts, completions, **columns):\n    return [1.0] * len(prompts)\n"
-    )
+    reward_file.write_text("def same(prompts, completions, **columns):\n    return [1.0] * len(prompts)\n")
     cfg = tiny_run(
         tmp_path,
         rewards={"functions": [{"name": f"{reward_file}:same"}]},
@@ -426,9 +424,7 @@ def test_streaming_resume_is_exact_at_zero_staleness(tmp_path):
 
     straight = Trainer(config_from_dict(streaming(tmp_path / "a")))
     straight.train()
-    crashing = type("Stop", (StopAfter,), {"stop_at": 4})(
-        config_from_dict(streaming(tmp_path / "b"))
-    )
+    crashing = type("Stop", (StopAfter,), {"stop_at": 4})(config_from_dict(streaming(tmp_path / "b")))
     with pytest.raises(_Interrupt):
         crashing.train()
     resumed = Trainer(config_from_dict(streaming(tmp_path / "b")))
@@ -558,10 +554,8 @@ def test_skipped_batches_after_a_checkpoint_are_logged_once_after_a_resume(tmp_p
         tmp_path,
         # its state must outlive the trainer (a file it writes): only the process sandbox
         # lets a reward write outside its scratch directory
-        rewards={
-            "functions": [{"name": "math"}, {"name": f"{reward_file}:outage"}],
-            "sandbox": {"level": "process"},
-        },
+        rewards={"functions": [{"name": "math"}, {"name": f"{reward_file}:outage"}],
+                 "sandbox": {"level": "process"}},
         pipeline={"max_consecutive_skipped_batches": 5},
         run={"max_steps": 4},
         loss={"mu": 1},
@@ -665,9 +659,7 @@ def test_extending_max_steps_keeps_the_lr_schedule_it_started_with(tmp_path, kin
         return config_from_dict(cfg)
 
     Trainer(run_cfg("extended", 4)).train()
-    with pytest.raises(
-        RunDirError, match=r"past the end of this run's \w+ learning-rate schedule \(4 steps"
-    ):
+    with pytest.raises(RunDirError, match=r"past the end of this run's \w+ learning-rate schedule \(4 steps"):
         Trainer(run_cfg("extended", 6))
     lrs = {}
     for name, steps in (("straight", [4]), ("extended", [6])):
@@ -677,9 +669,7 @@ def test_extending_max_steps_keeps_the_lr_schedule_it_started_with(tmp_path, kin
     assert len(lrs["straight"]) == 4 and lrs["straight"][-1] == 0.0
     assert lrs["extended"] == lrs["straight"] + [0.0, 0.0]
     state = json.loads(
-        (
-            tmp_path / "extended" / "run" / "checkpoints" / "step-6" / "trainer_state.json"
-        ).read_text()
+        (tmp_path / "extended" / "run" / "checkpoints" / "step-6" / "trainer_state.json").read_text()
     )
     assert state["schedule_steps"] == 4
 
@@ -780,9 +770,7 @@ def test_a_run_that_cannot_learn_says_so(tmp_path, caplog):
     from leangrpo.metrics.learning import FLAT_STEPS
 
     reward_file = tmp_path / "same.py"
-    reward_file.write_text(
-        "def same(prompts, completions, **c):\n    return [1.0] * len(completions)\n"
-    )
+    reward_file.write_text("def same(prompts, completions, **c):\n    return [1.0] * len(completions)\n")
     cfg = tiny_run(
         tmp_path,
         rewards={"functions": [{"name": f"{reward_file}:same"}], "num_workers": 1},
@@ -817,9 +805,7 @@ def test_a_stop_between_scoring_and_the_first_step_keeps_the_batch_metrics(tmp_p
     from leangrpo.stopping import RunStopped
 
     def cfg(out):
-        return config_from_dict(
-            tiny_run(out, run={"max_steps": 4}, checkpoint={"save_final_model": False})
-        )
+        return config_from_dict(tiny_run(out, run={"max_steps": 4}, checkpoint={"save_final_model": False}))
 
     straight = Trainer(cfg(tmp_path / "a"))
     straight.train()

@@ -49,10 +49,7 @@ def qlora_run(tmp_path: Path, quant: str = "nf4", **sections) -> dict:
 def test_quantization_without_lora_is_refused_in_one_sentence(tmp_path):
     cfg = qlora_run(tmp_path)
     cfg["lora"]["enabled"] = False
-    with pytest.raises(
-        ConfigError,
-        match=r"model.quantization \(nf4\) freezes the base model in 4 bits.*set lora.enabled: true",
-    ) as err:
+    with pytest.raises(ConfigError, match=r"model.quantization \(nf4\) freezes the base model in 4 bits.*set lora.enabled: true") as err:
         config_from_dict(cfg)
     assert "\n" not in str(err.value)
 
@@ -76,10 +73,7 @@ def test_combinations_that_cannot_work_are_refused(tmp_path, change, match):
 
 
 def test_missing_or_old_bitsandbytes_names_the_install():
-    with pytest.raises(
-        QuantizationError,
-        match=r"needs bitsandbytes >= 0.47, which is not installed; pip install 'leangrpo\[qlora\]'",
-    ):
+    with pytest.raises(QuantizationError, match=r"needs bitsandbytes >= 0.47, which is not installed; pip install 'leangrpo\[qlora\]'"):
         check_bitsandbytes("nf4", None)
     with pytest.raises(QuantizationError, match="but 0.46.1 is installed"):
         check_bitsandbytes("int8", "0.46.1")
@@ -96,9 +90,7 @@ def test_an_unsupported_cpu_is_refused():
 
 
 def test_vllm_without_in_flight_bitsandbytes_is_refused_before_it_starts(tmp_path):
-    with pytest.raises(
-        QuantizationError, match="runs on CUDA GPUs only, and this run trains on the CPU"
-    ):
+    with pytest.raises(QuantizationError, match="runs on CUDA GPUs only, and this run trains on the CPU"):
         check_vllm("cpu", True)
     with pytest.raises(QuantizationError, match="the installed vLLM does not have"):
         check_vllm("cuda", False)
@@ -120,15 +112,10 @@ def test_int8_is_refused_under_torchrun_and_4_bit_is_not(tmp_path):
 def test_quantization_settings_without_quantization_are_listed_as_ignored(tmp_path):
     cfg = qlora_run(tmp_path, "none")
     cfg["model"]["quantization_compute_dtype"] = "bfloat16"
-    assert any(
-        "model.quantization_compute_dtype" in x for x in ignored_options(config_from_dict(cfg))
-    )
+    assert any("model.quantization_compute_dtype" in x for x in ignored_options(config_from_dict(cfg)))
     cfg = qlora_run(tmp_path, "int8")
     cfg["model"]["quantization_double_quant"] = False
-    assert any(
-        "model.quantization_double_quant" in x and "int8" in x
-        for x in ignored_options(config_from_dict(cfg))
-    )
+    assert any("model.quantization_double_quant" in x and "int8" in x for x in ignored_options(config_from_dict(cfg)))
 
 
 PROBE_NO_BNB = (
@@ -249,10 +236,7 @@ def test_checkpointing_and_offload_leave_the_4_bit_gradients_unchanged(tmp_path,
         with torch.no_grad():
             for name, param in policy.model.named_parameters():
                 if "lora_B" in name:  # the same non-zero B in each variant
-                    param.copy_(
-                        torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name)))
-                        * 0.05
-                    )
+                    param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
         batch = demo_batch(policy.tokenizer)
         step = policy.offloader.step() if policy.offloader is not None else contextlib.nullcontext()
         with step:
@@ -272,9 +256,7 @@ def test_vllm_is_asked_to_quantize_the_base_in_flight(tmp_path, monkeypatch):
 
     calls = []
     for kind in ("colocated", "server"):
-        monkeypatch.setattr(
-            VLLMEngine, kind, classmethod(lambda cls, *a, _k=kind, **k: calls.append((_k, k)))
-        )
+        monkeypatch.setattr(VLLMEngine, kind, classmethod(lambda cls, *a, _k=kind, **k: calls.append((_k, k))))
     policy = SimpleNamespace(model=SimpleNamespace(peft_config={"default": None}))
     cfg = config_from_dict(qlora_run(tmp_path, rollout={"engine": "vllm"}))
     make_vllm_engine(cfg, policy)

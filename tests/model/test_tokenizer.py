@@ -59,12 +59,7 @@ def assert_alike(record, real, template=None):
     for chat in CHATS:
         for tools in (None, TOOLS):
             for generation_prompt in (False, True):
-                kwargs = dict(
-                    tools=tools,
-                    add_generation_prompt=generation_prompt,
-                    tokenize=False,
-                    chat_template=template,
-                )
+                kwargs = dict(tools=tools, add_generation_prompt=generation_prompt, tokenize=False, chat_template=template)
                 text = real.apply_chat_template(chat, **kwargs)
                 assert record.apply_chat_template(chat, **kwargs) == text
                 ids = real(text, add_special_tokens=False)["input_ids"]

@@ -248,11 +248,7 @@ def test_the_total_is_explained_as_a_sum_of_its_lines(tmp_path, mode):
     cfg = config(pipeline={"mode": mode}, run={"device": "cpu"})
     plan_ = plan_memory(cfg, dims=LLAMA_8B)
     text = render_plan(plan_, cfg)
-    explained = [
-        line
-        for line in text.splitlines()
-        if "total =" in line or line.startswith("          + the ")
-    ]
+    explained = [line for line in text.splitlines() if "total =" in line or line.startswith("          + the ")]
     assert len(explained) == 2, text
     figures = plan_lines(text)
     persistent = ["weights", "reference_copy", "generation_copy", "adamw_state"]

@@ -46,9 +46,7 @@ def held_bytes(model) -> int:
         elif isinstance(module, bnb.nn.Linear8bitLt):  # the row scales move to the state
             tensors += [module.weight.SCB, module.state.SCB]  # at the first forward
     storages = {
-        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-        for t in tensors
-        if t is not None
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None
     }
     return sum(storages.values())
 

@@ -218,16 +218,16 @@ SYSTEMATIC = {  # function -> what the sentence names
 
 
 @pytest.mark.parametrize("name", sorted(SYSTEMATIC))
-def test_a_function_failing_on_every_sample_the_same_way_stops_after_that_batch(user_module, name):
+def test_a_function_failing_on_every_sample_the_same_way_stops_after_that_batch(
+    user_module, name
+):
     pool = RewardPool(cfg((f"{user_module}:{name}", 1.0, {}), timeout_s=5.0))
     with pool, pytest.raises(RewardFailedError) as err:
         pool.score(make_samples(["a", "b", "c"]))
     text = str(err.value)
     assert text.startswith(f"reward '{name}' failed on all 3 samples of a batch the same way ")
     assert re.search(SYSTEMATIC[name], text), text
-    assert text.endswith(
-        "or set rewards.systematic_failures: warn to go on with such samples unscored"
-    )
+    assert text.endswith("or set rewards.systematic_failures: warn to go on with such samples unscored")
 
 
 def test_systematic_failures_warn_leaves_samples_unscored_and_says_so_once(user_module, caplog):

@@ -208,9 +208,7 @@ def test_a_turn_draws_one_uniform_per_token_from_its_own_seed(tokenizer, monkeyp
     rows = {0: [step[0] for step in used], 1: [step[1] for step in used if len(step) == 2]}
     for key, budget in budgets.items():
         generator = torch.Generator().manual_seed(77 + key)
-        expected = [
-            torch.rand(1, generator=generator, dtype=torch.float64).item() for _ in range(budget)
-        ]
+        expected = [torch.rand(1, generator=generator, dtype=torch.float64).item() for _ in range(budget)]
         assert len(done[key].ids) == budget and rows[key] == expected
     assert len(done[0].ids) > turns_module.DRAW_BLOCK
 
@@ -270,14 +268,7 @@ def test_a_stream_holds_the_engine_until_it_is_closed(model, tokenizer):
     "arch, window",
     [
         ("mistral", {"sliding_window": 4}),  # every layer slides: one windowed mask
-        (
-            "qwen3",
-            {
-                "layer_types": ["sliding_attention", "full_attention"],
-                "sliding_window": 4,
-                "use_sliding_window": True,
-            },
-        ),  # fmt: skip
+        ("qwen3", {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4, "use_sliding_window": True}),  # fmt: skip
     ],
 )
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])

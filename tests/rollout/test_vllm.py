@@ -351,9 +351,7 @@ def test_turns_have_their_own_seeds_and_budgets(colocated, tied_char_model):
     """generate_turns (multi-turn): one request per turn, n = 1, its own seed and budget;
     a request samples the same whichever others share the call."""
     params = SamplingParams(temperature=1.0, max_new_tokens=99, seed=None)  # neither is read
-    requests = [
-        TurnRequest(p.ids, 100 + i, cap) for i, (p, cap) in enumerate(zip(PROMPTS, [5, 12, 3]))
-    ]
+    requests = [TurnRequest(p.ids, 100 + i, cap) for i, (p, cap) in enumerate(zip(PROMPTS, [5, 12, 3]))]
     turns = colocated.generate_turns(requests, params, colocated.version)
     assert [len(c.ids) <= r.max_new_tokens for c, r in zip(turns, requests)] == [True] * 3
     assert all(len(c.logprobs) == len(c.ids) and c.version == colocated.version for c in turns)
@@ -562,3 +560,4 @@ def test_grpo_with_the_vllm_engine_learns_on_the_demo(tmp_path):
     assert evals[-1] >= evals[0] + 0.1, evals
     mismatch = [r["is/mismatch_kl"] for r in rows if "is/mismatch_kl" in r]
     assert max(mismatch) < 1e-3  # vLLM's processed log-probs match the trainer's
+

@@ -26,9 +26,7 @@ from leangrpo.rollout.vllm.engine import VLLMEngine
 from leangrpo.rollout.vllm.settings import VLLMSettings
 
 TEXTS = ["12+3=", "abc", "x", "7*8=", "hello", "q?", "99-1=", "zz", "a b", "0.5"]
-PROMPTS = [
-    Prompt(uid=i, text=t, ids=[CHARS.index(ch) + 1 for ch in t]) for i, t in enumerate(TEXTS)
-]
+PROMPTS = [Prompt(uid=i, text=t, ids=[CHARS.index(ch) + 1 for ch in t]) for i, t in enumerate(TEXTS)]
 
 
 @pytest.fixture(scope="module")
@@ -135,9 +133,7 @@ def test_two_servers_spread_stick_survive_a_kill_and_sync(servers):
             time.sleep(0.005)
         kill_tree(processes[1].pid)
 
-    served, completions, metrics = turns(
-        engine, range(100, 116), params, rounds=2, budget=64, during=kill_server_1
-    )
+    served, completions, metrics = turns(engine, range(100, 116), params, rounds=2, budget=64, during=kill_server_1)
     assert all(len(c) == 2 for c in completions.values())  # the batch is complete
     assert metrics["server_retries"] >= 1 and metrics["servers_down"] == 1
     assert all(s[-1] == 0 for s in served.values()) and not router.servers[1].healthy

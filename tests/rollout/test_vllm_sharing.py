@@ -86,11 +86,7 @@ def test_the_config_says_when_weights_cannot_be_shared():
 
 
 def test_dtypes_are_compared_as_dtypes_and_a_worker_elsewhere_rules_sharing_out():
-    for vllm_name, model_dtype in (
-        ("half", "float16"),
-        ("float", "float32"),
-        ("bfloat16", "bfloat16"),
-    ):
+    for vllm_name, model_dtype in (("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16")):
         raw = colocated(model={"name_or_path": "m", "dtype": model_dtype})
         raw["rollout"]["vllm"] = {"dtype": vllm_name, "share_weights": True}
         cfg = config_from_dict(raw)  # vLLM's own name for the same dtype: no refusal
@@ -104,14 +100,9 @@ def test_dtypes_are_compared_as_dtypes_and_a_worker_elsewhere_rules_sharing_out(
     for executor in ("mp", "ray"):
         raw = colocated(rollout={"engine": "vllm", "vllm": {"engine_kwargs": {"distributed_executor_backend": executor}}})  # fmt: skip
         why, fix = config_from_dict(raw).vllm_share_blocker()
-        assert (
-            f"distributed_executor_backend is {executor}, so vLLM's worker runs in another process"
-            in why
-        )
+        assert f"distributed_executor_backend is {executor}, so vLLM's worker runs in another process" in why
         raw["rollout"]["vllm"]["share_weights"] = True
-        with pytest.raises(
-            ConfigError, match="share_weights is true, but .*distributed_executor_backend"
-        ):
+        with pytest.raises(ConfigError, match="share_weights is true, but .*distributed_executor_backend"):
             config_from_dict(raw)
     uni = colocated(rollout={"engine": "vllm", "vllm": {"engine_kwargs": {"distributed_executor_backend": "uni"}}})  # fmt: skip
     assert config_from_dict(uni).vllm_share_blocker() is None
@@ -130,21 +121,15 @@ def test_async_full_fine_tuning_on_shared_weights_is_refused_naming_the_keys():
 
 def test_options_sharing_makes_pointless_are_named():
     sync_interval = colocated(pipeline={"sync_interval": 2, "max_staleness": 1})
-    assert any(
-        "pipeline.sync_interval" in s for s in ignored_options(config_from_dict(sync_interval))
-    )
-    server = colocated(
-        rollout={"engine": "vllm", "vllm": {"mode": "server", "adapter_sync": "files"}}
-    )
+    assert any("pipeline.sync_interval" in s for s in ignored_options(config_from_dict(sync_interval)))
+    server = colocated(rollout={"engine": "vllm", "vllm": {"mode": "server", "adapter_sync": "files"}})
     assert any("rollout.vllm.adapter_sync" in s for s in ignored_options(config_from_dict(server)))
 
 
 def test_the_planner_counts_one_copy_when_the_weights_are_shared(tmp_path):
     model = make_tiny_model(vocab_size=64, hidden_size=32)
     model.save_pretrained(tmp_path)
-    raw = colocated(
-        model={"name_or_path": str(tmp_path), "dtype": "float32"}, run={"device": "cpu"}
-    )
+    raw = colocated(model={"name_or_path": str(tmp_path), "dtype": "float32"}, run={"device": "cpu"})
     shared = plan_memory(config_from_dict(raw))
     raw["rollout"]["vllm"] = {"share_weights": False}
     copies = plan_memory(config_from_dict(raw))
@@ -153,10 +138,7 @@ def test_the_planner_counts_one_copy_when_the_weights_are_shared(tmp_path):
     assert copies["total"] - shared["total"] == copies["generation_copy"]
     assert shared[SAVED_BY_SHARING] == copies["generation_copy"] and SAVED_BY_SHARING not in copies
     shown = render_plan(shared, config_from_dict(colocated(model={"name_or_path": str(tmp_path)})))
-    assert (
-        "generation_copy is 0 if sharing holds at start-up: colocated vLLM then serves from the policy's weights"
-        in shown
-    )
+    assert "generation_copy is 0 if sharing holds at start-up: colocated vLLM then serves from the policy's weights" in shown
     assert f"  {SAVED_BY_SHARING}" not in shown  # a note, not a term
     hf = colocated(model={"name_or_path": str(tmp_path)})
     hf["rollout"]["engine"] = "hf"
@@ -193,9 +175,7 @@ def test_the_plan_counts_the_copy_a_run_keeps_for_a_reason_known_before_start(tm
     assert "if sharing holds at start-up" in render_plan(plan_memory(cfg), cfg)
 
 
-def test_a_model_without_safetensors_keeps_two_copies_before_vllm_starts(
-    tmp_path, caplog, monkeypatch
-):
+def test_a_model_without_safetensors_keeps_two_copies_before_vllm_starts(tmp_path, caplog, monkeypatch):
     """No vLLM is imported: the reason is known from the files (the run used to start the
     engine, change its layers and then refuse, so the first file sync crashed)."""
     import leangrpo.rollout.vllm.sharing as sharing
@@ -288,9 +268,7 @@ def test_views_of_fused_and_padded_tensors_build_the_policy_without_a_copy(tiny_
         assert same_memory(param, views[name]) and param.untyped_storage().data_ptr() in storages
     qkv = vmodel.model.layers[1].self_attn.qkv_proj.weight
     k = policy.model.layers[1].self_attn.k_proj.weight  # spelled out: k follows q's rows
-    assert k.storage_offset() == qkv.storage_offset() + hf.model.layers[
-        1
-    ].self_attn.q_proj.weight.shape[0] * qkv.stride(0)
+    assert k.storage_offset() == qkv.storage_offset() + hf.model.layers[1].self_attn.q_proj.weight.shape[0] * qkv.stride(0)
     assert policy.lm_head.weight.shape[0] == 40 and vmodel.lm_head.weight.shape[0] == 64
     ids = torch.tensor([[1, 5, 9, 39]])
     assert torch.equal(policy(ids).logits, hf(ids).logits)
@@ -314,9 +292,7 @@ def test_a_layout_that_maps_by_shape_but_not_by_meaning_is_caught(tiny_dir):
     views, problems = vllm_views(vllm_shaped(hf, swap_gate_up=True))
     assert problems == []
     policy = model_on_views(model_cfg, views, torch.float32)
-    assert "mlp.gate_proj.weight differs from the checkpoint" in checkpoint_mismatch(
-        policy, model_cfg
-    )
+    assert "mlp.gate_proj.weight differs from the checkpoint" in checkpoint_mismatch(policy, model_cfg)
     vmodel = vllm_shaped(hf)
     vmodel.model.layers[0].self_attn.qkv_proj.output_partition_sizes = [32, 16]
     assert vllm_views(vmodel)[1][0] == "model.layers.0.self_attn.qkv_proj.weight fuses ['q_proj', 'k_proj', 'v_proj'] in sizes [32, 16]"  # fmt: skip
@@ -351,14 +327,9 @@ def test_the_layout_is_checked_before_vllms_layers_change(tiny_dir, tmp_path):
 
     fused_qkv = vllm_shaped(hf)  # a checkpoint fused as vLLM is (Phi-3's qkv_proj)
     fused_qkv.packed_modules_mapping = {"qkv_proj": ["qkv_proj"]}
-    assert (
-        "fuses ['qkv_proj'] in sizes"
-        in vllm_views(packed_as_on_cpu(fused_qkv), stand_ins=True)[1][0]
-    )
+    assert "fuses ['qkv_proj'] in sizes" in vllm_views(packed_as_on_cpu(fused_qkv), stand_ins=True)[1][0]
     renamed = dict(planned)
-    renamed["model.layers.0.mlp.fused_gate_up.weight"] = renamed.pop(
-        "model.layers.0.mlp.up_proj.weight"
-    )
+    renamed["model.layers.0.mlp.fused_gate_up.weight"] = renamed.pop("model.layers.0.mlp.up_proj.weight")
     refused(renamed, "do not map onto Qwen2ForCausalLM: unexpected key model.layers.0.mlp.fused_gate_up.weight")  # fmt: skip
     refused({k: v for k, v in planned.items() if "norm" not in k}, "missing key model.layers.0.input_layernorm.weight")  # fmt: skip
     narrow = dict(planned, **{"model.layers.1.self_attn.o_proj.weight": torch.empty(32, 16, device="meta")})  # fmt: skip
@@ -563,10 +534,7 @@ def demo_prompts(tokenizer) -> list[Prompt]:
 
 def max_logprob_gap(model, prompts, groups, params) -> float:
     gaps = [
-        (
-            teacher_forced_logprobs(model, p.ids, c.ids, params).double()
-            - torch.tensor(c.logprobs, dtype=torch.float64)
-        ).abs()  # fmt: skip
+        (teacher_forced_logprobs(model, p.ids, c.ids, params).double() - torch.tensor(c.logprobs, dtype=torch.float64)).abs()  # fmt: skip
         for p, g in zip(prompts, groups)
         for c in g
     ]
@@ -589,10 +557,7 @@ def test_logprobs_of_the_policy_and_of_vllm_agree_on_shared_weights(shared_demo,
     ):
         groups = engine.generate(prompts, params, 4, version)
         gaps = [
-            (
-                teacher_forced_logprobs(policy.model, p.ids, c.ids, params).double()
-                - torch.tensor(c.logprobs, dtype=torch.float64)
-            ).abs()  # fmt: skip
+            (teacher_forced_logprobs(policy.model, p.ids, c.ids, params).double() - torch.tensor(c.logprobs, dtype=torch.float64)).abs()  # fmt: skip
             for p, g in zip(prompts, groups)
             for c in g
         ]
@@ -612,9 +577,7 @@ def test_an_optimizer_step_is_what_vllm_serves_next(shared_demo, monkeypatch):
 
     engine, policy = shared_demo.engines.rollout, shared_demo.policy
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(
-        2, 32, (48,), generator=gen
-    ).tolist()  # one full block + 16 (0: pad, 1: EOS)
+    ids = torch.randint(2, 32, (48,), generator=gen).tolist()  # one full block + 16 (0: pad, 1: EOS)
     prompt = [Prompt(uid=0, text="", ids=ids)]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=16)
 
@@ -646,9 +609,7 @@ def test_an_optimizer_step_is_what_vllm_serves_next(shared_demo, monkeypatch):
 
 
 @pytest.mark.vllm
-def test_a_sync_of_tensors_that_are_not_vllms_own_writes_into_the_one_copy(
-    shared_demo, monkeypatch
-):
+def test_a_sync_of_tensors_that_are_not_vllms_own_writes_into_the_one_copy(shared_demo, monkeypatch):
     """Full weights from elsewhere (a checkpoint's, say): copied into the tensors vLLM and
     the policy share (vLLM's own reload would replace them, or crash on CPU), checked
     name by name first; vLLM then serves them, and the next in-place sync too."""
@@ -663,13 +624,9 @@ def test_a_sync_of_tensors_that_are_not_vllms_own_writes_into_the_one_copy(
     named = list(other.state_dict().items())  # tied: embed_tokens and lm_head, one tensor
     before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
     version = engine.version
-    with pytest.raises(
-        ValueError, match="model.extra.weight is not one of the weights colocated vLLM shares"
-    ):
+    with pytest.raises(ValueError, match="model.extra.weight is not one of the weights colocated vLLM shares"):
         engine.update_weights([*named, ("model.extra.weight", torch.zeros(2))], version + 1)
-    with pytest.raises(
-        ValueError, match=r"lm_head.weight has shape \(4, 64\), the shared weight \(32, 64\)"
-    ):
+    with pytest.raises(ValueError, match=r"lm_head.weight has shape \(4, 64\), the shared weight \(32, 64\)"):
         engine.update_weights([("lm_head.weight", torch.zeros(4, 64))], version + 1)
     assert engine.version == version
     assert all(torch.equal(p, before[n]) for n, p in policy.model.named_parameters())  # untouched
@@ -746,10 +703,7 @@ def assert_same_run(a: Run, b: Run, tol: float, param_tol: float) -> None:
     for ra, rb in zip(rows_a, rows_b):
         assert {k: ra.get(k) for k in exact} == {k: rb.get(k) for k in exact}, ra["step"]
         if "loss" in ra:
-            assert (
-                abs(ra["loss"] - rb["loss"]) <= tol
-                and abs(ra["loss/entropy"] - rb["loss/entropy"]) <= tol
-            )
+            assert abs(ra["loss"] - rb["loss"]) <= tol and abs(ra["loss/entropy"] - rb["loss/entropy"]) <= tol
     assert max(float((a.params[k] - b.params[k]).abs().max()) for k in a.params) <= param_tol
 
 
@@ -782,9 +736,7 @@ def test_a_refusal_after_vllms_layers_changed_leaves_an_engine_that_trains_as_tw
     CPU layers became plain): vLLM's own processing comes back, and the run (file syncs
     every step, evaluations, checkpoints) equals the two-copy run."""
     forced = "vLLM's tensor for model.norm.weight differs from the checkpoint's (forced)"
-    monkeypatch.setattr(
-        "leangrpo.rollout.vllm.sharing.checkpoint_mismatch", lambda model, cfg: forced
-    )
+    monkeypatch.setattr("leangrpo.rollout.vllm.sharing.checkpoint_mismatch", lambda model, cfg: forced)
     restored: list = []
 
     def check(trainer) -> None:
@@ -829,10 +781,7 @@ def test_a_layout_the_views_cannot_express_is_refused_before_vllms_layers_change
     engines = make_engines(cfg, policy, None, None, started=started.engine)
     try:
         assert not engines.rollout_shares_weights
-        prompts, params = (
-            demo_prompts(tokenizer),
-            SamplingParams(temperature=1.0, max_new_tokens=6, seed=2),
-        )
+        prompts, params = demo_prompts(tokenizer), SamplingParams(temperature=1.0, max_new_tokens=6, seed=2)
         perturb(policy.model, scale=0.05, seed=6)
         engines.rollout.update_weights(policy.named_trainable_tensors(), 1)  # through files
         groups = engines.rollout.generate(prompts, params, 4, 1)

@@ -181,10 +181,7 @@ def test_a_namespace_tool_writes_only_its_scratch_directory(pools, tmp_path):
     scratch = pool._workers[0].scratch
     assert places["home"][0] == places["tmp"][0] == scratch
     assert places["home"][1] == places["shm"][1] == "ok 1"  # its scratch, its /dev/shm
-    assert places["cwd"] == [
-        os.getcwd(),
-        f"OSError: [Errno 30] Read-only file system: '{os.getcwd()}/f'",
-    ]
+    assert places["cwd"] == [os.getcwd(), f"OSError: [Errno 30] Read-only file system: '{os.getcwd()}/f'"]
     assert list(os.scandir(scratch)) == []  # a tmpfs of its own: the host directory stays empty
 
 
@@ -248,9 +245,7 @@ def test_processes_are_bounded_and_a_fork_bomb_is_an_error_message(pools, level)
     started = int(call(pool, "fork_count", attempts=64)[0].split()[-1])  # bounded attempts
     assert 0 < started <= MAX_PROCESSES + BOX_TASKS < 64
     text, counts = call(pool, "fork_bomb", attempts=64)
-    assert text.startswith(
-        f"error: the tool could not start a process or thread (the limit is {MAX_PROCESSES})"
-    )
+    assert text.startswith(f"error: the tool could not start a process or thread (the limit is {MAX_PROCESSES})")
     assert counts["tool_limit/process"] == 1.0
     assert settles(lambda: len(worker_tree(pool)) <= before)  # the bomb's ended with its box
     assert call(pool, "fork_count", attempts=2)[0] == "forked 2"  # the limit is per call again
@@ -273,8 +268,6 @@ def test_a_reward_runs_isolated_too(tmp_path, monkeypatch, caplog):
             pool.score([sample])
     finally:
         server.close()
-    assert sample.reward == 1.0, [
-        r.getMessage() for r in caplog.records if "isolation" in r.getMessage()
-    ]
+    assert sample.reward == 1.0, [r.getMessage() for r in caplog.records if "isolation" in r.getMessage()]
     assert not (tmp_path / "x").exists()
     assert any("reward workers: sandbox namespace" in r.getMessage() for r in caplog.records)

@@ -40,9 +40,7 @@ def test_the_default_is_the_namespace_where_it_starts():
     plan = plan_for(EnvironmentConfig(tools=["support.environments:add"]), "environment")
     assert plan.level == "namespace" and plan.reason == ""
     line = plan.describe()
-    assert line.startswith(
-        "environment workers: sandbox namespace (user, PID, IPC, mount and network"
-    )
+    assert line.startswith("environment workers: sandbox namespace (user, PID, IPC, mount and network")
     assert "\n" not in line
 
 

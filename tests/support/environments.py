@@ -53,9 +53,7 @@ class Again(Environment):
     def step(self, turn: ModelTurn) -> StepResult:
         done = turn.index + 1 >= self.turns
         reply = [] if done else [{"role": "user", "content": "again"}]
-        return StepResult(
-            reply, done, rewards={"per_turn": 0.25}, metrics={"chars": len(turn.text)}
-        )
+        return StepResult(reply, done, rewards={"per_turn": 0.25}, metrics={"chars": len(turn.text)})
 
     def finish(self, finish_reason: str) -> StepResult:
         return StepResult(rewards={"final": 1.0 if finish_reason == "stop" else 0.0})

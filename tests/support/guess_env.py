@@ -31,9 +31,6 @@ async def short(completion, **kwargs) -> float:
 
 
 def load_environment(rows=8):
-    data = [
-        {"question": f"{a}+{b}=", "answer": str(a + b)}
-        for a, b in [(395, 136), (548, 622)] * (rows // 2)
-    ]
+    data = [{"question": f"{a}+{b}=", "answer": str(a + b)} for a, b in [(395, 136), (548, 622)] * (rows // 2)]
     rubric = vf.Rubric(funcs=[solved, short], weights=[1.0, 0.0])
     return Guess(dataset=Dataset.from_list(data), rubric=rubric, max_turns=3)

@@ -75,3 +75,5 @@ def launch(
 def assert_ok(ranks: list[SimpleNamespace]) -> None:
     for r, rank in enumerate(ranks):
         assert rank.code == 0, f"rank {r} exited {rank.code}:\n{rank.log[-3000:]}"
+
+

@@ -23,12 +23,7 @@ class FakeLocal:
     """LocalVLLM's interface with the real gate; completions reverse the prompt."""
 
     def __init__(
-        self,
-        name: str = "fake",
-        delay_s: float = 0.0,
-        version: int = 0,
-        run=None,
-        lora_modules=None,
+        self, name: str = "fake", delay_s: float = 0.0, version: int = 0, run=None, lora_modules=None
     ):
         self.name, self.delay_s = name, delay_s
         # "ok"; "error": generation and weight loads fail (500); "hang": generation sleeps
@@ -59,9 +54,7 @@ class FakeLocal:
             time.sleep(self.delay_s)
             self.served += prompt_ids
             for i, ids in enumerate(prompt_ids):
-                self.requests.append(
-                    (ids, None if seeds is None else seeds[i], params.max_new_tokens)
-                )
+                self.requests.append((ids, None if seeds is None else seeds[i], params.max_new_tokens))
             return [
                 [
                     Completion(

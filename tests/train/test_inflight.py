@@ -49,9 +49,7 @@ def test_the_batch_metrics_are_saved_until_its_first_step_logs_them():
     for s in samples:
         s.reward = s.advantage
     metrics = {"reward/mean": 0.25, "advantage/abs_mean": 0.75, "samples/unscored": 0.0}
-    work = BatchInProgress(
-        RolloutBatch(samples, 2), plan_steps(samples, cfg, policy), 2, 0, metrics
-    )
+    work = BatchInProgress(RolloutBatch(samples, 2), plan_steps(samples, cfg, policy), 2, 0, metrics)
     resumed = BatchInProgress.from_state(work.state_dict(), cfg, policy)
     planned, logged = resumed.take()
     assert {k: logged[k] for k in metrics} == metrics

@@ -124,9 +124,7 @@ def test_delta_two_sided_clip():
             token_seq=torch.tensor([0, 0]),
             num_sequences=1,
         )
-        loss = compute_loss(
-            inputs, LossNormalisers(1, 2, 2), LossConfig(type="bnpo", delta=delta)
-        ).loss
+        loss = compute_loss(inputs, LossNormalisers(1, 2, 2), LossConfig(type="bnpo", delta=delta)).loss
         loss.backward()
         return loss.item(), logp.grad.tolist()
 

@@ -120,9 +120,7 @@ def test_packed_multiturn_loss_and_gradient_equal_the_per_sequence_reference(los
         assert step.metrics["packing/shared_prefix"] == float(shared == "on")
         mb = step.micro_batches[0]
         model_tokens = sum(len(s.completion.logprobs) for s in samples)
-        assert (
-            mb.num_completion_tokens == model_tokens < sum(len(s.completion.ids) for s in samples)
-        )
+        assert mb.num_completion_tokens == model_tokens < sum(len(s.completion.ids) for s in samples)
         policy, _ = policy_and_optimizer()  # the same initial weights
         expected = reference_loss(policy.model, samples, cfg)
         expected.backward()
@@ -170,10 +168,7 @@ def test_a_one_turn_trajectory_packs_bit_identically_to_a_single_turn_completion
         for s in samples
     ]  # fmt: skip
     for shared in (False, True):
-        a, b = (
-            pack_samples(single, shared_prefix=shared),
-            pack_samples(one_turn, shared_prefix=shared),
-        )
+        a, b = pack_samples(single, shared_prefix=shared), pack_samples(one_turn, shared_prefix=shared)
         for name in ("input_ids", "position_ids", "cu_seqlens", "completion_index", "targets",
                      "token_seq", "completion_lens", "behaviour_logprobs", "truncated"):  # fmt: skip
             assert torch.equal(getattr(a, name), getattr(b, name)), name
@@ -181,9 +176,7 @@ def test_a_one_turn_trajectory_packs_bit_identically_to_a_single_turn_completion
 
 def test_packing_refuses_log_probs_that_do_not_match_the_model_tokens():
     sample = trajectory_samples()[0]
-    sample.completion.logprobs = sample.completion.logprobs + [
-        0.0
-    ]  # one per id, not per model token
+    sample.completion.logprobs = sample.completion.logprobs + [0.0]  # one per id, not per model token
     with pytest.raises(ValueError, match="6 model tokens but 7 behaviour log-probs"):
         pack_samples([sample])
     sample = trajectory_samples()[0]

@@ -201,11 +201,7 @@ def test_bypass_applies_no_is_weight_whatever_the_is_mode():
     weight exists and is_mode / is_cap / is_min change nothing (preflight lists them as
     ignored); the same settings do change a decoupled step."""
     samples = step_samples([1.0, -1.0, 0.5, -0.5])
-    modes = [
-        ("token_truncate", 2.0, 0.0),
-        ("token_mask", 1.05, 0.95),
-        ("sequence_mask", 1.01, 0.99),
-    ]
+    modes = [("token_truncate", 2.0, 0.0), ("token_mask", 1.05, 0.95), ("sequence_mask", 1.01, 0.99)]
     results = {}
     for correction in ("bypass", "decoupled"):
         for mode, cap, low in modes:
@@ -272,6 +268,8 @@ def test_a_rank_dealt_no_group_trains_padding_only_with_truncated_completions_ma
     install_chunked_head(policy.model)
     policy.root = PackedScorer(policy.model)
     ranks = _PeerRank()
-    result = train_step(policy, [padding_batch(0)] * 2, optimizer, cfg, SamplingParams(), ranks)
+    result = train_step(
+        policy, [padding_batch(0)] * 2, optimizer, cfg, SamplingParams(), ranks
+    )
     assert ranks.reduced[0] == [0.0, 0.0]  # this rank's sequences and loss tokens
     assert result.updated and result.metrics["loss"] == 0.25  # the peer's loss, averaged

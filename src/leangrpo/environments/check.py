@@ -57,9 +57,7 @@ def check_environment(cfg: Any, model_dir: Path | None, limit: Any) -> None:
     check_rewards_possible(cfg, reward_terms)
     tokenizer = recall(model_dir)
     if tokenizer is None:
-        log.info(
-            "the chat template and the prompts' first turns are checked once the tokenizer loads"
-        )
+        log.info("the chat template and the prompts' first turns are checked once the tokenizer loads")
         return
     renderer = Renderer(tokenizer, tools, template)
     check_renderer(renderer, replies, eos_ids(model_dir, tokenizer))
@@ -74,11 +72,7 @@ def check_rewards_possible(cfg: Any, reward_terms: tuple[str, ...] | None) -> No
     weighted = [spec for spec in cfg.rewards.functions if spec.weight != 0]
     if weighted or reward_terms is None or reward_terms:
         return
-    functions = (
-        "rewards.functions is empty"
-        if not cfg.rewards.functions
-        else "every rewards.functions[*].weight is 0"
-    )
+    functions = "rewards.functions is empty" if not cfg.rewards.functions else "every rewards.functions[*].weight is 0"
     raise NoRewardError(
         f"{functions} and environment.name = {cfg.environment.name!r} gives no reward terms, so every reward would be 0 and nothing could be learned; add a reward function (e.g. rewards.functions: [{{name: math, kwargs: {{answer_column: answer}}}}]) or use an environment whose steps return rewards (listed in its reward_terms)"
     )
@@ -100,6 +94,4 @@ def eos_ids(model_dir: Path | None, tokenizer: Any) -> set[int]:
 
 def _read_without_datasets(data_cfg: Any) -> bool:
     paths = [p for p in (data_cfg.path, data_cfg.eval_path) if p is not None]
-    return data_cfg.dataset is None and all(
-        Path(p).suffix.lower() in (".json", ".jsonl") for p in paths
-    )
+    return data_cfg.dataset is None and all(Path(p).suffix.lower() in (".json", ".jsonl") for p in paths)

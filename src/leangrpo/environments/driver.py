@@ -157,10 +157,7 @@ class MultiTurnRollout:
         try:
             t.conversation = self.renderer.start(start)
         except Exception as e:  # the template cannot render the environment's start
-            t.end(
-                "error",
-                f"rendering failed: the chat template cannot render the reset messages: {e}",
-            )
+            t.end("error", f"rendering failed: the chat template cannot render the reset messages: {e}")
             return
         if t.conversation.num_tokens >= self.limits.max_total_tokens:
             t.end("error", f"prompt too long: it has {t.conversation.num_tokens} tokens, no room for a turn within environment.max_total_tokens = {self.limits.max_total_tokens}")  # fmt: skip
@@ -214,15 +211,10 @@ class MultiTurnRollout:
         try:
             added = t.conversation.add_reply(reply, room)
         except NotIncremental as e:
-            t.end(
-                "error", f"rendering failed: the chat template cannot be rendered turn by turn: {e}"
-            )
+            t.end("error", f"rendering failed: the chat template cannot be rendered turn by turn: {e}")
             return
         except Exception as e:  # the template itself refused the reply (a role it lacks)
-            t.end(
-                "error",
-                f"rendering failed: the chat template cannot render the reply: {type(e).__name__}: {e}",
-            )
+            t.end("error", f"rendering failed: the chat template cannot render the reply: {type(e).__name__}: {e}")
             return
         if added is None:  # the reply leaves no room for another turn
             t.conversation.messages.extend(reply)  # the conversation as the environment saw it
@@ -272,9 +264,7 @@ class MultiTurnRollout:
         if conversation is not None:  # the sample's prompt: what the trajectory starts from
             p = t.prompt
             start = conversation.messages[: conversation.start_messages]
-            trajectory.start = Prompt(
-                p.uid, conversation.start_text, list(conversation.prompt_ids), p.columns, start
-            )
+            trajectory.start = Prompt(p.uid, conversation.start_text, list(conversation.prompt_ids), p.columns, start)
         return Completion(
             ids=list(conversation.ids) if conversation else [],
             text=t.text,

@@ -18,14 +18,7 @@ from collections import defaultdict
 
 from leangrpo.contracts import RolloutSample
 
-COUNTED = (
-    "tool_calls",
-    "tool_errors",
-    "parse_errors",
-    "tool_truncated",
-    "model_tokens",
-    "env_tokens",
-)
+COUNTED = ("tool_calls", "tool_errors", "parse_errors", "tool_truncated", "model_tokens", "env_tokens")
 PER_TOOL = ("tool_calls/", "tool_errors/", "tool_limit/")
 FINISH_REASONS = ("stop", "length", "max_turns", "error")
 

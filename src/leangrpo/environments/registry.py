@@ -52,9 +52,7 @@ def _checked(name: str, key: str, builtins: tuple[str, ...]) -> str:
     target, sep, attr = name.rpartition(":")
     if not sep or not target or not attr.isidentifier():
         known = f"{', '.join(repr(b) for b in builtins)} or " if builtins else ""
-        raise EnvironmentSpecError(
-            f"{key} = {name!r} is not a name leangrpo knows; use {known}{FORMS}"
-        )
+        raise EnvironmentSpecError(f"{key} = {name!r} is not a name leangrpo knows; use {known}{FORMS}")
     if target.endswith(".py"):
         path = Path(target).expanduser().resolve()
         if not path.is_file():

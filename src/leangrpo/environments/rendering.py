@@ -144,9 +144,7 @@ def load_template(spec: str | None) -> str | None:
 class Renderer:
     """The run's tokenizer, template and tools: renders and tokenises conversations."""
 
-    def __init__(
-        self, tokenizer: Any, tools: list[dict] | None = None, template: str | None = None
-    ):
+    def __init__(self, tokenizer: Any, tools: list[dict] | None = None, template: str | None = None):
         self.tokenizer = tokenizer
         self.tools = tools or None
         self.template = template
@@ -191,11 +189,7 @@ class Renderer:
         for m in messages:
             clean = {}
             for key, value in m.items():
-                clean[key], removed = (
-                    neutralised(value, self.control_tokens)
-                    if isinstance(value, str)
-                    else (value, 0)
-                )
+                clean[key], removed = neutralised(value, self.control_tokens) if isinstance(value, str) else (value, 0)
                 stripped += removed
             out.append(clean)
         return out, stripped
@@ -217,9 +211,7 @@ def control_tokens(tokenizer: Any, template: str | None = None) -> tuple[str, ..
     found = {s for s in getattr(tokenizer, "all_special_tokens", None) or [] if s}
     for token in added.values():
         content = getattr(token, "content", str(token))
-        if content and (
-            getattr(token, "special", False) or (content in text and not content.isspace())
-        ):
+        if content and (getattr(token, "special", False) or (content in text and not content.isspace())):
             found.add(content)
     return tuple(sorted(found, key=lambda s: (-len(s), s)))
 
@@ -269,9 +261,7 @@ class Conversation:
         tokenizer = self.renderer.tokenizer
         text = tokenizer.decode(ids, skip_special_tokens=False)
         eos_text = tokenizer.decode(ids[-1:], skip_special_tokens=False) if stopped_on_eos else ""
-        content = (
-            text[: len(text) - len(eos_text)] if eos_text and text.endswith(eos_text) else text
-        )
+        content = text[: len(text) - len(eos_text)] if eos_text and text.endswith(eos_text) else text
         self.ids.extend(ids)
         self.segments.append((len(ids), True))
         self.messages.append({"role": "assistant", "content": content})
@@ -324,9 +314,7 @@ PROBE_THINK = "<think>\nAdd the numbers.\n</think>\n\n"
 PROBE_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 12, "b": 30}}\n</tool_call>'
 
 
-def probe_conversation(
-    replies: list[str],
-) -> tuple[list[dict], list[tuple[str, list[dict] | None]]]:
+def probe_conversation(replies: list[str]) -> tuple[list[dict], list[tuple[str, list[dict] | None]]]:
     """A conversation with every reply role the environment produces (then the end)."""
     start = [
         {"role": "system", "content": "You add numbers."},
@@ -335,9 +323,7 @@ def probe_conversation(
     turns: list[tuple[str, list[dict] | None]] = []
     for role in dict.fromkeys(replies or ["user"]):
         if role == "tool":
-            turns.append(
-                (PROBE_THINK + PROBE_CALL, [{"role": "tool", "name": "add", "content": "42"}])
-            )
+            turns.append((PROBE_THINK + PROBE_CALL, [{"role": "tool", "name": "add", "content": "42"}]))
         else:
             turns.append((PROBE_THINK + "It is 42.", [{"role": role, "content": "And 1 + 1?"}]))
     turns.append(("2", None))
@@ -365,9 +351,7 @@ def check_template(renderer: Renderer, replies: list[str], eos_id: int | None) -
                 conversation.add_reply(reply)
         whole = renderer.encode(renderer.render(conversation.messages, generation_prompt=False))
     except NotIncremental as e:
-        raise TemplateError(
-            f"the chat template of {name} cannot be rendered turn by turn: {e}"
-        ) from None
+        raise TemplateError(f"the chat template of {name} cannot be rendered turn by turn: {e}") from None
     except TemplateError:
         raise
     except Exception as e:  # the template itself raised (e.g. on a role it does not know)
@@ -376,9 +360,7 @@ def check_template(renderer: Renderer, replies: list[str], eos_id: int | None) -
         ) from None
     got = conversation.prompt_ids + conversation.ids
     if whole[: len(got)] != got:  # the last turn's closing is not part of the trajectory
-        i = next(
-            (i for i, (a, b) in enumerate(zip(got, whole)) if a != b), min(len(got), len(whole))
-        )
+        i = next((i for i, (a, b) in enumerate(zip(got, whole)) if a != b), min(len(got), len(whole)))
         raise TemplateError(
             f"the chat template of {name} cannot be rendered turn by turn: the tokens of the turn-by-turn rendering differ from the whole conversation's at token {i} ({tokenizer.decode(whole[max(0, i - 3) : i + 3])!r})"
         )
@@ -392,17 +374,11 @@ def _check_keeps_whitespace(renderer: Renderer) -> None:
     Gemma templates `| trim` every message: turns ending in a newline would fail)."""
     start = [{"role": "user", "content": "What is 12 + 30?"}]
     before = renderer.render(start, generation_prompt=True)
-    closed = renderer.render(
-        [*start, {"role": "assistant", "content": PROBE_EDGES}], generation_prompt=False
-    )
+    closed = renderer.render([*start, {"role": "assistant", "content": PROBE_EDGES}], generation_prompt=False)
     if closed.startswith(before + PROBE_EDGES):
         return
     trims = PROBE_EDGES.strip() in closed[len(before) :] if closed.startswith(before) else False
-    how = (
-        "trims the whitespace at the edges of an assistant turn (e.g. `| trim`)"
-        if trims
-        else "changes an assistant turn's text"
-    )
+    how = "trims the whitespace at the edges of an assistant turn (e.g. `| trim`)" if trims else "changes an assistant turn's text"
     raise TemplateError(
         f"the chat template of {renderer.name} {how}, so a model turn that starts or ends with whitespace could not be kept token for token; set environment.chat_template to a template that renders message contents as they are"
     )

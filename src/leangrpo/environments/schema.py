@@ -75,9 +75,7 @@ def _schema(fn: Callable, name: str) -> dict[str, Any]:
         text = arg_docs[arg]
         choices = _CHOICES.search(text)
         if choices:
-            schema["enum"] = [
-                c.strip() if isinstance(c, str) else c for c in json.loads(choices.group(1))
-            ]
+            schema["enum"] = [c.strip() if isinstance(c, str) else c for c in json.loads(choices.group(1))]
             text = choices.string[: choices.start()].strip()
         schema["description"] = text
     out = {"name": name, "description": description, "parameters": parameters}
@@ -93,9 +91,7 @@ def _docstring(doc: str) -> tuple[str | None, dict[str, str], str | None]:
     arg_docs = {}
     if args is not None:
         block = "\n".join(line for line in args.group(1).split("\n") if line.strip())
-        arg_docs = {
-            m[1]: re.sub(r"\s*\n+\s*", " ", m[2].strip()) for m in _ARG_SPLIT.findall(block)
-        }
+        arg_docs = {m[1]: re.sub(r"\s*\n+\s*", " ", m[2].strip()) for m in _ARG_SPLIT.findall(block)}
     return (
         description.group(1).strip() if description else None,
         arg_docs,
@@ -111,11 +107,7 @@ def _parameters(fn: Callable, name: str) -> dict[str, Any]:
     signature = inspect.signature(fn)
     params = signature.parameters
     first = next(iter(params), None)
-    implicit = (
-        first
-        if first in ("self", "cls") and params[first].annotation is inspect.Parameter.empty
-        else None
-    )
+    implicit = first if first in ("self", "cls") and params[first].annotation is inspect.Parameter.empty else None
     required = []
     for arg, param in params.items():
         if arg == implicit:
@@ -149,17 +141,13 @@ def _hint(hint: Any) -> dict[str, Any]:
     if origin is None and isinstance(hint, type) and issubclass(hint, Enum):
         values = [member.value for member in hint]
         if not values or any(type(v) not in _SCALARS for v in values):
-            raise _Unsupported(
-                f"the Enum {hint.__name__} has no members or values JSON cannot hold"
-            )
+            raise _Unsupported(f"the Enum {hint.__name__} has no members or values JSON cannot hold")
         return _enum(values)
     if origin is None:
         if hint is Any:
             return {}
         if hint not in _BARE:
-            raise _Unsupported(
-                f"the type hint {hint!r} has no JSON schema (a custom class or object)"
-            )
+            raise _Unsupported(f"the type hint {hint!r} has no JSON schema (a custom class or object)")
         return dict(_BARE[hint])
     if origin is Union or origin is types.UnionType:
         return _union(args)
@@ -172,11 +160,7 @@ def _hint(hint: Any) -> dict[str, Any]:
     if origin is tuple:
         return _tuple(hint, args)
     if origin is dict:
-        return (
-            {"type": "object", "additionalProperties": _hint(args[1])}
-            if len(args) == 2
-            else {"type": "object"}
-        )
+        return {"type": "object", "additionalProperties": _hint(args[1])} if len(args) == 2 else {"type": "object"}
     raise _Unsupported(f"the type hint {hint!r} has no JSON schema")
 
 
@@ -198,9 +182,7 @@ def _tuple(hint: Any, args: tuple) -> dict[str, Any]:
     if not args:
         return {"type": "array"}
     if len(args) == 1:
-        raise _Unsupported(
-            f"the type hint {str(hint).replace('typing.', '')} is a one-element tuple; use list[...]"
-        )
+        raise _Unsupported(f"the type hint {str(hint).replace('typing.', '')} is a one-element tuple; use list[...]")
     if ... in args:
         raise _Unsupported("a tuple hint with '...'; use list[...]")
     return {"type": "array", "prefixItems": [_hint(t) for t in args]}

@@ -75,10 +75,7 @@ def parse_hermes(text: str) -> ParsedTurn:
 
 def _hermes_call(body: str) -> tuple[ToolCall | None, str]:
     if len(body) > MAX_CALL_CHARS:
-        return (
-            None,
-            f"tool call has {len(body)} characters, more than the {MAX_CALL_CHARS} a call may have",
-        )
+        return None, f"tool call has {len(body)} characters, more than the {MAX_CALL_CHARS} a call may have"
     obj, error = model_json(body)
     if error:
         return None, f"tool call {error}"

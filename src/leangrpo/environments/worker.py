@@ -292,9 +292,7 @@ class Trajectory:
         try:
             return parsed_turn(self._call(self.setup.parser, text))
         except Exception as e:  # noqa: BLE001  model-written input: a failure is a message
-            return ParsedTurn(
-                text.strip(), [], [one_line(f"the tool parser failed on this turn: {e}")]
-            )
+            return ParsedTurn(text.strip(), [], [one_line(f"the tool parser failed on this turn: {e}")])
 
     def _finish(self, finish_reason: str) -> dict:
         env = self._environment()
@@ -369,9 +367,7 @@ def _messages(value: Any, where: str) -> list[dict[str, str]]:
     out = []
     for m in value:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise TypeError(
-                f"{where} returned a message that is not {{'role': ..., 'content': ...}}"
-            )
+            raise TypeError(f"{where} returned a message that is not {{'role': ..., 'content': ...}}")
         kept = {k: m[k] for k in MESSAGE_KEYS if m.get(k) is not None}
         kept["content"] = "" if m.get("content") is None else str(m["content"])
         out.append({k: str(v) for k, v in kept.items()})

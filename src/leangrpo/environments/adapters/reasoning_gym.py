@@ -48,9 +48,7 @@ def create(name: str, size: int, seed: int, config: dict[str, Any] | None = None
     if name == "composite" and isinstance(config.get("datasets"), list):
         from reasoning_gym.composite import DatasetSpec
 
-        config["datasets"] = [
-            DatasetSpec(**d) if isinstance(d, dict) else d for d in config["datasets"]
-        ]
+        config["datasets"] = [DatasetSpec(**d) if isinstance(d, dict) else d for d in config["datasets"]]
     return reasoning_gym.create_dataset(name, size=size, seed=seed, **config)
 
 
@@ -116,9 +114,7 @@ def entry_text(entry: dict[str, Any], what: str) -> str:
     except (TypeError, ValueError) as e:
         raise ValueError(f"reasoning-gym {what} cannot be written as data: it holds {e}") from None
     if entry_from_text(text) != entry:
-        raise ValueError(
-            f"reasoning-gym {what} does not survive being written as data (its values change type)"
-        )
+        raise ValueError(f"reasoning-gym {what} does not survive being written as data (its values change type)")
     return text
 
 
@@ -151,13 +147,7 @@ def score(
         if key not in _SCORERS:
             _SCORERS[key] = create(name, 1, 0, json.loads(key[1]))
         answer = extract_answer(completion, tag_name="answer")
-        out.append(
-            float(
-                _SCORERS[key].score_answer(
-                    answer if answer is not None else completion.strip(), entry
-                )
-            )
-        )
+        out.append(float(_SCORERS[key].score_answer(answer if answer is not None else completion.strip(), entry)))
     return out
 
 

@@ -54,9 +54,7 @@ def import_verifiers() -> Any:
     return vf
 
 
-def load_vf_environment(
-    load_name: str | None = None, env_id: str | None = None, args: dict | None = None
-) -> Any:
+def load_vf_environment(load_name: str | None = None, env_id: str | None = None, args: dict | None = None) -> Any:
     if (load_name is None) == (env_id is None):
         raise EnvironmentSpecError(
             "environment.kwargs for verifiers need exactly one of load ('path/to/file.py:load_environment') and env_id (an installed verifiers environment)"
@@ -94,9 +92,7 @@ class VerifiersEnvironment(Environment):
     _loaded: ClassVar[dict[str, Any]] = {}  # one verifiers environment per worker and spec
     _loop: ClassVar[asyncio.AbstractEventLoop | None] = None
 
-    def __init__(
-        self, load: str | None = None, env_id: str | None = None, args: dict | None = None
-    ):
+    def __init__(self, load: str | None = None, env_id: str | None = None, args: dict | None = None):
         key = json.dumps([load, env_id, args], sort_keys=True, default=str)
         if key not in self._loaded:
             self._loaded[key] = load_vf_environment(load, env_id, args)
@@ -126,9 +122,7 @@ class VerifiersEnvironment(Environment):
 
         env, state = self.vf_env, self.state
         calls = [
-            ToolCall(
-                id=f"call_{uuid.uuid4().hex[:8]}", name=c.name, arguments=json.dumps(c.arguments)
-            )
+            ToolCall(id=f"call_{uuid.uuid4().hex[:8]}", name=c.name, arguments=json.dumps(c.arguments))
             for c in turn.calls
         ]
         message = ResponseMessage(
@@ -138,9 +132,7 @@ class VerifiersEnvironment(Environment):
             is_truncated=False,
             tokens=None,
         )
-        response = Response(
-            id="leangrpo", created=int(time.time()), model="leangrpo", message=message
-        )
+        response = Response(id="leangrpo", created=int(time.time()), model="leangrpo", message=message)
         self._run(env.add_model_response(state, self.prompt, response))
         if self._run(env.is_completed(state)):
             return StepResult(done=True)
@@ -157,9 +149,7 @@ class VerifiersEnvironment(Environment):
         self._run(env.rubric.score_rollout(state))
         metrics = {k: float(v) for k, v in (state.get("metrics") or {}).items()}
         reward = state.get("reward")
-        return StepResult(
-            rewards={"reward": float(reward)} if reward is not None else {}, metrics=metrics
-        )
+        return StepResult(rewards={"reward": float(reward)} if reward is not None else {}, metrics=metrics)
 
 
 def _as_dict(message: Any) -> dict[str, Any]:
@@ -192,9 +182,7 @@ def _no_client() -> Any:
                 return None
 
             async def get_native_response(self, *args, **kwargs):
-                raise RuntimeError(
-                    "leangrpo generates the model's turns; verifiers must not call a model"
-                )
+                raise RuntimeError("leangrpo generates the model's turns; verifiers must not call a model")
 
             async def to_native_prompt(self, messages):
                 raise NotImplementedError
@@ -237,9 +225,7 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m leangrpo.environments.adapters.verifiers",
         description="Write a verifiers environment's dataset as leangrpo prompt rows (JSONL).",
     )
-    parser.add_argument(
-        "--load", help="'path/to/file.py:load_environment' or 'pkg.module:function'"
-    )
+    parser.add_argument("--load", help="'path/to/file.py:load_environment' or 'pkg.module:function'")
     parser.add_argument("--env-id", help="an installed verifiers environment")
     parser.add_argument("--args", default="{}", help="keyword arguments as JSON")
     parser.add_argument("--eval", action="store_true", help="the eval dataset")
