@@ -81,12 +81,16 @@ def cfg(*functions, timeout_s=1.0, num_workers=2, fail_fast=False, **fields):
     )
 
 
-def make_samples(texts, answer="42"):
+def make_samples(texts, answer="42", prompt=None):
+    """One prompt per sample, or all of prompt `prompt` (one call: calls never mix prompts)."""
     return [
         RolloutSample(
-            group_id=i // 2,
+            group_id=i // 2 if prompt is None else prompt,
             prompt=Prompt(
-                uid=i, text=f"question {i}", ids=[1], columns={"answer": answer, "level": i}
+                uid=i if prompt is None else prompt,
+                text=f"question {i}",
+                ids=[1],
+                columns={"answer": answer, "level": i},
             ),
             completion=Completion(ids=[1], text=t, logprobs=[0.0], finish_reason="stop", version=0),
         )
@@ -198,7 +202,7 @@ def test_a_list_of_the_wrong_length_stops_at_once_naming_the_function_and_length
     got = 1 if name == "one_value" else 5
     with RewardPool(cfg((f"{user_module}:{name}", 1.0, {}), timeout_s=5.0, num_workers=1)) as pool:
         with pytest.raises(RewardFailedError) as err:
-            pool.score(make_samples(["a", "b", "c", "d"]))
+            pool.score(make_samples(["a", "b", "c", "d"], prompt=0))
         text = str(err.value)
         assert text.startswith(f"reward '{name}' returned {got} values for 4 samples; ")
         assert "returns one reward per completion" in text and "\n" not in text

@@ -279,7 +279,7 @@ class RewardsConfig(Section):
     memory_limit_mb: int | None = Field(
         8192,
         ge=256,
-        description="Address-space limit (RLIMIT_AS, MiB) of each worker and every process it starts; a call that exceeds it fails (counted in reward/memory_failures). Counts virtual memory, not resident, which for a worker running the math reward is already far above what it holds. null = no limit (needed by a reward that uses CUDA, which reserves far more address space).",
+        description="Memory of each reward call or trajectory (its box), processes, memfd and tmpfs together: a memory cgroup per box where the trainer (root) has one, else only per process; and the address-space limit (RLIMIT_AS, MiB) of each worker and every process it starts; a call that exceeds it fails (counted in reward/memory_failures). Counts virtual memory, not resident, which for a worker running the math reward is already far above what it holds. null = no limit (needed by a reward that uses CUDA, which reserves far more address space).",
     )
     cpu_time_limit_s: float | None = Field(
         None,

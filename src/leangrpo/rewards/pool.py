@@ -8,7 +8,8 @@ manager rather than a `ProcessPoolExecutor`, because an executor cannot stop a r
   sandbox/process.py; one log line says which) resolve every function once and report
   ready; time limits start only then, so imports never count against them.
 - `score` splits the samples into one chunk per worker (at most `chunk_size` samples while
-  a function's speed is unknown) and sends each chunk to an idle worker as one message
+  a function's speed is unknown; never two prompts' samples in one chunk: each call runs
+  in a box of its own, sandbox/box.py) and sends each chunk to an idle worker as one message
   covering every function (functions whose measured speed calls for smaller chunks get
   their own). The worker answers per function, and the pool waits on
   all workers at once.
@@ -80,7 +81,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("leangrpo.rewards")
 # Failures that say more about the moment than the function: never "the same way" (item 5)
-CIRCUMSTANTIAL = ("worker died", "garbled reply", *LIMIT_KINDS)
+CIRCUMSTANTIAL = ("worker died", "box died", "garbled reply", "forged reply", *LIMIT_KINDS)
 # One-sample calls of a function that time out, none of its calls of the batch having
 # returned, before its other samples are given up on (`_give_up_on`)
 GIVE_UP_AFTER = 2
@@ -204,21 +205,28 @@ class RewardPool:
         run = _Run(samples, [[None] * n for _ in self.specs], [0] * k)
         run.ways, run.timeouts = [{} for _ in self.specs], [0] * k
         run.alone_timed_out, run.answered = [0] * k, [False] * k
-        run.queue.extend(self._initial_tasks(n))
+        run.queue.extend(self._initial_tasks(samples))
         payload = _payload(samples)
         while run.queue or any(w.task for w in self._workers):
             self._dispatch(run, payload)
             self._wait_and_handle(run)
         return run
 
-    def _initial_tasks(self, n: int) -> list[_Task]:
+    def _initial_tasks(self, samples: list[RolloutSample]) -> list[_Task]:
+        """Chunks of one prompt's samples each (a call runs in a box of its own, and what
+        one sample's program leaves in it must not reach another prompt's), at most the
+        size `_chunk_sizes` gives."""
         by_size: dict[int, list[int]] = {}
-        for fn, size in enumerate(self._chunk_sizes(n)):
+        for fn, size in enumerate(self._chunk_sizes(len(samples))):
             by_size.setdefault(size, []).append(fn)
+        by_prompt: dict[Any, list[int]] = {}
+        for i, sample in enumerate(samples):
+            by_prompt.setdefault(sample.prompt.uid, []).append(i)
         return [
-            _Task(list(range(start, min(start + size, n))), fns)
+            _Task(group[start : start + size], fns)
             for size, fns in by_size.items()
-            for start in range(0, n, size)
+            for group in by_prompt.values()
+            for start in range(0, len(group), size)
         ]
 
     def _chunk_sizes(self, n: int) -> list[int]:
