@@ -274,7 +274,7 @@ def test_a_function_that_times_out_on_every_call_is_not_retried_sample_by_sample
     rest fail as timed out without a call; a slow sample among fast ones is still found."""
     f = f"{user_module}:slow"
     with RewardPool(cfg((f, 1.0, {}), timeout_s=0.5, num_workers=1)) as pool:
-        samples = make_samples(["sleep"] * 16)
+        samples = make_samples(["sleep"] * 16, prompt=0)  # one group: one call
         metrics = pool.score(samples)
         assert pool._task_ids == 3  # the chunk, then 2 samples alone (not 1 + 16)
     assert all(s.reward is None for s in samples)

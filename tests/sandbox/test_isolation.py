@@ -39,8 +39,10 @@ def open_pool(level: str, **sandbox) -> EnvironmentPool:
         name="tools",
         tools=[f"support.hostile_tools:{n}" for n in TOOLS],
         num_workers=1,
-        timeout_s=10.0,
-        tool_timeout_s=10.0,
+        # wall-clock bounds far above what any call needs, so that only the limit under
+        # test decides a verdict however busy the machine (a hang still ends, at 120 s)
+        timeout_s=120.0,
+        tool_timeout_s=120.0,
         cpu_time_limit_s=1.0,
         memory_limit_mb=2048,
         sandbox={"level": level, **LIMITS, "pass_env": ["LEANGRPO_TEST_PASSED"], **sandbox},
@@ -226,9 +228,7 @@ def test_memory_output_and_cpu_limits_are_error_messages_counted(pools, level):
     text, counts = call(pool, "allocate", mb=4096)
     assert text == "error: the tool ran out of memory under the 2048 MB limit (MemoryError)"
     assert counts["tool_limit/memory"] == 1.0 and counts["tool_errors"] == 1.0
-    t0 = time.monotonic()
-    text, counts = call(pool, "flood", mb=64)
-    assert time.monotonic() - t0 < 10.0  # stopped at the limit, far before 64 MB or the timeout
+    text, counts = call(pool, "flood", mb=64)  # stopped at the limit, not at the timeout:
     assert text == "error: the tool printed more than 65536 bytes"
     assert counts["tool_limit/output"] == 1.0
     text, counts = call(pool, "burn", seconds=8)
