@@ -121,16 +121,20 @@ def test_an_environment_that_times_out_or_raises_ends_only_its_trajectory():
         assert all(o.ok is None and "ValueError: no puzzle for 7" in o.error for o in outs)
 
 
-def test_a_worker_that_dies_fails_its_items_and_is_replaced():
+def test_a_trajectory_whose_process_dies_fails_alone():
+    """Each trajectory is a box of its own: one that exits ends only itself; the worker
+    and the other trajectories it holds go on."""
     with pool_for("support.environments:ExitInStep", num_workers=2) as pool:
         keys = pool.new_sessions(4)  # workers 0 and 1 hold keys 0, 2 and 1, 3
-        answers = ["3", "4", "5", "6"]  # the worker of key 0 exits in its step
+        answers = ["3", "4", "5", "6"]  # the trajectory of key 0 exits in its step
         pool.reset([(k, USER, {"answer": a}, 0) for k, a in zip(keys, answers)])
+        workers = [w.pid for w in pool._workers]
         out = pool.step([(k, "x", 0) for k in keys])
-        assert out[0].ok is None and "the environment worker died (exit code 7)" in out[0].error
-        assert out[2].ok is None  # it held key 2 too, not yet answered
+        assert out[0].ok is None and "the call's process died (exit code 7)" in out[0].error
+        assert out[2].ok["done"]  # its neighbour on the same worker
         assert out[1].ok["done"] and out[3].ok["done"]  # the other worker's
-        fresh = pool.new_sessions(1)[0]  # a replacement serves new sessions
+        assert [w.pid for w in pool._workers] == workers  # no worker replaced
+        fresh = pool.new_sessions(1)[0]
         assert pool.reset([(fresh, USER, {"answer": "1"}, 0)])[0].ok == {"messages": None}
 
 
@@ -236,7 +240,6 @@ def test_calls_queue_per_worker_and_the_workers_answer_concurrently():
         assert answered[0] == (fast, 0.0)  # back while its neighbour's step sleeps
         assert answered[1:] == [(slow, 1.0), (after, 0.0)]  # one worker: in order
         assert pool.poll(0.0) == [] and pool.in_flight() == 0
-
 
 
 def test_a_pool_closed_between_calls_of_a_generation_stops_it():

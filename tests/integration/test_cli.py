@@ -750,3 +750,21 @@ def test_a_second_sigterm_during_the_stop_checkpoint_exits_at_once_leaving_the_l
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from {last} at step {last.name[5:]}" in again.stderr
     assert not half.exists()  # the next save removed it
+
+
+def test_a_full_disk_outside_a_checkpoint_is_one_sentence(monkeypatch, capsys):
+    """A write that meets ENOSPC (metrics.jsonl, a rewritten log at a resume) ended in an
+    OSError traceback; checkpoints say it themselves (tests/checkpoint/test_local.py)."""
+    import errno
+    import os
+
+    from leangrpo import cli
+
+    def full(args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/run/metrics.jsonl")
+
+    monkeypatch.setattr(cli, "_dispatch", full)
+    assert cli.main(["report", "/run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("leangrpo: error: no space left on the disk writing /run/metrics.jsonl")
+    assert "\n" not in err and "Traceback" not in err

@@ -253,6 +253,34 @@ def test_an_adapter_on_a_module_scoring_bypasses_is_refused():
     assert trainable and all(p.grad is not None and p.grad.abs().max() > 0 for _, p in trainable)
 
 
+def test_lora_targets_the_model_lacks_are_one_sentence_at_load():
+    """What the cheap check (model/files.py) cannot see, a hub model or .bin weights: peft's
+    NoMatchingPeftModuleError traceback became one sentence naming the linear modules."""
+    from leangrpo.config import ConfigError, config_from_dict
+    from leangrpo.model.policy import build_policy
+
+    cfg = config_from_dict(minimal_run(lora={"enabled": True, "target_modules": ["foo_proj"]}))
+    with pytest.raises(ConfigError) as err:
+        build_policy(make_tiny_model("qwen2"), cfg, None, torch.device("cpu"))
+    message = str(err.value)
+    assert message.startswith("lora.target_modules = ['foo_proj'] cannot be adapted")
+    assert "linear modules are named" in message and "q_proj" in message and "\n" not in message
+
+
+def test_float16_full_finetuning_is_refused_at_load_where_auto_resolves_to_it():
+    """model.dtype: auto is float16 on a GPU without bfloat16; config/root.py refuses an
+    explicit float16 before anything loads."""
+    from leangrpo.config import ConfigError, config_from_dict
+    from leangrpo.model.policy import refuse_float16_full_finetuning
+
+    cfg = config_from_dict(minimal_run())
+    with pytest.raises(ConfigError, match="resolves to float16 on this device"):
+        refuse_float16_full_finetuning(cfg, torch.float16)
+    refuse_float16_full_finetuning(cfg, torch.bfloat16)
+    lora = config_from_dict(minimal_run(lora={"enabled": True}))
+    refuse_float16_full_finetuning(lora, torch.float16)
+
+
 @pytest.mark.exact
 def test_a_loaded_policy_decodes_as_a_copy_of_it_does_bitwise():
     """transformers leaves CPU weights in the memory-mapped safetensors file, where the tool

@@ -19,7 +19,7 @@ from support.configs import ROOT
 from support.sandboxes import require_namespace
 
 from leangrpo.config.environment import EnvironmentConfig
-from leangrpo.sandbox.confine import WORKER_TASKS
+from leangrpo.sandbox.confine import BOX_TASKS
 from leangrpo.sandbox.levels import SandboxPlan, plan_for
 
 SRC = str(ROOT / "src")
@@ -92,11 +92,12 @@ def test_auto_falls_back_to_a_working_process_level_and_says_why():
 
 RLIMIT_FORKS = """
 import json, os, sys, time
-from leangrpo.sandbox.confine import confine, enter_namespace, limit_tasks
+from leangrpo.sandbox.confine import confine, enter_namespace, limit_box_tasks
 spec = json.loads(sys.argv[1])
 enter_namespace(spec, os.open(os.devnull, os.O_RDONLY))
 confine(spec)
-limit_tasks(spec)
+tasks = sum(len(os.listdir(f"/proc/{p}/task")) for p in os.listdir("/proc") if p.isdigit())
+limit_box_tasks(spec, tasks)  # as a box does, before user code
 started = 0
 for _ in range(64):  # bounded: never more than 64, whatever the limit does
     try:
@@ -138,7 +139,7 @@ def test_a_non_root_worker_bounds_its_processes_in_its_user_namespace():
     scratch, package = (tempfile.mkdtemp(prefix=f"leangrpo-test-{n}-") for n in ("scratch", "src"))
     try:
         plan = SandboxPlan("rewards", "namespace", max_processes=4, scratch_mb=1)
-        spec = {**plan.worker_spec(scratch, None), "nproc_limit": True}
+        spec = {**plan.worker_spec(scratch, []), "nproc_limit": True}
         env = {"PATH": os.environ["PATH"], "PYTHONPATH": readable_copy_of_the_package(package),
                "PYTHONDONTWRITEBYTECODE": "1"}  # fmt: skip
         done = subprocess.run([*command, "-c", RLIMIT_FORKS, json.dumps(spec)], env=env,
@@ -148,7 +149,7 @@ def test_a_non_root_worker_bounds_its_processes_in_its_user_namespace():
         shutil.rmtree(package)
     assert done.returncode == 0, done.stderr
     started = int(done.stdout.split()[-1])
-    assert 0 < started <= 4 + WORKER_TASKS < 64
+    assert 0 < started <= 4 + BOX_TASKS < 64
 
 
 def test_a_kernel_without_mount_setattr_falls_back_to_process(monkeypatch):

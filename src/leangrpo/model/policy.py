@@ -76,6 +76,16 @@ def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def refuse_float16_full_finetuning(cfg, dtype: torch.dtype) -> None:
+    """float16 weights updated in place by AdamW (no float32 master copy) lose every update
+    below float16's resolution and turn non-finite within steps: refused (config/root.py
+    refuses model.dtype: float16; this is 'auto' on a GPU without bfloat16)."""
+    if dtype == torch.float16 and not cfg.lora.enabled:
+        raise ConfigError(
+            f"model.dtype: {cfg.model.dtype} resolves to float16 on this device (it has no bfloat16), and full fine-tuning would update float16 weights in place, which turns them non-finite within a few steps; set model.dtype: float32, or train LoRA adapters (lora.enabled: true), which stay float32 on a float16 base."
+        )
+
+
 def resolve_compute_dtype(model_cfg, dtype: torch.dtype) -> torch.dtype:
     """The dtype a quantized base's 4-bit layers compute in: model.quantization_compute_dtype,
     'auto' being the model's own."""
@@ -112,6 +122,7 @@ def load_policy(cfg, tokenizer, device: torch.device, *, reference_on_meta: bool
 
     name = cfg.model.name_or_path
     dtype = resolve_dtype(cfg.model.dtype, device)
+    refuse_float16_full_finetuning(cfg, dtype)
     quantized = cfg.model.quantization != "none"
     extra = {}
     if quantized:  # QLoRA: the base is quantized as it loads (model/quantization.py)
@@ -282,7 +293,13 @@ def _wrap_lora(model: nn.Module, lora_cfg, revision: str | None) -> nn.Module:
         target_modules=lora_cfg.target_modules,
         task_type="CAUSAL_LM",
     )
-    wrapped = get_peft_model(model, config, revision=revision)
+    try:
+        wrapped = get_peft_model(model, config, revision=revision)
+    except ValueError as exc:  # peft's NoMatchingPeftModuleError, an unsupported module type
+        held = sorted({n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, nn.Linear)})  # fmt: skip
+        raise ConfigError(
+            f"lora.target_modules = {lora_cfg.target_modules!r} cannot be adapted ({str(exc).strip().splitlines()[0][:200]}); the model's linear modules are named {', '.join(held)}: name some of those, or use lora.target_modules: all-linear."
+        ) from None
     refuse_bypassed_adapters(wrapped)
     return wrapped
 
