@@ -74,8 +74,9 @@ def user_module(tmp_path_factory):
     return path
 
 
-def cfg(*functions, timeout_s=1.0, num_workers=2, fail_fast=False, **fields):
-    """functions: (name, weight, kwargs) triples."""
+def cfg(*functions, timeout_s=5.0, num_workers=2, fail_fast=False, **fields):
+    """functions: (name, weight, kwargs) triples; the time limit is many times what a
+    call here takes, on a loaded machine too (the slow ones sleep 60 s)."""
     return rewards_section(
         *functions, timeout_s=timeout_s, num_workers=num_workers, fail_fast=fail_fast, **fields
     )

@@ -228,8 +228,8 @@ def test_memory_output_and_cpu_limits_are_error_messages_counted(pools, level):
     text, counts = call(pool, "allocate", mb=4096)
     assert text == "error: the tool ran out of memory under the 2048 MB limit (MemoryError)"
     assert counts["tool_limit/memory"] == 1.0 and counts["tool_errors"] == 1.0
-    text, counts = call(pool, "flood", mb=64)  # stopped at the limit, not at the timeout:
-    assert text == "error: the tool printed more than 65536 bytes"
+    text, counts = call(pool, "flood", mb=4096)  # minutes of printing, were it not stopped
+    assert text == "error: the tool printed more than 65536 bytes"  # not the 10 s timeout
     assert counts["tool_limit/output"] == 1.0
     text, counts = call(pool, "burn", seconds=8)
     assert text == "error: the tool used its CPU time after 1 s" and counts["tool_limit/cpu"] == 1.0

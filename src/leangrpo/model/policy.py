@@ -1,8 +1,8 @@
-"""The policy: loading (checked weights, no scaled logits; a quantized base for QLoRA,
-quantization.py), LoRA, dropout off for RL, gradient checkpointing with optional
-activation offload, and the frozen reference copy for full fine-tuning with beta > 0
-(LoRA runs use the same model with adapters disabled, see scoring.py). `Policy` is what
-the trainer, the engines and the sharding code share.
+"""The policy: loading (checked weights in aligned memory of their own, no scaled logits;
+a quantized base for QLoRA, quantization.py), LoRA, dropout off for RL, gradient
+checkpointing with optional activation offload, and the frozen reference copy for full
+fine-tuning with beta > 0 (LoRA runs use the same model with adapters disabled, see
+scoring.py). `Policy` is what the trainer, the engines and the sharding code share.
 """
 
 from __future__ import annotations
@@ -150,8 +150,30 @@ def load_policy(cfg, tokenizer, device: torch.device, *, reference_on_meta: bool
 
         prepare_quantized(model, device)  # before any forward (the packed-attention probe)
     model = model.to(device)
+    own_aligned_memory(model)
     refuse_broken_weights(model, info, name)
     return build_policy(model, cfg, tokenizer, device, reference_on_meta=reference_on_meta)
+
+
+ALIGNMENT_BYTES = 64  # c10's CPU allocator (c10/core/alignment.h); CUDA's aligns to more
+
+
+def own_aligned_memory(model: nn.Module) -> None:
+    """Move every CPU tensor of `model` that does not start on a 64-byte boundary into
+    memory of its own (the allocator's, aligned).
+
+    transformers loads CPU weights as views into the memory-mapped safetensors file, so a
+    tensor starts wherever the file's header ends (40 bytes past a boundary for the tool
+    demo's model), while every copy of the model (the async engine's, the reference) is
+    aligned. oneMKL's one-row products (sgemm with M = 1: each decode step of one row)
+    round by the weights' alignment, so the same forward on the model and on its copy
+    differed in the last bits and async at staleness 0 did not equal sync. Aligned, the
+    model and its copies run the same kernels on the same layout, on every CPU. Tied
+    tensors stay tied (a Parameter object is moved once, and stays the same object)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    for tensor in tensors.values():
+        if tensor.device.type == "cpu" and tensor.data_ptr() % ALIGNMENT_BYTES:
+            tensor.data = tensor.data.clone(memory_format=torch.contiguous_format)
 
 
 def refuse_broken_weights(model: nn.Module, info: dict, name: str) -> None:
