@@ -26,6 +26,7 @@ import os
 import sys
 import time
 
+from leangrpo.errors import is_user_error
 from leangrpo.stopping import RunStopped  # no torch: stdlib only
 
 STARTED = time.monotonic()  # the summary's time counts from the command's start
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         _silence_stdout()
         return 141  # 128 + SIGPIPE, as a shell tool killed by it
     except Exception as exc:  # user errors: one sentence, no traceback
-        if _is_user_error(exc):
+        if is_user_error(exc):
             if not getattr(exc, "shown_by_rank_0", False):  # torchrun: one copy of rank 0's
                 print(f"leangrpo: error: {exc}", file=sys.stderr)
             return 2
@@ -309,12 +310,6 @@ def _print_summary(cfg) -> None:
 def _is_distributed_error(exc: Exception) -> bool:
     module = sys.modules.get("leangrpo.distributed.watch")  # loaded only if a process group was
     return module is not None and isinstance(exc, module.DistributedError)
-
-
-def _is_user_error(exc: Exception) -> bool:
-    from leangrpo.errors import user_error_types
-
-    return isinstance(exc, user_error_types())
 
 
 if __name__ == "__main__":
