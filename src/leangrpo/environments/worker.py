@@ -147,6 +147,7 @@ class Worker:
             replies = [str(r) for r in getattr(probe, "replies", ("user",))]
             self.reward_terms = environment_rewards(self.factory)
             calls = _max_tool_calls(probe, spec)
+            calls = calls if schemas else 0  # an environment without tools makes no call
         except BaseException as e:  # SystemExit at import included
             self.channel.send({"t": "init_error", "msg": _setup_error(e, spec)})
             return False
