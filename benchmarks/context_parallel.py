@@ -16,24 +16,24 @@ gradient_checkpointing false / true), with its own baseline C = 1.
 
 Per variant (the worst rank): `time_s` (the step), `peak_bytes` (the step's peak of tensor
 bytes allocated during it and still alive: activations, the head's working set, the
-exchange buffers and the gradients made by then; on CPU counted op by op with a dispatch
-mode, on CUDA max_memory_allocated above the start), `gradient_bytes` (the gradients the
-step leaves), `fsdp_bytes` (FSDP's own buffers alive at the peak: gathered parameters,
-gradients around their reduction; 0 at C = 1, which runs without FSDP), `head_bytes` (the log-prob head's own peak on the rank's completion rows,
-measured alone as benchmarks/grpo_step.py does: its tiles do not grow with the sequence),
-and `activation_bytes`: what the step holds at its peak besides the gradients made by then
-and the head's working set, as `leangrpo plan`'s activation term counts it. Op by op (the
-same dispatch mode, on every device) the step's storages are followed from their birth:
-those the gradients end in are the gradients, the backbone's forward hook and the gradient
-of its output mark the head's span (its forward, the loss and its backward); at a peak
-outside that span the activations are the live bytes less the gradients born by then
-(without checkpointing: the saved tensors; with it: the layer inputs kept, one recomputed
-layer's saved tensors, its backward's working set and the exchange buffers), at a peak
-inside it what the forward had saved when the head began. Against C = 1 of the same mode,
-measured in the same run: `time_ratio`, `mem_ratio` (activation_bytes; the goal: <= 0.6 at
-C = 2 without checkpointing) and `peak_ratio`. FSDP runs `no_shard` (parameters
-replicated), so the weights neither enter the figures nor differ between variants, and
-every rank holds whole gradients, as one process does.
+exchange buffers, FSDP's buffers and the gradients made by then; on CPU counted op by op
+with a dispatch mode, on CUDA max_memory_allocated above the start), `gradient_bytes` (the
+gradients the step leaves), `fsdp_bytes` (FSDP's own buffers alive at the peak: gathered
+parameters, gradients around their reduction; 0 at C = 1, which runs without FSDP),
+`head_bytes` (the log-prob head's own peak on the rank's completion rows, measured alone as
+benchmarks/grpo_step.py does: its tiles do not grow with the sequence), and
+`activation_bytes`: the most the step holds at any moment besides the gradients made by
+then, FSDP's buffers and the head's working set, as `leangrpo plan`'s activation term
+counts it. Op by op (the same dispatch mode, on every device) the step's storages are
+followed from birth to release: those the gradients end in are the gradients, those
+FSDP's code makes are its buffers, and the backbone's forward hook and the gradient of its
+output mark the head's span (its forward, the loss and its backward), across which what
+the forward had saved counts. Without checkpointing the most is every layer's saved
+tensors (with the top layer's backward working set); with it, the layer inputs kept, one
+recomputed layer's saved tensors, its backward's working set and the exchange buffers.
+Against C = 1 of the same mode, measured in the same run: `time_ratio`, `mem_ratio`
+(activation_bytes; the goal: <= 0.6 at C = 2) and `peak_ratio`. FSDP runs `no_shard`
+(parameters replicated), so every rank holds whole gradients, as one process does.
 
 `--quick`: 4096 tokens, C = 1 and 2 (a few minutes on 2 CPU cores). Without flags: 8192
 tokens, C = 1, 2, 4 (C = 4 runs 4 processes; on 2 cores it is slow, not wrong). On a CUDA
@@ -207,7 +207,7 @@ def measured_step(policy, micro_batches, cfg, ranks, device) -> dict:
     figures.setdefault("peak_bytes", timeline.peak)
     figures.update(
         gradient_bytes=grads.bytes,
-        activation_bytes=timeline.activations_at_peak(),
+        activation_bytes=timeline.activations(),
         fsdp_bytes=timeline.alive(timeline.peak_at, ("fsdp",)),
     )
     return {k: int(v) if k != "time_s" else v for k, v in figures.items()}
@@ -220,14 +220,16 @@ def _timeline_mode():
     from packing import LiveBytes
 
     class Timeline(LiveBytes):
-        """Live bytes op by op, with a record per storage: [birth, release, bytes, kind]
-        (births counted; release None while alive; kind "fsdp" for the buffers FSDP's own
-        code makes: gathered parameters, gradients before and after their reduction), the
-        birth count at the peak, the head's span, the storages the gradients end in."""
+        """Live bytes after each storage's birth (`samples`, by birth count), a record per
+        storage: [birth, release, bytes, kind] (release: the birth count when it was freed,
+        None while alive; kind "fsdp" for the buffers FSDP's own code makes: gathered
+        parameters, gradients around their reduction; "gradient" for those the gradients
+        end in), the birth count at the peak, and the head's span."""
 
         def __init__(self):
             super().__init__()
             self.births, self.peak_at, self.records, self.current = 0, 0, [], {}
+            self.samples = [0]
             self.head_start = self.head_end = None
             self.live_at_head = 0
 
@@ -236,13 +238,16 @@ def _timeline_mode():
                 key = t.untyped_storage().data_ptr()
             except RuntimeError:
                 return
-            if key not in self.refs:
+            born = key not in self.refs
+            if born:
                 self.births += 1
                 kind = "fsdp" if _called_from_fsdp() else "step"
                 self.current[key] = len(self.records)
                 self.records.append([self.births, None, t.untyped_storage().nbytes(), kind])
             before = self.peak
             super()._track(t)
+            if born:
+                self.samples.append(self.live)
             if self.peak > before:
                 self.peak_at = self.births
 
@@ -270,18 +275,25 @@ def _timeline_mode():
             return sum(size for birth, release, size, kind in self.records
                        if kind in kinds and birth <= at and (release is None or release >= at))  # fmt: skip
 
-        def _not_activations(self, at: int) -> int:
-            return self.alive(at, ("gradient", "fsdp"))
-
-        def activations_at_peak(self) -> int:
-            """What the peak holds besides the gradients made by then, FSDP's buffers and
-            the head's working set (inside the head's span: what the forward had saved)."""
+        def activations(self) -> int:
+            """The most the step held besides the gradients made by then and FSDP's
+            buffers, outside the head's span; across it, what the forward had saved."""
             start, end = self.head_start, self.head_end
             if start is None or end is None:
                 raise RuntimeError("the step's backbone or its backward was not seen")
-            if start < self.peak_at <= end:
-                return self.live_at_head - self._not_activations(start)
-            return self.peak - self._not_activations(self.peak_at)
+            others = [0] * (self.births + 2)  # gradients' and FSDP's bytes, by birth count
+            for birth, release, size, kind in self.records:
+                if kind != "step":
+                    others[birth] += size
+                    others[(self.births if release is None else release) + 1] -= size
+            held, most = 0, 0
+            for at in range(1, self.births + 1):
+                held += others[at]
+                if at == start:
+                    most = max(most, self.live_at_head - held)
+                if not start < at <= end:
+                    most = max(most, self.samples[at] - held)
+            return most
 
     return Timeline()
 

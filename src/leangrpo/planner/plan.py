@@ -19,15 +19,16 @@ second) and counts, per device, for one micro-batch of `train.micro_batch_tokens
     gradients        one per trainable parameter, in its dtype [exact]
     adamw_state      exp_avg + exp_avg_sq per trainable parameter (+ the 4-byte step
                      counters, which only count on CPU: on CUDA they live on the host) [exact]
-    activations      what the training pass holds at its peak besides the gradients made
-                     by then and the lm_head's own working set: at the head, the tensors
-                     autograd saves (inventory.py: an exact inventory of the decoder
-                     layers, rotary tables, final norm and gathered hidden rows; the loss's
-                     per-token vectors estimated), or under checkpointing one hidden-sized
-                     input per layer (only the last offload.keep_last_layers on the device
-                     with hidden-state offload); in a layer's backward, what is still saved
-                     (or kept), that layer's saved tensors (recomputed under checkpointing)
-                     and its backward working set [estimated, measured on CPU]
+    activations      the most the training pass holds at any moment besides the gradients
+                     made by then and the lm_head's own working set: when the head runs,
+                     the tensors autograd saves (inventory.py: an exact inventory of the
+                     decoder layers, rotary tables, final norm and gathered hidden rows;
+                     the loss's per-token vectors estimated), or under checkpointing one
+                     hidden-sized input per layer (only the last offload.keep_last_layers
+                     on the device with hidden-state offload); in a layer's backward, what
+                     is still saved (or kept), that layer's saved tensors (recomputed
+                     under checkpointing) and its backward working set [estimated,
+                     measured on CPU]
     lm_head          the log-prob head's peak: chunked tiles, or the full (T, V) logits [exact
                      tiles; full logits measured on CPU]
     all_to_all       context parallelism (distributed.context_parallel_size C > 1): one
@@ -55,14 +56,15 @@ sequence) may hold within a given memory per device.
 `total` is the peak: weights + reference_copy + generation_copy + adamw_state + the larger of
 the training pass and generation (kv_cache); both at once when an async hf producer
 generates while the trainer trains. The training pass (`training_pass`, a key beside the
-terms) peaks at the head (activations + lm_head), in a layer's backward (activations + the
-gradients made by then) or at its end (gradients), plus all_to_all: the gradients,
-activations and lm_head lines are each that term's own figure, not all held at once, so
-the pass's peak is at most their sum (with full fine-tuning under checkpointing, where the
-gradients outweigh one layer's working set, it is less). The activation term is what
-benchmarks/context_parallel.py measures op by op, and, where the peak is at the head, what
-benchmarks/grpo_step.py derives (train-pass peak - weights - gradients - the head's own
-peak), so the GPU suite compares like with like.
+terms) peaks when the head runs (what is saved + lm_head), in a layer's backward (what it
+holds + the gradients made by then) or at its end (gradients), plus all_to_all: the
+gradients, activations and lm_head lines are each that term's own figure, not all held at
+once, so the pass's peak is at most their sum (under checkpointing, where the peak is a
+layer's backward before most gradients exist, it is less). The activation term is what
+benchmarks/context_parallel.py measures op by op, and without checkpointing (the peak
+when the head runs, everything saved) what benchmarks/grpo_step.py derives (train-pass
+peak - weights - gradients - the head's own peak), so the GPU suite compares like with
+like.
 
 Estimated, and why: the backward working set and the loss vectors (small, measured
 coefficients); a quantized linear's dequantized weight (the largest one, alive during its
@@ -361,7 +363,7 @@ def plan_memory(
     ) // shard.divisor
     head_grad = 0 if s.lora else d.vocab * d.hidden * s.b // shard.divisor
     grads = (layer_grad, head_grad, trainable // shard.divisor)
-    pass_peak, host = _activations(cfg, context_dims(d, c), s, n, rows, head, grads, prompt, c)
+    moments, host = _moments(cfg, context_dims(d, c), s, n, rows, head, grads, prompt, c)
     plan = {
         "weights": weights,
         "reference_copy": base if (cfg.loss.beta > 0 and not s.lora) else 0,
@@ -370,13 +372,13 @@ def plan_memory(
         else vllm_copy(cfg, base),
         "gradients": trainable // shard.divisor,
         "adamw_state": 2 * trainable // shard.divisor + (4 * tensors if device == "cpu" else 0),
-        "activations": pass_peak.activations,
+        "activations": max(m.activations for m in moments),
         "lm_head": head,
         "all_to_all": all_to_all_bytes(d, c, n, s.b),
         "kv_cache": _kv_cache(cfg, d, s, prompt, world_size) if hf else 0,
         "offloaded_to_host": host,
     }
-    plan[TRAINING_PASS] = pass_peak.total + plan["all_to_all"]
+    plan[TRAINING_PASS] = max(m.total for m in moments) + plan["all_to_all"]
     plan["total"] = peak(plan, concurrent=hf and cfg.pipeline.mode == "async", cpu=device == "cpu")
     if sharing_blocker(cfg) is None:
         plan[SAVED_BY_SHARING] = base  # not a term: the copy colocated vLLM does not hold
@@ -552,7 +554,7 @@ class _Moment:
         return self.activations + self.gradients + self.head
 
 
-def _activations(
+def _moments(
     cfg,
     d: Dims,
     s: Setup,
@@ -562,17 +564,18 @@ def _activations(
     grads: tuple[int, int, int],
     prompt: int,
     context_size: int = 1,
-) -> tuple[_Moment, int]:
-    """(the training pass at its peak, bytes offloaded to the host).
+) -> tuple[list[_Moment], int]:
+    """(the training pass's candidate peaks, bytes offloaded to the host).
 
     The training pass peaks at one of: the head (every saved activation + the head's working
     set), a layer's backward (from the top: what is still saved, that layer's working set,
     and the gradients made so far), or the end (every gradient). `grads` = (per layer, the
     head weight's (made by the head's backward), all) in bytes per device. The activation
-    term is what that peak holds besides the gradients made by then and the head's working
-    set, as benchmarks/context_parallel.py measures it. Context parallelism: `n` and `rows`
-    are this rank's, `d` the `context_dims` (attention over the whole row for 1/C of the
-    heads), the kernel's indices span the C shards' row."""
+    term is the most any of them holds besides the gradients made by then and the head's
+    working set, as benchmarks/context_parallel.py measures it; the pass's peak is the
+    largest total. Context parallelism: `n` and `rows` are this rank's, `d` the
+    `context_dims` (attention over the whole row for 1/C of the heads), the kernel's
+    indices span the C shards' row."""
     L, mode = d.layers, cfg.offload.activations
     layer_grad, head_grad, all_grads = grads
     layer_input = n * s.b * d.hidden  # what checkpointing keeps of each layer
@@ -608,7 +611,7 @@ def _activations(
         before_head = kept * layer_input + rope + head_rest
     moments = [_Moment(before_head, head=head), _Moment(0, all_grads)]
     moments += [_Moment(at_layer(i), head_grad + (L - i) * layer_grad) for i in range(L)]
-    return max(moments, key=lambda m: m.total), host
+    return moments, host
 
 
 def prefix_kv_bytes(cfg, d: Dims, s: Setup, tokens: int, prompt: int) -> int:
@@ -779,26 +782,14 @@ def render_plan(
     return "\n".join(lines)
 
 
-def training_peak_terms(plan: dict[str, int]) -> str:
-    """What the training pass holds at its peak, in the terms' names: the gradients,
-    activations and lm_head lines are each term's own figure, not all held at once."""
-    at_peak = plan[TRAINING_PASS] - plan["all_to_all"]
-    exchange = " + all_to_all" if plan["all_to_all"] else ""
-    if at_peak == plan["activations"] + plan["lm_head"]:
-        return f"at the head: activations + lm_head{exchange}"
-    if at_peak == plan["gradients"] and plan["activations"] == 0:
-        return f"at its end: gradients{exchange}"
-    made = at_peak - plan["activations"]
-    return f"in a layer's backward: activations + {made / 2**30:.3f} of the gradients{exchange}"
-
-
 def explain_total(plan: dict[str, int], concurrent: bool, cpu: bool) -> list[str]:
     """How `total` is made of the lines above it (peak()): the persistent terms plus the
     larger of the two phases, which never hold their memory at the same time (or both,
     when an async hf producer generates while the trainer trains)."""
     gib = lambda value: f"{value / 2**30:.3f}"  # noqa: E731
     persistent = [k for k in ("weights", "reference_copy", "generation_copy", "adamw_state") if plan[k]]
-    train = [training_peak_terms(plan)]
+    parts = [k for k in ("gradients", "activations", "lm_head", "all_to_all") if plan[k]]
+    train = [f"at its peak, at most {' + '.join(parts) or '0'}"]
     if cpu and plan["offloaded_to_host"]:
         train.append("offloaded_to_host")
     fixed = sum(plan[k] for k in persistent)
