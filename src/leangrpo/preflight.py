@@ -56,7 +56,13 @@ from leangrpo.checkpoint.rundir import RunDir, RunDirError, open_run_dir
 from leangrpo.config import ConfigError
 from leangrpo.data.lengths import check_prompt_text
 from leangrpo.data.prompts import PromptLimit, PromptSet, check_data, load_prompts
-from leangrpo.model.files import ModelFiles, check_model_files, read_model_config
+from leangrpo.model.files import (
+    EXPERT_KEYS,
+    ModelFiles,
+    check_model_files,
+    declared_experts,
+    read_model_config,
+)
 from leangrpo.model.quantization import check_environment as check_quantization_environment
 
 log = logging.getLogger("leangrpo")
@@ -117,6 +123,7 @@ def check_inputs(cfg: Any, warn: bool = True) -> tuple[ModelFiles, PromptLimit |
     check_backends(list(cfg.logging.backends))
     check_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     check_context_parallel(cfg, int(os.environ.get("WORLD_SIZE", "1")), model)
+    check_mixture_of_experts(cfg, model)
     ignored = ignored_options(cfg)
     if ignored and warn:
         log.warning("options ignored in this configuration: %s", "; ".join(ignored))
@@ -179,6 +186,25 @@ def check_context_parallel(cfg: Any, world_size: int, model: ModelFiles) -> None
     if isinstance(heads, int) and heads % c:
         raise ConfigError(
             f"distributed.context_parallel_size ({c}) must divide the model's {heads} attention heads (Ulysses gives each process an equal share of them; config.json of model.name_or_path = {cfg.model.name_or_path!r}); use a context_parallel_size that divides {heads}."
+        )
+
+
+def check_mixture_of_experts(cfg: Any, model: ModelFiles) -> None:
+    """Routing replay and the router's aux loss need routers: config.json must declare
+    experts (a hub model not cached yet is checked when it loads, model/moe/control.py)."""
+    asked = [
+        key
+        for key, on in (
+            ("rollout.routing_replay", cfg.rollout.routing_replay),
+            ("train.router_aux_loss_coef", cfg.train.router_aux_loss_coef > 0),
+        )
+        if on
+    ]
+    if not asked or model.directory is None:
+        return
+    if not declared_experts(read_model_config(cfg.model)):
+        raise ConfigError(
+            f"{asked[0]} needs a mixture-of-experts model, but config.json of model.name_or_path = {cfg.model.name_or_path!r} declares no experts ({', '.join(EXPERT_KEYS)}); turn it off for this dense model."
         )
 
 

@@ -267,6 +267,19 @@ def context_length(config: dict) -> tuple[int | None, str]:
     return value, f"config.json {name}"
 
 
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # routed experts
+
+
+def declared_experts(config: dict) -> int:
+    """Routed experts per MoE layer that config.json declares (0: a dense model)."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    for name in EXPERT_KEYS:
+        value = text.get(name)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
+
+
 # -- merging an adapter into its base (leangrpo merge) --------------------------------------
 
 

@@ -73,6 +73,8 @@ class LocalRow:
     targets: Tensor  # (T_c,)
     tokens: Tensor | None  # (T_c,) which of the row's T completion tokens; None: all of them
     num_targets: int  # T of the whole row
+    routes: Tensor | None = None  # (T_c, layers, k) route records (routing replay), or None
+    real_tokens: int | None = None  # this rank's tokens that are not padding; None: all
 
 
 def whole_row(batch: PackedBatch) -> LocalRow:
@@ -85,6 +87,7 @@ def whole_row(batch: PackedBatch) -> LocalRow:
         targets=batch.targets,
         tokens=None,
         num_targets=batch.num_completion_tokens,
+        routes=batch.routes,
     )
 
 
@@ -101,6 +104,9 @@ class WholeRow:
         self, logprobs: Tensor, entropy: Tensor | None, row: LocalRow
     ) -> tuple[Tensor, Tensor | None]:
         return logprobs, entropy
+
+    def sum_over_group(self, values: Tensor) -> Tensor:
+        return values
 
 
 WHOLE_ROW = WholeRow()
@@ -151,6 +157,8 @@ def shard_row(
         targets=batch.targets[mine],
         tokens=mine,
         num_targets=batch.num_completion_tokens,
+        routes=None if batch.routes is None else batch.routes[mine],
+        real_tokens=max(0, min(end, shards.tokens) - start),
     )
 
 
