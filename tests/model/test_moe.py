@@ -414,3 +414,20 @@ def test_aux_loss_is_off_by_default_and_joins_the_step_when_on():
     mb = pack_samples(generate(policy, n=2, count=2))
     scored(policy, mb, grad=True)
     assert "aux_term" not in policy.routing.last
+
+
+def test_gpt_oss_is_refused_for_its_attention_sinks():
+    """gpt-oss adds learned attention sinks (s_aux) that the packed kernels do not compute:
+    its log-probs came out wrong by several nats, silently; now the set-up refuses it."""
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    from leangrpo.ops.attention.kernels import PackedAttentionError
+
+    config = GptOssConfig(
+        vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, intermediate_size=16, num_local_experts=4,
+        num_experts_per_tok=2, layer_types=["full_attention"] * 2, max_position_embeddings=128,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(PackedAttentionError, match="attention sinks"):
+        build_policy(model, moe_config(), None, torch.device("cpu"))

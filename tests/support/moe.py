@@ -136,3 +136,20 @@ def used_routes(calls, call: int = 0) -> torch.Tensor:
 
 def as_sets(routes: torch.Tensor) -> torch.Tensor:
     return routes.long().sort(dim=-1).values
+
+
+def save_moe_model(directory, arch: str = "qwen3_moe", seed: int = 0):
+    """A tiny MoE on the demo's tokenizer, saved as a model directory a run can load
+    (safetensors, the demo's tokenizer and generation config)."""
+    import shutil
+    from pathlib import Path
+
+    directory = Path(directory)
+    ids = {"eos_token_id": 1, "pad_token_id": 0, "bos_token_id": None}
+    model = make_tiny_model(
+        arch, vocab_size=VOCAB, seed=seed, initializer_range=0.1, max_position_embeddings=128, **ids
+    )
+    model.save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(DEMO_MODEL / name, directory / name)
+    return directory
