@@ -56,10 +56,21 @@ def params(trainer: Trainer) -> dict[str, torch.Tensor]:
                 "offload": {"activations": "hidden_states", "keep_last_layers": 0},
             },
         ),
+        (
+            "olmoe",
+            {
+                "model": {"quantization": "nf4", "gradient_checkpointing": True},
+                "lora": {"enabled": True, "r": 4, "alpha": 8},
+            },
+        ),
     ],
-    ids=["sync-diagnostics", "olmoe-async", "lora-experts-offload"],
+    ids=["sync-diagnostics", "olmoe-async", "lora-experts-offload", "qlora"],
 )
 def test_moe_runs_replay_routes_and_log_their_figures(tmp_path, moe_dirs, arch, sections):
+    """QLoRA: bitsandbytes quantizes the attention's nn.Linear layers; the experts (3-D
+    parameters) and the router stay in the model's dtype, with LoRA on them."""
+    if "quantization" in sections.get("model", {}):
+        pytest.importorskip("bitsandbytes", reason="QLoRA needs pip install 'leangrpo[qlora]'")
     cfg = config_from_dict(moe_run(tmp_path, moe_dirs[arch], **sections))
     trainer = Trainer(cfg)
     before = params(trainer)
