@@ -135,10 +135,9 @@ def moe_saved(d, s: Setup) -> int:
     int64); per pair, in b, the gate/up output (2 I), the activation's inputs (I each, of
     which the product feeding down_proj only when experts train), the gate weight and the
     down output (H); with training experts, also each pair's gathered input (H). Replay
-    recomputes the weights over the recorded experts (the probabilities, the indices, the
-    renormalisation again; its (N, 1) mask of replayed positions is one per forward,
-    `rotary_bytes`); the aux loss keeps the fp32
-    probabilities once more. Active experts only: k, never E, per token. `MOE_LAYER_BYTES`
+    recomputes the weights over the recorded experts from the same logits (the router's
+    own weights are dropped with what they saved, but for its fp32 probabilities: E more,
+    measured). The aux loss keeps the fp32 probabilities once more. Active experts only: k, never E, per token. `MOE_LAYER_BYTES`
     per layer beside it (the int32 group offsets)."""
     E, k, I, H, b = d.experts, d.top_k, d.expert_intermediate, d.hidden, s.b  # noqa: E741
     trains = not s.lora or s.adapts_experts
@@ -147,7 +146,7 @@ def moe_saved(d, s: Setup) -> int:
     if trains:
         out += b * H + b * k * (H + I)
     if s.replay:
-        out += weights
+        out += 4 * E
     if s.aux:
         out += 4 * E
     return out
@@ -169,9 +168,8 @@ def rotary_bytes(d, s: Setup, row_per_token: int = 1) -> int:
     int64 token indices (into the buckets and back). Under checkpointing the layers' frames
     hold them rather than autograd's saved tensors: alive all the same. `row_per_token`:
     the kernel's row per local token (context parallelism: C, its kernel runs on the
-    whole row of C shards). Routing replay adds its one-byte mask of replayed positions."""
-    replay = 1 if s.replay and d.experts else 0
-    return 2 * d.head_dim * s.b + (16 * row_per_token if s.kernel == "segments" else 0) + replay
+    whole row of C shards)."""
+    return 2 * d.head_dim * s.b + (16 * row_per_token if s.kernel == "segments" else 0)
 
 
 def final_norm_bytes(d, s: Setup) -> int:

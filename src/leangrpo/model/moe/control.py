@@ -240,14 +240,12 @@ class RoutingControl:
                     f"{self.spec.router_class} with {logits.shape[0]} rows; routes replay on "
                     "leangrpo's packed attention path only (this model runs a padded view)"
                 )
-            forced = self._plan[layer].long()
+            forced = self._plan[layer]
             if first:
                 self._compare(indices, forced)
-            if self.replay:
-                keep = self._mask[:, None]
-                used_indices = torch.where(keep, forced, indices)
-                recomputed = self.recipe(router, logits, used_indices)  # type: ignore[misc]
-                used_weights = torch.where(keep, recomputed, weights)
+            if self.replay:  # a free row's recipe gives back its own weights, bit for bit
+                used_indices = torch.where(self._mask[:, None], forced, indices)
+                used_weights = self.recipe(router, logits, used_indices)  # type: ignore[misc]
         if self.aux_coef > 0 and torch.is_grad_enabled():
             self._aux_statistics(layer, logits, used_indices, first)
         if used_indices is indices:
@@ -274,7 +272,7 @@ class RoutingControl:
 
     def _clear_plan(self) -> None:
         layers = self.spec.layers
-        self._plan: Tensor | None = None  # (layers, n, k) int16, -1 where free
+        self._plan: Tensor | None = None  # (layers, n, k) int64, -1 where free
         self._mask: Tensor | None = None  # (n,) positions with a route
         self._conflicts: Tensor | None = None
         self._real: int | None = None
@@ -288,16 +286,16 @@ def _plan(routes: Tensor, index: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor
     many tokens' records disagree with the one laid at their (shared) position: with a
     shared prefix every completion's first token is predicted by the prompt's last
     position, where the first record is used."""
-    routes = routes.to(index.device, torch.int16)
+    routes = routes.to(index.device, torch.int64)
     layers, k = routes.shape[1], routes.shape[2]
-    plan = torch.full((n, layers, k), -1, dtype=torch.int16, device=index.device)
+    plan = torch.full((n, layers, k), -1, dtype=torch.int64, device=index.device)
     ordered, order = torch.sort(index, stable=True)
     later = torch.zeros_like(index, dtype=torch.bool)
     later[order[1:]] = ordered[1:] == ordered[:-1]
     plan[index[~later]] = routes[~later]
     conflicts = (plan[index] != routes).flatten(1).any(dim=1).sum()
     mask = plan[:, 0, 0] >= 0
-    return plan.permute(1, 0, 2), mask, conflicts
+    return plan.permute(1, 0, 2).contiguous(), mask, conflicts
 
 
 def moe_metrics(totals: dict[str, float], layers: int) -> dict[str, float]:
@@ -375,6 +373,7 @@ class NoRouting:
 
     replay = False
     spec = None
+    last: dict = {}  # no figures (never written)
 
     def check_samples(self, samples: list) -> None:
         if any(s.completion.routes is not None for s in samples):

@@ -17,6 +17,7 @@ one sentence naming the sample, never used.
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Callable
 
 import torch
@@ -79,3 +80,54 @@ def packed_routes(records: list[Tensor | None], where: Callable[[int], str]) -> 
     dtypes = {r.dtype for r in records}
     dtype = dtypes.pop() if len(dtypes) == 1 else torch.int16
     return torch.cat([r.to(dtype) for r in records])
+
+
+# -- on the wire (leangrpo serve) and from vLLM ---------------------------------------------
+
+WIRE_DTYPES = {"uint8": torch.uint8, "int16": torch.int16}
+MAX_WIRE_BYTES = 1 << 30
+
+
+def routes_to_wire(routes: Tensor) -> dict:
+    """A record as JSON: its shape, dtype and bytes (base64)."""
+    dtype = "uint8" if routes.dtype == torch.uint8 else "int16"
+    data = routes.to(WIRE_DTYPES[dtype]).contiguous().numpy().tobytes()
+    return {"shape": list(routes.shape), "dtype": dtype, "data": base64.b64encode(data).decode()}
+
+
+def routes_from_wire(obj: object) -> Tensor:
+    """A record from JSON a server sent (untrusted: shape, dtype and size checked; its
+    values are checked against the model before any use, `check_routes`)."""
+    if not isinstance(obj, dict) or set(obj) != {"shape", "dtype", "data"}:
+        raise RoutingError("a route record on the wire must be {shape, dtype, data}")
+    shape, dtype, data = obj["shape"], obj["dtype"], obj["data"]
+    if (
+        not isinstance(shape, list)
+        or len(shape) != 3
+        or not all(type(n) is int and 0 <= n < MAX_WIRE_BYTES for n in shape)
+        or dtype not in WIRE_DTYPES
+        or not isinstance(data, str)
+    ):
+        raise RoutingError(f"a route record on the wire has shape {shape!r} and dtype {dtype!r}")
+    raw = base64.b64decode(data, validate=True)
+    width = torch.empty((), dtype=WIRE_DTYPES[dtype]).element_size()
+    if len(raw) != shape[0] * shape[1] * shape[2] * width:
+        raise RoutingError("a route record on the wire holds more or fewer bytes than its shape")
+    return torch.frombuffer(bytearray(raw), dtype=WIRE_DTYPES[dtype]).view(shape).clone()
+
+
+def routes_from_vllm(routed: object, tokens: int) -> Tensor:
+    """vLLM's `CompletionOutput.routed_experts` of a request asked with
+    `routed_experts_prompt_start` = its prompt's length - 1: (tokens, layers, k), one row
+    per position from the prompt's last (the one that predicted the first token)."""
+    if routed is None:
+        raise RoutingError(
+            "vLLM returned no routed experts for a completion although routing replay asked for them (enable_return_routed_experts)"
+        )
+    array = torch.as_tensor(routed.astype("int16") if hasattr(routed, "astype") else routed)
+    if array.dim() != 3 or array.shape[0] != tokens:
+        raise RoutingError(
+            f"vLLM returned routed experts of shape {tuple(array.shape)} for a completion of {tokens} tokens; expected ({tokens}, layers, k)"
+        )
+    small = array.numel() == 0 or (int(array.min()) >= 0 and int(array.max()) < 256)
+    return array.to(torch.uint8 if small else torch.int16)

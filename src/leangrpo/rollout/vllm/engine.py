@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 from leangrpo.contracts import Completion, EngineVersionError, Prompt, SamplingParams, TurnRequest
 from leangrpo.errors import RunError
+from leangrpo.model.moe.routers import RoutingError
 from leangrpo.rollout.vllm.client import ServerPool, client_token, start_local_server
 from leangrpo.rollout.vllm.files import (
     DEFAULT_BUCKET_BYTES,
@@ -194,6 +195,11 @@ class VLLMEngine:
             if process is not None:  # never leave a server we started behind
                 process.terminate()
             raise
+        if s.routed_experts and pool.without_routes:
+            pool.close()
+            raise RoutingError(
+                f"rollout.routing_replay needs every server's routed experts, which {', '.join(pool.without_routes)} does not return; start it with `leangrpo serve MODEL --routed-experts` (vLLM's routed-experts output: GPUs), or use rollout.engine: hf"
+            )
         return cls(pool, s, adapter_config=adapter_config, bucket_bytes=bucket_bytes)
 
     @property
@@ -398,7 +404,7 @@ def make_vllm_engine(
         extra.setdefault("trust_remote_code", True)
     if cfg.model.quantization != "none":  # QLoRA: vLLM quantizes the base in flight (nf4 +
         extra.setdefault("quantization", "bitsandbytes")  # double quant, as the trainer's)
-    overrides = {}
+    overrides: dict[str, Any] = {"routed_experts": cfg.rollout.routing_replay}
     if section.dtype == "auto" and cfg.model.dtype != "auto":
         overrides["dtype"] = cfg.model.dtype  # sample in the trainer's precision by default
     common = dict(
