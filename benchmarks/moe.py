@@ -15,9 +15,11 @@ purpose. Variants:
 - `moe/replay=true`: the MoE replaying the engine's routes (rollout.routing_replay).
 
 Rows (one per variant, DESIGN.md's fields): `time_s` (median seconds of a step over the
-repeats), `peak_bytes` (CUDA: max_memory_allocated over a step; CPU: the tensor bytes alive
-at a step's peak, tests/support/memory_probe.LiveBytes), `time_ratio` / `mem_ratio` against
-`dense`; on the MoE rows `replay`, `routing_flips` (the share of completion tokens whose
+repeats; the variants are timed in turn, repeat by repeat), `cpu_s` (its CPU seconds),
+`peak_bytes` (what a step allocates at its peak beyond what was resident before it: CUDA's
+allocator, or on CPU the tensor bytes alive, tests/support/memory_probe.LiveBytes),
+`resident_bytes` (weights, gradients and AdamW state between steps: every expert's), and
+`time_ratio` / `mem_ratio` / `resident_ratio` against `dense`; on the MoE rows `replay`, `routing_flips` (the share of completion tokens whose
 experts in the training forward differ from the engine's in some layer: 0 with replay by
 construction), `would_flip` (moe/routing_flips: tokens whose routing would have differed
 without replay), `is_log_ratio_std` and `is_ratio_max` (the old-policy pass against the
@@ -160,57 +162,81 @@ def policy_and_samples(model_name: str, replay: bool, shape, device):
     return cfg, policy, samples, stripped
 
 
-def run_variant(name: str, model_name: str, replay: bool, shape, device, repeats: int) -> dict:
-    from support.memory_probe import LiveBytes
+class Variant:
+    """One variant's policy, samples and step (built at once; timed interleaved)."""
 
-    from leangrpo.train.passes import attach_old_and_ref
-    from leangrpo.train.planning import plan_steps
-    from leangrpo.train.step import train_step
+    def __init__(self, name: str, model_name: str, replay: bool, shape, device):
+        from leangrpo.train.passes import attach_old_and_ref
+        from leangrpo.train.planning import plan_steps
+        from leangrpo.train.step import train_step
 
-    cfg, policy, records, samples = policy_and_samples(model_name, replay, shape, device)
-    optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-5)
-    sampling = cfg.rollout.sampling_params()
-    state = {}
+        self.name, self.moe, self.replay, self.device = name, model_name == shape[0], replay, device
+        cfg, self.policy, self.records, self.samples = policy_and_samples(
+            model_name, replay, shape, device
+        )
+        self.optimizer = optimizer = torch.optim.AdamW(self.policy.trainable_parameters(), lr=1e-5)
+        sampling = cfg.rollout.sampling_params()
+        self.times: list[float] = []
+        self.cpu: list[float] = []
 
-    def step():
-        steps = plan_steps(samples, cfg, policy)
-        attach_old_and_ref(policy, steps, cfg.loss, cfg.logprobs, sampling)
-        state["steps"] = steps
-        state["result"] = train_step(policy, steps[0].micro_batches, optimizer, cfg, sampling)
+        def step():
+            steps = plan_steps(self.samples, cfg, self.policy)
+            attach_old_and_ref(self.policy, steps, cfg.loss, cfg.logprobs, sampling)
+            self.steps = steps
+            self.result = train_step(self.policy, steps[0].micro_batches, optimizer, cfg, sampling)
 
-    step()  # warm-up (kernels, caches)
-    times, cpu = [], []
-    for _ in range(repeats):
-        _sync(device)
+        self.step = step
+        step()  # warm-up (kernels, caches, the optimizer's state)
+
+    def timed(self) -> None:
+        _sync(self.device)
         start, start_cpu = time.perf_counter(), time.process_time()
-        step()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-        cpu.append(time.process_time() - start_cpu)
-    if device.type == "cuda":
+        self.step()
+        _sync(self.device)
+        self.times.append(time.perf_counter() - start)
+        self.cpu.append(time.process_time() - start_cpu)
+
+    def peak(self) -> int:
+        """Bytes a step allocates at its peak beyond what was resident before it."""
+        from support.memory_probe import LiveBytes
+
+        if self.device.type != "cuda":
+            return LiveBytes().peak_of(self.step)
         torch.cuda.reset_peak_memory_stats()
-        step()
-        peak = torch.cuda.max_memory_allocated()
-    else:
-        peak = LiveBytes().peak_of(step)
-    mbs = state["steps"][0].micro_batches
-    row = {"bench": BENCH, "case": f"{shape[0]}/{shape[2]}x({shape[4]}+{shape[3]}x{shape[5]})",
-           "device": device.type, "variant": name, "time_s": round(statistics.median(times), 4),
-           "cpu_s": round(statistics.median(cpu), 4), "peak_bytes": int(peak), "tokens": sum(mb.num_tokens for mb in mbs),
-           "params": sum(p.numel() for p in policy.model.parameters())}  # fmt: skip
-    if model_name == shape[0]:  # the MoE: flips and the IS ratio's spread
-        log_ratio = torch.cat(
-            [(mb.old_logprobs - mb.behaviour_logprobs).float().cpu() for mb in mbs]
-        )
-        row.update(
-            replay=replay,
-            routing_flips=round(applied_flips(policy, samples, records), 4),
-            is_log_ratio_std=round(float(log_ratio.std()), 5),
-            is_ratio_max=round(float(log_ratio.exp().max()), 4),
-        )
-        if replay:
-            row["would_flip"] = state["result"].metrics.get("moe/routing_flips")
-    return row
+        before = torch.cuda.memory_allocated()
+        self.step()
+        return torch.cuda.max_memory_allocated() - before
+
+    def resident(self) -> int:
+        """Weights, gradients and AdamW state held between steps."""
+        tensors = [*self.policy.model.parameters()]
+        tensors += [p.grad for p in tensors if p.grad is not None]
+        for state in self.optimizer.state.values():
+            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        return sum(held.values())
+
+    def row(self, shape) -> dict:
+        mbs = self.steps[0].micro_batches
+        row = {"bench": BENCH, "case": f"{shape[0]}/{shape[2]}x({shape[4]}+{shape[3]}x{shape[5]})",
+               "device": self.device.type, "variant": self.name,
+               "time_s": round(statistics.median(self.times), 4),
+               "cpu_s": round(statistics.median(self.cpu), 4), "peak_bytes": int(self.peak()),
+               "resident_bytes": self.resident(), "tokens": sum(mb.num_tokens for mb in mbs),
+               "params": sum(p.numel() for p in self.policy.model.parameters())}  # fmt: skip
+        if self.moe:  # flips and the IS ratio's spread (the old-policy pass against the engine)
+            log_ratio = torch.cat(
+                [(mb.old_logprobs - mb.behaviour_logprobs).float().cpu() for mb in mbs]
+            )
+            row.update(
+                replay=self.replay,
+                routing_flips=round(applied_flips(self.policy, self.samples, self.records), 4),
+                is_log_ratio_std=round(float(log_ratio.std()), 5),
+                is_ratio_max=round(float(log_ratio.exp().max()), 4),
+            )
+            if self.replay:
+                row["would_flip"] = self.result.metrics.get("moe/routing_flips")
+        return row
 
 
 def _without_routes(sample):
@@ -229,27 +255,35 @@ def _sync(device) -> None:
 
 def case_rows(device: torch.device, quick: bool = False, repeats: int | None = None):
     """dense (the baseline), then the MoE without and with replay; ratios against dense,
-    replay_overhead against the MoE without replay."""
+    replay_overhead against the MoE without replay. The variants' steps are timed in turn,
+    repeat by repeat, so a machine's load drifting during the run weighs on all alike."""
     shape = SHAPES["cuda" if device.type == "cuda" else ("cpu-quick" if quick else "cpu")]
     repeats = repeats or (2 if quick or device.type == "cuda" else 5)
     if device.type == "cpu":
         torch.set_num_threads(1)
-    variants = [("dense", shape[1], False), ("moe/replay=false", shape[0], False),
-                ("moe/replay=true", shape[0], True)]  # fmt: skip
+    variants = [
+        Variant("dense", shape[1], False, shape, device),
+        Variant("moe/replay=false", shape[0], False, shape, device),
+        Variant("moe/replay=true", shape[0], True, shape, device),
+    ]
+    for _ in range(repeats):
+        for variant in variants:
+            variant.timed()
     rows = {}
-    for name, model_name, replay in variants:
-        row = run_variant(name, model_name, replay, shape, device, repeats)
-        if name != "dense":
+    for variant in variants:
+        row = variant.row(shape)
+        if variant.name != "dense":
             base = rows["dense"]
             row["time_ratio"] = round(row["time_s"] / base["time_s"], 3)
             row["mem_ratio"] = round(row["peak_bytes"] / base["peak_bytes"], 3)
-        if replay:  # CPU: its CPU seconds, the figure to trust on a shared machine
+            row["resident_ratio"] = round(row["resident_bytes"] / base["resident_bytes"], 3)
+        if variant.replay:  # CPU: its CPU seconds, the figure to trust on a shared machine
             clock = "time_s" if device.type == "cuda" else "cpu_s"
             overhead = row[clock] / rows["moe/replay=false"][clock]
             row["replay_overhead"] = round(overhead, 3)
             row["goal"] = f"replay_overhead <= {OVERHEAD_GOAL}"
             row["goal_met"] = overhead <= OVERHEAD_GOAL
-        rows[name] = row
+        rows[variant.name] = row
         yield row
 
 

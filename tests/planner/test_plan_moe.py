@@ -55,6 +55,19 @@ def test_every_experts_weights_are_counted(arch):
     assert d.active_intermediate == 2 * 40 and d.moe_params == EXPERTS * 64 * (1 + 3 * 40)
 
 
+@pytest.mark.parametrize("lora", ["attention", "all-linear"])
+def test_lora_adapters_on_attention_and_experts_are_counted(lora):
+    """peft's adapters (all-linear: per-weight ParamWrappers on the experts and router) are
+    counted exactly: the plan's gradients are the trainable parameters' bytes."""
+    cfg, d, policy, batch = moe_setup("qwen3_moe", "float32", lora, False)
+    plan = plan_memory(cfg, tokens=batch.input_ids.numel(), dims=d, prompt_tokens=PROMPT)
+    trainable = policy.trainable_parameters()
+    assert plan["gradients"] == sum(p.numel() * p.element_size() for p in trainable)
+    assert any("experts" in n for n, p in policy.model.named_parameters() if p.requires_grad) == (
+        lora == "all-linear"
+    )
+
+
 def test_layers_with_a_dense_mlp_among_experts_are_refused():
     model = make_tiny_model("qwen3_moe", mlp_only_layers=[0])
     with pytest.raises(PlanError, match="dense MLP"):

@@ -542,7 +542,7 @@ def lora_params(d: Dims, s: Setup) -> int:
     A (2r E, H), B (2 I, 2r E)), down (A (r E, I), B (H, r E)) and the router (A (r, H),
     B (E, r))."""
     shapes = d.linears()
-    per_layer = sum(s.r * (shapes[n][0] + shapes[n][1]) for n in LINEARS if n in s.adapted)
+    per_layer = sum(s.r * sum(shapes[n][:2]) for n in LINEARS if n in s.adapted and n in shapes)
     if d.experts and s.adapts_experts:
         E, H, I, r = d.experts, d.hidden, d.expert_intermediate, s.r  # noqa: E741
         per_layer += 2 * r * E * (H + 2 * I) + r * E * (I + H) + r * (H + E)

@@ -139,7 +139,7 @@ class RoutingControl:
                                                          row.input_ids.shape[1])  # fmt: skip
         n = row.input_ids.shape[1]
         self._flipped = torch.zeros(n, dtype=torch.bool, device=routes.device)
-        self._layer_flips = torch.zeros(n, dtype=torch.int32, device=routes.device)
+        self._layer_flips = torch.zeros(n, dtype=torch.int64, device=routes.device)
 
     def finish(self, row: Any, split: Any) -> None:
         """After the forward: this row's statistics, summed over the split's group, in
@@ -253,12 +253,12 @@ class RoutingControl:
         return logits, used_weights, used_indices
 
     def _compare(self, indices: Tensor, forced: Tensor) -> None:
+        """Rows whose own k experts are not the record's k (both distinct: a set test)."""
         with torch.no_grad():
-            own = indices.sort(dim=-1).values
-            recorded = forced.sort(dim=-1).values
-            differs = (own != recorded).any(dim=-1) & self._mask  # type: ignore[operator]
+            kept = (forced[:, :, None] == indices[:, None, :]).any(dim=-1).all(dim=-1)
+            differs = ~kept & self._mask  # type: ignore[operator]
             self._flipped |= differs
-            self._layer_flips += differs.int()
+            self._layer_flips += differs
 
     def _aux_statistics(self, layer: int, logits: Tensor, indices: Tensor, first: bool) -> None:
         real = logits.shape[0] if self._real is None else self._real

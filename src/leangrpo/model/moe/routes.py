@@ -55,7 +55,8 @@ def _problem(routes: object, tokens: int, spec: RouterSpec) -> str | None:
     if routes.numel() == 0:
         return None
     wide = routes.to(torch.int64)
-    low, high = int(wide.min()), int(wide.max())
+    low, high = torch.aminmax(wide)
+    low, high = int(low), int(high)
     if low < 0 or high >= spec.experts:
         return f"names expert {low if low < 0 else high}, outside [0, {spec.experts})"
     if spec.top_k > 1:
