@@ -348,7 +348,7 @@ def _loss(policy, mb, cfg):
     inputs, _ = loss_inputs(mb, logprobs, entropy, cfg.loss)
     norm = normalisers([mb], cfg.loss, 8)
     out = compute_loss(inputs, norm, cfg.loss)
-    return policy.routing.add_aux_loss(out.loss, inputs, norm)
+    return policy.routing.loss_with_aux(out.loss, inputs, norm)
 
 
 @pytest.mark.parametrize(

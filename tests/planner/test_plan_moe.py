@@ -145,7 +145,7 @@ def train_pass_with_aux(policy, mb, cfg):
     sampling = cfg.rollout.sampling_params()
     logprobs, entropy = score(policy.model, mb, sampling, cfg.logprobs, with_entropy=True)
     inputs, _ = loss_inputs(mb, logprobs, entropy, cfg.loss)
-    return policy.routing.add_aux_loss(compute_loss(inputs, norm, cfg.loss).loss, inputs, norm)
+    return policy.routing.loss_with_aux(compute_loss(inputs, norm, cfg.loss).loss, inputs, norm)
 
 
 @pytest.mark.parametrize(

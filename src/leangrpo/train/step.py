@@ -67,7 +67,7 @@ def train_step(
             logprobs, entropy = score(module, mb, sampling, cfg.logprobs, with_entropy=True)
             inputs, mb_is = loss_inputs(mb, logprobs, entropy, cfg.loss)
             out = compute_loss(inputs, norm, cfg.loss)
-            policy.routing.add_aux_loss(out.loss, inputs, norm).backward()  # MoE: + aux loss
+            policy.routing.loss_with_aux(out.loss, inputs, norm).backward()  # MoE: + aux loss
         on_device.append((out.loss.detach(), out.metrics, mb_is))
         if policy.offloader is not None:  # per micro-batch counts add up to the step's
             for k, v in policy.offloader.metrics().items():

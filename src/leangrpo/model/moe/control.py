@@ -37,8 +37,9 @@ each rank holds its tokens' probabilities: its term is E x sum_e f_e(group) P_e(
 with the group's counts, so the ranks' terms add up to the loss and each rank's gradient
 is its own tokens' share (as the log-probs' gather does). The trainer adds
 coef x (the micro-batch's share of the step's loss tokens) x that term to each
-micro-batch's loss (`add_aux_loss`), so the step's aux loss is the token-weighted mean
-of its micro-batches'.
+micro-batch's loss (`loss_with_aux`), so the step's aux loss is the token-weighted mean
+of its micro-batches'. It is not linear in a micro-batch's tokens: it depends on how a
+step is cut into micro-batches (as in every framework that computes it per forward).
 """
 
 from __future__ import annotations
@@ -189,9 +190,9 @@ class RoutingControl:
             self.replay = replay
 
     # -- the optimizer step ----------------------------------------------------------------
-    def add_aux_loss(self, loss: Tensor, inputs: Any, norm: Any) -> Tensor:
-        """The micro-batch's loss plus its share of the aux loss; its figures (flips,
-        aux loss) join the step's."""
+    def loss_with_aux(self, loss: Tensor, inputs: Any, norm: Any) -> Tensor:
+        """The micro-batch's loss for backward: the policy loss plus its share of the aux
+        loss (when on); the micro-batch's routing figures join the step's."""
         last, tokens = self.last, inputs.mask.sum()
         for name in ("flipped", "route_tokens", "layer_flips", "conflicts"):
             if name in last:
@@ -386,7 +387,7 @@ class NoRouting:
     def finish(self, row: Any, split: Any) -> None:
         return None
 
-    def add_aux_loss(self, loss: Tensor, inputs: Any, norm: Any) -> Tensor:
+    def loss_with_aux(self, loss: Tensor, inputs: Any, norm: Any) -> Tensor:
         return loss
 
     def step_metrics(self, ranks: Any) -> dict[str, float]:
