@@ -51,6 +51,10 @@ def params(trainer: Trainer) -> dict[str, torch.Tensor]:
         ("olmoe", {"pipeline": {"mode": "async", "max_staleness": 1}}),
         (
             "qwen3_moe",
+            {"pipeline": {"mode": "async", "max_staleness": 1, "min_groups_per_step": 2}},
+        ),
+        (
+            "qwen3_moe",
             {
                 "lora": {"enabled": True, "r": 4, "alpha": 8, "target_modules": "all-linear"},
                 "offload": {"activations": "hidden_states", "keep_last_layers": 0},
@@ -64,7 +68,7 @@ def params(trainer: Trainer) -> dict[str, torch.Tensor]:
             },
         ),
     ],
-    ids=["sync-diagnostics", "olmoe-async", "lora-experts-offload", "qlora"],
+    ids=["sync-diagnostics", "olmoe-async", "streaming", "lora-experts-offload", "qlora"],
 )
 def test_moe_runs_replay_routes_and_log_their_figures(tmp_path, moe_dirs, arch, sections):
     """QLoRA: bitsandbytes quantizes the attention's nn.Linear layers; the experts (3-D

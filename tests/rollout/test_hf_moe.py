@@ -168,3 +168,50 @@ def test_weight_sync_of_lora_on_experts_reaches_the_engines_copy():
     theirs = dict(engine.model.named_parameters())
     for name, p in policy.model.named_parameters():
         assert torch.equal(p, theirs[name]), name
+
+
+def test_multi_turn_trajectories_carry_their_turns_records_in_order():
+    """The multi-turn rollout (environments/driver.py) on a tiny Qwen3-MoE: a trajectory's
+    record is its model turns' records end to end, one row per model token, each the
+    routing of the forward that sampled the token in the whole conversation."""
+    from support.configs import ROOT
+    from transformers import AutoTokenizer
+
+    from leangrpo.config.environment import EnvironmentConfig
+    from leangrpo.environments.driver import MultiTurnRollout, TurnLimits
+    from leangrpo.environments.pool import EnvironmentPool
+    from leangrpo.environments.rendering import Renderer
+
+    tools = ROOT / "examples" / "tools_demo" / "model"
+    tokenizer = AutoTokenizer.from_pretrained(tools)
+    policy = moe_policy(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    head = policy.model.get_output_embeddings()
+    with torch.no_grad():  # turns end on EOS early: the environment answers, a next turn comes
+        head.weight[tokenizer.eos_token_id] += 2.0 * head.weight.abs().mean() * 30
+    engine = HFEngine(policy.model, tokenizer, share_weights=False)
+    pool = EnvironmentPool(
+        EnvironmentConfig(name="support.environments:Puzzle", num_workers=1, kwargs={"turns": 2})
+    )
+    try:
+        rollout = MultiTurnRollout(
+            engine, pool, Renderer(tokenizer, pool.tools), TurnLimits(3, 96),
+            {tokenizer.eos_token_id}, "per_trajectory",
+        )  # fmt: skip
+        from leangrpo.contracts import Prompt
+
+        asked = [Prompt(i, "", [0], {"answer": str(i)}, [{"role": "user", "content": "hi"}])
+                 for i in range(2)]  # fmt: skip
+        groups = rollout.generate(
+            asked, SamplingParams(temperature=1.0, max_new_tokens=12, seed=1), 2, 0
+        )
+    finally:
+        pool.close()
+    turns = 0
+    for c in (c for g in groups for c in g):
+        t = c.trajectory
+        assert c.routes.shape == (t.num_model_tokens, 2, 2) == (len(c.logprobs), 2, 2)
+        reference = free_routes(policy.model, t.start.ids + c.ids)
+        offsets = torch.tensor(t.model_offsets()) + len(t.start.ids) - 1  # predicting positions
+        assert torch.equal(as_sets(c.routes), reference[offsets])
+        turns += sum(1 for _, is_model in t.segments if is_model)
+    assert turns > len(groups) * 2  # some trajectories had more than one turn

@@ -38,7 +38,8 @@ def moe_config(**sections) -> Config:
 def moe_model(arch: str = "qwen3_moe", seed: int = 2, router_scale: float = 1.0, **fields):
     """A tiny MoE (4 experts, top-2) whose experts matter (initializer 0.3); a router
     scaled down makes near-ties, where bf16 rounding flips routes."""
-    model = make_tiny_model(arch, vocab_size=VOCAB, seed=seed, initializer_range=0.3, **fields)
+    fields = {"vocab_size": VOCAB, "initializer_range": 0.3, **fields}
+    model = make_tiny_model(arch, seed=seed, **fields)
     with torch.no_grad():
         for router in routers(model):
             router.weight.mul_(router_scale)
