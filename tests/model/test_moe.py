@@ -291,6 +291,23 @@ def test_a_forward_nobody_announced_routes_freely():
     assert len(calls[0]) == 1 and calls[0][0][0].shape == (7, 2)
 
 
+def test_a_router_that_bypasses_its_hook_is_refused_not_silently_free():
+    """A MoE block that calls its router's forward directly (a fused kernel, another
+    transformers release) would route freely: the replayed forward refuses it."""
+    policy = moe_policy()
+    samples = generate(policy, n=2, count=2)
+    block = [m for m in policy.model.modules() if type(m).__name__.endswith("SparseMoeBlock")][1]
+
+    def bypassing(hidden):
+        flat = hidden.view(-1, hidden.shape[-1])
+        _, weights, indices = block.gate.forward(flat)  # no hooks
+        return block.experts(flat, indices, weights).view(hidden.shape)
+
+    block.forward = bypassing
+    with pytest.raises(RoutingError, match="MoE layer 1's Qwen3MoeTopKRouter was not called"):
+        scored(policy, pack_samples(samples))
+
+
 def test_deep_copies_get_a_control_of_their_own():
     policy = moe_policy()
     clone = copy.deepcopy(policy.model)

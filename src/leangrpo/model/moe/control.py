@@ -145,6 +145,13 @@ class RoutingControl:
     def finish(self, row: Any, split: Any) -> None:
         """After the forward: this row's statistics, summed over the split's group, in
         `last` (see the module docstring)."""
+        if self._plan is not None and not all(self._calls):
+            layer = self._calls.index(0)
+            raise RoutingError(
+                f"MoE layer {layer}'s {self.spec.router_class} was not called through its module "
+                "in a replayed forward, so its routes could not be replayed; this model's MoE "
+                "blocks bypass their routers' hooks: turn rollout.routing_replay off"
+            )
         parts, aux = [], self.aux_coef > 0 and all(c is not None for c in self._aux_counts)
         if self._plan is not None:
             index = row.completion_index
