@@ -5,9 +5,10 @@ Unmarked (no vLLM): route records on the wire between `leangrpo serve` and the t
 replay in one sentence, vLLM's routed-experts output turned into records.
 
 Marked `vllm` (real vLLM, CPU build, .venv-vllm): vLLM 0.32's CPU build runs Qwen3-MoE
-(its samples' log-probs are the model's), and routing replay with it is refused at
-start-up in one sentence, before the model loads: its routed-experts output needs Model
-Runner V2, which needs Triton on a GPU.
+(its samples' log-probs are the model's) but cannot reload its weights in place (refused
+in one sentence, the engine kept alive), and routing replay with it is refused at
+start-up in one sentence (colocated, and `leangrpo serve --routed-experts`), before the
+model loads: its routed-experts output needs Model Runner V2, which needs Triton on a GPU.
 """
 
 from __future__ import annotations
@@ -140,21 +141,74 @@ def test_routing_replay_on_vllms_cpu_build_is_refused_at_start_up(moe_char_model
 
 
 @pytest.mark.vllm
-def test_vllms_cpu_build_runs_a_mixture_of_experts(moe_char_model, tmp_path):
+def test_vllms_cpu_build_runs_a_mixture_of_experts_but_cannot_reload_it(moe_char_model, tmp_path):
     """Generation on Qwen3-MoE with colocated vLLM (CPU): its behaviour log-probs are the
-    model's own (teacher-forced in transformers)."""
+    model's own (teacher-forced in transformers). A full weight sync is refused in one
+    sentence before vLLM tries: its in-place reload fails on the CPU fused-MoE layers and
+    the engine dies (seen: "The size of tensor a (64) must match ... (32)", then every
+    forward fails); the engine still generates afterwards."""
     from support.vllm_models import mean_abs_logprob_gap
     from transformers import AutoModelForCausalLM
+
+    from leangrpo.errors import RunError
 
     engine = VLLMEngine.colocated(
         moe_char_model, dtype="float32", enforce_eager=True, work_dir=tmp_path,
         engine_kwargs={"max_model_len": 64},
     )  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(moe_char_model, dtype=torch.float32)
     try:
         prompts = [Prompt(i, "", [3 + i, 4, 5, 6]) for i in range(2)]
         groups = engine.generate(prompts, SamplingParams(max_new_tokens=4, seed=3), 2, 0)
+        with pytest.raises(RunError, match="cannot load new weights into a mixture of experts"):
+            engine.update_weights(model.state_dict().items(), 1)
+        again = engine.generate(prompts[:1], SamplingParams(max_new_tokens=2, seed=3), 1, 0)
     finally:
         engine.close()
-    model = AutoModelForCausalLM.from_pretrained(moe_char_model, dtype=torch.float32)
-    assert all(len(c.ids) >= 1 and c.routes is None for g in groups for c in g)
+    assert all(len(c.ids) >= 1 and c.routes is None for g in groups for c in g) and again[0]
     assert mean_abs_logprob_gap(model, prompts, groups, SamplingParams()) < 1e-3
+
+
+@pytest.mark.vllm
+def test_leangrpo_serve_refuses_routed_experts_on_vllms_cpu_build_in_one_line(moe_char_model):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "leangrpo.rollout.vllm.server", str(moe_char_model),
+         "--port", "0", "--routed-experts"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert "returns only from its Model Runner V2" in last and "Traceback" not in out.stderr
+
+
+def test_a_full_fine_tuning_run_is_refused_an_engine_that_cannot_reload_weights():
+    """make_vllm_engine (the trainer's): a colocated engine whose weights cannot be
+    reloaded (vLLM's CPU build on a mixture of experts) is closed and refused at start-up
+    for full fine-tuning; a LoRA run (adapters only) keeps it."""
+    from support.configs import minimal_run
+
+    from leangrpo.config import config_from_dict
+    from leangrpo.errors import RunError
+    from leangrpo.rollout.vllm.engine import make_vllm_engine
+
+    closed = []
+
+    class Refusing:
+        backend = SimpleNamespace(reload_refused="vLLM cannot load new weights here")
+
+        @classmethod
+        def colocated(cls, *args, **kwargs):
+            return cls()
+
+        def close(self):
+            closed.append(True)
+
+    cfg = config_from_dict(minimal_run(rollout={"engine": "vllm"}))
+    with pytest.raises(RunError, match="cannot load new weights here"):
+        make_vllm_engine(cfg, None, Refusing)
+    assert closed == [True]
+    lora = config_from_dict(minimal_run(rollout={"engine": "vllm"}, lora={"enabled": True}))
+    assert isinstance(make_vllm_engine(lora, None, Refusing), Refusing)

@@ -418,4 +418,9 @@ def make_vllm_engine(
     engine_class = engine_class or VLLMEngine
     if section.mode == "server":
         return engine_class.server(cfg=section, model_path=cfg.model.name_or_path, **common)
-    return engine_class.colocated(cfg.model.name_or_path, section, **common)
+    engine = engine_class.colocated(cfg.model.name_or_path, section, **common)
+    refused = getattr(engine.backend, "reload_refused", None)
+    if refused is not None and not lora:  # full fine-tuning syncs full weights: say so now
+        engine.close()
+        raise RunError(refused)
+    return engine

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from leangrpo.contracts import Completion, EngineVersionError, SamplingParams
+from leangrpo.errors import RunError
 from leangrpo.model.moe.routers import RoutingError
 from leangrpo.model.moe.routes import routes_from_vllm
 from leangrpo.rollout.vllm.files import publish_adapter
@@ -161,6 +162,21 @@ def _platform_is_cpu() -> bool:
     return current_platform.is_cpu()
 
 
+def cpu_moe_reload_blocker(llm: Any) -> str | None:
+    """Why this engine cannot load new full weights in place, or None. vLLM 0.32's CPU
+    build cannot for a mixture of experts: its layerwise reload copies the checkpoint's
+    expert weights into the CPU fused-MoE layer's repacked tensors (shape mismatch), and
+    the engine dies at the next forward (seen with Qwen3-MoE)."""
+    from vllm import __version__
+
+    from leangrpo.model.files import declared_experts
+
+    hf_config = llm.llm_engine.vllm_config.model_config.hf_config
+    if not _platform_is_cpu() or not declared_experts(hf_config.to_dict()):
+        return None
+    return f"vLLM {__version__}'s CPU build cannot load new weights into a mixture of experts in place (its reload fails on the CPU fused-MoE layers and the engine dies), so a full fine-tuning run cannot sync it; generate with rollout.engine: hf, or vLLM on a GPU"
+
+
 def _sleep_mode_available() -> bool:
     from vllm.platforms import current_platform
 
@@ -264,6 +280,7 @@ class LocalVLLM:
             self.llm = vllm.LLM(**llm_kwargs)
         self.in_process = type(self.llm.llm_engine.engine_core).__name__ == "InprocClient"
         self.routes = bool(llm_kwargs.get("enable_return_routed_experts"))  # routing replay
+        self.reload_refused = cpu_moe_reload_blocker(self.llm)  # why full weights cannot sync
         self.sleep_mode = bool(llm_kwargs.get("enable_sleep_mode"))
         self.work_dir = work_dir
         self.gate = VersionGate(0, run)
@@ -367,6 +384,8 @@ class LocalVLLM:
                 self.llm.llm_engine.abort_request(list(request_ids))
 
     def load_weight_files(self, paths: list[Path], version: int, *, run: str | None) -> None:
+        if self.reload_refused is not None:  # before vLLM tries, and dies
+            raise RunError(self.reload_refused)
         with self.gate.update(version, drain=True, run=run) as needed:
             if not needed:
                 return

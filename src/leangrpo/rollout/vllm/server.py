@@ -192,7 +192,11 @@ def serve_main(argv: list[str] | None = None) -> int:
     root = (
         Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="leangrpo-serve-"))
     )
-    local = start_engine(args, engine_kwargs, root)
+    try:
+        local = start_engine(args, engine_kwargs, root)
+    except UserError as err:  # --routed-experts where this vLLM cannot return them
+        server.server_close()
+        parser.error(str(err))
     server.RequestHandlerClass = make_handler(
         local,
         prepare_staging(root),
