@@ -419,8 +419,15 @@ def make_vllm_engine(
     if section.mode == "server":
         return engine_class.server(cfg=section, model_path=cfg.model.name_or_path, **common)
     engine = engine_class.colocated(cfg.model.name_or_path, section, **common)
+    if not lora:  # full fine-tuning syncs full weights: an engine that cannot load them now
+        refuse_unreloadable(engine)
+    return engine
+
+
+def refuse_unreloadable(engine: VLLMEngine) -> None:
+    """Close and refuse (one sentence) a colocated engine that cannot load new full
+    weights in place (`LocalVLLM.reload_refused`: vLLM's CPU build on an MoE)."""
     refused = getattr(engine.backend, "reload_refused", None)
-    if refused is not None and not lora:  # full fine-tuning syncs full weights: say so now
+    if refused is not None:
         engine.close()
         raise RunError(refused)
-    return engine
