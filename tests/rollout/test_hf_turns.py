@@ -119,6 +119,7 @@ def test_turns_join_and_leave_between_steps_and_sample_as_they_would_alone(model
             )
 
 
+@pytest.mark.exact
 def test_one_row_per_forward_is_bitwise_whatever_the_schedule(model, tokenizer):
     """The batch-invariant mode: per-trajectory timing, rounds, another submission order,
     all the same bits."""
@@ -153,6 +154,37 @@ def test_the_budget_bounds_the_batch_and_the_kept_caches(model, tokenizer, monke
     stream = HFEngine(model, tokenizer, kv_cache_tokens=10).open_turns(PARAMS, 0)
     with stream, pytest.raises(ValueError, match="kv_cache_tokens = 10 cannot hold one turn of 14"):
         stream.submit(TurnRequest([1, 2], 1, 12, 0))
+
+
+def test_an_idle_slot_cache_or_growth_ahead_of_need_never_evicts_a_kept_cache(tokenizer):
+    """8 trajectories of 40-token prompts and 20-token turns under a 600-position budget:
+    their 8 kept caches (8 x 59) fit it, so the slot cache gives back the rows no turn uses
+    rather than evict one when turn 1 ends, and turn 2 evicts only for the rows it needs
+    (8 rows of 83 do not fit beside the caches), never for a doubled slot cache."""
+    model = make_tiny_model(vocab_size=len(tokenizer), seed=3)
+    head = model.get_output_embeddings()
+    never_ends = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    with torch.no_grad():
+        never_ends.weight.copy_(head.weight)
+        never_ends.bias.zero_()
+        never_ends.bias[tokenizer.eos_token_id] = -1e4  # every turn runs to its budget
+    model.set_output_embeddings(never_ends)
+    ids = {k: [2 + (k * 7 + i) % 29 for i in range(40)] for k in range(8)}
+    with HFEngine(model, tokenizer, kv_cache_tokens=600).open_turns(PARAMS, 0) as stream:
+        for k in range(8):
+            stream.submit(TurnRequest(ids[k], 100 + k, 20, k))
+        done = {}
+        while stream.pending():
+            done.update({r.key: c for r, c in stream.advance()})
+        assert stream.stats["cache_evictions"] == 0 and stream.kept.tokens == 8 * 59
+        assert stream.cache.allocated + stream.kept.tokens <= 600
+        before = dict(stream.stats)
+        for k in range(8):
+            stream.submit(TurnRequest(ids[k] + done[k].ids + [5, 6, 7], 200 + k, 20, k))
+        while stream.pending():
+            stream.advance()
+        saved = stream.stats["prefill_tokens_saved"] - before.get("prefill_tokens_saved", 0)
+        assert saved == 7 * 59  # one kept cache evicted to run 7 of the 8 turns at once
 
 
 def test_turns_that_join_together_grow_the_slot_cache_once(model, tokenizer, monkeypatch):

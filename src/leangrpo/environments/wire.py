@@ -39,7 +39,7 @@ class Ready:
     tools: list[dict[str, Any]]
     replies: list[str]
     reward_terms: tuple[str, ...] | None  # None: the environment does not say
-    max_tool_calls: int  # the environment class's, which bounds a step's time
+    max_tool_calls: int  # the environment class's (0 if it offers no tool): bounds a step's time
 
 
 @dataclass(frozen=True)
@@ -125,6 +125,18 @@ def checked(op: str, ok: dict[str, Any]) -> dict[str, Any]:
         raise ProtocolError(
             f"invalid {op} reply from the environment worker: {one_line(repr(e), 120)}"
         ) from None
+
+
+def undeclared_term(
+    ok: dict[str, Any], reward_terms: tuple[str, ...] | set[str] | None
+) -> str | None:
+    """The first reward term of a checked payload the environment did not declare (None:
+    all declared, or the environment does not say). Checked by the supervisor and again by
+    the trainer: a term nobody declared is never a score."""
+    if reward_terms is None:
+        return None
+    undeclared = sorted(set(ok.get("rewards", {})) - set(reward_terms))
+    return undeclared[0] if undeclared else None
 
 
 def _list(value: Any) -> list:
