@@ -91,9 +91,10 @@ CASES = [  # cheapest and surest first; cases that compile kernels late, where s
     ),
     # flex compiles its kernels: on the device it yields speedup rows, on CPU padded ones
     CaseSpec("packing_flex", 30, lambda c: sc.packing_case(c, ("flex",)), ("time_s",)),
-    CaseSpec("logprobs", 85, sc.logprobs_case, ("time_s", "peak_bytes", "mem_ratio")),
+    CaseSpec("logprobs", 70, sc.logprobs_case, ("time_s", "peak_bytes", "mem_ratio")),
+    CaseSpec("moe", 30, sc.moe_case, ("time_s", "peak_bytes", "routing_flips")),
     CaseSpec(
-        "grpo_8b", 100, lambda c: sc.grpo_case(c, "llama-3.1-8b", "tiny-llama", 40, False), GRPO
+        "grpo_8b", 85, lambda c: sc.grpo_case(c, "llama-3.1-8b", "tiny-llama", 40, False), GRPO
     ),
 ]
 assert STARTUP_S + sum(c.budget_s for c in CASES) == TOTAL_BUDGET_S
@@ -106,6 +107,7 @@ def heavy_imports() -> None:
     import grpo_step  # noqa: F401
     import hf_generation  # noqa: F401
     import logprob_memory  # noqa: F401
+    import moe  # noqa: F401
     import offload  # noqa: F401
     import packing  # noqa: F401
     import peft.tuners.lora  # noqa: F401
@@ -113,6 +115,7 @@ def heavy_imports() -> None:
     import qlora  # noqa: F401
     import transformers.models.llama.modeling_llama  # noqa: F401
     import transformers.models.qwen2.modeling_qwen2  # noqa: F401
+    import transformers.models.qwen3_moe.modeling_qwen3_moe  # noqa: F401
 
 
 # -- the child side -------------------------------------------------------------------------

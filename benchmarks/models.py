@@ -49,6 +49,72 @@ CONFIGS: dict[str, dict] = {
         rms_norm_eps=1e-5,
         rope_theta=500000.0,
     ),
+    # benchmarks/moe.py on a GPU: a small mixture of experts (Qwen3-MoE layout, 64 experts,
+    # top-8, about 1.1B parameters, ~0.25B active) and the dense model of its active size
+    "qwen3-moe-1b": dict(
+        arch="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=2048,
+        moe_intermediate_size=256,
+        num_experts=64,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+    ),
+    "qwen3-dense-active-1b": dict(
+        arch="qwen3",
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=2048,  # 8 experts x 256: the MoE's active width
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+    ),
+    # benchmarks/moe.py on CPU: a small mixture of experts (16 experts, top-2) and the dense
+    # model of its active size
+    "small-moe": dict(
+        arch="qwen3_moe",
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=256,
+        num_experts=16,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        initializer_range=0.1,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+    ),
+    "small-dense-active": dict(
+        arch="qwen3",
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=512,  # 2 experts x 256: small-moe's active width
+        initializer_range=0.1,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+    ),
     # CPU dry-run stand-ins: same architectures, a few hundred KB
     "tiny-qwen2": dict(
         arch="qwen2",
@@ -74,15 +140,49 @@ CONFIGS: dict[str, dict] = {
         rms_norm_eps=1e-5,
         rope_theta=500000.0,
     ),
+    "tiny-moe": dict(
+        arch="qwen3_moe",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        initializer_range=0.2,  # experts that differ enough for a flip to matter
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+    ),
+    "tiny-dense-active": dict(
+        arch="qwen3",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=64,  # 2 experts x 32: tiny-moe's active width
+        initializer_range=0.2,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+    ),
 }
 
 
 def hf_config(name: str, max_tokens: int):
     """The transformers config of `name`, long enough for `max_tokens` positions."""
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     fields = dict(CONFIGS[name])
-    config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[fields.pop("arch")]
+    classes = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config,
+               "qwen3_moe": Qwen3MoeConfig}  # fmt: skip
+    config_cls = classes[fields.pop("arch")]
     return config_cls(max_position_embeddings=max(max_tokens, 4096), **fields)
 
 

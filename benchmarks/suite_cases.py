@@ -1,7 +1,7 @@
 """The cases of benchmarks/gpu_suite.py: each a generator of JSON rows, with its goals.
 
 Every case reuses a benchmark script's own functions (logprob_memory, packing, offload,
-grpo_step, hf_generation, qlora, shared_weights) at the shapes of the issue on CUDA, or at tiny shapes on CPU
+grpo_step, hf_generation, qlora, shared_weights, moe) at the shapes of the issue on CUDA, or at tiny shapes on CPU
 (`ctx.dry`). A goal is written on the rows it judges: `goal` (the sentence) and
 `goal_met` (bool); `note` is the one figure the summary table shows.
 """
@@ -177,6 +177,29 @@ def qlora_case(ctx: Ctx):
             row["note"] = (
                 f"peak {_gb(row.get('peak_bytes'))}, weights {_gb(row.get('weights_bytes'))}{ratio}"
             )
+        yield row
+
+
+def moe_case(ctx: Ctx):
+    """A GRPO step on a small mixture of experts (Qwen3-MoE layout, 64 experts, top-8) vs
+    the dense model of its active size, routing replay off and on, on samples a bf16 copy
+    generated (benchmarks/moe.py): step time, peak memory, routing flips, the IS ratio's
+    spread, replay's overhead (goal <= 1.05, judged on CUDA)."""
+    import moe
+
+    for row in moe.case_rows(ctx.device, quick=ctx.dry):
+        if "error" in row:
+            row["note"] = row["error"]
+            yield row
+            continue
+        row["note"] = f"{row['time_s']} s, peak {_gb(row['peak_bytes'])}"
+        if "replay" in row:
+            row["note"] += f", flips {row['routing_flips']}, IS log-ratio std {row['is_log_ratio_std']}"
+        if "replay_overhead" in row:
+            row["note"] += f", replay overhead x{row['replay_overhead']}"
+            met = row["goal_met"] if ctx.device.type == "cuda" else None
+            row.pop("goal_met"), row.pop("goal")
+            _goal(row, f"replay overhead <= {moe.OVERHEAD_GOAL}", met)
         yield row
 
 

@@ -105,6 +105,10 @@ class Completion:
     finish_reason: FinishReason
     version: int  # policy version of the weights that generated it (multi-turn: the oldest)
     trajectory: Trajectory | None = None
+    # routing replay (mixture of experts): a CPU tensor (model tokens, MoE layers, k) of the
+    # experts the engine routed each model token's predicting position to, aligned with
+    # `logprobs` (model/moe/routes.py); None when the engine reports no routes
+    routes: Tensor | None = None
 
     @property
     def num_model_tokens(self) -> int:
@@ -193,6 +197,9 @@ class PackedBatch:
     old_logprobs: Tensor | None = None  # (T,) float32, trainer's no-grad pass (decoupled IS)
     ref_logprobs: Tensor | None = None  # (T,) float32, reference policy (beta > 0)
     versions: Tensor | None = None  # (S,) int64, policy version that generated each sequence
+    # routing replay: (T, MoE layers, k) experts the engine routed each completion token's
+    # predicting position to (model/moe/routes.py); None when samples carry no route records
+    routes: Tensor | None = None
     # torchrun: a one-token batch that keeps a rank's forward/backward count equal to its
     # peers' (distributed/dealing.py: `padding_batch`); it runs no loss
     padding: bool = False
@@ -233,6 +240,8 @@ class LocalRow:
     targets: Tensor  # (T_c,)
     tokens: Tensor | None  # (T_c,) which of the row's T completion tokens; None: all of them
     num_targets: int  # T of the whole row
+    routes: Tensor | None = None  # (T_c, layers, k) route records (routing replay), or None
+    real_tokens: int | None = None  # this rank's tokens that are not padding; None: all
 
 
 class RowSplit(Protocol):
@@ -250,6 +259,11 @@ class RowSplit(Protocol):
     def gather(
         self, logprobs: Tensor, entropy: Tensor | None, row: LocalRow
     ) -> tuple[Tensor, Tensor | None]: ...
+
+    def sum_over_group(self, values: Tensor) -> Tensor:
+        """The element-wise sum over the group's ranks, without gradient (identity for one
+        process): the routing figures of a row (model/moe/control.py)."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -67,12 +67,14 @@ from leangrpo.data.prompts import (
     load_prompts,
 )
 from leangrpo.model.files import (
+    EXPERT_KEYS,
     ModelFiles,
     attention_heads,
     check_context_heads,
     check_model_files,
     check_model_fits,
     check_tokenizer_fits,
+    declared_experts,
     read_model_config,
 )
 from leangrpo.model.quantization import check_environment as check_quantization_environment
@@ -141,6 +143,7 @@ def check_inputs(cfg: Any, warn: bool = True) -> tuple[ModelFiles, PromptLimit |
     check_backends(list(cfg.logging.backends))
     check_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     check_context_parallel(cfg, int(os.environ.get("WORLD_SIZE", "1")), model)
+    check_mixture_of_experts(cfg, model)
     ignored = ignored_options(cfg)
     if ignored and warn:
         log.warning("options ignored in this configuration: %s", "; ".join(ignored))
@@ -267,6 +270,25 @@ def check_context_parallel(cfg: Any, world_size: int, model: ModelFiles) -> None
         return
     heads = attention_heads(read_model_config(cfg.model))
     check_context_heads(c, heads, cfg.model.name_or_path)
+
+
+def check_mixture_of_experts(cfg: Any, model: ModelFiles) -> None:
+    """Routing replay and the router's aux loss need routers: config.json must declare
+    experts (a hub model not cached yet is checked when it loads, model/moe/control.py)."""
+    asked = [
+        key
+        for key, on in (
+            ("rollout.routing_replay", cfg.rollout.routing_replay),
+            ("train.router_aux_loss_coef", cfg.train.router_aux_loss_coef > 0),
+        )
+        if on
+    ]
+    if not asked or model.directory is None:
+        return
+    if not declared_experts(read_model_config(cfg.model)):
+        raise ConfigError(
+            f"{asked[0]} needs a mixture-of-experts model, but config.json of model.name_or_path = {cfg.model.name_or_path!r} declares no experts ({', '.join(EXPERT_KEYS)}); turn it off for this dense model."
+        )
 
 
 def open_shared_run_dir(cfg: Any, ctx: Any = None) -> RunDir:

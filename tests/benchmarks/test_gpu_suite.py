@@ -256,7 +256,7 @@ def test_dry_run_end_to_end(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = read_jsonl(tmp_path / "results.jsonl")
     suite = {r["case"]: r["variant"] for r in rows if r["bench"] == "suite"}
-    assert suite == {name: "ok" for name in suite} and len(suite) == 12, suite
+    assert suite == {name: "ok" for name in suite} and len(suite) == 13, suite
     benches = {r["bench"] for r in rows}
     assert benches >= {
         "env",
@@ -269,6 +269,7 @@ def test_dry_run_end_to_end(tmp_path):
         "qlora",
         "shared_weights",  # a "no vLLM" row where it is not installed
         "context_parallel",
+        "moe",
     }
     cp = {r["variant"]: r for r in rows if r["bench"] == "context_parallel"}
     assert sorted(cp) == ["C=1", "C=2"] and "mem_ratio" in cp["C=2"], cp  # 2 CPU ranks (gloo)

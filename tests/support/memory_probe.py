@@ -44,6 +44,26 @@ def saved_bytes(out: dict, exclude: set[int]):
     out["bytes"] = sum(seen.values())
 
 
+@contextmanager
+def saved_alive_bytes(out: dict, exclude: set[int]):
+    """Like `saved_bytes`, counting only the saved storages still alive when the block
+    ends (hold the forward's output inside it): a branch of the graph the forward drops
+    (a mixture of experts' router weights that routing replay replaces) frees what it
+    saved, and its addresses may be reused by later tensors."""
+    alive: dict[int, tuple[weakref.ref, int]] = {}
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in exclude and (key not in alive or alive[key][0]() is None):
+            alive[key] = (weakref.ref(storage), storage.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
+    out["bytes"] = sum(size for ref, size in alive.values() if ref() is not None)
+
+
 class LiveBytes(TorchDispatchMode):
     """Bytes of the storages allocated by ops while active and still alive; their peak."""
 

@@ -16,13 +16,16 @@ def make_tiny_model(
 ):
     """A randomly initialised Qwen2-, Qwen3-, Llama- or Mistral-architecture model, a few
     hundred KB, in eval mode; `config` sets further fields of the architecture's config
-    (head_dim, sliding_window, attention_dropout, ...) or overrides the ones below."""
+    (head_dim, sliding_window, attention_dropout, ...) or overrides the ones below.
+    Mixtures of experts: `qwen3_moe` and `olmoe` (4 experts, top-2: see MOE_FIELDS)."""
     from transformers import (
         AutoModelForCausalLM,
         LlamaConfig,
         MistralConfig,
+        OlmoeConfig,
         Qwen2Config,
         Qwen3Config,
+        Qwen3MoeConfig,
     )
 
     config_cls = {
@@ -30,6 +33,8 @@ def make_tiny_model(
         "qwen3": Qwen3Config,
         "llama": LlamaConfig,
         "mistral": MistralConfig,
+        "qwen3_moe": Qwen3MoeConfig,
+        "olmoe": OlmoeConfig,
     }[arch]
     fields = {
         "vocab_size": vocab_size,
@@ -40,7 +45,30 @@ def make_tiny_model(
         "num_key_value_heads": 2,
         "max_position_embeddings": 512,
         "tie_word_embeddings": False,
+        **MOE_FIELDS.get(arch, {}),
     }
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config_cls(**(fields | config)), dtype=dtype)
     return model.eval()
+
+
+MOE_ARCHS = ("qwen3_moe", "olmoe")  # the mixture-of-experts families the tests build
+
+# a few experts, top-2: small enough for CPU tests, routed enough that routes can differ
+MOE_FIELDS = {
+    "qwen3_moe": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "norm_topk_prob": True,
+        "head_dim": 8,
+    },
+    # OLMoE's defaults name token ids of its 50k vocabulary
+    "olmoe": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "pad_token_id": None,
+        "bos_token_id": None,
+        "eos_token_id": None,
+    },
+}

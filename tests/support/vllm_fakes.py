@@ -38,6 +38,11 @@ class FakeLocal:
         self.served: list[list[int]] = []
         self.seeds = None
         self.requests: list[tuple[list[int], int | None, int]] = []  # (ids, seed, max tokens)
+        # routing replay: the engine returns route records (`routes` says so in /health); a
+        # record is (tokens, 2 layers, top-2) of experts (t, t + 1) mod 4, or what
+        # `route_records` makes of a completion
+        self.routes = False
+        self.route_records = None
 
     @property
     def version(self) -> int:
@@ -57,13 +62,26 @@ class FakeLocal:
                 self.requests.append((ids, None if seeds is None else seeds[i], params.max_new_tokens))
             return [
                 [
-                    Completion(
-                        ids[::-1] + [k], self.name, [-0.5] * (len(ids) + 1), "length", version
+                    self._with_routes(
+                        Completion(
+                            ids[::-1] + [k], self.name, [-0.5] * (len(ids) + 1), "length", version
+                        )
                     )
                     for k in range(n)
                 ]
                 for ids in prompt_ids
             ]
+
+    def _with_routes(self, completion: Completion) -> Completion:
+        if self.routes:
+            import torch
+
+            t = torch.arange(len(completion.ids))
+            record = torch.stack([t % 4, (t + 1) % 4], -1)[:, None].expand(-1, 2, -1)
+            completion.routes = record.to(torch.uint8).contiguous()
+            if self.route_records is not None:
+                completion.routes = self.route_records(completion)
+        return completion
 
     def _misbehave(self) -> None:
         if self.behaviour == "error":

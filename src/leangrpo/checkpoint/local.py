@@ -322,7 +322,8 @@ def _untied_missing(model: torch.nn.Module, missing: list[str], loaded: set[str]
 
 def sample_state(sample: RolloutSample) -> dict[str, Any]:
     """A scored rollout sample as plain data (its prompt's reward columns left out; a
-    multi-turn trajectory's segments, versions, messages and figures kept)."""
+    multi-turn trajectory's segments, versions, messages and figures kept; a route record,
+    a tensor, kept as it is)."""
     p, c = sample.prompt, sample.completion
     completion = {
         "ids": list(c.ids),
@@ -333,6 +334,8 @@ def sample_state(sample: RolloutSample) -> dict[str, Any]:
     }
     if c.trajectory is not None:  # its start is the sample's prompt
         completion["trajectory"] = dataclasses.asdict(dataclasses.replace(c.trajectory, start=None))
+    if c.routes is not None:  # routing replay: the engine's record, as it came
+        completion["routes"] = c.routes
     prompt = {"uid": p.uid, "text": p.text, "ids": list(p.ids)}
     if p.messages is not None:
         prompt["messages"] = p.messages

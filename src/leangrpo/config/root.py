@@ -125,6 +125,14 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _check_routing(self) -> Config:
+        if self.logging.routing_diagnostics and not self.rollout.routing_replay:
+            raise rule_error(
+                "logging.routing_diagnostics compares scoring with and without routing replay, which needs the engine's route records; set rollout.routing_replay: true (a mixture-of-experts model) or logging.routing_diagnostics: false."
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_group_counts(self) -> Config:
         groups = self.rollout.prompts_per_batch
         if self.train.steps_per_generation > groups:

@@ -343,3 +343,7 @@ class LoggingConfig(Section):
     )
     wandb_project: str | None = Field(None, description="W&B / trackio project; null = 'leangrpo'.")
     run_name: str | None = Field(None, description="Run name shown by the tracking backends.")
+    routing_diagnostics: bool = Field(
+        False,
+        description="With rollout.routing_replay: score each generation batch once more with and once without replay (two no-grad forwards per micro-batch) and log the importance-sampling ratio's statistics against the engine's log-probs for both (moe/replayed/*, moe/unreplayed/*) and the tokens whose routing flipped without replay.",
+    )

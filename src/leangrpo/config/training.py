@@ -134,6 +134,10 @@ class RolloutConfig(Section):
         ge=2,
         description="hf engine, multi-turn: the most KV-cache positions the engine holds, the continuous batch's rows (padding included) and the caches kept between turns together; kept caches are evicted least recently used to stay within it and recomputed when their trajectory comes back (rollout/multiturn metrics count them). At least environment.max_total_tokens; null = no bound (every trajectory of a call keeps its cache; leangrpo plan counts it).",
     )
+    routing_replay: bool = Field(
+        False,
+        description="Mixture-of-experts models: the engine records the experts it routed each generated token's predicting position to, in every MoE layer, and the old-policy, reference and training forwards route those positions to exactly those experts (gate weights recomputed over them from the current router logits, so the router still learns); prompt and environment tokens route as the forward decides. The hf engine reports routes; vLLM where the installed version returns routed experts (else the run is refused at start-up). moe/routing_flips logs the share of tokens whose routing would have differed without it.",
+    )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM settings.")
 
     @field_validator("stop")
@@ -260,6 +264,11 @@ class TrainConfig(Section):
         10,
         ge=1,
         description="Stop the run after this many optimizer steps in a row were skipped for a non-finite loss or gradient.",
+    )
+    router_aux_loss_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Mixture-of-experts models: weight of the router's auxiliary load-balancing loss (transformers' load_balancing_loss_func over each micro-batch's real tokens, padding never counted; logged as moe/aux_loss); 0 = off, the usual choice in RL. A model's pre-training value (its config.json router_aux_loss_coef, e.g. 0.001) is a starting point.",
     )
 
 

@@ -33,6 +33,7 @@ import logging
 import secrets
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from leangrpo.contracts import (
     Completion,
@@ -47,6 +48,9 @@ from leangrpo.environments.pool import EnvironmentPool, Outcome
 from leangrpo.environments.rendering import Conversation, NotIncremental, Renderer
 from leangrpo.environments.scheduler import Mode, Scheduler
 from leangrpo.seeding import SEED_BITS, derive_seed
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 log = logging.getLogger("leangrpo.environments")
 
@@ -66,6 +70,7 @@ class _Live:
     session: int
     conversation: Conversation | None = None
     logprobs: list[float] = field(default_factory=list)
+    routes: list[Tensor] = field(default_factory=list)  # each model turn's route record (MoE)
     versions: list[int] = field(default_factory=list)
     text: str = ""  # the last model turn's text, as the engine decoded it
     calls: list[dict] = field(default_factory=list)
@@ -174,6 +179,8 @@ class MultiTurnRollout:
         """The turn's content when it goes to the environment; None when the trajectory ended."""
         t.versions.append(c.version)
         t.logprobs.extend(c.logprobs)
+        if c.routes is not None:  # routing replay: aligned with the log-probs, turn by turn
+            t.routes.append(c.routes)
         t.text = c.text
         t.stats["turns"] += 1
         stopped_on_eos = c.finish_reason == "stop" and c.ids[-1] in self.eos_ids
@@ -272,7 +279,18 @@ class MultiTurnRollout:
             finish_reason=t.finish or "error",
             version=min(t.versions, default=version),
             trajectory=trajectory,
+            routes=_joined_routes(t.routes, len(t.versions)),
         )
+
+
+def _joined_routes(records: list[Tensor], turns: int) -> Tensor | None:
+    """A trajectory's route record: its model turns' records in order (None when its engine
+    reports none; a trajectory without a turn has no model token to route)."""
+    if not records or len(records) != turns:
+        return None
+    import torch
+
+    return torch.cat(records)
 
 
 class _Call:

@@ -371,6 +371,19 @@ def check_context_heads(context_size: int, heads: int | None, name_or_path: str)
         )
 
 
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # routed experts
+
+
+def declared_experts(config: dict) -> int:
+    """Routed experts per MoE layer that config.json declares (0: a dense model)."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    for name in EXPERT_KEYS:
+        value = text.get(name)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
+
+
 # -- merging an adapter into its base (leangrpo merge) --------------------------------------
 
 

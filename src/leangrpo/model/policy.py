@@ -20,6 +20,7 @@ from torch import nn
 from leangrpo.config import ConfigError
 from leangrpo.config.run import OUTPUT_HEAD_TARGET
 from leangrpo.model.files import ModelFilesError
+from leangrpo.model.moe.control import NO_ROUTING, NoRouting, RoutingControl, install_routing
 from leangrpo.ops.attention.adapter import enable_packed_attention
 from leangrpo.ops.offload import ActivationOffloader, enable_gradient_checkpointing
 
@@ -37,6 +38,9 @@ class Policy:
     reference: nn.Module | None  # frozen copy for full fine-tuning with beta > 0, else None
     device: torch.device
     is_lora: bool
+    # mixture of experts with routing replay or the router's aux loss: the hooks' control
+    # (model/moe/control.py); NO_ROUTING otherwise
+    routing: RoutingControl | NoRouting = NO_ROUTING
     offloader: ActivationOffloader | None = None
     attention_backend: str = "sdpa_segments"
     root: nn.Module | None = None  # torchrun: the FSDP root (a PackedScorer around model)
@@ -213,6 +217,10 @@ def build_policy(
     `reference_on_meta`: see `load_policy`."""
     refuse_scaled_logits(model.config)
     backend = enable_packed_attention(model, cfg.packing.attention_backend)
+    # before any copy: the reference and the engines' copies get controls of their own
+    routing = install_routing(
+        model, replay=cfg.rollout.routing_replay, aux_coef=cfg.train.router_aux_loss_coef
+    )
     reference = None
     if cfg.loss.beta > 0 and not cfg.lora.enabled:
         frozen = meta_copy(model) if reference_on_meta else copy.deepcopy(model)
@@ -230,7 +238,16 @@ def build_policy(
             min_tensor_bytes=cfg.offload.min_tensor_bytes,
         )
     model.train()
-    return Policy(model, tokenizer, reference, device, cfg.lora.enabled, offloader, backend)
+    return Policy(
+        model,
+        tokenizer,
+        reference,
+        device,
+        cfg.lora.enabled,
+        routing or NO_ROUTING,
+        offloader,
+        backend,
+    )
 
 
 def meta_copy(model: nn.Module) -> nn.Module:

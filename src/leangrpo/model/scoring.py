@@ -12,6 +12,11 @@ For FSDP2 (distributed/fsdp.py) the chunked lm_head can be a module (`ChunkedLMH
 same parameters under the same names) and the whole scoring pass a module
 (`PackedScorer`), so that every weight is read inside a forward, where FSDP has gathered it.
 
+A mixture-of-experts model with routing replay (or the router's auxiliary loss) has a
+`model.moe.control.RoutingControl` on it: each scoring forward announces the row's route
+records to it first and hands it the row's split afterwards (figures summed over a
+context-parallel group); a dense model's is a no-op.
+
 The forward runs on a row split (`contracts.RowSplit`): one process's is the whole row
 (`ops.context_parallel.shards.WHOLE_ROW`); under context parallelism the `PackedScorer`
 holds the group's split (ops/context_parallel/ulysses.py), and each rank runs the backbone
@@ -28,6 +33,7 @@ import torch
 from torch import nn
 
 from leangrpo.contracts import LocalRow, PackedBatch, RowSplit, SamplingParams
+from leangrpo.model.moe.control import routing_of
 from leangrpo.model.policy import Policy
 from leangrpo.ops.context_parallel.shards import WHOLE_ROW, whole_row
 from leangrpo.ops.logprobs.api import token_logprobs
@@ -82,10 +88,14 @@ def score(
 def _score(model, batch, sampling, logprob_cfg, with_entropy: bool, split: RowSplit):
     """score() without the check (inside the FSDP root's forward, units not yet reached
     still hold sharded weights; each unit's forward gathers its own), on `split`'s part of
-    the row; the (T,) log-probs (and entropies) of the whole row."""
+    the row; the (T,) log-probs (and entropies) of the whole row. A mixture of experts
+    replays the batch's routes, or compares them (model/moe/control.py)."""
     row = split.local_row(batch)
+    routing = routing_of(model)
+    routing.prepare(row, batch.padding)
     logprobs, entropy = _head_logprobs(model, row_hidden(model, row), row.targets, sampling,
                                        logprob_cfg, with_entropy)  # fmt: skip
+    routing.finish(row, split)
     return split.gather(logprobs, entropy, row)
 
 

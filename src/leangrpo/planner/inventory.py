@@ -57,6 +57,11 @@ class Setup:
     # bitsandbytes' int8 matmul keeps each linear's input itself (a ctx attribute, beside
     # autograd's saved tensors): counted once per input as when the base weight trains
     keeps_inputs: bool = False
+    # mixtures of experts: LoRA on the experts and router (peft's 'all-linear': a
+    # ParamWrapper per weight), routing replay, the router's aux loss
+    adapts_experts: bool = False
+    replay: bool = False
+    aux: bool = False
 
     @property
     def cast(self) -> bool:
@@ -107,16 +112,54 @@ def layer_saved(d, s: Setup, first: bool = False) -> int:
     H, A, K, b = d.hidden, d.heads * d.head_dim, d.kv_heads * d.head_dim, s.b
     grad_in = not (s.lora and first)  # under LoRA layer 0's input needs no gradient
     attn = _norm(s, H, grad_in) + _inputs(s, H, ATTN_IN, grad_in)
-    if d.qk_norm:  # per-head RMSNorm on q and k before rotary
-        attn += 4 * (A + K) + 4 * (d.heads + d.kv_heads) + (0 if s.lora else b * (A + K))
+    if d.qk_norm:  # RMSNorm on q and k before rotary: per head, or (OLMoE) over each whole
+        rsqrt = 2 if d.qk_norm_full else d.heads + d.kv_heads
+        attn += 4 * (A + K) + 4 * rsqrt + (0 if s.lora else b * (A + K))
     kv = 2 * b * A if s.kernel == "varlen_repeat_kv" else 2 * b * K  # k after rotary, v
     attn += b * A + kv + b * A + 4 * d.heads  # q after rotary, k, v, output, log-sum-exp
     o_in = _inputs(s, A, ("o_proj",))
     plain = not s.lora or s.keeps_inputs or not (s.cast or s.dropout_mask)
     if s.kernel != "segments" and o_in >= b * A and plain:
         o_in -= b * A  # o_proj reads the kernel's own output: already counted
+    if d.experts:
+        return attn + o_in + _norm(s, H, input_grad=True) + moe_saved(d, s)
     mlp = _norm(s, H, input_grad=True) + _inputs(s, H, MLP_IN) + 3 * b * d.intermediate
     return attn + o_in + mlp + _inputs(s, d.intermediate, ("down_proj",))
+
+
+def moe_saved(d, s: Setup) -> int:
+    """Bytes per token a mixture-of-experts block saves (transformers' grouped_mm experts):
+    its input when router or experts train; the router's fp32 probabilities (E), the k
+    chosen indices (int64), with renormalised weights their sum and the k weights (fp32);
+    the sort of the N k (token, expert) pairs (the permutation, sorted ids, the inverse:
+    int64); per pair, in b, the gate/up output (2 I), the activation's inputs (I each, of
+    which the product feeding down_proj only when experts train), the gate weight and the
+    down output (H); with training experts, also each pair's gathered input (H). Replay
+    recomputes the weights over the recorded experts from the same logits (the router's
+    own weights are dropped with what they saved, but for its fp32 probabilities: E more,
+    measured). The aux loss keeps the fp32 probabilities once more. Active experts only: k, never E, per token. `MOE_LAYER_BYTES`
+    per layer beside it (the int32 group offsets)."""
+    E, k, I, H, b = d.experts, d.top_k, d.expert_intermediate, d.hidden, s.b  # noqa: E741
+    trains = not s.lora or s.adapts_experts
+    weights = 4 * E + 8 * k + (4 + 4 * k if d.norm_topk else 0)
+    out = weights + 24 * k + b * k * (3 * I + 1 + H)
+    if trains:
+        out += b * H + b * k * (H + I)
+    if s.replay:
+        out += 4 * E
+    if s.aux:
+        out += 4 * E
+    return out
+
+
+def moe_layer_bytes(d, s: Setup) -> int:
+    """Per MoE layer, beside the per-token terms: the experts' int32 group offsets, and
+    with LoRA on the experts the merged weights each ParamWrapper keeps for backward
+    (router E x H, gate/up and down E x 3 H I; estimated in the adapters' dtype)."""
+    if not d.experts:
+        return 0
+    merged = d.moe_params * s.a if s.lora and s.adapts_experts else 0
+    return 4 * d.experts + merged
 
 
 def rotary_bytes(d, s: Setup, row_per_token: int = 1) -> int:
@@ -134,10 +177,14 @@ def final_norm_bytes(d, s: Setup) -> int:
 
 
 def backward_extra(d, s: Setup) -> int:
-    """Bytes per token one layer's backward holds beyond its saved tensors (estimate)."""
-    H, I, b = d.hidden, d.intermediate, s.b  # noqa: E741
+    """Bytes per token one layer's backward holds beyond its saved tensors (estimate; a
+    mixture of experts: the k active experts' width)."""
+    H, I, b = d.hidden, d.active_intermediate, s.b  # noqa: E741
     g = 4 if s.cast else b  # gradients through fp32 adapters are fp32
-    return b * H + g * I + b * I + 4 * H
+    extra = b * H + g * I + b * I + 4 * H
+    if d.experts:  # the (token, expert) pairs' gradients: gathered input, down output, gate/up
+        extra += b * d.top_k * (2 * H + 2 * d.expert_intermediate) + 4 * d.experts
+    return extra
 
 
 def head_bytes(

@@ -99,6 +99,7 @@ from leangrpo.planner.inventory import (
     head_bytes,
     kv_cache_bytes,
     layer_saved,
+    moe_layer_bytes,
     rotary_bytes,
 )
 from leangrpo.rollout.vllm.precheck import share_blocker, trainer_dtype_name
@@ -143,29 +144,57 @@ class Dims:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k
+    qk_norm_full: bool = False  # OLMoE: RMSNorm over the whole q and k projections
+    # mixture of experts (every layer): routed experts, experts per token (k), an expert's
+    # intermediate size, and whether the chosen weights are renormalised (Qwen3-MoE)
+    experts: int = 0
+    top_k: int = 0
+    expert_intermediate: int = 0
+    norm_topk: bool = False
 
     def linears(self) -> dict[str, tuple[int, int, bool]]:
-        """(in, out, bias) of each linear of a layer."""
+        """(in, out, bias) of each nn.Linear of a layer (a mixture of experts': attention
+        only; its router and experts are `moe_params`)."""
         H, A, K, I = (  # noqa: E741
             self.hidden,
             self.heads * self.head_dim,
             self.kv_heads * self.head_dim,
             self.intermediate,
         )  # noqa: E501, E741
-        return {
+        attention = {
             "q_proj": (H, A, self.qkv_bias),
             "k_proj": (H, K, self.qkv_bias),
             "v_proj": (H, K, self.qkv_bias),
             "o_proj": (A, H, self.o_bias),
+        }
+        if self.experts:
+            return attention
+        mlp = {
             "gate_proj": (H, I, self.mlp_bias),
             "up_proj": (H, I, self.mlp_bias),
             "down_proj": (I, H, self.mlp_bias),
         }
+        return attention | mlp
+
+    @property
+    def moe_params(self) -> int:
+        """A layer's router (E x H) and experts (gate/up E x 2I x H, down E x H x I): all
+        experts' weights, whichever few a token uses."""
+        return self.experts * self.hidden * (1 + 3 * self.expert_intermediate)
+
+    @property
+    def active_intermediate(self) -> int:
+        """The MLP width one token's activations span: I, or k x I of its experts."""
+        return self.top_k * self.expert_intermediate if self.experts else self.intermediate
 
     @property
     def layer_params(self) -> int:
         linear = sum(i * o + (o if bias else 0) for i, o, bias in self.linears().values())
-        return linear + 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        if self.qk_norm_full:
+            norms = (self.heads + self.kv_heads) * self.head_dim
+        else:
+            norms = 2 * self.head_dim if self.qk_norm else 0
+        return linear + 2 * self.hidden + norms + self.moe_params
 
     @property
     def params(self) -> int:
@@ -174,7 +203,9 @@ class Dims:
 
     @property
     def param_tensors(self) -> int:
-        per_layer = 7 + sum(b for _, _, b in self.linears().values()) + 2 + 2 * self.qk_norm
+        linears = self.linears().values()
+        per_layer = len(linears) + sum(b for _, _, b in linears) + 2 + 2 * self.qk_norm
+        per_layer += 3 if self.experts else 0  # router, gate/up, down
         return self.layers * per_layer + (1 if self.tied else 2) + 1
 
     @property
@@ -246,7 +277,7 @@ def dequantized_bytes(cfg, d: Dims, b: int) -> int:
 
 
 # decoders whose layers inventory.py reads off (mistral's layer is llama's)
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "olmoe")
 
 
 class PlanError(UserError):
@@ -279,6 +310,7 @@ def dims_from_json(config: dict, source: str = "config.json") -> Dims:
     heads = c["num_attention_heads"]
     bias = bool(c.get("attention_bias", False))
     return Dims(
+        **_moe_dims(c, kind, source),
         vocab=c["vocab_size"],
         hidden=c["hidden_size"],
         intermediate=c["intermediate_size"],
@@ -290,8 +322,26 @@ def dims_from_json(config: dict, source: str = "config.json") -> Dims:
         qkv_bias=True if kind == "qwen2" else bias,
         o_bias=False if kind == "qwen2" else bias,
         mlp_bias=bool(c.get("mlp_bias", False)),
-        qk_norm=kind.startswith("qwen3"),
+        qk_norm=kind.startswith("qwen3") or kind == "olmoe",
+        qk_norm_full=kind == "olmoe",
     )
+
+
+def _moe_dims(c: dict, kind: str, source: str) -> dict:
+    """The experts of a Qwen3-MoE or OLMoE config (every layer a mixture of experts)."""
+    if kind not in ("qwen3_moe", "olmoe"):
+        return {}
+    sparse = c.get("decoder_sparse_step", 1)
+    if c.get("mlp_only_layers") or sparse not in (None, 1):
+        raise PlanError(
+            f"{source}: some layers have a dense MLP (mlp_only_layers, decoder_sparse_step), which leangrpo plan does not count beside expert layers; measure its memory instead."
+        )
+    return {
+        "experts": c.get("num_experts") or c["num_local_experts"],
+        "top_k": c["num_experts_per_tok"],
+        "expert_intermediate": c["moe_intermediate_size"] if kind == "qwen3_moe" else c["intermediate_size"],
+        "norm_topk": bool(c.get("norm_topk_prob", False)),
+    }
 
 
 def model_dims(model_cfg) -> Dims:
@@ -312,6 +362,9 @@ def make_setup(cfg, device: str, kernel: str | None = None) -> Setup:
         dropout_mask=(0 if not (lora and cfg.lora.dropout > 0) else (1 if device == "cuda" else a)),
         kernel=kernel or attention_kernel(cfg.packing.attention_backend, device, b),
         keeps_inputs=cfg.model.quantization == "int8",
+        adapts_experts=lora and cfg.lora.target_modules == "all-linear",
+        replay=cfg.rollout.routing_replay,
+        aux=cfg.train.router_aux_loss_coef > 0,
     )
 
 
@@ -353,7 +406,7 @@ def plan_memory(
     base, replicated = base_bytes(cfg, d, s.b)
     adapters = lora_params(d, s) * s.a
     trainable = adapters if s.lora else d.params * s.b
-    tensors = 2 * len(s.adapted) * d.layers if s.lora else d.param_tensors
+    tensors = lora_tensors(d, s) if s.lora else d.param_tensors
     shard = _sharding(cfg, d, s, world_size)
     weights = shard.weights(base - replicated) + replicated + adapters // shard.divisor
     hf = cfg.rollout.engine == "hf"
@@ -497,9 +550,22 @@ def shared_prefix(cfg, prompt: int, kernel: str) -> bool:
 
 
 def lora_params(d: Dims, s: Setup) -> int:
-    """Adapter parameters: r x (in + out) per adapted linear per layer."""
+    """Adapter parameters: r x (in + out) per adapted linear per layer; on a mixture of
+    experts with 'all-linear', peft's per-weight adapters too: gate/up (rank 2r per expert:
+    A (2r E, H), B (2 I, 2r E)), down (A (r E, I), B (H, r E)) and the router (A (r, H),
+    B (E, r))."""
     shapes = d.linears()
-    return d.layers * sum(s.r * (shapes[n][0] + shapes[n][1]) for n in LINEARS if n in s.adapted)
+    per_layer = sum(s.r * sum(shapes[n][:2]) for n in LINEARS if n in s.adapted and n in shapes)
+    if d.experts and s.adapts_experts:
+        E, H, I, r = d.experts, d.hidden, d.expert_intermediate, s.r  # noqa: E741
+        per_layer += 2 * r * E * (H + 2 * I) + r * E * (I + H) + r * (H + E)
+    return d.layers * per_layer
+
+
+def lora_tensors(d: Dims, s: Setup) -> int:
+    """Adapter tensors (A and B of each adapted weight)."""
+    per_layer = 2 * len(s.adapted & set(d.linears()))
+    return d.layers * (per_layer + (6 if d.experts and s.adapts_experts else 0))
 
 
 @dataclass(frozen=True)
@@ -582,15 +648,16 @@ def _moments(
     rope = n * rotary_bytes(d, s, row_per_token=context_size)
     head_rest = n * final_norm_bytes(d, s) + rows * (s.b * d.hidden + LOSS_BYTES_PER_TOKEN)
     extra = n * backward_extra(d, s) + dequantized_bytes(cfg, d, s.b)  # + one weight
-    prefix = prefix_kv_bytes(cfg, d, s, n, prompt)  # per layer, shared-prefix layout only
-    working = n * layer_saved(d, s) + prefix + extra  # a recomputed layer's backward
+    # per layer beside its per-token terms: the shared-prefix layout's K and V, an MoE's
+    per_layer = prefix_kv_bytes(cfg, d, s, n, prompt) + moe_layer_bytes(d, s)
+    working = n * layer_saved(d, s) + per_layer + extra  # a recomputed layer's backward
     kept = L
     if mode == "hidden_states" and layer_input >= cfg.offload.min_tensor_bytes:
         kept = min(L, cfg.offload.keep_last_layers)
     host = (L - kept) * layer_input if mode == "hidden_states" else 0
 
     def saved_up_to(i: int) -> int:  # without checkpointing: layers 0..i keep everything
-        return n * (layer_saved(d, s, first=True) + i * layer_saved(d, s)) + (i + 1) * prefix
+        return n * (layer_saved(d, s, first=True) + i * layer_saved(d, s)) + (i + 1) * per_layer
 
     def at_layer(i: int) -> int:
         if mode == "none" and not cfg.model.gradient_checkpointing:

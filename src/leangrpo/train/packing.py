@@ -20,6 +20,10 @@ mask, token_seq) and every normaliser counts model tokens only. The environment'
 sit in the row like prompt tokens: attended to, never predicted, no log-prob, no loss.
 `truncated` marks finish reasons "length" and "max_turns".
 
+Route records (routing replay, mixture-of-experts models): each sample's (model tokens,
+layers, k) record is concatenated in the same (T,) order as the behaviour log-probs
+(`PackedBatch.routes`); a micro-batch mixing samples with and without one is refused.
+
 Micro-batches: whole units (a sample, or a group when the prefix is shared) are assigned
 greedily, heaviest first, to the least loaded of k bins that still fits the token budget,
 k being the first-fit-decreasing bin count (a new bin opens when none fits). The load is
@@ -41,6 +45,7 @@ import torch
 from torch import Tensor
 
 from leangrpo.contracts import PackedBatch, RolloutSample
+from leangrpo.model.moe.routes import packed_routes
 from leangrpo.ops.attention.layout import GroupSpan, PrefixLayout
 
 Balance = Literal["tokens", "attention"]
@@ -211,6 +216,10 @@ def _finish(samples, indices, ints, max_len, device, cls, extra) -> PackedBatch:
         ),
     }
     ints, floats = _transfer(ints, device), _transfer(floats, device)
+    routes = packed_routes(
+        [s.completion.routes for s in samples],
+        lambda i: f"sample {indices[i]} (group {samples[i].group_id})",
+    )
     return cls(
         input_ids=ints["input_ids"].view(1, -1),
         position_ids=ints["position_ids"].view(1, -1),
@@ -225,6 +234,7 @@ def _finish(samples, indices, ints, max_len, device, cls, extra) -> PackedBatch:
         truncated=ints["truncated"].bool(),
         behaviour_logprobs=floats["behaviour_logprobs"],
         versions=ints["versions"],
+        routes=None if routes is None else routes.to(device or routes.device, non_blocking=True),
         **extra,
     )
 

@@ -44,6 +44,7 @@ def plan_steps(
     and this rank's share is planned, padded to the largest count.
     """
     train, packing = cfg.train, cfg.packing
+    policy.routing.check_samples(samples)  # route records (MoE routing replay) fit the model
     prefix = use_shared_prefix(samples, packing, cfg.rollout.num_generations, policy)
     steps = []
     for step_samples in split_by_groups(samples, train.steps_per_generation):

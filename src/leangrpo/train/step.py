@@ -6,7 +6,10 @@ Targets the trainer's top-k / min-p filter excludes (-inf log-prob) are dropped 
 loss and the IS weights by loss.py and counted in `loss/filtered_tokens`. The step's
 figures reach the host in one copy: the loss metrics as means over the step's tokens
 (`loss.sums_to_means`), the IS metrics averaged over micro-batches weighted by their
-tokens (min/max over them). A non-finite loss or gradient norm skips the update.
+tokens (min/max over them). A non-finite loss or gradient norm skips the update. A
+mixture of experts adds its router's auxiliary loss (when asked) to each micro-batch's
+loss and logs `moe/*` (routing flips, the aux loss; model/moe/control.py); `loss` stays
+the policy objective.
 
 The ranks are a `contracts.StepRanks`, picked at set-up: one process (identities) or
 torchrun, where the normaliser counts are all-reduced once, padding micro-batches run a
@@ -64,7 +67,7 @@ def train_step(
             logprobs, entropy = score(module, mb, sampling, cfg.logprobs, with_entropy=True)
             inputs, mb_is = loss_inputs(mb, logprobs, entropy, cfg.loss)
             out = compute_loss(inputs, norm, cfg.loss)
-            out.loss.backward()
+            policy.routing.loss_with_aux(out.loss, inputs, norm).backward()  # MoE: + aux loss
         on_device.append((out.loss.detach(), out.metrics, mb_is))
         if policy.offloader is not None:  # per micro-batch counts add up to the step's
             for k, v in policy.offloader.metrics().items():
@@ -77,7 +80,8 @@ def train_step(
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     metrics = _step_metrics(sums, is_metrics, total_loss, grad_norm)
-    return StepResult({**metrics, **sums_offload}, updated)
+    moe = policy.routing.step_metrics(ranks)  # routing flips, aux loss (mixtures of experts)
+    return StepResult({**metrics, **sums_offload, **moe}, updated)
 
 
 def _sum_on_host(on_device: list[tuple]) -> tuple[float, dict[str, float], list[dict]]:

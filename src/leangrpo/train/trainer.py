@@ -58,6 +58,7 @@ from leangrpo.stopping import RunStopped, StopRequested, StopSignals
 from leangrpo.train.inflight import BatchInProgress
 from leangrpo.train.passes import attach_old_and_ref
 from leangrpo.train.planning import PlannedStep, plan_steps
+from leangrpo.train.routing import routing_diagnostics
 from leangrpo.train.schedule import make_scheduler
 from leangrpo.train.skips import certain_cause, skipped_batches_advice
 from leangrpo.train.step import train_step
@@ -317,6 +318,7 @@ class Trainer:
             batch_metrics = {
                 **batch.metrics,
                 **rollout_metrics(batch, self.version),
+                **routing_diagnostics(self.policy, steps, cfg, self.sampling, ranks),  # MoE
                 "time/score": time.perf_counter() - t0,
             }
             return BatchInProgress(batch, steps, cfg.loss.mu, metrics=batch_metrics)

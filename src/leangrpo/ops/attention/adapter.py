@@ -303,6 +303,12 @@ def _check_packed_call(module, query, key, attention_mask, is_causal, kwargs, la
         raise PackedAttentionError(
             "packed forward got an attention_mask; packed rows hold only real tokens, drop the mask."
         )
+    if kwargs.get("s_aux") is not None:
+        raise PackedAttentionError(
+            f"{type(module).__name__} adds attention sinks (s_aux: gpt-oss), which leangrpo's "
+            "packed attention kernels do not implement, so its log-probs would be wrong; this "
+            "architecture cannot be trained yet"
+        )
     if is_causal is False or not getattr(module, "is_causal", True):
         raise PackedAttentionError(
             "packed attention is causal only; this attention layer is bidirectional."

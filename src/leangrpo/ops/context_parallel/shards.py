@@ -70,6 +70,7 @@ def whole_row(batch: PackedBatch) -> LocalRow:
         targets=batch.targets,
         tokens=None,
         num_targets=batch.num_completion_tokens,
+        routes=batch.routes,
     )
 
 
@@ -86,6 +87,9 @@ class WholeRow:
         self, logprobs: Tensor, entropy: Tensor | None, row: LocalRow
     ) -> tuple[Tensor, Tensor | None]:
         return logprobs, entropy
+
+    def sum_over_group(self, values: Tensor) -> Tensor:
+        return values
 
 
 WHOLE_ROW = WholeRow()
@@ -136,6 +140,8 @@ def shard_row(
         targets=batch.targets[mine],
         tokens=mine,
         num_targets=batch.num_completion_tokens,
+        routes=None if batch.routes is None else batch.routes[mine],
+        real_tokens=max(0, min(end, shards.tokens) - start),
     )
 
 

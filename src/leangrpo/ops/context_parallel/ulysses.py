@@ -74,6 +74,10 @@ class Ulysses:
         values = [v.clone() for v in full]
         return values[0], (None if entropy is None else values[1])
 
+    def sum_over_group(self, values: Tensor) -> Tensor:
+        """The element-wise sum of `values` over the group (no gradient: figures, counts)."""
+        return self.exchange.all_reduce_sum(values.detach().clone())
+
     def attend(
         self,
         query: Tensor,

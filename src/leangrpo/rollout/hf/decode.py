@@ -35,6 +35,11 @@ Choices:
   each step (exact, as vLLM's result; a suffix-only check could miss a string that a
   tokenizer decodes differently in context).
 - Log-probs stay on the device until the loop ends, then cross to the host in one copy.
+- Routing replay (`routes`: a mixture of experts' `RoutingControl`): after each forward
+  the experts every router chose at each row's last position are kept with the rows that
+  sample from its logits (repeated n times after the prefill, like the logits), so token
+  t's record is the routing of the forward that sampled it; they cross to the host with
+  the log-probs, one (tokens, layers, k) tensor per row.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ class DecodedRow:
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     stopped: str | None = None  # "eos", "stop" (a stop string), None = max_new_tokens
+    routes: torch.Tensor | None = None  # (tokens, MoE layers, k) when the engine records routes
 
 
 @dataclass
@@ -100,6 +106,7 @@ def decode(
     eos_ids: set[int],
     generator: torch.Generator | Sequence[torch.Generator] | None,
     stop_text=None,  # callable(ids) -> decoded text, needed when params.stop
+    routes=None,  # a RoutingControl recording (routing replay), or None
 ) -> list[DecodedRow]:
     """B * n rows (prompt-major) of at most params.max_new_tokens tokens each.
 
@@ -110,20 +117,25 @@ def decode(
     cache, cache_kwarg = _new_cache(model, capacity), cache_kwarg_name(model)
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
     logits = forward_last(model, cache_kwarg, input_ids, attention_mask, positions, cache)  # (B, V)
+    routed = _last_routes(routes, input_ids)  # (B, layers, k) or None
     if n > 1:
         cache.batch_repeat_interleave(n)
         logits = logits.repeat_interleave(n, dim=0)
         attention_mask = attention_mask.repeat_interleave(n, dim=0)
         positions = positions.repeat_interleave(n, dim=0)
+        routed = None if routed is None else routed.repeat_interleave(n, dim=0)
     out = [DecodedRow() for _ in range(logits.shape[0])]
     rows = list(range(len(out)))
     state = _Running(rows, attention_mask, positions[:, -1], input_ids[:0, 0], list(rows))
     steps: list[tuple[list[int], torch.Tensor]] = []  # (rows, log-probs) per step
+    step_routes: list[torch.Tensor] = []  # (live, layers, k) per step, when recording
     for t in range(longest):
         live_logits = logits if state.live_index is None else logits[state.live_index]
         live_rows = [state.rows[i] for i in state.live]
         tokens, logprobs = _sample_rows(live_logits, params, generator, live_rows, n)  # (live,)
         steps.append((live_rows, logprobs))
+        if routed is not None:
+            step_routes.append(routed if state.live_index is None else routed[state.live_index])
         host = tokens.tolist()
         if host and min(host) < 0:
             raise RuntimeError("the model's logits are not finite: no token can be sampled")
@@ -141,8 +153,30 @@ def decode(
             state.positions[:, None],
             cache,
         )
+        routed = _last_routes(routes, state.tokens[:, None])
     _attach_logprobs(out, steps)
+    _attach_routes(out, steps, step_routes)
     return out
+
+
+def _last_routes(routes, input_ids: torch.Tensor) -> torch.Tensor | None:
+    """(rows, layers, k): the routers' experts at each row's last position of the last
+    forward (None when not recording)."""
+    if routes is None:
+        return None
+    return routes.last_routes(input_ids.shape[0], input_ids.shape[1])
+
+
+def _attach_routes(out: list[DecodedRow], steps, step_routes: list[torch.Tensor]) -> None:
+    """Each row's (tokens, layers, k) record, in one device -> host copy."""
+    if not step_routes:
+        return
+    every = torch.cat(step_routes).cpu()
+    where: dict[int, list[int]] = {}
+    for i, row in enumerate(row for step_rows, _ in steps for row in step_rows):
+        where.setdefault(row, []).append(i)
+    for row, positions in where.items():
+        out[row].routes = every[positions]
 
 
 def _advance(state: _Running, cache, tokens: torch.Tensor, running: list[int]) -> None:

@@ -39,10 +39,14 @@ Choices:
   in a background thread), unless `owned=True` says the model is the engine's own already
   (torchrun: built from the policy's shards, `fsdp.unsharded_copy`); `update_weights`
   copies tensors in by name under a lock.
+- Routing replay (a mixture of experts whose policy installed it): every completion
+  carries its route record, the experts each router chose at the position that predicted
+  each token, in the forward that sampled it (decode.py, turns.py; model/moe/routes.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import re
@@ -59,6 +63,7 @@ from leangrpo.contracts import (
     SamplingParams,
     TurnRequest,
 )
+from leangrpo.model.moe.control import routing_of
 from leangrpo.rollout.hf.decode import DecodedRow, decode
 from leangrpo.rollout.hf.turns import HFTurnStream
 from leangrpo.rollout.sampling import check_sampling
@@ -66,6 +71,7 @@ from leangrpo.seeding import derive_seed
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "base_model.model.")
 _LORA_SEGMENTS = r"lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector"
+_BASE_LAYER = re.compile(rf"\.base_layer\.(?!(?:{_LORA_SEGMENTS})\.)")  # not a nested adapter's
 
 
 class HFEngine:
@@ -111,6 +117,9 @@ class HFEngine:
         self._version = 0
         self._lock = threading.Lock()
         self._closed = False
+        # routing replay: the model's control records the routes of every forward
+        control = routing_of(self.model)
+        self._routes = control if control.replay else None
 
     @property
     def version(self) -> int:
@@ -139,7 +148,7 @@ class HFEngine:
         with self._lock:
             self._check_ready(version)
             generators = self._generators(params, len(prompts), prompt_offset)
-            with _generation_mode(self.model), torch.no_grad():
+            with _generation_mode(self.model), torch.no_grad(), self._recording():
                 return [
                     group
                     for start, chunk in self._chunks(prompts, n)
@@ -175,17 +184,19 @@ class HFEngine:
         The engine is held (no weight update, no other generation) until it is closed."""
         check_sampling(params.temperature, params.top_k, params.top_p, params.min_p)
         self._lock.acquire()
+        modes = contextlib.ExitStack()
         try:
             self._check_ready(version)
-            mode = _generation_mode(self.model)
-            mode.__enter__()
+            modes.enter_context(_generation_mode(self.model))
+            modes.enter_context(self._recording())
         except BaseException:
+            modes.close()
             self._lock.release()
             raise
 
         def on_close() -> None:
             try:
-                mode.__exit__(None, None, None)
+                modes.close()
             finally:
                 self._lock.release()
 
@@ -201,6 +212,7 @@ class HFEngine:
             max_rows=self.max_batch_size,
             kv_cache_tokens=self.kv_cache_tokens,
             on_close=on_close,
+            routes=self._routes,
         )
 
     def update_weights(
@@ -242,6 +254,10 @@ class HFEngine:
             if not self.share_weights:
                 self.model = None  # drop the own copy now, not when the engine is collected
             self._closed = True
+
+    def _recording(self):
+        """Routing replay: the routers' experts are recorded during generation."""
+        return self._routes.recording() if self._routes is not None else contextlib.nullcontext()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -296,6 +312,7 @@ class HFEngine:
             eos_ids=eos_token_ids(self.model, self.tokenizer),
             generator=generator,
             stop_text=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+            routes=self._routes,
         )
         texts = self.tokenizer.batch_decode([row.ids for row in rows], skip_special_tokens=True)
         completions = [self._completion(row, text, params) for row, text in zip(rows, texts)]
@@ -312,6 +329,7 @@ class HFEngine:
             logprobs=row.logprobs,
             finish_reason="length" if row.stopped is None else "stop",
             version=self._version,
+            routes=row.routes,
         )
 
     def _left_pad(self, prompts: list[Prompt]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -337,8 +355,11 @@ def copy_named_tensors(
     """Copy tensors into `model` by name; returns how many were copied.
 
     Names match after dropping wrapper prefixes (`module.`, `_orig_mod.`,
-    `base_model.model.`), peft's `.base_layer` and the adapter name after `lora_A`/`lora_B`,
-    so peft's saved names, its in-model names and plain transformers names all fit.
+    `base_model.model.`), peft's `.base_layer` (but the one before a nested wrapper's own
+    adapter: peft wraps each targeted parameter of a mixture of experts' experts module
+    in a ParamWrapper of its own, `experts.base_layer.lora_A` inside `experts.lora_A`) and
+    the adapter name after `lora_A`/`lora_B`, so peft's saved names, its in-model names and
+    plain transformers names all fit. Two tensors under one name are refused.
     """
     adapters = tuple(getattr(model, "peft_config", {}) or ())
     targets: dict[str, list[torch.Tensor]] = {}
@@ -346,7 +367,13 @@ def copy_named_tensors(
         *model.named_parameters(remove_duplicate=False),
         *model.named_buffers(remove_duplicate=False),
     ]:
-        targets.setdefault(_normalise_name(name, adapters), []).append(tensor)
+        found = targets.setdefault(_normalise_name(name, adapters), [])
+        if found and all(t is not tensor for t in found):
+            raise ValueError(
+                f"update_weights: two tensors of the engine's model match the name {name!r}; "
+                "its names cannot be told apart"
+            )
+        found.append(tensor)
     copied = 0
     with torch.no_grad():
         for name, tensor in named_tensors:
@@ -375,7 +402,8 @@ def _normalise_name(name: str, adapters: tuple[str, ...]) -> str:
         for prefix in _WRAPPER_PREFIXES:
             if name.startswith(prefix):
                 name, stripped = name[len(prefix) :], True
-    name = name.replace(".base_layer.", ".")
+    while (plain := _BASE_LAYER.sub(".", name)) != name:
+        name = plain
     for adapter in adapters:
         name = re.sub(rf"\.({_LORA_SEGMENTS})\.{re.escape(adapter)}(?=\.|$)", r".\1", name)
     return name

@@ -37,7 +37,8 @@ evicted trajectory's next turn prefills all its ids (counted). Choices:
   row draws its uniforms DRAW_BLOCK at a time (on CPU the same values as one call per
   token; a call per row and step cost a tenth of a decode step, and on a GPU it would be
   a kernel launch per row); each step takes the next one of each row.
-- Tokens and log-probs of a step cross to the host in one copy.
+- Tokens and log-probs of a step cross to the host in one copy (with the routers' experts
+  at each row's last position when recording routes: routing replay, decode.py).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from dataclasses import dataclass, field
 import torch
 
 from leangrpo.contracts import Completion, SamplingParams, TurnRequest
+from leangrpo.model.moe.routes import route_dtype
 from leangrpo.rollout.hf.decode import (
     DecodedRow,
     append_token,
@@ -69,6 +71,7 @@ class _Row:
     length: int = 0  # positions in the cache: tokens fed so far
     out: DecodedRow = field(default_factory=DecodedRow)
     draws: list[float] = field(default_factory=list)  # uniforms drawn, not yet used
+    routes: list[list[int]] = field(default_factory=list)  # per token: layers x k experts
 
     def next_uniform(self) -> float:
         """The row's next draw; its generator is asked for DRAW_BLOCK at a time."""
@@ -104,8 +107,10 @@ class HFTurnStream:
         max_rows: int | None = None,
         kv_cache_tokens: int | None = None,
         on_close: Callable[[], None] | None = None,
+        routes=None,  # a RoutingControl recording (routing replay), or None
     ):
         self.model = model
+        self._routes = routes
         self.params = params
         self.eos_ids = eos_ids
         self.device = device
@@ -298,13 +303,14 @@ class HFTurnStream:
         plain = count == 1 and joining[0].start == 0 and self._window is None  # no mask needed
         mask = None if plain else self._prefill_mask(positions, real, width)
         logits = self._forward(ids, mask, positions)
+        routed = self._last_routes(count, width_q)
         self.stats["prefill_tokens"] += sum(len(n) for n in news)
         self.stats["prefill_tokens_saved"] += sum(j.start for j in joining)
         self.stats["prefills"] += 1
         self.stats["prefills_beside_decoding"] += first > 0  # joined a running batch
         for j, end in zip(joining, ends):
             self.rows.append(_Row(j.request, self._generator(j.request), length=end))
-        return self._sample(logits, range(first, first + count))
+        return self._sample(logits, range(first, first + count), routed)
 
     def _decode_step(self) -> list[tuple[TurnRequest, Completion]]:
         b = len(self.rows)
@@ -325,11 +331,12 @@ class HFTurnStream:
             allowed = (keys[None, :] <= lengths[:, None])[:, None, None, :]
             mask = self._masks(allowed, lengths[:, None])
         logits = self._forward(tokens, mask, lengths[:, None])
+        routed = self._last_routes(b, 1)
         for row in self.rows:
             row.length += 1
         self.stats["decode_steps"] += 1
         self.stats["decode_rows"] += b
-        return self._sample(logits, range(b))
+        return self._sample(logits, range(b), routed)
 
     def _prefill_mask(self, positions: torch.Tensor, real: torch.Tensor, width: int):
         """(j, 1, q, width): a real query at position p sees keys 0..p; padding sees key 0."""
@@ -386,20 +393,34 @@ class HFTurnStream:
             generator.manual_seed(request.seed)
         return generator
 
-    def _sample(self, logits: torch.Tensor, rows: range) -> list[tuple[TurnRequest, Completion]]:
-        """Draw one token for each of `rows` (their logits, in order); end the rows that stop."""
+    def _last_routes(self, rows: int, width: int) -> torch.Tensor | None:
+        """(rows, layers x k) experts at each row's last position (when recording)."""
+        if self._routes is None:
+            return None
+        return self._routes.last_routes(rows, width).flatten(1)
+
+    def _sample(
+        self, logits: torch.Tensor, rows: range, routed: torch.Tensor | None = None
+    ) -> list[tuple[TurnRequest, Completion]]:
+        """Draw one token for each of `rows` (their logits, in order, and their routes when
+        recording); end the rows that stop."""
         uniforms = None
         if self.params.temperature != 0:
             drawn = [self.rows[i].next_uniform() for i in rows]
             uniforms = torch.tensor(drawn, dtype=torch.float64, device=self.device)[:, None]
         tokens, logprobs = sample_next(logits, self.params, None, uniforms)
-        host = torch.stack([tokens.double(), logprobs.double()]).tolist()  # one copy
-        if host[0] and min(host[0]) < 0:
+        columns = [tokens.double()[:, None], logprobs.double()[:, None]]
+        if routed is not None:  # expert indices are exact in float64
+            columns.append(routed.double())
+        host = torch.cat(columns, dim=1).tolist()  # one copy: (rows, 2 [+ layers x k])
+        if host and min(h[0] for h in host) < 0:
             raise RuntimeError("the model's logits are not finite: no token can be sampled")
         ended = []
-        for i, token, logprob in zip(rows, host[0], host[1]):
+        for i, (token, logprob, *experts) in zip(rows, host):
             row = self.rows[i]
             row.out.logprobs.append(float(logprob))
+            if experts:
+                row.routes.append([int(e) for e in experts])
             stopped = append_token(
                 row.out, int(token), self.eos_ids, self.params.stop, self._stop_text
             )
@@ -420,6 +441,11 @@ class HFTurnStream:
             self.rows[i] = self.rows[last]
         self.rows.pop()
         self._enforce_budget()
+        if self._routes is not None:
+            spec = self._routes.spec
+            row.out.routes = torch.tensor(row.routes, dtype=route_dtype(spec.experts)).view(
+                -1, spec.layers, spec.top_k
+            )
         return row.request, self._completion(row.out, self.params)
 
 

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from leangrpo.contracts import Completion, EngineVersionError, SamplingParams, TurnRequest
+from leangrpo.model.moe.routes import routes_from_wire
 from leangrpo.rollout.vllm.files import adapter_files
 from leangrpo.rollout.vllm.router import NoServerLeft, Router, Server
 from leangrpo.rollout.vllm.versions import NO_VERSION
@@ -127,6 +128,10 @@ class ServerPool:
         self._lora_modules = (
             None if any(m is None for m in served) else sorted(set.intersection(*map(set, served)))
         )
+        # routing replay: every server returns each token's routed experts
+        self.without_routes = [
+            u for u, h in zip(self.urls, health) if h.get("routed_experts") is not True
+        ]
 
     def lora_modules(self) -> list[str] | None:
         """The module names every server serves LoRA on (their /health replies); None
@@ -218,7 +223,7 @@ class ServerPool:
         futures = {first: self._pool.submit(call, first) for first in shares}
         for first, future in futures.items():
             for i, group in zip(shares[first], future.result()):
-                results[i] = [Completion(**c) for c in group]
+                results[i] = [completion_of(c) for c in group]
         return results
 
     def turn(
@@ -243,7 +248,7 @@ class ServerPool:
             "seeds": None if request.seed is None else [request.seed],
         }
         reply = self._with_failover(server, route, run, version, 1, payload)
-        return Completion(**reply["completions"][0][0])
+        return completion_of(reply["completions"][0][0])
 
     def _with_failover(
         self,
@@ -442,6 +447,13 @@ def _client_error(err: urllib.error.HTTPError, url: str, path: str) -> Exception
 # --------------------------------------------------------------------------- a local server
 
 
+def completion_of(reply: dict) -> Completion:
+    """A completion a server sent (its route record decoded and size-checked)."""
+    routes = reply.get("routes")
+    fields = {k: v for k, v in reply.items() if k != "routes"}
+    return Completion(**fields, routes=None if routes is None else routes_from_wire(routes))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -491,6 +503,7 @@ def start_local_server(
             ("--enforce-eager", settings.enforce_eager),
             ("--enable-lora", enable_lora),
             ("--enable-sleep-mode", settings.enable_sleep_mode),
+            ("--routed-experts", settings.routed_experts),
         ]
         if on
     ]

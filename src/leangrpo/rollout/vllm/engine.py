@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 from leangrpo.contracts import Completion, EngineVersionError, Prompt, SamplingParams, TurnRequest
 from leangrpo.errors import RunError
+from leangrpo.model.moe.routers import RoutingError
 from leangrpo.rollout.vllm.client import ServerPool, client_token, start_local_server
 from leangrpo.rollout.vllm.files import (
     DEFAULT_BUCKET_BYTES,
@@ -195,6 +196,11 @@ class VLLMEngine:
             if process is not None:  # never leave a server we started behind
                 process.terminate()
             raise
+        if s.routed_experts and pool.without_routes:
+            pool.close()
+            raise RoutingError(
+                f"rollout.routing_replay needs every server's routed experts, which {', '.join(pool.without_routes)} does not return; start it with `leangrpo serve MODEL --routed-experts` (vLLM's routed-experts output: GPUs), or use rollout.engine: hf"
+            )
         return cls(pool, s, adapter_config=adapter_config, bucket_bytes=bucket_bytes)
 
     @property
@@ -402,7 +408,7 @@ def make_vllm_engine(
         extra.setdefault("trust_remote_code", True)
     if cfg.model.quantization != "none":  # QLoRA: vLLM quantizes the base in flight (nf4 +
         extra.setdefault("quantization", "bitsandbytes")  # double quant, as the trainer's)
-    overrides = {}
+    overrides: dict[str, Any] = {"routed_experts": cfg.rollout.routing_replay}
     if section.dtype == "auto" and cfg.model.dtype != "auto":
         overrides["dtype"] = cfg.model.dtype  # sample in the trainer's precision by default
     common = dict(
@@ -416,4 +422,16 @@ def make_vllm_engine(
     engine_class = engine_class or VLLMEngine
     if section.mode == "server":
         return engine_class.server(cfg=section, model_path=cfg.model.name_or_path, **common)
-    return engine_class.colocated(cfg.model.name_or_path, section, **common)
+    engine = engine_class.colocated(cfg.model.name_or_path, section, **common)
+    if not lora:  # full fine-tuning syncs full weights: an engine that cannot load them now
+        refuse_unreloadable(engine)
+    return engine
+
+
+def refuse_unreloadable(engine: VLLMEngine) -> None:
+    """Close and refuse (one sentence) a colocated engine that cannot load new full
+    weights in place (`LocalVLLM.reload_refused`: vLLM's CPU build on an MoE)."""
+    refused = getattr(engine.backend, "reload_refused", None)
+    if refused is not None:
+        engine.close()
+        raise RunError(refused)

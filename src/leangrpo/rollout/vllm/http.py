@@ -9,7 +9,8 @@ ids never reused. Our own server rather than vLLM's OpenAI one: it returns token
 processed log-probs directly, and weight sync needs no dev-mode endpoints. Wire format (JSON
 unless noted):
 
-    GET  /health                          -> {"run", "version", "model", "in_flight", "max_body_bytes"}
+    GET  /health                          -> {"run", "version", "model", "in_flight", "max_body_bytes",
+                                              "lora_modules", "routed_experts"}
     POST /generate {prompts, params, n, run, version, seeds} -> {"completions": [[Completion...]]}
     PUT  /weights/{run}/{version}/{index} body: one safetensors bucket (binary, streamed to disk)
     POST /weights/{run}/{version}/commit  {num_buckets}
@@ -42,12 +43,13 @@ import shutil
 import tarfile
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from leangrpo.contracts import EngineVersionError, SamplingParams
+from leangrpo.contracts import Completion, EngineVersionError, SamplingParams
+from leangrpo.model.moe.routes import routes_to_wire
 
 log = logging.getLogger("leangrpo.rollout.vllm.server")  # the name `leangrpo serve` logs under
 
@@ -208,6 +210,7 @@ def _route(method: str, path: str, body: Body, st: ServerState) -> dict:
                 "in_flight": st.local.gate.in_flight,
                 "max_body_bytes": st.max_body_bytes,
                 "lora_modules": st.local.lora_modules(),
+                "routed_experts": st.local.routes,
             }
         case ("POST", ["generate"]):
             return _generate(st.local, body.json())
@@ -256,7 +259,15 @@ def _generate(local: Any, payload: dict) -> dict:
         raise ValueError("seeds must be one integer per prompt")
     run, version, n = _run(payload["run"]), _number(payload["version"]), _number(payload["n"])
     groups = local.generate(prompts, params, n, version, seeds, run=run)
-    return {"completions": [[asdict(c) for c in group] for group in groups]}
+    return {"completions": [[completion_json(c) for c in group] for group in groups]}
+
+
+def completion_json(c: Completion) -> dict:
+    """A completion as JSON; a route record (routing replay) as shape, dtype and bytes."""
+    out = asdict(replace(c, routes=None))
+    if c.routes is not None:
+        out["routes"] = routes_to_wire(c.routes)
+    return out
 
 
 # --------------------------------------------------------------------------- staging

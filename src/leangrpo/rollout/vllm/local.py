@@ -39,6 +39,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from leangrpo.contracts import Completion, EngineVersionError, SamplingParams
+from leangrpo.errors import RunError
+from leangrpo.model.moe.routers import RoutingError
+from leangrpo.model.moe.routes import routes_from_vllm
 from leangrpo.rollout.vllm.compile_cache import compile_cache_roots, repair_compile_cache
 from leangrpo.rollout.vllm.files import publish_adapter
 from leangrpo.rollout.vllm.versions import VersionGate
@@ -64,11 +67,15 @@ def import_vllm() -> Any:
 # --------------------------------------------------------------------------- conversions
 
 
-def to_vllm_sampling_params(params: SamplingParams, n: int) -> Any:
+def to_vllm_sampling_params(params: SamplingParams, n: int, routes_from: int | None = None) -> Any:
+    """`routes_from` (routing replay): the prompt position routed experts are returned
+    from, its last (the one that predicts the first token)."""
     if n < 1:
         raise ValueError(f"n must be >= 1 completions per prompt, got {n}")
     vllm = import_vllm()
+    extra = {} if routes_from is None else {"routed_experts_prompt_start": routes_from}
     return vllm.SamplingParams(
+        **extra,
         n=n,
         temperature=params.temperature,
         top_p=params.top_p,
@@ -82,15 +89,21 @@ def to_vllm_sampling_params(params: SamplingParams, n: int) -> Any:
     )
 
 
-def completion_from_output(output: Any, version: int) -> Completion:
-    """One vLLM CompletionOutput -> Completion (ids keep EOS; processed log-probs)."""
+def completion_from_output(output: Any, version: int, routes: bool = False) -> Completion:
+    """One vLLM CompletionOutput -> Completion (ids keep EOS; processed log-probs; with
+    `routes`, its routed experts from the prompt's last position: one row per token)."""
     ids = [int(t) for t in output.token_ids]
     if output.logprobs is None or len(output.logprobs) != len(ids):
         raise RuntimeError("vLLM returned no per-token log-probs; was logprobs=0 dropped?")
     logprobs = [float(step[tok].logprob) for step, tok in zip(output.logprobs, ids)]
     reason = {"stop": "stop", "length": "length"}.get(output.finish_reason, "error")
     return Completion(
-        ids=ids, text=output.text, logprobs=logprobs, finish_reason=reason, version=version
+        ids=ids,
+        text=output.text,
+        logprobs=logprobs,
+        finish_reason=reason,
+        version=version,
+        routes=routes_from_vllm(output.routed_experts, len(ids)) if routes else None,
     )
 
 
@@ -151,6 +164,21 @@ def _platform_is_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
+
+
+def cpu_moe_reload_blocker(llm: Any) -> str | None:
+    """Why this engine cannot load new full weights in place, or None. vLLM 0.32's CPU
+    build cannot for a mixture of experts: its layerwise reload copies the checkpoint's
+    expert weights into the CPU fused-MoE layer's repacked tensors (shape mismatch), and
+    the engine dies at the next forward (seen with Qwen3-MoE)."""
+    from vllm import __version__
+
+    from leangrpo.model.files import declared_experts
+
+    hf_config = llm.llm_engine.vllm_config.model_config.hf_config
+    if not _platform_is_cpu() or not declared_experts(hf_config.to_dict()):
+        return None
+    return f"vLLM {__version__}'s CPU build cannot load new weights into a mixture of experts in place (its reload fails on the CPU fused-MoE layers and the engine dies), so a full fine-tuning run cannot sync it; generate with rollout.engine: hf, or vLLM on a GPU"
 
 
 def _sleep_mode_available() -> bool:
@@ -216,8 +244,32 @@ def build_llm_kwargs(
     )
     if enable_lora:
         kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=2)
+    if s.routed_experts:  # routing replay (mixtures of experts)
+        check_routed_experts(on_cpu)
+        kwargs["enable_return_routed_experts"] = True
     kwargs.update(s.engine_kwargs)
     return kwargs
+
+
+def check_routed_experts(on_cpu: bool) -> None:
+    """Routing replay needs vLLM's routed-experts output: refused in one sentence where
+    the installed vLLM cannot give it. vLLM 0.32 returns it only from Model Runner V2
+    (asked for here), which needs Triton on a GPU: its CPU build refuses it."""
+    import dataclasses
+    import os
+
+    from vllm import __version__
+    from vllm.engine.arg_utils import EngineArgs
+
+    if "enable_return_routed_experts" not in {f.name for f in dataclasses.fields(EngineArgs)}:
+        raise RoutingError(
+            f"rollout.routing_replay needs vLLM's routed-experts output (enable_return_routed_experts), which vLLM {__version__} does not have; use rollout.engine: hf, or a vLLM that has it"
+        )
+    if on_cpu:
+        raise RoutingError(
+            f"rollout.routing_replay needs vLLM's routed-experts output, which vLLM {__version__} returns only from its Model Runner V2 (GPUs with Triton), not on this CPU; use rollout.engine: hf for routing replay on CPU"
+        )
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # its aux-output connector needs it
 
 
 class LocalVLLM:
@@ -232,6 +284,8 @@ class LocalVLLM:
         with keep_process_state():
             self.llm = vllm.LLM(**llm_kwargs)
         self.in_process = type(self.llm.llm_engine.engine_core).__name__ == "InprocClient"
+        self.routes = bool(llm_kwargs.get("enable_return_routed_experts"))  # routing replay
+        self.reload_refused = cpu_moe_reload_blocker(self.llm)  # why full weights cannot sync
         self.sleep_mode = bool(llm_kwargs.get("enable_sleep_mode"))
         self.work_dir = work_dir
         self.gate = VersionGate(0, run)
@@ -266,13 +320,19 @@ class LocalVLLM:
         for i, ids in enumerate(prompt_ids):
             if not ids:
                 raise ValueError(f"prompt {i} has no token ids; tokenise prompts before generating")
-        if seeds is None:
-            sampling = [to_vllm_sampling_params(params, n) for _ in prompt_ids]
-        else:
-            sampling = [to_vllm_sampling_params(replace(params, seed=s), n) for s in seeds]
+        seeded = [replace(params, seed=s) for s in seeds] if seeds is not None else None
+        sampling = [
+            to_vllm_sampling_params(
+                params if seeded is None else seeded[i], n, len(ids) - 1 if self.routes else None
+            )
+            for i, ids in enumerate(prompt_ids)
+        ]
         with self.gate.admit(version, run):
             outputs = self.collect(self.enqueue(prompt_ids, sampling, run=run, version=version))
-        return [[completion_from_output(o, version) for o in req.outputs] for req in outputs]
+        return [
+            [completion_from_output(o, version, self.routes) for o in req.outputs]
+            for req in outputs
+        ]
 
     # -- requests, stepped cooperatively ----------------------------------------------------
     def enqueue(
@@ -329,6 +389,8 @@ class LocalVLLM:
                 self.llm.llm_engine.abort_request(list(request_ids))
 
     def load_weight_files(self, paths: list[Path], version: int, *, run: str | None) -> None:
+        if self.reload_refused is not None:  # before vLLM tries, and dies
+            raise RunError(self.reload_refused)
         with self.gate.update(version, drain=True, run=run) as needed:
             if not needed:
                 return

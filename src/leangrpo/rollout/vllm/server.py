@@ -56,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--enable-sleep-mode", action="store_true")
     p.add_argument("--enable-lora", action="store_true")
+    p.add_argument(
+        "--routed-experts",
+        action="store_true",
+        help="return each token's routed experts (routing replay: mixtures of experts)",
+    )
     p.add_argument("--max-lora-rank", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -160,6 +165,7 @@ def start_engine(args: argparse.Namespace, engine_kwargs: dict[str, Any], root: 
         enable_sleep_mode=args.enable_sleep_mode,
         enforce_eager=args.enforce_eager,
         engine_kwargs=engine_kwargs,
+        routed_experts=args.routed_experts,
     )
     return LocalVLLM(
         build_llm_kwargs(args.model, settings, args.enable_lora, args.max_lora_rank, args.seed),
@@ -186,7 +192,11 @@ def serve_main(argv: list[str] | None = None) -> int:
     root = (
         Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="leangrpo-serve-"))
     )
-    local = start_engine(args, engine_kwargs, root)
+    try:
+        local = start_engine(args, engine_kwargs, root)
+    except UserError as err:  # --routed-experts where this vLLM cannot return them
+        server.server_close()
+        parser.error(str(err))
     server.RequestHandlerClass = make_handler(
         local,
         prepare_staging(root),

@@ -27,6 +27,8 @@ class VLLMSettings:
     token_file: str | None = None  # server token; None: $LEANGRPO_SERVE_TOKEN
     max_body_mb: int = 8192  # upload limit of a locally started server
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    # routing replay (rollout.routing_replay): vLLM returns each token's routed experts
+    routed_experts: bool = False
 
     @classmethod
     def from_section(cls, section: Any = None, **overrides: Any) -> VLLMSettings:

@@ -43,7 +43,8 @@ class LocalTurnStream:
     def submit(self, request: TurnRequest) -> None:
         if self._closed:
             raise RuntimeError("this turn stream is closed")
-        sampling = to_vllm_sampling_params(turn_params(self.params, request), 1)
+        start = len(request.ids) - 1 if self.local.routes else None  # routing replay
+        sampling = to_vllm_sampling_params(turn_params(self.params, request), 1, start)
         (request_id,) = self.local.enqueue(
             [request.ids], [sampling], run=self.run, version=self.version
         )
@@ -59,7 +60,8 @@ class LocalTurnStream:
             cached = output.num_cached_tokens or 0
             self.stats["prefill_tokens"] += len(request.ids) - cached
             self.stats["prefill_tokens_saved"] += cached
-            done.append((request, completion_from_output(output.outputs[0], self.version)))
+            completion = completion_from_output(output.outputs[0], self.version, self.local.routes)
+            done.append((request, completion))
         return done
 
     def release(self, key: int) -> None:
