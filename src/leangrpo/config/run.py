@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from leangrpo.config.base import MAX_SEED, MAX_TEMPERATURE, Section
+from leangrpo.config.base import BY_VALUE, MAX_SEED, MAX_TEMPERATURE, Section
 from leangrpo.config.io import rule_error
 from leangrpo.config.sandbox import SandboxConfig
 
@@ -234,12 +234,13 @@ class RewardSpec(Section):
     name: str = Field(
         ...,
         min_length=1,
-        description="Built-in ('math', 'format', 'length'), 'pkg.module:function' or 'path/to/file.py:function'.",
+        description="Built-in ('math', 'format', 'length'), 'pkg.module:function' or 'path/to/file.py:function'; with `value`, the function's own name.",
     )
     weight: float = Field(1.0, description="Weight of this function in the summed reward.")
     kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments passed to the function."
     )
+    value: str | None = Field(None, description=BY_VALUE)
 
 
 class RewardsConfig(Section):

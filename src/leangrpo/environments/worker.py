@@ -77,13 +77,13 @@ def serve(channel: Channel, init: dict, sandbox: Any) -> None:
 def environment_class(spec: EnvironmentSpec) -> type[Environment]:
     """The Environment subclass that makes one environment per trajectory: a built-in
     (registry.BUILTIN_ENVIRONMENTS) or the user's, imported here, in the worker."""
-    if spec.name == "tools":
+    if spec.name == "tools" and spec.value is None:
         return ToolEnvironment
-    if spec.name == "verifiers":
+    if spec.name == "verifiers" and spec.value is None:
         from leangrpo.environments.adapters.verifiers import VerifiersEnvironment
 
         return VerifiersEnvironment
-    cls = load(spec.name, "environment.name")
+    cls = load(spec.name, "environment.name", spec.value)
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         what = f"the class {cls.__name__}" if isinstance(cls, type) else f"a {type(cls).__name__}"
         raise EnvironmentSpecError(
@@ -105,7 +105,9 @@ class Worker:
 
     def serve(self) -> None:
         sys.path[:0] = [p for p in self.init["sys_path"] if p not in sys.path]
-        if not self._set_up(EnvironmentSpec(**self.init["spec"])) or self.init["mode"] != "serve":
+        spec = dict(self.init["spec"])
+        spec["tools"] = tuple(tuple(t) for t in spec["tools"])
+        if not self._set_up(EnvironmentSpec(**spec)) or self.init["mode"] != "serve":
             return
         while not self.retire:
             task, op, items = pickle.loads(self.channel.recv())

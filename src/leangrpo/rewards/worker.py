@@ -23,7 +23,7 @@ import pickle
 import sys
 from typing import Any
 
-from leangrpo.rewards.registry import BUILTIN_NAMES, ResolvedReward, RewardSpecError, resolve
+from leangrpo.rewards.registry import ResolvedReward, RewardSpecError, is_user_code, resolve
 from leangrpo.sandbox.calls import LimitedCall, message
 from leangrpo.sandbox.frames import Channel, one_line
 
@@ -58,8 +58,8 @@ def _resolve_all(
     for i, spec in enumerate(specs):
         channel.send({"t": "loading", "fn": i})
         try:
-            functions.append(resolve(spec.name, spec.file))
-            if warm_up and spec.name in BUILTIN_NAMES:
+            functions.append(resolve(spec.name, spec.file, spec.value))
+            if warm_up and not is_user_code(spec):
                 from leangrpo.rewards import builtin
 
                 builtin.warm_up(spec.name)
@@ -73,6 +73,8 @@ def _resolve_all(
 
 def _describe(exc: BaseException, spec: ResolvedReward) -> str:
     where = spec.file or spec.name.rpartition(":")[0]
+    if spec.value is not None:
+        where = f"'{spec.name}' (passed by value)"
     if isinstance(exc, SystemExit):
         return f"{where} called sys.exit({exc.code!r}) at import; a reward file must not exit"
     if isinstance(exc, RewardSpecError):
