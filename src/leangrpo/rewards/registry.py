@@ -214,7 +214,10 @@ def parse_specs(rewards_cfg: Any) -> list[ResolvedReward]:
         if not math.isfinite(weight):
             raise RewardSpecError(f"{where}.weight = {weight} must be a finite number")
         if value is not None:  # by value: `name` is the function's own name
-            decode_value(name, value)
+            try:
+                decode_value(name, value)
+            except RewardSpecError as e:
+                raise RewardSpecError(f"{where}.value: {e}") from None
             key = _unique_key(name.rpartition(":")[2] or name, seen)
             specs.append(ResolvedReward(key, name, weight, kwargs, value=value))
             continue
