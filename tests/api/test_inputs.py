@@ -4,6 +4,7 @@ references, section overrides; each bad argument is one sentence."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import datasets
 import pytest
@@ -31,9 +32,9 @@ def test_rows_become_a_file_named_by_their_content(cache):
     other = build_config(minimal_run(), train_dataset=ROWS[::-1])
     assert first.data.path == again.data.path != other.data.path
     assert first.data.path.startswith(str(cache / "datasets"))
-    lines = open(first.data.path).read().splitlines()
+    lines = Path(first.data.path).read_text().splitlines()
     assert [json.loads(line) for line in lines] == ROWS
-    assert [json.loads(x) for x in open(first.data.eval_path)] == ROWS[:1]
+    assert [json.loads(x) for x in Path(first.data.eval_path).read_text().splitlines()] == ROWS[:1]
     from_dataset = build_config(minimal_run(), train_dataset=datasets.Dataset.from_list(ROWS))
     assert from_dataset.data.path == first.data.path  # the same rows, the same file
 
