@@ -36,9 +36,9 @@ from typing import Any
 import yaml
 
 from leangrpo.api.grpo import console_logging
-from leangrpo.api.inputs import build_config, config_dict
+from leangrpo.api.inputs import build_config, config_dict, reward_entries, section
 from leangrpo.checkpoint.manifest import COMPLETE, checkpoint_problem
-from leangrpo.checkpoint.rundir import complete_checkpoints, newest_intact_checkpoint
+from leangrpo.checkpoint.rundir import complete_checkpoints
 from leangrpo.config import Config
 from leangrpo.config.io import apply_override
 from leangrpo.errors import UserError
@@ -95,9 +95,11 @@ def evaluate(
     with console_logging():
         target = locate(Path(run_or_checkpoint))
         base = config_dict(config) if config is not None else _saved_config(target)
+        if reward_funcs is not None:  # first: `set_values` may then set their kwargs
+            section(base, "rewards")["functions"] = reward_entries(reward_funcs)
         for value in set_values or []:
             apply_override(base, value)
-        cfg = eval_config(target, data, reward_funcs, num_prompts, base, overrides)
+        cfg = eval_config(target, data, num_prompts, base, overrides)
         from leangrpo.preflight import check_inputs
 
         _, limit = check_inputs(cfg)  # data, rewards, environment, model files: no torch
@@ -136,17 +138,29 @@ def _run_of(path: Path) -> Path | None:
 
 
 def _in_run(run_dir: Path) -> EvalTarget:
-    """A run directory: its final/, else its newest intact checkpoint."""
+    """A run directory: its final/, else its newest intact checkpoint (the damaged ones
+    newer than it named in one warning)."""
     if (run_dir / "final").is_dir():
         return _final(run_dir / "final", run_dir)
-    newest = newest_intact_checkpoint(run_dir / "checkpoints")
+    newest, damaged = _newest_intact(run_dir)
     if newest is None:
-        damaged = [str(p.name) for _, p in complete_checkpoints(run_dir / "checkpoints")]
-        held = f" (damaged: {', '.join(damaged)})" if damaged else ""
+        held = f" ({'; '.join(damaged)})" if damaged else ""
         raise EvalTargetError(
             f"run directory {str(run_dir)!r} has no final/ and no intact checkpoint{held}; nothing in it can be evaluated."
         )
+    if damaged:
+        log.warning("scoring %s, the newest intact checkpoint: %s", newest.name, "; ".join(damaged))
     return _checkpoint(newest, run_dir)
+
+
+def _newest_intact(run_dir: Path) -> tuple[Path | None, list[str]]:
+    damaged = []
+    for _, path in reversed(complete_checkpoints(run_dir / "checkpoints")):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path, damaged
+        damaged.append(f"{path.name} is damaged: {problem}")
+    return None, damaged
 
 
 def _checkpoint(path: Path, run_dir: Path | None) -> EvalTarget:
@@ -186,7 +200,7 @@ def _final(path: Path, run_dir: Path | None) -> EvalTarget:
             raise EvalTargetError(f"{str(path)!r} is damaged: {e}") from None
     step, version = 0, 0
     if run_dir is not None:  # final/ is written right after the run's last checkpoint
-        newest = newest_intact_checkpoint(run_dir / "checkpoints")
+        newest, _ = _newest_intact(run_dir)
         if newest is not None:
             state = _json(newest / "trainer_state.json", "checkpoint")
             step, version = int(state.get("step", 0)), int(state.get("version", 0))
@@ -211,13 +225,12 @@ def _json(file: Path, what: str) -> dict:
 def eval_config(
     target: EvalTarget,
     data: Any,
-    reward_funcs: Any,
     num_prompts: int | None,
     base: dict,
     overrides: dict,
 ) -> Config:
-    """The run's settings (`base`), for scoring: the data, rewards and prompts asked for,
-    the hf engine, full-model weights from final/ itself, no reference model."""
+    """The run's settings (`base`, the rewards asked for in it), for scoring: the data and
+    prompts asked for, the hf engine, full-model weights from final/ itself, no reference model."""
     scoring = {
         "rollout": {"engine": "hf"},
         "pipeline": {"mode": "sync"},
@@ -235,9 +248,7 @@ def eval_config(
             if isinstance(value, dict) and isinstance(scoring.get(key), dict)
             else value
         )
-    cfg = build_config(
-        base, reward_funcs=reward_funcs, train_dataset=data, eval_dataset=data, overrides=scoring
-    )
+    cfg = build_config(base, train_dataset=data, eval_dataset=data, overrides=scoring)
     d = cfg.data
     if not (d.eval_path or d.eval_split or d.eval_size > 0):
         raise EvalTargetError(
