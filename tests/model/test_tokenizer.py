@@ -14,7 +14,8 @@ import pytest
 from support.configs import ROOT
 from transformers import AutoTokenizer
 
-from leangrpo.environments.rendering import Renderer, check_template, control_tokens, load_template
+from leangrpo.data.templates import load_template
+from leangrpo.environments.rendering import Renderer, check_template, control_tokens
 from leangrpo.model.smollm2 import missing_reason
 from leangrpo.model.tokenizer import TOKENIZER_FILES, recall, records_dir, remember
 

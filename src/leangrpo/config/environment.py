@@ -48,7 +48,7 @@ class EnvironmentConfig(Section):
     )
     chat_template: str | None = Field(
         None,
-        description="Chat template for multi-turn conversations: null = the tokenizer's; 'chatml-hermes' (bundled: ChatML with Hermes tool calls, for ChatML models such as SmolLM2 whose own template ignores tools); or a path to a .jinja file.",
+        description="Chat template for multi-turn conversations: null = data.chat_template's when it names one, else the tokenizer's; 'chatml-hermes' (bundled: ChatML with Hermes tool calls, for ChatML models such as SmolLM2 whose own template ignores tools); or a path to a .jinja file.",
     )
     scheduling: Literal["per_trajectory", "rounds"] = Field(
         "per_trajectory",

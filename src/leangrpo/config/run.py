@@ -169,12 +169,12 @@ class DataConfig(Section):
         None,
         description="Extra columns passed to reward functions; null = every non-prompt column.",
     )
-    chat_template: bool = Field(
+    chat_template: bool | str = Field(
         False,
-        description="Render each prompt with the tokenizer's chat template as the user message.",
+        description="Render each prompt as the user message with a chat template: true = the tokenizer's; a bundled name ('chatml-hermes': ChatML, with Hermes tool calls when tools are offered) or the path of a .jinja file = that template (a base model without one can then train on chat data); false = the raw prompt text. It is also environment.chat_template's default.",
     )
     system_prompt: str | None = Field(
-        None, description="System message added by the chat template (needs chat_template: true)."
+        None, description="System message added by the chat template (needs data.chat_template)."
     )
     eval_path: str | None = Field(None, description="Local file of evaluation prompts.")
     eval_split: str | None = Field(None, description="Split of `dataset` used for evaluation.")
@@ -199,6 +199,13 @@ class DataConfig(Section):
         "error",
         description="A prompt that is empty or only whitespace: 'error' stops naming the row; 'drop' leaves it out (counted in data/dropped_prompts).",
     )
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_named(cls, value: bool | str) -> bool | str:
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("name a template (e.g. chatml-hermes), a .jinja file, true or false")
+        return value
 
     @model_validator(mode="after")
     def _check_sources(self) -> DataConfig:

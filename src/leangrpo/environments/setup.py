@@ -19,10 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from leangrpo.contracts import Prompt, TurnEngine
+from leangrpo.data.templates import TemplateError, conversation_template
 from leangrpo.environments.driver import MultiTurnRollout, TurnLimits
 from leangrpo.environments.pool import EnvironmentPool
 from leangrpo.environments.registry import EnvironmentSpecError
-from leangrpo.environments.rendering import Renderer, TemplateError, check_template, load_template
+from leangrpo.environments.rendering import Renderer, check_template
 
 log = logging.getLogger("leangrpo.environments")
 
@@ -69,7 +70,7 @@ def start_environments(
         return None
     pool = pool if pool is not None else EnvironmentPool(env_cfg)
     try:
-        renderer = Renderer(tokenizer, pool.tools, load_template(env_cfg.chat_template))
+        renderer = Renderer(tokenizer, pool.tools, conversation_template(cfg))
         eos_ids = generation_eos_ids(cfg, tokenizer)
         check_renderer(renderer, pool.replies, eos_ids)
     except BaseException:
