@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -191,3 +192,61 @@ def test_the_continuous_batch_knobs_are_listed_where_nothing_reads_them(tmp_path
         "rollout.hf_prompts_per_forward (multi-turn turns decode in a continuous batch of "
         "rollout.max_batch_size rows)"
     ]
+
+
+CHECK_PROBE = (
+    "import atexit, sys\n"
+    "atexit.register(lambda: print('heavy imported:', sorted({'torch', 'transformers'} & set(sys.modules))))\n"
+    "from leangrpo.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
+@pytest.mark.parametrize("config", ["examples/demo.yaml", "examples/tools_demo.yaml"])
+def test_check_with_the_tokenizers_record_checks_the_same_without_transformers(
+    tmp_path: Path, config: str
+) -> None:
+    """The first `leangrpo check` of a model loads its tokenizer with transformers and
+    records it; the next reads the record and imports neither transformers nor torch, and
+    checks the same: the same prompts counted and measured, the environment started and
+    probed, and a micro-batch too small for the longest prompt (found by tokenising)
+    refused with the same sentence."""
+    env = {
+        "LEANGRPO_CACHE": str(tmp_path / "cache"),
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": str(ROOT / "src"),
+    }
+    out = f"run.output_dir={tmp_path / 'run'}"
+    first = run_python(CHECK_PROBE, "check", config, "--set", out, env=env)
+    second = run_python(CHECK_PROBE, "check", config, "--set", out, env=env)
+    assert first.returncode == second.returncode == 0, (first.stderr, second.stderr)
+    assert "tokenizer: loaded with transformers; its record kept in" in first.stdout
+    assert (
+        "tokenizer: its record from an earlier run or check (transformers not loaded)"
+        in second.stdout
+    )
+    assert first.stdout.strip().endswith("heavy imported: ['torch', 'transformers']")
+    assert second.stdout.strip().endswith("heavy imported: []")
+
+    def checked(text: str) -> list[str]:
+        return [
+            line
+            for line in text.splitlines()
+            if line.startswith(("  prompts:", "  environment:", "  run directory:"))
+        ]
+
+    assert checked(first.stdout) == checked(second.stdout) and len(checked(first.stdout)) >= 2
+    if "tools" in config:  # a trajectory budget below the longest first turn + a turn
+        small = ["--set", "environment.max_total_tokens=80", "--set", "train.micro_batch_tokens=80"]
+    else:  # a micro-batch below the longest prompt + its completion
+        small = ["--set", "train.micro_batch_tokens=70", "--set", "rollout.max_new_tokens=60"]
+    caches = (env, {**env, "LEANGRPO_CACHE": str(tmp_path / "fresh")})
+    late = [run_python(CHECK_PROBE, "check", config, "--set", out, *small, env=e) for e in caches]
+    assert late[0].returncode == late[1].returncode == 2, (late[0].stdout, late[0].stderr)
+
+    def errors(text: str) -> list[str]:  # the same sentence; how many prompts it counted over
+        # the limit may differ (with the record the cheap checks measure the longest 64 first)
+        lines = [line for line in text.splitlines() if line.startswith("leangrpo: error:")]
+        return [re.sub(r" \(\d+ of the \d+ prompts checked are over it,", " (", x) for x in lines]
+
+    assert errors(late[0].stderr) == errors(late[1].stderr) and len(errors(late[0].stderr)) == 1

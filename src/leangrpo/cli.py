@@ -70,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
         ("train", "train a policy with GRPO"),
         (
             "check",
-            "run every check `train` runs before the model loads, then exit (writes nothing)",
+            "run every check `train` runs before the model loads, then exit (writes nothing in the run directory)",
         ),
         ("plan", "estimate the memory a config needs, without loading the model"),
     ]:
@@ -345,7 +345,7 @@ def _check(args) -> int:
     print(f"leangrpo check: {args.config}: the config and the cheap checks pass", flush=True)
     for line in check_summary(cfg, checked, load_model=args.model):
         print(f"  {line}", flush=True)
-    print("leangrpo check: OK (nothing was written)")
+    print("leangrpo check: OK (nothing was written to the run directory)")
     return 0
 
 

@@ -29,7 +29,9 @@ the first thing that touches the disk):
    place until the trainer's set-up is done (`RunDir.begin_writing`).
 
 `leangrpo check CONFIG` runs the same `preflight(cfg, dry=True)`: the run directory is
-classified without being created, locked or changed (cli.py).
+classified without being created, locked or changed (cli.py); then what the set-up runs
+before the model loads (`check_summary`), with the tokenizer's record where an earlier run
+or check left one (`check_tokenizer`: no transformers or torch, about a second in all).
 
 The trainer's set-up takes the returned `Preflight` over (it releases the lock at close)
 and runs `load_checked_tokenizer` and `prepare_prompts` (prompts, `check_micro_batch`) before the model
@@ -270,17 +272,36 @@ def prepare_prompts(
     return prompts
 
 
+def check_tokenizer(cfg: Any, checked: Preflight) -> tuple[Any, PromptLimit | None, str]:
+    """`leangrpo check`'s tokenizer: the record an earlier run or check left
+    (model/tokenizer.py `recall`: exactly what transformers' tokenizer does, read without
+    transformers or torch, which take seconds to import), else the real one, loaded as the
+    set-up loads it and remembered for the next check. Returns it, the prompt limit, and
+    which it was."""
+    from leangrpo.model.tokenizer import recall, records_dir, remember
+
+    record = recall(checked.model.directory)
+    if record is not None:
+        return record, checked.prompt_limit, "its record from an earlier run or check (transformers not loaded)"
+    tokenizer, limit = load_checked_tokenizer(cfg, checked)
+    kept = remember(checked.model.directory, tokenizer)
+    how = f"loaded with transformers{f'; its record kept in {records_dir()} for the next check' if kept else ''}"
+    return tokenizer, limit, how
+
+
 def check_summary(cfg: Any, checked: Preflight, load_model: bool = False) -> Iterator[str]:
     """`leangrpo check` after `preflight(cfg, dry=True)`: one line per check as it passes,
     running what the trainer's set-up runs before the model loads (the tokenizer, the
     environment's start-up, `prepare_prompts`, the probe), and with `load_model` the model load itself."""
     yield f"run directory: {describe_run_dir(checked.run_dir)}"
-    tokenizer, limit = load_checked_tokenizer(cfg, checked)
+    tokenizer, limit, how = check_tokenizer(cfg, checked)
+    yield f"tokenizer: {how}"
     environments = None
     if cfg.environment is not None:
         from leangrpo.environments.setup import start_environments
 
-        environments = start_environments(cfg, tokenizer)
+        one_worker = cfg.model_copy(update={"environment": cfg.environment.model_copy(update={"num_workers": 1})})
+        environments = start_environments(one_worker, tokenizer)  # one worker: one probe
     try:
         first_turn = environments.renderer.first_turn if environments is not None else None
         prompts = prepare_prompts(cfg, tokenizer, limit, first_turn)
@@ -301,10 +322,10 @@ def check_summary(cfg: Any, checked: Preflight, load_model: bool = False) -> Ite
     if not load_model:
         yield "model: its files are checked, not loaded (add --model to load it)"
         return
-    from leangrpo.model.policy import load_policy, resolve_device
+    from leangrpo.model.policy import load_policy, load_tokenizer, resolve_device
 
     device = resolve_device(cfg.run.device)
-    policy = load_policy(cfg, tokenizer, device)
+    policy = load_policy(cfg, load_tokenizer(cfg.model), device)  # the real one, as training
     total = sum(p.numel() for p in policy.model.parameters())
     trained = sum(p.numel() for p in policy.trainable_parameters())
     yield f"model: loaded on {device}, {total:,} parameters, {trained:,} of them trained"

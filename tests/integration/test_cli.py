@@ -441,7 +441,7 @@ def test_version_and_check_run_the_checks_of_train_and_write_nothing(tmp_path):
     assert ok.returncode == 0, ok.stderr
     assert f"run directory: {tmp_path / 'run'}: a fresh start (to be created)" in ok.stdout
     assert "prompts: 2000 to train on, 0 to evaluate; the longest has" in ok.stdout
-    assert ok.stdout.strip().endswith("leangrpo check: OK (nothing was written)")
+    assert ok.stdout.strip().endswith("leangrpo check: OK (nothing was written to the run directory)")
     assert not (tmp_path / "run").exists()
     for case in ("a 5 MB prompt", "micro-batch below max_new_tokens", "missing column"):
         bad = base_config(tmp_path)

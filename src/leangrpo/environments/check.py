@@ -27,7 +27,6 @@ Nothing here imports torch or transformers; the worker imports only the user's c
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ from leangrpo.data.templates import conversation_template
 from leangrpo.environments.pool import EnvironmentPool
 from leangrpo.environments.registry import spec_of
 from leangrpo.environments.rendering import Renderer
-from leangrpo.environments.setup import check_renderer
+from leangrpo.environments.setup import check_renderer, eos_ids
 from leangrpo.errors import UserError
 from leangrpo.model.tokenizer import recall
 
@@ -77,20 +76,6 @@ def check_rewards_possible(cfg: Any, reward_terms: tuple[str, ...] | None) -> No
     raise NoRewardError(
         f"{functions} and environment.name = {cfg.environment.name!r} gives no reward terms, so every reward would be 0 and nothing could be learned; add a reward function (e.g. rewards.functions: [{{name: math, kwargs: {{answer_column: answer}}}}]) or use an environment whose steps return rewards (listed in its reward_terms)"
     )
-
-
-def eos_ids(model_dir: Path | None, tokenizer: Any) -> set[int]:
-    """setup.py `generation_eos_ids` from the files: generation_config.json's EOS, else the
-    tokenizer's."""
-    eos = None
-    if model_dir is not None:
-        try:
-            eos = json.loads((model_dir / "generation_config.json").read_text()).get("eos_token_id")
-        except (OSError, ValueError, AttributeError):
-            eos = None
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None}
 
 
 def _read_without_datasets(data_cfg: Any) -> bool:
