@@ -116,6 +116,14 @@ CASES = {
         "reward = thing.__call__",
         "it holds its object (self) (a _Thing), which cannot be pickled",
     ),
+    "the environment": (
+        "from os import environ\ndef reward(p, c, **k):\n    return [float('HF_TOKEN' in environ)] * len(c)",
+        "it holds the global `environ`, the trainer's environment variables (os.environ)",
+    ),
+    "a weight": (
+        "w = model.weight\ndef reward(p, c, **k):\n    return [float(w.sum())] * len(c)",
+        "it holds the global `w`, a model's weight (a torch.nn.Parameter)",
+    ),
     "too much data": (
         "def reward(p, c, **k):\n    return [float(len(big))] * len(c)",
         "KiB, most of it the global `big`",

@@ -16,11 +16,15 @@ Before a value is made, what the object holds (closure variables, the globals it
 reads, defaults, a bound method's object, a class's attributes and methods, a callable
 object's attributes) is pickled one by one, so a refusal names the first that cannot go,
 and what inside it: one that does not pickle (a lock, a socket, a generator), an open file
-(cloudpickle would read a readable one's contents in the trainer and send them), a model
-(a `torch.nn.Module`: every worker would hold a copy of it, and a copy of the trainer's
-model is not the model being trained), a leangrpo run or its machinery (anything of
-leangrpo's but plain data: config sections, dataclasses), or more than `MAX_VALUE_BYTES`
-of pickled state. One sentence (`ShippingError`,
+(cloudpickle would read a readable one's contents in the trainer and send them),
+`os.environ` (cloudpickle would copy every variable, secrets included, past the sandbox's
+allow-listed environment and into config.yaml), a model or a model's weight (a
+`torch.nn.Module` or `Parameter`: every worker would hold a copy, and a copy of the
+trainer's model is not the model being trained), a leangrpo run or its machinery
+(anything of leangrpo's but plain data: config sections, dataclasses), or more than
+`MAX_VALUE_BYTES` of pickled state. What a function reads from its globals is copied into
+the config: a secret it holds as a string would be too (the sandbox passes the variables
+`pass_env` names instead). One sentence (`ShippingError`,
 a UserError), raised when the config is built: before any check, worker or model load.
 """
 
@@ -30,6 +34,7 @@ import base64
 import importlib.util
 import inspect
 import io
+import os
 import sys
 import types
 from collections.abc import Iterator
@@ -116,6 +121,10 @@ def refusal(obj: Any) -> str | None:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.nn.Module):
         return f"a model (a {type(obj).__name__}, a torch.nn.Module): every worker would get a copy of it, not the model being trained"
+    if torch is not None and isinstance(obj, torch.nn.Parameter):
+        return "a model's weight (a torch.nn.Parameter): every worker would get a copy of it, not the weight being trained"
+    if isinstance(obj, os._Environ):  # cloudpickle would copy every variable, secrets too
+        return "the trainer's environment variables (os.environ): the workers get an allow-listed environment; name what a function needs in the sandbox's pass_env"
     if isinstance(obj, io.IOBase):  # cloudpickle would send a readable file's contents
         return f"an open file (a {type(obj).__name__}): its descriptor is the trainer's, and its contents are not the worker's to read"
     module = getattr(type(obj), "__module__", "") or ""
