@@ -50,6 +50,9 @@ try:
 except RunStopped as stop:
     print("STOPPED", stop.step)
 print("CHILDREN", len(psutil.Process().children(recursive=True)))
+import gc
+from leangrpo.train.trainer import Trainer
+print("TRAINERS", sum(isinstance(o, Trainer) for o in gc.get_objects()))  # the run is freed
 print("STILL HERE")
 """
 
@@ -79,6 +82,7 @@ def test_train_from_a_script_returns_its_result_and_a_second_session_resumes(tmp
     assert [step for step, _ in result["curve"]] == [0, 2]
     assert result["eval"]["eval/reward"] == result["curve"][-1][1] > 0  # scored elsewhere
     assert result["reward"] > 0 and lines_with(first.stdout, "CHILDREN") == ["0"]
+    assert lines_with(first.stdout, "TRAINERS") == ["0"]
     assert "STILL HERE" in first.stdout.splitlines()
     # logged as the CLI logs: its INFO lines, a progress line, the summary
     assert "INFO leangrpo: starting 1 reward worker(s) ..." in first.stderr
