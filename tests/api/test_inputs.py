@@ -91,6 +91,10 @@ def test_overrides_merge_into_sections_or_find_their_one_section():
             {"run": {"max_step": 3}},
             "Unknown config key 'run.max_step'; did you mean 'run.max_steps'?",
         ),
+        (
+            {"max_turns": 3},
+            "GRPO(max_turns=...) is a key of the environment section; give it as environment={'max_turns': ...}.",
+        ),
     ],
 )
 def test_a_bad_keyword_is_one_sentence(overrides, expected):

@@ -45,6 +45,7 @@ from leangrpo.data.files import DataError
 from leangrpo.model.smollm2 import cache_dir
 
 SECTIONS = tuple(Config.model_fields)
+OPTIONAL_SECTIONS = ("environment.",)  # absent unless asked for: set by environment=/tools=
 
 
 def build_config(
@@ -133,7 +134,8 @@ def apply_override(data: dict[str, Any], key: str, value: Any) -> None:
             )
         return
     owners = [k for k in all_keys(Config) if "[]" not in k and k.rpartition(".")[2] == key]
-    owners = [k for k in owners if k.count(".") >= 1]
+    # a key of a section given whole (environment: multi-turn) is not set by its name alone
+    owners = [k for k in owners if k.count(".") >= 1 and not k.startswith(OPTIONAL_SECTIONS)]
     if len(owners) == 1:
         *path, leaf = owners[0].split(".")
         node = data
@@ -144,6 +146,16 @@ def apply_override(data: dict[str, Any], key: str, value: Any) -> None:
     if owners:
         raise ConfigError(
             f"GRPO({key}=...) is ambiguous: {', '.join(owners)} all have it; give the section, e.g. {owners[0].split('.')[0]}={{'{key}': ...}}."
+        )
+    optional = [
+        k
+        for k in all_keys(Config)
+        if k.startswith(OPTIONAL_SECTIONS) and k.rpartition(".")[2] == key
+    ]
+    if optional:
+        head = optional[0].split(".")[0]
+        raise ConfigError(
+            f"GRPO({key}=...) is a key of the {head} section; give it as {head}={{'{key}': ...}}."
         )
     close = difflib.get_close_matches(
         key, [*SECTIONS, *(k.rpartition(".")[2] for k in all_keys(Config))], n=1
