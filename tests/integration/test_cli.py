@@ -825,6 +825,12 @@ def test_eval_on_other_data_rewards_and_sampled(trained, tmp_path):
     assert not (out / "eval.jsonl").exists() or all(
         r["data"] != str(data) for r in read_jsonl(out / "eval.jsonl")
     )
+    lone = tmp_path / "elsewhere" / "final"  # outside its run: the settings given
+    shutil.copytree(out / "final", lone)
+    done = run_eval(lone, "--config", out / "config.yaml", "--num-prompts", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = last_eval_row(tmp_path / "elsewhere" / "eval.jsonl")
+    assert row["checkpoint"] == str(lone) and row["step"] == 0  # no run: no step known
 
 
 def damaged_copies(trained: dict[str, Path], tmp: Path) -> list[tuple[Path, str]]:
