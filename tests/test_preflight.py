@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -14,8 +16,17 @@ from support.processes import run_python
 
 from leangrpo.config import ConfigError, load_config
 from leangrpo.contracts import Prompt
-from leangrpo.model.files import ModelFiles
-from leangrpo.preflight import check_micro_batch, ignored_options, preflight, prompt_limit
+from leangrpo.data.prompts import PromptSet
+from leangrpo.model.files import ModelFiles, ModelFilesError
+from leangrpo.preflight import (
+    check_inputs,
+    check_micro_batch,
+    check_reward_cells,
+    check_trajectory_fits_micro_batch,
+    ignored_options,
+    preflight,
+    prompt_limit,
+)
 
 
 def demo(tmp_path: Path, *overrides: str):
@@ -250,3 +261,124 @@ def test_check_with_the_tokenizers_record_checks_the_same_without_transformers(
         return [re.sub(r" \(\d+ of the \d+ prompts checked are over it,", " (", x) for x in lines]
 
     assert errors(late[0].stderr) == errors(late[1].stderr) and len(errors(late[0].stderr)) == 1
+
+
+# -- bad inputs that used to end late or badly (issue 38) -----------------------------------
+
+TOOLS_YAML = ROOT / "examples" / "tools_demo.yaml"
+
+
+@pytest.mark.parametrize("backend", ["flash_varlen", "torch_varlen"])
+def test_a_cuda_attention_kernel_on_a_cpu_run_is_refused_before_the_model_loads(
+    tmp_path: Path, backend: str
+) -> None:
+    cfg = demo(tmp_path, f"packing.attention_backend={backend}", "run.device=cpu")
+    with pytest.raises(ConfigError, match=rf"attention_backend: {backend} needs a CUDA device"):
+        preflight(cfg, dry=True)
+
+
+def test_flash_varlen_without_flash_attn_is_refused_before_the_model_loads(
+    tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # find_spec: not installed
+    cfg = demo(tmp_path, "packing.attention_backend=flash_varlen", "run.device=auto")
+    with pytest.raises(ConfigError, match="needs the flash-attn package"):
+        preflight(cfg, dry=True)
+
+
+def test_the_math_rewards_answer_column_is_checked_against_the_data(tmp_path: Path) -> None:
+    math_on = "rewards.functions=[{name: math, kwargs: {answer_column: %s}}]"
+    with pytest.raises(ConfigError) as err:
+        preflight(demo(tmp_path, math_on % "solution"), dry=True)
+    assert "rewards.functions[0] (math) reads column 'solution'" in str(err.value)
+    assert "data.path has no such column (it has: prompt, answer)" in str(err.value)
+    preflight(demo(tmp_path, math_on % "solution", "data.column_map={answer: solution}"), dry=True)
+    unanswered = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": "1+1="}])
+    with pytest.raises(ConfigError, match="data.eval_path has no such column"):
+        preflight(demo(tmp_path, f"data.eval_path={unanswered}"), dry=True)
+    with pytest.raises(ConfigError, match="data.columns passes only prompt"):
+        preflight(demo(tmp_path, "data.columns=[prompt]"), dry=True)
+    preflight(demo(tmp_path, math_on % "answer"), dry=True)
+
+
+def test_prompts_without_an_answer_are_counted_once_and_none_at_all_refused(
+    tmp_path: Path, caplog
+) -> None:
+    cfg = demo(tmp_path)
+    answered = [Prompt(uid=i, text="", ids=[1], columns={"answer": "1"}) for i in range(4)]
+    blank = [Prompt(uid=i, text="", ids=[1], columns={"answer": None}) for i in range(4, 6)]
+    with caplog.at_level(logging.WARNING, logger="leangrpo"):
+        check_reward_cells(cfg, PromptSet(answered + blank, blank[:1]))
+    assert len(caplog.records) == 1
+    assert "2 of 6 train prompts (rows 4, 5) and 1 of 1 eval prompts (rows 4)" in caplog.text
+    assert "column 'answer', which rewards.functions[0] (math) reads" in caplog.text
+    with pytest.raises(ConfigError, match="no train prompt has a value in column 'answer'"):
+        check_reward_cells(cfg, PromptSet(blank, []))
+
+
+def test_max_total_tokens_over_the_context_is_said_before_the_micro_batch(
+    tmp_path: Path,
+) -> None:
+    out = f"run.output_dir={tmp_path / 'run'}"
+    cfg = load_config(TOOLS_YAML, [out, "environment.max_total_tokens=100000"])
+    with pytest.raises(ConfigError, match="exceeds the model's context of 512 positions"):
+        check_inputs(cfg)
+    small = load_config(
+        TOOLS_YAML, [out, "environment.max_total_tokens=500", "train.micro_batch_tokens=400"]
+    )
+    with pytest.raises(ConfigError, match=r"micro_batch_tokens \(400\) must be at least"):
+        check_trajectory_fits_micro_batch(small)
+
+
+def test_more_threads_than_cores_is_warned(tmp_path: Path, caplog, monkeypatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    with caplog.at_level(logging.WARNING, logger="leangrpo"):
+        preflight(demo(tmp_path, "run.num_threads=2"), dry=True)
+        assert "run.num_threads" not in caplog.text
+        preflight(demo(tmp_path, "run.num_threads=1000"), dry=True)
+    assert "run.num_threads is 1000 but this process may use 2 CPU cores" in caplog.text
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused_once_loaded(tmp_path: Path) -> None:
+    """Where tokenizer.json cannot tell (another format, a hub model), the loaded
+    tokenizer's length is held to config.json's vocab_size, before the model loads."""
+    from support.files import copy_demo_model
+
+    from leangrpo.preflight import Preflight, load_checked_tokenizer
+
+    model = copy_demo_model(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ROOT / "examples" / "tools_demo" / "model" / name, model)
+    cfg = demo(tmp_path, f"model.name_or_path={model}")
+    checked = Preflight(None, ModelFiles(model, 64, "config.json"), None)  # type: ignore[arg-type]
+    with pytest.raises(ModelFilesError, match="has 105 tokens .* only 32 embedding rows"):
+        load_checked_tokenizer(cfg, checked)
+
+
+def test_a_chat_row_the_template_refuses_is_named_before_torch_with_the_record(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """With the tokenizer's record (left by an earlier run of this model), preflight renders
+    a prompt of each kind of messages: a role the template refuses is one sentence now."""
+    from leangrpo import preflight as module
+    from leangrpo.data.files import DataError
+
+    class Record:  # a TokenizerRecord's one call the check makes
+        chat_template = "strict"
+
+        def apply_chat_template(self, messages, **kwargs):
+            if any(m["role"] not in ("system", "user", "assistant") for m in messages):
+                raise ValueError(f"unknown role {messages[-1]['role']}")
+            return "text"
+
+    monkeypatch.setattr(module, "recall", lambda directory: Record())
+    rows = [{"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}] * 2
+    data = write_jsonl(
+        tmp_path / "chat.jsonl",
+        [*rows, {"prompt": [{"role": "bot", "content": "x"}], "answer": "1"}],
+    )
+    cfg = demo(tmp_path, f"data.path={data}", "data.chat_template=true")
+    with pytest.raises(
+        DataError, match=r"row 2: the chat template cannot render .*unknown role bot"
+    ):
+        preflight(cfg, dry=True)

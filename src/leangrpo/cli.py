@@ -21,6 +21,7 @@ and the phase and exits 1; ranks > 0 log warnings and errors only.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
@@ -219,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         _silence_stdout()
         return 141  # 128 + SIGPIPE, as a shell tool killed by it
     except Exception as exc:  # user errors: one sentence, no traceback
+        if _is_disk_full(exc):  # a write outside a checkpoint (those say it themselves)
+            print(f"leangrpo: error: {_disk_full_message(exc)}", file=sys.stderr)
+            return 2
         if _is_user_error(exc):
             if not getattr(exc, "shown_by_rank_0", False):  # torchrun: one copy of rank 0's
                 print(f"leangrpo: error: {exc}", file=sys.stderr)
@@ -394,6 +398,15 @@ def _print_summary(cfg) -> None:
 def _is_distributed_error(exc: Exception) -> bool:
     module = sys.modules.get("leangrpo.distributed.watch")  # loaded only if a process group was
     return module is not None and isinstance(exc, module.DistributedError)
+
+
+def _is_disk_full(exc: Exception) -> bool:
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def _disk_full_message(exc: OSError) -> str:
+    where = f" writing {exc.filename}" if exc.filename else ""
+    return f"no space left on the disk{where} ({exc.strerror}); free space there or move run.output_dir to a larger disk, then run again: a run resumes from its newest complete checkpoint."
 
 
 def _is_user_error(exc: Exception) -> bool:

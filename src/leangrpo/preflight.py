@@ -15,7 +15,10 @@ the first thing that touches the disk):
    a quantized base's needs (bitsandbytes installed, the CPU, vLLM's in-flight
    quantization: model/quantization.py), and the prompt limit that follows from the
    model's context; a prompt whose text is longer than that many tokens can hold is
-   refused before anything is tokenised (data/lengths.py); then an environment section's
+   refused before anything is tokenised (data/lengths.py); with data.chat_template and the
+   tokenizer's record (model/tokenizer.py `recall`), a prompt of each kind of messages
+   rendered, so a role the template refuses is named (data/prompts.py `check_chat_rows`);
+   then an environment section's
    checks (environments/check.py: names, template, the environment and its tools imported
    in a worker, rewards that could only be 0, and with the tokenizer's record the template
    and the prompts' first turns);
@@ -56,10 +59,24 @@ from typing import Any
 from leangrpo.checkpoint.overwrite import ASIDE
 from leangrpo.checkpoint.rundir import RunDir, RunDirError, open_run_dir
 from leangrpo.config import ConfigError
+from leangrpo.data.files import CheckedFile
 from leangrpo.data.lengths import check_prompt_text
-from leangrpo.data.prompts import PromptLimit, PromptSet, check_data, load_prompts
-from leangrpo.model.files import ModelFiles, check_model_files, read_model_config
+from leangrpo.data.prompts import (
+    PromptLimit,
+    PromptSet,
+    check_chat_rows,
+    check_data,
+    load_prompts,
+)
+from leangrpo.model.files import (
+    ModelFiles,
+    check_model_files,
+    check_model_fits,
+    check_tokenizer_fits,
+    read_model_config,
+)
 from leangrpo.model.quantization import check_environment as check_quantization_environment
+from leangrpo.model.tokenizer import recall
 
 log = logging.getLogger("leangrpo")
 
@@ -96,8 +113,8 @@ def check_inputs(cfg: Any, warn: bool = True) -> tuple[ModelFiles, PromptLimit |
     from leangrpo.rewards import check_rewards
 
     check_engine_installed(cfg)
-    check_data(cfg.data)
-    check_rewards(cfg.rewards)
+    data_files = check_data(cfg.data)
+    check_reward_columns(cfg, check_rewards(cfg.rewards), data_files)
     if cfg.environment is not None:  # the names and files; the import is the trainer's set-up
         from leangrpo.environments.registry import spec_of
         from leangrpo.sandbox.levels import check_level
@@ -105,8 +122,13 @@ def check_inputs(cfg: Any, warn: bool = True) -> tuple[ModelFiles, PromptLimit |
         spec_of(cfg.environment)
         check_level(cfg.environment, "environment")
     model = check_model_files(cfg.model)
+    check_model_fits(cfg, model)
+    if cfg.data.chat_template and cfg.environment is None:  # its check renders the first turns
+        check_chat_rows(cfg.data, recall(model.directory))
+    check_attention_backend(cfg)
     check_quantization_environment(cfg)
     limit = prompt_limit(cfg, model)
+    check_trajectory_fits_micro_batch(cfg)  # after the context: the limit to name first
     if limit is not None:  # prompts too long by their text alone, untokenised
         bound = check_prompt_text(cfg.data, limit, model.directory)
         limit = dataclasses.replace(limit, text=bound)
@@ -122,6 +144,8 @@ def check_inputs(cfg: Any, warn: bool = True) -> tuple[ModelFiles, PromptLimit |
     ignored = ignored_options(cfg)
     if ignored and warn:
         log.warning("options ignored in this configuration: %s", "; ".join(ignored))
+    if warn:
+        warn_threads_over_cores(cfg)
     return model, limit
 
 
@@ -137,6 +161,72 @@ def check_engine_installed(cfg: Any) -> None:
         where = "runs vLLM in this process" if v.mode == "colocate" else "starts a local vLLM server"
         raise ConfigError(
             f"rollout.engine: vllm (rollout.vllm.mode: {v.mode}) {where}, but vLLM is not installed for {sys.executable}; install it with {INSTALL_HINT}, or set rollout.engine: hf."
+        )
+
+
+def check_reward_columns(cfg: Any, specs: list, data_files: dict[str, CheckedFile]) -> None:
+    """The data columns the built-in rewards read exist in every local data file and are
+    passed to the rewards (data.columns), known before the model loads; a hub dataset's
+    columns are known only once it loads."""
+    from leangrpo.rewards.builtin import columns_read
+
+    extra = {"messages", "num_turns", "tool_calls", "env_rewards"} if cfg.environment else set()
+    for i, spec in enumerate(specs):
+        for column in columns_read(spec.name, spec.kwargs):
+            if column in spec.kwargs or column in extra:
+                continue
+            where = f"rewards.functions[{i}] ({spec.name}) reads column {column!r}"
+            if spec.kwargs.get("answer_column"):
+                where += " (kwargs.answer_column)"
+            for key, checked in data_files.items():
+                if column not in checked.columns:
+                    raise ConfigError(
+                        f"{where}, but {key} has no such column (it has: {', '.join(checked.columns)}); set the reward's kwargs.answer_column to one of them, or rename a column with data.column_map."
+                    )
+            passed = cfg.data.columns
+            if passed is not None and column not in passed:
+                raise ConfigError(
+                    f"{where}, but data.columns passes only {', '.join(passed) or 'no column'} to the rewards; add {column!r} to data.columns."
+                )
+
+
+def check_attention_backend(cfg: Any) -> None:
+    """A packed-attention kernel asked for by name must run where the run does: the CUDA
+    kernels on a GPU, flash_varlen with flash-attn installed (ops/attention/adapter.py
+    says it again, with the device, before the model's first forward)."""
+    backend = cfg.packing.attention_backend
+    if backend not in ("flash_varlen", "torch_varlen"):
+        return
+    if cfg.run.device == "cpu":
+        raise ConfigError(
+            f"packing.attention_backend: {backend} needs a CUDA device, but run.device is cpu; set packing.attention_backend: auto (or sdpa_segments), or run on a GPU."
+        )
+    if backend == "flash_varlen" and importlib.util.find_spec("flash_attn") is None:
+        raise ConfigError(
+            f"packing.attention_backend: flash_varlen needs the flash-attn package, which is not installed for {sys.executable}; pip install flash-attn, or set packing.attention_backend: auto."
+        )
+
+
+def check_trajectory_fits_micro_batch(cfg: Any) -> None:
+    """A micro-batch must hold a whole trajectory (environment.max_total_tokens); checked
+    after `prompt_limit`, which names a max_total_tokens over the model's context first."""
+    env = cfg.environment
+    if env is not None and cfg.train.micro_batch_tokens < env.max_total_tokens:
+        raise ConfigError(
+            f"train.micro_batch_tokens ({cfg.train.micro_batch_tokens}) must be at least environment.max_total_tokens ({env.max_total_tokens}), because a micro-batch must hold a whole trajectory; raise train.micro_batch_tokens or lower environment.max_total_tokens."
+        )
+
+
+def warn_threads_over_cores(cfg: Any) -> None:
+    """run.num_threads above the cores this process may use only makes threads wait."""
+    threads = cfg.run.num_threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if threads and cores and threads > cores:
+        log.warning(
+            "run.num_threads is %d but this process may use %d CPU cores: the extra threads only wait for one; set run.num_threads to %d or less (0 = torch's default)",
+            threads,
+            cores,
+            cores,
         )
 
 
@@ -258,7 +348,10 @@ def load_checked_tokenizer(cfg: Any, checked: Preflight) -> tuple[Any, PromptLim
     limit = checked.prompt_limit
     if checked.model.directory is None:  # a hub model not cached yet: fetch config.json
         limit = prompt_limit(cfg, check_model_files(cfg.model, fetch=True))
-    return load_tokenizer(cfg.model), limit
+    tokenizer = load_tokenizer(cfg.model)
+    # what tokenizer.json could not tell (another tokenizer format, a hub model)
+    check_tokenizer_fits(cfg.model.name_or_path, read_model_config(cfg.model), len(tokenizer))
+    return tokenizer, limit
 
 
 def prepare_prompts(
@@ -269,6 +362,7 @@ def prepare_prompts(
     model loads."""
     prompts = load_prompts(cfg.data, tokenizer, cfg.run.seed, limit, first_turn)
     check_micro_batch(prompts.train, cfg)
+    check_reward_cells(cfg, prompts)
     return prompts
 
 
@@ -278,7 +372,7 @@ def check_tokenizer(cfg: Any, checked: Preflight) -> tuple[Any, PromptLimit | No
     transformers or torch, which take seconds to import), else the real one, loaded as the
     set-up loads it and remembered for the next check. Returns it, the prompt limit, and
     which it was."""
-    from leangrpo.model.tokenizer import recall, records_dir, remember
+    from leangrpo.model.tokenizer import records_dir, remember
 
     record = recall(checked.model.directory)
     if record is not None:
@@ -287,6 +381,40 @@ def check_tokenizer(cfg: Any, checked: Preflight) -> tuple[Any, PromptLimit | No
     kept = remember(checked.model.directory, tokenizer)
     how = f"loaded with transformers{f'; its record kept in {records_dir()} for the next check' if kept else ''}"
     return tokenizer, limit, how
+
+
+def check_reward_cells(cfg: Any, prompts: PromptSet) -> None:
+    """Prompts without a value in a column a built-in reward reads (the math reward's
+    answers) leave their completions unscored: counted in one warning, and refused when
+    no train prompt has one."""
+    from leangrpo.rewards import parse_specs
+    from leangrpo.rewards.builtin import columns_read
+
+    for i, spec in enumerate(parse_specs(cfg.rewards)):
+        for column in columns_read(spec.name, spec.kwargs):
+            if column in spec.kwargs:
+                continue
+            reads = f"column {column!r}, which rewards.functions[{i}] ({spec.name}) reads"
+            empty = {
+                split: [p.uid for p in group if p.columns.get(column) is None]
+                for split, group in (("train", prompts.train), ("eval", prompts.eval))
+            }
+            if len(empty["train"]) == len(prompts.train):
+                raise ConfigError(
+                    f"no train prompt has a value in {reads}, so no completion could be scored; fill the column in, or point the reward's kwargs.answer_column at the column that holds the answers."
+                )
+            counts = [f"{len(empty[s])} of {len(g)} {s} prompts (rows {_rows_of(empty[s])})" for s, g in (("train", prompts.train), ("eval", prompts.eval)) if empty[s]]  # fmt: skip
+            if counts:
+                log.warning(
+                    "%s have no value in %s: their completions are left unscored (reward/unscored); fill them in or drop those rows",
+                    " and ".join(counts),
+                    reads,
+                )
+
+
+def _rows_of(uids: list[int], shown: int = 5) -> str:
+    text = ", ".join(str(u) for u in sorted(uids)[:shown])
+    return text + (f" and {len(uids) - shown} more" if len(uids) > shown else "")
 
 
 def check_summary(cfg: Any, checked: Preflight, load_model: bool = False) -> Iterator[str]:
@@ -307,7 +435,10 @@ def check_summary(cfg: Any, checked: Preflight, load_model: bool = False) -> Ite
         prompts = prepare_prompts(cfg, tokenizer, limit, first_turn)
         longest = max(len(p.ids) for p in [*prompts.train, *prompts.eval])
         allowed = f" ({limit.tokens} allowed by {limit.reason})" if limit is not None else ""
-        counts = [(int(prompts.metrics[f"data/{what}_prompts"]), what) for what in ("dropped", "truncated")]
+        counts = [
+            (int(prompts.metrics[f"data/{what}_prompts"]), what)
+            for what in ("dropped", "truncated")
+        ]
         yield (
             f"prompts: {len(prompts.train)} to train on, {len(prompts.eval)} to evaluate; the "
             f"longest has {longest} tokens{allowed}"
@@ -339,7 +470,9 @@ def describe_run_dir(run_dir: RunDir) -> str:
     if run_dir.finished:
         return run_dir.finished
     if run_dir.resume_from is not None:
-        notes = f"; changed settings: {'; '.join(run_dir.config_notes)}" if run_dir.config_notes else ""
+        notes = (
+            f"; changed settings: {'; '.join(run_dir.config_notes)}" if run_dir.config_notes else ""
+        )
         return f"{path}: resumes from {run_dir.resume_from} (step {run_dir.resume_step}, its files verified){notes}"
     if run_dir.replaces:
         return f"{path}: run.overwrite replaces the earlier run there ({', '.join(run_dir.replaces)}) once the new run has written its first checkpoint"

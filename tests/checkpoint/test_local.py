@@ -138,11 +138,53 @@ def test_crash_mid_save_leaves_nothing_loadable(tmp_path: Path, monkeypatch) -> 
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(tmp_path, 2, model, optimizer, scheduler, {}, keep_last=3)
     monkeypatch.undo()
-    leftovers = list((tmp_path / "checkpoints").glob(".tmp-step-2-*"))
-    assert leftovers and latest_checkpoint(tmp_path) == first
+    assert not list((tmp_path / "checkpoints").glob(".tmp-step-2-*"))  # removed at once
+    assert latest_checkpoint(tmp_path) == first
 
+    leftover = tmp_path / "checkpoints" / ".tmp-step-2-killed"  # what a killed save leaves
+    (leftover / "model").mkdir(parents=True)
     save_checkpoint(tmp_path, 3, model, optimizer, scheduler, {}, keep_last=3)
-    assert not any(p.exists() for p in leftovers)  # the next save cleans up
+    assert not leftover.exists()  # the next save cleans up
+
+
+def test_a_full_disk_is_one_sentence_and_leaves_nothing_behind(tmp_path: Path, monkeypatch) -> None:
+    """bad_disk_full.sh: torch's 'enforce fail ... unexpected pos' traceback, a partial
+    .tmp-step-N left filling the disk, and a rerun dying with ENOSPC. Now: refused before
+    writing when the free space is short of the tensors to write; a write that fills the
+    disk all the same is the same sentence, its directory removed; the next save works."""
+    from collections import namedtuple
+
+    from leangrpo.errors import UserError
+
+    model = make_tiny_model()
+    optimizer, scheduler = make_run(model)
+    train_step(model, optimizer, scheduler)  # the optimizer holds its state tensors
+    first = save_checkpoint(tmp_path, 1, model, optimizer, scheduler, {}, keep_last=1)
+    usage = namedtuple("usage", "total used free")
+    needed = ckpt.saved_bytes(model) + ckpt.optimizer_bytes(optimizer)
+    assert needed >= 3 * sum(p.numel() * 4 for p in model.parameters())  # weights + 2 moments
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: usage(1 << 30, 0, needed - 1))
+    with pytest.raises(ckpt.DiskFullError) as err:
+        save_checkpoint(tmp_path, 2, model, optimizer, scheduler, {}, keep_last=1)
+    assert isinstance(err.value, UserError) and "so it was not written" in str(err.value)
+    assert "the checkpoint at step 2 needs at least" in str(err.value)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-1"]
+
+    free = [needed + 1]  # room by the estimate; the write then fills the disk
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: usage(1 << 30, 0, free[0]))
+
+    def fill_the_disk(*args, **kwargs):
+        free[0] = 0
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1 vs 2")
+
+    monkeypatch.setattr(ckpt.torch, "save", fill_the_disk)
+    with pytest.raises(ckpt.DiskFullError, match="filled the disk and was removed"):
+        save_checkpoint(tmp_path, 2, model, optimizer, scheduler, {}, keep_last=1)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-1"]
+    monkeypatch.undo()
+    assert latest_checkpoint(tmp_path) == first
+    save_checkpoint(tmp_path, 2, model, optimizer, scheduler, {}, keep_last=1)  # room again
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2"]
 
 
 def test_crash_before_rename_is_ignored(tmp_path: Path, monkeypatch) -> None:
@@ -181,6 +223,19 @@ def test_keep_last_prunes_and_resave_replaces(tmp_path: Path) -> None:
     save_checkpoint(tmp_path, 4, model, None, None, {"n": 44}, keep_last=2)
     assert sorted(p.name for p in root.iterdir()) == ["step-4"]  # step-5: abandoned history
     assert latest_checkpoint(tmp_path) == root / "step-4"
+
+
+def test_pruning_goes_by_the_step_a_checkpoint_records_not_its_name(tmp_path: Path) -> None:
+    """A checkpoint renamed by hand (step-2 -> step-999) is pruned as the step-2 it is: kept
+    as the newest but one after step 3, not taken for a newer history and deleted."""
+    model = make_tiny_model()
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, model, None, None, {}, keep_last=2)
+    root = tmp_path / "checkpoints"
+    (root / "step-2").rename(root / "step-999")
+    save_checkpoint(tmp_path, 3, model, None, None, {}, keep_last=2)
+    assert sorted(p.name for p in root.iterdir()) == ["step-3", "step-999"]
+    assert latest_checkpoint(tmp_path) == root / "step-3"
 
 
 def test_mismatches_are_clear(tmp_path: Path) -> None:

@@ -22,7 +22,13 @@ import yaml
 
 from leangrpo.checkpoint.manifest import record_files, write_complete
 from leangrpo.checkpoint.overwrite import ASIDE
-from leangrpo.checkpoint.rundir import RunDirError, config_changes, open_run_dir, schedule_horizon
+from leangrpo.checkpoint.rundir import (
+    RunDirError,
+    complete_checkpoints,
+    config_changes,
+    open_run_dir,
+    schedule_horizon,
+)
 from leangrpo.config import config_from_dict
 from leangrpo.preflight import describe_run_dir
 
@@ -91,7 +97,7 @@ def test_lock_names_the_holder_and_dies_with_it(tmp_path: Path) -> None:
     finally:
         holder.send_signal(signal.SIGKILL)  # a crash: no clean-up runs
         holder.wait()
-    deadline = time.time() + 10
+    deadline = time.time() + 60
     while True:  # the OS releases the lock with the process: no stale lock
         try:
             open_run_dir(make_cfg(out)).release()
@@ -618,3 +624,22 @@ def test_a_resume_compares_what_is_sent_by_value_by_its_name_only(tmp_path: Path
     renamed = by_value_cfg(out, "AAAA", "BBBB", "CCCC")
     renamed.rewards.functions[0].name = "other"
     assert "rewards.functions" in refused(renamed)
+
+
+def test_a_renamed_checkpoint_is_taken_at_the_step_it_records(tmp_path: Path, caplog) -> None:
+    """step-2 renamed step-999 made a run with max_steps 3 'already finished at step 999'
+    (the name was trusted over the COMPLETE marker): it resumes at step 2, once warned."""
+    out = tmp_path / "run"
+    fake_checkpoint(out, 1, make_cfg(out))
+    two = fake_checkpoint(out, 2, make_cfg(out))
+    renamed = two.rename(two.with_name("step-999"))
+    assert complete_checkpoints(out / "checkpoints") == [
+        (1, out / "checkpoints" / "step-1"),
+        (2, renamed),
+    ]
+    with caplog.at_level(logging.WARNING, logger="leangrpo"):
+        run_dir = open_run_dir(make_cfg(out, max_steps=3))
+    assert not run_dir.finished
+    assert (run_dir.resume_from, run_dir.resume_step) == (renamed, 2)
+    assert f"checkpoint {renamed} holds step 2" in caplog.text
+    run_dir.release()

@@ -389,3 +389,17 @@ def test_the_hf_kv_budget_must_hold_one_trajectory() -> None:
     with pytest.raises(ConfigError, match=expected):
         load_config(tools, ["rollout.kv_cache_tokens=191"])
     assert load_config(tools, ["rollout.kv_cache_tokens=8", "rollout.engine=vllm"])  # not read
+
+
+def test_float16_full_finetuning_is_refused_with_advice(config_file: Path) -> None:
+    message = error_for(["model.dtype=float16"], config_file)
+    assert "model.dtype: float16 with full fine-tuning" in message
+    assert "float32" in message and "lora.enabled: true" in message
+    cfg = load_config(config_file, ["model.dtype=float16", "lora.enabled=true"])
+    assert cfg.model.dtype == "float16"
+
+
+def test_a_directory_as_data_path_points_to_data_dataset(config_file: Path, tmp_path: Path) -> None:
+    message = error_for([f"data.path={tmp_path}"], config_file)
+    assert f"data.path = '{tmp_path}' is a directory" in message
+    assert f"data.dataset: '{tmp_path}'" in message

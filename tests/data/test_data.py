@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 
@@ -13,7 +14,7 @@ from support.processes import run_python
 from leangrpo.config.run import DataConfig
 from leangrpo.contracts import Prompt
 from leangrpo.data.files import DataError
-from leangrpo.data.prompts import check_data
+from leangrpo.data.prompts import check_chat_rows, check_data
 from leangrpo.data.prompts import load_prompts as load_prompt_set
 from leangrpo.data.sampler import PromptSampler
 from leangrpo.data.templates import TemplateError
@@ -507,3 +508,61 @@ def test_requeue_by_uid_is_what_a_checkpoint_replays():
     assert uids(sampler.next_batch()) == [5, 3]
     with pytest.raises(DataError, match="uid 99"):
         sampler.requeue_uids([99])
+
+
+# ---- bad inputs found before the model loads (issue 38) ------------------------------------
+
+
+def test_eval_size_over_the_rows_is_refused_by_the_cheap_checks(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"q{i}", "answer": "1"} for i in range(3)])
+    with pytest.raises(DataError, match="data.eval_size = 3 leaves no train rows out of 3"):
+        check_data(DataConfig(path=path, eval_size=3))
+    checked = check_data(DataConfig(path=path, eval_size=2))
+    assert checked["data.path"].rows == 3
+
+
+def test_the_columns_of_json_rows_are_their_union(tmp_path):
+    rows = [{"prompt": "q0", "answer": "1"}, {"prompt": "q1", "hint": "h"}]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    assert check_data(DataConfig(path=path))["data.path"].columns == ["prompt", "answer", "hint"]
+    renamed = DataConfig(path=path, column_map={"answer": "solution"})
+    assert check_data(renamed)["data.path"].columns == ["prompt", "solution", "hint"]
+
+
+def test_a_directory_as_data_path_points_to_data_dataset(tmp_path):
+    (tmp_path / "data.jsonl").mkdir()  # DataConfig refuses it too (tests/config)
+    with pytest.raises(DataError, match=r"is a directory.*data.dataset: '"):
+        check_data(unvalidated(DataConfig, path=str(tmp_path / "data.jsonl")))
+
+
+def strict_template(tokenizer):
+    strict = copy.deepcopy(tokenizer)
+    strict.chat_template = (
+        "{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+        "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+        "<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endfor %}"
+    )
+    return strict
+
+
+def bot_row_file(tmp_path) -> str:
+    rows = [{"prompt": [{"role": "user", "content": "q1"}]}] * 3
+    rows.append({"prompt": [{"role": "bot", "content": "q2"}]})
+    return write_jsonl(tmp_path / "chat.jsonl", rows)
+
+
+def test_a_row_the_chat_template_refuses_is_named(tmp_path, tokenizer):
+    """bad_chat_role_traceback.sh: a jinja2 TemplateError traceback naming neither the file
+    nor the row, at the set-up; preflight.py finds it before torch with the tokenizer's
+    record (`check_chat_rows`), the set-up with the tokenizer (`load_prompts`)."""
+    path = bot_row_file(tmp_path)
+    cfg = DataConfig(path=path, chat_template=True)
+    for check in (load_prompts, check_chat_rows):
+        with pytest.raises(DataError) as err:
+            check(cfg, strict_template(tokenizer))
+        message = str(err.value)
+        assert (
+            f"data.path = '{path}' row 3: the chat template cannot render its messages" in message
+        )
+        assert "roles 'bot'" in message and "unknown role bot" in message and "\n" not in message
+    check_chat_rows(cfg, tokenizer)  # a template that takes any role

@@ -45,8 +45,7 @@ def assert_case_equal(name: str, got: dict, want: dict) -> None:
 
 @pytest.mark.slow
 def test_two_context_ranks_equal_one_process_and_a_killed_rank_stops_the_other(tmp_path):
-    ranks = launch(tmp_path, "exact+kill", str(tmp_path), "2", world_size=2, worker=WORKER,
-                   limit_s=300.0)  # fmt: skip
+    ranks = launch(tmp_path, "exact+kill", str(tmp_path), "2", world_size=2, worker=WORKER)
     rank0, rank1 = ranks
     assert rank1.code == -9, rank1.log[-3000:]  # it killed itself inside the all-to-all
     results = torch.load(tmp_path / "exact.pt", weights_only=False)
@@ -64,11 +63,12 @@ def test_two_context_ranks_equal_one_process_and_a_killed_rank_stops_the_other(t
     assert not list(tmp_path.glob("finished-*"))
 
 
+@pytest.mark.exact
 @pytest.mark.slow
 def test_data_by_context_parallel_mesh_equals_one_process_and_resumes_exactly(tmp_path):
     few = "full/plain/grpo-kl-is,lora/prefix-multiturn/cispo"
     ranks = launch(tmp_path, f"exact:{few}+resume", str(tmp_path), "2", world_size=4,
-                   worker=WORKER, limit_s=420.0)  # fmt: skip
+                   worker=WORKER)  # fmt: skip
     for r, rank in enumerate(ranks):
         assert rank.code == 0, f"rank {r}:\n{rank.log[-3000:]}"
     results = torch.load(tmp_path / "exact.pt", weights_only=False)

@@ -199,7 +199,7 @@ def test_no_parameter_of_policy_or_reference_stays_gathered_between_passes(tmp_p
     on every rank for the whole run, and the policy kept it until its first backward
     (under shard_grad_op every unit stayed gathered). After the no-grad passes and after
     every step, every parameter of both is a shard again, under every strategy."""
-    assert_ok(launch(tmp_path, "reshard", "-", str(tmp_path), limit_s=240.0))
+    assert_ok(launch(tmp_path, "reshard", "-", str(tmp_path)))
     for rank, seen in enumerate(torch.load(tmp_path / "reshard.pt", weights_only=False)):
         assert sorted(seen) == ["full_shard", "no_shard", "shard_grad_op"]
         for sharding, stages in seen.items():
@@ -216,7 +216,7 @@ def test_a_checkpoint_missing_a_ranks_files_is_never_marked_complete(tmp_path):
     missing files, and no COMPLETE marker exists."""
     import pickle
 
-    ranks = launch(tmp_path, "unshared", "-", str(tmp_path), limit_s=120.0)
+    ranks = launch(tmp_path, "unshared", "-", str(tmp_path))
     assert [rank.code for rank in ranks] == [1, 1]  # a failure inside ctx.phase is fatal
     rank0, rank1 = (pickle.loads((tmp_path / f"unshared-{r}.pt").read_bytes()) for r in (0, 1))
     assert rank0["markers"] == rank1["markers"] == []
@@ -263,7 +263,7 @@ def test_missing_rank_files_are_named_from_the_dcp_metadata(tmp_path):
 @pytest.mark.parametrize("how", ["raise", "kill", "hang"])
 def test_a_failing_rank_stops_the_other_with_one_line(tmp_path, how):
     timeout_s = 10.0
-    ranks = launch(tmp_path, "fail", how, str(tmp_path), str(timeout_s), limit_s=120.0)
+    ranks = launch(tmp_path, "fail", how, str(tmp_path), str(timeout_s))
     rank0, rank1 = ranks
     assert rank1.code != 0
     assert rank0.code == 1, rank0.log[-3000:]

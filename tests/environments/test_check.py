@@ -98,7 +98,7 @@ def check_in_a_fresh_process(cfg: dict, model_dir, cache) -> list[str]:
 
     env = {**os.environ, "LEANGRPO_CACHE": str(cache)}
     out = subprocess.run([sys.executable, "-c", CHECK, json.dumps(cfg), str(model_dir)],
-                         capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+                         capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout.splitlines()
 

@@ -20,10 +20,11 @@ from support.processes import run_cli
 
 
 def test_help_is_fast():
-    t0 = time.perf_counter()
-    out = run_cli("--help")
+    """Instant because it imports no torch (checked as such: a bound on the wall clock
+    decided the verdict on a loaded machine)."""
+    out = run_cli("--help", probe=True)
     assert out.returncode == 0 and "train" in out.stdout
-    assert time.perf_counter() - t0 < 2.0
+    assert out.stdout.strip().endswith("torch imported: False")
 
 
 def test_train_help_and_a_missing_config_do_not_import_torch(tmp_path):
@@ -285,7 +286,7 @@ SHORT_DEMO = [
 def train_demo(out: Path, *overrides: str, probe: bool = False) -> subprocess.CompletedProcess:
     extra = [x for o in overrides for x in ("--set", o)]
     args = ["train", "examples/demo.yaml", "--set", f"run.output_dir={out}", *SHORT_DEMO, *extra]
-    return run_cli(*args, probe=probe, timeout=300)
+    return run_cli(*args, probe=probe)
 
 
 def metric_steps(out: Path) -> list[int]:
@@ -576,14 +577,14 @@ def test_ctrl_c_ends_the_run_promptly_without_orphans(tmp_path, mode):
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.time() + 120  # until the reward is in flight: its `sleep 301` runs
+    deadline = time.time() + 600  # until the reward is in flight: its `sleep 301` runs
     while time.time() < deadline and not sleeping(proc.pid) and proc.poll() is None:
         time.sleep(0.2)
     assert sleeping(proc.pid), "the reward was never called"
     children = psutil.Process(proc.pid).children(recursive=True)
     proc.send_signal(signal.SIGINT)
-    try:  # a hang guard, far below the reward's 300 s: the run does not wait for it
-        _, stderr = proc.communicate(timeout=60)
+    try:  # a hang guard, below the reward's 300 s: the run does not wait for it
+        _, stderr = proc.communicate(timeout=200)
     except subprocess.TimeoutExpired:
         proc.kill()  # (not communicate(): orphans would hold its stderr open)
         proc.wait()
@@ -632,7 +633,7 @@ def start_demo(out: Path, sets: dict, script: str | None = None) -> subprocess.P
     )  # fmt: skip
 
 
-def wait_for_step(proc: subprocess.Popen, out: Path, step: int, limit_s: float = 120) -> None:
+def wait_for_step(proc: subprocess.Popen, out: Path, step: int, limit_s: float = 600) -> None:
     """Until metrics.jsonl has a row for `step` (the run is training)."""
     metrics, deadline = out / "metrics.jsonl", time.monotonic() + limit_s
     while proc.poll() is None and time.monotonic() < deadline:
@@ -671,7 +672,7 @@ def test_sigterm_saves_the_step_it_reached_and_the_resumed_run_equals_the_straig
     proc = start_demo(out, sets)
     wait_for_step(proc, out, 3)
     proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=60)
+    _, stderr = proc.communicate(timeout=300)  # a hang guard
     assert proc.returncode == 143, stderr[-3000:]
     line = stderr.strip().splitlines()[-1]
     found = STOPPED.match(line)
@@ -707,7 +708,7 @@ def slow(model, directory, for_resume):
     real(model, directory, for_resume)
     if stopping._active is not None and stopping._active.requested:  # the stop's save
         Path(os.environ["LEANGRPO_TEST_MARK"]).write_text(str(Path(directory).parent))
-        time.sleep(120)
+        time.sleep(600)
 
 checkpoint.save_model_weights = slow
 sys.exit(main(sys.argv[1:]))
@@ -730,13 +731,13 @@ def test_a_second_sigterm_during_the_stop_checkpoint_exits_at_once_leaving_the_l
     wait_for_step(proc, out, 3)
     proc.send_signal(signal.SIGTERM)
     first = time.monotonic()
-    while not mark.exists() and proc.poll() is None and time.monotonic() < first + 60:
+    while not mark.exists() and proc.poll() is None and time.monotonic() < first + 300:
         time.sleep(0.02)
     assert mark.exists(), proc.communicate()[1][-3000:]
     half = Path(mark.read_text())  # the stop checkpoint's directory, model files written
     time.sleep(max(0.0, first + 1.5 - time.monotonic()))  # past the repeat window
     proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=20)  # the save sleeps 120 s: it did not wait
+    _, stderr = proc.communicate(timeout=300)  # the save sleeps 600 s: it did not wait
     assert proc.returncode == 143, stderr[-3000:]
     assert stderr.strip().splitlines()[-1] == (
         "leangrpo: second SIGTERM: exiting now; the last complete checkpoint is intact"
@@ -917,3 +918,21 @@ def test_eval_of_a_multi_turn_run_scores_its_trajectories_as_the_run_did(tmp_pat
     figures = {k: v for k, v in row.items() if k.startswith("eval/") and not k.endswith(timing)}
     logged = {k: v for k, v in logged_eval(out, 1).items() if not k.endswith(timing)}
     assert figures == logged and "eval/multiturn/turns" in figures
+
+
+def test_a_full_disk_outside_a_checkpoint_is_one_sentence(monkeypatch, capsys):
+    """A write that meets ENOSPC (metrics.jsonl, a rewritten log at a resume) ended in an
+    OSError traceback; checkpoints say it themselves (tests/checkpoint/test_local.py)."""
+    import errno
+    import os
+
+    from leangrpo import cli
+
+    def full(args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/run/metrics.jsonl")
+
+    monkeypatch.setattr(cli, "_dispatch", full)
+    assert cli.main(["report", "/run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("leangrpo: error: no space left on the disk writing /run/metrics.jsonl")
+    assert "\n" not in err and "Traceback" not in err

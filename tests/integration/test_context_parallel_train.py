@@ -93,7 +93,7 @@ def test_async_at_staleness_0_stopped_and_resumed_equals_sync(runs, tmp_path):
     try:
         wait_for_logged_step(procs, metrics, 4)
         os.kill(procs[1].pid, signal.SIGTERM)  # one rank; the other learns at the boundary
-        codes = [p.wait(timeout=120) for p in procs]
+        codes = [p.wait(timeout=600) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:

@@ -113,7 +113,7 @@ def test_a_killed_two_rank_run_resumes_exactly(runs):
     cfg = demo_config(tmp / "killed", mode, 2)
     proc = torchrun(cfg)
     marker = tmp / "killed" / "checkpoints" / "step-3" / "COMPLETE"
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + 900  # a hang guard
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     kill_tree(proc)  # the agent and both ranks at once
@@ -128,7 +128,7 @@ def test_a_killed_two_rank_run_resumes_exactly(runs):
     out = subprocess.run(
         [sys.executable, "-m", "leangrpo", "train", str((tmp / "killed").with_suffix(".yaml")),
          "--set", f"run.max_steps={STEPS + 2}"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert out.returncode == 2, out.stderr[-2000:]
     line = out.stderr.strip().splitlines()[-1]
@@ -223,7 +223,7 @@ def test_a_killed_rank_stops_the_other_with_one_line_and_no_orphans(tmp_path):
     procs, logs = start_ranks(cfg, tmp_path)
     metrics = tmp_path / "run" / "metrics.jsonl"
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 900  # a hang guard
         while time.monotonic() < deadline and all(p.poll() is None for p in procs):
             if metrics.exists() and metrics.read_text().count('"loss"') >= 2:
                 break
@@ -233,9 +233,9 @@ def test_a_killed_rank_stops_the_other_with_one_line_and_no_orphans(tmp_path):
         assert family, "no reward worker found under the ranks"
         killed_at = time.monotonic()
         os.kill(procs[1].pid, signal.SIGKILL)
-        procs[0].wait(timeout=timeout_s + 30)
+        procs[0].wait(timeout=timeout_s + 300)  # a hang guard
         took = time.monotonic() - killed_at
-        procs[1].wait(timeout=10)
+        procs[1].wait(timeout=60)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -245,12 +245,13 @@ def test_a_killed_rank_stops_the_other_with_one_line_and_no_orphans(tmp_path):
             log.close()
     rank0 = (tmp_path / "rank0.log").read_text()
     assert procs[0].returncode == 1, rank0[-3000:]
-    assert took <= timeout_s, f"rank 0 took {took:.1f} s to stop"
+    # the watch's timeout, then the exit (gloo's own timeout would be 30 min): a liveness bound
+    assert took <= timeout_s + 60, f"rank 0 took {took:.1f} s to stop"
     lines = [x for x in rank0.splitlines() if x.startswith("leangrpo: error:")]
     assert len(lines) == 1, rank0[-3000:]
     assert "rank 1 (in " in lines[0] and "stopped answering" in lines[0], lines[0]
     assert any(f"during {p}" in lines[0] for p in ("generate", "score", "train", "sync")), lines[0]
-    deadline = time.monotonic() + 10  # reward workers notice their parent's death within ~1 s
+    deadline = time.monotonic() + 60  # reward workers notice their parent's death within ~1 s
     while any(is_alive(pid) for pid in family) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [pid for pid in family if is_alive(pid)], "processes outlived the run"
@@ -277,7 +278,7 @@ def test_sigterm_stops_every_rank_at_one_step_with_its_checkpoint_and_resumes_ex
         try:
             wait_for_logged_step(procs, metrics, 4)
             os.kill(procs[1].pid, signal.SIGTERM)
-            codes = [p.wait(timeout=120) for p in procs]
+            codes = [p.wait(timeout=600) for p in procs]
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -294,7 +295,7 @@ def test_sigterm_stops_every_rank_at_one_step_with_its_checkpoint_and_resumes_ex
         try:
             wait_for_logged_step([proc], metrics, 4)
             proc.send_signal(signal.SIGTERM)  # the agent: it forwards SIGTERM to each rank
-            proc.wait(timeout=120)  # torchrun SIGKILLs ranks still there after 30 s
+            proc.wait(timeout=600)  # torchrun SIGKILLs ranks still there after 30 s
         finally:
             if proc.poll() is None:
                 kill_tree(proc)
@@ -320,13 +321,13 @@ def test_per_rank_producers_stop_together_when_one_waits_in_an_exchange(tmp_path
     so both threads end at once instead of rank 0's waiting for distributed.timeout_s."""
     from support.ranks import assert_ok, launch
 
-    assert_ok(launch(tmp_path, "stop", "-", str(tmp_path), limit_s=120.0))
+    assert_ok(launch(tmp_path, "stop", "-", str(tmp_path)))
     rank0, rank1 = torch.load(tmp_path / "stop.pt", weights_only=False)
     assert rank0["entered"] == 1 and rank1["entered"] == 0  # the situation under test
     assert rank0["groups"] == rank1["groups"] == 2  # batch 0: both shares, on both ranks
     for seen in (rank0, rank1):
         assert not seen["alive"] and seen["error"] == "None", seen
-        assert seen["took"] < 10.0, seen  # without the abort: the 30 s join, then a hang
+        assert seen["took"] < 25.0, seen  # without the abort: the 30 s join, then a hang
 
 
 @pytest.mark.slow
@@ -339,7 +340,7 @@ def test_per_rank_producers_stop_when_a_share_of_the_last_batch_fails(tmp_path):
     then aborting (SIGABRT) on the gloo operation still pending at exit."""
     from support.ranks import assert_ok, launch
 
-    assert_ok(launch(tmp_path, "stop_mid_batch", "-", str(tmp_path), limit_s=150.0))
+    assert_ok(launch(tmp_path, "stop_mid_batch", "-", str(tmp_path)))
     rank0, rank1 = torch.load(tmp_path / "stop_mid.pt", weights_only=False)
     for case in ("closed", "failed"):
         assert rank0[case]["entered"] == rank1[case]["entered"] == 1, case  # the situation
@@ -347,7 +348,8 @@ def test_per_rank_producers_stop_when_a_share_of_the_last_batch_fails(tmp_path):
         assert "injected reward failure" in rank1["failed"]["error"]
         for seen in (rank0[case], rank1[case]):
             assert not seen["alive"], (case, seen)
-            assert seen["took"] < 10.0, (case, seen)  # rank 1 generates for 5 s in "closed"
+            # rank 1 generates for 5 s in "closed"; without the abort: the 30 s join
+            assert seen["took"] < 25.0, (case, seen)
         assert rank0[case]["error"] == "None", rank0[case]
 
 
@@ -376,7 +378,7 @@ def test_no_rank_holds_more_than_one_full_copy_during_set_up(tmp_path):
 
     from support.ranks import assert_ok, launch
 
-    assert_ok(launch(tmp_path, "setup_memory", "-", str(tmp_path), limit_s=240.0))
+    assert_ok(launch(tmp_path, "setup_memory", "-", str(tmp_path)))
     for rank in range(2):
         seen = pickle.loads((tmp_path / f"setup-{rank}.pt").read_bytes())
         for mode, sharded_models in (("full_sync", 2), ("lora_async", 1)):

@@ -71,6 +71,7 @@ class CrashAt(Trainer):
             raise _Crash
 
 
+@pytest.mark.exact
 def test_the_tool_demo_trains_on_trajectories_and_resumes_exactly_inside_a_batch(tmp_path):
     straight = Trainer(config_from_dict(tools_run(tmp_path / "a")))
     before = params(straight)
@@ -102,6 +103,7 @@ def test_the_tool_demo_trains_on_trajectories_and_resumes_exactly_inside_a_batch
         assert max_abs_diff(after, params(resumed)) == 0.0, mode
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize(
     "scheduling",
     [
@@ -175,7 +177,7 @@ def cli_with_test_modules(*args: str):
     """The CLI with tests/ on the path (for `support.environments`)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
     code = "import sys\nfrom leangrpo.cli import main\nsys.exit(main(sys.argv[1:]))\n"
-    return run_python(code, *args, timeout=120, env=env)
+    return run_python(code, *args, env=env)
 
 
 def test_a_template_that_ignores_the_tools_is_refused_in_one_line(tmp_path):
@@ -184,7 +186,7 @@ def test_a_template_that_ignores_the_tools_is_refused_in_one_line(tmp_path):
     if missing_reason() is not None:
         pytest.skip(missing_reason())
     cfg = tools_run(tmp_path / "run", model={"name_or_path": str(smollm2_dir())})
-    result = run_cli("train", str(write_config(tmp_path, cfg)), timeout=120)
+    result = run_cli("train", str(write_config(tmp_path, cfg)))
     assert result.returncode == 2, result.stderr[-2000:]
     assert "ignores tools=" in result.stderr and "chatml-hermes" in result.stderr
 

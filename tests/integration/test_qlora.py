@@ -248,6 +248,7 @@ def test_requantizing_the_checkpoint_is_deterministic_and_the_adapter_reloads(ql
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from leangrpo.checkpoint.local import save_final_model
+    from leangrpo.model.policy import own_aligned_memory
 
     policy = qlora.policy
     final = save_final_model(tmp_path, policy.model, qlora.tokenizer)
@@ -262,6 +263,7 @@ def test_requantizing_the_checkpoint_is_deterministic_and_the_adapter_reloads(ql
     for module in base.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
+    own_aligned_memory(base)  # laid out as the trainer's policy: same bytes, same kernels
     mine = {k: v for k, v in policy.model.state_dict().items() if "lora_" not in k}
     theirs = PeftModel.from_pretrained(base, final).eval()
     other = {k: v for k, v in theirs.state_dict().items() if "lora_" not in k}

@@ -112,7 +112,7 @@ def test_the_final_adapter_of_a_bfloat16_run_reloads_to_the_trained_policy(tmp_p
 # -- torchrun ---------------------------------------------------------------------------------
 
 
-def torchrun(cfg: dict, limit_s: float = 300.0) -> str:
+def torchrun(cfg: dict, limit_s: float = 900.0) -> str:
     """`torchrun --standalone --nproc_per_node 2 -m leangrpo train`; its log (exit 0)."""
     path = Path(cfg["run"]["output_dir"]).with_suffix(".yaml")
     path.parent.mkdir(parents=True, exist_ok=True)

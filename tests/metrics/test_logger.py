@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import logging
 import math
 import types
 from pathlib import Path
@@ -130,6 +131,36 @@ def test_non_terminal_prints_a_compact_line_every_tenth(tmp_path: Path) -> None:
     assert lines[-1].startswith("step 20/20 | ")
     assert lines[-1].endswith("| eval 0.125  reward 0.2  loss 0.5")
     assert "other/x" not in out.getvalue() and "eta" in lines[0]
+
+
+def test_the_last_line_shows_the_final_evaluation(tmp_path: Path) -> None:
+    """The final evaluation is logged after the last step's own row: the last compact line
+    showed the evaluation before it (0.709 at step 15 for a run whose last was 1.069)."""
+    console, out = quiet_console(terminal=False)
+    with MetricsLogger(tmp_path, ["jsonl"], True, 15, console=console) as logger:
+        logger.log(0, {"eval/reward": 0.25})
+        for step in range(1, 16):
+            logger.log(step, {"loss": 0.5, **({"eval/reward": 0.709} if step == 10 else {})})
+        logger.log(15, {"eval/reward": 1.069})  # Trainer.finish
+    lines = out.getvalue().splitlines()
+    assert lines[-1].startswith("step 15/15 | ") and "eval 1.069" in lines[-1]
+    assert sum(line.startswith("step 15/15") for line in lines) == 1
+
+
+def test_a_resume_says_how_many_rows_past_its_checkpoint_it_dropped(tmp_path: Path, caplog) -> None:
+    console, _ = quiet_console()
+    with MetricsLogger(tmp_path, ["jsonl"], False, 10, console=console) as logger:
+        for step in range(6):
+            logger.log(step, {"loss": float(step)})
+        logger.log(5, {"eval/reward": 1.0})
+    with caplog.at_level(logging.INFO, logger="leangrpo"):
+        MetricsLogger(tmp_path, ["jsonl"], False, 10, resume_step=3, console=console).close()
+    (line,) = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert line.startswith("resuming at step 3: dropped 3 metrics row(s) logged after that")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="leangrpo"):
+        MetricsLogger(tmp_path, ["jsonl"], False, 10, resume_step=3, console=console).close()
+    assert "dropped" not in caplog.text  # nothing past the checkpoint: nothing said
 
 
 def test_progress_bar_off_prints_nothing(tmp_path: Path) -> None:

@@ -118,7 +118,7 @@ def test_the_dashboard_is_a_grid_with_a_page_beside_it(tmp_path):
 def test_report_help_says_where_the_files_go():
     from support.processes import run_cli
 
-    out = run_cli("report", "--help", timeout=60)
+    out = run_cli("report", "--help")
     assert out.returncode == 0 and "RUN_DIR/report.png" in out.stdout
     assert "RUN_DIR/report.html" in out.stdout
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 from pathlib import Path
 
@@ -117,3 +118,50 @@ def test_context_length_reads_text_config_and_rope_scaling() -> None:
         131072
     )
     assert context_length({"hidden_size": 8}) == (None, "")
+
+
+# -- what the weights and the tokenizer must agree on (issue 38) ----------------------------
+
+
+def run_cfg(model_dir: Path, *overrides: str):
+    from support.configs import DEMO_YAML
+
+    from leangrpo.config import load_config
+
+    return load_config(DEMO_YAML, [f"model.name_or_path={model_dir}", *overrides])
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused_from_its_file(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    from support.configs import ROOT
+
+    from leangrpo.model.files import check_model_fits
+
+    cfg = run_cfg(model_dir)
+    check_model_fits(cfg, check_model_files(cfg.model))  # the demo's own tokenizer fits
+    shutil.copy(ROOT / "examples" / "tools_demo" / "model" / "tokenizer.json", model_dir)
+    with pytest.raises(ModelFilesError) as err:
+        check_model_fits(cfg, check_model_files(cfg.model))
+    assert "has 105 tokens (ids up to 104) but the model has only 32 embedding rows" in str(
+        err.value
+    )
+
+
+def test_lora_targets_the_weights_lack_are_refused_naming_the_modules(model_dir: Path) -> None:
+    from leangrpo.model.files import check_model_fits
+
+    cfg = run_cfg(model_dir, "lora.enabled=true", "lora.target_modules=[foo_proj, self_attn]")
+    with pytest.raises(ModelFilesError) as err:
+        check_model_fits(cfg, check_model_files(cfg.model))
+    message = str(err.value)
+    assert "names no module of the model" in message and "\n" not in message
+    assert "q_proj" in message and "down_proj" in message
+    for fine in (
+        "[q_proj, foo_proj]",
+        "[self_attn.v_proj]",
+        "[layers.0.mlp.up_proj]",
+        "all-linear",
+    ):
+        cfg = run_cfg(model_dir, "lora.enabled=true", f"lora.target_modules={fine}")
+        check_model_fits(cfg, check_model_files(cfg.model))

@@ -251,3 +251,67 @@ def test_an_adapter_on_a_module_scoring_bypasses_is_refused():
     logp.sum().backward()
     trainable = [(n, p) for n, p in policy.model.named_parameters() if p.requires_grad]
     assert trainable and all(p.grad is not None and p.grad.abs().max() > 0 for _, p in trainable)
+
+
+def test_lora_targets_the_model_lacks_are_one_sentence_at_load():
+    """What the cheap check (model/files.py) cannot see, a hub model or .bin weights: peft's
+    NoMatchingPeftModuleError traceback became one sentence naming the linear modules."""
+    from leangrpo.config import ConfigError, config_from_dict
+    from leangrpo.model.policy import build_policy
+
+    cfg = config_from_dict(minimal_run(lora={"enabled": True, "target_modules": ["foo_proj"]}))
+    with pytest.raises(ConfigError) as err:
+        build_policy(make_tiny_model("qwen2"), cfg, None, torch.device("cpu"))
+    message = str(err.value)
+    assert message.startswith("lora.target_modules = ['foo_proj'] cannot be adapted")
+    assert "linear modules are named" in message and "q_proj" in message and "\n" not in message
+
+
+def test_float16_full_finetuning_is_refused_at_load_where_auto_resolves_to_it():
+    """model.dtype: auto is float16 on a GPU without bfloat16; config/root.py refuses an
+    explicit float16 before anything loads."""
+    from leangrpo.config import ConfigError, config_from_dict
+    from leangrpo.model.policy import refuse_float16_full_finetuning
+
+    cfg = config_from_dict(minimal_run())
+    with pytest.raises(ConfigError, match="resolves to float16 on this device"):
+        refuse_float16_full_finetuning(cfg, torch.float16)
+    refuse_float16_full_finetuning(cfg, torch.bfloat16)
+    lora = config_from_dict(minimal_run(lora={"enabled": True}))
+    refuse_float16_full_finetuning(lora, torch.float16)
+
+
+@pytest.mark.exact
+def test_a_loaded_policy_decodes_as_a_copy_of_it_does_bitwise():
+    """transformers leaves CPU weights in the memory-mapped safetensors file, where the tool
+    demo's tensors start 40 bytes past a 64-byte boundary; oneMKL's one-row products (every
+    decode step) round by the weights' alignment, so the async engine's copy of the model
+    decoded other behaviour log-probs than the trainer's own model (sync) and async at
+    staleness 0 did not equal sync. The loaded policy's tensors are aligned as a copy's."""
+    from transformers import AutoModelForCausalLM
+
+    from leangrpo.config import config_from_dict
+    from leangrpo.model.policy import ALIGNMENT_BYTES, load_policy, load_tokenizer
+    from leangrpo.rollout.hf.engine import HFEngine
+
+    name = str(Path(__file__).resolve().parents[2] / "examples" / "tools_demo" / "model")
+    mapped = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
+    assert any(p.data_ptr() % ALIGNMENT_BYTES for p in mapped.parameters())  # the case
+    cfg = config_from_dict(minimal_run(model={"name_or_path": name, "dtype": "float32"}))
+    tokenizer = load_tokenizer(cfg.model)
+    policy = load_policy(cfg, tokenizer, torch.device("cpu"))
+    model = policy.model
+    assert all(t.data_ptr() % ALIGNMENT_BYTES == 0 for t in [*model.parameters(), *model.buffers()])
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    prompts = [
+        Prompt(i, "", tokenizer(text).input_ids) for i, text in enumerate(["12+30=", "7+5="])
+    ]
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=3)
+    decoded = [  # one row per forward (the multi-turn batch-invariant mode): M = 1
+        [(c.ids, c.logprobs) for group in engine.generate(prompts, params, 1, 0) for c in group]
+        for engine in (
+            HFEngine(model, tokenizer, max_batch_size=1),  # sync: the trainer's model
+            HFEngine(model, tokenizer, max_batch_size=1, share_weights=False),  # async: a copy
+        )
+    ]
+    assert decoded[0] == decoded[1]

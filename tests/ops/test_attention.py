@@ -347,11 +347,11 @@ def test_padded_view_state_is_per_model_copy():
     twin_padded, model_done = threading.Event(), threading.Event()
 
     def model_waits(*_):
-        twin_padded.wait(10)
+        twin_padded.wait(60)
 
     def twin_waits(*_):
         twin_padded.set()
-        model_done.wait(10)
+        model_done.wait(60)
 
     hooks = [
         model.qkv.register_forward_hook(model_waits),

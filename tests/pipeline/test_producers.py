@@ -177,7 +177,7 @@ def test_a_crashing_producer_ends_the_run_promptly():
     t0 = time.perf_counter()
     with pytest.raises(RuntimeError, match="generator crashed"):
         consume(producer, 10)
-    assert time.perf_counter() - t0 < 5
+    assert time.perf_counter() - t0 < 60  # not the stall timeout (600 s): a liveness bound
     producer.close()
     assert not any(t.name == "leangrpo-producer" and t.is_alive() for t in threading.enumerate())
 

@@ -171,12 +171,12 @@ def test_cli_plans_without_importing_torch(tmp_path):
         "import sys; from leangrpo.cli import main; code = main(sys.argv[1:]); "
         "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(code)"
     )
-    out = run_python(probe, "plan", str(path), "--tokens", "2048", "--world-size", "1", timeout=60)
+    out = run_python(probe, "plan", str(path), "--tokens", "2048", "--world-size", "1")
     assert out.returncode == 0, out.stderr
     assert "one micro-batch of 2048 tokens" in out.stdout
     assert all(f"  {term} " in out.stdout for term in (*TERMS, "total"))
     (model / "config.json").write_text(json.dumps({**QWEN25_15B, "model_type": "mamba"}))
-    out = run_cli("plan", str(path), timeout=60)
+    out = run_cli("plan", str(path))
     assert out.returncode == 2 and "model_type 'mamba'" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
 
@@ -227,7 +227,7 @@ def test_prompts_are_planned_within_the_models_positions(tmp_path):
         planned_prompt_tokens(config_from_dict(too_long))
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(minimal_run(model={"name_or_path": str(model)})))
-    out = run_cli("plan", str(path), "--prompt-tokens", "512", timeout=60)
+    out = run_cli("plan", str(path), "--prompt-tokens", "512")
     assert out.returncode == 2 and "does not fit" in out.stderr and "Traceback" not in out.stderr
 
 
@@ -273,7 +273,7 @@ def test_plan_into_a_reader_that_stops_early_ends_quietly(tmp_path):
 
     out = subprocess.run(
         f"{sys.executable} -m leangrpo plan {path} | head -1",
-        shell=True, capture_output=True, text=True, timeout=60,
+        shell=True, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert out.stdout.startswith("memory plan")
     assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr
@@ -325,7 +325,7 @@ def test_cli_plans_context_parallelism_and_the_longest_sequence(tmp_path):
                       distributed={"context_parallel_size": 2})  # fmt: skip
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    out = run_cli("plan", str(path), "--world-size", "4", "--memory", "40", timeout=60)
+    out = run_cli("plan", str(path), "--world-size", "4", "--memory", "40")
     assert out.returncode == 0, out.stderr
     assert "4 ranks, each row split over 2 context-parallel ranks" in out.stdout
     assert "  all_to_all " in out.stdout

@@ -74,19 +74,24 @@ def user_module(tmp_path_factory):
     return path
 
 
-def cfg(*functions, timeout_s=1.0, num_workers=2, fail_fast=False, **fields):
-    """functions: (name, weight, kwargs) triples."""
+def cfg(*functions, timeout_s=5.0, num_workers=2, fail_fast=False, **fields):
+    """functions: (name, weight, kwargs) triples; the time limit is many times what a
+    call here takes, on a loaded machine too (the slow ones sleep 60 s)."""
     return rewards_section(
         *functions, timeout_s=timeout_s, num_workers=num_workers, fail_fast=fail_fast, **fields
     )
 
 
-def make_samples(texts, answer="42"):
+def make_samples(texts, answer="42", prompt=None):
+    """One prompt per sample, or all of prompt `prompt` (one call: calls never mix prompts)."""
     return [
         RolloutSample(
-            group_id=i // 2,
+            group_id=i // 2 if prompt is None else prompt,
             prompt=Prompt(
-                uid=i, text=f"question {i}", ids=[1], columns={"answer": answer, "level": i}
+                uid=i if prompt is None else prompt,
+                text=f"question {i}",
+                ids=[1],
+                columns={"answer": answer, "level": i},
             ),
             completion=Completion(ids=[1], text=t, logprobs=[0.0], finish_reason="stop", version=0),
         )
@@ -198,7 +203,7 @@ def test_a_list_of_the_wrong_length_stops_at_once_naming_the_function_and_length
     got = 1 if name == "one_value" else 5
     with RewardPool(cfg((f"{user_module}:{name}", 1.0, {}), timeout_s=5.0, num_workers=1)) as pool:
         with pytest.raises(RewardFailedError) as err:
-            pool.score(make_samples(["a", "b", "c", "d"]))
+            pool.score(make_samples(["a", "b", "c", "d"], prompt=0))
         text = str(err.value)
         assert text.startswith(f"reward '{name}' returned {got} values for 4 samples; ")
         assert "returns one reward per completion" in text and "\n" not in text
@@ -261,6 +266,40 @@ def test_failures_of_several_ways_or_of_the_moment_do_not_stop_the_run(user_modu
         samples = make_samples(["sleep", "sleep"])
         metrics = pool.score(samples)
         assert [s.reward for s in samples] == [None, None] and metrics["reward/failures"] == 2
+
+
+def test_a_function_that_times_out_on_every_call_is_not_retried_sample_by_sample(user_module):
+    """bad_reward_always_timeout_slow.sh: a chunk that timed out was retried one sample per
+    call, each its own timeout (17 calls of timeout_s for 16 samples), on every batch. Now
+    after the chunk and 2 samples alone time out, none of its calls having returned, the
+    rest fail as timed out without a call; a slow sample among fast ones is still found."""
+    f = f"{user_module}:slow"
+    with RewardPool(cfg((f, 1.0, {}), timeout_s=0.5, num_workers=1)) as pool:
+        samples = make_samples(["sleep"] * 16, prompt=0)  # one group: one call
+        metrics = pool.score(samples)
+        assert pool._task_ids == 3  # the chunk, then 2 samples alone (not 1 + 16)
+    assert all(s.reward is None for s in samples)
+    assert metrics["reward/slow/timeouts"] == 16 and metrics["reward/slow/failures"] == 16
+    with RewardPool(cfg((f, 1.0, {}), timeout_s=0.5, num_workers=1)) as pool:
+        samples = make_samples(["sleep", "a", "b", "c", "d"])
+        metrics = pool.score(samples)
+    assert [s.reward for s in samples] == [None, 0.5, 0.5, 0.5, 0.5]
+    assert metrics["reward/slow/timeouts"] == 1
+
+
+def test_startup_timeout_bounds_a_built_in_workers_start_too():
+    """rewards.startup_timeout_s 'had no effect on a built-in': it bounds the wait for a
+    worker that scoring needs (math's: a sandboxed process and math-verify's warm-up, far
+    over 10 ms), and its sentence named "importing module ''" for a built-in."""
+    from leangrpo.rewards import RewardSpecError
+
+    quick = cfg(("math", 1.0, {}), num_workers=1, startup_timeout_s=0.01)
+    with RewardPool(quick) as pool, pytest.raises(RewardSpecError) as err:
+        pool.score(make_samples(["42", "41"]))
+    message = str(err.value)
+    assert message.startswith("rewards.functions[0].name = 'math': starting its worker")
+    assert "did not finish within 0.01 s; raise rewards.startup_timeout_s" in message
+    assert "module ''" not in message
 
 
 def test_one_prompts_group_failing_the_same_way_does_not_stop_the_run(user_module):

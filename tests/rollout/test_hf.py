@@ -386,6 +386,7 @@ def test_producer_thread_does_not_race_checkpointed_dropout(tokenizer, prompts):
     assert bad == 0, f"backward used another dropout mask than forward in {bad}/150 steps"
 
 
+@pytest.mark.exact
 def test_a_group_samples_the_same_whichever_prompts_share_its_call(tokenizer, prompts):
     """Per-prompt streams seeded from (seed, version, index in the batch): a torchrun rank
     generating its share (prompt_offset) draws what one process drawing the whole batch
@@ -407,6 +408,7 @@ def turn_requests(prompts, seeds, caps):
     return [TurnRequest(p.ids, s, cap) for p, s, cap in zip(prompts, seeds, caps)]
 
 
+@pytest.mark.exact
 def test_turns_are_generate_with_one_sample_per_request_seed_and_cap(tokenizer, prompts):
     """generate_turns (the multi-turn rollout's call): request i sampled like generate's
     prompt i with n = 1 when its seed is generate's per-prompt seed; one request per

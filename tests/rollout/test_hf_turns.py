@@ -119,6 +119,7 @@ def test_turns_join_and_leave_between_steps_and_sample_as_they_would_alone(model
             )
 
 
+@pytest.mark.exact
 def test_one_row_per_forward_is_bitwise_whatever_the_schedule(model, tokenizer):
     """The batch-invariant mode: per-trajectory timing, rounds, another submission order,
     all the same bits."""

@@ -167,7 +167,7 @@ def test_every_server_gone_is_one_clear_error(servers):
     t0 = time.monotonic()
     with pytest.raises(ServerUnreachable, match="every vLLM server failed"):
         run_turns(engine, range(3), turns=1)
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 60  # no retry loop without end (a liveness bound)
 
 
 def test_router_rules_without_servers():

@@ -8,6 +8,7 @@ trainer's memory, the processes, memory and output."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -24,7 +25,7 @@ from leangrpo.config.environment import EnvironmentConfig
 from leangrpo.contracts import Completion, Prompt, RolloutSample
 from leangrpo.environments.pool import EnvironmentPool
 from leangrpo.rewards import RewardPool
-from leangrpo.sandbox.confine import WORKER_TASKS
+from leangrpo.sandbox.confine import BOX_TASKS
 
 USER = [{"role": "user", "content": "go"}]
 TOOLS = ["attack", "read_env", "leave_processes", "write_file", "where", "connect", "connect_unix",
@@ -38,8 +39,10 @@ def open_pool(level: str, **sandbox) -> EnvironmentPool:
         name="tools",
         tools=[f"support.hostile_tools:{n}" for n in TOOLS],
         num_workers=1,
-        timeout_s=10.0,
-        tool_timeout_s=10.0,
+        # wall-clock bounds far above what any call needs, so that only the limit under
+        # test decides a verdict however busy the machine (a hang still ends, at 120 s)
+        timeout_s=120.0,
+        tool_timeout_s=120.0,
         cpu_time_limit_s=1.0,
         memory_limit_mb=2048,
         sandbox={"level": level, **LIMITS, "pass_env": ["LEANGRPO_TEST_PASSED"], **sandbox},
@@ -90,8 +93,29 @@ def live_with(tag: str) -> list[int]:
 
 
 def worker_tree(pool: EnvironmentPool) -> list[psutil.Process]:
-    """The processes below the worker's launcher (the namespace worker itself, if any)."""
+    """The processes below the worker's launcher: the supervisor, the zygote, the boxes
+    (the trajectories' and the spare ones) and what they started."""
     return psutil.Process(pool._workers[0].pid).children(recursive=True)
+
+
+def settles(condition, seconds: float = 10.0) -> bool:
+    """`condition()` holds within `seconds` (a liveness bound: an ended box's tree is
+    killed and reaped asynchronously)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def zombies(pool: EnvironmentPool) -> list[psutil.Process]:
+    found = []
+    for proc in worker_tree(pool):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                found.append(proc)
+    return found
 
 
 @pytest.mark.parametrize("level", ["namespace", "process"])
@@ -116,7 +140,7 @@ def test_a_namespace_tool_cannot_signal_ptrace_or_read_the_trainer(pools):
     assert found["signal"].startswith("ProcessLookupError")  # the trainer is not in its world
     assert found["mem"].startswith("FileNotFoundError")
     assert found["environ"].startswith("FileNotFoundError")
-    assert found["ptrace"] == "errno 3"  # ESRCH: no such process
+    assert found["ptrace"] == "errno 1"  # EPERM: the system-call filter refuses ptrace
 
 
 def test_a_process_level_tool_cannot_ptrace_or_read_the_trainer(pools):
@@ -144,7 +168,7 @@ def test_no_process_outlives_the_tool_call_that_started_it(pools, level):
     tag = f"3000.{os.getpid()}{time.monotonic_ns() % 10**6}"  # a valid, unique sleep time
     assert call(pool, "leave_processes", tag=tag)[0] == "left"
     assert live_with(tag) == []  # the sleeper and the daemon that left the session
-    assert all(p.status() != psutil.STATUS_ZOMBIE for p in worker_tree(pool))
+    assert settles(lambda: not zombies(pool))
 
 
 def test_a_namespace_tool_writes_only_its_scratch_directory(pools, tmp_path):
@@ -204,10 +228,8 @@ def test_memory_output_and_cpu_limits_are_error_messages_counted(pools, level):
     text, counts = call(pool, "allocate", mb=4096)
     assert text == "error: the tool ran out of memory under the 2048 MB limit (MemoryError)"
     assert counts["tool_limit/memory"] == 1.0 and counts["tool_errors"] == 1.0
-    t0 = time.monotonic()
-    text, counts = call(pool, "flood", mb=64)
-    assert time.monotonic() - t0 < 10.0  # stopped at the limit, far before 64 MB or the timeout
-    assert text == "error: the tool printed more than 65536 bytes"
+    text, counts = call(pool, "flood", mb=4096)  # minutes of printing, were it not stopped
+    assert text == "error: the tool printed more than 65536 bytes"  # not the 10 s timeout
     assert counts["tool_limit/output"] == 1.0
     text, counts = call(pool, "burn", seconds=8)
     assert text == "error: the tool used its CPU time after 1 s" and counts["tool_limit/cpu"] == 1.0
@@ -219,12 +241,13 @@ def test_processes_are_bounded_and_a_fork_bomb_is_an_error_message(pools, level)
     pool = pools(level)
     if not pool.plan.process_limit:
         pytest.skip(f"no process limit at this level here: {pool.plan.describe()}")
+    before = len(worker_tree(pool))
     started = int(call(pool, "fork_count", attempts=64)[0].split()[-1])  # bounded attempts
-    assert 0 < started <= MAX_PROCESSES + WORKER_TASKS < 64
+    assert 0 < started <= MAX_PROCESSES + BOX_TASKS < 64
     text, counts = call(pool, "fork_bomb", attempts=64)
     assert text.startswith(f"error: the tool could not start a process or thread (the limit is {MAX_PROCESSES})")
     assert counts["tool_limit/process"] == 1.0
-    assert len(worker_tree(pool)) <= 1  # the bomb's processes ended with the call
+    assert settles(lambda: len(worker_tree(pool)) <= before)  # the bomb's ended with its box
     assert call(pool, "fork_count", attempts=2)[0] == "forked 2"  # the limit is per call again
 
 

@@ -244,4 +244,19 @@ class KeepsProcess(Environment):
 
     def step(self, turn: ModelTurn) -> StepResult:
         alive = float(self.helper.poll() is None)
-        return StepResult([{"role": "user", "content": "go on"}], turn.index >= 1, metrics={"alive": alive})
+        return StepResult(
+            [{"role": "user", "content": "go on"}], turn.index >= 1, metrics={"alive": alive}
+        )
+
+
+class KeepsHelper(ToolEnvironment):
+    """A tool environment whose trajectory keeps a process reading its stdin (the shape of
+    a REPL per trajectory); its row's `tag` marks the process's command line."""
+
+    def reset(self, messages, row, seed):
+        import subprocess
+        import sys
+
+        self.helper = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()", row["tag"]],
+                                       stdin=subprocess.PIPE)  # fmt: skip
+        return None

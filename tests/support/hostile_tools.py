@@ -206,13 +206,14 @@ def big(mb: int) -> str:
 
 
 def burn(seconds: float) -> str:
-    """Compute for up to `seconds` of wall time.
+    """Compute for up to `seconds` of CPU time (of CPU, not wall, time: on a busy machine
+    a wall-clock loop may never reach the CPU limit it is meant to reach).
 
     Args:
         seconds: How long.
     """
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    end = time.process_time() + seconds
+    while time.process_time() < end:
         pass
     return "burnt"
 
@@ -292,3 +293,252 @@ def flooding_reward(prompts: list, completions: list, **columns) -> list:
 def hermes(tool: str, **arguments) -> str:
     """A tool call as the model writes it (Hermes format)."""
     return "<tool_call>" + json.dumps({"name": tool, "arguments": arguments}) + "</tool_call>"
+
+
+# -- round 5 (issue 36): between calls, between trajectories, the channel ------------------
+
+HOLD_MEMFD = r"""
+import os, sys
+fd = os.memfd_create("held")
+for _ in range(int(sys.argv[1])):
+    os.write(fd, b"\x01" * (1 << 20))  # written, never mapped: RLIMIT_AS does not see it
+print(os.fstat(fd).st_size >> 20, flush=True)
+sys.stdin.read()
+"""
+HOLD_HEAP = r"""
+import sys
+block = bytearray(int(sys.argv[1]) << 20)
+for i in range(0, len(block), 4096):
+    block[i] = 1
+print(len(block) >> 20, flush=True)
+sys.stdin.read()
+"""
+
+
+def hold_memory(memfd_mb: int, processes: int, mb_each: int) -> str:
+    """Hold memory the way RLIMIT_AS never counts: a memfd filled with write() in one
+    process, then `processes` processes of `mb_each` MB each, all at once.
+
+    Args:
+        memfd_mb: MB written into the memfd.
+        processes: How many processes then allocate.
+        mb_each: MB each allocates.
+    """
+    held = []
+    kids = [subprocess.Popen([sys.executable, "-c", HOLD_MEMFD, str(memfd_mb)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)]  # fmt: skip
+    kids += [subprocess.Popen([sys.executable, "-c", HOLD_HEAP, str(mb_each)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for _ in range(processes)]  # fmt: skip
+    for kid in kids:
+        line = kid.stdout.readline().strip()
+        held.append(int(line) if line.isdigit() else 0)
+    for kid in kids:
+        kid.stdin.close()
+        kid.wait()
+    return json.dumps({"held_mb": sum(held), "each": held})
+
+
+def _places() -> list[str]:
+    """HOME/TMPDIR, and /dev/shm unless LEANGRPO_TEST_PLACES says "tmp" (process level)."""
+    places = [os.environ["TMPDIR"]]
+    return places if os.environ.get("LEANGRPO_TEST_PLACES") == "tmp" else [*places, "/dev/shm"]
+
+
+def plant(name: str) -> str:
+    """Leave a file in HOME/TMPDIR and in /dev/shm, and a module-level mark.
+
+    Args:
+        name: The file's name.
+    """
+    for place in _places():
+        _write(os.path.join(place, name))
+    _MARKS.append(name)
+    return "planted"
+
+
+_MARKS: list[str] = []
+
+
+def find(name: str) -> str:
+    """Whether what `plant` left (files, module state) is here.
+
+    Args:
+        name: The file's name.
+    """
+    found = [p for p in _places() if os.path.exists(os.path.join(p, name))]
+    return json.dumps({"files": found, "marks": list(_MARKS)})
+
+
+READ_KEY = """
+import ctypes, errno, sys
+libc = ctypes.CDLL(None, use_errno=True)
+KEYCTL_SEARCH, KEYCTL_READ, SESSION = 10, 11, -3
+kid = libc.syscall(250, KEYCTL_SEARCH, ctypes.c_long(SESSION), b"user", sys.argv[1].encode(), 0)
+if kid < 0:
+    print("search: " + errno.errorcode.get(ctypes.get_errno(), "?"))
+else:
+    buf = ctypes.create_string_buffer(256)
+    n = libc.syscall(250, KEYCTL_READ, kid, buf, 256)
+    print(buf.raw[:n].decode() if n >= 0 else "read: " + errno.errorcode.get(ctypes.get_errno(), "?"))
+"""  # x86-64's keyctl
+
+
+def read_keyring(description: str) -> str:
+    """Search the session keyring for a user key and read it.
+
+    Args:
+        description: The key's description.
+    """
+    done = subprocess.run(
+        [sys.executable, "-c", READ_KEY, description], capture_output=True, text=True
+    )
+    return (done.stdout + done.stderr).strip()
+
+
+NESTED_USERNS = r"""
+import ctypes, errno, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+err = lambda: errno.errorcode.get(ctypes.get_errno(), "?")
+out = {"unshare": "ok" if libc.unshare(0x10000000) == 0 else err()}
+caps = [l.split()[1] for l in open("/proc/self/status") if l.startswith("CapEff")][0]
+out["caps"] = caps
+pid = libc.syscall(56, 0x10000000 | 17, 0, 0, 0, 0)  # clone(CLONE_NEWUSER | SIGCHLD)
+if pid == 0:
+    os._exit(0)
+out["clone"] = "ok" if pid > 0 else err()
+import socket
+try:
+    socket.socket(40, socket.SOCK_STREAM).close()  # AF_VSOCK
+    out["vsock"] = "ok"
+except OSError as e:
+    out["vsock"] = errno.errorcode.get(e.errno, "?")
+print(json.dumps(out))
+"""
+
+
+def nested_userns() -> str:
+    """Make a nested user namespace (unshare, clone) and report the capabilities in it."""
+    done = subprocess.run([sys.executable, "-c", NESTED_USERNS], capture_output=True, text=True)
+    return (done.stdout + done.stderr).strip()
+
+
+def attack_tagged(tag: str) -> str:
+    """Find processes whose command line holds `tag` and try to write to their stdin,
+    read their memory, signal and ptrace them.
+
+    Args:
+        tag: The mark in their command line.
+    """
+    found = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if tag.encode() not in f.read():
+                    continue
+        except OSError:
+            continue
+        pid = int(name)
+        seize = [sys.executable, "-c", PTRACE_SEIZE, str(pid)]
+        found[name] = {
+            "stdin": _attempt(lambda p=pid: _write(f"/proc/{p}/fd/0")),
+            "mem": _attempt(lambda p=pid: _read(f"/proc/{p}/mem")),
+            "signal": _attempt(lambda p=pid: os.kill(p, 0)),
+            "ptrace": subprocess.run(seize, capture_output=True, text=True).stdout.strip(),
+        }
+    return json.dumps(found)
+
+
+def forge_terms() -> str:
+    """Wrap every reply sender this process holds so that step replies carry the reward
+    term 'forged' (what model code run in-process would do to its own worker)."""
+    import gc
+
+    wrapped = 0
+    for obj in gc.get_objects():
+        if hasattr(obj, "send") and hasattr(obj, "sock") and not isinstance(obj, type):
+            send = obj.send
+
+            def forged(message, send=send):
+                ok = message.get("ok") if isinstance(message, dict) else None
+                if isinstance(ok, dict) and "done" in ok:
+                    ok["rewards"] = {"forged": 100.0}
+                return send(message)
+
+            with contextlib.suppress(Exception):
+                obj.send = forged
+                wrapped += 1
+    return f"wrapped {wrapped}"
+
+
+FORGE_FRAME = r"""
+import json, os, struct, sys
+def forge(n):
+    task = fns = None
+    f = sys._getframe()
+    while f is not None:  # a worker that keeps its task in a frame (before issue 36)
+        if "task_id" in f.f_locals and "fns" in f.f_locals:
+            task, fns = f.f_locals["task_id"], f.f_locals["fns"]
+        f = f.f_back
+    frames = [{"t": "result", "values": [1.0] * n, "errors": []}]
+    if task is not None:
+        frames = [{**frames[0], "task": task, "fn": fn} for fn in fns]
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            for message in frames:
+                body = json.dumps(message).encode()
+                os.write(fd, b"LGRW" + struct.pack(">I", len(body)) + body)
+        except OSError:
+            pass
+"""
+
+
+def forking_forger(prompts: list, completions: list, **columns) -> list:
+    """A unit-test reward in HumanEval's pattern (each program in a forked child) whose
+    program for "forge" writes well-formed replies scoring its whole call 1.0 from the
+    forked child; it scores every program 0.0 itself."""
+    for text in completions:
+        pid = os.fork()
+        if pid == 0:
+            if text == "forge":
+                namespace: dict = {}
+                exec(FORGE_FRAME, namespace)
+                namespace["forge"](len(completions))
+            os._exit(0)
+        os.waitpid(pid, 0)
+    return [0.0] * len(completions)
+
+
+def planting_reward(prompts: list, completions: list, **columns) -> list:
+    """'plant' leaves files and module state (1.0); anything else scores 1.0 if it finds
+    what a plant left, else 0.0."""
+    out = []
+    for text in completions:
+        if text == "plant":
+            plant("planted")
+            out.append(1.0)
+        else:
+            found = json.loads(find("planted"))
+            out.append(float(bool(found["files"] or found["marks"])))
+    return out
+
+
+def keyring_reward(prompts: list, completions: list, **columns) -> list:
+    """1.0 if the trainer's session keyring can be read from the call, else 0.0."""
+    return [float(os.environ["LEANGRPO_TEST_KEY_SECRET"] in read_keyring(completions[0]))] * len(
+        completions
+    )
+
+
+def read_file(path: str) -> str:
+    """Read a file's first bytes.
+
+    Args:
+        path: Its path.
+    """
+    return _attempt(lambda: _read(path))

@@ -19,14 +19,19 @@ TORCH_PROBE = (
 )
 
 
+HANG_S = 600  # a hang guard: a CLI run is seconds on 2 quiet cores, several times more under load
+
+
 def run_python(
-    code: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None
+    code: str, *args: str, timeout: float = HANG_S, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     """`python -c code args...`; env replaces the environment when given."""
     return _run(["-c", code, *args], timeout, env)
 
 
-def run_cli(*args: str, timeout: float = 120, probe: bool = False) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, timeout: float = HANG_S, probe: bool = False
+) -> subprocess.CompletedProcess:
     """`python -m leangrpo args...`; probe: through TORCH_PROBE, whose last stdout line is
     `torch imported: True|False`."""
     head = ["-c", TORCH_PROBE] if probe else ["-m", "leangrpo"]

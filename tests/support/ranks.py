@@ -26,7 +26,7 @@ def free_port() -> int:
 def launch(
     out: Path,
     *args: str,
-    limit_s: float = 300.0,
+    limit_s: float = 900.0,  # a hang guard (the ranks take 10-90 s on 2 quiet cores)
     env: dict | None = None,
     world_size: int = 2,
     worker: Path = WORKER,

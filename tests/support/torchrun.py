@@ -33,7 +33,7 @@ def torchrun(cfg: dict, *, nproc: int = 2) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def finish(proc: subprocess.Popen, cfg: dict, limit_s: float = 300.0) -> str:
+def finish(proc: subprocess.Popen, cfg: dict, limit_s: float = 900.0) -> str:
     """Wait for a torchrun started by `torchrun`; its log, asserting it exited 0."""
     try:
         proc.wait(timeout=limit_s)
@@ -122,7 +122,7 @@ def logged_steps(metrics: Path) -> list[int]:
 
 
 def wait_for_logged_step(procs: list[subprocess.Popen], metrics: Path, step: int) -> None:
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + 900  # a hang guard
     while time.monotonic() < deadline and all(p.poll() is None for p in procs):
         if step in logged_steps(metrics):
             return

@@ -17,7 +17,14 @@ Atomicity: everything is written into `checkpoints/.tmp-step-N-<random>/`, every
 directory is fsynced, `COMPLETE` is the last file written, then the directory is renamed to
 `step-N` and the parent fsynced. A crash at any point leaves either no `step-N` or a
 complete one. `latest_checkpoint` only accepts `step-N` directories holding `COMPLETE`.
-Leftover `.tmp-*` directories are removed by the next save.
+A save that fails removes its `.tmp-*` directory; one a killed process left is removed by
+the next save.
+
+A full disk: before writing, the disk's free space is held to the tensors the save writes
+(the weights saved, the optimizer's state: a lower bound), and a save refused there, or one
+whose writes filled the disk all the same (torch's writer reports it as a RuntimeError), is
+a `DiskFullError` of one sentence (exit 2), nothing of it left behind: the earlier
+checkpoints are intact and a rerun resumes from the newest.
 
 Choices:
 - Full models are saved with `save_original_format=False` (transformers 5), so the files
@@ -42,6 +49,7 @@ trainer_state.pt as `inflight`. See docs/ARCHITECTURE.md ("Exact resume").
 from __future__ import annotations
 
 import dataclasses
+import errno
 import inspect
 import json
 import os
@@ -63,6 +71,7 @@ from leangrpo.checkpoint.rundir import complete_checkpoints
 
 # Finding checkpoints needs no torch: the CLI does it before the model loads (rundir.py).
 from leangrpo.contracts import Completion, Prompt, RestoredCheckpoint, RolloutSample, Trajectory
+from leangrpo.errors import UserError
 from leangrpo.model.final import write_adapter_notes
 from leangrpo.model.policy import quiet_transformers_progress
 
@@ -71,6 +80,7 @@ BULKY_STATE = "trainer_state.pt"
 __all__ = [
     "BULKY_STATE",
     "CheckpointError",
+    "DiskFullError",
     "LocalCheckpointer",
     "capture_rng_state",
     "is_peft_model",
@@ -86,6 +96,11 @@ __all__ = [
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or does not fit the model being resumed."""
+
+
+class DiskFullError(UserError, OSError):
+    """The disk of run.output_dir cannot hold the checkpoint (or final model) being saved;
+    nothing of it is left behind."""
 
 
 # -- public API -----------------------------------------------------------------------------
@@ -119,7 +134,9 @@ def save_checkpoint(
     state_json = _to_json({**trainer_state, "step": step})
     root = Path(output_dir) / "checkpoints"
     _remove_stale_tmp(root)
-    with _atomic_directory(root / f"step-{step}") as tmp:
+    what = f"the checkpoint at step {step}"
+    needed = saved_bytes(model) + optimizer_bytes(optimizer)
+    with _atomic_directory(root / f"step-{step}", what, needed) as tmp:
         save_model_weights(model, tmp / "model", for_resume=True)
         if optimizer is not None:
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
@@ -174,7 +191,7 @@ def save_final_model(output_dir: str | Path, model: torch.nn.Module, tokenizer: 
     (a quantized base's BitsAndBytesConfig beside the adapter: model/quantization.py)."""
     output_dir = Path(output_dir)
     _remove_stale_tmp(output_dir, prefix=".tmp-final-")
-    with _atomic_directory(output_dir / "final") as tmp:
+    with _atomic_directory(output_dir / "final", "the final model", saved_bytes(model)) as tmp:
         save_model_weights(model, tmp, for_resume=False)
         write_adapter_notes(model, tmp)
         if tokenizer is not None:
@@ -383,17 +400,26 @@ def current_umask() -> int:
 
 
 @contextmanager
-def _atomic_directory(final: Path) -> Iterator[Path]:
+def _atomic_directory(final: Path, what: str = "", needed: int = 0) -> Iterator[Path]:
     """Yield a temporary sibling of `final`; on success fsync it and rename it to `final`.
 
-    On an exception the temporary directory is left as a crash would leave it; the next
-    save removes it.
+    `needed`: the bytes `what` will take at least; a disk with less free is refused before
+    anything is written (`DiskFullError`). On an exception the temporary directory is
+    removed (a crash leaves it to the next save, which removes it), and a write that filled
+    the disk (torch reports it as a RuntimeError, not ENOSPC) is a `DiskFullError` too.
     """
     final.parent.mkdir(parents=True, exist_ok=True)
+    check_free_space(final.parent, what, needed)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
     tmp.chmod(0o777 & ~current_umask())  # mkdtemp makes it private; a run's files are not
-    yield tmp
-    _fsync_tree(tmp)
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, Exception) and _filled_the_disk(exc, final.parent, needed):
+            raise DiskFullError(_no_room(final.parent, what, needed, written=True)) from exc
+        raise
     if final.exists():  # re-saving a step: swap the old one out, then delete it
         old = Path(tempfile.mkdtemp(prefix=f".tmp-old-{final.name}-", dir=final.parent))
         os.replace(final, old / final.name)
@@ -402,6 +428,61 @@ def _atomic_directory(final: Path) -> Iterator[Path]:
     else:
         os.rename(tmp, final)
     _fsync_dir(final.parent)
+
+
+def saved_bytes(model: Any) -> int:
+    """The bytes of the tensors a save writes of `model` (a peft model: its adapter; tied
+    tensors once): a lower bound on the files."""
+    if is_peft_model(model):
+        from peft.utils import get_peft_model_state_dict
+
+        tensors = list(get_peft_model_state_dict(model).values())
+    else:
+        tensors = list(model.state_dict().values())
+    unique = {(t.untyped_storage().data_ptr(), t.storage_offset(), t.numel()): t for t in tensors}
+    return sum(t.numel() * t.element_size() for t in unique.values())
+
+
+def optimizer_bytes(optimizer: Any) -> int:
+    """The bytes of an optimizer's state tensors (AdamW: two per trained parameter)."""
+    if optimizer is None:
+        return 0
+    return sum(
+        value.numel() * value.element_size()
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    )
+
+
+def check_free_space(directory: Path, what: str, needed: int) -> None:
+    """Refuse, before a byte is written, a save the disk has no room for."""
+    if needed and shutil.disk_usage(directory).free < needed:
+        raise DiskFullError(_no_room(directory, what, needed, written=False))
+
+
+def _filled_the_disk(exc: Exception, directory: Path, needed: int) -> bool:
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    try:
+        return shutil.disk_usage(directory).free < max(needed, 1 << 20)
+    except OSError:
+        return False
+
+
+def _no_room(directory: Path, what: str, needed: int, written: bool) -> str:
+    free = shutil.disk_usage(directory).free
+    done = "filled the disk and was removed" if written else "was not written"
+    return (
+        f"the disk holding {str(directory)!r} has {_mib(free)} free but {what} needs at least "
+        f"{_mib(needed)}, so it {done} (the run's earlier checkpoints are intact and a rerun "
+        f"resumes from the newest); free space there, lower checkpoint.keep_last, or move "
+        f"run.output_dir to a larger disk."
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 def _fsync_tree(root: Path) -> None:

@@ -60,7 +60,7 @@ from typing import Any
 
 import yaml
 
-from leangrpo.checkpoint.manifest import COMPLETE, checkpoint_problem
+from leangrpo.checkpoint.manifest import COMPLETE, checkpoint_problem, read_complete
 from leangrpo.checkpoint.overwrite import ASIDE, EarlierRun, set_aside, settle
 from leangrpo.errors import UserError
 
@@ -112,14 +112,16 @@ class RunDirError(UserError):
 
 
 def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every complete `step-N` directory under `root`, by step."""
+    """(step, path) of every complete `step-N` directory under `root`, by step: the step
+    its COMPLETE marker records, not the one its name says (a directory renamed by hand);
+    the name only where the marker holds none (a damaged one: refused as such later)."""
     if not root.is_dir():
         return []
     found = []
     for child in root.iterdir():
         match = STEP_DIR.match(child.name)
         if match and child.is_dir() and (child / COMPLETE).is_file():
-            found.append((int(match.group(1)), child))
+            found.append((checkpoint_step(child), child))
     return sorted(found)
 
 
@@ -130,10 +132,26 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 
 
 def checkpoint_step(path: Path) -> int:
+    """The step a checkpoint holds: its COMPLETE marker's record, else its name's."""
+    recorded = read_complete(path).get("step")
     match = STEP_DIR.match(path.name)
+    if isinstance(recorded, int) and not isinstance(recorded, bool):
+        if match and int(match.group(1)) != recorded and path not in _NAMED_WRONG:
+            _NAMED_WRONG.add(path)
+            log.warning(
+                "checkpoint %s holds step %d (its %s marker records it): taken as step %d, "
+                "whatever its name says; rename it step-%d",
+                path, recorded, COMPLETE, recorded, recorded,
+            )  # fmt: skip
+        return recorded
     if match:
         return int(match.group(1))
-    return int(json.loads((path / COMPLETE).read_text())["step"])
+    raise RunDirError(
+        f"{str(path)!r} records no step (its {COMPLETE} marker is not what leangrpo writes) and its name is not step-N; pass a checkpoints/step-N directory written by leangrpo."
+    )
+
+
+_NAMED_WRONG: set[Path] = set()  # each misnamed checkpoint is warned about once
 
 
 # -- the lock -------------------------------------------------------------------------------

@@ -94,7 +94,7 @@ class EnvironmentConfig(Section):
     memory_limit_mb: int | None = Field(
         8192,
         ge=256,
-        description="Address-space limit (RLIMIT_AS, MiB) of each environment worker and every process it starts; a tool that exceeds it fails with an error message (multiturn/tool_limit/memory). null = none.",
+        description="Memory of each trajectory (its box), processes, memfd and tmpfs together: a memory cgroup per box where the trainer (root) has one, else only per process; and the address-space limit (RLIMIT_AS, MiB) of each environment worker and every process it starts; a tool that exceeds it fails with an error message (multiturn/tool_limit/memory). null = none.",
     )
     cpu_time_limit_s: float | None = Field(
         None,

@@ -155,6 +155,18 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _check_float16_full_finetuning(self) -> Config:
+        """AdamW updates the trained weights in place in model.dtype (no float32 master
+        copy): float16 loses the small updates and overflows within steps. Refused, not
+        patched with master weights: bfloat16 or float32 do what float16 cannot, and
+        LoRA keeps its adapters float32 on a float16 base."""
+        if self.model.dtype == "float16" and not self.lora.enabled:
+            raise rule_error(
+                "model.dtype: float16 with full fine-tuning (lora.enabled: false) would update float16 weights in place with AdamW (leangrpo keeps no float32 master copy), which turns them non-finite within a few steps; use model.dtype: bfloat16 (GPUs that have it) or float32, or train LoRA adapters (lora.enabled: true), which stay float32 on a float16 base."
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_rewards_and_environment(self) -> Config:
         env, functions = self.environment, self.rewards.functions
         if not functions and env is None:
@@ -179,10 +191,6 @@ class Config(Section):
         if env.max_total_tokens <= new:
             raise rule_error(
                 f"environment.max_total_tokens ({env.max_total_tokens}) must exceed rollout.max_new_tokens ({new}), the budget of one turn, or no prompt leaves room for a turn."
-            )
-        if self.train.micro_batch_tokens < env.max_total_tokens:
-            raise rule_error(
-                f"train.micro_batch_tokens ({self.train.micro_batch_tokens}) must be at least environment.max_total_tokens ({env.max_total_tokens}), because a micro-batch must hold a whole trajectory; raise train.micro_batch_tokens or lower environment.max_total_tokens."
             )
         budget = self.rollout.kv_cache_tokens
         if self.rollout.engine == "hf" and budget is not None and budget < env.max_total_tokens:

@@ -10,6 +10,7 @@ on that section and raises through `rule_error`, so its sentence reaches the use
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -76,7 +77,8 @@ class ModelConfig(Section):
         ..., min_length=1, description="Hugging Face model id or local directory."
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Weight dtype; 'auto' = bfloat16 on GPUs that support it, else float32."
+        "auto",
+        description="Weight dtype; 'auto' = float32 on CPU, bfloat16 on GPUs that have it, else float16. float16 needs lora.enabled (adapters stay float32): full fine-tuning updates the weights in place in this dtype, with no float32 master copy, and float16 weights turn non-finite within steps, so it is refused.",
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward instead of storing them."
@@ -216,6 +218,10 @@ class DataConfig(Section):
             )
         for key in ("path", "eval_path"):
             value = getattr(self, key)
+            if value is not None and Path(value).expanduser().is_dir():
+                raise rule_error(
+                    f"data.{key} = {value!r} is a directory, but data.{key} takes one file ({', '.join(DATA_SUFFIXES)}); name a file in it, or load the directory's data files with data.dataset: {value!r} (and data.eval_split for its eval split)."
+                )
             if value is not None and not value.lower().endswith(DATA_SUFFIXES):
                 raise rule_error(
                     f"data.{key} = {value!r} has an unsupported extension; use one of {', '.join(DATA_SUFFIXES)}."
@@ -276,12 +282,12 @@ class RewardsConfig(Section):
         60.0,
         gt=0,
         le=3600,
-        description="Seconds a worker may take to import the reward functions (at the start-up check and whenever a worker starts).",
+        description="Seconds a reward worker may take to be ready: user functions are imported within it at the start-up check, before the model loads (built-ins have nothing to import there); during the run, a worker that scoring waits for (built-ins included, with their warm-up) and that is still not ready this long after it started stops the run. A worker ready by the time scoring needs it (started beside torch's import) is never timed.",
     )
     memory_limit_mb: int | None = Field(
         8192,
         ge=256,
-        description="Address-space limit (RLIMIT_AS, MiB) of each worker and every process it starts; a call that exceeds it fails (counted in reward/memory_failures). Counts virtual memory, not resident, which for a worker running the math reward is already far above what it holds. null = no limit (needed by a reward that uses CUDA, which reserves far more address space).",
+        description="Memory of each reward call or trajectory (its box), processes, memfd and tmpfs together: a memory cgroup per box where the trainer (root) has one, else only per process; and the address-space limit (RLIMIT_AS, MiB) of each worker and every process it starts; a call that exceeds it fails (counted in reward/memory_failures). Counts virtual memory, not resident, which for a worker running the math reward is already far above what it holds. null = no limit (needed by a reward that uses CUDA, which reserves far more address space).",
     )
     cpu_time_limit_s: float | None = Field(
         None,

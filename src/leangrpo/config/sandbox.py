@@ -33,7 +33,7 @@ class SandboxConfig(Section):
         64,
         ge=1,
         le=4096,
-        description="Processes and threads the workers' calls may run at once, per worker (the worker's own few not counted); a call that cannot start one more fails with a message. Enforced by a pids cgroup (root) or RLIMIT_NPROC in the worker's user namespace (namespace level); elsewhere the log says it is not.",
+        description="Processes and threads one reward call or trajectory (its box) may run at once (the box's own few not counted); a call that cannot start one more fails with a message. Enforced by a pids cgroup per box (root) or RLIMIT_NPROC in the worker's user namespace (namespace level); elsewhere the log says it is not.",
     )
     max_output_bytes: int = Field(
         1 << 20,
@@ -45,7 +45,7 @@ class SandboxConfig(Section):
         256,
         ge=1,
         le=1 << 20,
-        description="Size (MiB) of each worker's writable scratch directory, its HOME and TMPDIR; namespace level: a tmpfs (and the same again for /dev/shm), the only place it can write (its working directory stays the trainer's, read-only); process level: a temporary directory, not size-limited. Removed with the worker.",
+        description="Size (MiB) of each reward call's or trajectory's writable scratch directory, its HOME and TMPDIR, fresh for each and removed at its end; namespace level: a tmpfs (and the same again for a private /dev/shm), counted in its memory cgroup, the only place it can write (its working directory stays the trainer's, read-only); process level: a temporary directory, not size-limited.",
     )
     pass_env: list[str] = Field(
         default_factory=list,

@@ -15,6 +15,7 @@ import csv
 import io
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +28,22 @@ class DataError(UserError, ValueError):
     """The data settings or the data itself cannot be used; the message says how to fix it."""
 
 
-def check_file(path_str: str, key: str, data_cfg: Any) -> None:
+@dataclass(frozen=True)
+class CheckedFile:
+    """What `check_file` learnt about a local file: its columns (after data.column_map)
+    and how many rows it holds."""
+
+    columns: list[str]
+    rows: int
+
+
+def check_file(path_str: str, key: str, data_cfg: Any) -> CheckedFile:
     path = Path(path_str).expanduser()
+    if path.is_dir():
+        raise DataError(
+            f"{key} = '{path_str}' is a directory, but {key} takes one file ({', '.join(FILE_BUILDERS)}); "
+            f"name a file in it, or load the directory's data files with data.dataset: '{path_str}' instead of {key}"
+        )
     if not path.is_file():
         raise DataError(f"{key} = '{path_str}': file not found ({path.resolve()})")
     if path.suffix.lower() not in FILE_BUILDERS:
@@ -40,16 +55,30 @@ def check_file(path_str: str, key: str, data_cfg: Any) -> None:
     if not columns:
         raise DataError(f"{key} = '{path_str}' holds no rows (or no columns)")
     check_columns(columns, str(path), data_cfg)
-    check_prompt_cells(local_prompt_cells(path_str, data_cfg), f"{key} = '{path_str}'", data_cfg)
+    keys = dict.fromkeys(columns)  # JSON rows may each have other keys: their union
+    rows = 0
+
+    def counted() -> Iterator[tuple[int, int | None, Any]]:
+        nonlocal rows
+        for cell in local_prompt_cells(path_str, data_cfg, keys):
+            rows += 1
+            yield cell
+
+    check_prompt_cells(counted(), f"{key} = '{path_str}'", data_cfg)
+    column_map = dict(data_cfg.column_map or {})
+    return CheckedFile([column_map.get(c, c) for c in keys], rows)
 
 
-def local_prompt_cells(path_str: str, data_cfg: Any) -> Iterator[tuple[int, int | None, Any]]:
+def local_prompt_cells(
+    path_str: str, data_cfg: Any, keys: dict | None = None
+) -> Iterator[tuple[int, int | None, Any]]:
     """(row index, line number or None, prompt value) of every row of a checked local file
-    (`check_file`), its prompt column found through data.column_map."""
+    (`check_file`), its prompt column found through data.column_map; `keys` collects the
+    keys of JSON rows."""
     source_column = {v: k for k, v in data_cfg.column_map.items()}.get(
         data_cfg.prompt_column, data_cfg.prompt_column
     )
-    return _prompt_cells(Path(path_str).expanduser(), source_column)
+    return _prompt_cells(Path(path_str).expanduser(), source_column, keys)
 
 
 def _file_columns(path: Path) -> list[str]:
@@ -65,18 +94,27 @@ def _file_columns(path: Path) -> list[str]:
     return list(first[2]) if first is not None else []
 
 
-def _prompt_cells(path: Path, column: str) -> Iterator[tuple[int, int | None, Any]]:
-    """(row index, line number or None, prompt value) of every row of a local file."""
+def _prompt_cells(
+    path: Path, column: str, keys: dict | None = None
+) -> Iterator[tuple[int, int | None, Any]]:
+    """(row index, line number or None, prompt value) of every row of a local file; the
+    keys of JSON rows are added to `keys` as they are read."""
+    keys = {} if keys is None else keys
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         table = _parquet(path, lambda pq: pq.read_table(path, columns=[column]))
         yield from ((i, None, v) for i, v in enumerate(table.column(0).to_pylist()))
     elif suffix == ".csv":
         yield from ((i, line, row.get(column)) for i, (line, row) in enumerate(_read_csv(path)[1]))
-    elif suffix == ".json":
-        yield from ((i, None, row.get(column)) for i, row in enumerate(_read_json_rows(path)))
     else:
-        yield from ((i, line, row.get(column)) for i, line, row in _jsonl_rows(path))
+        rows = (
+            ((i, None, row) for i, row in enumerate(_read_json_rows(path)))
+            if suffix == ".json"
+            else _jsonl_rows(path)
+        )
+        for i, line, row in rows:
+            keys.update(dict.fromkeys(row))
+            yield i, line, row.get(column)
 
 
 PARQUET_MAGIC = b"PAR1"  # a Parquet file starts and ends with it

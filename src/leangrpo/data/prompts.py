@@ -45,10 +45,12 @@ from typing import Any
 from leangrpo.contracts import Prompt
 from leangrpo.data.files import (
     FILE_BUILDERS,
+    CheckedFile,
     DataError,
     check_columns,
     check_file,
     check_prompt_cells,
+    local_prompt_cells,
     prompt_problem,
     read_json_table,
 )
@@ -60,8 +62,9 @@ logger = logging.getLogger(__name__)
 # ---- cheap validation ---------------------------------------------------------------------
 
 
-def check_data(data_cfg: Any) -> None:
-    """Validate `cfg.data` without loading a model or the whole dataset."""
+def check_data(data_cfg: Any) -> dict[str, CheckedFile]:
+    """Validate `cfg.data` without loading a model or the whole dataset; returns what the
+    checks learnt of each local file (its columns and rows) by key: data.path, data.eval_path."""
     if (data_cfg.path is None) == (data_cfg.dataset is None):
         raise DataError(
             "set exactly one of data.path (a local .jsonl/.json/.parquet/.csv file) and "
@@ -79,10 +82,44 @@ def check_data(data_cfg: Any) -> None:
             "chat template or put the instruction into the prompts"
         )
     data_template(data_cfg)  # a name or a file: known, readable, valid Jinja
-    if data_cfg.path is not None:
-        check_file(data_cfg.path, "data.path", data_cfg)
-    if data_cfg.eval_path is not None:
-        check_file(data_cfg.eval_path, "data.eval_path", data_cfg)
+    checked = {}
+    for key in ("path", "eval_path"):
+        if getattr(data_cfg, key) is not None:
+            checked[f"data.{key}"] = check_file(getattr(data_cfg, key), f"data.{key}", data_cfg)
+    if "data.path" in checked:
+        check_eval_size(data_cfg.eval_size, checked["data.path"].rows)
+    return checked
+
+
+def check_eval_size(eval_size: int, num_rows: int) -> None:
+    """data.eval_size rows held out of `num_rows` must leave some to train on."""
+    if eval_size > 0 and eval_size >= num_rows:
+        raise DataError(
+            f"data.eval_size = {eval_size} leaves no train rows out of {num_rows}; lower it"
+        )
+
+
+def check_chat_rows(data_cfg: Any, tokenizer: Any) -> None:
+    """With data.chat_template, before the model loads (preflight.py passes the tokenizer's
+    record, model/tokenizer.py `recall`): the first prompt of each kind in the local files
+    (its messages' roles and content types) rendered by the chat template (the one
+    data.chat_template names, else the tokenizer's), so that a role
+    the template refuses is named now, as `load_prompts` names it, not seconds later."""
+    if not data_cfg.chat_template or tokenizer is None:
+        return
+    template = data_template(data_cfg)
+    if template is None and getattr(tokenizer, "chat_template", None) is None:
+        return
+    render = lambda m: _render(m, tokenizer, template)  # noqa: E731
+    for key in ("path", "eval_path"):
+        path = getattr(data_cfg, key)
+        seen: set[tuple] = set()
+        for row, _, value in local_prompt_cells(path, data_cfg) if path else ():
+            messages = _messages({data_cfg.prompt_column: value}, data_cfg, tokenizer)
+            kind = tuple((m.get("role"), type(m.get("content")).__name__) for m in messages)
+            if kind not in seen:
+                seen.add(kind)
+                _rendered(render, messages, f"data.{key} = '{path}' row {row}")
 
 
 # ---- loading ------------------------------------------------------------------------------
@@ -189,10 +226,7 @@ def _longest(rows: list[dict], uids: list[int], data_cfg: Any, count: int) -> li
 def _hold_out(num_rows: int, eval_size: int, seed: int) -> tuple[list[int], list[int]]:
     if eval_size == 0:
         return list(range(num_rows)), []
-    if eval_size >= num_rows:
-        raise DataError(
-            f"data.eval_size = {eval_size} leaves no train rows out of {num_rows}; lower it"
-        )
+    check_eval_size(eval_size, num_rows)
     import numpy as np
 
     held = set(np.random.default_rng(seed).permutation(num_rows)[:eval_size].tolist())
@@ -263,7 +297,10 @@ def _make_prompts(
     messages = [_messages(rows[uid], data_cfg, tokenizer) for uid in uids]
     template = data_template(data_cfg)
     render = first_turn or (lambda m: _render(m, tokenizer, template))
-    texts = [rows[uid].get(column) if m is None else render(m) for uid, m in zip(uids, messages)]
+    texts = [
+        rows[uid].get(column) if m is None else _rendered(render, m, f"{source} row {uid}")
+        for uid, m in zip(uids, messages)
+    ]
     ids = (
         tokenizer(texts, add_special_tokens=not data_cfg.chat_template)["input_ids"]
         if texts
@@ -384,6 +421,20 @@ def _messages(row: dict, data_cfg: Any, tokenizer: Any) -> list[dict] | None:
     if data_cfg.system_prompt is not None and messages[0].get("role") != "system":
         messages.insert(0, {"role": "system", "content": data_cfg.system_prompt})
     return messages
+
+
+def _rendered(render: Callable[[list[dict]], str], messages: list[dict], where: str) -> str:
+    """`render(messages)`; a row the chat template refuses (a role it does not know, a
+    message it cannot take) is named with the template's own message."""
+    try:
+        return render(messages)
+    except Exception as e:  # jinja2's TemplateError (raise_exception), TypeError, ...
+        roles = ", ".join(repr(m.get("role")) for m in messages if isinstance(m, dict))
+        raise DataError(
+            f"{where}: the chat template cannot render its messages (roles {roles}): "
+            f"{type(e).__name__}: {str(e).strip()[:200]}; fix the row (use the roles the "
+            f"template knows, usually system, user, assistant) or drop it"
+        ) from None
 
 
 def _render(messages: list[dict], tokenizer: Any, template: str | None = None) -> str:

@@ -18,7 +18,8 @@ workers run concurrently, so a slow call holds up only the sessions of its own w
 (`environment.num_workers` is the concurrency). A worker that sends nothing for an
 item's budget (its calls' limits, with the environment's own max_tool_calls, plus a grace
 period: stuck in C code) has its whole tree killed and is replaced, and its items fail;
-so do those of a worker that exits or sends anything off the schema (wire.py). A failed
+so do those of a worker that exits or sends anything off the schema (wire.py); an item
+whose reward terms the environment did not declare fails (the trainer checks it too). A failed
 item is the end of its trajectory, never an exception in the trainer. One caller holds
 the pool at a time (`exclusive`: the producer thread and evaluation share a pool; the
 multi-turn rollout holds it for a generation call); `reset`, `step` and `finish` are all
@@ -40,7 +41,14 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from leangrpo.environments.registry import EnvironmentSpecError, spec_of
-from leangrpo.environments.wire import InitError, Item, Ready, checked, parse_env_reply
+from leangrpo.environments.wire import (
+    InitError,
+    Item,
+    Ready,
+    checked,
+    parse_env_reply,
+    undeclared_term,
+)
 from leangrpo.sandbox.frames import ProtocolError
 from leangrpo.sandbox.levels import plan_for
 from leangrpo.sandbox.process import OutputBudget, WorkerGone, WorkerProcess
@@ -292,10 +300,11 @@ class EnvironmentPool:
                 self._ready.append((ticket, Outcome(None, reply.error)))
             else:
                 try:
-                    self._ready.append((ticket, Outcome(checked(task.op, reply.ok))))
+                    ok = checked(task.op, reply.ok)
                 except ProtocolError as e:
                     self._fail(slot, str(e))
                     return
+                self._ready.append((ticket, self._declared(ok)))
             task.done += 1
             task.since = time.monotonic()
             if task.done == len(task.tickets):
@@ -304,6 +313,15 @@ class EnvironmentPool:
                     self._replace(slot)
                 self._send_next(slot)
                 return
+
+    def _declared(self, ok: dict[str, Any]) -> Outcome:
+        """The item, unless it carries a reward term the environment did not declare (the
+        worker checks too; the trainer trusts no worker): then it fails."""
+        term = undeclared_term(ok, self.reward_terms)
+        if term is None:
+            return Outcome(ok)
+        terms = tuple(self.reward_terms or ())
+        return Outcome(None, f"the environment worker sent the reward term {term!r}, which its reward_terms {terms} do not list")  # fmt: skip
 
     def _fail(self, slot: int, why: str) -> None:
         """The worker broke: the items it still owed fail, and it is replaced (its other
@@ -345,4 +363,3 @@ class EnvironmentPool:
         with contextlib.suppress(Exception):
             if not self._closed:
                 self.close()
-

@@ -127,6 +127,18 @@ def checked(op: str, ok: dict[str, Any]) -> dict[str, Any]:
         ) from None
 
 
+def undeclared_term(
+    ok: dict[str, Any], reward_terms: tuple[str, ...] | set[str] | None
+) -> str | None:
+    """The first reward term of a checked payload the environment did not declare (None:
+    all declared, or the environment does not say). Checked by the supervisor and again by
+    the trainer: a term nobody declared is never a score."""
+    if reward_terms is None:
+        return None
+    undeclared = sorted(set(ok.get("rewards", {})) - set(reward_terms))
+    return undeclared[0] if undeclared else None
+
+
 def _list(value: Any) -> list:
     if type(value) is not list:
         raise ProtocolError("a list was expected")

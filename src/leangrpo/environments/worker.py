@@ -1,40 +1,49 @@
-"""An environment worker process: the trajectories' environments and their tools.
+"""An environment worker: the environment imported once, each trajectory in a box.
 
-Started by pool.py like every worker (sandbox/launch.py: confined to its sandbox first,
-output metered, its tree killed if the trainer dies), which then calls
-`serve(channel, init, sandbox)`.
+Started by pool.py like every worker (sandbox/launch.py: confined, split into a
+supervisor that holds the channel and a zygote that imports; sandbox/box.py has the
+picture). Two halves:
 
-Set-up: import the environment (an Environment subclass), its tools (functions, no two
-with one name) and the tool parser, build one environment to read its tools' schemas
-(schema.py), reply roles, reward terms and `max_tool_calls` (which bounds a step's time in
-the pool), report ready (or one init_error line). "check" mode stops there (the start-up
-check, before the model loads).
+- `prepare(init, announce)`, in the zygote: import the environment (an Environment
+  subclass), its tools (functions, no two with one name) and the tool parser, or unpickle
+  those sent by value (registry.py `load`, through rewards/registry.py `resolve`: a value
+  crosses the supervisor as base64 text inside `init`, unpickled only here), build one
+  environment to read its tools' schemas (schema.py), reply roles, reward terms and
+  `max_tool_calls` (which bounds a step's time in the pool), report ready (or one
+  init_error line). "check" mode stops there (the start-up check, before the model
+  loads). It returns what a trajectory's box runs (`Trajectory`).
+- `supervise(channel, init, boxes)`, in the supervisor: tasks are (task id, operation,
+  items), each item answered as soon as it is done. `reset` starts the session's box (a
+  process of its own, its own PID, mount, IPC and network namespaces, forked from the
+  zygote: it never saw another trajectory) where the environment lives until `finish`
+  (or a failure) ends the box with its tree. The supervisor accepts one reply per item,
+  from the box's main process, checks it against the schema and the environment's
+  declared reward terms, and passes nothing else on: a forged or late frame, a reply off
+  the schema, an undeclared reward term, a box that dies or runs past the item's budget
+  fail the item and end the trajectory.
 
-Then tasks: (task id, operation, items), each item answered as soon as it is done:
-- reset (session, messages, row, seed): a new environment for the session, `reset` run;
-- step (session, text, turn index): the turn parsed by the tool parser (a parser that
-  raises or times out on the turn gives it one parse error), then `step`;
-- finish (session, finish reason): `finish`, and the session is gone.
-Limits, one per call of user code and never nested (sandbox/calls.py `LimitedCall`): a
-`ToolEnvironment`'s own step is leangrpo's, so each tool call runs under
+In the box (`Trajectory`): reset (messages, row, seed): a new environment, `reset` run;
+step (text, turn index): the turn parsed by the tool parser (a parser that raises or
+times out on the turn gives it one parse error), then `step`; finish (finish reason):
+`finish`. Limits, one per call of user code and never nested (sandbox/calls.py
+`LimitedCall`): a `ToolEnvironment`'s own step is leangrpo's, so each tool call runs under
 environment.tool_timeout_s, its result converted to text within that call and cut to
 environment.max_tool_result_chars (a failure, or a sandbox limit reached, is an
 `error: ...` tool message, counted as `tool_limit/<kind>`); any other environment's reset,
 step and finish run whole under environment.timeout_s, as does the parser. A call that
-fails or times out fails its item and ends the session (the trajectory ends with finish
-reason 'error'). Processes a tool call or the parser starts end with the call; those an
-environment's own calls start end with its trajectory. A reply too large for one frame
-fails its item only.
+fails or times out fails its item and ends the trajectory. Processes a tool call or the
+parser starts end with the call; those an environment's own calls start end with its
+box. A reply too large for one frame fails its item only.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import pickle
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from leangrpo.environments.protocol import (
@@ -61,17 +70,12 @@ from leangrpo.environments.tools import (
     one_line,
     parsed_turn,
 )
-from leangrpo.environments.wire import MAX_TOOL_CALLS
+from leangrpo.environments.wire import MAX_TOOL_CALLS, checked, undeclared_term
+from leangrpo.sandbox.box import Box, BoxConn, Boxes, Failed
 from leangrpo.sandbox.calls import LIMIT_KINDS, message
-from leangrpo.sandbox.frames import Channel
-from leangrpo.sandbox.proctree import is_live, kill_descendants, kill_pids
+from leangrpo.sandbox.frames import Channel, ProtocolError
 
 MESSAGE_KEYS = ("role", "content", "name", "tool_call_id")
-
-
-def serve(channel: Channel, init: dict, sandbox: Any) -> None:
-    """The worker's life after the launcher's set-up (sandbox/launch.py)."""
-    Worker(channel, init, sandbox).serve()
 
 
 def environment_class(spec: EnvironmentSpec) -> type[Environment]:
@@ -92,74 +96,21 @@ def environment_class(spec: EnvironmentSpec) -> type[Environment]:
     return cls
 
 
-class Worker:
-    def __init__(self, channel: Channel, init: dict, sandbox: Any):
-        self.channel = channel
-        self.init = init
-        self.sessions: dict[int, Environment] = {}
-        self.processes: dict[int, list[int]] = {}  # session -> processes its calls kept
-        self.limits = sandbox.limited_call(init["timeout_s"], init.get("cpu_time_limit_s"))
-        self.settle_output = sandbox.meter.settle
-        self.counts: Counter = Counter()  # the step's counts (a tool's limits add to them)
-        self.retire = False
+# -- the zygote: set-up ---------------------------------------------------------------------
 
-    def serve(self) -> None:
-        sys.path[:0] = [p for p in self.init["sys_path"] if p not in sys.path]
-        spec = dict(self.init["spec"])
-        spec["tools"] = tuple(tuple(t) for t in spec["tools"])
-        if not self._set_up(EnvironmentSpec(**spec)) or self.init["mode"] != "serve":
-            return
-        while not self.retire:
-            task, op, items = pickle.loads(self.channel.recv())
-            handle = {"reset": self._reset, "step": self._step, "finish": self._finish}[op]
-            for i, item in enumerate(items):
-                try:
-                    reply = {"ok": handle(*item)}
-                except Exception as e:  # the item's call failed: its trajectory ends
-                    reply = {"error": one_line(str(e)) or type(e).__name__}
-                    self._end_session(item[0])
-                last = i == len(items) - 1
-                head = {"t": "item", "task": task, "i": i, "retire": self.retire and last}
-                self._send(head, reply, item[0])
 
-    def _send(self, head: dict, reply: dict, session: int) -> None:
-        try:
-            self.channel.send({**head, **reply})
-        except (TypeError, ValueError) as e:  # a payload JSON cannot hold, or too large
-            self._end_session(session)
-            self.channel.send({**head, "error": f"the environment's reply: {one_line(str(e))}"})
+@dataclass
+class Setup:
+    """What every trajectory's box starts from (built once, in the zygote)."""
 
-    def _end_session(self, key: int) -> None:
-        """The trajectory is over: its environment and the processes its calls kept go."""
-        self.sessions.pop(key, None)
-        for pid in self.processes.pop(key, []):
-            if is_live(pid):
-                kill_descendants(pid)
-                kill_pids([pid])
+    init: dict
+    factory: type[Environment]
+    tools: list
+    parser: Callable[[str], Any]
+    kwargs: dict
+    reward_terms: tuple[str, ...] | None
 
-    # -- set-up ---------------------------------------------------------------------------
-    def _set_up(self, spec: EnvironmentSpec) -> bool:
-        try:
-            self.factory = environment_class(spec)
-            self.tools = tool_functions(spec)
-            self.parser = tool_parser(spec)
-            self.kwargs = dict(spec.kwargs)
-            probe = self._new_environment()
-            schemas = [tool_schema(fn) for fn in offered_tools(probe, self.tools, spec)]
-            replies = [str(r) for r in getattr(probe, "replies", ("user",))]
-            self.reward_terms = environment_rewards(self.factory)
-            calls = _max_tool_calls(probe, spec)
-        except BaseException as e:  # SystemExit at import included
-            self.channel.send({"t": "init_error", "msg": _setup_error(e, spec)})
-            return False
-        kill_descendants(os.getpid())  # what building the probe started
-        terms = None if self.reward_terms is None else list(self.reward_terms)
-        ready = {"t": "ready", "tools": schemas, "replies": replies, "reward_terms": terms, "max_tool_calls": calls}
-        self.settle_output()  # what the imports printed reaches the log before a check ends it
-        self.channel.send(ready)
-        return True
-
-    def _new_environment(self) -> Environment:
+    def new_environment(self) -> Environment:
         try:
             env = self.factory(**self.kwargs)
         except TypeError as e:
@@ -170,27 +121,153 @@ class Worker:
         env.max_tool_result_chars = self.init["max_tool_result_chars"]
         return env
 
-    # -- operations -----------------------------------------------------------------------
-    def _call(self, fn: Any, *args: Any, session: int | None = None) -> Any:
-        """fn(*args) under environment.timeout_s; raises with one line on failure. With a
-        `session`, the processes the call starts live on until that trajectory ends."""
-        value, error = self.limits.invoke(fn, args, {}, keep_processes=session is not None)
-        if session is not None:
-            self.processes.setdefault(session, []).extend(self.limits.started)
-        self.retire |= self.limits.interrupted_import
+
+def prepare(init: dict, announce: Callable[[dict], None]) -> Callable[[BoxConn], None] | None:
+    """The zygote's set-up; what each trajectory's box runs (None: stop)."""
+    sys.path[:0] = [p for p in init["sys_path"] if p not in sys.path]
+    fields = {**init["spec"], "tools": tuple(tuple(t) for t in init["spec"]["tools"])}
+    spec = EnvironmentSpec(**fields)  # tools: (name, value) pairs
+    try:
+        factory = environment_class(spec)
+        setup = Setup(init, factory, tool_functions(spec), tool_parser(spec), dict(spec.kwargs),
+                      environment_rewards(factory))  # fmt: skip
+        probe = setup.new_environment()
+        schemas = [tool_schema(fn) for fn in offered_tools(probe, setup.tools, spec)]
+        replies = [str(r) for r in getattr(probe, "replies", ("user",))]
+        calls = _max_tool_calls(probe, spec)
+    except BaseException as e:  # SystemExit at import included
+        announce({"t": "init_error", "msg": _setup_error(e, spec)})
+        return None
+    terms = None if setup.reward_terms is None else list(setup.reward_terms)
+    for stream in (sys.stdout, sys.stderr):  # what the imports printed reaches the log first
+        stream.flush()
+    announce({"t": "ready", "tools": schemas, "replies": replies, "reward_terms": terms,
+              "max_tool_calls": calls})  # fmt: skip
+    return lambda conn: Trajectory(setup, conn).run()
+
+
+# -- the supervisor -------------------------------------------------------------------------
+
+
+def supervise(channel: Channel, init: dict, boxes: Boxes) -> None:
+    """Forward the zygote's set-up report, then answer tasks until the channel closes."""
+    for report in boxes.setup_messages():
+        channel.send(report)
+        if report.get("t") in ("ready", "init_error"):
+            break
+    if report.get("t") != "ready" or init["mode"] != "serve":
+        return
+    Sessions(init, boxes, report).serve(channel)
+
+
+class Sessions:
+    """The supervisor's trajectories: a box per session, from reset to finish."""
+
+    def __init__(self, init: dict, boxes: Boxes, ready: dict):
+        self.boxes = boxes
+        terms = ready.get("reward_terms")
+        self.reward_terms = None if terms is None else set(terms)
+        grace = max(1.0, 0.25 * init["timeout_s"])  # the pool's; it kills the worker after
+        self.budget_s = (2 * init["timeout_s"] + ready["max_tool_calls"] * init["tool_timeout_s"]
+                         + 0.5 * grace)  # fmt: skip
+        self.live: dict[int, Box] = {}
+        boxes.spare_network = True  # trajectories reach each other by no network either
+
+    def serve(self, channel: Channel) -> None:
+        import pickle
+
+        while True:
+            task, op, items = pickle.loads(channel.recv())
+            for i, item in enumerate(items):
+                reply = self.item(op, item)
+                channel.send({"t": "item", "task": task, "i": i, **reply})
+
+    def item(self, op: str, item: tuple) -> dict:
+        key, *args = item
+        box = self.live.get(key)
+        if op == "reset":
+            if box is not None:
+                self.end(key)
+            box = self.live[key] = self.boxes.start(network=True)
+        elif box is None:
+            return {"error": "the environment worker holds no such trajectory (it was restarted)"}
+        outcome = self.boxes.ask(box, (op, *args), time.monotonic() + self.budget_s)
+        reply = self._checked(op, outcome)
+        if op == "finish" or "error" in reply:
+            self.end(key)
+        return reply
+
+    def _checked(self, op: str, outcome: Any) -> dict:
+        if isinstance(outcome, Failed):
+            if outcome.kind == "timeout":
+                return {"error": f"the environment did not answer within {self.budget_s:g} s (its box was killed)"}  # fmt: skip
+            return {"error": f"the environment's box ({outcome.kind}): {outcome.msg}"}
+        reply = outcome.message
+        if set(reply) == {"error"} and isinstance(reply["error"], str):
+            return {"error": one_line(reply["error"]) or "error"}
+        if set(reply) != {"ok"} or type(reply["ok"]) is not dict:
+            return {"error": "the environment's box sent a reply off the schema"}
+        try:
+            ok = checked(op, reply["ok"])
+        except ProtocolError as e:
+            return {"error": str(e)}
+        term = undeclared_term(ok, self.reward_terms)
+        if term is not None:
+            return {"error": f"the environment returned the reward term {term!r}, which its reward_terms {tuple(sorted(self.reward_terms))} do not list"}  # fmt: skip
+        return {"ok": ok}
+
+    def end(self, key: int) -> None:
+        box = self.live.pop(key, None)
+        if box is not None:
+            self.boxes.end(box)
+
+
+# -- a trajectory's box -----------------------------------------------------------------------
+
+
+class Trajectory:
+    """One trajectory, in its box: the environment from reset to finish."""
+
+    def __init__(self, setup: Setup, conn: BoxConn):
+        self.setup = setup
+        self.conn = conn
+        self.env: Environment | None = None
+        init = setup.init
+        self.limits = conn.limited_call(init["timeout_s"], init.get("cpu_time_limit_s"))
+        self.counts: Counter = Counter()  # the step's counts (a tool's limits add to them)
+
+    def run(self) -> None:
+        handle = {"reset": self._reset, "step": self._step, "finish": self._finish}
+        while True:
+            op, *args = self.conn.recv()
+            try:
+                reply = {"ok": handle[op](*args)}
+            except Exception as e:  # the call failed: the trajectory ends
+                reply = {"error": one_line(str(e)) or type(e).__name__}
+            try:
+                self.conn.send(reply)
+            except (TypeError, ValueError) as e:  # a payload JSON cannot hold, or too large
+                reply = {"error": f"the environment's reply: {one_line(str(e))}"}
+                self.conn.send(reply)
+            if op == "finish" or "error" in reply:
+                return
+
+    def _call(self, fn: Any, *args: Any) -> Any:
+        """fn(*args) under environment.timeout_s; raises with one line on failure. The
+        processes it starts live on until the trajectory ends (with its box)."""
+        value, error = self.limits.invoke(fn, args, {}, keep_processes=True)
         if error is not None:
             name = getattr(fn, "__qualname__", "the environment")
             raise RuntimeError(f"{name}: {error['kind']}: {error['msg']}")
         return value
 
-    def _reset(self, key: int, messages: list[dict], row: dict, seed: int) -> dict:
-        env = self._call(self._new_environment, session=key)
-        self.sessions[key] = env
-        start = self._call(env.reset, messages, row, seed, session=key)
+    def _reset(self, messages: list[dict], row: dict, seed: int) -> dict:
+        self.env = env = self._call(self.setup.new_environment)
+        start = self._call(env.reset, messages, row, seed)
         return {"messages": None if start is None else _messages(start, "reset")}
 
-    def _step(self, key: int, text: str, index: int) -> dict:
-        env = self._session(key)
+    def _step(self, text: str, index: int) -> dict:
+        env = self._environment()
         t0 = time.perf_counter()
         parsed = self._parse(text)
         turn = ModelTurn(text, parsed.calls, parsed.errors, parsed.content, index)
@@ -200,7 +277,7 @@ class Worker:
             env.call_tool = self._limited_tool
             result = env.step(turn)
         else:
-            result = self._call(env.step, turn, session=key)
+            result = self._call(env.step, turn)
         result = _step_result(result)
         return {
             "reply": _messages(result.reply, "step"),
@@ -216,17 +293,14 @@ class Worker:
         """The tool parser's reading of a turn; whatever it raises on the model's text (or
         returns off the contract) is the turn's one parse error, never the item's failure."""
         try:
-            return parsed_turn(self._call(self.parser, text))
+            return parsed_turn(self._call(self.setup.parser, text))
         except Exception as e:  # noqa: BLE001  model-written input: a failure is a message
             return ParsedTurn(text.strip(), [], [one_line(f"the tool parser failed on this turn: {e}")])
 
-    def _finish(self, key: int, finish_reason: str) -> dict:
-        env = self._session(key)
+    def _finish(self, finish_reason: str) -> dict:
+        env = self._environment()
         t0 = time.perf_counter()
-        try:
-            result = _step_result(self._call(env.finish, finish_reason, session=key))
-        finally:
-            self._end_session(key)
+        result = _step_result(self._call(env.finish, finish_reason))
         return {
             "rewards": self._rewards(result.rewards, "finish"),
             "metrics": _numbers(result.metrics, "metrics"),
@@ -235,27 +309,25 @@ class Worker:
 
     def _rewards(self, value: Any, where: str) -> dict[str, float]:
         rewards = _numbers(value, "rewards")
-        declared = self.reward_terms
+        declared = self.setup.reward_terms
         undeclared = sorted(set(rewards) - set(declared)) if declared is not None else []
         if undeclared:
             raise ValueError(
-                f"{self.factory.__name__}.{where} returned the reward term {undeclared[0]!r}, which its reward_terms {tuple(declared)} do not list"
+                f"{self.setup.factory.__name__}.{where} returned the reward term {undeclared[0]!r}, which its reward_terms {tuple(declared)} do not list"
             )
         return rewards
 
-    def _session(self, key: int) -> Environment:
-        env = self.sessions.get(key)
-        if env is None:
-            raise RuntimeError("the environment worker holds no such trajectory (it was restarted)")
-        return env
+    def _environment(self) -> Environment:
+        if self.env is None:
+            raise RuntimeError("the trajectory was not reset")
+        return self.env
 
     def _limited_tool(self, fn: Any, arguments: dict) -> str:
         """One tool call under environment.tool_timeout_s, its result made text within it
         (converting a huge return is the tool's time too)."""
         value, error = self.limits.invoke(
-            lambda: as_text(fn(**arguments)), (), {}, self.init["tool_timeout_s"]
+            lambda: as_text(fn(**arguments)), (), {}, self.setup.init["tool_timeout_s"]
         )
-        self.retire |= self.limits.interrupted_import
         if error is None:
             return value
         if error["kind"] in LIMIT_KINDS:
@@ -313,4 +385,3 @@ def _numbers(value: Any, where: str) -> dict[str, float]:
             raise ValueError(f"the environment's {where} {name!r} is {x}, not a finite number")
         out[str(name)] = x
     return out
-

@@ -15,12 +15,14 @@ it) with a warning naming file and line. Choices:
   or the ETA. The ETA paces the remaining steps on the recent ones and adds the
   evaluations to come (`eval_every`, each at the last one's `time/eval`). When stdout is
   not a terminal (CI, nohup) it prints one compact line of at most 80 characters about
-  every tenth of the run instead.
+  every tenth of the run instead; the last step's line waits for `close()`, so that it
+  shows the final evaluation (logged after the step's own row), not the one before.
 - `resume_step=N` drops rows with step > N from existing files, so a resumed run's log has
   no duplicated or orphaned steps; `resume_rows=k` (what `rows_logged_at(N)` said when the
   checkpoint was saved) also drops the step-N rows after its first k: rows logged after
   the checkpoint under the same step (skipped batches) belong to work the resumed run
-  does again. A fresh run never appends to an earlier run's file: rundir.py refuses (or,
+  does again. The number of rows dropped is said in one line (a run killed past its
+  checkpoint). A fresh run never appends to an earlier run's file: rundir.py refuses (or,
   with run.overwrite, empties) a directory holding one.
 - `stage(metrics)` holds values logged once (the data counts) until the next row, so they
   land in the step-0 row instead of a row of their own.
@@ -93,9 +95,17 @@ class MetricsLogger:
         self.samples_path = self.dir / "samples.jsonl"
         self._last_step, self._rows_at_last_step = 0, 0  # rows logged under the latest step
         if resume_step is not None:
-            kept = drop_rows_after(self.metrics_path, resume_step, resume_rows)
+            kept, dropped = drop_rows_after(self.metrics_path, resume_step, resume_rows)
             drop_rows_after(self.samples_path, resume_step)
             self._last_step, self._rows_at_last_step = resume_step, kept
+            if dropped:  # a run killed past its checkpoint (SIGKILL, a crash)
+                log.info(
+                    "resuming at step %d: dropped %d metrics row(s) logged after that checkpoint "
+                    "from %s (the steps they logged are trained again)",
+                    resume_step,
+                    dropped,
+                    self.metrics_path,
+                )
         self.console = console or Console()
         self._file = open(self.metrics_path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close)
         project = project or "leangrpo"
@@ -254,29 +264,31 @@ def _json_value(value: Any) -> Any:
         return str(value)
 
 
-def drop_rows_after(path: Path, step: int, rows_at_step: int | None = None) -> int:
+def drop_rows_after(path: Path, step: int, rows_at_step: int | None = None) -> tuple[int, int]:
     """Rewrite a JSONL file without rows whose step is above `step` (and any torn line),
     keeping only the first `rows_at_step` rows of `step` itself when given; returns how
-    many rows of `step` are kept."""
+    many rows of `step` are kept and how many rows were dropped (torn lines aside)."""
     if not path.is_file():
-        return 0
-    kept, at_step = [], 0
+        return 0, 0
+    kept, at_step, dropped = [], 0, 0
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue
         if not isinstance(row, dict) or row.get("step", 0) > step:
+            dropped += isinstance(row, dict)
             continue
         if row.get("step", 0) == step:
             if rows_at_step is not None and at_step >= rows_at_step:
+                dropped += 1
                 continue
             at_step += 1
         kept.append(line + "\n")
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text("".join(kept), encoding="utf-8")
     os.replace(tmp, path)
-    return at_step
+    return at_step, dropped
 
 
 # -- trackers -------------------------------------------------------------------------------
@@ -370,6 +382,7 @@ class ProgressDisplay:
         self.shown: dict[str, float] = {}
         self.start_step, self.clock = start_step, clock
         self.printed = start_step
+        self.last_step: int | None = None  # the run's last step, its line printed at close
         self.eta = Eta(self.total, eval_every, start_step, clock())
         self.bar: Progress | None = None
         if enabled and console.is_terminal:
@@ -394,12 +407,10 @@ class ProgressDisplay:
             room = self.console.width - BAR_FIXED_WIDTH - len(str(self.total)) * 2
             eta = _duration(self.eta.seconds_left()) if step > self.start_step else "-"
             self.bar.update(self.task, completed=step, stats=self.stats(room), eta=eta)
-        elif (
-            self.enabled
-            and step > max(self.start_step, self.printed)
-            and (step % self.every == 0 or step == self.total)
-        ):
-            self.printed = step  # one line a step (the final evaluation's row shares it)
+        elif step >= self.total:  # at close: the final evaluation's row shares the step
+            self.last_step = step
+        elif self.enabled and step > max(self.start_step, self.printed) and step % self.every == 0:
+            self.printed = step  # one line a step
             self.console.print(self.line(step), highlight=False, soft_wrap=True)
 
     def stats(self, room: int | None = None) -> str:
@@ -426,6 +437,13 @@ class ProgressDisplay:
         (self.bar.console if self.bar is not None else self.console).print(renderable)
 
     def close(self) -> None:
+        """The last step's line (no terminal), with every row of that step seen: the final
+        evaluation comes after the step's own row."""
+        last = self.last_step
+        self.last_step = None
+        if last is not None and self.enabled and self.bar is None and last > self.printed:
+            self.printed = last
+            self.console.print(self.line(last), highlight=False, soft_wrap=True)
         if self.bar is not None:
             self.bar.stop()
             self.bar = None

@@ -267,6 +267,91 @@ def context_length(config: dict) -> tuple[int | None, str]:
     return value, f"config.json {name}"
 
 
+# -- what the weights and the tokenizer must agree on ---------------------------------------
+
+
+def check_model_fits(cfg: Any, model: ModelFiles) -> None:
+    """A local model directory's tokenizer fits its embedding rows, and lora.target_modules
+    names modules its weights have: both read from the files' headers, before torch."""
+    if model.directory is None:
+        return
+    config = _read_config(model.directory, f"model.name_or_path = {cfg.model.name_or_path!r}")
+    check_tokenizer_fits(model.directory, config, tokenizer_size(model.directory))
+    if cfg.lora.enabled and cfg.lora.target_modules != "all-linear":
+        names = module_names(model.directory)
+        if names is not None:
+            check_lora_targets(cfg.lora.target_modules, names)
+
+
+def embedding_rows(config: dict) -> int | None:
+    """config.json's vocab_size: the rows of the model's token embedding."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    rows = text.get("vocab_size")
+    return rows if isinstance(rows, int) and rows > 0 else None
+
+
+def tokenizer_size(directory: Path) -> int | None:
+    """1 + the highest token id tokenizer.json can produce (its vocabulary and added
+    tokens), None when there is no tokenizer.json to read."""
+    file = directory / "tokenizer.json"
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+        vocab = data["model"].get("vocab") or {}
+        ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
+        ids += [int(t["id"]) for t in data.get("added_tokens") or []]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # transformers reads it (or says what is wrong) at the set-up
+    ints = [i for i in ids if isinstance(i, int)]
+    return max(ints) + 1 if ints else None
+
+
+def check_tokenizer_fits(directory: Path | str, config: dict, size: int | None) -> None:
+    """Every token id the tokenizer can produce has an embedding row: a tokenizer of
+    another model would index past the embedding at the first forward."""
+    rows = embedding_rows(config)
+    if size is None or rows is None or size <= rows:
+        return
+    raise ModelFilesError(
+        f"the tokenizer in {str(directory)!r} has {size} tokens (ids up to {size - 1}) but the model has only {rows} embedding rows (config.json vocab_size), so its first forward would index past them; use the tokenizer saved with these weights, or a model whose vocab_size covers this tokenizer."
+    )
+
+
+def module_names(directory: Path) -> set[str] | None:
+    """The dotted names of the modules that hold tensors (a tensor's name less its last
+    part, from the safetensors header or index), None for .bin weights (not read here).
+    LoRA adapts such modules only (linear and embedding layers), never their containers."""
+    keys: list[str] = []
+    index = directory / INDEX_FILES[0]
+    if index.is_file():
+        keys = list(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
+    elif (directory / WEIGHT_FILES[0]).is_file():
+        keys = [k for k in _safetensors_header(directory / WEIGHT_FILES[0]) if k != "__metadata__"]
+    else:
+        return None
+    return {key.rpartition(".")[0] for key in keys}  # the last part names the tensor
+
+
+def check_lora_targets(targets: list[str], names: set[str]) -> None:
+    """At least one of lora.target_modules must name a module of the model, matched as peft
+    matches them (equal to a module's dotted name or to its ending): what peft would raise
+    at the set-up (model/policy.py says it there too), said before the load."""
+    if any(name == t or name.endswith("." + t) for name in names for t in targets):
+        return
+    leaves = sorted({n.rpartition(".")[2] for n in names if not n.rpartition(".")[2].isdigit()})
+    raise ModelFilesError(
+        f"lora.target_modules = {targets!r} names no module of the model (its weights are in modules named {', '.join(leaves)}); name some of those (the linear ones, e.g. the attention and MLP projections), or use lora.target_modules: all-linear."
+    )
+
+
+def _safetensors_header(file: Path) -> dict:
+    """The JSON header of a safetensors file (checked by `check_safetensors_header`)."""
+    with open(file, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(length).decode("utf-8"))
+
+
 # -- merging an adapter into its base (leangrpo merge) --------------------------------------
 
 

@@ -1,8 +1,8 @@
-"""The policy: loading (checked weights, no scaled logits; a quantized base for QLoRA,
-quantization.py), LoRA, dropout off for RL, gradient checkpointing with optional
-activation offload, and the frozen reference copy for full fine-tuning with beta > 0
-(LoRA runs use the same model with adapters disabled, see scoring.py). `Policy` is what
-the trainer, the engines and the sharding code share.
+"""The policy: loading (checked weights in aligned memory of their own, no scaled logits;
+a quantized base for QLoRA, quantization.py), LoRA, dropout off for RL, gradient
+checkpointing with optional activation offload, and the frozen reference copy for full
+fine-tuning with beta > 0 (LoRA runs use the same model with adapters disabled, see
+scoring.py). `Policy` is what the trainer, the engines and the sharding code share.
 """
 
 from __future__ import annotations
@@ -76,6 +76,16 @@ def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def refuse_float16_full_finetuning(cfg, dtype: torch.dtype) -> None:
+    """float16 weights updated in place by AdamW (no float32 master copy) lose every update
+    below float16's resolution and turn non-finite within steps: refused (config/root.py
+    refuses model.dtype: float16; this is 'auto' on a GPU without bfloat16)."""
+    if dtype == torch.float16 and not cfg.lora.enabled:
+        raise ConfigError(
+            f"model.dtype: {cfg.model.dtype} resolves to float16 on this device (it has no bfloat16), and full fine-tuning would update float16 weights in place, which turns them non-finite within a few steps; set model.dtype: float32, or train LoRA adapters (lora.enabled: true), which stay float32 on a float16 base."
+        )
+
+
 def resolve_compute_dtype(model_cfg, dtype: torch.dtype) -> torch.dtype:
     """The dtype a quantized base's 4-bit layers compute in: model.quantization_compute_dtype,
     'auto' being the model's own."""
@@ -112,6 +122,7 @@ def load_policy(cfg, tokenizer, device: torch.device, *, reference_on_meta: bool
 
     name = cfg.model.name_or_path
     dtype = resolve_dtype(cfg.model.dtype, device)
+    refuse_float16_full_finetuning(cfg, dtype)
     quantized = cfg.model.quantization != "none"
     extra = {}
     if quantized:  # QLoRA: the base is quantized as it loads (model/quantization.py)
@@ -139,8 +150,30 @@ def load_policy(cfg, tokenizer, device: torch.device, *, reference_on_meta: bool
 
         prepare_quantized(model, device)  # before any forward (the packed-attention probe)
     model = model.to(device)
+    own_aligned_memory(model)
     refuse_broken_weights(model, info, name)
     return build_policy(model, cfg, tokenizer, device, reference_on_meta=reference_on_meta)
+
+
+ALIGNMENT_BYTES = 64  # c10's CPU allocator (c10/core/alignment.h); CUDA's aligns to more
+
+
+def own_aligned_memory(model: nn.Module) -> None:
+    """Move every CPU tensor of `model` that does not start on a 64-byte boundary into
+    memory of its own (the allocator's, aligned).
+
+    transformers loads CPU weights as views into the memory-mapped safetensors file, so a
+    tensor starts wherever the file's header ends (40 bytes past a boundary for the tool
+    demo's model), while every copy of the model (the async engine's, the reference) is
+    aligned. oneMKL's one-row products (sgemm with M = 1: each decode step of one row)
+    round by the weights' alignment, so the same forward on the model and on its copy
+    differed in the last bits and async at staleness 0 did not equal sync. Aligned, the
+    model and its copies run the same kernels on the same layout, on every CPU. Tied
+    tensors stay tied (a Parameter object is moved once, and stays the same object)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    for tensor in tensors.values():
+        if tensor.device.type == "cpu" and tensor.data_ptr() % ALIGNMENT_BYTES:
+            tensor.data = tensor.data.clone(memory_format=torch.contiguous_format)
 
 
 def refuse_broken_weights(model: nn.Module, info: dict, name: str) -> None:
@@ -260,7 +293,13 @@ def _wrap_lora(model: nn.Module, lora_cfg, revision: str | None) -> nn.Module:
         target_modules=lora_cfg.target_modules,
         task_type="CAUSAL_LM",
     )
-    wrapped = get_peft_model(model, config, revision=revision)
+    try:
+        wrapped = get_peft_model(model, config, revision=revision)
+    except ValueError as exc:  # peft's NoMatchingPeftModuleError, an unsupported module type
+        held = sorted({n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, nn.Linear)})  # fmt: skip
+        raise ConfigError(
+            f"lora.target_modules = {lora_cfg.target_modules!r} cannot be adapted ({str(exc).strip().splitlines()[0][:200]}); the model's linear modules are named {', '.join(held)}: name some of those, or use lora.target_modules: all-linear."
+        ) from None
     refuse_bypassed_adapters(wrapped)
     return wrapped
 

@@ -75,6 +75,7 @@ RULES: list[tuple[str, Rule]] = [  # (full-match pattern, rule): the first that 
     (r"reward/mean", Rule("mean", _scored)),
     (r"reward/std", Rule("std", _scored)),
     (r"reward/.+/failures", SUM),
+    (r"reward/.+/timeouts", SUM),  # a function's samples failed by its timeout (rewards/pool.py)
     (r"reward/(.+)/mean", Rule("mean", _scored_by)),  # env/<term> included
     (r"multiturn/turns_max", MAX),
     (r"multiturn/(env_errors|env_s|control_tokens_stripped)", SUM),

@@ -123,6 +123,12 @@ _KWARGS = {
 }
 
 
+def columns_read(name: str, kwargs: dict[str, Any]) -> list[str]:
+    """The data columns built-in `name` reads (checked against the data before the model
+    loads: preflight.py)."""
+    return [kwargs.get("answer_column", "answer")] if name == "math" else []
+
+
 def check_kwargs(name: str, kwargs: dict[str, Any]) -> None:
     """Raise ValueError naming the first bad kwarg of built-in `name`."""
     unknown = sorted(set(kwargs) - _KWARGS[name])

@@ -93,6 +93,8 @@ def _where(specs: list[ResolvedReward], i: int) -> str:
     spec = specs[i]
     if spec.value is not None:
         return f"rewards.functions[{i}].name = '{spec.name}': unpickling it (passed by value)"
+    if not is_user_code(spec):  # nothing to import: the worker's start and warm-up
+        return f"rewards.functions[{i}].name = '{spec.name}': starting its worker (the built-in's warm-up included)"
     source = spec.file or f"module '{spec.name.rpartition(':')[0]}'"
     return f"rewards.functions[{i}].name = '{spec.name}': importing {source}"
 
@@ -112,5 +114,5 @@ def exited(specs: list[ResolvedReward], loading: int, code: int | None) -> str:
 def did_not_start(specs: list[ResolvedReward], loading: int, limit: float) -> str:
     return (
         f"{_where(specs, loading)} did not finish within {limit:g} s; raise "
-        "rewards.startup_timeout_s if the import is just slow"
+        "rewards.startup_timeout_s if it is just slow"
     )

@@ -8,7 +8,8 @@ manager rather than a `ProcessPoolExecutor`, because an executor cannot stop a r
   sandbox/process.py; one log line says which) resolve every function once and report
   ready; time limits start only then, so imports never count against them.
 - `score` splits the samples into one chunk per worker (at most `chunk_size` samples while
-  a function's speed is unknown) and sends each chunk to an idle worker as one message
+  a function's speed is unknown; never two prompts' samples in one chunk: each call runs
+  in a box of its own, sandbox/box.py) and sends each chunk to an idle worker as one message
   covering every function (functions whose measured speed calls for smaller chunks get
   their own). The worker answers per function, and the pool waits on
   all workers at once.
@@ -22,7 +23,11 @@ manager rather than a `ProcessPoolExecutor`, because an executor cannot stop a r
   killed and is replaced. `timeout_s` bounds one function on one chunk; chunks shrink once
   a function's speed is measured so that a chunk takes about a quarter of it. The
   sandbox's other limits (CPU, memory, output, processes) fail a call the same way; each
-  kind is counted in `reward/<kind>_failures`.
+  kind is counted in `reward/<kind>_failures`. A function that times out on every call
+  of a batch (its chunks, then GIVE_UP_AFTER samples alone) is not retried on the rest:
+  they fail as timed out too (`reward/<name>/timeouts` counts a function's samples that
+  did), so such a batch costs a few timeouts, not one per sample; a batch whose every
+  sample timed out stops the run (train/skips.py).
 - Multi-turn trajectories: rewards also get the trajectory's columns (`trajectory_columns`);
   the environment's reward terms are added to the total (weight 1) as `env/<name>`, and a
   trajectory whose environment failed is unscored. With no reward function configured
@@ -66,7 +71,7 @@ from leangrpo.rewards.registry import (
     RewardSpecError,
     parse_specs,
 )
-from leangrpo.sandbox.calls import LIMIT_KINDS
+from leangrpo.sandbox.calls import LIMIT_KINDS, TIMEOUT
 from leangrpo.sandbox.frames import ProtocolError
 from leangrpo.sandbox.levels import plan_for
 from leangrpo.sandbox.process import OutputBudget, WorkerGone, WorkerProcess
@@ -76,7 +81,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("leangrpo.rewards")
 # Failures that say more about the moment than the function: never "the same way" (item 5)
-CIRCUMSTANTIAL = ("worker died", "garbled reply", *LIMIT_KINDS)
+CIRCUMSTANTIAL = ("worker died", "box died", "garbled reply", "forged reply", *LIMIT_KINDS)
+# One-sample calls of a function that time out, none of its calls of the batch having
+# returned, before its other samples are given up on (`_give_up_on`)
+GIVE_UP_AFTER = 2
 
 
 @dataclass
@@ -96,6 +104,9 @@ class _Run:
     queue: deque[_Task] = field(default_factory=deque)
     limits: dict[str, int] = field(default_factory=dict)  # samples failed at a sandbox limit
     ways: list[dict[str, str]] = field(default_factory=list)  # [function]: kind -> first detail
+    timeouts: list[int] = field(default_factory=list)  # [function]: samples failed by timeout
+    alone_timed_out: list[int] = field(default_factory=list)  # [function]: one-sample calls
+    answered: list[bool] = field(default_factory=list)  # [function]: any call of it returned
 
 
 class RewardPool:
@@ -153,6 +164,8 @@ class RewardPool:
                     self._release_all()
         self._check_systematic(run)
         metrics = _apply_and_summarise(samples, self.specs, run.values, run.failures)
+        for spec, timeouts in zip(self.specs, run.timeouts):
+            metrics[f"reward/{spec.key}/timeouts"] = float(timeouts)
         if self._plan is not None:
             for kind in LIMIT_KINDS:  # "failures" keys add up when streamed chunks merge
                 metrics[f"reward/{kind.split()[0]}_failures"] = float(run.limits.get(kind, 0))
@@ -188,24 +201,32 @@ class RewardPool:
 
     def _run_all(self, samples: list[RolloutSample]) -> _Run:
         self._restart_busy_workers()  # left over from a call that was interrupted
-        n = len(samples)
-        run = _Run(samples, [[None] * n for _ in self.specs], [0] * len(self.specs))
-        run.ways = [{} for _ in self.specs]
-        run.queue.extend(self._initial_tasks(n))
+        n, k = len(samples), len(self.specs)
+        run = _Run(samples, [[None] * n for _ in self.specs], [0] * k)
+        run.ways, run.timeouts = [{} for _ in self.specs], [0] * k
+        run.alone_timed_out, run.answered = [0] * k, [False] * k
+        run.queue.extend(self._initial_tasks(samples))
         payload = _payload(samples)
         while run.queue or any(w.task for w in self._workers):
             self._dispatch(run, payload)
             self._wait_and_handle(run)
         return run
 
-    def _initial_tasks(self, n: int) -> list[_Task]:
+    def _initial_tasks(self, samples: list[RolloutSample]) -> list[_Task]:
+        """Chunks of one prompt's samples each (a call runs in a box of its own, and what
+        one sample's program leaves in it must not reach another prompt's), at most the
+        size `_chunk_sizes` gives."""
         by_size: dict[int, list[int]] = {}
-        for fn, size in enumerate(self._chunk_sizes(n)):
+        for fn, size in enumerate(self._chunk_sizes(len(samples))):
             by_size.setdefault(size, []).append(fn)
+        by_prompt: dict[Any, list[int]] = {}
+        for i, sample in enumerate(samples):
+            by_prompt.setdefault(sample.prompt.uid, []).append(i)
         return [
-            _Task(list(range(start, min(start + size, n))), fns)
+            _Task(group[start : start + size], fns)
             for size, fns in by_size.items()
-            for start in range(0, n, size)
+            for group in by_prompt.values()
+            for start in range(0, len(group), size)
         ]
 
     def _chunk_sizes(self, n: int) -> list[int]:
@@ -324,6 +345,7 @@ class RewardPool:
             return
         now = time.monotonic()
         if isinstance(reply, Result):
+            run.answered[reply.fn] = True
             self._record_time(reply.fn, now - worker.since, len(task.indices))
             for i, value in zip(task.indices, reply.values):
                 run.values[reply.fn][i] = value
@@ -347,8 +369,30 @@ class RewardPool:
         fn = task.fns[0]
         if len(task.indices) > 1:  # find the samples that fail on their own
             run.queue.extend(_Task([i], [fn]) for i in task.indices)
-        else:
-            self._sample_failed(run, fn, task.indices[0], kind, msg)
+            return
+        self._sample_failed(run, fn, task.indices[0], kind, msg)
+        if kind == TIMEOUT:
+            run.alone_timed_out[fn] += 1
+            if run.alone_timed_out[fn] >= GIVE_UP_AFTER and not run.answered[fn]:
+                self._give_up_on(run, fn)
+
+    def _give_up_on(self, run: _Run, fn: int) -> None:
+        """A function that timed out on every call of this batch, its chunks and
+        GIVE_UP_AFTER samples alone: its samples not scored yet are left unscored as timed
+        out, not each retried for timeout_s (17 s a batch at timeout_s 1 with 16 samples)."""
+        why = (
+            f"not run: every call of this batch timed out (its chunks and {GIVE_UP_AFTER} "
+            f"samples alone, at rewards.timeout_s = {self.timeout_s:g} s)"
+        )
+        kept: deque[_Task] = deque()
+        for task in run.queue:
+            if fn in task.fns:
+                for i in task.indices:
+                    self._sample_failed(run, fn, i, TIMEOUT, why)
+                task = _Task(task.indices, [f for f in task.fns if f != fn], task.id)
+            if task.fns:
+                kept.append(task)
+        run.queue = kept
 
     def _sample_failed(self, run: _Run, fn: int, i: int, kind: str, msg: str) -> None:
         key = self.specs[fn].key
@@ -361,6 +405,7 @@ class RewardPool:
                 "at the first failure)"
             )
         run.failures[fn] += 1
+        run.timeouts[fn] += kind == TIMEOUT
         if kind in LIMIT_KINDS:
             run.limits[kind] = run.limits.get(kind, 0) + 1
         run.ways[fn].setdefault(kind, detail)

@@ -1,19 +1,24 @@
-"""A reward worker: resolve the reward functions, then score chunks until EOF.
+"""A reward worker: resolve the reward functions once, then score each call in a box.
 
-Started by the pool like every worker (sandbox/launch.py: confined first, output metered,
-its tree killed if the trainer dies), which then calls `serve(channel, init, sandbox)`.
+Started by the pool like every worker (sandbox/launch.py: confined, split into a
+supervisor that holds the channel and a zygote that imports; sandbox/box.py has the
+picture). Two halves:
 
-Set-up: import the functions (announcing each first, so the trainer can name the one that
-hangs or exits), warm up the built-ins, report ready. In "check" mode it stops there (the
-start-up check of `check_rewards`).
-
-A task is one chunk of samples for one or more functions; the inputs are unpickled afresh
-for every function, so a function that mutates its arguments cannot affect another. Each
-call runs under the limits of sandbox/calls.py (`LimitedCall`: time, CPU, output; memory
-and processes are the sandbox's), and the processes it started end with it. A call
-interrupted while importing modules retires the worker after the task. Any exception,
-SystemExit and KeyboardInterrupt included, is one failed call, reported as one line.
-Values are checked per sample (`validate`).
+- `prepare(init, announce)`, in the zygote: import the functions, or unpickle those sent
+  by value (registry.py `resolve`; announcing each first, so the trainer can name the one
+  that hangs or exits), warm up the built-ins, report ready. A value crosses the
+  supervisor as base64 text inside `init` and is unpickled only here, after confinement. In "check" mode it stops there (the start-up check of `check_rewards`). It
+  returns what a box runs: one call, under the limits of sandbox/calls.py (`LimitedCall`:
+  time, CPU, output; memory and processes are the box's cgroups and rlimits), any
+  exception (SystemExit and KeyboardInterrupt included) one failed call, values checked
+  per sample (`validate`).
+- `supervise(channel, init, boxes)`, in the supervisor: a task is one chunk of samples
+  for one or more functions; each function's call runs in a fresh box (a process of its
+  own, forked from the zygote, that never saw another call; its inputs unpickled there),
+  which is killed with its tree once it has answered. The supervisor accepts one reply,
+  from the box's main process, and sends the trainer only its values, stamped with the
+  task and function it asked for: a forged or late frame, a box that dies or runs past
+  its time is that call's failure (the pool retries it sample by sample).
 """
 
 from __future__ import annotations
@@ -21,42 +26,88 @@ from __future__ import annotations
 import numbers
 import pickle
 import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
+from leangrpo.rewards.protocol import CallError, Result, parse_reply
 from leangrpo.rewards.registry import ResolvedReward, RewardSpecError, is_user_code, resolve
+from leangrpo.sandbox.box import BoxConn, Boxes, Failed
 from leangrpo.sandbox.calls import LimitedCall, message
-from leangrpo.sandbox.frames import Channel, one_line
+from leangrpo.sandbox.frames import Channel, ProtocolError, one_line
+
+GRACE_FRACTION = 0.125  # past timeout_s, how long a box may take to stop before it is killed
 
 
-def serve(channel: Channel, init: dict, sandbox: Any) -> None:
-    """Resolve the functions, then answer tasks until the channel closes (EOFError)."""
+def prepare(init: dict, announce: Callable[[dict], None]) -> Callable[[BoxConn], None] | None:
+    """The zygote's set-up: resolve the functions; what each box runs (None: stop)."""
     sys.path[:0] = [p for p in init["sys_path"] if p not in sys.path]
     specs = [ResolvedReward(**d) for d in init["specs"]]
-    functions = _resolve_all(channel, specs, init["mode"] == "serve", sandbox.meter.settle)
-    if functions is None or init["mode"] != "serve":
+    functions = _resolve_all(announce, specs, init["mode"] == "serve")
+    if functions is None:
+        return None
+
+    def box_main(conn: BoxConn) -> None:
+        fn, payload = conn.recv()
+        call = conn.limited_call(init["timeout_s"], init.get("cpu_time_limit_s"))
+        prompts, completions, columns = pickle.loads(payload)
+        reply = score(call, functions[fn], prompts, completions, {**columns, **specs[fn].kwargs})
+        try:
+            conn.send(reply)
+        except ValueError as e:  # too large for one frame
+            conn.send({"t": "error", "kind": "bad return", "msg": one_line(str(e))})
+
+    return box_main
+
+
+def supervise(channel: Channel, init: dict, boxes: Boxes) -> None:
+    """Forward the zygote's set-up reports, then answer tasks until the channel closes."""
+    for report in boxes.setup_messages():
+        channel.send(report)
+        if report.get("t") in ("ready", "init_error"):
+            break
+    if report.get("t") != "ready" or init["mode"] != "serve":
         return
-    call = sandbox.limited_call(init["timeout_s"], init.get("cpu_time_limit_s"))
+    limit_s = float(init["timeout_s"]) * (1 + GRACE_FRACTION) + 0.5
     while True:
         task_id, fns, payload = pickle.loads(channel.recv())
-        retire = False
-        for k, fn in enumerate(fns):
-            prompts, completions, columns = pickle.loads(payload)  # a fresh copy each
-            kwargs = {**columns, **specs[fn].kwargs}
-            reply = score(call, functions[fn], prompts, completions, kwargs)
-            retire |= call.interrupted_import
-            if retire and k == len(fns) - 1:
-                reply["retire"] = True  # the trainer replaces this worker once it has read this
-            channel.send({**reply, "task": task_id, "fn": fn})
-        if retire:
-            return
+        for fn in fns:
+            box = boxes.start()
+            outcome = boxes.ask(box, (fn, payload), time.monotonic() + limit_s)
+            boxes.end(box)
+            channel.send({**_checked(outcome, init), "task": task_id, "fn": fn})
 
 
-def _resolve_all(
-    channel: Channel, specs: list[ResolvedReward], warm_up: bool, settle: Any
-) -> list | None:
+def _checked(outcome: Any, init: dict) -> dict:
+    """What a box's reply may carry to the trainer: its values and errors, or one failure."""
+    if isinstance(outcome, Failed):
+        if outcome.kind == "timeout":
+            msg = f"timed out after {init['timeout_s']:g} s and did not stop (its box was killed)"
+            return {"t": "error", "kind": "timeout", "msg": msg}
+        return {"t": "error", "kind": outcome.kind, "msg": outcome.msg or outcome.kind}
+    reply = outcome.message
+    try:
+        parsed = parse_reply(_as_payload({**reply, "task": 0, "fn": 0}))
+    except ProtocolError as e:
+        return {"t": "error", "kind": "garbled reply", "msg": str(e)}
+    if isinstance(parsed, Result):
+        return {"t": "result", "values": parsed.values, "errors": [list(e) for e in parsed.errors]}
+    if isinstance(parsed, CallError):
+        return {"t": "error", "kind": parsed.kind, "msg": parsed.msg}
+    return {"t": "error", "kind": "garbled reply", "msg": "a reply that is not a call's"}
+
+
+def _as_payload(message: dict) -> bytes:
+    import json
+
+    return json.dumps(message, allow_nan=False).encode()
+
+
+def _resolve_all(announce: Callable[[dict], None], specs: list[ResolvedReward],
+                 warm_up: bool) -> list | None:  # fmt: skip
     functions = []
     for i, spec in enumerate(specs):
-        channel.send({"t": "loading", "fn": i})
+        announce({"t": "loading", "fn": i})
         try:
             functions.append(resolve(spec.name, spec.file, spec.value))
             if warm_up and not is_user_code(spec):
@@ -64,10 +115,11 @@ def _resolve_all(
 
                 builtin.warm_up(spec.name)
         except BaseException as e:  # SystemExit and KeyboardInterrupt at import included
-            channel.send({"t": "init_error", "fn": i, "msg": _describe(e, spec)})
+            announce({"t": "init_error", "fn": i, "msg": _describe(e, spec)})
             return None
-    settle()  # what the imports printed reaches the log before the check ends the worker
-    channel.send({"t": "ready"})
+    for stream in (sys.stdout, sys.stderr):  # what the imports printed reaches the log first
+        stream.flush()
+    announce({"t": "ready"})
     return functions
 
 

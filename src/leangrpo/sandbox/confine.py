@@ -46,7 +46,6 @@ import ctypes
 import errno
 import fcntl
 import os
-import platform
 import resource
 import signal
 import socket
@@ -70,27 +69,19 @@ SYS_OPEN_TREE, SYS_MOVE_MOUNT, SYS_MOUNT_SETATTR = 428, 429, 442  # one table on
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 38
 PR_CAP_AMBIENT = 47
 PR_CAP_AMBIENT_CLEAR_ALL = 4
-PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
-# (audit arch, socket's number) of the tables the filter knows; io_uring_setup is 425 in both
-SECCOMP_ARCHES = {"x86_64": (0xC000003E, 41), "aarch64": (0xC00000B7, 198)}
-NR_IO_URING_SETUP, X32_SYSCALL_BIT, AF_UNIX = 425, 0x40000000, 1
+MS_REC, MS_PRIVATE = 0x4000, 0x40000
+SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
+LANDLOCK_CREATE_RULESET_VERSION, LANDLOCK_RULE_PATH_BENEATH = 1, 1
+LANDLOCK_ACCESS_FS_EXECUTE = 1
+LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET, LANDLOCK_SCOPE_SIGNAL = 1, 2
 DEVICES = ("null", "zero", "full", "random", "urandom")
 LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
          "stderr": "/proc/self/fd/2"}  # fmt: skip
-WORKER_TASKS = 8  # the worker's own processes and threads, beyond what its calls may start
+BOX_TASKS = 4  # a box's own threads (output meter, watchdog) and its forwarder
 
 
 class SetupError(Exception):
     """The sandbox could not be set up (one line naming the step)."""
-
-
-class _SockFilter(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
-                ("k", ctypes.c_uint32)]  # fmt: skip
-
-
-class _SockFprog(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(_SockFilter))]
 
 
 class _MountAttr(ctypes.Structure):
@@ -168,28 +159,36 @@ def _write(path: str, text: str) -> None:
 # -- the worker's view of the filesystem (namespace) ---------------------------------------
 
 
-def confine(spec: dict) -> None:
-    """Everything after the namespaces, in the worker; see the module docstring."""
+def confine(spec: dict) -> list[int]:
+    """Everything after the namespaces, in the worker (the supervisor, before it forks the
+    zygote); see the module docstring. Returns directory descriptors of the worker's
+    cgroups, writable for the zygote to make a group per box."""
     try:
-        _confine(spec)
+        return _confine(spec)
     except OSError as e:
         raise SetupError(str(e)) from None
 
 
-def _confine(spec: dict) -> None:
+def _confine(spec: dict) -> list[int]:
+    groups = [g["path"] for g in spec.get("cgroups") or ()]
     if spec["level"] == "namespace":
+        fds = [_open_tree(path) for path in groups]  # before / is read-only: detached, writable
         _mount_view(spec)
         if not spec["network"]:
             _loopback_up()
+    else:
+        fds = [os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) for path in groups]
     _set_limits(spec)
-    _drop_privileges()
-    if spec["level"] == "namespace" and not spec["network"]:
-        _refuse_unix_sockets()
+    _prctl(PR_SET_NO_NEW_PRIVS, 1, "prctl NO_NEW_PRIVS")
+    if spec["level"] == "process":
+        _drop_privileges()  # the namespace level's zygote needs them in its user namespace
+    return fds
 
 
 def _mount_view(spec: dict) -> None:
     devices = {n: _open_tree(f"/dev/{n}") for n in DEVICES if os.path.exists(f"/dev/{n}")}
     carried = _carried_files(spec)
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)  # a box's mounts never propagate back
     attr = _MountAttr(MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0, 0, 0)
     args = (AT_FDCWD, b"/", AT_RECURSIVE, ctypes.byref(attr), ctypes.sizeof(attr))
     _check(_libc.syscall(SYS_MOUNT_SETATTR, *args), "mount_setattr (Linux >= 5.12)")
@@ -269,17 +268,6 @@ def _set_limits(spec: dict) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
-def limit_tasks(spec: dict) -> None:
-    """RLIMIT_NPROC where it counts only the sandbox's tasks (a user namespace of a non-root
-    trainer): the tasks there now (the waiting parent, the worker's threads) plus
-    `max_processes` and room for the worker's own threads. Call once the worker's own
-    threads run."""
-    if spec.get("nproc_limit"):
-        tasks = len(os.listdir("/proc/self/task")) + 1
-        limit = tasks + WORKER_TASKS + int(spec["max_processes"])
-        resource.setrlimit(resource.RLIMIT_NPROC, (limit, limit))
-
-
 def _drop_privileges() -> None:
     if not sys.platform.startswith("linux"):
         return
@@ -296,32 +284,107 @@ def _drop_privileges() -> None:
     _check(_libc.capset(ctypes.byref(header), data), "capset")
 
 
-def _refuse_unix_sockets() -> None:
-    """The seccomp filter of the module docstring (after no_new_privs)."""
-    known = SECCOMP_ARCHES.get(platform.machine())
-    if known is None:
-        raise SetupError(f"no seccomp filter for {platform.machine()} (allow_network: true skips it)")
-    arch, nr_socket = known
-    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, JMP|JEQ|K, JMP|JGE|K, RET|K
-    allow, eacces = 0x7FFF0000, 0x00050000 | errno.EACCES  # SECCOMP_RET_ALLOW, RET_ERRNO
-    enosys = 0x00050000 | errno.ENOSYS
-    program = [
-        (ld, 0, 0, 4),  # seccomp_data.arch
-        (jeq, 1, 0, arch),
-        (ret, 0, 0, enosys),  # another table: not checked here, so refused
-        (ld, 0, 0, 0),  # seccomp_data.nr
-        (jge, 5, 0, X32_SYSCALL_BIT),  # x32 (x86-64): -> enosys
-        (jeq, 4, 0, NR_IO_URING_SETUP),  # -> enosys
-        (jeq, 0, 4, nr_socket),  # else -> allow
-        (ld, 0, 0, 16),  # seccomp_data.args[0], low half: the address family
-        (jeq, 0, 2, AF_UNIX),  # else -> allow
-        (ret, 0, 0, eacces),
-        (ret, 0, 0, enosys),
-        (ret, 0, 0, allow),
-    ]
-    filters = (_SockFilter * len(program))(*program)
-    prog = _SockFprog(len(program), filters)
-    _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0), "seccomp")
+# -- a box (the zygote's child, before anything else runs in it) --------------------------
+
+
+def new_pid_namespace() -> None:
+    """The zygote's next child is PID 1 of a new PID namespace (undone by `back_to`)."""
+    _check(_libc.unshare(CLONE_NEWPID), "unshare (a box's PID namespace)")
+
+
+def back_to(pid_namespace_fd: int) -> None:
+    """Children of the zygote are born in its own PID namespace again."""
+    _check(_libc.setns(pid_namespace_fd, CLONE_NEWPID), "setns (the zygote's PID namespace)")
+
+
+def confine_box(spec: dict, scratch: str, own_network: bool) -> None:
+    """A box's namespaces and files (namespace level; the box is PID 1 of its own PID
+    namespace already): its own mount and IPC namespaces (System V and POSIX IPC objects
+    die with it) and, for a box that asks and a worker without network, its own network
+    namespace (its loopback up: what a trajectory listens on, another cannot reach); a
+    fresh read-only /proc showing its own processes only; a fresh tmpfs over the scratch
+    directory (HOME and TMPDIR) and /dev/shm, `scratch_mb` each, counted in its memory
+    cgroup and gone with its mount namespace."""
+    if spec["level"] != "namespace":
+        return
+    try:
+        flags = CLONE_NEWNS | CLONE_NEWIPC
+        if own_network and not spec["network"]:
+            flags |= CLONE_NEWNET
+        _check(_libc.unshare(flags), "unshare (a box's namespaces)")
+        _mount("proc", "/proc", "proc", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        size = f"size={spec['scratch_mb']}m"
+        _mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=700,{size}")
+        _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,{size}")
+        if flags & CLONE_NEWNET:
+            _loopback_up()
+    except OSError as e:
+        raise SetupError(str(e)) from None
+
+
+def limit_box_tasks(spec: dict, tasks: int) -> None:
+    """RLIMIT_NPROC where it counts only the worker's own tasks (the user namespace of a
+    non-root trainer): the `tasks` running there now plus `max_processes` and the box's
+    own few. (A root trainer's box has a pids cgroup instead: cgroups.py.)"""
+    if spec.get("nproc_limit"):
+        limit = tasks + BOX_TASKS + int(spec["max_processes"])
+        resource.setrlimit(resource.RLIMIT_NPROC, (limit, limit))
+
+
+def drop_privileges() -> None:
+    """Every capability (the bounding set too) and no_new_privs: a box's last step before
+    its system-call filter."""
+    try:
+        _drop_privileges()
+    except OSError as e:
+        raise SetupError(str(e)) from None
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in ("handled_access_fs", "handled_access_net", "scoped")]
+
+
+class _PathBeneath(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+def own_domain() -> bool:
+    """A Landlock domain of the box's own (after no_new_privs): a process outside it (the
+    trainer, the supervisor and zygote, another box) can then not be ptraced, nor its
+    /proc/<pid>/mem, fd or environ opened, and (Landlock ABI >= 6) neither signalled nor
+    reached through an abstract unix socket, whatever its user: what keeps boxes apart at
+    the `process` level, where they share a PID namespace and a user. The filesystem is
+    not restricted by it. False where the kernel has no Landlock (the log line says so)."""
+    abi = _libc.syscall(SYS_LANDLOCK_CREATE_RULESET, None, 0, LANDLOCK_CREATE_RULESET_VERSION)
+    if abi < 1:
+        return False
+    if abi >= 6:
+        attr = _RulesetAttr(0, 0, LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET | LANDLOCK_SCOPE_SIGNAL)
+        size = ctypes.sizeof(attr)
+    else:  # a domain handling one right it then allows everywhere: ptrace is scoped
+        attr = _RulesetAttr(LANDLOCK_ACCESS_FS_EXECUTE, 0, 0)
+        size = 8
+    ruleset = _check(_libc.syscall(SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), size, 0),
+                     "landlock_create_ruleset")  # fmt: skip
+    try:
+        if abi < 6:
+            root = os.open("/", os.O_PATH | os.O_CLOEXEC)
+            rule = _PathBeneath(LANDLOCK_ACCESS_FS_EXECUTE, root)
+            args = (ruleset, LANDLOCK_RULE_PATH_BENEATH, ctypes.byref(rule), 0)
+            _check(_libc.syscall(SYS_LANDLOCK_ADD_RULE, *args), "landlock_add_rule")
+            os.close(root)
+        _check(_libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ruleset, 0), "landlock_restrict_self")
+    finally:
+        os.close(ruleset)
+    return True
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version (0: none)."""
+    return max(
+        0, _libc.syscall(SYS_LANDLOCK_CREATE_RULESET, None, 0, LANDLOCK_CREATE_RULESET_VERSION)
+    )
 
 
 def _last_cap() -> int:
@@ -334,16 +397,28 @@ def _last_cap() -> int:
 
 def probe() -> None:
     """The trainer's test of the namespace level (levels.py; argv: the spec JSON): set it
-    up as a worker would, print "ok" or the step that failed, exit 0 or 1. Only this
-    module is imported, so the test costs little more than an interpreter's start."""
+    up as a worker and one box would, the system-call filters included, print "ok" or the
+    step that failed, exit 0 or 1."""
     import json
+
+    from leangrpo.sandbox.seccomp import FilterError, compile_filter, load
 
     spec = json.loads(sys.argv[1])
     try:
         enter_namespace(spec, os.open(os.devnull, os.O_RDONLY))
         confine(spec)
-        limit_tasks(spec)
-    except SetupError as e:
+        box = compile_filter(box=True, unix_sockets=spec["network"])
+        load(compile_filter(box=False))
+        new_pid_namespace()
+        if os.fork() == 0:
+            confine_box(spec, spec["scratch"], own_network=True)
+            drop_privileges()
+            load(box)
+            os._exit(0)
+        _, status = os.wait()
+        if status != 0:
+            raise SetupError(f"a box could not be set up (status {status})")
+    except (SetupError, FilterError, OSError) as e:
         print(e, flush=True)
         os._exit(1)
     print("ok", flush=True)

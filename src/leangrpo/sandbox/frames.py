@@ -96,6 +96,10 @@ class FrameReader:
             del self._buffer[:end]
         return payloads
 
+    def pending(self) -> bool:
+        """Bytes of an unfinished frame are buffered."""
+        return bool(self._buffer)
+
 
 class Channel:
     """A worker's end of the socket pair: JSON frames out, pickled frames in."""

@@ -1,18 +1,25 @@
-"""The first code a worker process runs: confine it, then hand over to the worker's code.
+"""The first code a worker process runs: confine it, then split it into the supervisor and
+the zygote (box.py has the picture).
 
-The trainer starts `python -c LAUNCH_CODE <channel fd> <spec JSON>` (process.py); this
-module then, before any user code:
+The trainer starts `python -c LAUNCH_CODE <channel fd> <spec JSON>` (process.py); then,
+before any user code:
 
-1. ignores SIGINT (the trainer decides when workers stop) and joins its pids cgroup;
-2. namespace level: enters the namespaces, the parent staying behind to wait
-   (confine.py `enter_namespace`);
-3. confines itself (confine.py), becomes a child subreaper (proctree.py), routes its
-   output through the meter (output.py), exits with its whole tree when the trainer's end
-   of the channel closes (the trainer died), and applies the process limit;
-4. reads the start-up message and calls `serve(channel, init, sandbox)` of the module it
-   names (`init["entry"]`: rewards/worker.py or environments/worker.py).
+1. SIGINT is ignored (the trainer decides when workers stop) and the worker joins its
+   cgroups (cgroups.py; a root trainer's);
+2. namespace level: the namespaces are entered, the launched process staying behind to
+   wait (confine.py `enter_namespace`);
+3. the worker is confined (confine.py `confine`), becomes a child subreaper, loads the
+   WORKER system-call filter (seccomp.py) and reads the start-up message;
+4. it forks the **zygote** (zygote.py), which closes the channel, imports the user's code
+   (`prepare` of the module `init["entry"]` names) and forks the boxes; the process that
+   stays is the **supervisor**: it drops its capabilities and runs the entry's
+   `supervise(channel, init, boxes)`, talking to the trainer and to boxes, never running
+   user code. It exits, and the worker's tree with it, when the trainer's end of the
+   channel closes.
 
-A set-up failure is sent as one init_error line ("the sandbox could not be set up: ...").
+A set-up failure is sent as one init_error line ("the sandbox could not be set up: ..."),
+exit code SETUP_FAILED; a zygote that exits during its set-up (user code calling exit at
+import) ends the worker with the zygote's exit code.
 """
 
 from __future__ import annotations
@@ -22,34 +29,20 @@ import importlib
 import json
 import os
 import pickle
-import select
 import signal
+import socket
 import sys
-import threading
-import time
 import traceback
-from dataclasses import dataclass
 
-from leangrpo.sandbox.calls import LimitedCall
+from leangrpo.sandbox.box import Boxes, WorkerBroken
 from leangrpo.sandbox.cgroups import join
-from leangrpo.sandbox.confine import SetupError, confine, enter_namespace, limit_tasks
+from leangrpo.sandbox.confine import SetupError, confine, drop_privileges, enter_namespace
 from leangrpo.sandbox.frames import Channel
-from leangrpo.sandbox.output import OutputMeter
 from leangrpo.sandbox.proctree import become_subreaper, kill_descendants
+from leangrpo.sandbox.seccomp import FilterError, compile_filter, load
 
 LAUNCH_CODE = "from leangrpo.sandbox.launch import main; main()"
 SETUP_FAILED = 75  # exit code of a worker whose sandbox could not be set up
-
-
-@dataclass
-class Sandbox:
-    """What the set-up leaves the worker's code: its limits and output meter."""
-
-    spec: dict
-    meter: OutputMeter
-
-    def limited_call(self, timeout_s: float, cpu_time_limit_s: float | None) -> LimitedCall:
-        return LimitedCall(timeout_s, cpu_time_limit_s, self.spec, self.meter)
 
 
 def main() -> None:
@@ -57,73 +50,87 @@ def main() -> None:
     fd, spec = int(sys.argv[1]), json.loads(sys.argv[2])
     code = 0
     channel = None
+    zygote = None
     try:
         _enter(spec, fd)
         channel = Channel(fd)
-        sandbox = _set_up(spec, channel)
+        group_fds = _set_up(spec)
         init = pickle.loads(channel.recv())
-        importlib.import_module(init["entry"]).serve(channel, init, sandbox)
+        zygote, control = _fork_zygote(channel, init, spec, group_fds)
+        if spec["level"] == "namespace":
+            drop_privileges()  # the supervisor makes nothing: the zygote does
+        boxes = Boxes(control, channel.sock.fileno())
+        importlib.import_module(init["entry"]).supervise(channel, init, boxes)
     except SetupError as e:
         code = SETUP_FAILED
         with contextlib.suppress(OSError, ValueError):
             channel = channel or Channel(fd)
             msg = f"the sandbox ({spec['level']}) could not be set up: {e}"
             channel.send({"t": "init_error", "fn": 0, "msg": msg})
-    except (EOFError, OSError):  # the pool closed, or user code broke the channel
+    except WorkerBroken:  # the zygote exited: during set-up, user code ended it
+        code = _exit_code(zygote)
+    except (EOFError, OSError):  # the pool closed (the trainer's end of the channel)
         code = 3
     except Exception:  # a bug of the worker's own code: its traceback reaches the log
         traceback.print_exc()
         code = 1
-    kill_descendants(os.getpid())  # what its calls kept (the namespace's end would too)
-    os._exit(code)  # no atexit handlers or non-daemon threads of user code to wait for
+    kill_descendants(os.getpid())  # the zygote and every box (the namespace's end would too)
+    os._exit(code)
 
 
 def _enter(spec: dict, channel_fd: int) -> None:
-    if spec.get("cgroup"):
+    for group in spec.get("cgroups") or ():
+        leaf = os.path.join(group["path"], "worker") if group["version"] == 2 else group["path"]
         try:
-            join(spec["cgroup"])
+            join(leaf)
         except OSError as e:
-            raise SetupError(f"joining cgroup {spec['cgroup']}: {e.strerror}") from None
+            raise SetupError(f"joining cgroup {leaf}: {e.strerror}") from None
     if spec["level"] == "namespace":
         enter_namespace(spec, channel_fd)
 
 
-def _set_up(spec: dict, channel: Channel) -> Sandbox:
-    confine(spec)
+def _set_up(spec: dict) -> list[int]:
+    group_fds = confine(spec)
     become_subreaper()
-    meter = OutputMeter(int(spec["max_output_bytes"]))
-    _exit_with_trainer(channel)
-    limit_tasks(spec)
-    return Sandbox(spec, meter)
+    try:
+        load(compile_filter(box=False))
+    except (FilterError, OSError) as e:
+        raise SetupError(f"the system-call filter: {e}") from None
+    return group_fds
 
 
-def _exit_with_trainer(channel: Channel) -> None:
-    """When the trainer's end of the channel closes (it died without closing the pool),
-    kill this worker's tree and exit. A closed channel descriptor (user code) ends it too."""
-    if not hasattr(select, "POLLRDHUP"):  # not Linux: watch the parent instead
-        _watch_parent()
-        return
-    poller = select.poll()
-    poller.register(channel.sock.fileno(), select.POLLRDHUP)
+def _fork_zygote(channel: Channel, init: dict, spec: dict, group_fds: list[int]):
+    control, zygote_end = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            channel.sock.close()
+            control.close()
+            from leangrpo.sandbox.zygote import serve
 
-    def watch() -> None:
-        while True:
-            with contextlib.suppress(InterruptedError):
-                if poller.poll():
-                    break
-        kill_descendants(os.getpid())
-        os._exit(1)
+            serve(zygote_end, init, spec, group_fds)
+        except (EOFError, OSError):
+            code = 3
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+    zygote_end.close()
+    for fd in group_fds:
+        os.close(fd)
+    return pid, control
 
-    threading.Thread(target=watch, name="trainer-watch", daemon=True).start()
 
-
-def _watch_parent() -> None:
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        kill_descendants(os.getpid())
-        os._exit(1)
-
-    threading.Thread(target=watch, name="trainer-watch", daemon=True).start()
+def _exit_code(zygote: int | None) -> int:
+    if zygote is None:
+        return 1
+    try:
+        _, status = os.waitpid(zygote, 0)
+    except ChildProcessError:
+        return 1
+    code = os.waitstatus_to_exitcode(status)
+    return code if code >= 0 else 128 - code

@@ -7,9 +7,12 @@ the refusal, the one log line, and what a worker is started with.
   sandbox up and reports, run once per trainer process and network setting) succeeds, else
   `process` with the probe's reason; `namespace` asked for where the probe fails is a
   `SandboxError` of one sentence naming what is missing;
-- the process limit is a pids cgroup per worker for a root trainer (cgroups.py) and
-  RLIMIT_NPROC inside the user namespace otherwise (counted per namespace since Linux
-  5.14); where neither applies the log line says so;
+- every reward call and trajectory runs in a box of its own (box.py); a root trainer
+  bounds each box with a memory cgroup (`memory_limit_mb`, tmpfs counted) and a pids
+  cgroup (`max_processes`) where this machine has a writable hierarchy, v1 or v2
+  (cgroups.py); otherwise memory is RLIMIT_AS per process and the process limit
+  RLIMIT_NPROC inside the user namespace (counted per namespace since Linux 5.14), and
+  the log line says so;
 - a worker's environment is an allow-list (ENV_NAMES, LC_*, the section's `pass_env`)
   plus PYTHONPATH, PYTHONUNBUFFERED, and HOME / TMPDIR at its scratch directory: the
   trainer's tokens and keys stay in the trainer.
@@ -33,8 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from leangrpo.errors import UserError
-from leangrpo.sandbox.cgroups import pids_hierarchy
-from leangrpo.sandbox.confine import WORKER_TASKS
+from leangrpo.sandbox.cgroups import hierarchies
 
 ENV_NAMES = (
     "PATH", "LANG", "LANGUAGE", "TZ", "TERM", "LD_LIBRARY_PATH", "SSL_CERT_FILE",
@@ -65,9 +67,10 @@ class SandboxPlan:
     pass_env: tuple[str, ...] = ()
     reason: str = ""  # why auto chose process
     process_limit: str = field(default="", compare=False)  # "cgroup", "rlimit" or ""
+    memory_cgroup: bool = field(default=False, compare=False)  # a memory cgroup per box
 
-    def worker_spec(self, scratch: str, cgroup: str | None) -> dict[str, Any]:
-        """What the launched worker confines itself with (confine.py)."""
+    def worker_spec(self, scratch: str, cgroups: list[dict]) -> dict[str, Any]:
+        """What the launched worker confines itself and its boxes with (confine.py)."""
         return {
             "level": self.level,
             "network": self.network,
@@ -76,13 +79,12 @@ class SandboxPlan:
             "max_processes": self.max_processes,
             "max_output_bytes": self.max_output_bytes,
             "memory_limit_mb": self.memory_limit_mb,
-            "cgroup": cgroup,
+            "cgroups": cgroups,
             "nproc_limit": self.process_limit == "rlimit",
         }
 
-    def cgroup_limit(self) -> int | None:
-        """pids.max of a worker's cgroup (its own tasks counted), when cgroups are used."""
-        return self.max_processes + WORKER_TASKS if self.process_limit == "cgroup" else None
+    def uses_cgroups(self) -> bool:
+        return self.process_limit == "cgroup" or self.memory_cgroup
 
     def environment(self, scratch: str) -> dict[str, str]:
         env = {
@@ -96,25 +98,27 @@ class SandboxPlan:
 
     def describe(self) -> str:
         """The start-up log line."""
+        unit = "reward call" if self.key == "rewards" else "trajectory"
         if self.level == "namespace":
             spaces = "user, PID, IPC, mount" + ("" if self.network else " and network")
             what = (
-                f"namespace ({spaces} namespaces; read-only filesystem but a "
-                f"{self.scratch_mb} MB scratch directory; the trainer cannot be seen"
+                f"namespace ({spaces} namespaces; read-only filesystem; each {unit} in a "
+                f"box of its own: own PID, mount and IPC namespaces, fresh {self.scratch_mb} "
+                f"MB HOME/TMPDIR and /dev/shm; the trainer cannot be seen"
                 f"{'' if self.network else '; no network'})"
             )
         else:
             why = f", chosen because {self.reason}" if self.reason else ""
             what = (
                 f"process{why} (own session, allow-listed environment, no capabilities; "
+                f"each {unit} a process of its own with a fresh HOME/TMPDIR; "
                 "the trainer's memory cannot be read, but code running as its user can "
                 "signal it and the filesystem is the trainer's)"
             )
-        memory = f"{self.memory_limit_mb} MB" if self.memory_limit_mb else "no"
         workers = "reward" if self.key == "rewards" else self.key
         return (
-            f"{workers} workers: sandbox {what}; {self._process_text()}; {memory} memory "
-            f"limit; at most {self.max_output_bytes} output bytes per call"
+            f"{workers} workers: sandbox {what}; {self._process_text()}; "
+            f"{self._memory_text(unit)}; at most {self.max_output_bytes} output bytes per call"
         )
 
     def _process_text(self) -> str:
@@ -123,6 +127,17 @@ class SandboxPlan:
         if os.geteuid() == 0:
             return "no process limit (no writable cgroup pids controller)"
         return "no process limit (RLIMIT_NPROC would count every process of this user)"
+
+    def _memory_text(self, unit: str) -> str:
+        if not self.memory_limit_mb:
+            return "no memory limit"
+        if self.memory_cgroup:
+            return f"{self.memory_limit_mb} MB of memory per {unit} (memory cgroup, tmpfs counted)"
+        return (
+            f"{self.memory_limit_mb} MB of memory per process only (RLIMIT_AS: no writable "
+            "memory cgroup here, so memfd, tmpfs and a call's several processes are not "
+            "bounded together)"
+        )
 
 
 def check_level(section: Any, key: str) -> None:
@@ -160,12 +175,13 @@ def plan_for(section: Any, key: str) -> SandboxPlan:
 
 
 def _with_process_limit(plan: SandboxPlan) -> SandboxPlan:
+    found = hierarchies()
     how = ""
-    if os.geteuid() == 0 and pids_hierarchy() is not None:
+    if "pids" in found:
         how = "cgroup"
     elif os.geteuid() != 0 and plan.level == "namespace" and _kernel() >= (5, 14):
         how = "rlimit"
-    return replace(plan, process_limit=how)
+    return replace(plan, process_limit=how, memory_cgroup="memory" in found)
 
 
 def refusal(key: str, failure: str) -> str:
@@ -193,7 +209,7 @@ def _probe(network: bool) -> str | None:
     plan = SandboxPlan("probe", "namespace", network=network, scratch_mb=1)
     try:
         done = subprocess.run(
-            [sys.executable, "-c", PROBE_CODE, json.dumps(plan.worker_spec(scratch, None))],
+            [sys.executable, "-c", PROBE_CODE, json.dumps(plan.worker_spec(scratch, []))],
             env=plan.environment(scratch),
             stdin=subprocess.DEVNULL,
             capture_output=True,

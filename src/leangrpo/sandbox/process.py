@@ -7,7 +7,8 @@ its output, kill it.
   session (`start_new_session`), every descriptor closed but the channel, stdin =
   /dev/null, stdout and stderr into one pipe, with the plan's environment (levels.py:
   allow-listed, HOME and TMPDIR at the worker's scratch directory). A scratch directory and,
-  for a root trainer, a pids cgroup are made per worker and removed when it is released
+  for a root trainer, its cgroups (memory, pids: the worker makes one per box inside) are
+  made per worker and removed when it is released
   (those of a trainer that was killed, by the next trainer's first worker).
 - Replies are read without blocking into a FrameReader and parsed only when whole, so a
   worker cannot stall the trainer with half a message; `parse` checks each against its
@@ -39,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from leangrpo.sandbox.cgroups import make_group, remove_group
+from leangrpo.sandbox.cgroups import make_group, remove_groups
 from leangrpo.sandbox.frames import FrameReader, pickle_frame
 from leangrpo.sandbox.launch import LAUNCH_CODE
 from leangrpo.sandbox.levels import SandboxPlan, protect_trainer
@@ -97,11 +98,10 @@ class WorkerProcess:
         if plan.level == "process":
             protect_trainer()
         self.scratch = scratch_directory()
-        limit = plan.cgroup_limit()
-        self.cgroup = make_group(limit) if limit is not None else None
+        self.cgroups = make_group() if plan.uses_cgroups() else []
         parent, child = socket.socketpair()
         out_read, out_write = os.pipe()
-        spec = json.dumps(plan.worker_spec(self.scratch, self.cgroup))
+        spec = json.dumps(plan.worker_spec(self.scratch, [g.as_dict() for g in self.cgroups]))
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", LAUNCH_CODE, str(child.fileno()), spec],
@@ -228,7 +228,7 @@ class WorkerProcess:
             self._remove_files()
 
     def _remove_files(self) -> None:
-        remove_group(self.cgroup)
+        remove_groups(self.cgroups)
         shutil.rmtree(self.scratch, ignore_errors=True)
 
     def kill(self) -> None:
@@ -250,4 +250,3 @@ def scratch_directory() -> str:
             if owner.isdigit() and int(owner) != os.getpid() and not process_exists(int(owner)):
                 shutil.rmtree(path, ignore_errors=True)
     return tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
-

@@ -16,7 +16,9 @@ that generated it, so staleness is measured, never assumed (`staleness/*` at eac
 Guards: a batch with no scored sample (with re-rolls: no scored group with signal) is
 skipped (counted, consumed); a run stops with one sentence after
 `train.max_consecutive_skipped_steps` non-finite steps or
-`pipeline.max_consecutive_skipped_batches` such batches in a row. A checkpoint taken
+`pipeline.max_consecutive_skipped_batches` such batches in a row, or at the first such
+batch whose cause is certain to last (train/skips.py: an environment that failed every
+trajectory the same way, a reward that timed out on every sample). A checkpoint taken
 inside a batch holds that batch (`BatchInProgress`), so resume is exact at any step.
 
 Stop signals (stopping.py): during `train()` a first SIGTERM or Ctrl-C is checked at each
@@ -57,6 +59,7 @@ from leangrpo.train.inflight import BatchInProgress
 from leangrpo.train.passes import attach_old_and_ref
 from leangrpo.train.planning import PlannedStep, plan_steps
 from leangrpo.train.schedule import make_scheduler
+from leangrpo.train.skips import certain_cause, skipped_batches_advice
 from leangrpo.train.step import train_step
 
 log = logging.getLogger("leangrpo")
@@ -364,13 +367,17 @@ class Trainer:
                 "generation batch skipped: none of its %d samples was scored", len(batch.samples)
             )
         self.logger.log(self.step, {**batch.metrics, **self.skips.metrics()})
+        metrics_path = self.out / "metrics.jsonl"
+        certain = None if flat else certain_cause(batch, self.cfg, metrics_path)
+        if certain is not None:  # the next batch would fail alike: stop at the first
+            raise RunError(certain)
         limit = self.cfg.pipeline.max_consecutive_skipped_batches
         if self.skips.batches_in_a_row >= limit:
             why = "had no scored sample"
             if flat:
                 why += " with reward variance (pipeline.reroll leaves flat groups out)"
             raise RunError(
-                f"the last {limit} generation batches {why}, so there is nothing to train on (pipeline.max_consecutive_skipped_batches = {limit}); check the reward functions: reward/*/failures and frac_reward_zero_std in {self.out / 'metrics.jsonl'} count their failures and the groups they scored all alike"
+                f"the last {limit} generation batches {why}, so there is nothing to train on (pipeline.max_consecutive_skipped_batches = {limit}); {skipped_batches_advice(batch, self.cfg, metrics_path)}"
             )
 
     def optimizer_step(self, planned: PlannedStep, batch_metrics: dict, batch) -> None:

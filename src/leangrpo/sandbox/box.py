@@ -1,0 +1,433 @@
+"""Boxes: one confined process (and its PID namespace) per reward call, trajectory or
+episode. The public API of the sandbox for the code a worker serves.
+
+A worker is three kinds of process (launch.py starts them, confined):
+
+- the **supervisor** holds the channel to the trainer and runs no user code at all: it
+  reads tasks, asks the zygote for boxes, passes each its request, checks each box's one
+  reply and sends the trainer what it may carry;
+- the **zygote** imported the user's code (the entry's `prepare`, before any task) and only
+  forks: each box is a copy of it that never saw a task;
+- a **box** runs one call (rewards), one trajectory (environments) or one episode (agents),
+  confined before it runs anything (zygote.py: its own PID, mount and IPC namespaces and,
+  for trajectories and episodes, network namespace; a fresh HOME/TMPDIR and /dev/shm; its
+  own memory and pids cgroup; no capabilities; the BOX system-call filter) and killed with
+  its whole tree when it ends. It holds only a private socket to the supervisor and its
+  output pipe.
+
+Supervisor side (what an entry's `supervise(channel, init, boxes)` uses):
+
+    box = boxes.start(network=False)           # (a) the entry's prepared callable, in a box
+    outcome = boxes.ask(box, request, deadline) # Reply(message) | Failed(kind, msg)
+    boxes.end(box)                              # killed with its tree; its scratch is gone
+    box = boxes.command(argv, env={...}, forward="/run/endpoint.sock")  # (b) any command:
+    box.stdin / box.stdout                      # its pipes (stderr goes to the log)
+
+`start` takes a box forked ahead of time when one is ready (`spares`), so a call does not
+wait for the fork. `forward` (optional, a unix socket path the trainer listens on) is the
+one address a box without network reaches: a forwarder process inside the box listens on
+its own loopback and relays each connection there; the box's code finds the address in
+`LEANGRPO_ENDPOINT` (http://127.0.0.1:PORT) or `conn.endpoint`.
+
+A reply is accepted only from the box's own socket, only from its main process (the
+kernel's SCM_CREDENTIALS: a forked child writing a well-formed frame is told apart), only
+once per request: anything else is `Failed("forged reply")`, never a value.
+
+Box side: the entry's callable gets a `BoxConn`: `recv()` the supervisor's request
+(pickles: the supervisor is trusted), `send(dict)` one JSON reply, `limited_call(...)` the
+limits of sandbox/calls.py, `endpoint`.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import math
+import os
+import pickle
+import select
+import signal
+import socket
+import struct
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from leangrpo.sandbox.calls import LimitedCall
+from leangrpo.sandbox.frames import (
+    MAX_REPLY_BYTES,
+    FrameReader,
+    ProtocolError,
+    frame,
+    json_payload,
+    pickle_frame,
+    read_frame,
+)
+from leangrpo.sandbox.output import FORWARD_BYTES, OutputMeter
+
+FORGED, DIED, TIMEOUT, MEMORY, GARBLED = (
+    "forged reply",
+    "box died",
+    "timeout",
+    "memory limit",
+    "garbled reply",
+)
+EXIT_NOTICE_S = 1.0  # how long the zygote may take to report a dead box's end
+_CRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
+
+
+@dataclass(frozen=True)
+class Reply:
+    message: dict
+
+
+@dataclass(frozen=True)
+class Failed:
+    kind: str
+    msg: str
+
+
+Outcome = Reply | Failed
+
+
+class WorkerBroken(Exception):
+    """The zygote is gone: the worker cannot make boxes any more (it exits)."""
+
+
+@dataclass
+class Box:
+    """The supervisor's handle on one box."""
+
+    id: int
+    pid: int  # in the worker's PID namespace
+    sock: socket.socket  # the supervisor's end of the box's private socket (SO_PASSCRED)
+    out: int  # read end of what the box prints
+    stdin: int | None = None  # a command's
+    stdout: int | None = None
+    reader: FrameReader = field(default_factory=FrameReader)
+    relayed: int = 0  # bytes of output passed on for the current request
+    exit: dict | None = None  # the zygote's notice: {"code", "oom"}
+    ended: bool = False
+
+
+class Boxes:
+    """The supervisor's side of the zygote (one per worker; single-threaded)."""
+
+    def __init__(
+        self, control: socket.socket, channel_fd: int, spares: int = 1, network: bool = False
+    ):
+        self.control = control
+        self.channel_fd = channel_fd  # watched for the trainer's hang-up while waiting
+        self.reader = FrameReader(max_bytes=MAX_REPLY_BYTES)
+        self.spare_count = spares
+        self.spare_network = network
+        self._spares: deque[int] = deque()  # requested ids, oldest first
+        self._delivered: dict[int, Box] = {}
+        self._live: dict[int, Box] = {}
+        self._exits: dict[int, dict] = {}
+        self._ids = 0
+        self._pending: deque[dict] = deque()  # set-up messages read while waiting for boxes
+
+    # -- set-up -----------------------------------------------------------------------------
+    def setup_messages(self) -> Any:
+        """The zygote's set-up reports (JSON payloads), until it closes or sends ready."""
+        while True:
+            while self._pending:
+                yield self._pending.popleft()
+            self._read_control(block=True)
+
+    # -- making boxes ---------------------------------------------------------------------------
+    def start(self, network: bool | None = None, forward: str | None = None) -> Box:
+        """A box running the entry's prepared callable (a spare one when ready)."""
+        network = self.spare_network if network is None else network
+        if forward is None and network == self.spare_network and self.spare_count:
+            if not self._spares:
+                self._spares.append(self._request({"network": network}))
+            box = self._take(self._spares.popleft())
+            while len(self._spares) < self.spare_count:
+                self._spares.append(self._request({"network": network}))
+            return box
+        return self._take(self._request({"network": network, "forward": forward}))
+
+    def command(self, argv: list[str], *, network: bool = False, forward: str | None = None,
+                env: dict[str, str] | None = None) -> Box:  # fmt: skip
+        """A box running `argv` (exec'd once confined) with pipes for its stdin and stdout."""
+        request = {"network": network, "forward": forward, "argv": list(argv), "env": env or {}}
+        return self._take(self._request(request))
+
+    def _request(self, request: dict) -> int:
+        self._ids += 1
+        self._send_control({"t": "box", "id": self._ids, **request})
+        return self._ids
+
+    def _send_control(self, message: dict) -> None:
+        try:
+            self.control.sendall(pickle_frame(message))
+        except OSError as e:
+            raise WorkerBroken(f"the zygote is gone ({type(e).__name__})") from None
+
+    def _take(self, box_id: int) -> Box:
+        while box_id not in self._delivered:
+            self._read_control(block=True)
+        box = self._delivered.pop(box_id)
+        self._live[box.id] = box
+        return box
+
+    # -- talking to a box -------------------------------------------------------------------
+    def ask(self, box: Box, request: Any, deadline: float) -> Outcome:
+        """Send `request`, then wait for the box's one reply until `deadline` (monotonic)."""
+        stale = self._unasked(box)
+        if stale is not None:
+            return stale
+        box.relayed = 0
+        try:
+            box.sock.sendall(pickle_frame(request))
+        except OSError:
+            return self._death(box)
+        return self.wait(box, deadline)
+
+    def _unasked(self, box: Box) -> Failed | None:
+        """A box that wrote to its socket between requests broke the protocol."""
+        try:
+            data = box.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return None
+        except OSError:
+            return self._death(box)
+        if not data:
+            return self._death(box)
+        return Failed(FORGED, "the box wrote to its socket when nothing was asked of it")
+
+    def wait(self, box: Box, deadline: float) -> Outcome:
+        """The box's one reply, or why there is none; relays its output meanwhile. Raises
+        EOFError when the trainer hangs up (the worker ends)."""
+        handles = [box.sock, box.out, self.control, self.channel_fd]
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return Failed(TIMEOUT, "")
+            ready = self._poll(handles, left)
+            if box.out in ready:
+                self.relay(box)
+            if self.control.fileno() in ready:
+                self._read_control(block=False)
+            if self.channel_fd in ready:
+                self._check_trainer()
+                handles = handles[:3]  # a message ahead of its time waits in the socket
+            if box.sock.fileno() in ready:
+                outcome = self._receive(box)
+                if outcome is not None:
+                    self.relay(box)  # what it printed before replying reaches the log first
+                    return outcome
+
+    def _receive(self, box: Box) -> Outcome | None:
+        try:
+            data, ancillary, _, _ = box.sock.recvmsg(1 << 16, socket.CMSG_SPACE(_CRED.size))
+        except OSError:
+            return self._death(box)
+        if not data:
+            return self._death(box)
+        sender = _sender(ancillary)
+        if sender != box.pid:
+            return Failed(FORGED, f"a frame from another process of the box (pid {sender})")
+        try:
+            payloads = box.reader.feed(data)
+        except ProtocolError as e:
+            return Failed(GARBLED, str(e))
+        if not payloads:
+            return None
+        if len(payloads) > 1 or box.reader.pending():
+            return Failed(FORGED, "more than one reply to one request")
+        try:
+            return Reply(_json(payloads[0]))
+        except ValueError as e:
+            return Failed(GARBLED, f"a reply that is not JSON ({e})")
+
+    def _check_trainer(self) -> None:
+        with socket.socket(fileno=os.dup(self.channel_fd)) as sock:
+            try:
+                data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            except OSError:
+                raise EOFError from None
+        if not data:
+            raise EOFError
+
+    def _death(self, box: Box) -> Failed:
+        """The box closed its socket: it died (the zygote says how)."""
+        deadline = time.monotonic() + EXIT_NOTICE_S
+        while box.id not in self._exits and time.monotonic() < deadline:
+            self._read_control(block=False, timeout=deadline - time.monotonic())
+        notice = self._exits.get(box.id, {})
+        if notice.get("oom"):
+            return Failed(MEMORY, "was killed at the memory limit of its call")
+        code = notice.get("code")
+        return Failed(DIED, f"the call's process died (exit code {code})")
+
+    def relay(self, box: Box) -> None:
+        """Pass on what the box printed, at most FORWARD_BYTES per request."""
+        while True:
+            try:
+                data = os.read(box.out, 1 << 16)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            if not data:
+                return
+            room = FORWARD_BYTES - box.relayed
+            if room > 0:
+                box.relayed += min(room, len(data))
+                _write_all(1, data[:room])
+
+    def end(self, box: Box) -> None:
+        """Kill the box with its whole tree and close its descriptors (idempotent)."""
+        if box.ended:
+            return
+        box.ended = True
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(box.pid, signal.SIGKILL)  # a session leader; PID 1 of its namespace
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(box.pid, signal.SIGKILL)
+        self._send_control({"t": "ended", "id": box.id})  # the zygote sweeps what is left
+        for fd in (box.out, box.stdin, box.stdout):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        box.sock.close()
+        self._live.pop(box.id, None)
+        self._exits.pop(box.id, None)
+
+    def close(self) -> None:
+        for box in list(self._live.values()) + list(self._delivered.values()):
+            self.end(box)
+        self.control.close()
+
+    # -- the zygote's messages ------------------------------------------------------------------
+    def _read_control(self, block: bool, timeout: float | None = None) -> None:
+        if not block:
+            ready = self._poll([self.control], 0.0 if timeout is None else max(0.0, timeout))
+            if self.control.fileno() not in ready:
+                return
+        data, fds = _recv_fds(self.control)
+        if not data:
+            raise WorkerBroken("the zygote exited")
+        try:
+            payloads = self.reader.feed(data)
+        except ProtocolError as e:
+            raise WorkerBroken(f"the zygote sent garbage ({e})") from None
+        for payload in payloads:
+            message = _json(payload)
+            kind = message.get("t")
+            if kind == "box":
+                self._delivered[message["id"]] = _box(message, fds)
+            elif kind == "exit":
+                self._exits[message["id"]] = message
+            else:
+                self._pending.append(message)
+
+    @staticmethod
+    def _poll(handles: list, timeout: float) -> set[int]:
+        poller = select.poll()
+        for h in handles:
+            fd = h if isinstance(h, int) else h.fileno()
+            poller.register(fd, select.POLLIN | getattr(select, "POLLRDHUP", 0))
+        ms = -1 if timeout == math.inf else int(math.ceil(timeout * 1000))
+        try:
+            return {fd for fd, _ in poller.poll(ms)}
+        except InterruptedError:
+            return set()
+
+
+def _box(message: dict, fds: list[int]) -> Box:
+    sock = socket.socket(fileno=fds[0])
+    os.set_blocking(fds[1], False)
+    stdin = fds[2] if len(fds) > 2 else None
+    stdout = fds[3] if len(fds) > 3 else None
+    return Box(message["id"], message["pid"], sock, fds[1], stdin, stdout)
+
+
+def _sender(ancillary: list) -> int | None:
+    for level, kind, data in ancillary:
+        if (
+            level == socket.SOL_SOCKET
+            and kind == socket.SCM_CREDENTIALS
+            and len(data) >= _CRED.size
+        ):
+            return _CRED.unpack_from(data)[0]
+    return None
+
+
+def _json(payload: bytes) -> dict:
+    import json
+
+    message = json.loads(payload.decode("utf-8"), parse_constant=_no_constant)
+    if type(message) is not dict:
+        raise ValueError("not an object")
+    return message
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a finite number")
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    with contextlib.suppress(OSError):  # the trainer closed its end: nothing to show
+        while view:
+            view = view[os.write(fd, view) :]
+
+
+def _recv_fds(sock: socket.socket) -> tuple[bytes, list[int]]:
+    fds = array.array("i")
+    data, ancillary, _, _ = sock.recvmsg(1 << 16, socket.CMSG_SPACE(8 * fds.itemsize))
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - (len(payload) % fds.itemsize)])
+    return data, list(fds)
+
+
+def send_fds(sock: socket.socket, message: dict, fds: list[int]) -> None:
+    """The zygote's: one JSON frame with descriptors attached."""
+    data = frame(json_payload(message))
+    sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+
+
+# -- inside a box ---------------------------------------------------------------------------
+
+
+class BoxConn:
+    """A box's end: the supervisor's requests in, one JSON reply per request out."""
+
+    def __init__(self, sock: socket.socket, spec: dict, meter: OutputMeter | None,
+                 endpoint: str | None = None):  # fmt: skip
+        self.sock = sock
+        self.spec = spec
+        self.meter = meter
+        self.endpoint = endpoint
+
+    def recv(self) -> Any:
+        """The next request (EOFError when the supervisor ends the box)."""
+        return pickle.loads(read_frame(self.sock))
+
+    def send(self, message: dict) -> None:
+        """One reply; ValueError (not sent) if it is larger than the trainer accepts."""
+        payload = json_payload(message)
+        if len(payload) > MAX_REPLY_BYTES:
+            raise ValueError(
+                f"a reply of {len(payload)} bytes, over the {MAX_REPLY_BYTES} the trainer accepts"
+            )
+        if self.meter is not None:
+            self.meter.settle()  # what was printed reaches the supervisor first
+        self.sock.sendall(frame(payload))
+
+    def limited_call(self, timeout_s: float, cpu_time_limit_s: float | None) -> LimitedCall:
+        return LimitedCall(timeout_s, cpu_time_limit_s, self.spec, self.meter)
+
+    def linger(self) -> None:
+        """Wait to be ended (the supervisor reads the reply from a live sender)."""
+        with contextlib.suppress(EOFError, OSError):
+            while True:
+                read_frame(self.sock)

@@ -1,0 +1,290 @@
+"""The zygote (worker side): imports the user's code once, then forks a box per request.
+
+Started by launch.py as the supervisor's child, confined like the whole worker, holding
+no channel to the trainer (only its control socket to the supervisor): it runs the
+entry's `prepare(init, announce)` (rewards/worker.py, environments/worker.py: imports,
+checks, the set-up reports `announce` passes on), which returns what each box runs
+(`box_main(conn)`), then serves the supervisor's requests (box.py `Boxes`):
+
+- `{"t": "box", "id", "network", "forward", "argv", "env"}`: fork a box. Namespace level:
+  the child is born PID 1 of a new PID namespace (the zygote unshares one before the fork
+  and steps back after it), so it sees no other process of the worker; process level: a
+  session of its own and a fresh scratch directory. Before anything else runs, the child
+  closes every descriptor but its own, joins its cgroups (cgroups.py), is confined
+  (confine.py `confine_box`: namespaces, fresh /proc, scratch and /dev/shm; the process
+  limit), starts its forwarder if asked (forward.py), drops every capability and loads
+  the BOX filter (seccomp.py); then it runs `box_main` under its output meter, or execs
+  `argv`. The supervisor gets the box's pid and its descriptors (SCM_RIGHTS).
+- `{"t": "ended", "id"}`: the supervisor killed the box. When a box ends the zygote reaps
+  it, tells the supervisor `{"t": "exit", "id", "code", "oom"}`, removes its cgroups and
+  (process level) its scratch directory, and kills what it left behind (processes
+  re-parented to the zygote, a subreaper).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import select
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from leangrpo.sandbox.box import BoxConn, send_fds
+from leangrpo.sandbox.cgroups import BoxGroups
+from leangrpo.sandbox.confine import (
+    BOX_TASKS,
+    SetupError,
+    back_to,
+    confine_box,
+    drop_privileges,
+    limit_box_tasks,
+    new_pid_namespace,
+    own_domain,
+)
+from leangrpo.sandbox.frames import FrameReader, frame, json_payload
+from leangrpo.sandbox.output import OutputMeter
+from leangrpo.sandbox.proctree import become_subreaper, children, kill_pids
+from leangrpo.sandbox.seccomp import compile_filter, load
+
+BOX_SETUP_FAILED = 75
+
+
+@dataclass
+class _Live:
+    id: int
+    group: str | None
+    scratch: str | None
+
+
+class Zygote:
+    def __init__(self, control: socket.socket, spec: dict, groups: BoxGroups | None):
+        self.control = control
+        self.spec = spec
+        self.groups = groups
+        self.namespace = spec["level"] == "namespace"
+        self.programs = {
+            unix: compile_filter(box=True, unix_sockets=unix) for unix in {True, spec["network"]}
+        }
+        self.own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+        self.live: dict[int, _Live] = {}  # pid -> box
+        self.unremoved: list[str] = []  # cgroups whose tasks were still being released
+        self.box_main: Callable[[BoxConn], Any] | None = None
+
+    def announce(self, message: dict) -> None:
+        self.control.sendall(frame(json_payload(message)))
+
+    def serve(self, init: dict) -> None:
+        become_subreaper()  # what an ended box left is re-parented here, and killed
+        entry = importlib.import_module(init["entry"])
+        self.box_main = entry.prepare(init, self.announce)
+        if self.box_main is None or init.get("mode", "serve") != "serve":
+            return
+        wake_read, wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(wake_write)
+        signal.signal(signal.SIGCHLD, lambda *a: None)
+        reader = FrameReader()
+        poller = select.poll()
+        poller.register(self.control, select.POLLIN)
+        poller.register(wake_read, select.POLLIN)
+        while True:
+            with contextlib.suppress(InterruptedError):
+                ready = {fd for fd, _ in poller.poll()}
+            if wake_read in ready:
+                with contextlib.suppress(OSError):
+                    os.read(wake_read, 4096)
+            self._reap()
+            if self.control.fileno() in ready:
+                data = self.control.recv(1 << 16)
+                if not data:
+                    return  # the supervisor is gone
+                for payload in reader.feed(data):
+                    self._handle(_unpickle(payload))
+
+    def _handle(self, request: dict) -> None:
+        if request["t"] == "box":
+            self._fork(request)
+        elif request["t"] == "ended":
+            self._reap()
+
+    # -- forking a box --------------------------------------------------------------------
+    def _fork(self, request: dict) -> None:
+        parent, child = socket.socketpair()
+        parent.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        out_read, out_write = os.pipe()
+        stdio = (os.pipe(), os.pipe()) if request.get("argv") else None
+        group = self.groups.make() if self.groups is not None else None
+        scratch = self.spec["scratch"]
+        if not self.namespace:
+            scratch = tempfile.mkdtemp(prefix="box-", dir=self.spec["scratch"])
+        tasks = _tasks() if self.spec.get("nproc_limit") else 0
+        if self.namespace:
+            new_pid_namespace()
+        try:
+            pid = os.fork()
+        except OSError:
+            pid = -1
+        if pid != 0 and self.namespace:
+            back_to(self.own_pid_ns)  # in the zygote only: a box cannot leave its namespace
+        if pid < 0:
+            raise SetupError("fork: the worker's process limit or memory is exhausted")
+        if pid == 0:
+            keep = {"sock": child.fileno(), "out": out_write}
+            if stdio is not None:
+                keep.update(stdin=stdio[0][0], stdout=stdio[1][1])
+            self._box(request, keep, group, scratch, tasks)  # never returns
+        self.live[pid] = _Live(request["id"], group, None if self.namespace else scratch)
+        child.close()
+        os.close(out_write)
+        fds = [parent.fileno(), out_read]
+        if stdio is not None:
+            os.close(stdio[0][0])
+            os.close(stdio[1][1])
+            fds += [stdio[0][1], stdio[1][0]]
+        send_fds(self.control, {"t": "box", "id": request["id"], "pid": pid}, fds)
+        parent.close()
+        for fd in fds[1:]:
+            os.close(fd)
+
+    def _box(self, request: dict, keep: dict[str, int], group: str | None, scratch: str,
+             tasks: int) -> None:  # fmt: skip
+        """In the new box: confine it, then run it (see the module docstring)."""
+        code = 0
+        try:
+            if group is not None:
+                self.groups.join(group)  # first: everything the box does is counted
+            fds = _settle_descriptors(keep)  # the cgroups' and the zygote's are closed
+            os.setsid()
+            become_subreaper()  # orphans of its processes stay in its tree (process level)
+            confine_box(self.spec, scratch, own_network=bool(request.get("network")))
+            os.environ.update(HOME=scratch, TMPDIR=scratch)
+            tempfile.tempdir = None  # the zygote's cached one is not this box's
+            endpoint = self._forwarder(request.get("forward"))
+            limit_box_tasks(self.spec, tasks)
+            drop_privileges()
+            own_domain()
+            load(self.programs[bool(self.spec["network"])])
+            if request.get("argv"):
+                _exec(request, fds, endpoint)
+            self._run(fds, endpoint)
+        except SetupError as e:
+            print(
+                f"the sandbox ({self.spec['level']}) could not set up a box: {e}", file=sys.stderr
+            )
+            code = BOX_SETUP_FAILED
+        except BaseException:  # a bug of the box's own code (user code's errors are replies)
+            traceback.print_exc()
+            code = 1
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+    def _forwarder(self, target: str | None) -> str | None:
+        if not target:
+            return None
+        from leangrpo.sandbox.forward import start_forwarder
+
+        return start_forwarder(target, self.programs[True])
+
+    def _run(self, fds: dict[str, int], endpoint: str | None) -> None:
+        meter = OutputMeter(int(self.spec["max_output_bytes"]))  # dups 1, the output pipe
+        os.close(fds.pop("out"))
+        conn = BoxConn(socket.socket(fileno=fds["sock"]), self.spec, meter, endpoint)
+        if endpoint:
+            os.environ["LEANGRPO_ENDPOINT"] = endpoint
+        self.box_main(conn)
+        meter.settle()
+        conn.linger()  # the supervisor reads the reply while its sender lives
+
+    # -- ended boxes ------------------------------------------------------------------------
+    def _reap(self) -> None:
+        ended = False
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            box = self.live.pop(pid, None)
+            if box is not None:
+                ended = True
+                self._ended(box, os.waitstatus_to_exitcode(status))
+        if ended:
+            kill_pids([p for p in children(os.getpid()) if p not in self.live])
+        self.unremoved = [g for g in self.unremoved if not self.groups.remove(g)]
+
+    def _ended(self, box: _Live, code: int) -> None:
+        oom = False
+        if box.group is not None:
+            oom = self.groups.oom_killed(box.group)
+            if not self.groups.remove(box.group):
+                self.unremoved.append(box.group)
+        if box.scratch is not None:
+            shutil.rmtree(box.scratch, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            self.announce({"t": "exit", "id": box.id, "code": code, "oom": oom})
+
+
+def _settle_descriptors(keep: dict[str, int]) -> dict[str, int]:
+    """Close every descriptor but `keep`, moved to fixed places: 0 /dev/null (a command's
+    stdin pipe), 1 and 2 the output pipe (a command's stdout: its pipe), the rest above."""
+    moved = {name: os.dup(fd) for name, fd in keep.items()}  # out of the way of 0-2
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(moved.pop("stdin", null), 0)
+    os.dup2(moved.pop("stdout", moved["out"]), 1)
+    os.dup2(moved["out"], 2)
+    placed = {}
+    for n, (name, fd) in enumerate(sorted(moved.items())):
+        placed[name] = os.dup2(fd, 100 + n, inheritable=False)
+    os.closerange(3, 100)
+    os.closerange(100 + len(placed), 1 << 20)
+    return placed
+
+
+def _exec(request: dict, fds: dict[str, int], endpoint: str | None) -> None:
+    """Exec the command (stdin, stdout its pipes; stderr the output pipe)."""
+    env = {**os.environ, **request.get("env", {})}
+    if endpoint:
+        env["LEANGRPO_ENDPOINT"] = endpoint
+    for fd in fds.values():
+        os.close(fd)
+    argv = request["argv"]
+    try:
+        os.execvpe(argv[0], argv, env)
+    except OSError as e:
+        print(f"could not run {argv[0]!r}: {e.strerror}", file=sys.stderr)
+        os._exit(127)
+
+
+def _tasks() -> int:
+    """Tasks (processes and threads) in the worker's namespace now."""
+    count = 0
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            with contextlib.suppress(OSError):
+                count += len(os.listdir(f"/proc/{name}/task"))
+    return count
+
+
+def _unpickle(payload: bytes) -> Any:
+    import pickle
+
+    return pickle.loads(payload)  # the supervisor's: trusted
+
+
+def serve(control: socket.socket, init: dict, spec: dict, group_fds: list[int]) -> None:
+    """The zygote's life (launch.py forks it once the worker is confined)."""
+    groups = None
+    if group_fds:
+        pids = int(spec["max_processes"]) + BOX_TASKS
+        groups = BoxGroups(spec["cgroups"], group_fds, spec.get("memory_limit_mb"), pids)
+    Zygote(control, spec, groups).serve(init)

@@ -1,0 +1,279 @@
+"""Each reward call and each trajectory in a box of its own (issue 36, sandbox/box.py): what
+one call or trajectory does reaches neither another, nor the next, nor the trainer's
+scores. Every test here failed before boxes: a forked child forged a whole call's scores;
+files and module state outlived a call; one trajectory wrote into another's process; undeclared
+reward terms reached the total; a memfd and several processes held past memory_limit_mb;
+the trainer's session keyring was readable; a nested user namespace gave capabilities
+back."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+
+import pytest
+from support.configs import rewards_section
+from support.hostile_tools import hermes
+from support.sandboxes import require_namespace
+
+from leangrpo.config.environment import EnvironmentConfig
+from leangrpo.contracts import Completion, Prompt, RolloutSample
+from leangrpo.environments.pool import EnvironmentPool
+from leangrpo.rewards import RewardPool
+
+USER = [{"role": "user", "content": "go"}]
+LEVELS = ["namespace", "process"]
+TOOLS = ["hold_memory", "plant", "find", "read_keyring", "nested_userns", "attack_tagged",
+         "forge_terms", "read_file"]  # fmt: skip
+KEY, SECRET = "leangrpo-test-token", "hf_keyring_secret_for_the_test"
+
+
+def level_here(level: str) -> str:
+    if level == "namespace":
+        require_namespace()
+    return level
+
+
+def tools_pool(level: str, name: str = "tools", **fields) -> EnvironmentPool:
+    sandbox = {"level": level_here(level), "scratch_mb": 16, **fields.pop("sandbox", {})}
+    cfg = EnvironmentConfig(name=name, tools=[f"support.hostile_tools:{t}" for t in TOOLS],
+                            num_workers=1, timeout_s=30.0, tool_timeout_s=30.0,
+                            sandbox=sandbox, **fields)  # fmt: skip
+    return EnvironmentPool(cfg)
+
+
+def trajectory(pool: EnvironmentPool, tool: str, row: dict | None = None, **arguments):
+    """One trajectory calling `tool` once: (its step's outcome, its key; finished)."""
+    (key,) = pool.new_sessions(1)
+    (reset,) = pool.reset([(key, USER, row or {}, 0)])
+    assert reset.error is None, reset.error
+    (out,) = pool.step([(key, hermes(tool, **arguments), 0)])
+    pool.finish([(key, "stop")])
+    return out
+
+
+def text(out) -> str:
+    assert out.error is None, out.error
+    return out.ok["reply"][0]["content"]
+
+
+def samples(texts: list[str], prompts: list[int]) -> list[RolloutSample]:
+    return [
+        RolloutSample(p, Prompt(p, "q", [1]), Completion([1], t, [0.0], "stop", 0))
+        for t, p in zip(texts, prompts)
+    ]
+
+
+# -- the channel -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_forked_child_cannot_forge_its_calls_scores(level):
+    """HumanEval's check_correctness pattern: the program runs in a forked child, which
+    writes well-formed replies scoring the whole call 1.0 on every socket it holds."""
+    cfg = rewards_section(
+        "support.hostile_tools:forking_forger", sandbox={"level": level_here(level)}
+    )
+    batch = samples(["forge", "honest", "honest"], [0, 0, 0])  # one prompt: one call
+    with RewardPool(cfg) as pool:
+        metrics = pool.score(batch)
+    assert [s.rewards["forking_forger"] for s in batch] == [None, 0.0, 0.0]
+    assert metrics["reward/forking_forger/failures"] == 1.0  # the forger's own call, counted
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_undeclared_reward_terms_never_reach_the_trainer(level):
+    """Code run in the trajectory's process rewrites its replies to carry the term
+    'forged' (the tools environment declares none): that item fails, a later trajectory
+    is untouched."""
+    with tools_pool(level) as pool:
+        assert pool.reward_terms == ()
+        forged = trajectory(pool, "forge_terms")
+        later = trajectory(pool, "find", name="x")
+    assert forged.ok is None and "'forged'" in forged.error, forged
+    assert later.error is None and later.ok["rewards"] == {}
+
+
+def test_the_trainer_itself_refuses_undeclared_reward_terms():
+    """The pool checks what a worker sends against the declared terms too."""
+    with tools_pool("process") as pool:
+        ok = {"rewards": {"forged": 100.0}, "metrics": {}, "seconds": 0.0}
+        refused = pool._declared(ok)
+        assert refused.ok is None and "'forged'" in refused.error
+        assert pool._declared({**ok, "rewards": {}}).ok is not None
+
+
+# -- between calls and trajectories ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_what_a_call_leaves_reaches_no_other_call(level, monkeypatch):
+    """Files in HOME/TMPDIR (and /dev/shm: namespace level) and module state: gone for
+    another prompt's call in the same scoring and for the next scoring."""
+    if level == "process":  # its /dev/shm is the machine's (docs/ARCHITECTURE.md)
+        monkeypatch.setenv("LEANGRPO_TEST_PLACES", "tmp")
+    sandbox = {"level": level_here(level), "pass_env": ["LEANGRPO_TEST_PLACES"]}
+    cfg = rewards_section("support.hostile_tools:planting_reward", sandbox=sandbox)
+    with RewardPool(cfg) as pool:
+        first = samples(["plant", "find"], [0, 1])
+        pool.score(first)
+        later = samples(["find"], [2])
+        pool.score(later)
+    assert [s.reward for s in first + later] == [1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_what_a_trajectory_leaves_reaches_no_later_one(level, monkeypatch):
+    if level == "process":
+        monkeypatch.setenv("LEANGRPO_TEST_PLACES", "tmp")
+    with tools_pool(level, sandbox={"pass_env": ["LEANGRPO_TEST_PLACES"]}) as pool:
+        assert text(trajectory(pool, "plant", name="planted")) == "planted"
+        found = json.loads(text(trajectory(pool, "find", name="planted")))
+    assert found == {"files": [], "marks": []}
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_trajectory_cannot_reach_another_trajectorys_processes(level):
+    """Trajectory B keeps a process reading its stdin (a REPL); trajectory A, on the same
+    worker, looks for it: at `namespace` it is not there to find (its own PID namespace);
+    at `process` writing to its stdin, reading its memory, signalling and ptracing it are
+    refused (a Landlock domain per box, non-dumpable, the system-call filter)."""
+    tag = f"leangrpo-helper-{os.getpid()}"
+    with tools_pool(level, name="support.environments:KeepsHelper") as pool:
+        (b,) = pool.new_sessions(1)
+        assert pool.reset([(b, USER, {"tag": tag}, 0)])[0].error is None
+        found = json.loads(text(trajectory(pool, "attack_tagged", {"tag": "other"}, tag=tag)))
+        pool.finish([(b, "stop")])
+    if level == "namespace":
+        assert found == {}
+    for attempts in found.values():
+        assert not any(attempts[k].startswith("ok") for k in ("stdin", "mem", "signal")), found
+        assert attempts["ptrace"] != "attached", found
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_call_cannot_hold_more_than_its_memory_limit(level):
+    """A memfd filled with write() (never mapped: RLIMIT_AS does not see it), then three
+    processes each under the limit: the call's memory cgroup stops both."""
+    with tools_pool(level, memory_limit_mb=256) as pool:
+        if not pool.plan.memory_cgroup:
+            if os.environ.get("CI"):
+                pytest.fail(f"CI must bound a call's memory: {pool.plan.describe()}")
+            pytest.skip(f"no memory cgroup here: {pool.plan.describe()}")
+        for args in ({"memfd_mb": 400, "processes": 0, "mb_each": 0},
+                     {"memfd_mb": 0, "processes": 3, "mb_each": 120}):  # fmt: skip
+            out = trajectory(pool, "hold_memory", **args)
+            if out.error is None:  # the tool lived on: what it held is what counts
+                assert json.loads(text(out))["held_mb"] <= 256, out
+            else:
+                assert "memory limit" in out.error, out
+
+
+# -- the kernel's surface ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def keyring_secret():
+    """A session keyring of this (the trainer's) process holding a user key."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(250, 1, None) < 0:  # KEYCTL_JOIN_SESSION_KEYRING, anonymous (x86-64)
+        pytest.skip("no session keyring here (keyctl refused)")
+    key = libc.syscall(248, b"user", KEY.encode(), SECRET.encode(), len(SECRET), ctypes.c_long(-3))
+    assert key >= 0
+    yield SECRET
+    libc.syscall(250, 3, key)  # KEYCTL_REVOKE
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_the_trainers_keyring_is_out_of_reach(level, keyring_secret, monkeypatch):
+    with tools_pool(level) as pool:
+        got = text(trajectory(pool, "read_keyring", description=KEY))
+    assert got == "search: EPERM", got  # keyctl is refused by the system-call filter
+    monkeypatch.setenv("LEANGRPO_TEST_KEY_SECRET", keyring_secret)
+    cfg = rewards_section("support.hostile_tools:keyring_reward",
+                          sandbox={"level": level, "pass_env": ["LEANGRPO_TEST_KEY_SECRET"]})  # fmt: skip
+    with RewardPool(cfg) as rewards:
+        batch = samples([KEY], [0])
+        rewards.score(batch)
+    assert batch[0].reward == 0.0
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_nested_user_namespace_is_refused(level):
+    with tools_pool(level) as pool:
+        found = json.loads(text(trajectory(pool, "nested_userns")))
+    assert found["unshare"] == "EPERM" and found["clone"] == "EPERM", found
+    assert found["caps"].strip("0") == "" and found["vsock"] == "EAFNOSUPPORT", found
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_box_reads_what_the_trainer_can_read(level, tmp_path):
+    """What the threat table says stays open: a dataset with its answers, readable by the
+    trainer's user, is readable in a box (read-only). Keep answers out of its reach."""
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text('{"answer": "42"}\n')
+    with tools_pool(level) as pool:
+        assert text(trajectory(pool, "read_file", path=str(answers))) == "ok 17"
+
+
+CLIENT = """
+import os, socket, sys
+host, port = os.environ["LEANGRPO_ENDPOINT"].removeprefix("http://").split(":")
+with socket.create_connection((host, int(port)), timeout=10) as s:
+    s.sendall(sys.stdin.read().encode())
+    s.shutdown(socket.SHUT_WR)
+    print("endpoint:", s.recv(100).decode())
+try:
+    socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=2).close()
+    print("outside: reached")
+except OSError as e:
+    print("outside:", type(e).__name__)
+"""
+
+
+def test_a_command_in_a_box_reaches_its_forwarded_endpoint_only(tmp_path, monkeypatch):
+    """The box API's command half (what agent episodes use): stdin and stdout are pipes,
+    and the one place a box without network reaches is the endpoint forwarded into it."""
+    import socket
+    import sys
+    import threading
+
+    from support.configs import ROOT
+
+    from leangrpo.sandbox.frames import FrameReader
+    from leangrpo.sandbox.levels import SandboxPlan
+    from leangrpo.sandbox.process import OutputBudget, WorkerProcess
+
+    require_namespace()
+    path = str(tmp_path / "endpoint.sock")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    server.listen()
+    outside = socket.socket()
+    outside.bind(("127.0.0.1", 0))
+    outside.listen()
+
+    def answer() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.sendall(b"pong:" + conn.recv(100))
+
+    threading.Thread(target=answer, daemon=True).start()
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests"))
+    init = {"entry": "support.box_entry", "mode": "serve", "forward": path, "stdin": "ping",
+            "argv": [sys.executable, "-c", CLIENT, str(outside.getsockname()[1])]}  # fmt: skip
+    replies = []
+    worker = WorkerProcess(init, "box test", OutputBudget(), parse=lambda p: json.loads(p),
+                           plan=SandboxPlan("environment", "namespace"))  # fmt: skip
+    try:
+        worker.sock.settimeout(60)
+        reader = FrameReader()
+        while not any(r.get("t") == "result" for r in replies):
+            replies += [json.loads(p) for p in reader.feed(worker.sock.recv(1 << 16))]
+    finally:
+        worker.kill()
+        server.close()
+        outside.close()
+    (result,) = [r for r in replies if r["t"] == "result"]
+    assert result["out"].splitlines() == ["endpoint: pong:ping", "outside: ConnectionRefusedError"]
