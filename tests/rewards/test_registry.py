@@ -107,3 +107,34 @@ def test_what_cannot_be_unpickled_in_the_worker_is_one_sentence(tmp_path):
             expected in str(err.value)
         ), str(err.value)
         assert str(err.value).startswith(f"rewards.functions[0].name = '{spec.name}': ")
+
+
+def test_a_value_is_unpickled_in_the_zygotes_prepare_not_in_the_supervisor():
+    """The supervisor (sandbox/launch.py) unpickles the start-up message and holds the
+    channel to the trainer; a value must cross it as text and be unpickled only in the
+    zygote's `prepare`, after confinement. The value's global is the stack it was unpickled
+    on (traceback.format_stack, called by pickle.loads), read back by the reward in its box."""
+    fn = cell_function(
+        """
+        import traceback
+        class Stack:
+            def __reduce__(self):
+                return (traceback.format_stack, ())
+        STACK = Stack()
+        def where(prompts, completions, **columns):
+            frames = [line.split("\\n")[0] for line in STACK]
+            in_zygote = any(f.endswith(" in prepare") and "rewards/worker.py" in f for f in frames)
+            forked = any(f.endswith(" in _fork_zygote") for f in frames)
+            return [float(in_zygote and forked)] * len(completions)
+        """,
+        "where",
+    )
+    section = rewards_section(by_value(fn))
+    check_rewards(section)
+    pool = RewardPool(section)
+    try:
+        batch = samples(["ab"])
+        pool.score(batch)
+    finally:
+        pool.close()
+    assert batch[0].rewards["where"] == 1.0
