@@ -382,3 +382,24 @@ def test_a_chat_row_the_template_refuses_is_named_before_torch_with_the_record(
         DataError, match=r"row 2: the chat template cannot render .*unknown role bot"
     ):
         preflight(cfg, dry=True)
+
+
+def test_a_function_sent_by_value_under_a_built_ins_name_reads_no_column(tmp_path: Path) -> None:
+    """A notebook's own `math` (sent by value, its name its own) is not the built-in: no
+    answer column is required of the data, nor counted in the prompts."""
+    import textwrap
+
+    from leangrpo.api.shipping import reference
+
+    namespace = {"__name__": "__main__"}
+    exec(textwrap.dedent("""
+        def math(prompts, completions, **columns):
+            return [float(len(c) < 5) for c in completions]
+    """), namespace)  # fmt: skip
+    ref = reference(namespace["math"], "reward_funcs[0]")
+    data = write_jsonl(tmp_path / "plain.jsonl", [{"prompt": "1+1="}, {"prompt": "2+2="}])
+    cfg = demo(tmp_path, f"data.path={data}")
+    cfg.rewards.functions = [type(cfg.rewards.functions[0])(name=ref.name, value=ref.value)]
+    preflight(cfg, dry=True)
+    unanswered = [Prompt(uid=i, text="", ids=[1], columns={}) for i in range(2)]
+    check_reward_cells(cfg, PromptSet(unanswered, []))

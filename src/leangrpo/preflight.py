@@ -164,15 +164,22 @@ def check_engine_installed(cfg: Any) -> None:
         )
 
 
+def builtin_columns(spec: Any) -> list[str]:
+    """The data columns a built-in reward reads; none for user code, a function sent by
+    value included, whose name may be a built-in's (a notebook's own `math`)."""
+    from leangrpo.rewards.builtin import columns_read
+    from leangrpo.rewards.registry import is_user_code
+
+    return [] if is_user_code(spec) else columns_read(spec.name, spec.kwargs)
+
+
 def check_reward_columns(cfg: Any, specs: list, data_files: dict[str, CheckedFile]) -> None:
     """The data columns the built-in rewards read exist in every local data file and are
     passed to the rewards (data.columns), known before the model loads; a hub dataset's
     columns are known only once it loads."""
-    from leangrpo.rewards.builtin import columns_read
-
     extra = {"messages", "num_turns", "tool_calls", "env_rewards"} if cfg.environment else set()
     for i, spec in enumerate(specs):
-        for column in columns_read(spec.name, spec.kwargs):
+        for column in builtin_columns(spec):
             if column in spec.kwargs or column in extra:
                 continue
             where = f"rewards.functions[{i}] ({spec.name}) reads column {column!r}"
@@ -388,10 +395,9 @@ def check_reward_cells(cfg: Any, prompts: PromptSet) -> None:
     answers) leave their completions unscored: counted in one warning, and refused when
     no train prompt has one."""
     from leangrpo.rewards import parse_specs
-    from leangrpo.rewards.builtin import columns_read
 
     for i, spec in enumerate(parse_specs(cfg.rewards)):
-        for column in columns_read(spec.name, spec.kwargs):
+        for column in builtin_columns(spec):
             if column in spec.kwargs:
                 continue
             reads = f"column {column!r}, which rewards.functions[{i}] ({spec.name}) reads"
