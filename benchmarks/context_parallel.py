@@ -1,7 +1,8 @@
-"""Context parallelism: one training step on one long sequence, per rank, at C = 1, 2, 4.
+"""Context parallelism: one training step on one long sequence, per rank, at C = 1, 2, 4,
+with gradient checkpointing off and on.
 
     python benchmarks/context_parallel.py [--quick] [--model cp-small] [--tokens 8192]
-                                          [--sizes 1,2,4]
+                                          [--sizes 1,2,4] [--checkpointing off,on]
 
 A random-weight model (benchmarks/models.py), full fine-tuning in the model's dtype, one
 sample of `--tokens` tokens (a 256-token prompt and the rest completion), the trainer's own
@@ -10,20 +11,31 @@ pieces: `build_policy`, and for C > 1 the torchrun strategy's (`build_mesh`,
 one `train_step` (forward, chunked log-probs, loss, backward, clipping; the optimizer's
 update left out: it is the same for every C). Each C runs in processes of its own (C = 1: one
 process, no torchrun; C > 1: C ranks, gloo on CPU, NCCL on GPUs), variants one after
-another in the same run.
+another in the same run. Each checkpointing mode is a case of its own (model.
+gradient_checkpointing false / true), with its own baseline C = 1.
 
 Per variant (the worst rank): `time_s` (the step), `peak_bytes` (the step's peak of tensor
 bytes allocated during it and still alive: activations, the head's working set, the
-exchange buffers and the gradients; on CPU counted op by op with a dispatch mode, on CUDA
-max_memory_allocated above the start), `head_bytes` (the log-prob head's own peak on the
-rank's completion rows, measured alone as benchmarks/grpo_step.py does: its tiles do not
-grow with the sequence), `activation_bytes` = peak_bytes - the gradients the step leaves -
-head_bytes (grpo_step.py's definition), and against C = 1 measured in the same run:
-`time_ratio`, `mem_ratio` (activation_bytes; the goal: <= 0.6 at C = 2) and `peak_ratio`.
-FSDP runs `no_shard` (parameters replicated), so the weights neither enter the figures nor
-differ between variants, and every rank holds whole gradients, as one process does.
+exchange buffers, FSDP's buffers and the gradients made by then; on CPU counted op by op
+with a dispatch mode, on CUDA max_memory_allocated above the start), `gradient_bytes` (the
+gradients the step leaves), `fsdp_bytes` (FSDP's own buffers alive at the peak: gathered
+parameters, gradients around their reduction; 0 at C = 1, which runs without FSDP),
+`head_bytes` (the log-prob head's own peak on the rank's completion rows, measured alone as
+benchmarks/grpo_step.py does: its tiles do not grow with the sequence), and
+`activation_bytes`: the most the step holds at any moment besides the gradients made by
+then, FSDP's buffers and the head's working set, as `leangrpo plan`'s activation term
+counts it. Op by op (the same dispatch mode, on every device) the step's storages are
+followed from birth to release: those the gradients end in are the gradients, those
+FSDP's code makes are its buffers, and the backbone's forward hook and the gradient of its
+output mark the head's span (its forward, the loss and its backward), across which what
+the forward had saved counts. Without checkpointing the most is every layer's saved
+tensors (with the top layer's backward working set); with it, the layer inputs kept, one
+recomputed layer's saved tensors, its backward's working set and the exchange buffers.
+Against C = 1 of the same mode, measured in the same run: `time_ratio`, `mem_ratio`
+(activation_bytes; the goal: <= 0.6 at C = 2) and `peak_ratio`. FSDP runs `no_shard`
+(parameters replicated), so every rank holds whole gradients, as one process does.
 
-`--quick`: 4096 tokens, C = 1 and 2 (about a minute on 2 CPU cores). Without flags: 8192
+`--quick`: 4096 tokens, C = 1 and 2 (a few minutes on 2 CPU cores). Without flags: 8192
 tokens, C = 1, 2, 4 (C = 4 runs 4 processes; on 2 cores it is slow, not wrong). On a CUDA
 machine the ranks take one GPU each; C above the GPUs visible is reported as skipped.
 """
@@ -31,6 +43,7 @@ machine the ranks take one GPU each; C above the GPUs visible is reported as ski
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -46,34 +59,51 @@ sys.path[:0] = [str(HERE), str(ROOT / "src")]
 BENCH = "context_parallel"
 PROMPT_TOKENS = 256
 ROW = "@@RANK "
+MODES = {"off": False, "on": True}  # --checkpointing
 
 
 # ----------------------------------------------------------------------------- one rank
 
 
-def rank_main(model_name: str, tokens: int, size: int) -> None:
-    """One rank of a variant (C = size): build, one step, print this rank's figures."""
+def rank_main(model_name: str, tokens: int, size: int, modes: list[bool]) -> None:
+    """One rank of a variant (C = size): for each checkpointing mode build, one step,
+    print this rank's figures."""
     import torch
-    from models import build_model
 
     from leangrpo.config import config_from_dict
     from leangrpo.distributed.context import init_distributed
     from leangrpo.distributed.mesh import build_mesh
-    from leangrpo.distributed.strategy import TorchrunRanks, shard_on_mesh
-    from leangrpo.model.policy import build_policy
-    from leangrpo.train.planning import plan_steps
-    from leangrpo.train.ranks import ONE_PROCESS
 
     torch.set_num_threads(1)
     cuda = torch.cuda.is_available()
     cfg = config_from_dict(step_config(model_name, tokens, size, cuda))
     ctx = init_distributed(cfg.distributed, "cuda" if cuda else "cpu")
+    mesh = build_mesh(ctx, size) if size > 1 else None
+    for checkpointing in modes:
+        figures = rank_figures(model_name, tokens, size, checkpointing, ctx, mesh)
+        print(ROW + json.dumps({"rank": ctx.rank, "checkpointing": checkpointing, **figures}),
+              flush=True)  # fmt: skip
+    ctx.shutdown()
+
+
+def rank_figures(model_name: str, tokens: int, size: int, checkpointing: bool, ctx, mesh) -> dict:
+    """Build the policy (sharded on `mesh` for C > 1), one measured step, the head alone."""
+    import torch
+    from models import build_model
+
+    from leangrpo.config import config_from_dict
+    from leangrpo.distributed.strategy import TorchrunRanks, shard_on_mesh
+    from leangrpo.model.policy import build_policy
+    from leangrpo.train.planning import plan_steps
+    from leangrpo.train.ranks import ONE_PROCESS
+
+    cuda = ctx.device.type == "cuda"
+    cfg = config_from_dict(step_config(model_name, tokens, size, cuda, checkpointing))
     dtype = torch.bfloat16 if cuda else torch.float32
     model = build_model(model_name, tokens + 1, ctx.device, dtype)
     policy = build_policy(model, cfg, None, ctx.device)
     ranks = ONE_PROCESS
-    if size > 1:
-        mesh = build_mesh(ctx, size)
+    if mesh is not None:
         shard_on_mesh(policy, dist_cfg=cfg.distributed, ctx=ctx, mesh=mesh, engine_copy=False)
         ranks = TorchrunRanks(ctx, mesh)
     steps = plan_steps([long_sample(model_name, tokens)], cfg, policy, ranks.rank, ranks.world_size)
@@ -81,14 +111,19 @@ def rank_main(model_name: str, tokens: int, size: int) -> None:
     figures = measured_step(policy, micro_batches, cfg, ranks, ctx.device)
     rows = sum(_split(policy).local_row(mb).completion_index.numel() for mb in micro_batches)
     figures["head_bytes"] = head_peak(model, rows, cfg, ctx.device, dtype)
-    print(ROW + json.dumps({"rank": ctx.rank, "rows": rows, **figures}), flush=True)
-    ctx.shutdown()
+    return {"rows": rows, **figures}
 
 
-def step_config(model_name: str, tokens: int, size: int, cuda: bool) -> dict:
+def step_config(
+    model_name: str, tokens: int, size: int, cuda: bool, checkpointing: bool = False
+) -> dict:
     return {
         "run": {"device": "cuda" if cuda else "cpu"},
-        "model": {"name_or_path": model_name, "dtype": "bfloat16" if cuda else "float32"},
+        "model": {
+            "name_or_path": model_name,
+            "dtype": "bfloat16" if cuda else "float32",
+            "gradient_checkpointing": checkpointing,
+        },  # fmt: skip
         "data": {"path": "unused.jsonl"},
         "rewards": {"functions": ["math"]},
         "rollout": {"num_generations": 2, "max_new_tokens": tokens - PROMPT_TOKENS},
@@ -121,63 +156,177 @@ def long_sample(model_name: str, tokens: int):
 
 
 class _Gradients:
-    """Stands in for the optimizer: records the gradients' bytes, updates nothing."""
+    """Stands in for the optimizer: records the gradients (their bytes, and for the
+    timeline the storages they end in), updates nothing."""
 
-    def __init__(self, params):
-        self.params, self.bytes = list(params), 0
+    def __init__(self, params, timeline: _Timeline | None = None):
+        self.params, self.bytes, self.timeline = list(params), 0, timeline
 
     def step(self) -> None:
-        self.bytes = sum(
-            p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None
-        )
+        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        self.bytes = sum(g.numel() * g.element_size() for g in grads)
+        if self.timeline is not None:
+            self.timeline.gradients_end_in(grads)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
             p.grad = None
 
 
+def _local(t):
+    """A DTensor's local tensor (FSDP's gradients), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def measured_step(policy, micro_batches, cfg, ranks, device) -> dict:
-    """One train_step: its seconds, its peak of live bytes, the gradients it made."""
+    """One train_step: its seconds, its peak of live bytes, the gradients it made, and the
+    activations it held at that peak (`_Timeline`). On CUDA the timed step runs as it is
+    (its peak from the allocator), and a second one under the timeline."""
     import torch
 
     from leangrpo.train.step import train_step
 
-    grads = _Gradients(policy.trainable_parameters())
     sampling = cfg.rollout.sampling_params()
+    figures = {}
     if device.type == "cuda":
+        grads = _Gradients(policy.trainable_parameters())
         torch.cuda.synchronize()
         start_bytes = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         train_step(policy, micro_batches, grads, cfg, sampling, ranks)
         torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
-        peak = torch.cuda.max_memory_allocated() - start_bytes
-    else:
+        figures["time_s"] = time.perf_counter() - t0
+        figures["peak_bytes"] = torch.cuda.max_memory_allocated() - start_bytes
+    with _Timeline() as timeline, _head_span(policy, timeline):
+        grads = _Gradients(policy.trainable_parameters(), timeline)
         t0 = time.perf_counter()
-        with _LiveBytes() as mode:
-            train_step(policy, micro_batches, grads, cfg, sampling, ranks)
-        seconds, peak = time.perf_counter() - t0, mode.peak
-    return {"time_s": seconds, "peak_bytes": int(peak), "gradient_bytes": grads.bytes}
+        train_step(policy, micro_batches, grads, cfg, sampling, ranks)
+        seconds = time.perf_counter() - t0
+    figures.setdefault("time_s", seconds)
+    figures.setdefault("peak_bytes", timeline.peak)
+    figures.update(
+        gradient_bytes=grads.bytes,
+        activation_bytes=timeline.activations(),
+        fsdp_bytes=timeline.alive(timeline.peak_at, ("fsdp",)),
+    )
+    return {k: int(v) if k != "time_s" else v for k, v in figures.items()}
 
 
-def _live_bytes_mode():
+def _timeline_mode():
     """benchmarks/packing.py's LiveBytes, skipping the tensors whose storage torch does not
-    expose (what FSDP's and c10d's ops return around a collective)."""
+    expose (what FSDP's and c10d's ops return around a collective), and following each
+    storage from its birth to its release (`Timeline`)."""
     from packing import LiveBytes
 
-    class Robust(LiveBytes):
+    class Timeline(LiveBytes):
+        """Live bytes after each storage's birth (`samples`, by birth count), a record per
+        storage: [birth, release, bytes, kind] (release: the birth count when it was freed,
+        None while alive; kind "fsdp" for the buffers FSDP's own code makes: gathered
+        parameters, gradients around their reduction; "gradient" for those the gradients
+        end in), the birth count at the peak, and the head's span."""
+
+        def __init__(self):
+            super().__init__()
+            self.births, self.peak_at, self.records, self.current = 0, 0, [], {}
+            self.samples = [0]
+            self.head_start = self.head_end = None
+            self.live_at_head = 0
+
         def _track(self, t):
             try:
-                t.untyped_storage().data_ptr()
+                key = t.untyped_storage().data_ptr()
             except RuntimeError:
                 return
+            born = key not in self.refs
+            if born:
+                self.births += 1
+                kind = "fsdp" if _called_from_fsdp() else "step"
+                self.current[key] = len(self.records)
+                self.records.append([self.births, None, t.untyped_storage().nbytes(), kind])
+            before = self.peak
             super()._track(t)
+            if born:
+                self.samples.append(self.live)
+            if self.peak > before:
+                self.peak_at = self.births
 
-    return Robust()
+        def _release(self, key):
+            super()._release(key)
+            if key not in self.refs and key in self.current:
+                self.records[self.current.pop(key)][1] = self.births
+
+        def mark_head_start(self) -> None:
+            if self.head_start is None:  # the backbone's forward ends: the head begins
+                self.head_start, self.live_at_head = self.births, self.live
+
+        def mark_head_end(self) -> None:
+            if self.head_end is None:  # the gradient of the backbone's output is made
+                self.head_end = self.births
+
+        def gradients_end_in(self, grads) -> None:
+            for g in grads:
+                index = self.current.get(g.untyped_storage().data_ptr())
+                if index is not None:
+                    self.records[index][3] = "gradient"
+
+        def alive(self, at: int, kinds: tuple[str, ...]) -> int:
+            """Bytes of the given kinds alive at birth count `at`."""
+            return sum(size for birth, release, size, kind in self.records
+                       if kind in kinds and birth <= at and (release is None or release >= at))  # fmt: skip
+
+        def activations(self) -> int:
+            """The most the step held besides the gradients made by then and FSDP's
+            buffers, outside the head's span; across it, what the forward had saved."""
+            start, end = self.head_start, self.head_end
+            if start is None or end is None:
+                raise RuntimeError("the step's backbone or its backward was not seen")
+            others = [0] * (self.births + 2)  # gradients' and FSDP's bytes, by birth count
+            for birth, release, size, kind in self.records:
+                if kind != "step":
+                    others[birth] += size
+                    others[(self.births if release is None else release) + 1] -= size
+            held, most = 0, 0
+            for at in range(1, self.births + 1):
+                held += others[at]
+                if at == start:
+                    most = max(most, self.live_at_head - held)
+                if not start < at <= end:
+                    most = max(most, self.samples[at] - held)
+            return most
+
+    return Timeline()
 
 
-_LiveBytes = _live_bytes_mode
+def _called_from_fsdp() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if "/torch/distributed/fsdp/" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+_Timeline = _timeline_mode
+
+
+@contextlib.contextmanager
+def _head_span(policy, timeline):
+    """Marks the head's span on the timeline: from the end of the backbone's forward to
+    the gradient of its output (the head's and the loss's backward done)."""
+    from leangrpo.model.scoring import backbone_and_head
+
+    backbone, _ = backbone_and_head(policy.model)
+
+    def forward_done(module, args, output):
+        timeline.mark_head_start()
+        output.last_hidden_state.register_hook(lambda grad: timeline.mark_head_end())
+
+    handle = backbone.register_forward_hook(forward_done)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _split(policy):
@@ -213,7 +362,7 @@ def head_peak(model, rows: int, cfg, device, dtype) -> int:
         head()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
-    with _LiveBytes() as mode:
+    with _Timeline() as mode:
         head()
     return mode.peak
 
@@ -221,13 +370,15 @@ def head_peak(model, rows: int, cfg, device, dtype) -> int:
 # ----------------------------------------------------------------------------- the driver
 
 
-def run_variant(model_name: str, tokens: int, size: int, limit_s: float) -> dict:
-    """C = size: its ranks in processes of their own; their figures combined (the worst)."""
+def run_variant(model_name: str, tokens: int, size: int, limit_s: float, modes: list[bool]) -> dict:
+    """C = size: its ranks in processes of their own, each mode in turn; per mode the
+    ranks' figures combined (the worst), or {"error": ...}."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     if size > 1:
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(size))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--rank-of", str(size),
-           "--model", model_name, "--tokens", str(tokens)]  # fmt: skip
+           "--model", model_name, "--tokens", str(tokens),
+           "--checkpointing", ",".join("on" if m else "off" for m in modes)]  # fmt: skip
     procs = [
         subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -246,41 +397,57 @@ def run_variant(model_name: str, tokens: int, size: int, limit_s: float) -> dict
                 proc.wait()
     ranks = [json.loads(line[len(ROW):]) for out, _ in outs for line in out.splitlines()
              if line.startswith(ROW)]  # fmt: skip
-    if len(ranks) != size:
+    if len(ranks) != size * len(modes):
         errors = [err.strip().splitlines()[-1] for _, err in outs if err.strip()]
         return {"error": errors[0] if errors else "a rank printed no figures"}
-    keys = ("time_s", "peak_bytes", "gradient_bytes", "head_bytes", "rows")
-    worst = {k: max(r[k] for r in ranks) for k in keys}
-    worst["activation_bytes"] = max(
-        r["peak_bytes"] - r["gradient_bytes"] - r["head_bytes"] for r in ranks
-    )
-    return worst
+    keys = ("time_s", "peak_bytes", "gradient_bytes", "fsdp_bytes", "head_bytes",
+            "activation_bytes", "rows")  # fmt: skip
+    return {
+        mode: {k: max(r[k] for r in ranks if r["checkpointing"] == mode) for k in keys}
+        for mode in modes
+    }
 
 
-def case_rows(model_name: str, tokens: int, sizes: list[int], limit_s: float = 900.0):
-    """One row per C (the first, C = 1, is the baseline), ratios against it."""
+def case_rows(
+    model_name: str,
+    tokens: int,
+    sizes: list[int],
+    limit_s: float = 900.0,
+    modes: tuple[bool, ...] = (False,),
+):
+    """One row per C and checkpointing mode (C = 1, the first, is each mode's baseline),
+    ratios against the baseline."""
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else None
-    base = None
+    base: dict[bool, dict] = {}
     for size in sizes:
-        row = {"bench": BENCH, "case": f"{model_name}/{tokens} tokens", "device": device,
-               "variant": f"C={size}", "context_parallel_size": size, "tokens": tokens}  # fmt: skip
+        rows = {}
+        for mode in modes:
+            case = f"{model_name}/{tokens} tokens" + (", checkpointing" if mode else "")
+            rows[mode] = {"bench": BENCH, "case": case, "device": device, "variant": f"C={size}",
+                          "context_parallel_size": size, "tokens": tokens,
+                          "gradient_checkpointing": mode}  # fmt: skip
         if gpus is not None and size > gpus:
-            yield {**row, "time_s": None, "peak_bytes": None,
-                   "skipped": f"needs {size} GPUs, {gpus} visible"}  # fmt: skip
+            for row in rows.values():
+                yield {**row, "time_s": None, "peak_bytes": None,
+                       "skipped": f"needs {size} GPUs, {gpus} visible"}  # fmt: skip
             continue
-        row.update(run_variant(model_name, tokens, size, limit_s))
-        if "error" not in row:
-            if base is None:
-                base = row
-            else:
-                row["time_ratio"] = round(row["time_s"] / base["time_s"], 3)
-                row["mem_ratio"] = round(row["activation_bytes"] / base["activation_bytes"], 3)
-                row["peak_ratio"] = round(row["peak_bytes"] / base["peak_bytes"], 3)
-            row["time_s"] = round(row["time_s"], 3)
-        yield row
+        figures = run_variant(model_name, tokens, size, limit_s, list(modes))
+        for mode, row in rows.items():
+            row.update(figures.get(mode, figures))
+            if "error" not in row:
+                _ratios(row, base.setdefault(mode, row))
+            yield row
+
+
+def _ratios(row: dict, base: dict) -> None:
+    if row is not base:
+        row["time_ratio"] = round(row["time_s"] / base["time_s"], 3)
+        row["mem_ratio"] = round(row["activation_bytes"] / base["activation_bytes"], 3)
+        row["peak_ratio"] = round(row["peak_bytes"] / base["peak_bytes"], 3)
+    row["time_s"] = round(row["time_s"], 3)
 
 
 def _free_port() -> int:
@@ -295,14 +462,19 @@ def main() -> None:
     parser.add_argument("--model", default="cp-small", help="a shape of benchmarks/models.py")
     parser.add_argument("--tokens", type=int, default=None, help="the sequence's tokens")
     parser.add_argument("--sizes", default=None, help="comma list of C, the first the baseline")
+    parser.add_argument("--checkpointing", default="off,on",
+                        help="comma list of modes (off, on): a case each")  # fmt: skip
     parser.add_argument("--rank-of", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     tokens = args.tokens or (4096 if args.quick else 8192)
+    modes = [MODES[m] for m in args.checkpointing.split(",")]
     if args.rank_of is not None:
-        rank_main(args.model, tokens, args.rank_of)
+        rank_main(args.model, tokens, args.rank_of, modes)
         return
     sizes = [int(c) for c in (args.sizes or ("1,2" if args.quick else "1,2,4")).split(",")]
-    for row in case_rows(args.model, tokens, sizes):
+    for row in case_rows(args.model, tokens, sizes, modes=tuple(modes)):
+        if "error" in row:  # a case that errors fails the run
+            sys.exit(f"{row['case']}, {row['variant']}: {row['error']}")
         print(json.dumps(row), flush=True)
 
 

@@ -19,7 +19,11 @@ Memory (CUDA): peak allocated bytes of each phase, and per term:
   adamw_state  bytes of the optimizer state after the step
   lm_head      peak extra of the log-prob head alone (fwd + bwd with entropy) on the
                largest micro-batch's completion rows, measured separately
-  activations  train-phase peak - weights - gradients - lm_head (derived)
+  activations  train-phase peak - weights - gradients - lm_head (derived), without
+               checkpointing only: there the peak is when the head runs, every activation
+               saved, which is `leangrpo plan`'s term; with checkpointing the most the
+               activations hold is a layer's backward, where the head is not held, so the
+               derivation does not measure it (benchmarks/context_parallel.py does, op by op)
 next to `planner.plan.plan_memory` for the same config and tokens (`planned`, `ratio`).
 On CPU the step runs with the same code and the memory figures are None.
 """
@@ -48,7 +52,7 @@ from leangrpo.config import Config, config_from_dict  # noqa: E402
 from leangrpo.contracts import Completion, Prompt, RolloutSample  # noqa: E402
 from leangrpo.model.policy import build_policy  # noqa: E402
 from leangrpo.ops.logprobs.api import token_logprobs  # noqa: E402
-from leangrpo.planner.plan import plan_memory  # noqa: E402
+from leangrpo.planner.plan import TRAINING_PASS, plan_memory  # noqa: E402
 from leangrpo.train.passes import attach_old_and_ref  # noqa: E402
 from leangrpo.train.planning import plan_steps  # noqa: E402
 from leangrpo.train.step import train_step  # noqa: E402
@@ -223,17 +227,24 @@ def plan_for(model_name: str, cfg: Config) -> dict[str, int]:
     )
 
 
+def planned_total(plan: dict[str, int]) -> int:
+    """The plan's peak over these terms: weights and optimizer state, and the training
+    pass at its peak (its gradients, activations and head are not all held at once)."""
+    return plan["weights"] + plan["adamw_state"] + plan[TRAINING_PASS]
+
+
 def add_plan(row: dict, model_name: str, cfg: Config) -> None:
     """`leangrpo plan`'s figure for every term, and measured / planned where both exist."""
     plan = plan_for(model_name, cfg)
     measured = row["measured"]
     peak = row.get("train_peak_bytes")
-    if peak is not None and measured.get("lm_head") is not None:
+    derivable = not cfg.model.gradient_checkpointing  # see the module docstring
+    if peak is not None and measured.get("lm_head") is not None and derivable:
         measured["activations"] = (
             peak - measured["weights"] - measured["gradients"] - measured["lm_head"]
         )
     row["planned"] = {t: plan[t] for t in TERMS}
-    row["planned_total"] = sum(row["planned"].values())
+    row["planned_total"] = planned_total(plan)
     row["plan_ratio"] = {
         t: round(measured[t] / plan[t], 3) for t in TERMS if measured.get(t) and plan[t]
     }
@@ -263,7 +274,7 @@ def case_rows(model_name: str, device: torch.device, variants=VARIANTS):
         free_memory(device)
         if row.get("oom"):
             planned = plan_for(model_name, cfg)
-            row["planned_total"] = sum(planned[t] for t in TERMS)
+            row["planned_total"] = planned_total(planned)
         elif "error" not in row:
             _summarise(row, base, model_name, cfg)
         if variant == BASELINE:

@@ -6,8 +6,8 @@ Loads the policy as the trainer does (`model.load_policy`), packs `groups` promp
 rollout.num_generations completions of exactly these lengths (random tokens; shared prefix
 as the config chooses it), and runs the forward, loss and backward of `step.train_step`
 once. Prints one JSON line: the live bytes at the pass's peak (every storage an op
-allocates, tests/support/memory_probe.LiveBytes: deterministic), the plan's activations + lm_head +
-gradients for the same tokens and prompt length, their relative error, and the process's
+allocates, tests/support/memory_probe.LiveBytes: deterministic), the plan's training pass
+(`training_pass`: its peak) for the same tokens and prompt length, their relative error, and the process's
 RSS after the imports, after loading and after the pass (RSS - the live bytes = what glibc
 keeps after frees, which the plan does not count).
 """
@@ -32,7 +32,7 @@ from support.memory_probe import LiveBytes, group, train_pass  # noqa: E402
 from leangrpo.config import load_config  # noqa: E402
 from leangrpo.model.policy import load_policy, load_tokenizer  # noqa: E402
 from leangrpo.ops.attention.adapter import choose_shared_prefix  # noqa: E402
-from leangrpo.planner.plan import plan_memory  # noqa: E402
+from leangrpo.planner.plan import TRAINING_PASS, plan_memory  # noqa: E402
 from leangrpo.train.packing import pack_samples  # noqa: E402
 
 GIB = 2**30
@@ -68,7 +68,7 @@ def main() -> None:
     live = LiveBytes().peak_of(lambda: forward().backward())
     tokens = batch.input_ids.numel()
     plan = plan_memory(cfg, tokens=tokens, prompt_tokens=args.prompt)
-    planned = plan["activations"] + plan["lm_head"] + plan["gradients"]
+    planned = plan[TRAINING_PASS]
     row.update(
         tokens=tokens,
         shared_prefix=shared,

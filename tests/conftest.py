@@ -1,6 +1,11 @@
-"""Shared fixtures: tiny random causal LMs built on the spot (no downloads), one thread."""
+"""Shared fixtures: tiny random causal LMs built on the spot (no downloads), one thread;
+a vLLM compile cache of the test run's own."""
 
 from __future__ import annotations
+
+import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -22,6 +27,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_configure(config):
+    """vLLM's compile cache (VLLM_CACHE_ROOT) is this run's own, empty at its start and
+    removed at its end: an earlier run's cache, damaged by a killed start-up or left by
+    another vLLM, never decides a verdict (subprocesses inherit it)."""
+    config.vllm_cache_root = tempfile.mkdtemp(prefix="leangrpo-test-vllm-cache-")
+    os.environ["VLLM_CACHE_ROOT"] = config.vllm_cache_root
+
+
+def pytest_unconfigure(config):
+    root = getattr(config, "vllm_cache_root", None)
+    if root is not None:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

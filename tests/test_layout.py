@@ -10,11 +10,16 @@ Rules a-e, over every module under src/leangrpo:
   vLLM's worker extension) name a module or a name their module defines.
 - b (facades): outside a facade package its facade names come from the facade; inside it,
   from their defining modules; `__all__`, the `TYPE_CHECKING` imports and `_HOMES` agree.
-- c (cycles): no import cycle through module-level imports, and none through
+- c (cycles): no import cycle through module-level imports, none through
   function-level imports either (a deferred import is still a dependency: two modules
   that need each other belong in one role, or one name moves to the module that owns
-  it); `TYPE_CHECKING` imports are left out; importing a package runs its `__init__`
-  first, and `from facade import name` imports the name's module right then.
+  it), and none once `TYPE_CHECKING` imports count too (a name used only in annotations
+  is still one module naming another's types: the lowest floor, contracts.py and
+  errors.py, names no higher role's). Importing a package runs its `__init__` first, and
+  `from facade import name` imports the name's module right then; for the annotation
+  graph a facade imported by name stands for every module it declares (its
+  `TYPE_CHECKING` imports), while a facade package that is only the parent of an imported
+  submodule adds nothing (its declarations are not a dependency of its submodules).
 - d (re-export lines): no module-level import marked `noqa: F401`, no `__all__` entry that
   the module imports rather than defines.
 - e (prefixed siblings): no `x_y.py` next to `x.py` or `x_z.py` (the before-stop hook's
@@ -492,6 +497,37 @@ def check_function_level_cycles(modules: Modules) -> list[str]:
     ]
 
 
+def annotation_graph(modules: Modules) -> Graph:
+    """The import graph with every level (module, function, `TYPE_CHECKING`), a facade
+    imported by name standing for every module it declares; a facade's own declarations
+    count only there (not for whoever imports one of its submodules)."""
+    graph: Graph = {name: {} for name in modules}
+    for module in modules.values():
+        for imp in module.imports:
+            if not _own(modules, imp.source) or (module.is_facade and imp.level == "type_checking"):
+                continue
+            targets = list(_imported_modules(modules, imp))
+            facade = modules.get(imp.source)
+            named = facade is not None and (imp.name is None or imp.name in facade.facade)
+            if named and facade.is_facade and not _in_package(module.name, facade.name):
+                targets += facade.facade.values()
+            for target in targets:
+                if target != module.name:
+                    graph[module.name].setdefault(target, imp)
+    return graph
+
+
+def check_annotation_cycles(modules: Modules) -> list[str]:
+    """No cycle either once `TYPE_CHECKING` imports count (annotation_graph)."""
+    graph = annotation_graph(modules)
+    return [
+        f"import cycle {' -> '.join(path)} once TYPE_CHECKING imports count: "
+        f"{describe_cycle(modules, graph, path)}; move the type one of them names to the "
+        "module that owns it"
+        for path in cycles(graph)
+    ]
+
+
 # ---------------------------------------------------------------- rules d and e
 
 
@@ -689,6 +725,19 @@ def test_no_import_cycle_through_function_level_imports(modules):
     assert not (failures := check_function_level_cycles(modules)), _report(failures)
 
 
+def test_no_import_cycle_once_type_checking_imports_count(modules):
+    assert not (failures := check_annotation_cycles(modules)), _report(failures)
+
+
+def test_the_lowest_floor_imports_nothing_of_leangrpo(modules):
+    """contracts.py and errors.py are what every role builds on: they name no other
+    module's types or functions, at any level (a type they need is declared in them)."""
+    floor = [modules[f"{PACKAGE}.contracts"], modules[f"{PACKAGE}.errors"]]
+    lines = [f"{m.where(i.line)} ({i.level}) imports {i.source}"
+             for m in floor for i in m.imports if _own(modules, i.source)]  # fmt: skip
+    assert not lines, _report(list(dict.fromkeys(lines)))
+
+
 # Found in the packages the other issue-19 worktree restructures (wt/train: checkpoint/);
 # the coordinator empties this set when merging it. An entry that no longer fails fails.
 def test_no_reexport_lines(modules):
@@ -832,6 +881,36 @@ def test_cycle_rules_see_module_and_function_level_imports(tree):
         "import cycle pkg.a -> pkg.b -> pkg.a: pkg/a.py:1 (module) imports pkg.b -> "
         "pkg/b.py:1 (module) imports pkg.a; move what one of them needs from the other to the "
         "module of its role"
+    ]
+
+
+def test_annotation_cycle_rule_sees_type_checking_imports_and_whole_facades(tree):
+    mods = tree(
+        {
+            "pkg/a.py": "import typing\nif typing.TYPE_CHECKING:\n    from pkg.b import B\nA = 1\n",
+            "pkg/b.py": "from pkg.a import A\n\n\nclass B: ...\n",
+            "pkg/fac/__init__.py": FACADE,
+            "pkg/fac/impl.py": "class Thing: ...\n",
+            "pkg/fac/other.py": "from pkg.low import f\n",
+            "pkg/low.py": "def f():\n    from pkg.fac import Thing\n",
+            "pkg/below.py": "from pkg.fac.impl import Thing\n",  # the parent facade: no edge
+        }
+    )
+    assert check_cycles(mods) == [] and check_function_level_cycles(mods) == []
+    assert [line.split(":")[0] for line in check_annotation_cycles(mods)] == [
+        "import cycle pkg.a -> pkg.b -> pkg.a once TYPE_CHECKING imports count"
+    ]
+    declared = FACADE.replace("    from pkg.fac.impl import Thing\n",
+                              "    from pkg.fac.impl import Thing\n    from pkg.fac.other import g\n")  # fmt: skip
+    declared = declared.replace('["Thing"]', '["Thing", "g"]').replace(
+        '"impl"}', '"impl", "g": "other"}'
+    )
+    mods = tree(
+        {"pkg/fac/__init__.py": declared, "pkg/fac/other.py": "from pkg.low import f\ng = 1\n"}
+    )
+    assert [line.split(":")[0] for line in check_annotation_cycles(mods)] == [
+        "import cycle pkg.a -> pkg.b -> pkg.a once TYPE_CHECKING imports count",
+        "import cycle pkg.fac.other -> pkg.low -> pkg.fac.other once TYPE_CHECKING imports count",
     ]
 
 

@@ -27,6 +27,7 @@ import os
 import sys
 import time
 
+from leangrpo.errors import is_user_error
 from leangrpo.stopping import RunStopped  # no torch: stdlib only
 
 STARTED = time.monotonic()  # the summary's time counts from the command's start
@@ -223,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         if _is_disk_full(exc):  # a write outside a checkpoint (those say it themselves)
             print(f"leangrpo: error: {_disk_full_message(exc)}", file=sys.stderr)
             return 2
-        if _is_user_error(exc):
+        if is_user_error(exc):
             if not getattr(exc, "shown_by_rank_0", False):  # torchrun: one copy of rank 0's
                 print(f"leangrpo: error: {exc}", file=sys.stderr)
             return 2
@@ -407,12 +408,6 @@ def _is_disk_full(exc: Exception) -> bool:
 def _disk_full_message(exc: OSError) -> str:
     where = f" writing {exc.filename}" if exc.filename else ""
     return f"no space left on the disk{where} ({exc.strerror}); free space there or move run.output_dir to a larger disk, then run again: a run resumes from its newest complete checkpoint."
-
-
-def _is_user_error(exc: Exception) -> bool:
-    from leangrpo.errors import user_error_types
-
-    return isinstance(exc, user_error_types())
 
 
 if __name__ == "__main__":

@@ -29,8 +29,6 @@ if TYPE_CHECKING:  # torch stays out of modules that only need the records' shap
 
     from torch import Tensor
 
-    from leangrpo.ops.context_parallel.shards import LocalRow
-
 # "max_turns": a multi-turn trajectory used its environment.max_turns model turns
 FinishReason = Literal["stop", "length", "error", "max_turns"]
 
@@ -221,6 +219,20 @@ class PackedBatch:
             for name, value in self.__dict__.items()
         }
         return PackedBatch(**moved)
+
+
+@dataclass
+class LocalRow:
+    """One rank's part of a packed micro-batch, as the scoring forward runs it (the
+    `RowSplit`'s record: ops/context_parallel/shards.py makes it)."""
+
+    input_ids: Tensor  # (1, n) this rank's tokens
+    position_ids: Tensor  # (1, n)
+    model_kwargs: dict[str, Any]  # the whole row's packed-attention kwargs (+ the split's)
+    completion_index: Tensor  # (T_c,) predicting positions, in [0, n)
+    targets: Tensor  # (T_c,)
+    tokens: Tensor | None  # (T_c,) which of the row's T completion tokens; None: all of them
+    num_targets: int  # T of the whole row
 
 
 class RowSplit(Protocol):

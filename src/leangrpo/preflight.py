@@ -70,6 +70,8 @@ from leangrpo.data.prompts import (
 )
 from leangrpo.model.files import (
     ModelFiles,
+    attention_heads,
+    check_context_heads,
     check_model_files,
     check_model_fits,
     check_tokenizer_fits,
@@ -272,13 +274,8 @@ def check_context_parallel(cfg: Any, world_size: int, model: ModelFiles) -> None
         )
     if model.directory is None:
         return
-    config = read_model_config(cfg.model)
-    config = config["text_config"] if isinstance(config.get("text_config"), dict) else config
-    heads = config.get("num_attention_heads")
-    if isinstance(heads, int) and heads % c:
-        raise ConfigError(
-            f"distributed.context_parallel_size ({c}) must divide the model's {heads} attention heads (Ulysses gives each process an equal share of them; config.json of model.name_or_path = {cfg.model.name_or_path!r}); use a context_parallel_size that divides {heads}."
-        )
+    heads = attention_heads(read_model_config(cfg.model))
+    check_context_heads(c, heads, cfg.model.name_or_path)
 
 
 def open_shared_run_dir(cfg: Any, ctx: Any = None) -> RunDir:

@@ -425,3 +425,15 @@ def test_an_environment_that_raises_max_tool_calls_gets_the_time_for_them():
         assert pool.max_tool_calls == 40 and pool.item_budget_s == pytest.approx(10.0)
     with pytest.raises(EnvironmentSpecError, match="max_tool_calls = 1000000000 must be an integer from 0 to 4096"):
         pool_for("support.environments:EndlessCalls")
+
+
+def test_an_environment_without_tools_is_not_budgeted_time_for_tool_calls():
+    """A plain Environment offering no tool makes no tool call: its items' budget is the
+    parser and the step under timeout_s and the grace (2 x 1 + 1 = 3 s), not the 16 calls
+    of the base class x tool_timeout_s (163 s at tool_timeout_s 10) before a stuck worker
+    is killed. With a configured tool it may call 16 per turn again."""
+    with pool_for("support.environments:Again", timeout_s=1.0, tool_timeout_s=10.0) as pool:
+        assert pool.max_tool_calls == 0 and pool.item_budget_s == pytest.approx(3.0)
+    tools = ["support.hostile_tools:read_env"]
+    with pool_for("support.environments:Again", timeout_s=1.0, tool_timeout_s=10.0, tools=tools) as pool:
+        assert pool.max_tool_calls == 16 and pool.item_budget_s == pytest.approx(163.0)

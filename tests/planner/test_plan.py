@@ -13,7 +13,14 @@ from support.configs import minimal_run, updated
 from support.processes import run_cli, run_python
 
 from leangrpo.config import config_from_dict
-from leangrpo.planner.plan import TERMS, Dims, PlanError, dims_from_json, plan_memory
+from leangrpo.planner.plan import (
+    TERMS,
+    TRAINING_PASS,
+    Dims,
+    PlanError,
+    dims_from_json,
+    plan_memory,
+)
 
 LLAMA_8B = Dims(
     vocab=128256,
@@ -119,7 +126,8 @@ def test_peak_is_the_larger_phase_or_both_when_generation_overlaps():
     persistent = sum(
         sync[k] for k in ("weights", "reference_copy", "generation_copy", "adamw_state")
     )
-    train = sync["gradients"] + sync["activations"] + sync["lm_head"]
+    train = sync[TRAINING_PASS]
+    assert train <= sync["gradients"] + sync["activations"] + sync["lm_head"]
     assert sync["total"] == persistent + max(train, sync["kv_cache"])
     overlapped = plan(pipeline={"mode": "async"})
     assert overlapped["generation_copy"] == overlapped["weights"]
@@ -254,7 +262,7 @@ def test_the_total_is_explained_as_a_sum_of_its_lines(tmp_path, mode):
     persistent = ["weights", "reference_copy", "generation_copy", "adamw_state"]
     named = [k for k in persistent if figures[k] > 0]
     assert explained[0].startswith(f"  total = {' + '.join(named)} (")
-    train = sum(plan_[k] for k in ("gradients", "activations", "lm_head", "offloaded_to_host"))
+    train = plan_[TRAINING_PASS] + plan_["offloaded_to_host"]
     both = mode == "async"
     assert ("at the same time" in explained[1]) == both
     phase = train + plan_["kv_cache"] if both else max(train, plan_["kv_cache"])
@@ -333,6 +341,19 @@ def test_cli_plans_context_parallelism_and_the_longest_sequence(tmp_path):
         "longest micro-batch (one sequence, or several packed) that fits 40 GiB per device:"
         in out.stdout
     )
+    # a C that does not divide the heads: refused as train refuses it (one sentence, exit 2)
+    out = run_cli("plan", str(path), "--world-size", "8", "--set",
+                  "distributed.context_parallel_size=8", timeout=60)  # fmt: skip
+    assert out.returncode == 2 and "total" not in out.stdout, out.stdout
+    assert "context_parallel_size (8) must divide the model's 12 attention heads" in out.stderr
+
+
+def test_a_context_size_that_does_not_divide_the_heads_is_refused_as_train_refuses_it():
+    from leangrpo.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"\(3\) must divide the model's 32 attention heads"):
+        plan(world_size=3, distributed={"context_parallel_size": 3})
+    assert plan(world_size=4, distributed={"context_parallel_size": 4})["total"] > 0
 
 
 def test_context_parallel_head_is_planned_for_the_rank_holding_the_completions():

@@ -9,7 +9,7 @@
   V per completion), checked only through the live peak.
 - Live peak: the bytes alive at the peak of one train micro-batch (forward, loss, backward;
   tests/memory_probe.LiveBytes, every storage an op allocates) lie within PEAK_TOLERANCE of
-  the plan's activations + lm_head + gradients (seen: -3.3% .. +9.3%). The plan undershoots
+  the plan's training_pass, its peak (seen: -3.3% .. +9.3%). The plan undershoots
   only with the shared-prefix layout, whose bucket masks and indices it leaves out (a few %
   at these tiny widths); it overshoots by up to ~9% under checkpointing: its backward working
   set takes a layer's saved tensors as all alive while its gradients are made, where autograd
@@ -37,7 +37,7 @@ from support.models import make_tiny_model
 from leangrpo.model.policy import build_policy
 from leangrpo.model.scoring import completion_hidden
 from leangrpo.planner.inventory import final_norm_bytes, layer_saved, rotary_bytes
-from leangrpo.planner.plan import dims_from_json, make_setup, plan_memory
+from leangrpo.planner.plan import TRAINING_PASS, dims_from_json, make_setup, plan_memory
 from leangrpo.train.packing import pack_samples
 
 VOCAB, PROMPT, COMPLETION, GENERATIONS = 384, 40, 24, 4
@@ -126,7 +126,7 @@ def test_train_pass_peak_is_within_the_stated_tolerance(arch, dtype, lora, over,
     forward = train_pass(policy, batch, cfg)
     measured = LiveBytes().peak_of(lambda: forward().backward())
     plan = plan_memory(cfg, tokens=batch.input_ids.numel(), dims=d, prompt_tokens=PROMPT)
-    planned = plan["activations"] + plan["lm_head"] + plan["gradients"]
+    planned = plan[TRAINING_PASS]
     error = (planned - measured) / measured
     assert PEAK_TOLERANCE[0] <= error <= PEAK_TOLERANCE[1], (planned, measured, error)
     grads = sum(p.grad.numel() * p.grad.element_size() for p in policy.trainable_parameters())

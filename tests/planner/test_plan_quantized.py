@@ -20,7 +20,12 @@ import torch
 from support.memory_probe import LiveBytes, group, step_config, train_pass
 
 from leangrpo.model.policy import load_policy
-from leangrpo.planner.plan import dims_from_json, plan_memory, quantized_linear_bytes
+from leangrpo.planner.plan import (
+    TRAINING_PASS,
+    dims_from_json,
+    plan_memory,
+    quantized_linear_bytes,
+)
 from leangrpo.train.packing import pack_samples
 
 pytestmark = pytest.mark.skipif(
@@ -161,6 +166,6 @@ def test_train_pass_peak_on_a_quantized_base_is_within_the_tolerance(tiny_dir, q
     forward = train_pass(policy, batch, cfg)
     measured = LiveBytes().peak_of(lambda: forward().backward())
     plan = plan_memory(cfg, tokens=batch.input_ids.numel(), dims=d, prompt_tokens=PROMPT)
-    planned = plan["activations"] + plan["lm_head"] + plan["gradients"]
+    planned = plan[TRAINING_PASS]
     error = (planned - measured) / measured
     assert PEAK_TOLERANCE[0] <= error <= PEAK_TOLERANCE[1], (planned, measured, error)

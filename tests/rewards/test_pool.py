@@ -11,6 +11,7 @@ import pytest
 from support.configs import rewards_section
 
 from leangrpo.contracts import Completion, Prompt, RolloutSample
+from leangrpo.errors import is_user_error
 from leangrpo.rewards import RewardError, RewardFailedError, RewardPool, RewardSpecError
 
 USER_CODE = textwrap.dedent(
@@ -171,8 +172,6 @@ def test_columns_kwargs_and_module_form(user_module, monkeypatch):
 
 
 def test_fail_fast_is_one_sentence_naming_function_sample_and_error(user_module):
-    from leangrpo.errors import user_error_types
-
     f = f"{user_module}:"
     functions = [(f + "flaky", 1.0, {}), (f + "bad_type", 1.0, {})]
     with RewardPool(cfg(*functions, timeout_s=5.0, fail_fast=True)) as pool:
@@ -182,7 +181,7 @@ def test_fail_fast_is_one_sentence_naming_function_sample_and_error(user_module)
         assert re.match(
             r"reward 'flaky' failed on sample 2 \(prompt uid 2\): ValueError: boom here", text
         )
-        assert isinstance(err.value, user_error_types()) and "\n" not in text  # the CLI's one line
+        assert is_user_error(err.value) and "\n" not in text  # the CLI's one line
         with pytest.raises(
             RewardFailedError,
             match=r"reward 'bad_type' failed on sample 1 .*: returned 'high' \(str\)",
@@ -198,8 +197,6 @@ def test_a_list_of_the_wrong_length_stops_at_once_naming_the_function_and_length
     user_module, name
 ):
     """Never retried one sample per call, where `[1.0]` fits and hides the bug."""
-    from leangrpo.errors import user_error_types
-
     got = 1 if name == "one_value" else 5
     with RewardPool(cfg((f"{user_module}:{name}", 1.0, {}), timeout_s=5.0, num_workers=1)) as pool:
         with pytest.raises(RewardFailedError) as err:
@@ -207,7 +204,7 @@ def test_a_list_of_the_wrong_length_stops_at_once_naming_the_function_and_length
         text = str(err.value)
         assert text.startswith(f"reward '{name}' returned {got} values for 4 samples; ")
         assert "returns one reward per completion" in text and "\n" not in text
-        assert isinstance(err.value, user_error_types())
+        assert is_user_error(err.value)
 
 
 SYSTEMATIC = {  # function -> what the sentence names

@@ -156,6 +156,37 @@ def test_the_budget_bounds_the_batch_and_the_kept_caches(model, tokenizer, monke
         stream.submit(TurnRequest([1, 2], 1, 12, 0))
 
 
+def test_an_idle_slot_cache_or_growth_ahead_of_need_never_evicts_a_kept_cache(tokenizer):
+    """8 trajectories of 40-token prompts and 20-token turns under a 600-position budget:
+    their 8 kept caches (8 x 59) fit it, so the slot cache gives back the rows no turn uses
+    rather than evict one when turn 1 ends, and turn 2 evicts only for the rows it needs
+    (8 rows of 83 do not fit beside the caches), never for a doubled slot cache."""
+    model = make_tiny_model(vocab_size=len(tokenizer), seed=3)
+    head = model.get_output_embeddings()
+    never_ends = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    with torch.no_grad():
+        never_ends.weight.copy_(head.weight)
+        never_ends.bias.zero_()
+        never_ends.bias[tokenizer.eos_token_id] = -1e4  # every turn runs to its budget
+    model.set_output_embeddings(never_ends)
+    ids = {k: [2 + (k * 7 + i) % 29 for i in range(40)] for k in range(8)}
+    with HFEngine(model, tokenizer, kv_cache_tokens=600).open_turns(PARAMS, 0) as stream:
+        for k in range(8):
+            stream.submit(TurnRequest(ids[k], 100 + k, 20, k))
+        done = {}
+        while stream.pending():
+            done.update({r.key: c for r, c in stream.advance()})
+        assert stream.stats["cache_evictions"] == 0 and stream.kept.tokens == 8 * 59
+        assert stream.cache.allocated + stream.kept.tokens <= 600
+        before = dict(stream.stats)
+        for k in range(8):
+            stream.submit(TurnRequest(ids[k] + done[k].ids + [5, 6, 7], 200 + k, 20, k))
+        while stream.pending():
+            stream.advance()
+        saved = stream.stats["prefill_tokens_saved"] - before.get("prefill_tokens_saved", 0)
+        assert saved == 7 * 59  # one kept cache evicted to run 7 of the 8 turns at once
+
+
 def test_turns_that_join_together_grow_the_slot_cache_once(model, tokenizer, monkeypatch):
     """Without a budget the slot cache is sized for every waiting turn at once: it grew by
     doubling, one copy of the whole cache per doubling (1, 2, 4, ... rows for 33 turns)."""

@@ -251,6 +251,19 @@ def test_server_turns_are_one_request_each_with_their_own_seed_and_budget(fake_s
     engine.close()
 
 
+def test_a_request_object_passed_twice_is_two_turns(fake_servers):
+    """generate_turns([r, r]) (two samples of one turn): two completions, none missing,
+    as with the hf engine; each its own request on the wire."""
+    urls, (a, b) = fake_servers
+    engine = VLLMEngine(ServerPool(urls, timeout_s=10, max_retries=0), VLLMSettings(mode="server"))
+    engine.update_weights({"w": torch.zeros(2, 3)}.items(), version=0)
+    request = TurnRequest([5, 6, 7], 11, 4)
+    turns = engine.generate_turns([request, request], SamplingParams(max_new_tokens=4), 0)
+    assert [c.ids for c in turns] == [[7, 6, 5, 0], [7, 6, 5, 0]]
+    assert sorted(a.requests + b.requests) == [([5, 6, 7], 11, 4)] * 2
+    engine.close()
+
+
 def test_unreachable_server_gives_one_clear_error_after_retries():
     hits = []
 

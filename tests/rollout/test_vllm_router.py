@@ -20,6 +20,7 @@ from leangrpo.rollout.vllm.client import ServerPool, ServerUnreachable
 from leangrpo.rollout.vllm.engine import VLLMEngine
 from leangrpo.rollout.vllm.router import Router
 from leangrpo.rollout.vllm.settings import VLLMSettings
+from leangrpo.rollout.vllm.versions import VersionGate
 
 PARAMS = SamplingParams(max_new_tokens=4)
 
@@ -143,6 +144,39 @@ def test_a_server_that_misses_a_sync_serves_nothing_until_one_reaches_it(servers
     assert router.servers[1].healthy and served[1].local.version == 2
     out, _ = run_turns(engine, range(10, 14), turns=1, version=2)
     assert {server_of(served, k, 0)[0] for k in range(10, 14)} == {"s0", "s1"}
+
+
+def test_a_server_restarted_between_turns_is_failed_over_and_synced_again(servers):
+    """Between two turns s1 restarts (a supervisor brings it back holding its start-up
+    weights, no run's): its trajectories' next turns get its gate's 409. The client had
+    committed the version there, so s1 lost it: its turns go to s0, which holds it; s1 is
+    marked down holding nothing known, and the next weight sync brings it back."""
+    engine, served = servers(2)
+
+    def restart_s1(turn):
+        if turn == 0:
+            served[1].local.gate = VersionGate(0, None)
+
+    out, metrics = run_turns(engine, range(4), turns=2, between=restart_s1)
+    assert all([c.ids for c in out[k]] == [[t, 100 + k, 0] for t in range(2)] for k in range(4))
+    moved = [k for k in range(4) if server_of(served, k, 0) == ["s1"]]
+    assert moved and all(server_of(served, k, 1) == ["s0"] for k in moved)
+    assert metrics["servers_down"] == 1 and metrics["server_retries"] >= 1
+    s1 = engine.backend.router.servers[1]
+    assert not s1.healthy and "restarted, or another run pushed" in s1.last_error
+    engine.update_weights({"w": torch.ones(2)}.items(), version=1)  # reaches it again
+    assert s1.healthy and s1.held == (engine.run_id, 1) and served[1].local.version == 1
+    out, _ = run_turns(engine, range(10, 14), turns=1, version=1)
+    assert {server_of(served, k, 0)[0] for k in range(10, 14)} == {"s0", "s1"}
+
+
+def test_a_restarted_server_with_none_left_is_one_error_saying_so(servers):
+    engine, served = servers(1)
+    served[0].local.gate = VersionGate(0, None)
+    with pytest.raises(EngineVersionError, match=r"restarted, or another run pushed its "
+                       r"weights to it, since the last weight sync; it gets the next one, but "
+                       r"no other server holds version 0"):  # fmt: skip
+        run_turns(engine, [0], turns=1)
 
 
 def test_stale_weights_never_serve(servers):

@@ -29,6 +29,8 @@ import time
 
 import torch.distributed as dist
 
+from leangrpo.errors import is_user_error
+
 DONE = "done"  # the heartbeat's phase once a rank has shut down
 # torch.distributed modules whose calls are the communication itself: an error raised there
 # (the innermost torch.distributed frame of its traceback) is a collective that failed
@@ -60,9 +62,7 @@ def looks_like_comm_error(exc: BaseException) -> bool:
     OSError raised inside torch.distributed's communication calls (gloo raises plain
     RuntimeErrors), itself or as the explicit cause (`raise ... from`) of the error seen.
     """
-    from leangrpo.errors import user_error_types
-
-    if isinstance(exc, user_error_types()):
+    if is_user_error(exc):
         return False
     chain: list[BaseException] = []
     while exc is not None and exc not in chain:

@@ -118,7 +118,8 @@ class EnvironmentPool:
     def item_budget_s(self) -> float:
         """How long a worker may take over one item before it counts as stuck: the parser
         and the step (or reset, finish) under timeout_s each, the turn's tools (as many as
-        the environment allows) under tool_timeout_s each, and a grace period."""
+        the environment allows; none for one that offers no tool) under tool_timeout_s
+        each, and a grace period."""
         cfg = self.cfg
         grace = max(1.0, 0.25 * cfg.timeout_s)
         return 2 * cfg.timeout_s + self.max_tool_calls * cfg.tool_timeout_s + grace

@@ -39,7 +39,7 @@ class Ready:
     tools: list[dict[str, Any]]
     replies: list[str]
     reward_terms: tuple[str, ...] | None  # None: the environment does not say
-    max_tool_calls: int  # the environment class's, which bounds a step's time
+    max_tool_calls: int  # the environment class's (0 if it offers no tool): bounds a step's time
 
 
 @dataclass(frozen=True)

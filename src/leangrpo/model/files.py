@@ -22,6 +22,9 @@ the model's context length (positions it can attend to), which the data
 checks compare prompt + rollout.max_new_tokens against. Rope scaling that extends the
 context (linear, dynamic, yarn with a factor) multiplies the original length.
 
+`check_context_heads`: a context-parallel size must divide the attention heads; the one
+check train's preflight and `leangrpo plan` both run.
+
 `check_merge(source, out)`: what `leangrpo merge` (model/final.py) needs before torch is
 imported: an adapter in `source` or its final/, and an `out` that does not exist yet.
 """
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from leangrpo.config import ConfigError
 from leangrpo.errors import UserError
 from leangrpo.model.smollm2 import link_hint
 
@@ -350,6 +354,21 @@ def _safetensors_header(file: Path) -> dict:
     with open(file, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
         return json.loads(f.read(length).decode("utf-8"))
+def attention_heads(config: dict) -> int | None:
+    """The model's query heads, from config.json (a multimodal config's text_config)."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    heads = text.get("num_attention_heads")
+    return heads if isinstance(heads, int) else None
+
+
+def check_context_heads(context_size: int, heads: int | None, name_or_path: str) -> None:
+    """distributed.context_parallel_size C must divide the model's query heads (Ulysses
+    gives each process H / C of them): one sentence, asked by train's preflight and by
+    `leangrpo plan` alike. `heads` None (not in config.json): left to the set-up's checks."""
+    if context_size > 1 and heads is not None and heads % context_size:
+        raise ConfigError(
+            f"distributed.context_parallel_size ({context_size}) must divide the model's {heads} attention heads (Ulysses gives each process an equal share of them; config.json of model.name_or_path = {name_or_path!r}); use a context_parallel_size that divides {heads}."
+        )
 
 
 # -- merging an adapter into its base (leangrpo merge) --------------------------------------

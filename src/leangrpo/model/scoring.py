@@ -27,9 +27,9 @@ import dataclasses
 import torch
 from torch import nn
 
-from leangrpo.contracts import PackedBatch, RowSplit, SamplingParams
+from leangrpo.contracts import LocalRow, PackedBatch, RowSplit, SamplingParams
 from leangrpo.model.policy import Policy
-from leangrpo.ops.context_parallel.shards import WHOLE_ROW, LocalRow, whole_row
+from leangrpo.ops.context_parallel.shards import WHOLE_ROW, whole_row
 from leangrpo.ops.logprobs.api import token_logprobs
 
 

@@ -56,7 +56,7 @@ import torch
 
 from leangrpo.contracts import RolloutBatch
 from leangrpo.distributed.watch import PeerStopped
-from leangrpo.errors import RunError, user_error_types
+from leangrpo.errors import RunError, is_user_error
 from leangrpo.pipeline.batch import (
     BatchFinisher,
     ProducedBatch,
@@ -331,7 +331,7 @@ class AsyncProducer:
         waiting_since = time.monotonic()
         while True:
             if self._error is not None:
-                if isinstance(self._error, user_error_types()):  # one sentence, as in sync mode
+                if is_user_error(self._error):  # one sentence, as in sync mode
                     raise self._error
                 raise RuntimeError(f"rollout producer failed: {self._error!r}") from self._error
             try:

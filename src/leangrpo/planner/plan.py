@@ -19,13 +19,16 @@ second) and counts, per device, for one micro-batch of `train.micro_batch_tokens
     gradients        one per trainable parameter, in its dtype [exact]
     adamw_state      exp_avg + exp_avg_sq per trainable parameter (+ the 4-byte step
                      counters, which only count on CPU: on CUDA they live on the host) [exact]
-    activations      the training pass at its peak, besides the lm_head's own working set:
-                     the tensors autograd saves (inventory.py: an exact inventory of
-                     the decoder layers, rotary tables, final norm and gathered hidden rows;
+    activations      the most the training pass holds at any moment besides the gradients
+                     made by then and the lm_head's own working set: when the head runs,
+                     the tensors autograd saves (inventory.py: an exact inventory of the
+                     decoder layers, rotary tables, final norm and gathered hidden rows;
                      the loss's per-token vectors estimated), or under checkpointing one
-                     hidden-sized input per layer (only the last offload.keep_last_layers on
-                     the device with hidden-state offload) plus one recomputed layer; plus
-                     one layer's backward working set [estimated, measured on CPU]
+                     hidden-sized input per layer (only the last offload.keep_last_layers
+                     on the device with hidden-state offload); in a layer's backward, what
+                     is still saved (or kept), that layer's saved tensors (recomputed
+                     under checkpointing) and its backward working set [estimated,
+                     measured on CPU]
     lm_head          the log-prob head's peak: chunked tiles, or the full (T, V) logits [exact
                      tiles; full logits measured on CPU]
     all_to_all       context parallelism (distributed.context_parallel_size C > 1): one
@@ -51,10 +54,17 @@ processes. `longest_micro_batch` inverts the plan: the most tokens a micro-batch
 sequence) may hold within a given memory per device.
 
 `total` is the peak: weights + reference_copy + generation_copy + adamw_state + the larger of
-the training pass (gradients + activations + lm_head + all_to_all) and generation (kv_cache); both at
-once when an async hf producer generates while the trainer trains. The activation term is
-defined as benchmarks/grpo_step.py measures it (train-pass peak - weights - gradients - the
-head's own peak), so the GPU suite compares like with like.
+the training pass and generation (kv_cache); both at once when an async hf producer
+generates while the trainer trains. The training pass (`training_pass`, a key beside the
+terms) peaks when the head runs (what is saved + lm_head), in a layer's backward (what it
+holds + the gradients made by then) or at its end (gradients), plus all_to_all: the
+gradients, activations and lm_head lines are each that term's own figure, not all held at
+once, so the pass's peak is at most their sum (under checkpointing, where the peak is a
+layer's backward before most gradients exist, it is less). The activation term is what
+benchmarks/context_parallel.py measures op by op, and without checkpointing (the peak
+when the head runs, everything saved) what benchmarks/grpo_step.py derives (train-pass
+peak - weights - gradients - the head's own peak), so the GPU suite compares like with
+like.
 
 Estimated, and why: the backward working set and the loss vectors (small, measured
 coefficients); a quantized linear's dequantized weight (the largest one, alive during its
@@ -77,7 +87,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from leangrpo.errors import UserError
-from leangrpo.model.files import context_length, read_model_config
+from leangrpo.model.files import check_context_heads, context_length, read_model_config
 from leangrpo.planner.inventory import (
     LINEARS,
     LOSS_BYTES_PER_TOKEN,
@@ -102,6 +112,7 @@ AUTO_MIN_PROMPT_FRACTION = (
 )
 PROCESS_BASELINE_CPU = int(0.34 * 2**30)  # RSS of python + torch + transformers + peft
 SAVED_BY_SHARING = "saved_by_sharing"  # a plan key beside the terms (rollout.vllm.share_weights)
+TRAINING_PASS = "training_pass"  # a plan key beside the terms: the training pass's peak
 TERMS = (
     "weights",
     "reference_copy",
@@ -332,6 +343,7 @@ def plan_memory(
     s = make_setup(cfg, device, kernel)
     c = cfg.distributed.context_parallel_size
     world_size = planned_world(c, world_size)
+    check_context_heads(c, d.heads, cfg.model.name_or_path)  # as train's preflight does
     row = tokens or cfg.train.micro_batch_tokens
     prompt = prompt_tokens or cfg.data.max_prompt_tokens or DEFAULT_PROMPT_TOKENS
     n = math.ceil(row / c)  # this rank's tokens of the row
@@ -351,7 +363,7 @@ def plan_memory(
     ) // shard.divisor
     head_grad = 0 if s.lora else d.vocab * d.hidden * s.b // shard.divisor
     grads = (layer_grad, head_grad, trainable // shard.divisor)
-    activations, host = _activations(cfg, context_dims(d, c), s, n, rows, head, grads, prompt, c)
+    moments, host = _moments(cfg, context_dims(d, c), s, n, rows, head, grads, prompt, c)
     plan = {
         "weights": weights,
         "reference_copy": base if (cfg.loss.beta > 0 and not s.lora) else 0,
@@ -360,12 +372,13 @@ def plan_memory(
         else vllm_copy(cfg, base),
         "gradients": trainable // shard.divisor,
         "adamw_state": 2 * trainable // shard.divisor + (4 * tensors if device == "cpu" else 0),
-        "activations": activations,
+        "activations": max(m.activations for m in moments),
         "lm_head": head,
         "all_to_all": all_to_all_bytes(d, c, n, s.b),
         "kv_cache": _kv_cache(cfg, d, s, prompt, world_size) if hf else 0,
         "offloaded_to_host": host,
     }
+    plan[TRAINING_PASS] = max(m.total for m in moments) + plan["all_to_all"]
     plan["total"] = peak(plan, concurrent=hf and cfg.pipeline.mode == "async", cpu=device == "cpu")
     if sharing_blocker(cfg) is None:
         plan[SAVED_BY_SHARING] = base  # not a term: the copy colocated vLLM does not hold
@@ -450,7 +463,7 @@ def peak(plan: dict[str, int], concurrent: bool, cpu: bool) -> int:
     persistent = sum(
         plan[k] for k in ("weights", "reference_copy", "generation_copy", "adamw_state")
     )
-    train = plan["gradients"] + plan["activations"] + plan["lm_head"] + plan["all_to_all"]
+    train = plan[TRAINING_PASS]
     train += plan["offloaded_to_host"] if cpu else 0  # host memory is the device's on CPU
     generation = plan["kv_cache"]
     return persistent + (train + generation if concurrent else max(train, generation))
@@ -528,7 +541,20 @@ def _lm_head(cfg, d: Dims, s: Setup, rows: int, device: str) -> int:
     return head_bytes(rows, d.hidden, d.vocab, s.b, tiles, not s.lora, filtered)
 
 
-def _activations(
+@dataclass(frozen=True)
+class _Moment:
+    """What the training pass holds at one moment, by kind."""
+
+    activations: int
+    gradients: int = 0
+    head: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.activations + self.gradients + self.head
+
+
+def _moments(
     cfg,
     d: Dims,
     s: Setup,
@@ -538,16 +564,18 @@ def _activations(
     grads: tuple[int, int, int],
     prompt: int,
     context_size: int = 1,
-) -> tuple[int, int]:
-    """(device bytes of the activation term, bytes offloaded to the host).
+) -> tuple[list[_Moment], int]:
+    """(the training pass's candidate peaks, bytes offloaded to the host).
 
     The training pass peaks at one of: the head (every saved activation + the head's working
     set), a layer's backward (from the top: what is still saved, that layer's working set,
     and the gradients made so far), or the end (every gradient). `grads` = (per layer, the
-    head weight's (made by the head's backward), all) in bytes per device. The term is that
-    peak - all gradients - the head, as benchmarks/grpo_step.py derives it. Context
-    parallelism: `n` and `rows` are this rank's, `d` the `context_dims` (attention over the
-    whole row for 1/C of the heads), the kernel's indices span the C shards' row."""
+    head weight's (made by the head's backward), all) in bytes per device. The activation
+    term is the most any of them holds besides the gradients made by then and the head's
+    working set, as benchmarks/context_parallel.py measures it; the pass's peak is the
+    largest total. Context parallelism: `n` and `rows` are this rank's, `d` the
+    `context_dims` (attention over the whole row for 1/C of the heads), the kernel's
+    indices span the C shards' row."""
     L, mode = d.layers, cfg.offload.activations
     layer_grad, head_grad, all_grads = grads
     layer_input = n * s.b * d.hidden  # what checkpointing keeps of each layer
@@ -581,9 +609,9 @@ def _activations(
         host, before_head = L * layer_input + head_rest, rope
     else:
         before_head = kept * layer_input + rope + head_rest
-    moments = [before_head + head, all_grads]
-    moments += [at_layer(i) + head_grad + (L - i) * layer_grad for i in range(L)]
-    return max(0, max(moments) - all_grads - head), host
+    moments = [_Moment(before_head, head=head), _Moment(0, all_grads)]
+    moments += [_Moment(at_layer(i), head_grad + (L - i) * layer_grad) for i in range(L)]
+    return moments, host
 
 
 def prefix_kv_bytes(cfg, d: Dims, s: Setup, tokens: int, prompt: int) -> int:
@@ -731,7 +759,7 @@ def render_plan(
             lines.append(f"  prompts of {prompt} tokens: {prompt_source}")
     width = max(len(k) for k in plan)
     for key, value in plan.items():
-        if key == SAVED_BY_SHARING:
+        if key in (SAVED_BY_SHARING, TRAINING_PASS):
             continue
         note = "  (host memory)" if key == "offloaded_to_host" and value else ""
         lines.append(f"  {key:<{width}}  {value / 2**30:8.3f} GiB{note}")
@@ -760,11 +788,12 @@ def explain_total(plan: dict[str, int], concurrent: bool, cpu: bool) -> list[str
     when an async hf producer generates while the trainer trains)."""
     gib = lambda value: f"{value / 2**30:.3f}"  # noqa: E731
     persistent = [k for k in ("weights", "reference_copy", "generation_copy", "adamw_state") if plan[k]]
-    train = [k for k in ("gradients", "activations", "lm_head") if plan[k]]
+    parts = [k for k in ("gradients", "activations", "lm_head", "all_to_all") if plan[k]]
+    train = [f"at its peak, at most {' + '.join(parts) or '0'}"]
     if cpu and plan["offloaded_to_host"]:
         train.append("offloaded_to_host")
     fixed = sum(plan[k] for k in persistent)
-    training = sum(plan[k] for k in train)
+    training = plan[TRAINING_PASS] + (plan["offloaded_to_host"] if cpu else 0)
     generation = plan["kv_cache"]
     first = f"  total = {' + '.join(persistent) or '0'} ({gib(fixed)}, held all run)"
     if concurrent:

@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from leangrpo.errors import UserError
+
 RewardFn = Callable[..., list]
 
 BUILTIN_NAMES = ("math", "format", "length")
@@ -56,11 +58,11 @@ class RewardError(RuntimeError):
     """A reward function failed while scoring (with rewards.fail_fast), or its pool broke."""
 
 
-class RewardSpecError(RewardError, ValueError):
+class RewardSpecError(RewardError, ValueError, UserError):
     """A configured reward function cannot be resolved or its kwargs are wrong."""
 
 
-class RewardFailedError(RewardError):
+class RewardFailedError(RewardError, UserError):
     """With rewards.fail_fast: a reward function failed on a sample (a user error: the CLI
     prints it as one sentence)."""
 

@@ -13,7 +13,7 @@ hidden state at position p predicts the target at p + 1, which may lie in the ne
 (a shard's last token predicts the next shard's first); the targets come from the whole
 row, which every rank of the group holds, so a boundary needs no exchange.
 
-`LocalRow` is what the scoring forward runs on (model/scoring.py): the shard's ids and
+`contracts.LocalRow` is what the scoring forward runs on (model/scoring.py): the shard's ids and
 positions, the whole row's attention kwargs (the kernels attend over the whole row, see
 ulysses.py), this rank's completion positions and targets, and which of the row's T
 completion tokens they are. `WHOLE_ROW` is the split of one process: the row itself.
@@ -22,16 +22,14 @@ completion tokens they are. `WHOLE_ROW` is the split of one process: the row its
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from leangrpo.contracts import LocalRow, PackedBatch
 from leangrpo.ops.attention.adapter import packed_model_kwargs
 from leangrpo.ops.attention.layout import GroupSpan, PrefixLayout
-
-if TYPE_CHECKING:
-    from leangrpo.contracts import PackedBatch
 
 PAD_TOKEN_ID = 0  # every vocabulary has an id 0; padding is never predicted
 
@@ -60,19 +58,6 @@ class RowShards:
         if not 0 <= rank < self.size:
             raise ValueError(f"rank {rank} is outside a context-parallel group of {self.size}")
         return rank * self.per_rank, (rank + 1) * self.per_rank
-
-
-@dataclass
-class LocalRow:
-    """One rank's part of a packed micro-batch, as the scoring forward runs it."""
-
-    input_ids: Tensor  # (1, n) this rank's tokens
-    position_ids: Tensor  # (1, n)
-    model_kwargs: dict[str, Any]  # the whole row's packed-attention kwargs (+ the split's)
-    completion_index: Tensor  # (T_c,) predicting positions, in [0, n)
-    targets: Tensor  # (T_c,)
-    tokens: Tensor | None  # (T_c,) which of the row's T completion tokens; None: all of them
-    num_targets: int  # T of the whole row
 
 
 def whole_row(batch: PackedBatch) -> LocalRow:

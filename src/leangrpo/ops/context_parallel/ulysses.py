@@ -41,10 +41,10 @@ from torch import Tensor
 from leangrpo.ops.attention.adapter import CONTEXT_KWARG
 from leangrpo.ops.attention.kernels import PackedAttentionError
 from leangrpo.ops.context_parallel.exchange import Exchange
-from leangrpo.ops.context_parallel.shards import LocalRow, RowShards, shard_row
+from leangrpo.ops.context_parallel.shards import RowShards, shard_row
 
 if TYPE_CHECKING:
-    from leangrpo.contracts import PackedBatch
+    from leangrpo.contracts import LocalRow, PackedBatch
 
 
 def kv_repeats(kv_heads: int, size: int) -> int:

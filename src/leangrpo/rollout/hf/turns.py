@@ -19,7 +19,9 @@ turns of one multi-turn generation call as they are submitted. Each `advance`:
 
 Budget (`kv_cache_tokens`): the slot cache's allocation (rows x width, padding included)
 plus the kept caches. Kept caches are evicted least recently used to make room for a
-turn, or after one is added; a turn that still does not fit waits for rows to leave. An
+turn (for the rows and width it needs, never for the slot cache's growth ahead of need),
+or after one is added, once the slot cache has given back the rows no turn uses (all of
+them when the batch is empty); a turn that still does not fit waits for rows to leave. An
 evicted trajectory's next turn prefills all its ids (counted). Choices:
 
 - Prefills of joining turns are batched with each other, never with decode steps: a
@@ -227,14 +229,16 @@ class HFTurnStream:
         """Size the slot cache for `rows` rows of `width` positions (`width` covers every
         row in use), evicting kept caches (oldest first) when the budget asks for it; False
         when it cannot fit now. Rows grow by doubling (at once to `room`'s rows when
-        given), the width in steps of WIDTH_STEP; shrinks only to fit the budget."""
+        given), the width in steps of WIDTH_STEP, as far as the budget holds them beside
+        the kept caches; a kept cache is evicted only for the size the turn needs, never
+        for growth ahead of need. Shrinks only to fit the budget."""
         current = (self.cache.rows, self.cache.width)
         if rows <= current[0] and width <= current[1] and self._fits(*current):
             return True
         stepped = -(-max(width, room[1]) // WIDTH_STEP) * WIDTH_STEP
         grown = (_grown(current[0], max(rows, room[0]), self.max_rows), max(stepped, current[1]))
-        for target in (grown, (rows, stepped), (rows, width)):
-            if self._fits(*target, evict=True):
+        for target, evict in ((grown, False), ((rows, stepped), False), ((rows, width), True)):
+            if self._fits(*target, evict=evict):
                 self.cache.resize(*target)
                 return True
         return False
@@ -253,8 +257,16 @@ class HFTurnStream:
         return True
 
     def _enforce_budget(self) -> None:
+        """After a row ended (its cache kept): over the budget, the slot cache first gives
+        back the rows no turn uses (all of it when the batch is empty), then kept caches
+        are evicted, oldest first: an idle allocation never costs a kept cache."""
         if self.budget is None:
             return
+        if self.cache.allocated + self.kept.tokens > self.budget:
+            if not self.rows:
+                self.cache = SlotCache(len(self.cache.buffers))
+            elif len(self.rows) < self.cache.rows:
+                self.cache.resize(len(self.rows), self.cache.width)
         while self.cache.allocated + self.kept.tokens > self.budget and self.kept.evict_oldest():
             self.stats["cache_evictions"] += 1
 

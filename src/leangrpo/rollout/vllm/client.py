@@ -17,7 +17,10 @@ call fail. Weight sync is two-phase (every server stages the buckets, then every
 commits): a server that fails either phase is marked down and skipped until the next
 sync reaches it; the sync fails only when no server took it. 409 (another version or
 run) becomes `EngineVersionError`, other 4xx one error with the server's reason: neither
-is a server failure.
+is a server failure, except a 409 from a server this client committed the version to: it
+lost those weights (restarted, or another run pushed to it), so it is marked for the next
+sync (router.py `lost_weights`) and the request goes to a server that holds the version;
+with none left, the `EngineVersionError` says what happened.
 """
 
 from __future__ import annotations
@@ -252,11 +255,19 @@ class ServerPool:
         payload: dict,
     ) -> dict:
         """POST /generate on `server` (counted in flight by the router); a server that
-        fails is marked down and the request goes to another one."""
+        fails, or lost the weights committed there, is marked down and the request goes to
+        another one."""
         while True:
             alone = len(self.router.eligible(run, version)) <= 1
+            committed = server.held == (run, version)  # as sent (a peer's 409 may reset it)
             try:
                 reply = self._post_json(server.url, "/generate", payload, None if alone else 0)
+            except EngineVersionError as err:
+                if not committed:  # never known to hold it: the caller's version is wrong
+                    self.router.done(server, requests)
+                    raise
+                server = self._lost_weights(server, err, key, run, version, requests)
+                continue
             except ServerUnreachable as err:
                 self.router.failed(server, one_line(err), requests)
                 log.warning(
@@ -274,6 +285,33 @@ class ServerPool:
                 raise
             self.router.done(server, requests)
             return reply
+
+    def _lost_weights(
+        self,
+        server: Server,
+        err: EngineVersionError,
+        key: Hashable | None,
+        run: str,
+        version: int,
+        requests: int,
+    ) -> Server:
+        """A 409 from a server this client committed (run, version) to: it lost those
+        weights. Marked for the next sync; another server holding the version, or one
+        error saying what happened."""
+        why = (
+            f"it refused version {version} of run {run}, which this trainer pushed there "
+            f"({one_line(err)}): it restarted, or another run pushed its weights to it, since"
+        )
+        self.router.lost_weights(server, f"{why} the last weight sync", requests)
+        log.warning("vLLM server %s lost its weights (%s); marked for the next weight sync, "
+                    "its requests go to another server", server.url, one_line(err))  # fmt: skip
+        if not self.router.eligible(run, version):
+            raise EngineVersionError(
+                f"vLLM server {server.url} {why} the last weight sync; it gets the next one, "
+                f"but no other server holds version {version}: "
+                + "; ".join(f"{s.url} ({s.last_error or 'holds other weights'})" for s in self.router.servers)
+            ) from None
+        return self.router.reroute(key, run, version, requests)
 
     # -- weights ----------------------------------------------------------------------------
     def load_weight_files(self, paths: list[Path], version: int, *, run: str) -> None:

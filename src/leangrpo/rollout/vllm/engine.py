@@ -46,6 +46,7 @@ vLLM is imported lazily, so this module imports without it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
@@ -236,11 +237,14 @@ class VLLMEngine:
     ) -> list[Completion]:
         """One completion per request (a multi-turn trajectory's turn): one vLLM request
         each, n = 1, seeded with the request's seed, at most its own max_new_tokens, all
-        submitted to one turn stream at once."""
-        position = {id(r): i for i, r in enumerate(requests)}
+        submitted to one turn stream at once. Each is submitted as a copy of its own, so a
+        request object passed twice is two independent turns (two completions), as with
+        the hf engine."""
+        submitted = [dataclasses.replace(r) for r in requests]
+        position = {id(r): i for i, r in enumerate(submitted)}
         out: list[Completion | None] = [None] * len(requests)
         with self.open_turns(params, version) as stream:
-            for request in requests:
+            for request in submitted:
                 stream.submit(request)
             while stream.pending():
                 for request, completion in stream.advance(STREAM_WAIT_S):

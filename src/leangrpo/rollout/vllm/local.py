@@ -21,6 +21,9 @@ Generation is cooperative: a caller adds its requests to the engine (`enqueue`, 
 outputs that finish for another caller are kept for it. So concurrent callers (the
 threads of `leangrpo serve`, a turn stream and an evaluation) are batched by vLLM's
 scheduler together, and a turn stream adds each turn the moment it is ready.
+
+Before vLLM starts, its compile cache is checked for the entries a start-up killed while
+compiling left damaged, which are removed and compiled again (compile_cache.py).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from leangrpo.contracts import Completion, EngineVersionError, SamplingParams
+from leangrpo.rollout.vllm.compile_cache import compile_cache_roots, repair_compile_cache
 from leangrpo.rollout.vllm.files import publish_adapter
 from leangrpo.rollout.vllm.versions import VersionGate
 
@@ -224,6 +228,7 @@ class LocalVLLM:
 
     def __init__(self, llm_kwargs: dict, work_dir: Path, run: str | None = None):
         vllm = import_vllm()
+        repair_compile_cache(compile_cache_roots(llm_kwargs))  # a killed start's leftovers
         with keep_process_state():
             self.llm = vllm.LLM(**llm_kwargs)
         self.in_process = type(self.llm.llm_engine.engine_core).__name__ == "InprocClient"

@@ -15,7 +15,11 @@ its requests in flight and the requests it served. The rules (client.py applies 
 - a request goes to a server whose committed (run, version) is the one asked for while
   one exists; a server that missed a sync is never chosen over one that took it, and the
   server's own version gate refuses (409) whatever it does not hold, so stale weights
-  never serve.
+  never serve;
+- a server that refuses (409) a version this client committed there lost those weights
+  (it restarted, or another run pushed to it): it is marked down holding nothing known
+  (`lost_weights`), so the next weight sync reaches it, and the request is re-routed to a
+  server that holds the version.
 
 Thread-safe: the turn stream's request threads and the caller share one router. A turn
 stream keys its trajectories by (stream, key), so two streams at once (training and
@@ -100,6 +104,17 @@ class Router:
             server.in_flight -= requests
             server.failures += 1
             server.healthy = False
+            server.last_error = error
+
+    def lost_weights(self, server: Server, error: str, requests: int = 1) -> None:
+        """The server no longer holds what this client committed there: down, holding
+        nothing known, until a weight sync reaches it; its request is the caller's to
+        re-route."""
+        with self._lock:
+            server.in_flight -= requests
+            server.failures += 1
+            server.healthy = False
+            server.held = (None, NO_VERSION)
             server.last_error = error
 
     def reroute(self, key: Hashable | None, run: str | None, version: int, requests: int = 1) -> Server:
