@@ -26,7 +26,19 @@ def cell(source: str) -> dict:
 
 CELL = """
 import os
+import traceback
 from leangrpo.environments import Environment, StepResult
+
+class Stack:  # unpickled as the stack it is unpickled on
+    def __reduce__(self):
+        return (traceback.format_stack, ())
+
+STACK = Stack()
+
+def unpickled_in_zygote():
+    frames = [line.split("\\n")[0] for line in STACK]
+    prepare = any(f.endswith(" in prepare") and "environments/worker.py" in f for f in frames)
+    return float(prepare and any(f.endswith(" in _fork_zygote") for f in frames))
 
 def add(a: int, b: int) -> int:
     '''Add two integers.
@@ -39,14 +51,14 @@ def add(a: int, b: int) -> int:
 
 class Sum(Environment):
     replies = ("tool",)
-    reward_terms = ("correct", "elsewhere")
+    reward_terms = ("correct", "elsewhere", "zygote")
 
     def reset(self, messages, row, seed):
         self.answer = str(row["answer"])
 
     def step(self, turn):
         correct = float(turn.text.strip() == self.answer)
-        return StepResult(done=True, rewards={"correct": correct, "elsewhere": float(os.getpid() != TRAINER)})
+        return StepResult(done=True, rewards={"correct": correct, "elsewhere": float(os.getpid() != TRAINER), "zygote": unpickled_in_zygote()})
 """
 
 
@@ -65,16 +77,18 @@ def test_a_class_and_tool_sent_by_value_are_checked_in_the_worker():
     with EnvironmentPool(by_value_config(), mode="check") as pool:  # the start-up check
         assert [t["function"]["name"] for t in pool.tools] == ["add"]
         assert pool.tools[0]["function"]["parameters"]["required"] == ["a", "b"]
-        assert pool.reward_terms == ("correct", "elsewhere")
+        assert pool.reward_terms == ("correct", "elsewhere", "zygote")
 
 
 def test_a_trajectory_of_a_class_sent_by_value():
+    """Scored in its box; the class was unpickled in the zygote's `prepare`, never in the
+    supervisor, which unpickles the start-up message the value crosses as text."""
     cfg = by_value_config()
     with EnvironmentPool(cfg) as pool:
         (key,) = pool.new_sessions(1)
         assert pool.reset([(key, USER, {"answer": "3"}, 0)])[0].ok == {"messages": None}
         step = pool.step([(key, "3", 0)])[0].ok
-        assert step["done"] and step["rewards"] == {"correct": 1.0, "elsewhere": 1.0}
+        assert step["done"] and step["rewards"] == {"correct": 1.0, "elsewhere": 1.0, "zygote": 1.0}
 
 
 def test_a_value_that_is_no_environment_or_does_not_unpickle_is_one_sentence():
