@@ -134,7 +134,8 @@ def prepare(init: dict, announce: Callable[[dict], None]) -> Callable[[BoxConn],
         probe = setup.new_environment()
         schemas = [tool_schema(fn) for fn in offered_tools(probe, setup.tools, spec)]
         replies = [str(r) for r in getattr(probe, "replies", ("user",))]
-        calls = _max_tool_calls(probe, spec) if schemas else 0  # no tools: no tool call
+        calls = _max_tool_calls(probe, spec)  # checked even where no tool is offered
+        calls = calls if schemas else 0  # no tools: no tool call
     except BaseException as e:  # SystemExit at import included
         announce({"t": "init_error", "msg": _setup_error(e, spec)})
         return None
