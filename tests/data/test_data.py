@@ -566,3 +566,19 @@ def test_a_row_the_chat_template_refuses_is_named(tmp_path, tokenizer):
         )
         assert "roles 'bot'" in message and "unknown role bot" in message and "\n" not in message
     check_chat_rows(cfg, tokenizer)  # a template that takes any role
+
+
+def test_a_row_a_named_template_refuses_is_named_for_a_tokenizer_without_one(tmp_path, tokenizer):
+    """data.chat_template naming a file: the cheap check renders with it, also where the
+    tokenizer (its record) has no template of its own; without a record it checks nothing."""
+    (tmp_path / "strict.jinja").write_text(strict_template(tokenizer).chat_template)
+    bare = tokenizer.__class__(tokenizer_object=tokenizer.backend_tokenizer, bos_token="<s>")
+    assert bare.chat_template is None
+    path = bot_row_file(tmp_path)
+    cfg = DataConfig(path=path, chat_template=str(tmp_path / "strict.jinja"))
+    for check in (load_prompts, check_chat_rows):
+        with pytest.raises(
+            DataError, match=r"row 3: the chat template cannot render .*unknown role bot"
+        ):
+            check(cfg, bare)
+    check_chat_rows(cfg, None)  # no record yet: the set-up's load_prompts names the row
