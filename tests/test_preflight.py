@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -204,6 +205,64 @@ def test_the_continuous_batch_knobs_are_listed_where_nothing_reads_them(tmp_path
     ]
 
 
+CHECK_PROBE = (
+    "import atexit, sys\n"
+    "atexit.register(lambda: print('heavy imported:', sorted({'torch', 'transformers'} & set(sys.modules))))\n"
+    "from leangrpo.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
+@pytest.mark.parametrize("config", ["examples/demo.yaml", "examples/tools_demo.yaml"])
+def test_check_with_the_tokenizers_record_checks_the_same_without_transformers(
+    tmp_path: Path, config: str
+) -> None:
+    """The first `leangrpo check` of a model loads its tokenizer with transformers and
+    records it; the next reads the record and imports neither transformers nor torch, and
+    checks the same: the same prompts counted and measured, the environment started and
+    probed, and a micro-batch too small for the longest prompt (found by tokenising)
+    refused with the same sentence."""
+    env = {
+        "LEANGRPO_CACHE": str(tmp_path / "cache"),
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": str(ROOT / "src"),
+    }
+    out = f"run.output_dir={tmp_path / 'run'}"
+    first = run_python(CHECK_PROBE, "check", config, "--set", out, env=env)
+    second = run_python(CHECK_PROBE, "check", config, "--set", out, env=env)
+    assert first.returncode == second.returncode == 0, (first.stderr, second.stderr)
+    assert "tokenizer: loaded with transformers; its record kept in" in first.stdout
+    assert (
+        "tokenizer: its record from an earlier run or check (transformers not loaded)"
+        in second.stdout
+    )
+    assert first.stdout.strip().endswith("heavy imported: ['torch', 'transformers']")
+    assert second.stdout.strip().endswith("heavy imported: []")
+
+    def checked(text: str) -> list[str]:
+        return [
+            line
+            for line in text.splitlines()
+            if line.startswith(("  prompts:", "  environment:", "  run directory:"))
+        ]
+
+    assert checked(first.stdout) == checked(second.stdout) and len(checked(first.stdout)) >= 2
+    if "tools" in config:  # a trajectory budget below the longest first turn + a turn
+        small = ["--set", "environment.max_total_tokens=80", "--set", "train.micro_batch_tokens=80"]
+    else:  # a micro-batch below the longest prompt + its completion
+        small = ["--set", "train.micro_batch_tokens=70", "--set", "rollout.max_new_tokens=60"]
+    caches = (env, {**env, "LEANGRPO_CACHE": str(tmp_path / "fresh")})
+    late = [run_python(CHECK_PROBE, "check", config, "--set", out, *small, env=e) for e in caches]
+    assert late[0].returncode == late[1].returncode == 2, (late[0].stdout, late[0].stderr)
+
+    def errors(text: str) -> list[str]:  # the same sentence; how many prompts it counted over
+        # the limit may differ (with the record the cheap checks measure the longest 64 first)
+        lines = [line for line in text.splitlines() if line.startswith("leangrpo: error:")]
+        return [re.sub(r" \(\d+ of the \d+ prompts checked are over it,", " (", x) for x in lines]
+
+    assert errors(late[0].stderr) == errors(late[1].stderr) and len(errors(late[0].stderr)) == 1
+
+
 # -- bad inputs that used to end late or badly (issue 38) -----------------------------------
 
 TOOLS_YAML = ROOT / "examples" / "tools_demo.yaml"
@@ -323,3 +382,24 @@ def test_a_chat_row_the_template_refuses_is_named_before_torch_with_the_record(
         DataError, match=r"row 2: the chat template cannot render .*unknown role bot"
     ):
         preflight(cfg, dry=True)
+
+
+def test_a_function_sent_by_value_under_a_built_ins_name_reads_no_column(tmp_path: Path) -> None:
+    """A notebook's own `math` (sent by value, its name its own) is not the built-in: no
+    answer column is required of the data, nor counted in the prompts."""
+    import textwrap
+
+    from leangrpo.api.shipping import reference
+
+    namespace = {"__name__": "__main__"}
+    exec(textwrap.dedent("""
+        def math(prompts, completions, **columns):
+            return [float(len(c) < 5) for c in completions]
+    """), namespace)  # fmt: skip
+    ref = reference(namespace["math"], "reward_funcs[0]")
+    data = write_jsonl(tmp_path / "plain.jsonl", [{"prompt": "1+1="}, {"prompt": "2+2="}])
+    cfg = demo(tmp_path, f"data.path={data}")
+    cfg.rewards.functions = [type(cfg.rewards.functions[0])(name=ref.name, value=ref.value)]
+    preflight(cfg, dry=True)
+    unanswered = [Prompt(uid=i, text="", ids=[1], columns={}) for i in range(2)]
+    check_reward_cells(cfg, PromptSet(unanswered, []))

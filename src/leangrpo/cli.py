@@ -70,7 +70,10 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in [
         ("train", "train a policy with GRPO"),
-        ("check", "run every check `train` runs before the model loads, then exit (writes nothing)"),
+        (
+            "check",
+            "run every check `train` runs before the model loads, then exit (writes nothing in the run directory)",
+        ),
         ("plan", "estimate the memory a config needs, without loading the model"),
     ]:
         p = sub.add_parser(name, help=text, description=text)
@@ -105,10 +108,78 @@ def _parser() -> argparse.ArgumentParser:
         "source", help="the run directory (its final/ is used) or an adapter directory"
     )
     merge.add_argument("out", help="the merged model's directory (must not exist)")
+    _eval_parser(sub)
     sub.add_parser(
         "serve", help="start a vLLM server with leangrpo's weight-sync extension", add_help=False
     )
     return parser
+
+
+def _eval_parser(sub) -> None:
+    """`eval`'s arguments (api/evaluation.py does the work)."""
+    text = "score a run's final/ or a checkpoint on a data set with reward functions (the eval/* figures a run logs)"
+    p = sub.add_parser(
+        "eval",
+        help=text,
+        description=text + "; they are printed and appended to RUN_DIR/eval.jsonl.",
+    )
+    p.add_argument(
+        "target",
+        metavar="RUN_OR_CHECKPOINT",
+        help="a run directory (its final/, else its newest intact checkpoint), a checkpoints/step-N or a final/ directory",
+    )
+    p.add_argument(
+        "--data",
+        default=None,
+        metavar="FILE",
+        help="prompts to score (.jsonl, .json, .parquet, .csv; default: the run's own eval prompts)",
+    )
+    p.add_argument(
+        "--rewards",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="reward functions, replacing the run's: math, format, length, module:fn or file.py:fn",
+    )
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="score the first N prompts (default: eval.num_prompts, else all)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="0 = greedy (default: the run's eval.temperature)",
+    )
+    p.add_argument(
+        "--num-generations",
+        type=int,
+        default=None,
+        metavar="K",
+        help="completions per prompt (default: the run's eval.num_generations)",
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        help="the run's settings, when no config.yaml is beside the weights",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="FILE",
+        help="where the row of figures is appended (default: RUN_DIR/eval.jsonl)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a setting of the run's config, e.g. rollout.max_new_tokens=64",
+    )
 
 
 class _Version(argparse.Action):
@@ -188,6 +259,8 @@ def _dispatch(args) -> int:
         return _plan(args)
     if args.command == "merge":
         return _merge(args)
+    if args.command == "eval":
+        return _eval(args)
     from leangrpo.metrics.report import report
 
     _print(report(args.run_dir))
@@ -207,7 +280,11 @@ def _plan(args) -> int:
     world = args.world_size or world_size_from_env()
     prompt, source = planned_prompt_tokens(cfg, args.prompt_tokens)
     given = dict(tokens=args.tokens, prompt_tokens=prompt, world_size=world)
-    _print(render_plan(plan_memory(cfg, **given), cfg, **given, prompt_source=source, memory_gib=args.memory))
+    _print(
+        render_plan(
+            plan_memory(cfg, **given), cfg, **given, prompt_source=source, memory_gib=args.memory
+        )
+    )
     return 0
 
 
@@ -226,6 +303,23 @@ def _merge(args) -> int:
     return 0
 
 
+def _eval(args) -> int:
+    from leangrpo.api.evaluation import evaluate, render
+
+    eval_section = {
+        k: v
+        for k, v in (("temperature", args.temperature), ("num_generations", args.num_generations))
+        if v is not None
+    }
+    result = evaluate(
+        args.target, args.data, reward_funcs=args.rewards, num_prompts=args.num_prompts,
+        config=args.config, set_values=args.overrides, out=args.out,
+        **({"eval": eval_section} if eval_section else {}),
+    )  # fmt: skip
+    _print(render(result))
+    return 0
+
+
 def _train(args) -> int:
     from leangrpo.config import load_config
     from leangrpo.preflight import preflight
@@ -238,18 +332,9 @@ def _train(args) -> int:
         checked.release()
         print(f"leangrpo: {checked.finished_message()}")
         return 0
-    from leangrpo.prestart import Prestarted
+    from leangrpo.api.grpo import run_checked
 
-    prestarted = None
-    try:
-        prestarted = Prestarted(cfg)  # their imports overlap ours (torch, transformers)
-        logging.getLogger("leangrpo").info("loading torch ...")
-        from leangrpo.train import train
-
-        train(cfg, checked, prestarted=prestarted)
-    finally:
-        if prestarted is not None:
-            prestarted.close()
+    run_checked(cfg, checked)  # the workers prestarted, then the trainer (as GRPO.train)
     _print_summary(cfg)
     _exit_now(0)  # every file is closed: skip tearing torch down (seconds on a busy machine)
     return 0
@@ -265,7 +350,7 @@ def _check(args) -> int:
     print(f"leangrpo check: {args.config}: the config and the cheap checks pass", flush=True)
     for line in check_summary(cfg, checked, load_model=args.model):
         print(f"  {line}", flush=True)
-    print("leangrpo check: OK (nothing was written)")
+    print("leangrpo check: OK (nothing was written to the run directory)")
     return 0
 
 

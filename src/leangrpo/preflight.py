@@ -32,7 +32,9 @@ the first thing that touches the disk):
    place until the trainer's set-up is done (`RunDir.begin_writing`).
 
 `leangrpo check CONFIG` runs the same `preflight(cfg, dry=True)`: the run directory is
-classified without being created, locked or changed (cli.py).
+classified without being created, locked or changed (cli.py); then what the set-up runs
+before the model loads (`check_summary`), with the tokenizer's record where an earlier run
+or check left one (`check_tokenizer`: no transformers or torch, about a second in all).
 
 The trainer's set-up takes the returned `Preflight` over (it releases the lock at close)
 and runs `load_checked_tokenizer` and `prepare_prompts` (prompts, `check_micro_batch`) before the model
@@ -167,15 +169,22 @@ def check_engine_installed(cfg: Any) -> None:
         )
 
 
+def builtin_columns(spec: Any) -> list[str]:
+    """The data columns a built-in reward reads; none for user code, a function sent by
+    value included, whose name may be a built-in's (a notebook's own `math`)."""
+    from leangrpo.rewards.builtin import columns_read
+    from leangrpo.rewards.registry import is_user_code
+
+    return [] if is_user_code(spec) else columns_read(spec.name, spec.kwargs)
+
+
 def check_reward_columns(cfg: Any, specs: list, data_files: dict[str, CheckedFile]) -> None:
     """The data columns the built-in rewards read exist in every local data file and are
     passed to the rewards (data.columns), known before the model loads; a hub dataset's
     columns are known only once it loads."""
-    from leangrpo.rewards.builtin import columns_read
-
     extra = {"messages", "num_turns", "tool_calls", "env_rewards"} if cfg.environment else set()
     for i, spec in enumerate(specs):
-        for column in columns_read(spec.name, spec.kwargs):
+        for column in builtin_columns(spec):
             if column in spec.kwargs or column in extra:
                 continue
             where = f"rewards.functions[{i}] ({spec.name}) reads column {column!r}"
@@ -383,15 +392,31 @@ def prepare_prompts(
     return prompts
 
 
+def check_tokenizer(cfg: Any, checked: Preflight) -> tuple[Any, PromptLimit | None, str]:
+    """`leangrpo check`'s tokenizer: the record an earlier run or check left
+    (model/tokenizer.py `recall`: exactly what transformers' tokenizer does, read without
+    transformers or torch, which take seconds to import), else the real one, loaded as the
+    set-up loads it and remembered for the next check. Returns it, the prompt limit, and
+    which it was."""
+    from leangrpo.model.tokenizer import records_dir, remember
+
+    record = recall(checked.model.directory)
+    if record is not None:
+        return record, checked.prompt_limit, "its record from an earlier run or check (transformers not loaded)"
+    tokenizer, limit = load_checked_tokenizer(cfg, checked)
+    kept = remember(checked.model.directory, tokenizer)
+    how = f"loaded with transformers{f'; its record kept in {records_dir()} for the next check' if kept else ''}"
+    return tokenizer, limit, how
+
+
 def check_reward_cells(cfg: Any, prompts: PromptSet) -> None:
     """Prompts without a value in a column a built-in reward reads (the math reward's
     answers) leave their completions unscored: counted in one warning, and refused when
     no train prompt has one."""
     from leangrpo.rewards import parse_specs
-    from leangrpo.rewards.builtin import columns_read
 
     for i, spec in enumerate(parse_specs(cfg.rewards)):
-        for column in columns_read(spec.name, spec.kwargs):
+        for column in builtin_columns(spec):
             if column in spec.kwargs:
                 continue
             reads = f"column {column!r}, which rewards.functions[{i}] ({spec.name}) reads"
@@ -422,12 +447,14 @@ def check_summary(cfg: Any, checked: Preflight, load_model: bool = False) -> Ite
     running what the trainer's set-up runs before the model loads (the tokenizer, the
     environment's start-up, `prepare_prompts`, the probe), and with `load_model` the model load itself."""
     yield f"run directory: {describe_run_dir(checked.run_dir)}"
-    tokenizer, limit = load_checked_tokenizer(cfg, checked)
+    tokenizer, limit, how = check_tokenizer(cfg, checked)
+    yield f"tokenizer: {how}"
     environments = None
     if cfg.environment is not None:
         from leangrpo.environments.setup import start_environments
 
-        environments = start_environments(cfg, tokenizer)
+        one_worker = cfg.model_copy(update={"environment": cfg.environment.model_copy(update={"num_workers": 1})})
+        environments = start_environments(one_worker, tokenizer)  # one worker: one probe
     try:
         first_turn = environments.renderer.first_turn if environments is not None else None
         prompts = prepare_prompts(cfg, tokenizer, limit, first_turn)
@@ -451,10 +478,10 @@ def check_summary(cfg: Any, checked: Preflight, load_model: bool = False) -> Ite
     if not load_model:
         yield "model: its files are checked, not loaded (add --model to load it)"
         return
-    from leangrpo.model.policy import load_policy, resolve_device
+    from leangrpo.model.policy import load_policy, load_tokenizer, resolve_device
 
     device = resolve_device(cfg.run.device)
-    policy = load_policy(cfg, tokenizer, device)
+    policy = load_policy(cfg, load_tokenizer(cfg.model), device)  # the real one, as training
     total = sum(p.numel() for p in policy.model.parameters())
     trained = sum(p.numel() for p in policy.trainable_parameters())
     yield f"model: loaded on {device}, {total:,} parameters, {trained:,} of them trained"

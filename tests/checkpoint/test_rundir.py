@@ -602,6 +602,30 @@ def test_resume_with_another_context_parallel_size_is_refused_even_when_allowed(
     run_dir.release()
 
 
+def by_value_cfg(out: Path, reward: str, tool: str, env: str):
+    """A config holding user code passed by value (the bytes differ between sessions)."""
+    return config_from_dict(
+        {
+            "run": {"output_dir": str(out), "max_steps": 10},
+            "model": {"name_or_path": "tiny"},
+            "data": {"path": "p.jsonl", "chat_template": True},
+            "rewards": {"functions": [{"name": "mine", "value": reward}]},
+            "environment": {"name": "Env", "value": env, "tools": [{"name": "add", "value": tool}]},
+        }
+    )
+
+
+def test_a_resume_compares_what_is_sent_by_value_by_its_name_only(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    fake_checkpoint(out, 4, by_value_cfg(out, "AAAA", "BBBB", "CCCC"))
+    run_dir = open_run_dir(by_value_cfg(out, "AAAB", "BBBC", "CCCD"))  # the same code, re-sent
+    assert run_dir.resume_step == 4 and run_dir.config_notes == []
+    run_dir.release()
+    renamed = by_value_cfg(out, "AAAA", "BBBB", "CCCC")
+    renamed.rewards.functions[0].name = "other"
+    assert "rewards.functions" in refused(renamed)
+
+
 def test_a_renamed_checkpoint_is_taken_at_the_step_it_records(tmp_path: Path, caplog) -> None:
     """step-2 renamed step-999 made a run with max_steps 3 'already finished at step 999'
     (the name was trusted over the COMPLETE marker): it resumes at step 2, once warned."""

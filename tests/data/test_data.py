@@ -17,6 +17,7 @@ from leangrpo.data.files import DataError
 from leangrpo.data.prompts import check_chat_rows, check_data
 from leangrpo.data.prompts import load_prompts as load_prompt_set
 from leangrpo.data.sampler import PromptSampler
+from leangrpo.data.templates import TemplateError
 
 WORDS = ["<unk>", "<s>", "</s>", "<|user|>", "<|system|>", "<|assistant|>", "be", "brief"]
 WORDS += [f"q{i}" for i in range(40)]
@@ -245,11 +246,56 @@ def test_load_with_chat_template_and_system_prompt(tmp_path, tokenizer):
 def test_chat_template_missing_is_a_clear_error(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "q1"}])
     bare = tokenizer.__class__(tokenizer_object=tokenizer.backend_tokenizer, bos_token="<s>")
-    with pytest.raises(DataError, match="no chat template; set data.chat_template = false"):
+    with pytest.raises(DataError, match="no chat template; name one with data.chat_template"):
         load_prompts(DataConfig(path=path, chat_template=True), bare)
     path = write_jsonl(tmp_path / "e.jsonl", [{"prompt": "q1"}, {"prompt": None}])
     with pytest.raises(DataError, match=r"row 1 \(line 2\): column 'prompt' holds None"):
         load_prompts(DataConfig(path=path), tokenizer)
+
+
+def test_a_named_or_file_template_renders_chat_data_for_a_tokenizer_without_one(
+    tmp_path, tokenizer
+):
+    """data.chat_template names a template (bundled or a file): a base model's tokenizer
+    without one renders chat data with it, messages and system prompt included."""
+    bare = tokenizer.__class__(tokenizer_object=tokenizer.backend_tokenizer, bos_token="<s>")
+    assert bare.chat_template is None
+    chat = [{"role": "user", "content": "q1"}]
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "q1"}, {"prompt": chat}])
+    cfg = DataConfig(path=path, chat_template="chatml-hermes", system_prompt="be brief")
+    train, _ = load_prompts(cfg, bare)
+    expected = "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nq1<|im_end|>\n<|im_start|>assistant\n"
+    assert [p.text for p in train] == [expected, expected]
+    assert train[0].messages == [{"role": "system", "content": "be brief"}, *chat]
+    assert train[0].ids == bare(expected, add_special_tokens=False)["input_ids"]
+    (tmp_path / "t.jinja").write_text(
+        "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}>"
+    )
+    own, _ = load_prompts(DataConfig(path=path, chat_template=str(tmp_path / "t.jinja")), tokenizer)
+    assert own[0].text == "[user] q1\n>"  # the file's, not the tokenizer's own
+
+
+@pytest.mark.parametrize(
+    "template, expected",
+    [
+        (
+            "no-such-template",
+            "data.chat_template = 'no-such-template' is neither a bundled template (chatml-hermes) nor a file",
+        ),
+        ("{broken}", "data.chat_template = '{broken}' is not a valid Jinja template"),
+    ],
+)
+def test_a_template_that_cannot_be_used_is_refused_by_the_cheap_checks(
+    tmp_path, template, expected
+):
+    if template == "{broken}":
+        (tmp_path / "broken.jinja").write_text("{% for m in messages %}")
+        template = expected = str(tmp_path / "broken.jinja")
+        expected = f"data.chat_template = {template!r} is not a valid Jinja template"
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "q1"}])
+    with pytest.raises(TemplateError) as err:
+        check_data(DataConfig(path=path, chat_template=template))
+    assert str(err.value).startswith(expected)
 
 
 def test_eval_holdout_is_seeded_and_disjoint(tmp_path, tokenizer):
@@ -520,3 +566,19 @@ def test_a_row_the_chat_template_refuses_is_named(tmp_path, tokenizer):
         )
         assert "roles 'bot'" in message and "unknown role bot" in message and "\n" not in message
     check_chat_rows(cfg, tokenizer)  # a template that takes any role
+
+
+def test_a_row_a_named_template_refuses_is_named_for_a_tokenizer_without_one(tmp_path, tokenizer):
+    """data.chat_template naming a file: the cheap check renders with it, also where the
+    tokenizer (its record) has no template of its own; without a record it checks nothing."""
+    (tmp_path / "strict.jinja").write_text(strict_template(tokenizer).chat_template)
+    bare = tokenizer.__class__(tokenizer_object=tokenizer.backend_tokenizer, bos_token="<s>")
+    assert bare.chat_template is None
+    path = bot_row_file(tmp_path)
+    cfg = DataConfig(path=path, chat_template=str(tmp_path / "strict.jinja"))
+    for check in (load_prompts, check_chat_rows):
+        with pytest.raises(
+            DataError, match=r"row 3: the chat template cannot render .*unknown role bot"
+        ):
+            check(cfg, bare)
+    check_chat_rows(cfg, None)  # no record yet: the set-up's load_prompts names the row

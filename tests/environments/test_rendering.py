@@ -13,12 +13,11 @@ from hypothesis import strategies as st
 from support.configs import DEMO_MODEL, ROOT
 from transformers import AutoTokenizer
 
+from leangrpo.data.templates import TemplateError, load_template
 from leangrpo.environments.rendering import (
     NotIncremental,
     Renderer,
-    TemplateError,
     check_template,
-    load_template,
     neutralised,
 )
 from leangrpo.model.smollm2 import missing_reason

@@ -186,7 +186,7 @@ def test_what_transformers_refuses_is_one_sentence_naming_the_tool(fn, why):
 def test_making_a_schema_imports_no_transformers():
     code = (
         "import sys\nfrom leangrpo.environments.schema import tool_schema\n"
-        "from leangrpo.environments.worker import Worker\n"
+        "from leangrpo.environments.worker import prepare, supervise\n"
         "def f(a: int) -> int:\n    '''F.\n\n    Args:\n        a: A.\n    '''\n    return a\n"
         "tool_schema(f)\nprint(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'torch')))\n"
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -441,7 +442,7 @@ def test_version_and_check_run_the_checks_of_train_and_write_nothing(tmp_path):
     assert ok.returncode == 0, ok.stderr
     assert f"run directory: {tmp_path / 'run'}: a fresh start (to be created)" in ok.stdout
     assert "prompts: 2000 to train on, 0 to evaluate; the longest has" in ok.stdout
-    assert ok.stdout.strip().endswith("leangrpo check: OK (nothing was written)")
+    assert ok.stdout.strip().endswith("leangrpo check: OK (nothing was written to the run directory)")
     assert not (tmp_path / "run").exists()
     for case in ("a 5 MB prompt", "micro-batch below max_new_tokens", "missing column"):
         bad = base_config(tmp_path)
@@ -750,6 +751,173 @@ def test_a_second_sigterm_during_the_stop_checkpoint_exits_at_once_leaving_the_l
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from {last} at step {last.name[5:]}" in again.stderr
     assert not half.exists()  # the next save removed it
+
+
+# -- leangrpo eval ---------------------------------------------------------------------------
+
+EVAL_RUN = ["eval.every_steps=1", "checkpoint.every_steps=1", "checkpoint.keep_last=5"]
+QLORA = ["lora.enabled=true", "lora.r=4", "lora.alpha=8", "train.learning_rate=0.01"]
+if importlib.util.find_spec("bitsandbytes") is not None:
+    QLORA.append("model.quantization=nf4")  # the CI installs it: QLoRA's final/ is an adapter
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict[str, Path]:
+    """Two 2-step demo runs that evaluate (8 prompts) after every step: full fine-tuning,
+    and (Q)LoRA, whose checkpoints and final/ hold an adapter."""
+    runs = {}
+    for name, extra in (("full", EVAL_RUN), ("qlora", [*EVAL_RUN, *QLORA])):
+        out = tmp_path_factory.mktemp(name) / "run"
+        done = train_demo(out, *extra)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[name] = out
+    return runs
+
+
+def run_eval(*args: str, probe: bool = False) -> subprocess.CompletedProcess:
+    return run_cli("eval", *map(str, args), probe=probe, timeout=300)
+
+
+def logged_eval(out: Path, step: int) -> dict:
+    (row,) = [r for r in read_jsonl(out / "metrics.jsonl") if r["step"] == step and "eval/reward" in r]
+    return {k: v for k, v in row.items() if k.startswith("eval/")}
+
+
+def last_eval_row(path: Path) -> dict:
+    return read_jsonl(path)[-1]
+
+
+@pytest.mark.parametrize("name", ["full", "qlora"])
+def test_eval_scores_final_and_checkpoints_as_the_run_logged_them(trained, name, tmp_path):
+    """final/ (a full model or a (Q)LoRA adapter) and each checkpoint give the eval/*
+    figures the run logged at that step (greedy, the run's own eval prompts)."""
+    out = trained[name]
+    for target, step in ((out, 2), (out / "checkpoints" / "step-1", 1)):
+        done = run_eval(target)
+        assert done.returncode == 0, done.stderr[-3000:]
+        row = last_eval_row(out / "eval.jsonl")
+        assert row["step"] == step and row["eval/version"] == step
+        figures = {k: v for k, v in row.items() if k.startswith("eval/")}
+        assert figures == logged_eval(out, step), (target, figures)
+        assert f"eval/reward {'':<{len('eval/completion_length') - len('eval/reward')}}" in done.stdout
+        assert f"written to {out / 'eval.jsonl'}" in done.stdout
+
+
+def test_eval_on_other_data_rewards_and_sampled(trained, tmp_path):
+    """--data, --rewards, --num-prompts and sampling (--temperature, --num-generations):
+    the figures of those prompts and functions; a sampled scoring is seeded (run.seed)."""
+    out = trained["full"]
+    data = tmp_path / "few.jsonl"
+    write_jsonl(data, [{"prompt": "12+30=", "answer": 42}, {"prompt": "1+1=", "answer": 2},
+                       {"prompt": "20+20=", "answer": 40}])  # fmt: skip
+    args = [out / "checkpoints" / "step-2", "--data", data, "--rewards", "math", "length",
+            "--set", "rewards.functions[1].kwargs={target: 2}", "--num-prompts", "2",
+            "--temperature", "1.0", "--num-generations", "3", "--out", tmp_path / "e.jsonl"]  # fmt: skip
+    rows = []
+    for _ in range(2):
+        done = run_eval(*args)
+        assert done.returncode == 0, done.stderr[-3000:]
+        rows.append(last_eval_row(tmp_path / "e.jsonl"))
+    assert rows[0] == rows[1]  # seeded
+    row = rows[0]
+    assert row["data"] == str(data) and row["step"] == 2
+    assert set(row) >= {"eval/reward/math", "eval/reward/length", "eval/failures"}
+    assert 0 <= row["eval/reward/math"] <= 1 and row["eval/failures"] == 0
+    assert not (out / "eval.jsonl").exists() or all(
+        r["data"] != str(data) for r in read_jsonl(out / "eval.jsonl")
+    )
+    lone = tmp_path / "elsewhere" / "final"  # outside its run: the settings given
+    shutil.copytree(out / "final", lone)
+    done = run_eval(lone, "--config", out / "config.yaml", "--num-prompts", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = last_eval_row(tmp_path / "elsewhere" / "eval.jsonl")
+    assert row["checkpoint"] == str(lone) and row["step"] == 0  # no run: no step known
+
+
+def damaged_copies(trained: dict[str, Path], tmp: Path) -> list[tuple[Path, str]]:
+    """Copies of the runs' files, each damaged one way, and the sentence each must give."""
+    full, qlora = trained["full"], trained["qlora"]
+    cases = []
+
+    def copy(src: Path, name: str) -> Path:
+        dst = tmp / name
+        shutil.copytree(src, dst)
+        return dst
+
+    ckpt = copy(full / "checkpoints" / "step-2", "truncated-ckpt")
+    weights = ckpt / "model" / "model.safetensors"
+    size = weights.stat().st_size
+    weights.write_bytes(weights.read_bytes()[: size // 2])
+    cases.append((ckpt, f"is damaged (model/model.safetensors holds {size // 2} bytes, not the {size} it was written with)"))
+    flipped = copy(full / "checkpoints" / "step-1", "flipped-ckpt")
+    blob = bytearray((flipped / "model" / "model.safetensors").read_bytes())
+    blob[-5] ^= 0xFF  # inside a tensor: only the checksum can tell
+    (flipped / "model" / "model.safetensors").write_bytes(bytes(blob))
+    cases.append((flipped, "model/model.safetensors does not match its checksum"))
+    partial = copy(full / "checkpoints" / "step-1", "partial-ckpt")
+    (partial / "COMPLETE").unlink()
+    (partial / "config.yaml").unlink()
+    cases.append((partial, "is not complete (no COMPLETE marker"))
+    final = copy(full / "final", "truncated-final")
+    (final / "model.safetensors").write_bytes((final / "model.safetensors").read_bytes()[:100])
+    cases.append((final, "truncated-final' is damaged: "))
+    adapter = copy(qlora / "final", "bad-adapter")
+    (adapter / "adapter_config.json").write_text("{not json")
+    cases.append((adapter, "adapter_config.json' cannot be read as JSON"))
+    sharded = tmp / "sharded"
+    (sharded / "dcp").mkdir(parents=True)
+    cases.append((sharded, "is a sharded (torchrun) checkpoint"))
+    run = copy(full, "all-damaged-run")
+    shutil.rmtree(run / "final")
+    for step_dir in (run / "checkpoints").iterdir():
+        (step_dir / "trainer_state.json").write_text("{}")
+    cases.append((run, "has no final/ and no intact checkpoint (step-2 is damaged: trainer_state.json holds 2 bytes"))
+    cases.append((tmp / "nowhere", "'nowhere' does not exist".replace("'nowhere'", str(tmp / "nowhere") + "'")))
+    (tmp / "empty").mkdir()
+    cases.append((tmp / "empty", "holds no run, checkpoint or model"))
+    lone = copy(full / "final", "lone-final")  # outside its run: no settings
+    cases.append((lone, "no config.yaml beside"))
+    return cases
+
+
+def test_eval_refuses_what_is_damaged_in_one_sentence_before_torch(trained, tmp_path):
+    for target, expected in damaged_copies(trained, tmp_path):
+        done = run_eval(target, probe=True)
+        assert done.returncode == 2, (target, done.stderr[-2000:])
+        assert done.stderr.startswith("leangrpo: error: ") and done.stderr.count("\n") == 1, done.stderr
+        assert expected in done.stderr, (target, done.stderr)
+        assert done.stdout.strip().endswith("torch imported: False"), target
+
+
+def test_eval_refuses_non_finite_weights(trained, tmp_path):
+    """A valid file whose adapter tensors are NaN (a diverged run, a bad copy): refused once
+    loaded, naming a tensor."""
+    from safetensors.torch import load_file, save_file
+
+    adapter = tmp_path / "run"
+    shutil.copytree(trained["qlora"], adapter)
+    file = adapter / "final" / "adapter_model.safetensors"
+    tensors = {k: v.fill_(float("nan")) for k, v in load_file(file).items()}
+    save_file(tensors, file)
+    done = run_eval(adapter)
+    assert done.returncode == 2 and "holds non-finite weights (" in done.stderr, done.stderr[-2000:]
+    assert done.stderr.count("leangrpo: error:") == 1
+
+
+def test_eval_of_a_multi_turn_run_scores_its_trajectories_as_the_run_did(tmp_path):
+    out = tmp_path / "tools"
+    sets = ["run.max_steps=1", "eval.num_prompts=4", "rollout.prompts_per_batch=4",
+            "rollout.num_generations=2", "logging.progress_bar=false", "logging.samples_every=0",
+            f"run.output_dir={out}"]  # fmt: skip
+    done = run_cli("train", "examples/tools_demo.yaml", *[x for s in sets for x in ("--set", s)], timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    scored = run_eval(out)
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    row = last_eval_row(out / "eval.jsonl")
+    timing = ("_s", "in_flight_mean")  # seconds, and a time-weighted mean: the clock's
+    figures = {k: v for k, v in row.items() if k.startswith("eval/") and not k.endswith(timing)}
+    logged = {k: v for k, v in logged_eval(out, 1).items() if not k.endswith(timing)}
+    assert figures == logged and "eval/multiturn/turns" in figures
 
 
 def test_a_full_disk_outside_a_checkpoint_is_one_sentence(monkeypatch, capsys):

@@ -17,9 +17,10 @@ if missing_reason() is not None:
 
 from leangrpo.config.environment import EnvironmentConfig
 from leangrpo.contracts import Prompt, SamplingParams
+from leangrpo.data.templates import load_template
 from leangrpo.environments.driver import MultiTurnRollout, TurnLimits
 from leangrpo.environments.pool import EnvironmentPool
-from leangrpo.environments.rendering import Renderer, check_template, load_template
+from leangrpo.environments.rendering import Renderer, check_template
 from leangrpo.model.smollm2 import smollm2_dir
 from leangrpo.rollout.hf.engine import HFEngine
 

@@ -254,6 +254,19 @@ def test_the_compact_line_keeps_to_80_characters(tmp_path: Path) -> None:
     assert line.startswith("step 500/1000 | ") and "eta " in line and len(line) <= 80
 
 
+def test_a_notebook_gets_plain_lines_not_a_bar(tmp_path: Path) -> None:
+    """A Jupyter console (leangrpo.GRPO in a notebook; rich detects it) gets the compact
+    line every tenth of the run, never a live bar."""
+    console = Console(force_jupyter=True, width=100)
+    printed = []
+    console.print = lambda text, **kwargs: printed.append(str(text))  # Jupyter displays it
+    with MetricsLogger(tmp_path, ["jsonl"], True, 20, console=console) as logger:
+        assert logger._progress.bar is None
+        for step in range(1, 21):
+            logger.log(step, {"reward/mean": step / 20, "loss": 0.5})
+    assert [line.split(" | ")[0] for line in printed] == [f"step {n}/20" for n in range(2, 21, 2)]
+
+
 def test_eta_counts_the_evaluations_to_come_and_paces_on_recent_steps() -> None:
     """Steps that slow down (trajectories grow) and an evaluation every 5 steps: the ETA
     follows the recent steps and adds the evaluations left, within 15% of the truth."""

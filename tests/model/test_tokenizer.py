@@ -11,10 +11,11 @@ import subprocess
 import sys
 
 import pytest
-from support.configs import ROOT
+from support.configs import DEMO_MODEL, ROOT
 from transformers import AutoTokenizer
 
-from leangrpo.environments.rendering import Renderer, check_template, control_tokens, load_template
+from leangrpo.data.templates import load_template
+from leangrpo.environments.rendering import Renderer, check_template, control_tokens
 from leangrpo.model.smollm2 import missing_reason
 from leangrpo.model.tokenizer import TOKENIZER_FILES, recall, records_dir, remember
 
@@ -131,6 +132,37 @@ def test_a_tokenizer_the_record_cannot_reproduce_is_not_recorded(cache, tmp_path
     directory = copied(TOOLS_MODEL, tmp_path)
     assert not remember(directory, Rewrites(AutoTokenizer.from_pretrained(directory)))
     assert recall(directory) is None and not list(records_dir().glob("*"))
+
+
+class AddsAnotherBos(Rewrites):
+    """Renders as the record does, but adds its own special token to plain text (raw
+    prompts are encoded with add_special_tokens=True)."""
+
+    apply_chat_template = None  # no template: only plain text can be probed
+
+    def __call__(self, text, add_special_tokens=False, **kwargs):
+        encoded = self.real(text, add_special_tokens=add_special_tokens, **kwargs)
+        if add_special_tokens:
+            ids = encoded["input_ids"]
+            encoded = {"input_ids": [[0, *x] for x in ids] if ids and isinstance(ids[0], list) else [0, *ids]}
+        return encoded
+
+
+def test_plain_text_with_special_tokens_is_probed_too(cache, tmp_path):
+    """The demo's raw prompts are encoded with the special tokens the tokenizer adds; a
+    record that would count them otherwise is not written (the demo's own tokenizer, which
+    has no chat template, is recorded and recalled exactly)."""
+    demo = copied(DEMO_MODEL, tmp_path)
+    real = AutoTokenizer.from_pretrained(demo)
+    real.chat_template = None
+    fake = AddsAnotherBos(real)
+    fake.chat_template = None
+    assert not remember(demo, fake) and recall(demo) is None
+    assert remember(demo, real)
+    record = recall(demo)
+    for text in ("37+45=", "1+1= ", "ünïcödé"):
+        for special in (False, True):
+            assert record(text, add_special_tokens=special) == {"input_ids": real(text, add_special_tokens=special)["input_ids"]}
 
 
 def test_recalling_imports_neither_transformers_nor_torch(tmp_path, cache):

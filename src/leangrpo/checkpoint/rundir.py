@@ -87,6 +87,7 @@ RUN_FILES = (
     "report.png",
     "report.html",
     "config.yaml",
+    "eval.jsonl",  # `leangrpo eval`'s figures (api/evaluation.py)
 )
 # Settings that change where output goes or how often, never what is trained.
 HARMLESS_KEYS = (
@@ -515,7 +516,7 @@ def check_config_changes(checkpoint: Path, cfg: Any) -> list[str]:
         )
         return []
     saved = yaml.safe_load(saved_path.read_text(encoding="utf-8")) or {}
-    changes = config_changes(saved, cfg.model_dump(mode="json"))
+    changes = config_changes(without_values(saved), without_values(cfg.model_dump(mode="json")))
     harmless = [c for c in changes if c[0].startswith(HARMLESS_KEYS)]
     breaking = [c for c in changes if not c[0].startswith(HARMLESS_KEYS)]
     notes = [_describe(c) for c in harmless]
@@ -570,6 +571,29 @@ def _new_run_advice(run_dir: Path, cfg: Any, horizon: int) -> str:
 
 
 MISSING = "(unset)"
+
+
+def without_values(config: dict) -> dict:
+    """The config with the pickled bytes of user code passed by value left out (rewards,
+    the environment class, its tools): they differ between sessions for the same code
+    (code objects hold their cell's file name), so a resume compares the names only, as it
+    compares a reward file's name and not its text."""
+    config = dict(config)
+    rewards = dict(config.get("rewards") or {})
+    if isinstance(rewards.get("functions"), list):
+        rewards["functions"] = [_no_value(f) for f in rewards["functions"]]
+        config["rewards"] = rewards
+    env = config.get("environment")
+    if isinstance(env, dict):
+        env = _no_value(env)
+        if isinstance(env.get("tools"), list):
+            env["tools"] = [_no_value(t) for t in env["tools"]]
+        config["environment"] = env
+    return config
+
+
+def _no_value(entry: Any) -> Any:
+    return {k: v for k, v in entry.items() if k != "value"} if isinstance(entry, dict) else entry
 
 
 def config_changes(old: dict, new: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:

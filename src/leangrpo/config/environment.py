@@ -12,9 +12,16 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from leangrpo.config.base import ONE_DAY_S, Section
+from leangrpo.config.base import BY_VALUE, ONE_DAY_S, Section
 from leangrpo.config.io import rule_error
 from leangrpo.config.sandbox import SandboxConfig
+
+
+class ToolByValue(Section):
+    """A tool passed by value (leangrpo.GRPO's tools=[...] for a function no module can import)."""
+
+    name: str = Field(..., min_length=1, description="The function's name (the tool's name).")
+    value: str = Field(..., min_length=1, description=BY_VALUE)
 
 
 class EnvironmentConfig(Section):
@@ -23,15 +30,16 @@ class EnvironmentConfig(Section):
     name: str = Field(
         "tools",
         min_length=1,
-        description="The environment: 'tools' (the built-in one: offers environment.tools and ends at a turn without a call; it gives no reward terms, so rewards.functions must hold one with a weight), 'verifiers' (a classic verifiers MultiTurnEnv / ToolEnv, see kwargs), 'pkg.module:Class' or 'path/to/file.py:Class' (a leangrpo.environments.protocol.Environment subclass, one instance per trajectory).",
+        description="The environment: 'tools' (the built-in one: offers environment.tools and ends at a turn without a call; it gives no reward terms, so rewards.functions must hold one with a weight), 'verifiers' (a classic verifiers MultiTurnEnv / ToolEnv, see kwargs), 'pkg.module:Class' or 'path/to/file.py:Class' (a leangrpo.environments.protocol.Environment subclass, one instance per trajectory); with `value`, the class's own name.",
     )
+    value: str | None = Field(None, description=BY_VALUE.replace("function", "class"))
     kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="Keyword arguments the environment is built with (each trajectory's).",
     )
-    tools: list[str] = Field(
+    tools: list[str | ToolByValue] = Field(
         default_factory=list,
-        description="Python functions offered to the model as tools, 'pkg.module:function' or 'path/to/file.py:function'; each needs type hints and a docstring with its arguments (the schema the chat template lists: transformers.utils.get_json_schema's, made by leangrpo.environments.schema), and no two tools (these and the environment class's own) may share a name.",
+        description="Python functions offered to the model as tools, 'pkg.module:function' or 'path/to/file.py:function' (or {name, value}: one passed by value); each needs type hints and a docstring with its arguments (the schema the chat template lists: transformers.utils.get_json_schema's, made by leangrpo.environments.schema), and no two tools (these and the environment class's own) may share a name.",
     )
     tool_parser: str = Field(
         "hermes",
@@ -40,7 +48,7 @@ class EnvironmentConfig(Section):
     )
     chat_template: str | None = Field(
         None,
-        description="Chat template for multi-turn conversations: null = the tokenizer's; 'chatml-hermes' (bundled: ChatML with Hermes tool calls, for ChatML models such as SmolLM2 whose own template ignores tools); or a path to a .jinja file.",
+        description="Chat template for multi-turn conversations: null = data.chat_template's when it names one, else the tokenizer's; 'chatml-hermes' (bundled: ChatML with Hermes tool calls, for ChatML models such as SmolLM2 whose own template ignores tools); or a path to a .jinja file.",
     )
     scheduling: Literal["per_trajectory", "rounds"] = Field(
         "per_trajectory",
@@ -101,8 +109,10 @@ class EnvironmentConfig(Section):
 
     @field_validator("tools")
     @classmethod
-    def _function_names(cls, value: list[str]) -> list[str]:
+    def _function_names(cls, value: list[str | ToolByValue]) -> list[str | ToolByValue]:
         for name in value:
+            if isinstance(name, ToolByValue):
+                continue
             target, sep, attr = name.rpartition(":")
             if not sep or not target or not attr.isidentifier():
                 raise ValueError(
@@ -112,7 +122,7 @@ class EnvironmentConfig(Section):
 
     @model_validator(mode="after")
     def _tools_for_the_tools_environment(self) -> EnvironmentConfig:
-        if self.name == "tools" and not self.tools:
+        if self.name == "tools" and self.value is None and not self.tools:
             raise rule_error(
                 "environment.name 'tools' offers environment.tools to the model, but none are listed; add at least one, e.g. environment.tools: ['my_tools.py:add']."
             )

@@ -189,7 +189,7 @@ class Config(Section):
             return self
         if not self.data.chat_template:
             raise rule_error(
-                "environment needs data.chat_template: true, because a multi-turn conversation is rendered turn by turn with the chat template from the prompt's messages."
+                "environment needs data.chat_template (true, or a template's name or file), because a multi-turn conversation is rendered turn by turn with a chat template from the prompt's messages."
             )
         if self.data.overlong_prompts.startswith("truncate"):
             raise rule_error(

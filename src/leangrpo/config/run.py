@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from leangrpo.config.base import MAX_SEED, MAX_TEMPERATURE, Section
+from leangrpo.config.base import BY_VALUE, MAX_SEED, MAX_TEMPERATURE, Section
 from leangrpo.config.io import rule_error
 from leangrpo.config.sandbox import SandboxConfig
 
@@ -171,12 +171,12 @@ class DataConfig(Section):
         None,
         description="Extra columns passed to reward functions; null = every non-prompt column.",
     )
-    chat_template: bool = Field(
+    chat_template: bool | str = Field(
         False,
-        description="Render each prompt with the tokenizer's chat template as the user message.",
+        description="Render each prompt as the user message with a chat template: true = the tokenizer's; a bundled name ('chatml-hermes': ChatML, with Hermes tool calls when tools are offered) or the path of a .jinja file = that template (a base model without one can then train on chat data); false = the raw prompt text. It is also environment.chat_template's default.",
     )
     system_prompt: str | None = Field(
-        None, description="System message added by the chat template (needs chat_template: true)."
+        None, description="System message added by the chat template (needs data.chat_template)."
     )
     eval_path: str | None = Field(None, description="Local file of evaluation prompts.")
     eval_split: str | None = Field(None, description="Split of `dataset` used for evaluation.")
@@ -201,6 +201,13 @@ class DataConfig(Section):
         "error",
         description="A prompt that is empty or only whitespace: 'error' stops naming the row; 'drop' leaves it out (counted in data/dropped_prompts).",
     )
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_named(cls, value: bool | str) -> bool | str:
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("name a template (e.g. chatml-hermes), a .jinja file, true or false")
+        return value
 
     @model_validator(mode="after")
     def _check_sources(self) -> DataConfig:
@@ -240,12 +247,13 @@ class RewardSpec(Section):
     name: str = Field(
         ...,
         min_length=1,
-        description="Built-in ('math', 'format', 'length'), 'pkg.module:function' or 'path/to/file.py:function'.",
+        description="Built-in ('math', 'format', 'length'), 'pkg.module:function' or 'path/to/file.py:function'; with `value`, the function's own name.",
     )
     weight: float = Field(1.0, description="Weight of this function in the summed reward.")
     kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments passed to the function."
     )
+    value: str | None = Field(None, description=BY_VALUE)
 
 
 class RewardsConfig(Section):

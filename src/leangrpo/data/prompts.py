@@ -9,7 +9,8 @@
   start-up and trainer memory is in benchmarks/RESULTS.md, "per-step overhead"), renames
   columns, renders each prompt and tokenises it:
   with `data.chat_template` the messages [system?, user] go through
-  `tokenizer.apply_chat_template(add_generation_prompt=True)` and the text is encoded with
+  `tokenizer.apply_chat_template(add_generation_prompt=True)` (with the template
+  data.chat_template names, when it names one: data/templates.py) and the text is encoded with
   `add_special_tokens=False` (the template already holds BOS and friends); without it the
   raw prompt is encoded with `add_special_tokens=True` (a BOS is added where the tokenizer
   adds one, so `ids` may start with a token that `text` does not show). A prompt column
@@ -54,6 +55,7 @@ from leangrpo.data.files import (
     read_json_table,
 )
 from leangrpo.data.lengths import TextBound, prompt_text, too_long
+from leangrpo.data.templates import data_template
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +81,7 @@ def check_data(data_cfg: Any) -> dict[str, CheckedFile]:
             "data.system_prompt is only used with data.chat_template = true; enable the "
             "chat template or put the instruction into the prompts"
         )
+    data_template(data_cfg)  # a name or a file: known, readable, valid Jinja
     checked = {}
     for key in ("path", "eval_path"):
         if getattr(data_cfg, key) is not None:
@@ -99,11 +102,15 @@ def check_eval_size(eval_size: int, num_rows: int) -> None:
 def check_chat_rows(data_cfg: Any, tokenizer: Any) -> None:
     """With data.chat_template, before the model loads (preflight.py passes the tokenizer's
     record, model/tokenizer.py `recall`): the first prompt of each kind in the local files
-    (its messages' roles and content types) rendered by the chat template, so that a role
+    (its messages' roles and content types) rendered by the chat template (the one
+    data.chat_template names, else the tokenizer's), so that a role
     the template refuses is named now, as `load_prompts` names it, not seconds later."""
-    if not data_cfg.chat_template or getattr(tokenizer, "chat_template", None) is None:
+    if not data_cfg.chat_template or tokenizer is None:
         return
-    render = lambda m: _render(m, tokenizer)  # noqa: E731
+    template = data_template(data_cfg)
+    if template is None and getattr(tokenizer, "chat_template", None) is None:
+        return
+    render = lambda m: _render(m, tokenizer, template)  # noqa: E731
     for key in ("path", "eval_path"):
         path = getattr(data_cfg, key)
         seen: set[tuple] = set()
@@ -288,7 +295,8 @@ def _make_prompts(
     uids = [uid for uid in uids if uid not in dropped]
     uids = _drop_by_text(rows, uids, data_cfg, source, limit, counts)
     messages = [_messages(rows[uid], data_cfg, tokenizer) for uid in uids]
-    render = first_turn or (lambda m: _render(m, tokenizer))
+    template = data_template(data_cfg)
+    render = first_turn or (lambda m: _render(m, tokenizer, template))
     texts = [
         rows[uid].get(column) if m is None else _rendered(render, m, f"{source} row {uid}")
         for uid, m in zip(uids, messages)
@@ -402,10 +410,11 @@ def _messages(row: dict, data_cfg: Any, tokenizer: Any) -> list[dict] | None:
     prompt = row.get(data_cfg.prompt_column)
     if not data_cfg.chat_template:
         return None
-    if getattr(tokenizer, "chat_template", None) is None:
+    if data_cfg.chat_template is True and getattr(tokenizer, "chat_template", None) is None:
         raise DataError(
-            "the tokenizer has no chat template; set data.chat_template = false to use the "
-            "raw prompt text, or use an instruct model's tokenizer"
+            "the tokenizer has no chat template; name one with data.chat_template (e.g. "
+            "chatml-hermes, or a .jinja file), or set data.chat_template: false to use the "
+            "raw prompt text"
         )
     is_messages = isinstance(prompt, list)
     messages = [dict(m) for m in prompt] if is_messages else [{"role": "user", "content": prompt}]
@@ -428,5 +437,9 @@ def _rendered(render: Callable[[list[dict]], str], messages: list[dict], where: 
         ) from None
 
 
-def _render(messages: list[dict], tokenizer: Any) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def _render(messages: list[dict], tokenizer: Any, template: str | None = None) -> str:
+    """`template`: data.chat_template's own (a name or a file), else the tokenizer's."""
+    kwargs = {} if template is None else {"chat_template": template}
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, **kwargs
+    )

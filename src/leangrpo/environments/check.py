@@ -2,7 +2,7 @@
 preflight.py; each failure is one sentence, and the whole takes well under 2 s.
 
 1. Names and files (registry.py `spec_of`), the chat template's bundled name or file and
-   its Jinja syntax (rendering.py `load_template`): nothing is imported for these.
+   its Jinja syntax (data/templates.py `load_template`; unset: data.chat_template's): nothing is imported for these.
 2. One worker in "check" mode (pool.py, worker.py): it imports the environment, its tools
    and parser and builds one environment; the environment must be an `Environment`
    subclass, its tools functions with distinct names whose schemas can be made
@@ -27,15 +27,15 @@ Nothing here imports torch or transformers; the worker imports only the user's c
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
+from leangrpo.data.templates import conversation_template
 from leangrpo.environments.pool import EnvironmentPool
 from leangrpo.environments.registry import spec_of
-from leangrpo.environments.rendering import Renderer, load_template
-from leangrpo.environments.setup import check_renderer
+from leangrpo.environments.rendering import Renderer
+from leangrpo.environments.setup import check_renderer, eos_ids
 from leangrpo.errors import UserError
 from leangrpo.model.tokenizer import recall
 
@@ -51,7 +51,7 @@ def check_environment(cfg: Any, model_dir: Path | None, limit: Any) -> None:
     """Every check of the environment section that can run before the model loads."""
     env_cfg = cfg.environment
     spec_of(env_cfg)
-    template = load_template(env_cfg.chat_template)
+    template = conversation_template(cfg)
     with EnvironmentPool(env_cfg, mode="check") as pool:
         tools, replies, reward_terms = pool.tools, pool.replies, pool.reward_terms
     check_rewards_possible(cfg, reward_terms)
@@ -76,20 +76,6 @@ def check_rewards_possible(cfg: Any, reward_terms: tuple[str, ...] | None) -> No
     raise NoRewardError(
         f"{functions} and environment.name = {cfg.environment.name!r} gives no reward terms, so every reward would be 0 and nothing could be learned; add a reward function (e.g. rewards.functions: [{{name: math, kwargs: {{answer_column: answer}}}}]) or use an environment whose steps return rewards (listed in its reward_terms)"
     )
-
-
-def eos_ids(model_dir: Path | None, tokenizer: Any) -> set[int]:
-    """setup.py `generation_eos_ids` from the files: generation_config.json's EOS, else the
-    tokenizer's."""
-    eos = None
-    if model_dir is not None:
-        try:
-            eos = json.loads((model_dir / "generation_config.json").read_text()).get("eos_token_id")
-        except (OSError, ValueError, AttributeError):
-            eos = None
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None}
 
 
 def _read_without_datasets(data_cfg: Any) -> bool:

@@ -4,10 +4,13 @@
     environment.tools  'pkg.module:function' | 'path/to/file.py:function', each
     tool_parser        'hermes' | 'pkg.module:function' | 'path/to/file.py:function'
 
-Like reward functions (rewards/registry.py, whose loader this uses), they are imported in
-worker processes only: user code never runs in the trainer. `EnvironmentSpec` is what
-travels to a worker; `spec_of(cfg.environment)` checks what needs no import (the forms,
-that files exist) in the trainer.
+or, the environment class and each tool, passed by value (the config's `value`, written by
+`leangrpo.GRPO` for a class or function no module can import; the name is then its own).
+Like reward functions (rewards/registry.py, whose `resolve` this uses: the one place a
+reference becomes an object), they are imported or unpickled in worker processes only:
+user code never runs in the trainer. `EnvironmentSpec` is what travels to a worker;
+`spec_of(cfg.environment)` checks what needs no import (the forms, that files exist, that a
+value is base64) in the trainer.
 """
 
 from __future__ import annotations
@@ -34,16 +37,38 @@ class EnvironmentSpec:
 
     name: str
     kwargs: dict[str, Any] = field(default_factory=dict)
-    tools: tuple[str, ...] = ()
+    tools: tuple[tuple[str, str | None], ...] = ()  # (name, value: None when by name)
     parser: str = "hermes"
+    value: str | None = None  # the environment class pickled by value (base64)
 
 
 def spec_of(env_cfg: Any) -> EnvironmentSpec:
     """The section's names checked without importing anything; files made absolute."""
-    name = _checked(env_cfg.name, "environment.name", BUILTIN_ENVIRONMENTS)
-    tools = tuple(_checked(t, f"environment.tools[{i}]", ()) for i, t in enumerate(env_cfg.tools))
+    value = getattr(env_cfg, "value", None)
+    if value is not None:
+        name = _by_value(env_cfg.name, value)
+    else:
+        name = _checked(env_cfg.name, "environment.name", BUILTIN_ENVIRONMENTS)
+    tools = tuple(_tool(t, f"environment.tools[{i}]") for i, t in enumerate(env_cfg.tools))
     parser = _checked(env_cfg.tool_parser, "environment.tool_parser", ("hermes",))
-    return EnvironmentSpec(name, dict(env_cfg.kwargs), tools, parser)
+    return EnvironmentSpec(name, dict(env_cfg.kwargs), tools, parser, value)
+
+
+def _tool(entry: Any, key: str) -> tuple[str, str | None]:
+    if isinstance(entry, str):
+        return _checked(entry, key, ()), None
+    return _by_value(entry.name, entry.value), entry.value
+
+
+def _by_value(name: str, value: str) -> str:
+    from leangrpo.rewards import RewardSpecError
+    from leangrpo.rewards.registry import decode_value
+
+    try:
+        decode_value(name, value)
+    except RewardSpecError as e:
+        raise EnvironmentSpecError(str(e)) from None
+    return name
 
 
 def _checked(name: str, key: str, builtins: tuple[str, ...]) -> str:
@@ -52,7 +77,9 @@ def _checked(name: str, key: str, builtins: tuple[str, ...]) -> str:
     target, sep, attr = name.rpartition(":")
     if not sep or not target or not attr.isidentifier():
         known = f"{', '.join(repr(b) for b in builtins)} or " if builtins else ""
-        raise EnvironmentSpecError(f"{key} = {name!r} is not a name leangrpo knows; use {known}{FORMS}")
+        raise EnvironmentSpecError(
+            f"{key} = {name!r} is not a name leangrpo knows; use {known}{FORMS}"
+        )
     if target.endswith(".py"):
         path = Path(target).expanduser().resolve()
         if not path.is_file():
@@ -63,20 +90,23 @@ def _checked(name: str, key: str, builtins: tuple[str, ...]) -> str:
     return name
 
 
-def load(name: str, key: str) -> Any:
-    """The object `name` ('module:attr' or 'file.py:attr') names (worker side)."""
+def load(name: str, key: str, value: str | None = None) -> Any:
+    """The object `name` ('module:attr' or 'file.py:attr') names, or `value` unpickled
+    (worker side)."""
     from leangrpo.rewards import RewardSpecError, resolve
 
     try:
-        return resolve(_checked(name, key, ()))
+        return resolve(name, value=value) if value is not None else resolve(_checked(name, key, ()))
     except RewardSpecError as e:
         raise EnvironmentSpecError(f"{key} = {name!r}: {e}") from None
 
 
 def tool_functions(spec: EnvironmentSpec) -> list[Callable]:
     return [
-        checked_tool(load(name, f"environment.tools[{i}]"), f"environment.tools[{i}] = {name!r}")
-        for i, name in enumerate(spec.tools)
+        checked_tool(
+            load(name, f"environment.tools[{i}]", value), f"environment.tools[{i}] = {name!r}"
+        )
+        for i, (name, value) in enumerate(spec.tools)
     ]
 
 
@@ -101,7 +131,7 @@ def offered_tools(env: Any, configured: list[Callable], spec: EnvironmentSpec) -
     tools = []
     for j, fn in enumerate(offered):
         is_own = j < own or offered[own:] != configured
-        label = f"{type(env).__name__}.tools[{j}]" if is_own else f"environment.tools[{j - own}] = {spec.tools[j - own]!r}"  # fmt: skip
+        label = f"{type(env).__name__}.tools[{j}]" if is_own else f"environment.tools[{j - own}] = {spec.tools[j - own][0]!r}"  # fmt: skip
         checked_tool(fn, label)
         name = fn.__name__
         if name in seen:

@@ -39,106 +39,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from leangrpo.errors import UserError
-from leangrpo.model.tokenizer import compiled_template
+from leangrpo.data.templates import TemplateError
 
-# ChatML with Hermes tool calls: the Qwen2.5-Instruct template (tools listed as JSON in the
-# system turn, calls in <tool_call> tags, tool replies grouped into one user turn in
-# <tool_response> tags), with a neutral default system message.
-CHATML_HERMES = r"""{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- messages[0]['content'] }}
-    {%- else %}
-        {{- 'You are a helpful assistant.' }}
-    {%- endif %}
-    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
-{%- else %}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
-    {%- else %}
-        {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}
-    {%- endif %}
-{%- endif %}
-{%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
-        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
-    {%- elif message.role == "assistant" %}
-        {{- '<|im_start|>' + message.role }}
-        {%- if message.content %}
-            {{- '\n' + message.content }}
-        {%- endif %}
-        {%- for tool_call in message.tool_calls %}
-            {%- if tool_call.function is defined %}
-                {%- set tool_call = tool_call.function %}
-            {%- endif %}
-            {{- '\n<tool_call>\n{"name": "' }}
-            {{- tool_call.name }}
-            {{- '", "arguments": ' }}
-            {{- tool_call.arguments | tojson }}
-            {{- '}\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\n<tool_response>\n' }}
-        {{- message.content }}
-        {{- '\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-{%- endif %}
-"""
-BUNDLED_TEMPLATES = {"chatml-hermes": CHATML_HERMES}
 MAX_REMEMBERED_STARTS = 4096  # renderings of start messages kept (a group shares one)
-
-
-class TemplateError(UserError):
-    """The chat template cannot render this environment's conversations token-exactly."""
 
 
 class NotIncremental(ValueError):
     """Appending a turn changed what was rendered before (a trajectory ends with 'error')."""
-
-
-def load_template(spec: str | None) -> str | None:
-    """environment.chat_template: None (the tokenizer's), a bundled name, or a file holding a
-    template that parses as transformers parses it."""
-    if spec is None:
-        return None
-    if spec in BUNDLED_TEMPLATES:
-        return BUNDLED_TEMPLATES[spec]
-    path = Path(spec).expanduser()
-    if not path.is_file():
-        raise TemplateError(
-            f"environment.chat_template = {spec!r} is neither a bundled template ({', '.join(BUNDLED_TEMPLATES)}) nor a file"
-        )
-    try:
-        source = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise TemplateError(f"environment.chat_template = {spec!r} cannot be read: {e}") from None
-    try:
-        compiled_template(source)
-    except Exception as e:  # jinja2's TemplateSyntaxError and friends
-        line = getattr(e, "lineno", None)
-        raise TemplateError(
-            f"environment.chat_template = {spec!r} is not a valid Jinja template: {getattr(e, 'message', None) or e}{f' (line {line})' if line else ''}; fix the template"
-        ) from None
-    return source
 
 
 class Renderer:

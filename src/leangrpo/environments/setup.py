@@ -14,15 +14,18 @@ rollout over an engine.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from leangrpo.contracts import Prompt, TurnEngine
+from leangrpo.data.templates import TemplateError, conversation_template
 from leangrpo.environments.driver import MultiTurnRollout, TurnLimits
 from leangrpo.environments.pool import EnvironmentPool
 from leangrpo.environments.registry import EnvironmentSpecError
-from leangrpo.environments.rendering import Renderer, TemplateError, check_template, load_template
+from leangrpo.environments.rendering import Renderer, check_template
 
 log = logging.getLogger("leangrpo.environments")
 
@@ -69,7 +72,7 @@ def start_environments(
         return None
     pool = pool if pool is not None else EnvironmentPool(env_cfg)
     try:
-        renderer = Renderer(tokenizer, pool.tools, load_template(env_cfg.chat_template))
+        renderer = Renderer(tokenizer, pool.tools, conversation_template(cfg))
         eos_ids = generation_eos_ids(cfg, tokenizer)
         check_renderer(renderer, pool.replies, eos_ids)
     except BaseException:
@@ -87,7 +90,12 @@ def start_environments(
 
 def generation_eos_ids(cfg: Any, tokenizer: Any) -> set[int]:
     """The ids a turn stops on: the model's generation config's EOS (what the engines stop
-    on), else the tokenizer's."""
+    on), else the tokenizer's. A local model's generation_config.json is read as JSON
+    (what GenerationConfig reads from it; no transformers import, so `leangrpo check`
+    stays quick); a hub model's through transformers."""
+    directory = Path(cfg.model.name_or_path).expanduser()
+    if directory.is_dir():
+        return eos_ids(directory, tokenizer)
     from transformers import GenerationConfig
 
     try:
@@ -96,8 +104,21 @@ def generation_eos_ids(cfg: Any, tokenizer: Any) -> set[int]:
         ).eos_token_id
     except (OSError, ValueError):
         eos = None
-    if eos is None:
-        eos = tokenizer.eos_token_id
+    return _ids(eos if eos is not None else tokenizer.eos_token_id)
+
+
+def eos_ids(model_dir: Path | None, tokenizer: Any) -> set[int]:
+    """generation_config.json's EOS in `model_dir`, else the tokenizer's (no transformers)."""
+    eos = None
+    if model_dir is not None:
+        try:
+            eos = json.loads((model_dir / "generation_config.json").read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            eos = None
+    return _ids(eos if eos is not None else tokenizer.eos_token_id)
+
+
+def _ids(eos: Any) -> set[int]:
     return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None}
 
 

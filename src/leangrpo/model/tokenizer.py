@@ -5,13 +5,16 @@ machine, far over the 2 s the pre-load checks may take. Reading tokenizer.json w
 `tokenizers` library alone is not the same tokenizer: transformers may rebuild parts of it
 (the tools demo's loads as a Qwen2 tokenizer, with another pre-tokenizer and an NFC
 normaliser: "cafe" + a combining accent is 3 tokens, not 6). So the trainer's set-up, which loads the real
-tokenizer anyway, records what it became (`remember`): its backend serialised by
-`tokenizers`, the chat template, the special tokens; `recall` reads that record before the
-model loads, as a `TokenizerRecord` with the calls the checks make (`__call__`, `decode`,
-`apply_chat_template(tokenize=False)`, the special and added tokens).
+tokenizer anyway, records what it became (`remember`), as does the first `leangrpo check`
+of a model: its backend serialised by `tokenizers`, the chat template, the special tokens;
+`recall` reads that record before the model loads (the environment's checks, and all of
+`leangrpo check`: preflight.py `check_tokenizer`), as a `TokenizerRecord` with the calls
+the checks make (`__call__`, `decode`, `apply_chat_template(tokenize=False)`, the special
+and added tokens).
 
 - Exact or absent: a record is written only after it rendered and encoded probe
-  conversations (with and without tools) exactly as the real tokenizer did, and it is
+  conversations (with and without tools), and encoded and decoded plain texts with and
+  without the special tokens (raw prompts), exactly as the real tokenizer did, and it is
   keyed by the tokenizer files' names, sizes and modification times, the model directory
   and the transformers and tokenizers versions; any change is a miss. On a miss the
   pre-load checks that need the tokenizer are left to the set-up, which makes them with
@@ -45,7 +48,7 @@ TOKENIZER_FILES = (
     "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt",
     "vocab.txt", "config.json",
 )  # fmt: skip
-RECORD_VERSION = 1
+RECORD_VERSION = 2  # 2: probed on plain text too, with and without special tokens
 
 
 @dataclass(frozen=True)
@@ -259,9 +262,15 @@ PROBE_CHATS = [
 ]  # fmt: skip
 
 
+PROBE_TEXTS = ["37+45=", "What is 12 + 30? Ünïcödé, tabs\tand  spaces.\n", "  <b>1 + 1</b>  "]
+
+
 def behaves_alike(record: TokenizerRecord, tokenizer: Any) -> bool:
     """The record renders, encodes and decodes the probes as `tokenizer` does (a probe the
-    template refuses must be refused by both)."""
+    template refuses must be refused by both); plain texts (raw prompts) too, encoded with
+    and without the special tokens the tokenizer adds, decoded with and without them."""
+    if not all(_encodes_alike(record, tokenizer, text) for text in PROBE_TEXTS):
+        return False
     for chat in PROBE_CHATS:
         for tools in (None, PROBE_TOOLS):
             for generation_prompt in (False, True):
@@ -275,6 +284,18 @@ def behaves_alike(record: TokenizerRecord, tokenizer: Any) -> bool:
                     return False
                 if record.decode(ids) != tokenizer.decode(ids, skip_special_tokens=False):
                     return False
+    return True
+
+
+def _encodes_alike(record: TokenizerRecord, tokenizer: Any, text: str) -> bool:
+    for special in (False, True):
+        ids = tokenizer(text, add_special_tokens=special)["input_ids"]
+        if record(text, add_special_tokens=special)["input_ids"] != ids:
+            return False
+        if record([text], add_special_tokens=special)["input_ids"] != [ids]:
+            return False
+        if record.decode(ids, skip_special_tokens=special) != tokenizer.decode(ids, skip_special_tokens=special):
+            return False
     return True
 
 

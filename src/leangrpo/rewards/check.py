@@ -19,7 +19,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from leangrpo.rewards.protocol import InitError, Loading, Ready, parse_reply
-from leangrpo.rewards.registry import BUILTIN_NAMES, ResolvedReward, RewardSpecError, parse_specs
+from leangrpo.rewards.registry import ResolvedReward, RewardSpecError, is_user_code, parse_specs
 from leangrpo.sandbox.frames import ProtocolError
 from leangrpo.sandbox.levels import SandboxPlan, check_level, plan_for
 from leangrpo.sandbox.process import OutputBudget, WorkerGone, WorkerProcess
@@ -31,7 +31,7 @@ def check_rewards(rewards_cfg: Any) -> list[ResolvedReward]:
     """Check the configured functions before any model loads; returns their specs. The
     sandbox is checked first (a `namespace` this machine cannot start is refused)."""
     specs = parse_specs(rewards_cfg)
-    if any(s.name not in BUILTIN_NAMES for s in specs):  # user code: imported in a sandbox
+    if any(is_user_code(s) for s in specs):  # imported or unpickled in a sandbox
         import_check(specs, rewards_cfg, plan_for(rewards_cfg, "rewards"))
     elif specs:
         check_level(rewards_cfg, "rewards")
@@ -91,7 +91,9 @@ def import_check(specs: list[ResolvedReward], rewards_cfg: Any, plan: SandboxPla
 
 def _where(specs: list[ResolvedReward], i: int) -> str:
     spec = specs[i]
-    if spec.name in BUILTIN_NAMES:  # nothing to import: the worker's start and warm-up
+    if spec.value is not None:
+        return f"rewards.functions[{i}].name = '{spec.name}': unpickling it (passed by value)"
+    if not is_user_code(spec):  # nothing to import: the worker's start and warm-up
         return f"rewards.functions[{i}].name = '{spec.name}': starting its worker (the built-in's warm-up included)"
     source = spec.file or f"module '{spec.name.rpartition(':')[0]}'"
     return f"rewards.functions[{i}].name = '{spec.name}': importing {source}"

@@ -1,10 +1,18 @@
-"""Resolve reward-function names to callables.
+"""Resolve reward-function names to callables, and every reference to user code (rewards,
+environments, tools, parsers) to its object in a worker: `resolve`, the one place.
 
 A name takes one of three forms:
 
     math | format | length            a built-in (leangrpo.rewards.builtin)
     package.module:function           imported with importlib.import_module
     path/to/file.py:function          loaded from the file (relative to the working directory)
+
+or a reference carries the object itself, pickled by value (cloudpickle, base64: the
+config's `value` beside the name, which is then only the object's name): what
+`leangrpo.GRPO` sends for a function or class defined in `__main__` or a notebook, which no
+module can import (api/shipping.py makes and checks it in the trainer, never unpickling).
+It is unpickled here, in the worker, after the sandbox is set up; a payload that does not
+unpickle there (a module the worker cannot import) is one RewardSpecError.
 
 Every reward has the signature `fn(prompts, completions, **columns) -> list[float | None]`:
 `prompts` and `completions` are aligned lists of strings, each extra data column arrives as
@@ -14,18 +22,21 @@ columns `messages`, `num_turns`, `tool_calls` and `env_rewards` (pool.py
 `trajectory_columns`); `completions` is then each trajectory's last model turn.
 
 Functions travel to the worker processes as a `ResolvedReward` (name, resolved file path,
-kwargs) and are resolved there only, never in the trainer and never pickled: importing user
-code may exit, hang or print (check.py imports it in a worker with a time limit), closures
-and lambdas cannot cross a process boundary, and the worker must not depend on the trainer's
-memory.
+kwargs, or the pickled value) and are resolved there only, never in the trainer: importing
+or unpickling user code may exit, hang or print (check.py resolves it in a worker with a
+time limit), and the worker must not depend on the trainer's memory (a value is a copy,
+checked in the trainer for what it holds before it is sent).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import importlib
 import importlib.util
 import math
+import pickle
 import re
 import sys
 from collections.abc import Callable
@@ -69,10 +80,14 @@ class ResolvedReward:
     weight: float
     kwargs: dict[str, Any] = field(default_factory=dict)
     file: str | None = None  # absolute path for the file form
+    value: str | None = None  # the function pickled by value (base64); `name` is its name
 
 
-def resolve(name: str, file: str | None = None) -> RewardFn:
-    """The callable for `name`; `file` (absolute) overrides the path in the file form."""
+def resolve(name: str, file: str | None = None, value: str | None = None) -> Any:
+    """The object a reference names (worker side): `value` unpickled, a built-in, or `name`
+    imported; `file` (absolute) overrides the path in the file form."""
+    if value is not None:
+        return unpickle_value(name, value)
     if name in BUILTIN_NAMES:
         from leangrpo.rewards import builtin
 
@@ -95,6 +110,31 @@ def resolve(name: str, file: str | None = None) -> RewardFn:
     if not callable(fn):
         raise RewardSpecError(f"'{target}:{attr}' is a {type(fn).__name__}, not a function")
     return fn
+
+
+def decode_value(name: str, value: str) -> bytes:
+    """The pickled bytes of a by-value reference (trainer and worker: no unpickling)."""
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError, TypeError):
+        raise RewardSpecError(
+            f"the value of '{name}' is not base64-encoded pickled bytes; pass the function itself to leangrpo.GRPO, which writes this value"
+        ) from None
+
+
+def unpickle_value(name: str, value: str) -> Any:
+    payload = decode_value(name, value)
+    try:
+        obj = pickle.loads(payload)
+    except Exception as e:
+        raise RewardSpecError(
+            f"'{name}' (passed by value) could not be unpickled in the worker: {type(e).__name__}: {e}; a module it needs must be importable there (installed, or on sys.path)"
+        ) from e
+    if not callable(obj):
+        raise RewardSpecError(
+            f"'{name}' (passed by value) is a {type(obj).__name__}, not a function"
+        )
+    return obj
 
 
 def _import_module(module_name: str) -> Any:
@@ -172,8 +212,17 @@ def parse_specs(rewards_cfg: Any) -> list[ResolvedReward]:
         name = str(fn_cfg.name)
         weight = float(getattr(fn_cfg, "weight", 1.0))
         kwargs = dict(getattr(fn_cfg, "kwargs", None) or {})
+        value = getattr(fn_cfg, "value", None)
         if not math.isfinite(weight):
             raise RewardSpecError(f"{where}.weight = {weight} must be a finite number")
+        if value is not None:  # by value: `name` is the function's own name
+            try:
+                decode_value(name, value)
+            except RewardSpecError as e:
+                raise RewardSpecError(f"{where}.value: {e}") from None
+            key = _unique_key(name.rpartition(":")[2] or name, seen)
+            specs.append(ResolvedReward(key, name, weight, kwargs, value=value))
+            continue
         try:
             file = _check_name(name)
         except RewardSpecError as e:
@@ -187,8 +236,16 @@ def parse_specs(rewards_cfg: Any) -> list[ResolvedReward]:
                 builtin.check_kwargs(name, kwargs)
             except ValueError as e:
                 raise RewardSpecError(f"{where}.kwargs: {e}") from None
-        base = _display_name(name)
-        seen[base] = seen.get(base, 0) + 1
-        key = base if seen[base] == 1 else f"{base}_{seen[base]}"
+        key = _unique_key(_display_name(name), seen)
         specs.append(ResolvedReward(key=key, name=name, weight=weight, kwargs=kwargs, file=file))
     return specs
+
+
+def _unique_key(base: str, seen: dict[str, int]) -> str:
+    seen[base] = seen.get(base, 0) + 1
+    return base if seen[base] == 1 else f"{base}_{seen[base]}"
+
+
+def is_user_code(spec: ResolvedReward) -> bool:
+    """Imported or unpickled in a worker (the start-up check resolves it first)."""
+    return spec.value is not None or spec.name not in BUILTIN_NAMES

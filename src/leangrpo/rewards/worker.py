@@ -4,9 +4,10 @@ Started by the pool like every worker (sandbox/launch.py: confined, split into a
 supervisor that holds the channel and a zygote that imports; sandbox/box.py has the
 picture). Two halves:
 
-- `prepare(init, announce)`, in the zygote: import the functions (announcing each first,
-  so the trainer can name the one that hangs or exits), warm up the built-ins, report
-  ready. In "check" mode it stops there (the start-up check of `check_rewards`). It
+- `prepare(init, announce)`, in the zygote: import the functions, or unpickle those sent
+  by value (registry.py `resolve`; announcing each first, so the trainer can name the one
+  that hangs or exits), warm up the built-ins, report ready. A value crosses the
+  supervisor as base64 text inside `init` and is unpickled only here, after confinement. In "check" mode it stops there (the start-up check of `check_rewards`). It
   returns what a box runs: one call, under the limits of sandbox/calls.py (`LimitedCall`:
   time, CPU, output; memory and processes are the box's cgroups and rlimits), any
   exception (SystemExit and KeyboardInterrupt included) one failed call, values checked
@@ -30,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from leangrpo.rewards.protocol import CallError, Result, parse_reply
-from leangrpo.rewards.registry import BUILTIN_NAMES, ResolvedReward, RewardSpecError, resolve
+from leangrpo.rewards.registry import ResolvedReward, RewardSpecError, is_user_code, resolve
 from leangrpo.sandbox.box import BoxConn, Boxes, Failed
 from leangrpo.sandbox.calls import LimitedCall, message
 from leangrpo.sandbox.frames import Channel, ProtocolError, one_line
@@ -108,8 +109,8 @@ def _resolve_all(announce: Callable[[dict], None], specs: list[ResolvedReward],
     for i, spec in enumerate(specs):
         announce({"t": "loading", "fn": i})
         try:
-            functions.append(resolve(spec.name, spec.file))
-            if warm_up and spec.name in BUILTIN_NAMES:
+            functions.append(resolve(spec.name, spec.file, spec.value))
+            if warm_up and not is_user_code(spec):
                 from leangrpo.rewards import builtin
 
                 builtin.warm_up(spec.name)
@@ -124,6 +125,8 @@ def _resolve_all(announce: Callable[[dict], None], specs: list[ResolvedReward],
 
 def _describe(exc: BaseException, spec: ResolvedReward) -> str:
     where = spec.file or spec.name.rpartition(":")[0]
+    if spec.value is not None:
+        where = f"'{spec.name}' (passed by value)"
     if isinstance(exc, SystemExit):
         return f"{where} called sys.exit({exc.code!r}) at import; a reward file must not exit"
     if isinstance(exc, RewardSpecError):

@@ -123,10 +123,9 @@ class Trainer:
         if ctx.is_main:
             warn_if_tokenizer_drops_text(prompts.train, tokenizer, cfg.model.name_or_path)
         self.learning = LearningSignal(self.out)  # warns when nothing can be learned
+        remember(self.checked.model.directory, tokenizer)  # for the next preflight and check
         if self.environments is not None:
             self.environments.probe(prompts.train[0])
-        if self.environments is not None or cfg.data.chat_template:
-            remember(self.checked.model.directory, tokenizer)  # for the next run's preflight
         log.info("loading the model %s (%s) ...", cfg.model.name_or_path, cfg.model.dtype)
         started = start_shared_engine(cfg, strategy.device)  # vLLM first: the policy views it
         shared = started.build_policy(cfg, tokenizer, strategy.device) if started else None
