@@ -284,6 +284,19 @@ def test_a_function_that_times_out_on_every_call_is_not_retried_sample_by_sample
     assert metrics["reward/slow/timeouts"] == 1
 
 
+def test_a_function_timing_out_on_every_prompt_is_given_up_on_after_one_chunk(user_module):
+    """Calls never mix prompts: with 4 prompts' chunks queued, the samples of the first
+    chunk that timed out are tried alone before the other prompts' chunks, so the function
+    is given up on after 1 chunk and 2 samples (3 calls), not 4 chunks and 2 samples."""
+    f = f"{user_module}:slow"
+    samples = [s for p in range(4) for s in make_samples(["sleep"] * 4, prompt=p)]
+    with RewardPool(cfg((f, 1.0, {}), timeout_s=0.5, num_workers=1)) as pool:
+        metrics = pool.score(samples)
+        assert pool._task_ids == 3
+    assert all(s.reward is None for s in samples)
+    assert metrics["reward/slow/timeouts"] == 16
+
+
 def test_startup_timeout_bounds_a_built_in_workers_start_too():
     """rewards.startup_timeout_s 'had no effect on a built-in': it bounds the wait for a
     worker that scoring needs (math's: a sandboxed process and math-verify's warm-up, far

@@ -367,8 +367,10 @@ class RewardPool:
     def _call_failed(self, run: _Run, task: _Task, kind: str, msg: str) -> None:
         """Function task.fns[0] failed on the whole chunk."""
         fn = task.fns[0]
-        if len(task.indices) > 1:  # find the samples that fail on their own
-            run.queue.extend(_Task([i], [fn]) for i in task.indices)
+        if len(task.indices) > 1:  # find the samples that fail on their own, first: a
+            # function that times out on every call is then given up on after this chunk and
+            # GIVE_UP_AFTER samples alone, not after every other prompt's chunk too
+            run.queue.extendleft(_Task([i], [fn]) for i in reversed(task.indices))
             return
         self._sample_failed(run, fn, task.indices[0], kind, msg)
         if kind == TIMEOUT:
