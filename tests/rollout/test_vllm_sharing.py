@@ -87,7 +87,8 @@ def test_the_config_says_when_weights_cannot_be_shared():
 
 def test_dtypes_are_compared_as_dtypes_and_a_worker_elsewhere_rules_sharing_out():
     for vllm_name, model_dtype in (("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16")):
-        raw = colocated(model={"name_or_path": "m", "dtype": model_dtype})
+        lora = {"enabled": model_dtype == "float16"}  # full float16 fine-tuning is refused
+        raw = colocated(model={"name_or_path": "m", "dtype": model_dtype}, lora=lora)
         raw["rollout"]["vllm"] = {"dtype": vllm_name, "share_weights": True}
         cfg = config_from_dict(raw)  # vLLM's own name for the same dtype: no refusal
         assert cfg.vllm_share_blocker() is None and cfg.rollout.vllm.weight_dtype() == model_dtype
