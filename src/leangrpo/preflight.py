@@ -161,7 +161,7 @@ def check_engine_installed(cfg: Any) -> None:
     if cfg.rollout.engine != "vllm" or (v.mode == "server" and v.urls):
         return
     if importlib.util.find_spec("vllm") is None:
-        from leangrpo.rollout.vllm.local import INSTALL_HINT
+        from leangrpo.rollout.vllm.settings import INSTALL_HINT
 
         where = "runs vLLM in this process" if v.mode == "colocate" else "starts a local vLLM server"
         raise ConfigError(

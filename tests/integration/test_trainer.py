@@ -486,19 +486,42 @@ def test_a_run_whose_steps_all_skip_stops_with_one_sentence(tmp_path, monkeypatc
     assert [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r] == [1, 2, 3]
 
 
-UNSCORED_FIRST_BATCH = textwrap.dedent(
-    """
-    calls = 0
+# A reward call sees one prompt's samples, in a box of its own (rewards/pool.py): what
+# must outlive a call (which batch a prompt belongs to) is kept in a file, which only the
+# process sandbox lets a reward write. The evaluations (before the first step and after
+# the last) are always scored; training prompts are numbered in the order they are first
+# scored, 3 prompts a batch, so prompt n is in batch (n - 1) // 3 + 1 (the first batches'
+# prompts are distinct: 2000 rows, shuffled without replacement), and its fate is decided
+# once: a resume that generates the batch again sees the same fate.
+OUTAGE = """
+import fcntl, json, pathlib
+SEEN = pathlib.Path({seen!r})
+UNSCORED_BATCHES = {batches!r}  # None: every batch
+EVAL_PROMPTS = {{json.loads(line)["prompt"] for line in open({eval_path!r})}}
 
-    def outage(prompts, completions, **columns):
-        global calls
-        if len(prompts) > 4:  # training batches (evaluation scores 4 samples)
-            calls += 1
-            if calls == 1 or ALWAYS:
-                return [None] * len(prompts)
+def outage(prompts, completions, **columns):
+    if prompts[0] in EVAL_PROMPTS:
         return [1.0] * len(prompts)
-    """
-)
+    key = json.dumps(prompts[0])
+    with open(SEEN.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        seen = json.loads(SEEN.read_text()) if SEEN.exists() else {{}}
+        seen.setdefault(key, len(seen) + 1)
+        SEEN.write_text(json.dumps(seen))
+    batch = (seen[key] - 1) // 3 + 1
+    unscored = UNSCORED_BATCHES is None or batch in UNSCORED_BATCHES
+    return [None] * len(prompts) if unscored else [1.0] * len(prompts)
+"""
+
+
+def outage_rewards(tmp_path, batches) -> dict:
+    reward_file = tmp_path / "outage.py"
+    eval_path = str(DEMO / "eval.jsonl")
+    reward_file.write_text(
+        OUTAGE.format(seen=str(tmp_path / "seen.json"), batches=batches, eval_path=eval_path)
+    )
+    return {"functions": [{"name": "math"}, {"name": f"{reward_file}:outage"}],
+            "sandbox": {"level": "process"}}  # fmt: skip
 
 
 @pytest.mark.parametrize("always", [False, True])
@@ -506,11 +529,9 @@ def test_a_batch_with_no_scored_sample_is_skipped(tmp_path, always):
     """empty_batch.py: a reward outage skips (and consumes) the batch instead of crashing."""
     from leangrpo.errors import RunError
 
-    reward_file = tmp_path / "outage.py"
-    reward_file.write_text(f"ALWAYS = {always}\n" + UNSCORED_FIRST_BATCH)
     cfg = tiny_run(
         tmp_path,
-        rewards={"functions": [{"name": "math"}, {"name": f"{reward_file}:outage"}]},
+        rewards=outage_rewards(tmp_path, None if always else (1,)),
         pipeline={"max_consecutive_skipped_batches": 3},
         run={"max_steps": 2},
         loss={"mu": 1},
@@ -529,34 +550,13 @@ def test_a_batch_with_no_scored_sample_is_skipped(tmp_path, always):
     assert trainer.producer.worker.sampler.position == 3 * batches
 
 
-OUTAGE_BY_CONTENT = """
-import json, pathlib
-SEEN = pathlib.Path({seen!r})
-
-def outage(prompts, completions, **columns):
-    if len(prompts) <= 4:  # evaluation
-        return [1.0] * len(prompts)
-    seen = json.loads(SEEN.read_text()) if SEEN.exists() else {{}}
-    key = "|".join(prompts) + "#" + "|".join(completions)
-    if key not in seen:  # a batch's fate is decided once: a resume generates it again
-        seen[key] = len(seen) + 1 in (3, 4, 5)
-        SEEN.write_text(json.dumps(seen))
-    return [None] * len(prompts) if seen[key] else [1.0] * len(prompts)
-"""
-
-
 def test_skipped_batches_after_a_checkpoint_are_logged_once_after_a_resume(tmp_path):
     """Batches 3-5 are unscored after the step-2 checkpoint, logged under step 2; killed at
     step 3 and resumed from step 2, the run skips them again. Their rows were kept by the
     resume and logged again: 6 skip rows at step 2 against 3."""
-    reward_file = tmp_path / "outage.py"
-    reward_file.write_text(OUTAGE_BY_CONTENT.format(seen=str(tmp_path / "seen.json")))
     cfg = tiny_run(
         tmp_path,
-        # its state must outlive the trainer (a file it writes): only the process sandbox
-        # lets a reward write outside its scratch directory
-        rewards={"functions": [{"name": "math"}, {"name": f"{reward_file}:outage"}],
-                 "sandbox": {"level": "process"}},
+        rewards=outage_rewards(tmp_path, (3, 4, 5)),
         pipeline={"max_consecutive_skipped_batches": 5},
         run={"max_steps": 4},
         loss={"mu": 1},

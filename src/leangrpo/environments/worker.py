@@ -5,7 +5,9 @@ supervisor that holds the channel and a zygote that imports; sandbox/box.py has 
 picture). Two halves:
 
 - `prepare(init, announce)`, in the zygote: import the environment (an Environment
-  subclass), its tools (functions, no two with one name) and the tool parser, build one
+  subclass), its tools (functions, no two with one name) and the tool parser, or unpickle
+  those sent by value (registry.py `load`, through rewards/registry.py `resolve`: a value
+  crosses the supervisor as base64 text inside `init`, unpickled only here), build one
   environment to read its tools' schemas (schema.py), reply roles, reward terms and
   `max_tool_calls` (which bounds a step's time in the pool), report ready (or one
   init_error line). "check" mode stops there (the start-up check, before the model
@@ -79,13 +81,13 @@ MESSAGE_KEYS = ("role", "content", "name", "tool_call_id")
 def environment_class(spec: EnvironmentSpec) -> type[Environment]:
     """The Environment subclass that makes one environment per trajectory: a built-in
     (registry.BUILTIN_ENVIRONMENTS) or the user's, imported here, in the worker."""
-    if spec.name == "tools":
+    if spec.name == "tools" and spec.value is None:
         return ToolEnvironment
-    if spec.name == "verifiers":
+    if spec.name == "verifiers" and spec.value is None:
         from leangrpo.environments.adapters.verifiers import VerifiersEnvironment
 
         return VerifiersEnvironment
-    cls = load(spec.name, "environment.name")
+    cls = load(spec.name, "environment.name", spec.value)
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         what = f"the class {cls.__name__}" if isinstance(cls, type) else f"a {type(cls).__name__}"
         raise EnvironmentSpecError(
@@ -123,7 +125,8 @@ class Setup:
 def prepare(init: dict, announce: Callable[[dict], None]) -> Callable[[BoxConn], None] | None:
     """The zygote's set-up; what each trajectory's box runs (None: stop)."""
     sys.path[:0] = [p for p in init["sys_path"] if p not in sys.path]
-    spec = EnvironmentSpec(**init["spec"])
+    fields = {**init["spec"], "tools": tuple(tuple(t) for t in init["spec"]["tools"])}
+    spec = EnvironmentSpec(**fields)  # tools: (name, value) pairs
     try:
         factory = environment_class(spec)
         setup = Setup(init, factory, tool_functions(spec), tool_parser(spec), dict(spec.kwargs),

