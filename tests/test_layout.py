@@ -31,7 +31,7 @@ Rules a-e, over every module under src/leangrpo:
 
 Each rule is a function from the parsed tree to failure lines ("path:line: what; fix"),
 run on the repository and, on small trees written to tmp_path, shown to fail.
-See docs/ARCHITECTURE.md ("Layout").
+See docs/modules.md ("Layout rules").
 """
 
 from __future__ import annotations
