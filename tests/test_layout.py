@@ -31,7 +31,8 @@ Rules a-e, over every module under src/leangrpo:
 - h (the docs map): every relative link of a Markdown file reaches a file and, with an
   `#anchor`, one of its headings; every `dir/x.md` written in prose exists; every
   `docs/page.md ("Title")` citation (in documents, docstrings, comments and the config's
-  descriptions, through docs/config.md) names text that page holds; docs/ARCHITECTURE.md
+  descriptions, through docs/config.md), and every `[page.md](page.md) ("Title")` between
+  pages, names text that page holds; docs/ARCHITECTURE.md
   stays a map under 250 lines, and every page under docs/ is linked from it or README.md.
 
 Each rule is a function from the parsed tree to failure lines ("path:line: what; fix"),
@@ -683,6 +684,8 @@ MAP = "docs/ARCHITECTURE.md"
 MAP_LINES = 250
 LINK = re.compile(r"(?<!!)\[[^\]\n]*\]\(([^)\s]+)\)")
 MD_MENTION = re.compile(r"(?<![\w./-])((?:[\w.-]+/)+[\w.-]+\.md)\b")
+# `[page.md](page.md) ("Title")`, `[page.md](page.md#anchor), "Title"`
+LINK_CITATION = re.compile(r"\]\(([\w./-]+\.md)(?:#[\w-]+)?\)((?:[\s,()]*\"[^\"]+\")+)")
 MD_PLACEHOLDER = re.compile(r"^(docs/page|dir/x)\.md$")
 # `docs/page.md ("Title", "Other")`, `docs/page.md, "Title"`, `docs/page.md, 'Title'`
 CITATION = re.compile(r"(?<![\w./-])(docs/[\w.-]+\.md)((?:[\s,()]*\"[^\"]+\"|[\s,(]+'[^'\n]+')*)")
@@ -741,7 +744,11 @@ def check_doc_links(repo: Path, roots: Iterable[str]) -> list[str]:
                 )
         for match in CITATION.finditer(text):
             if not MD_PLACEHOLDER.search(match.group(1)):
-                failures += _citation_failures(repo, match, where(match.start()))
+                page, titles = repo / match.group(1), match.group(2)
+                failures += _citation_failures(page, match.group(1), titles, where(match.start()))
+        for match in LINK_CITATION.finditer(text) if path.suffix == ".md" else []:
+            page, titles = path.parent / match.group(1), match.group(2)
+            failures += _citation_failures(page, match.group(1), titles, where(match.start()))
     return failures
 
 
@@ -759,17 +766,16 @@ def _link_failures(repo: Path, path: Path, target: str, where: str) -> list[str]
     return []
 
 
-def _citation_failures(repo: Path, match: re.Match, where: str) -> list[str]:
-    page = repo / match.group(1)
-    if not page.exists():
-        return []  # named above, as a path that does not exist
+def _citation_failures(page: Path, label: str, titles: str, where: str) -> list[str]:
+    if not page.is_file():
+        return []  # named above, as a path or a link that reaches no file
     held = " ".join(page.read_text().split())
     failures = []
-    for double, single in re.findall(r"\"([^\"]+)\"|'([^']+)'", match.group(2)):
+    for double, single in re.findall(r"\"([^\"]+)\"|'([^']+)'", titles):
         title = " ".join((double or single).split())
         if title not in held:
             failures.append(
-                f'{where}: {match.group(1)} holds no "{title}"; cite the page and title that hold it now'
+                f'{where}: {label} holds no "{title}"; cite the page and title that hold it now'
             )
     return failures
 
@@ -1143,6 +1149,7 @@ def test_doc_link_rule(tmp_path):
         "[ok](guide.md#per-step-cost-issue-12) [web](https://x.org/a.md) [gone](old.md)\n"
         '[bad anchor](guide.md#per-step-cost) docs/guide.md ("Replay") docs/gone.md\n'
         'docs/guide.md, "Re-rolls"\n'
+        '[guide.md](guide.md) ("Replay") [guide.md](guide.md#a-page), "Streaming"\n'
     )
     (tmp_path / "src" / "mod.py").write_text(
         '"""See docs/guide.md ("Per-step cost (issue 12)",\n"Replay") and docs/guide.md, \'Sampling\'."""\n'
@@ -1154,6 +1161,7 @@ def test_doc_link_rule(tmp_path):
         "docs/map.md:2: docs/gone.md does not exist; write its path now",
         'docs/map.md:3: docs/guide.md holds no "Re-rolls"; cite the page and title that hold '
         "it now",
+        'docs/map.md:4: guide.md holds no "Streaming"; cite the page and title that hold it now',
         'src/mod.py:2: docs/guide.md holds no "Sampling"; cite the page and title that hold it now',
     ]
 
