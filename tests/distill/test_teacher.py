@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.configs import DEMO_MODEL, tiny_run
+from support.models import save_demo_teacher
 from support.steps import policy_and_optimizer, step_config, step_samples
 
 from leangrpo.config import ConfigError, config_from_dict
@@ -23,19 +24,8 @@ from leangrpo.train.inflight import BatchInProgress
 from leangrpo.train.planning import plan_steps
 
 
-def demo_teacher(tmp_path: Path, seed: int = 7, scale: float = 0.05) -> Path:
-    """The demo model's files with its weights moved: a teacher of the same tokenizer."""
-    from transformers import AutoModelForCausalLM
-
-    out = tmp_path / f"teacher-{seed}"
-    shutil.copytree(DEMO_MODEL, out)
-    model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, dtype=torch.float32)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(scale * torch.randn_like(p))
-    model.save_pretrained(out)
-    return out
+def demo_teacher(tmp_path: Path, seed: int = 7) -> Path:
+    return save_demo_teacher(tmp_path / f"teacher-{seed}", seed)
 
 
 def edit_tokenizer(directory: Path, edit) -> None:
