@@ -16,6 +16,7 @@ teacher must have a log-prob for it.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -25,6 +26,7 @@ from leangrpo.errors import UserError
 from leangrpo.model.files import ModelFiles, check_model_files, embedding_rows
 
 MISSING = object()
+log = logging.getLogger("leangrpo")
 
 
 class TeacherMismatchError(UserError):
@@ -92,8 +94,9 @@ def check_teacher_vocabulary(
 def check_teacher(cfg: Any, policy: ModelFiles, world_size: int) -> None:
     """Everything about `cfg.distill` that can be known before torch is imported: the
     teacher's files (as model.name_or_path's), bitsandbytes and the CPU for a quantized
-    teacher, torchrun's limits, and the vocabulary check (when both are on disk: a hub
-    teacher not yet downloaded is checked once fetched, before its weights load)."""
+    teacher, torchrun's limits, and the vocabulary check, which needs both tokenizers on
+    disk: a hub model not in the local cache yet is not compared (a warning says so;
+    download it first to have it checked)."""
     distill = cfg.distill
     if distill is None:
         return
@@ -105,13 +108,14 @@ def check_teacher(cfg: Any, policy: ModelFiles, world_size: int) -> None:
             str(error).replace("model.name_or_path", "distill.teacher")
         ) from None
     check_teacher_quantization(cfg, world_size)
-    if policy.directory is not None and teacher.directory is not None:
-        check_teacher_vocabulary(
-            policy.directory,
-            teacher.directory,
-            _rows(policy.directory),
-            _rows(teacher.directory),
+    if policy.directory is None or teacher.directory is None:
+        log.warning(
+            "distill.teacher: the policy's and the teacher's tokenizers were not compared, because one of them is not downloaded yet; download both (huggingface-cli download) to have the check run before anything loads"
         )
+        return
+    check_teacher_vocabulary(
+        policy.directory, teacher.directory, _rows(policy.directory), _rows(teacher.directory)
+    )
 
 
 def check_teacher_quantization(cfg: Any, world_size: int) -> None:
