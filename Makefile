@@ -58,10 +58,13 @@ EXACT_ONE_PROCESS := tests/integration/test_multiturn.py tests/integration/test_
 	tests/rollout/test_hf.py tests/rollout/test_hf_turns.py tests/model/test_policy.py
 EXACT_TORCHRUN := tests/distributed/test_context_parallel.py
 AVX2_KERNELS := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
-EXACT_PASS := bash scripts/run_tests.sh $(BIN)/pytest -q -p no:cacheprovider -m exact
+# Both cores: pytest-xdist with two workers (every test keeps one intra-op thread; the
+# torchrun tests start their ranks beside the other worker's test, which only slows them).
+PYTEST := $(BIN)/pytest -q -n 2
+EXACT_PASS := bash scripts/run_tests.sh $(PYTEST) -p no:cacheprovider -m exact
 
 test-main: $(STAMP)
-	bash scripts/run_tests.sh $(BIN)/pytest -q
+	bash scripts/run_tests.sh $(PYTEST)
 	$(AVX2_KERNELS) $(EXACT_PASS) $(EXACT_ONE_PROCESS) $(EXACT_TORCHRUN)
 	ATEN_CPU_CAPABILITY=default $(EXACT_PASS) -k "not resume" $(EXACT_ONE_PROCESS)
 

@@ -196,6 +196,7 @@ class PackedBatch:
     behaviour_logprobs: Tensor  # (T,) float32, from the engine
     old_logprobs: Tensor | None = None  # (T,) float32, trainer's no-grad pass (decoupled IS)
     ref_logprobs: Tensor | None = None  # (T,) float32, reference policy (beta > 0)
+    teacher_logprobs: Tensor | None = None  # (T,) float32, distillation teacher (distill/)
     versions: Tensor | None = None  # (S,) int64, policy version that generated each sequence
     # routing replay: (T, MoE layers, k) experts the engine routed each completion token's
     # predicting position to (model/moe/routes.py); None when samples carry no route records
@@ -296,6 +297,9 @@ class LossInputs:
     ref_logprobs: Tensor | None = None  # (T,) reference policy, needed when beta > 0
     is_weights: Tensor | None = None  # (T,) detached off-policy correction weights
     entropy: Tensor | None = None  # (T,) per-token entropy, for metrics/masking
+    # (T,) a distillation teacher's log-probs: the `distill/reverse_kl` metric only (its
+    # signal is already in `advantages`)
+    teacher_logprobs: Tensor | None = None
 
 
 @dataclass

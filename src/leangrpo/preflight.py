@@ -22,7 +22,9 @@ the first thing that touches the disk):
    checks (environments/check.py: names, template, the environment and its tools imported
    in a worker, rewards that could only be 0, and with the tokenizer's record the template
    and the prompts' first turns);
-4. the metrics backends are installed; what torchrun runs cannot do, and a
+4. a distillation teacher: its files, a quantized teacher's needs, and its tokenizer
+   mapping every id to the policy's token (distill/check.py);
+   the metrics backends are installed; what torchrun runs cannot do, and a
    distributed.context_parallel_size that the processes or the model's heads cannot take
    (`check_world`, `check_context_parallel`); options that do nothing in the chosen mode
    are listed in one warning;
@@ -68,6 +70,7 @@ from leangrpo.data.prompts import (
     check_data,
     load_prompts,
 )
+from leangrpo.distill.check import check_teacher
 from leangrpo.model.files import (
     EXPERT_KEYS,
     ModelFiles,
@@ -144,6 +147,7 @@ def check_inputs(cfg: Any, warn: bool = True) -> tuple[ModelFiles, PromptLimit |
 
     check_backends(list(cfg.logging.backends))
     check_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    check_teacher(cfg, model, int(os.environ.get("WORLD_SIZE", "1")))
     check_context_parallel(cfg, int(os.environ.get("WORLD_SIZE", "1")), model)
     check_mixture_of_experts(cfg, model)
     ignored = ignored_options(cfg)

@@ -30,6 +30,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from leangrpo.config.base import Section
+from leangrpo.config.distill import DistillConfig
 from leangrpo.config.environment import EnvironmentConfig
 from leangrpo.config.io import (
     ConfigError,
@@ -89,6 +90,9 @@ class Config(Section):
     )
     environment: EnvironmentConfig | None = Field(
         None, description="Multi-turn rollouts (environments and tools); null = single-turn."
+    )
+    distill: DistillConfig | None = Field(
+        None, description="On-policy distillation from a frozen teacher; null = none."
     )
 
     @model_validator(mode="after")
@@ -177,11 +181,12 @@ class Config(Section):
     @model_validator(mode="after")
     def _check_rewards_and_environment(self) -> Config:
         env, functions = self.environment, self.rewards.functions
-        if not functions and env is None:
+        if not functions and env is None and self.distill is None:
             raise rule_error(
-                "'rewards.functions' should have at least 1 item: name a reward function, e.g. rewards.functions: [math] (only an environment's own reward terms can stand in for them)."
+                "'rewards.functions' should have at least 1 item: name a reward function, e.g. rewards.functions: [math] (only an environment's own reward terms, or a distill teacher, can stand in for them)."
             )
-        if functions and all(spec.weight == 0 for spec in functions) and env is None:
+        no_reward = all(spec.weight == 0 for spec in functions)
+        if functions and no_reward and env is None and self.distill is None:
             raise rule_error(
                 "Every rewards.functions[*].weight is 0, so every reward and advantage is 0 and the run learns nothing; give at least one function a non-zero weight."
             )
@@ -210,6 +215,27 @@ class Config(Section):
             raise rule_error(
                 f"rollout.vllm.max_model_len ({vllm_len}) must be at least environment.max_total_tokens ({env.max_total_tokens}), the longest trajectory vLLM is asked to continue."
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_distill(self) -> Config:
+        """The teacher's log-probs are of the temperature-scaled distribution, unfiltered
+        (a teacher filtered by top-k / min-p gives -inf to tokens outside its set), so the
+        student's must be too; groups without reward variance still carry the teacher's
+        signal, so re-rolls and replay, which drop or swap them, have nothing to go on."""
+        if self.distill is None:
+            return self
+        r = self.rollout
+        if r.top_k or r.min_p:
+            raise rule_error(
+                f"distill compares the student's and the teacher's temperature-scaled distributions on each sampled token, and rollout.top_k ({r.top_k}) / rollout.min_p ({r.min_p}) would sample from a filtered one; set rollout.top_k: 0 and rollout.min_p: 0."
+            )
+        pure = self.environment is None and all(s.weight == 0 for s in self.rewards.functions)
+        for key, section in (("replay", self.pipeline.replay), ("reroll", self.pipeline.reroll)):
+            if pure and section.enabled:
+                raise rule_error(
+                    f"pipeline.{key}.enabled acts on groups without reward variance, and with distill and no weighted reward function every group is one (its signal is the teacher's, per token); set pipeline.{key}.enabled: false."
+                )
         return self
 
     def model_token_budget(self) -> int:

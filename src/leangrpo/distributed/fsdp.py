@@ -256,11 +256,14 @@ def local_param_bytes(model: nn.Module) -> int:
 
 def shard_policy(policy, dist_cfg, ctx: DistContext, split: RowSplit = WHOLE_ROW) -> None:
     """Shard a loaded policy in place: `policy.root` becomes its FSDP root, and a full
-    fine-tuning reference (beta > 0) is sharded the same way (no full copy per rank). A
+    fine-tuning reference (beta > 0) and a distillation teacher are sharded the same way
+    (no full copy per rank; the teacher, loaded whole, keeps only its shards). A
     reference still on the meta device (`model.meta_copy`) is sharded there and its shards
     are then copied from the policy's: the same values, never a second full copy. Build
     the optimizer afterwards. `split`: the scoring passes' row split (`shard_model`)."""
     policy.root = shard_model(policy.model, dist_cfg, ctx, split)
+    if policy.teacher is not None:  # a distillation teacher: sharded like the reference
+        policy.teacher = shard_model(policy.teacher, dist_cfg, ctx, split)
     if policy.reference is not None:
         on_meta = any(p.is_meta for p in policy.reference.parameters())
         reference = shard_model(policy.reference, dist_cfg, ctx, split)

@@ -141,10 +141,12 @@ class TorchrunRanks:
         return clip_grad_norm(parameters, max_norm)
 
     def release_gathered(self, policy) -> None:
-        """Reshard every FSDP unit of the policy and the reference (no collective)."""
+        """Reshard every FSDP unit of the policy, the reference and a distillation teacher
+        (no collective)."""
         reshard(policy.root)
-        if policy.reference is not None:
-            reshard(policy.reference)
+        for frozen in (policy.reference, policy.teacher):
+            if frozen is not None:
+                reshard(frozen)
 
 
 def gathered_weights(policy, *, ctx: DistContext, to_all: bool) -> Iterable[tuple[str, Any]]:

@@ -1,8 +1,8 @@
 """The batch in progress: a generation batch being trained on, resumable at any step.
 
-A `BatchInProgress` holds a batch's planned steps (old/reference log-probs attached by
-the no-grad passes) and how many of its mu x steps_per_generation optimizer steps are
-done, taken iteration-major. A checkpoint inside a batch saves it whole: its samples
+A `BatchInProgress` holds a batch's planned steps (old/reference/teacher log-probs
+attached by the no-grad passes) and how many of its mu x steps_per_generation optimizer
+steps are done, taken iteration-major. A checkpoint inside a batch saves it whole: its samples
 (re-planned identically on load) and the passes' tensors, so a resume continues with the
 same micro-batches and never recomputes old or reference log-probs with weights that
 have moved since; the batch's metrics (rewards, advantages, lengths, ...), logged with its
@@ -22,7 +22,7 @@ from leangrpo.model.policy import Policy
 from leangrpo.train.planning import PlannedStep, plan_steps
 
 # what the no-grad passes attach to a micro-batch: a checkpoint inside a batch keeps them
-NO_GRAD_FIELDS = ("old_logprobs", "ref_logprobs")
+NO_GRAD_FIELDS = ("old_logprobs", "ref_logprobs", "teacher_logprobs")
 
 
 @dataclass

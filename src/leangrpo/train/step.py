@@ -65,7 +65,7 @@ def train_step(
                 padding_pass(module, mb, sampling, cfg.logprobs, backward=True, with_entropy=True)
                 continue
             logprobs, entropy = score(module, mb, sampling, cfg.logprobs, with_entropy=True)
-            inputs, mb_is = loss_inputs(mb, logprobs, entropy, cfg.loss)
+            inputs, mb_is = loss_inputs(mb, logprobs, entropy, cfg.loss, cfg.distill)
             out = compute_loss(inputs, norm, cfg.loss)
             policy.routing.loss_with_aux(out.loss, inputs, norm).backward()  # MoE: + aux loss
         on_device.append((out.loss.detach(), out.metrics, mb_is))

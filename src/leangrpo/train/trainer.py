@@ -42,6 +42,7 @@ import torch
 from leangrpo.checkpoint.rundir import schedule_horizon
 from leangrpo.config import Config
 from leangrpo.contracts import RolloutBatch
+from leangrpo.distill.teacher import load_teacher
 from leangrpo.distributed.context import DistContext, init_distributed
 from leangrpo.distributed.strategy import choose_strategy
 from leangrpo.environments.setup import Environments, start_environments
@@ -122,7 +123,8 @@ class Trainer:
         prompts = prepare_prompts(cfg, tokenizer, limit, first_turn)
         if ctx.is_main:
             warn_if_tokenizer_drops_text(prompts.train, tokenizer, cfg.model.name_or_path)
-        self.learning = LearningSignal(self.out)  # warns when nothing can be learned
+        # warns when nothing can be learned (a teacher's signal is not the groups')
+        self.learning = LearningSignal(self.out, flat_groups_matter=cfg.distill is None)
         remember(self.checked.model.directory, tokenizer)  # for the next preflight and check
         if self.environments is not None:
             self.environments.probe(prompts.train[0])
@@ -132,6 +134,9 @@ class Trainer:
         self.policy: Policy = shared or load_policy(
             cfg, tokenizer, strategy.device, reference_on_meta=strategy.reference_on_meta
         )
+        if cfg.distill is not None:  # sharded with the policy under torchrun
+            log.info("loading the teacher %s ...", cfg.distill.teacher)
+            self.policy.teacher = load_teacher(cfg, strategy.device)
         own_copy = strategy.shard(self.policy)  # torchrun, hf engine: the rank's own copy
         self.engines = engines = make_engines(
             cfg, self.policy, ctx, own_copy, started=started and started.engine

@@ -1,0 +1,151 @@
+"""The teacher's checks before anything loads (preflight), without torch: its files, its
+quantization's needs, and that it reads the policy's token ids as the same tokens.
+
+The teacher scores the ids the policy sampled, never text, so what must agree is the map
+from id to token (the vocabulary and the added tokens): two tokenizers that agree on it
+give the teacher exactly the sequence the policy wrote, whatever their normalisers or
+pre-tokenizers do with text. Read from each directory's tokenizer.json (plain JSON: BPE
+and WordPiece vocabularies are token -> id, Unigram's a list whose index is the id;
+added tokens carry their ids), or through transformers' tokenizer where there is no
+tokenizer.json (sentencepiece-only models). The first id on which they differ is named.
+The teacher's embedding rows (config.json vocab_size) must also cover the policy's: a
+policy may sample any id below its own vocab_size, padding rows included, and the
+teacher must have a log-prob for it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from leangrpo.config import ConfigError
+from leangrpo.errors import UserError
+from leangrpo.model.files import ModelFiles, check_model_files, embedding_rows
+
+MISSING = object()
+log = logging.getLogger("leangrpo")
+
+
+class TeacherMismatchError(UserError):
+    """The teacher cannot score the policy's ids (one sentence)."""
+
+
+def id_to_token(directory: Path) -> dict[int, str]:
+    """id -> token of the tokenizer saved in `directory` (vocabulary and added tokens)."""
+    file = directory / "tokenizer.json"
+    if file.is_file():
+        try:
+            data = json.loads(file.read_text(encoding="utf-8"))
+            return _from_tokenizer_json(data)
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+            pass  # transformers reads it, or says what is wrong with it
+    from transformers import AutoTokenizer
+
+    vocab = AutoTokenizer.from_pretrained(str(directory)).get_vocab()
+    return {int(i): str(t) for t, i in vocab.items()}
+
+
+def _from_tokenizer_json(data: dict[str, Any]) -> dict[int, str]:
+    vocab = data["model"].get("vocab") or {}
+    if isinstance(vocab, dict):
+        out = {int(i): str(t) for t, i in vocab.items()}
+    else:  # Unigram: [[token, score], ...], the index is the id
+        out = {i: str(entry[0]) for i, entry in enumerate(vocab)}
+    for added in data.get("added_tokens") or []:
+        out[int(added["id"])] = str(added["content"])
+    return out
+
+
+def first_difference(policy: dict[int, str], teacher: dict[int, str]) -> str | None:
+    """'id N is ... for the policy and ... for the teacher' at the lowest id where the
+    two maps differ, or None when they are equal."""
+    if policy == teacher:
+        return None
+    for i in sorted(set(policy) | set(teacher)):
+        mine, theirs = policy.get(i, MISSING), teacher.get(i, MISSING)
+        if mine != theirs:
+            return f"id {i} is {_shown(mine)} for the policy and {_shown(theirs)} for the teacher"
+    return None  # unreachable: unequal maps differ at some id
+
+
+def _shown(token: object) -> str:
+    return "absent" if token is MISSING else repr(token)
+
+
+def check_teacher_vocabulary(
+    policy_dir: Path, teacher_dir: Path, policy_rows: int | None, teacher_rows: int | None
+) -> None:
+    """Refuse a teacher whose tokenizer maps some id to another token than the policy's,
+    or whose embedding rows do not cover the policy's (one sentence each)."""
+    difference = first_difference(id_to_token(policy_dir), id_to_token(teacher_dir))
+    if difference is not None:
+        raise TeacherMismatchError(
+            f"distill.teacher ({teacher_dir}) has another tokenizer than the policy ({policy_dir}): {difference}, so it would score other tokens than the policy sampled; use a teacher of the same tokenizer family (same vocabulary and added tokens)."
+        )
+    if policy_rows is not None and teacher_rows is not None and teacher_rows < policy_rows:
+        raise TeacherMismatchError(
+            f"distill.teacher ({teacher_dir}) has {teacher_rows} vocabulary rows (config.json vocab_size) and the policy {policy_rows}, so a token the policy samples from its last {policy_rows - teacher_rows} rows would have no teacher log-prob; use a teacher whose vocab_size covers the policy's."
+        )
+
+
+def check_teacher(cfg: Any, policy: ModelFiles, world_size: int) -> None:
+    """Everything about `cfg.distill` that can be known before torch is imported: the
+    teacher's files (as model.name_or_path's), bitsandbytes and the CPU for a quantized
+    teacher, torchrun's limits, and the vocabulary check, which needs both tokenizers on
+    disk: a hub model not in the local cache yet is not compared (a warning says so;
+    download it first to have it checked)."""
+    distill = cfg.distill
+    if distill is None:
+        return
+    settings = SimpleNamespace(name_or_path=distill.teacher, revision=distill.teacher_revision)
+    try:
+        teacher = check_model_files(settings)
+    except UserError as error:  # its messages name model.name_or_path
+        raise TeacherMismatchError(
+            str(error).replace("model.name_or_path", "distill.teacher")
+        ) from None
+    check_teacher_quantization(cfg, world_size)
+    if policy.directory is None or teacher.directory is None:
+        log.warning(
+            "distill.teacher: the policy's and the teacher's tokenizers were not compared, because one of them is not downloaded yet; download both (huggingface-cli download) to have the check run before anything loads"
+        )
+        return
+    check_teacher_vocabulary(
+        policy.directory, teacher.directory, _rows(policy.directory), _rows(teacher.directory)
+    )
+
+
+def check_teacher_quantization(cfg: Any, world_size: int) -> None:
+    """bitsandbytes installed and a CPU it runs on (model/quantization.py's checks), and
+    no int8 teacher under torchrun (FSDP2 loses int8 layers' scales)."""
+    quant = cfg.distill.teacher_quantization
+    if quant == "none":
+        return
+    import platform
+
+    from leangrpo.model.quantization import (
+        QuantizationError,
+        bitsandbytes_version,
+        check_bitsandbytes,
+        cpu_flags,
+        cpu_problem,
+    )
+
+    key = "distill.teacher_quantization"
+    check_bitsandbytes(quant, bitsandbytes_version(), key)
+    if cfg.run.device == "cpu":
+        problem = cpu_problem(platform.machine(), cpu_flags(), key)
+        if problem:
+            raise QuantizationError(f"{key}: {quant} {problem}")
+    if quant == "int8" and world_size > 1:
+        raise ConfigError(
+            f"distill.teacher_quantization: int8 cannot be sharded by FSDP2 (bitsandbytes' int8 layers lose their scales when their weight becomes a DTensor), and this run has {world_size} torchrun processes; use distill.teacher_quantization: nf4, or one process."
+        )
+
+
+def _rows(directory: Path) -> int | None:
+    """config.json's vocab_size in `directory` (check_model_files read it already)."""
+    return embedding_rows(json.loads((directory / "config.json").read_text(encoding="utf-8")))

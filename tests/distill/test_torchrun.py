@@ -1,0 +1,43 @@
+"""A distillation teacher under torchrun (2 CPU ranks, gloo): sharded like the reference
+by `shard_policy`, scored through its FSDP root in the no-grad passes, resharded after
+them; each sample's teacher log-probs equal one process's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.configs import ROOT
+from support.distill_worker import distill_run
+from support.models import save_demo_teacher
+from support.ranks import assert_ok, launch
+
+from leangrpo.config import config_from_dict
+from leangrpo.distill.teacher import load_teacher, teacher_logprobs
+from leangrpo.train.packing import pack_samples
+
+WORKER = ROOT / "tests" / "support" / "distill_worker.py"
+
+
+@pytest.mark.slow
+def test_a_sharded_teacher_scores_like_one_process(tmp_path):
+    from support.dist_worker import batches
+
+    teacher = save_demo_teacher(tmp_path / "teacher")
+    assert_ok(launch(tmp_path, "teacher", str(teacher), str(tmp_path), worker=WORKER))
+    ranks = torch.load(tmp_path / "teacher.pt", weights_only=False)
+
+    cfg = config_from_dict(distill_run(str(teacher), tmp_path))
+    model = load_teacher(cfg, torch.device("cpu"))
+    samples = [s for g in batches()[0] for s in g]
+    sampling = cfg.rollout.sampling_params()
+    scored = {}
+    for seen in ranks:
+        assert seen["whole"] == []  # every teacher parameter is a shard again after the passes
+        assert seen["loss"] == ranks[0]["loss"] and seen["reverse_kl"] > 0
+        scored.update(seen["logprobs"])
+    by_ids = {tuple(s.completion.ids): s for s in samples}
+    assert len(by_ids) == len(samples) and sorted(scored) == sorted(by_ids)  # each once
+    for ids, values in scored.items():
+        mb = pack_samples([by_ids[ids]])
+        want = teacher_logprobs(model, mb, sampling, cfg.logprobs)
+        torch.testing.assert_close(values, want, rtol=1e-5, atol=1e-5)

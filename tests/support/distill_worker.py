@@ -1,0 +1,83 @@
+"""One rank of the 2-process CPU (gloo) distillation test (tests/distill/test_torchrun.py).
+
+Run as `python tests/support/distill_worker.py teacher TEACHER_DIR OUT_DIR` with RANK,
+WORLD_SIZE, MASTER_ADDR and MASTER_PORT set. The trainer's pieces on the demo: the policy
+and the teacher (load_teacher) sharded by `shard_policy`, the rank's groups planned,
+`attach_old_and_ref` (the teacher's pass through its FSDP root), one `train_step`. Rank 0
+writes OUT_DIR/teacher.pt: per rank, the teacher log-probs of each sample it scored (by
+its completion ids), the teacher parameters held whole after the passes (none
+may be), and the step's loss.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "src"))  # run as a script: this checkout's leangrpo ...
+sys.path.insert(0, str(REPO / "tests"))  # ... and the support package
+
+
+def distill_run(teacher: str, out: Path) -> dict:
+    """The distillation config both the ranks and the one-process reference use."""
+    from support.configs import demo_config
+
+    raw = demo_config(out / "unused", "full_sync", 2, distill={"teacher": teacher})
+    raw["loss"]["beta"] = 0.0
+    return raw
+
+
+def teacher_ranks(teacher: str, out: Path) -> None:
+    from leangrpo.config import config_from_dict
+    from leangrpo.distill.teacher import load_teacher
+    from leangrpo.distributed.context import init_distributed
+    from leangrpo.distributed.fsdp import shard_policy
+    from leangrpo.distributed.strategy import TorchrunRanks
+    from leangrpo.model.policy import load_policy
+    from leangrpo.train.packing import unpack_per_sample
+    from leangrpo.train.passes import attach_old_and_ref
+    from leangrpo.train.planning import plan_steps
+    from leangrpo.train.step import train_step
+    from support.dist_worker import batches, dist_cfg, unsharded_parameters
+
+    ctx = init_distributed(dist_cfg(), "cpu")
+    cfg = config_from_dict(distill_run(teacher, out))
+    samples = [s for g in batches()[0] for s in g]
+    for s in samples:
+        s.reward = 0.0
+    policy = load_policy(cfg, None, torch.device("cpu"))
+    policy.teacher = load_teacher(cfg, torch.device("cpu"))
+    shard_policy(policy, cfg.distributed, ctx)
+    sampling, ranks = cfg.rollout.sampling_params(), TorchrunRanks(ctx)
+    steps = plan_steps(samples, cfg, policy, ctx.rank, ctx.world_size)
+    attach_old_and_ref(policy, steps, cfg.loss, cfg.logprobs, sampling, ranks)
+    seen = {"whole": unsharded_parameters(policy.teacher), "logprobs": {}}
+    for mb in (mb for step in steps for mb in step.micro_batches if not mb.padding):
+        completions = unpack_per_sample(mb.targets, mb)  # each sequence's ids: its key
+        for ids, values in zip(completions, unpack_per_sample(mb.teacher_logprobs, mb)):
+            seen["logprobs"][tuple(ids.tolist())] = values.clone()
+    opt = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-4)
+    result = train_step(policy, steps[0].micro_batches, opt, cfg, sampling, ranks)
+    seen["loss"], seen["reverse_kl"] = (
+        result.metrics["loss"],
+        result.metrics["loss/distill/reverse_kl"],
+    )
+    gathered = ctx.gather_to_main(seen)
+    if ctx.is_main:
+        torch.save(gathered, out / "teacher.pt")
+    ctx.shutdown()
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    scenario, arg, out = sys.argv[1:4]
+    if scenario != "teacher":
+        raise SystemExit(f"unknown scenario {scenario!r}")
+    teacher_ranks(arg, Path(out))
+
+
+if __name__ == "__main__":
+    main()
