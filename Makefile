@@ -53,7 +53,7 @@ test: test-main test-vllm
 # straight run, a row's bits whatever shares its forward) again on the CPU kernels that an
 # AVX2-only machine picks and on ATen's generic ones, whatever this machine's CPU (the
 # generic pass only the comparisons of two ways of making a batch, not the resumes).
-# See docs/ARCHITECTURE.md, "Bitwise or within rounding".
+# See docs/testing.md, "Bitwise or within rounding".
 EXACT_ONE_PROCESS := tests/integration/test_multiturn.py tests/integration/test_trainer.py \
 	tests/rollout/test_hf.py tests/rollout/test_hf_turns.py tests/model/test_policy.py
 EXACT_TORCHRUN := tests/distributed/test_context_parallel.py

@@ -15,7 +15,7 @@ The roles' interfaces live here too: `RolloutEngine`, `TurnEngine` and `TurnStre
 (rollout/; the multi-turn rollout of environments/ drives the latter two), `Producer`
 (pipeline/ and distributed/rollout.py), and what differs between one process and torchrun, chosen once
 at set-up (`Strategy`, picked by distributed/strategy.py: `StepRanks`, `Checkpointer`,
-`MetricsLog`). See docs/ARCHITECTURE.md.
+`MetricsLog`). See docs/ARCHITECTURE.md ("Contracts that cross roles").
 """
 
 from __future__ import annotations

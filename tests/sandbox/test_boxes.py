@@ -111,7 +111,7 @@ def test_the_trainer_itself_refuses_undeclared_reward_terms():
 def test_what_a_call_leaves_reaches_no_other_call(level, monkeypatch):
     """Files in HOME/TMPDIR (and /dev/shm: namespace level) and module state: gone for
     another prompt's call in the same scoring and for the next scoring."""
-    if level == "process":  # its /dev/shm is the machine's (docs/ARCHITECTURE.md)
+    if level == "process":  # its /dev/shm is the machine's (docs/sandbox.md)
         monkeypatch.setenv("LEANGRPO_TEST_PLACES", "tmp")
     sandbox = {"level": level_here(level), "pass_env": ["LEANGRPO_TEST_PLACES"]}
     cfg = rewards_section("support.hostile_tools:planting_reward", sandbox=sandbox)

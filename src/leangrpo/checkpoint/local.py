@@ -43,7 +43,7 @@ Choices:
 
 `LocalCheckpointer` is the trainer's `contracts.Checkpointer` for a single process
 (sharded.py's `ShardedCheckpointer` the torchrun one); the batch in progress goes into
-trainer_state.pt as `inflight`. See docs/ARCHITECTURE.md ("Exact resume").
+trainer_state.pt as `inflight`. See docs/checkpoints.md ("Exact resume").
 """
 
 from __future__ import annotations

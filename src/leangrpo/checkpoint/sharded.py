@@ -32,7 +32,7 @@ for LoRA the adapter tensors only, passed to `save_pretrained(state_dict=...)`.
 `ShardedCheckpointer` is the trainer's `contracts.Checkpointer` under torchrun. The batch
 in progress has the same samples on every rank but per-rank old/reference log-probs (each
 rank's micro-batches): they are gathered to rank 0 as `attached_by_rank`, and each rank
-takes its own back on resume. See docs/ARCHITECTURE.md ("Distributed": "Checkpoints",
+takes its own back on resume. See docs/distributed.md ("Checkpoints",
 "Sharded checkpoints").
 """
 

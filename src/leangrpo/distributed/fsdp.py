@@ -22,7 +22,7 @@ sharding does not matter. The offload hooks (offload.py) see the same layer inpu
 Weight sync (`gather_for_sync`): every rank gathers every tensor (`full_tensor()`) in the
 same fixed order, rank 0 keeps them, and only then does rank 0 send anything, so no
 all-gather is ever interleaved with a send (the deadlock of TRL #7103). See
-docs/ARCHITECTURE.md "Distributed" ("Units", "Weight sync").
+docs/distributed.md ("Units", "Weight sync").
 """
 
 from __future__ import annotations

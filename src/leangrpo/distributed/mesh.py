@@ -16,8 +16,8 @@ ranks with the same c.
   gradient norm, the skip decision and stop signals are reduced over all W.
 
 Every group is created on every rank, in one order, with `distributed.timeout_s`. With C = 1
-no group is created: the data group is the default one. See docs/ARCHITECTURE.md "Context
-parallelism".
+no group is created: the data group is the default one. See
+docs/context-parallel.md ("The mesh").
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ strategy: what a multi-process run puts where one process has its own pieces
   (the trainer's dealing needs the whole batch anyway, and no device sits idle while a
   batch is made); with vLLM servers rank 0 generates and broadcasts.
 
-See docs/ARCHITECTURE.md "Distributed".
+See docs/distributed.md.
 """
 
 from __future__ import annotations

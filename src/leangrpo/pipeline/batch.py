@@ -16,7 +16,7 @@
   rather than train beyond the bound), group advantages; with re-rolls on, the flat groups
   left (re-queued or dropped, all advantages 0) are taken out of the batch.
 - `RolloutSettings` and `ProducedBatch` are what flows between them and the producers.
-See docs/ARCHITECTURE.md ("Re-rolls", "Replay", "What `max_staleness` bounds").
+See docs/async.md ("Re-rolls", "Replay", "What `max_staleness` bounds").
 """
 
 from __future__ import annotations

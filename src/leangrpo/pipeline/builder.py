@@ -10,7 +10,7 @@
   rank 0 alone evaluates.
 With an environment, the producer's worker and the evaluator generate through a
 multi-turn rollout over their engines (environments/driver.py), sharing one pool of
-environment workers. See docs/ARCHITECTURE.md ("Distributed": "Generation").
+environment workers. See docs/distributed.md ("Generation").
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ same micro-batches and never recomputes old or reference log-probs with weights 
 have moved since; the batch's metrics (rewards, advantages, lengths, ...), logged with its
 first step, are saved too while that step is still to come. Under torchrun the tensors
 are each rank's own (the checkpointer gathers and hands them back). See
-docs/ARCHITECTURE.md ("Exact resume").
+docs/checkpoints.md ("Exact resume").
 """
 
 from __future__ import annotations

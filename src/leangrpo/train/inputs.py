@@ -10,7 +10,7 @@
   old pass's log-probs, behaviour IS weights), bypass (the behaviour log-probs as old, no
   weights) or none.
 
-See docs/ARCHITECTURE.md ("Loss normalisers", "Bypass mode has no IS weights").
+See docs/training.md ("Loss normalisers", "Bypass mode has no IS weights").
 """
 
 from __future__ import annotations

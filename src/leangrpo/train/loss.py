@@ -1,7 +1,7 @@
 """The GRPO objective family, KL k3 and the importance-sampling (IS) correction.
 
 Configured by the config's own `loss` section (`config.training.LossConfig`, validated
-there: one copy of the settings); docs/ARCHITECTURE.md "Choices" gives the reasons.
+there: one copy of the settings); docs/training.md gives the reasons.
 Every variant is three small pieces picked from a registry (no string branches):
 
     ratio      token: r_t = exp(logp_t - old_t)

@@ -14,8 +14,8 @@
 All run in eval mode over every planned micro-batch (torchrun's padding ones too: every
 rank makes the same forwards), then `ranks.release_gathered` frees what the passes left
 gathered (FSDP2 reshards neither the root nor, under shard_grad_op, any unit after a
-forward that no backward follows). See docs/ARCHITECTURE.md ("Reference log-probs are
-unfiltered", "Units").
+forward that no backward follows). See docs/training.md ("Reference log-probs are
+unfiltered") and docs/distributed.md ("Units").
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ The ranks are a `contracts.StepRanks`, picked at set-up: one process (identities
 torchrun, where the normaliser counts are all-reduced once, padding micro-batches run a
 forward and a zero-gradient backward (never the loss), the gradient norm is global, the
 skip decision is all-reduced and the loss metrics are combined over ranks, so every rank
-takes the same decision and rank 0 logs global figures. See docs/ARCHITECTURE.md
+takes the same decision and rank 0 logs global figures. See docs/distributed.md
 ("A step", "Gradients are averaged over ranks").
 """
 

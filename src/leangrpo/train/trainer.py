@@ -24,7 +24,7 @@ inside a batch holds that batch (`BatchInProgress`), so resume is exact at any s
 Stop signals (stopping.py): during `train()` a first SIGTERM or Ctrl-C is checked at each
 optimizer-step boundary (on every rank, agreed by one all-reduce; a wait for a batch in one
 process is cut short: the batch is abandoned); the run then saves a checkpoint at that
-step, closes, and raises `RunStopped`. See docs/ARCHITECTURE.md.
+step, closes, and raises `RunStopped`. See docs/training.md and docs/checkpoints.md.
 """
 
 from __future__ import annotations
