@@ -126,7 +126,7 @@ def _eval_parser(sub) -> None:
     p.add_argument(
         "target",
         metavar="RUN_OR_CHECKPOINT",
-        help="a run directory (its final/, else its newest intact checkpoint), a checkpoints/step-N or a final/ directory",
+        help="a run directory (its final/, or its newest intact checkpoint when that is newer), a checkpoints/step-N or a final/ directory",
     )
     p.add_argument(
         "--data",

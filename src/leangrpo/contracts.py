@@ -504,8 +504,9 @@ class Checkpointer(Protocol):
     def load(self, path: Path, model: Any, optimizer: Any, scheduler: Any) -> RestoredCheckpoint:
         ...
 
-    def save_final(self, model: Any, tokenizer: Any) -> Path:
-        """`final/`, a directory transformers / peft / vLLM load directly."""
+    def save_final(self, model: Any, tokenizer: Any, step: int, version: int) -> Path:
+        """`final/`, a directory transformers / peft / vLLM load directly, recording the
+        step and policy version it holds (checkpoint/rundir.py FINAL_STATE)."""
         ...
 
 

@@ -26,8 +26,10 @@ from leangrpo.checkpoint.rundir import (
     RunDirError,
     complete_checkpoints,
     config_changes,
+    current_final,
     open_run_dir,
     schedule_horizon,
+    write_final_state,
 )
 from leangrpo.config import config_from_dict
 from leangrpo.preflight import describe_run_dir
@@ -149,6 +151,7 @@ def earlier_run(out: Path) -> dict[str, bytes]:
     (out / "metrics.jsonl").write_text('{"step": 10}\n')
     (out / "final").mkdir()
     (out / "final" / "model.safetensors").write_bytes(b"w" * 100)
+    write_final_state(out / "final", 10, 10)
     (out / "config.yaml").write_text(make_cfg(out).to_yaml())
     return tree(out)
 
@@ -466,12 +469,37 @@ def test_finished_run_is_reported_not_rerun(tmp_path: Path) -> None:
     assert not run_dir.finished and run_dir.resume_from == last
     run_dir.release()
     (out / "final").mkdir()
+    write_final_state(out / "final", 10, 10)
     run_dir = open_run_dir(make_cfg(out))
     assert run_dir.finished.startswith(f"Run {str(out)!r} is already finished")
     assert "step 10 and run.max_steps is 10" in run_dir.finished
     run_dir.release()
     run_dir = open_run_dir(make_cfg(out, max_steps=12))
     assert not run_dir.finished and run_dir.resume_step == 10
+    run_dir.release()
+
+
+def test_a_final_older_than_the_resume_checkpoint_does_not_finish_the_run(tmp_path: Path) -> None:
+    """eval_stale_final.py: a run finished at step 2 (final/), extended and stopped at
+    step 10, then told max_steps 10: final/ holds step 2, so the run is not finished; it
+    resumes to finish (the last evaluation and final/). `current_final` passes it over."""
+    out = tmp_path / "run"
+    fake_checkpoint(out, 2, make_cfg(out))
+    (out / "final").mkdir()
+    write_final_state(out / "final", 2, 2)
+    assert current_final(out) == out / "final"
+    fake_checkpoint(out, 10, make_cfg(out))
+    assert current_final(out) is None
+    run_dir = open_run_dir(make_cfg(out))
+    assert not run_dir.finished and run_dir.resume_step == 10
+    run_dir.release()
+    (out / "final" / "final_state.json").unlink()  # written before leangrpo kept the step
+    run_dir = open_run_dir(make_cfg(out))
+    assert not run_dir.finished and current_final(out) is None
+    run_dir.release()
+    write_final_state(out / "final", 10, 10)
+    run_dir = open_run_dir(make_cfg(out))
+    assert run_dir.finished and current_final(out) == out / "final"
     run_dir.release()
 
 

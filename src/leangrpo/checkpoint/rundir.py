@@ -19,10 +19,11 @@ run does with `run.output_dir`, in this order:
    damaged is refused, naming them. An explicit path must be a complete, intact
    checkpoint (checked now, not after the model has loaded); `never` and
    `run.overwrite: true` take none.
-4. A resume checkpoint at or beyond `run.max_steps` (with final/ written, when
+4. A resume checkpoint at or beyond `run.max_steps` (with final/ written at its step, when
    `checkpoint.save_final_model`) means the run is finished: the CLI says so and exits 0
    without loading anything. Without final/ (a crash between the last checkpoint and
-   final/) the run resumes and only finishes: the last evaluation and final/.
+   final/), or with a final/ older than that checkpoint (the run was extended past it and
+   stopped), the run resumes and only finishes: the last evaluation and final/.
 5. A run that does not resume from this directory's own checkpoints needs a directory
    without an earlier run's files (metrics, samples, checkpoints, final model...):
    starting over there would append a second run to the old metrics.jsonl and prune the
@@ -41,6 +42,13 @@ run does with `run.output_dir`, in this order:
    `run.allow_config_changes: true`, which resumes with a warning listing them.
    `run.max_steps` only says where to stop: the LR schedule keeps the horizon the run
    started with (`schedule_horizon`, saved in every checkpoint's trainer_state.json).
+
+final/ holds `final_state.json` (FINAL_STATE: the step and policy version it was written
+at), written inside it before it is renamed into place: a run extended past its final/
+(run.max_steps raised) leaves the older final/ where it was until it finishes, and what
+reads final/ as the run's model (`current_final`, `leangrpo eval`) checks that record
+against the newest checkpoint. A final/ without the record (written before leangrpo kept
+it) counts as the run's model only in a run without checkpoints.
 
 Under torchrun only rank 0 opens (locks, classifies, sets aside) the directory; the others
 receive its decision (`follower`) and never touch the lock (preflight.py). `leangrpo
@@ -89,6 +97,8 @@ RUN_FILES = (
     "config.yaml",
     "eval.jsonl",  # `leangrpo eval`'s figures (api/evaluation.py)
 )
+# In final/: {"step": N, "version": V}, the step and policy version final/ was written at.
+FINAL_STATE = "final_state.json"
 # Settings that change where output goes or how often, never what is trained.
 HARMLESS_KEYS = (
     "run.max_steps",  # the LR schedule's horizon stays the first one (schedule_horizon)
@@ -152,6 +162,48 @@ def checkpoint_step(path: Path) -> int:
 
 
 _NAMED_WRONG: set[Path] = set()  # each misnamed checkpoint is warned about once
+
+
+# -- final/ and the step it holds -------------------------------------------------------------
+
+
+def write_final_state(directory: Path, step: int, version: int) -> None:
+    """FINAL_STATE in `directory` (final/ being written): the step and version it holds."""
+    text = json.dumps({"step": int(step), "version": int(version)})
+    (directory / FINAL_STATE).write_text(text + "\n", encoding="utf-8")
+
+
+def final_state(final: Path) -> dict[str, int] | None:
+    """final/'s FINAL_STATE ({"step", "version"}), or None: no such file, or one that
+    does not hold two integers (written before leangrpo kept it, or damaged)."""
+    try:
+        state = json.loads((final / FINAL_STATE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(state, dict):
+        return None
+    numbers = {k: state.get(k) for k in ("step", "version")}
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in numbers.values()):
+        return None
+    return numbers  # type: ignore[return-value]
+
+
+def final_holds(final: Path, step: int) -> bool:
+    """`final` is a final/ written at `step` or later (its FINAL_STATE says so)."""
+    state = final_state(final) if final.is_dir() else None
+    return state is not None and state["step"] >= step
+
+
+def current_final(run_dir: Path) -> Path | None:
+    """The run's final/ when it holds the run's newest weights: written at the step of its
+    newest complete checkpoint or later, or the run has no checkpoint; else None (no
+    final/, or one the run has trained past since: extended and stopped, or finished with
+    checkpoint.save_final_model off)."""
+    final = Path(run_dir) / "final"
+    if not final.is_dir():
+        return None
+    found = complete_checkpoints(Path(run_dir) / "checkpoints")
+    return final if not found or final_holds(final, found[-1][0]) else None
 
 
 # -- the lock -------------------------------------------------------------------------------
@@ -352,7 +404,9 @@ def _classify(run_dir: RunDir, cfg: Any) -> None:
         if run.resume == "auto":  # any newer complete checkpoint was passed over as damaged
             newer = complete_checkpoints(own)
             run_dir.damaged = [path for step, path in newer if step > run_dir.resume_step]
-        final_missing = cfg.checkpoint.save_final_model and not (run_dir.path / "final").is_dir()
+        final_missing = cfg.checkpoint.save_final_model and not final_holds(
+            run_dir.path / "final", run_dir.resume_step
+        )
         if run_dir.resume_step >= run.max_steps and not final_missing:
             run_dir.finished = f"Run {str(run_dir.path)!r} is already finished: its checkpoint {resume.name} is at step {run_dir.resume_step} and run.max_steps is {run.max_steps}; nothing to do (raise run.max_steps to train on, or set run.overwrite: true to start again)."
             return

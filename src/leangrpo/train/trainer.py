@@ -476,7 +476,9 @@ class Trainer:
         self.save_checkpoint()
         if self.cfg.checkpoint.save_final_model:
             with self.ctx.phase("checkpoint"):
-                self.strategy.checkpointer.save_final(self.policy.model, self.policy.tokenizer)
+                self.strategy.checkpointer.save_final(
+                    self.policy.model, self.policy.tokenizer, self.step, self.version
+                )
         return final
 
     def save_checkpoint(self) -> Path:
