@@ -114,7 +114,7 @@ def evaluate(
         cfg = eval_config(target, data, num_prompts, base, overrides)
         from leangrpo.preflight import check_inputs
 
-        _, limit = check_inputs(cfg)  # data, rewards, environment, model files: no torch
+        _, limit = check_inputs(cfg, training=False)  # data, rewards, environment, model files
         log.info("scoring %s (step %d) ...", target.path, target.step)
         metrics = score(cfg, target, limit)
         written = write_row(out, target, cfg, metrics)

@@ -50,7 +50,13 @@ from leangrpo.metrics.learning import LearningSignal, warn_if_tokenizer_drops_te
 from leangrpo.model.policy import Policy, load_policy
 from leangrpo.model.tokenizer import remember
 from leangrpo.pipeline.builder import build_pipeline
-from leangrpo.preflight import Preflight, load_checked_tokenizer, preflight, prepare_prompts
+from leangrpo.preflight import (
+    Preflight,
+    check_attention_backend,
+    load_checked_tokenizer,
+    preflight,
+    prepare_prompts,
+)
 from leangrpo.prestart import Prestarted
 from leangrpo.rewards import RewardPool
 from leangrpo.rollout.factory import make_engines, start_shared_engine
@@ -112,6 +118,7 @@ class Trainer:
     def _build(self, cfg: Config) -> None:
         ctx = self.ctx
         self.strategy = strategy = choose_strategy(cfg, ctx, self.out)
+        check_attention_backend(cfg, strategy.device.type)  # run.device auto, resolved
         log.info("loading transformers, the tokenizer and the prompts ...")
         tokenizer, limit = load_checked_tokenizer(cfg, self.checked)  # `leangrpo check` too
         # multi-turn, still before the model loads: environment workers and the chat
