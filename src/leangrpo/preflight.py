@@ -515,6 +515,8 @@ def describe_run_dir(run_dir: RunDir) -> str:
         return f"{path}: resumes from {run_dir.resume_from} (step {run_dir.resume_step}, its files verified){notes}"
     if run_dir.replaces:
         return f"{path}: run.overwrite replaces the earlier run there ({', '.join(run_dir.replaces)}) once the new run has written its first checkpoint"
+    if run_dir.leftovers:
+        return f"{path}: a fresh start, deleting what a run that failed before its first step left there ({', '.join(run_dir.leftovers)})"
     return f"{path}: a fresh start" + ("" if run_dir.path.is_dir() else " (to be created)")
 
 

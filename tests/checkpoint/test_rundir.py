@@ -156,6 +156,38 @@ def earlier_run(out: Path) -> dict[str, bytes]:
     return tree(out)
 
 
+def test_what_a_run_that_failed_before_its_first_step_left_does_not_block_the_rerun(
+    tmp_path: Path,
+) -> None:
+    """flex_on_cpu.py: a run that failed at its first step left metrics.jsonl (its step-0
+    evaluation), and the corrected rerun was refused as 'an earlier run'. Such leftovers
+    (step-0 rows only, the trackers' files) are deleted once the rerun starts writing;
+    anything more (a step completed, a torn row, another file) is still refused."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.yaml").write_text("the failed run's")
+    step0 = '{"step": 0, "prompts/train": 8}\n{"step": 0, "eval/reward": 0.25}\n'
+    (out / "metrics.jsonl").write_text(step0)
+    (out / "tensorboard").mkdir()
+    (out / "tensorboard" / "events").write_text("x")
+    looked = open_run_dir(make_cfg(out), dry=True)
+    described = describe_run_dir(looked)
+    assert "deleting what a run that failed before its first step left there" in described
+    assert "(metrics.jsonl, tensorboard)" in described
+    run_dir = open_run_dir(make_cfg(out))
+    assert run_dir.resume_from is None and run_dir.leftovers == ["metrics.jsonl", "tensorboard"]
+    assert (out / "metrics.jsonl").read_text() == step0  # untouched through the set-up
+    run_dir.begin_writing()
+    assert not (out / "metrics.jsonl").exists() and not (out / "tensorboard").exists()
+    run_dir.release()
+    for more in ('{"step": 1}\n', '{"step": 0, "eval/rew'):  # a step completed; a torn row
+        (out / "metrics.jsonl").write_text(step0 + more)
+        assert "already holds an earlier run (metrics.jsonl)" in refused(make_cfg(out))
+    (out / "metrics.jsonl").write_text(step0)
+    (out / "eval.jsonl").write_text('{"step": 0}\n')  # `leangrpo eval`'s: the user's figures
+    assert "already holds an earlier run (eval.jsonl, metrics.jsonl)" in refused(make_cfg(out))
+
+
 def test_overwrite_puts_the_earlier_run_back_when_the_new_one_ends_before_a_checkpoint(
     tmp_path: Path, caplog
 ) -> None:
@@ -520,7 +552,7 @@ def test_explicit_resume_from_another_directory_needs_a_clean_one(tmp_path: Path
     ckpt = fake_checkpoint(source, 3, make_cfg(source))
     out = tmp_path / "run"
     out.mkdir()
-    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    (out / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')  # a step completed
     assert "resumes from" in refused(make_cfg(out, resume=str(ckpt)))
     run_dir = open_run_dir(make_cfg(out, resume=str(ckpt), overwrite=True))
     run_dir.begin_writing()

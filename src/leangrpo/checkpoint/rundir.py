@@ -31,7 +31,10 @@ run does with `run.output_dir`, in this order:
    replaces exactly the files leangrpo writes (never anything else): they stay in place
    through every check and the set-up, are set aside when the run starts writing
    (`RunDir.begin_writing`), deleted at its first checkpoint and put back if it ends
-   before one (overwrite.py).
+   before one (overwrite.py). Not an earlier run: what a run that failed before its first
+   step left (`never_stepped`: a metrics.jsonl of step-0 rows only, the evaluation before
+   training, and the trackers' directories of it); the next start deletes it when it
+   starts writing, so a corrected config simply runs again.
 6. A checkpoint written by another number of processes (torchrun ranks; 1 without
    torchrun) is refused: the sharded state and the per-rank RNG streams fit only the
    world size that wrote them.
@@ -69,7 +72,7 @@ from typing import Any
 import yaml
 
 from leangrpo.checkpoint.manifest import COMPLETE, checkpoint_problem, read_complete
-from leangrpo.checkpoint.overwrite import ASIDE, EarlierRun, set_aside, settle
+from leangrpo.checkpoint.overwrite import ASIDE, EarlierRun, remove, set_aside, settle
 from leangrpo.errors import UserError
 
 try:
@@ -269,6 +272,7 @@ class RunDir:
     finished: str = ""  # set (to a sentence) when the resume checkpoint is at run.max_steps
     config_notes: list[str] = field(default_factory=list)  # harmless config changes
     replaces: list[str] = field(default_factory=list)  # run.overwrite: the earlier run's files
+    leftovers: list[str] = field(default_factory=list)  # of a run that never stepped: deleted
     damaged: list[Path] = field(default_factory=list)  # newer than resume_from, damaged
     _earlier: EarlierRun | None = None  # set aside until this run's first checkpoint
 
@@ -278,6 +282,12 @@ class RunDir:
         checkpoints newer than the resume one are kept out of the pruning (`keep_damaged`)."""
         keep_damaged(self.damaged)
         self.damaged = []
+        for name in self.leftovers:
+            remove(self.path / name)
+        if self.leftovers:
+            left = ", ".join(self.leftovers)
+            log.info("deleted what a run that failed before its first step left: %s", left)
+            self.leftovers = []
         if self.replaces and self._earlier is None:
             self._earlier = set_aside(self.path, self.replaces, RUN_FILES)
             self.replaces = []
@@ -414,6 +424,10 @@ def _classify(run_dir: RunDir, cfg: Any) -> None:
         check_context_parallel_size(resume, cfg.distributed.context_parallel_size)
         run_dir.config_notes = check_config_changes(resume, cfg)
     if resume is None or not _is_inside(resume, own):
+        files = earlier_run_files(run_dir.path) if run_dir.path.is_dir() else []
+        if not run.overwrite and never_stepped(run_dir.path, files):
+            run_dir.leftovers = [name.rstrip("/") for name in files]
+            return
         run_dir.replaces = _earlier_run(run_dir.path, run.overwrite, run.resume)
 
 
@@ -488,6 +502,25 @@ def _is_empty(path: Path) -> bool:
     if path.is_dir():
         return all(_is_empty(child) for child in path.iterdir())
     return path.is_file() and path.stat().st_size == 0
+
+
+# What a run that failed before its first step may leave (besides config.yaml and .lock).
+NEVER_STEPPED = ("metrics.jsonl", "tensorboard/", "wandb/")
+
+
+def never_stepped(path: Path, files: list[str]) -> bool:
+    """`files` (`earlier_run_files`) are only what a run that failed before its first step
+    left: a metrics.jsonl whose every row is step 0 (the evaluation before training) and at
+    most the trackers' directories beside it. A torn or unreadable row, or any other file,
+    is an earlier run's (refused unless run.overwrite)."""
+    if "metrics.jsonl" not in files or not set(files) <= set(NEVER_STEPPED):
+        return False
+    try:
+        lines = (path / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+        rows = [json.loads(line) for line in lines if line.strip()]
+    except (OSError, ValueError):
+        return False
+    return all(isinstance(row, dict) and row.get("step") == 0 for row in rows)
 
 
 def _earlier_run(path: Path, overwrite: bool, resume: str) -> list[str]:
