@@ -242,6 +242,9 @@ class LocalRow:
     num_targets: int  # T of the whole row
     routes: Tensor | None = None  # (T_c, layers, k) route records (routing replay), or None
     real_tokens: int | None = None  # this rank's tokens that are not padding; None: all
+    # (real,) float: sequences each real position belongs to (a shared prefix: a group's
+    # prompt positions count once per completion); None: one each (the plain layout)
+    sequences_per_position: Tensor | None = None
 
 
 class RowSplit(Protocol):
