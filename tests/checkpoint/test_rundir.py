@@ -9,6 +9,7 @@ model loads, so they need none. tests/checkpoint/test_manifest.py damages real o
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -533,6 +534,31 @@ def test_a_final_older_than_the_resume_checkpoint_does_not_finish_the_run(tmp_pa
     run_dir = open_run_dir(make_cfg(out))
     assert run_dir.finished and current_final(out) == out / "final"
     run_dir.release()
+
+
+def test_a_replay_run_resuming_a_batch_generated_without_routes_is_refused_first(
+    tmp_path: Path,
+) -> None:
+    """moe_resume_replay_on.py: rollout.routing_replay turned on by a resume inside a batch
+    generated without route records was refused only after the model loaded, without
+    naming the cause. The checkpoint's trainer_state.json says where its batch ends and
+    whether it carries routes: refused before anything loads, saying how to go on."""
+    out = tmp_path / "run"
+    path = fake_checkpoint(out, 5, make_cfg(out))
+    batch = {"ends_at_step": 6, "routes": False}
+    (path / "trainer_state.json").write_text(json.dumps({"step": 5, "batch_in_progress": batch}))
+    seal(path, 5)
+    replay = make_cfg(out, allow_config_changes=True, max_steps=20)
+    replay.rollout.routing_replay = True
+    message = refused(replay)
+    assert message == (
+        f"Checkpoint {str(path)!r} holds a batch in progress generated without route records (rollout.routing_replay was off when it was generated), which a run with rollout.routing_replay: true cannot train on; resume with rollout.routing_replay: false and run.max_steps: 6 (the step that batch ends at), then resume again with it on (the next batch is generated with routes)."
+    )
+    open_run_dir(make_cfg(out, max_steps=20)).release()  # replay off: resumed
+    batch["routes"] = True
+    (path / "trainer_state.json").write_text(json.dumps({"step": 5, "batch_in_progress": batch}))
+    seal(path, 5)
+    open_run_dir(replay).release()
 
 
 def test_explicit_resume_path_is_checked_first(tmp_path: Path) -> None:

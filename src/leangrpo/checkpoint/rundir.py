@@ -45,6 +45,8 @@ run does with `run.output_dir`, in this order:
    `run.allow_config_changes: true`, which resumes with a warning listing them.
    `run.max_steps` only says where to stop: the LR schedule keeps the horizon the run
    started with (`schedule_horizon`, saved in every checkpoint's trainer_state.json).
+   rollout.routing_replay turned on inside a batch generated without route records is
+   refused, naming the step that batch ends at (`check_batch_routes`).
 
 final/ holds `final_state.json` (FINAL_STATE: the step and policy version it was written
 at), written inside it before it is renamed into place: a run extended past its final/
@@ -423,6 +425,7 @@ def _classify(run_dir: RunDir, cfg: Any) -> None:
         check_world_size(resume)
         check_context_parallel_size(resume, cfg.distributed.context_parallel_size)
         run_dir.config_notes = check_config_changes(resume, cfg)
+        check_batch_routes(resume, cfg)
     if resume is None or not _is_inside(resume, own):
         files = earlier_run_files(run_dir.path) if run_dir.path.is_dir() else []
         if not run.overwrite and never_stepped(run_dir.path, files):
@@ -570,6 +573,29 @@ def check_context_parallel_size(checkpoint: Path, size: int) -> None:
         raise RunDirError(
             f"Checkpoint {str(checkpoint)!r} was written with distributed.context_parallel_size = {saved_size} but this run has {size}; the batch in progress it holds is split for that size, so resume it with distributed.context_parallel_size: {saved_size} (or start a new run in another run.output_dir)."
         )
+
+
+def check_batch_routes(checkpoint: Path, cfg: Any) -> None:
+    """A run with rollout.routing_replay cannot train on the checkpoint's batch in progress
+    if it was generated without route records (replay turned on by a resume mid-batch):
+    trainer_state.json's `batch_in_progress` says (the step it ends at, whether its
+    samples carry routes). A checkpoint saved before it was recorded is checked when its
+    batch loads (train/inflight.py), with the same sentence."""
+    state_file = checkpoint / "trainer_state.json"
+    if not cfg.rollout.routing_replay or not state_file.is_file():
+        return
+    batch = json.loads(state_file.read_text()).get("batch_in_progress")
+    if isinstance(batch, dict) and batch.get("routes") is False:
+        holder = f"Checkpoint {str(checkpoint)!r}"
+        raise RunDirError(unrouted_batch(holder, batch.get("ends_at_step")))
+
+
+def unrouted_batch(holder: str, ends_at: int | None) -> str:
+    """Why a routing-replay run cannot resume a batch generated without routes, and how."""
+    until = "until that batch is done"
+    if ends_at:
+        until = f"and run.max_steps: {ends_at} (the step that batch ends at)"
+    return f"{holder} holds a batch in progress generated without route records (rollout.routing_replay was off when it was generated), which a run with rollout.routing_replay: true cannot train on; resume with rollout.routing_replay: false {until}, then resume again with it on (the next batch is generated with routes)."
 
 
 def schedule_horizon(checkpoint: Path, default: int) -> int:

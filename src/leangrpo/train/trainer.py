@@ -497,6 +497,8 @@ class Trainer:
             "schedule_steps": self.schedule_steps,  # the LR schedule's horizon (resume keeps it)
             # rows logged at this step so far: a resume drops the ones logged after it
             "metrics_rows_at_step": self.logger.rows_logged_at(self.step),
+            # checked by a resume before the model loads (rundir.py `check_batch_routes`)
+            "batch_in_progress": self.inflight.summary(self.step) if self.inflight else None,
         }
         bulky = {"producer": self.producer.state_dict()}
         extra = {"config.yaml": self.cfg.to_yaml()}  # compared on resume (rundir.py)
