@@ -313,7 +313,7 @@ def _eval(args) -> int:
     }
     result = evaluate(
         args.target, args.data, reward_funcs=args.rewards, num_prompts=args.num_prompts,
-        config=args.config, set_values=args.overrides, out=args.out,
+        config=args.config, set_values=args.overrides, out=args.out, data_label="--data",
         **({"eval": eval_section} if eval_section else {}),
     )  # fmt: skip
     _print(render(result))

@@ -12,9 +12,15 @@ import json
 import struct
 from pathlib import Path
 
-from leangrpo.api.evaluation import EvalResult, locate, render
+import pytest
+from support.configs import DEMO_MODEL, DEMO_YAML
+from support.processes import run_cli
+
+from leangrpo.api.evaluation import EvalResult, evaluate, locate, render
 from leangrpo.checkpoint.manifest import record_files, write_complete
 from leangrpo.checkpoint.rundir import write_final_state
+from leangrpo.config import load_config
+from leangrpo.data.files import DataError
 
 
 def fake_checkpoint(run: Path, step: int) -> Path:
@@ -82,3 +88,24 @@ def test_a_final_that_records_no_step_is_scored_only_without_checkpoints(tmp_pat
     assert (target.kind, target.path, target.step) == ("checkpoint", newest, 3)
     assert "final/ records no step (no final_state.json), so step-3 may be newer" in target.note
     assert locate(final).step == 0
+
+
+def test_data_to_score_that_cannot_be_read_is_named_as_it_was_given(tmp_path):
+    """eval_bad.py: `leangrpo eval RUN --data missing.jsonl` said `data.path = ...: file
+    not found`, a key the user never set; the refusal names --data (data= from Python),
+    before torch is imported."""
+    run = tmp_path / "run"
+    fake_checkpoint(run, 2)
+    fake_final(run, 2)
+    config = load_config(DEMO_YAML, [f"run.output_dir={run}", f"model.name_or_path={DEMO_MODEL}"])
+    config.save(run / "config.yaml")
+    missing = tmp_path / "missing.jsonl"
+    with pytest.raises(DataError) as err:
+        evaluate(run, missing)
+    assert str(err.value) == f"data = '{missing}': file not found ({missing})"
+    with pytest.raises(DataError, match=r"^data = '.*' is not a data file; give a \.jsonl"):
+        evaluate(run, "some/hub-name")
+    done = run_cli("eval", str(run), "--data", str(missing), probe=True)
+    assert done.returncode == 2
+    assert f"leangrpo: error: --data = '{missing}': file not found" in done.stderr
+    assert done.stdout.splitlines()[-1] == "torch imported: False"

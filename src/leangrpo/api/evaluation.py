@@ -40,7 +40,13 @@ from typing import Any
 import yaml
 
 from leangrpo.api.grpo import console_logging
-from leangrpo.api.inputs import build_config, config_dict, reward_entries, section
+from leangrpo.api.inputs import (
+    build_config,
+    config_dict,
+    dataset_source,
+    reward_entries,
+    section,
+)
 from leangrpo.checkpoint.manifest import COMPLETE, checkpoint_problem
 from leangrpo.checkpoint.rundir import (
     FINAL_STATE,
@@ -51,6 +57,7 @@ from leangrpo.checkpoint.rundir import (
 )
 from leangrpo.config import Config
 from leangrpo.config.io import apply_override
+from leangrpo.data.files import check_file
 from leangrpo.errors import UserError
 from leangrpo.model.files import ADAPTER_CONFIG, check_safetensors_header
 
@@ -99,11 +106,13 @@ def evaluate(
     config: Any = None,
     set_values: list[str] | None = None,
     out: str | Path | None = None,
+    data_label: str = "data",
     **overrides: Any,
 ) -> EvalResult:
     """Score a run's final/ or a checkpoint on `data` (a file, rows or a Dataset; default:
     the run's own eval prompts); `set_values`: `KEY=VALUE` strings as `--set` takes them,
-    applied to the run's settings first. See the module docstring."""
+    applied to the run's settings first; `data_label`: how a refusal of `data` names it
+    (`leangrpo eval`: --data). See the module docstring."""
     with console_logging():
         target = locate(Path(run_or_checkpoint))
         base = config_dict(config) if config is not None else _saved_config(target)
@@ -111,7 +120,7 @@ def evaluate(
             section(base, "rewards")["functions"] = reward_entries(reward_funcs)
         for value in set_values or []:
             apply_override(base, value)
-        cfg = eval_config(target, data, num_prompts, base, overrides)
+        cfg = eval_config(target, data, num_prompts, base, overrides, data_label)
         from leangrpo.preflight import check_inputs
 
         _, limit = check_inputs(cfg, training=False)  # data, rewards, environment, model files
@@ -255,9 +264,11 @@ def eval_config(
     num_prompts: int | None,
     base: dict,
     overrides: dict,
+    data_label: str = "data",
 ) -> Config:
     """The run's settings (`base`, the rewards asked for in it), for scoring: the data and
-    prompts asked for, the hf engine, full-model weights from final/ itself, no reference model."""
+    prompts asked for (`data`: its file checked here, a refusal naming it `data_label`),
+    the hf engine, full-model weights from final/ itself, no reference model."""
     scoring = {
         "rollout": {"engine": "hf"},
         "pipeline": {"mode": "sync"},
@@ -269,13 +280,19 @@ def eval_config(
         scoring["model"] = {"name_or_path": str(target.path), "revision": None}
     if num_prompts is not None:
         scoring["eval"] = {"num_prompts": num_prompts}
+    if data is not None:  # scored, and the train file too: the run's may not be here
+        file = dataset_source(data, data_label, train=False)["eval_path"]
+        scoring["data"] = {"path": file, "dataset": None, "eval_path": file}
+        scoring["data"].update(eval_size=0, eval_split=None)
     for key, value in overrides.items():
         scoring[key] = (
             {**scoring.get(key, {}), **value}
             if isinstance(value, dict) and isinstance(scoring.get(key), dict)
             else value
         )
-    cfg = build_config(base, train_dataset=data, eval_dataset=data, overrides=scoring)
+    cfg = build_config(base, overrides=scoring)
+    if data is not None:  # its problems named as it was given, before the run's checks
+        check_file(cfg.data.eval_path, data_label, cfg.data)
     d = cfg.data
     if not (d.eval_path or d.eval_split or d.eval_size > 0):
         raise EvalTargetError(
