@@ -243,6 +243,9 @@ class LocalRow:
     num_targets: int  # T of the whole row
     routes: Tensor | None = None  # (T_c, layers, k) route records (routing replay), or None
     real_tokens: int | None = None  # this rank's tokens that are not padding; None: all
+    # (real,) float: sequences each real position belongs to (a shared prefix: a group's
+    # prompt positions count once per completion); None: one each (the plain layout)
+    sequences_per_position: Tensor | None = None
 
 
 class RowSplit(Protocol):
@@ -508,8 +511,9 @@ class Checkpointer(Protocol):
     def load(self, path: Path, model: Any, optimizer: Any, scheduler: Any) -> RestoredCheckpoint:
         ...
 
-    def save_final(self, model: Any, tokenizer: Any) -> Path:
-        """`final/`, a directory transformers / peft / vLLM load directly."""
+    def save_final(self, model: Any, tokenizer: Any, step: int, version: int) -> Path:
+        """`final/`, a directory transformers / peft / vLLM load directly, recording the
+        step and policy version it holds (checkpoint/rundir.py FINAL_STATE)."""
         ...
 
 

@@ -51,7 +51,13 @@ from leangrpo.metrics.learning import LearningSignal, warn_if_tokenizer_drops_te
 from leangrpo.model.policy import Policy, load_policy
 from leangrpo.model.tokenizer import remember
 from leangrpo.pipeline.builder import build_pipeline
-from leangrpo.preflight import Preflight, load_checked_tokenizer, preflight, prepare_prompts
+from leangrpo.preflight import (
+    Preflight,
+    check_attention_backend,
+    load_checked_tokenizer,
+    preflight,
+    prepare_prompts,
+)
 from leangrpo.prestart import Prestarted
 from leangrpo.rewards import RewardPool
 from leangrpo.rollout.factory import make_engines, start_shared_engine
@@ -113,6 +119,7 @@ class Trainer:
     def _build(self, cfg: Config) -> None:
         ctx = self.ctx
         self.strategy = strategy = choose_strategy(cfg, ctx, self.out)
+        check_attention_backend(cfg, strategy.device.type)  # run.device auto, resolved
         log.info("loading transformers, the tokenizer and the prompts ...")
         tokenizer, limit = load_checked_tokenizer(cfg, self.checked)  # `leangrpo check` too
         # multi-turn, still before the model loads: environment workers and the chat
@@ -481,7 +488,9 @@ class Trainer:
         self.save_checkpoint()
         if self.cfg.checkpoint.save_final_model:
             with self.ctx.phase("checkpoint"):
-                self.strategy.checkpointer.save_final(self.policy.model, self.policy.tokenizer)
+                self.strategy.checkpointer.save_final(
+                    self.policy.model, self.policy.tokenizer, self.step, self.version
+                )
         return final
 
     def save_checkpoint(self) -> Path:
@@ -493,6 +502,8 @@ class Trainer:
             "schedule_steps": self.schedule_steps,  # the LR schedule's horizon (resume keeps it)
             # rows logged at this step so far: a resume drops the ones logged after it
             "metrics_rows_at_step": self.logger.rows_logged_at(self.step),
+            # checked by a resume before the model loads (rundir.py `check_batch_routes`)
+            "batch_in_progress": self.inflight.summary(self.step) if self.inflight else None,
         }
         bulky = {"producer": self.producer.state_dict()}
         extra = {"config.yaml": self.cfg.to_yaml()}  # compared on resume (rundir.py)

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from leangrpo.ops.attention import kernels
-from leangrpo.ops.attention.kernels import PackedAttentionError
+from leangrpo.ops.attention.kernels import AttentionSetupError, PackedAttentionError
 from leangrpo.ops.attention.layout import GroupSpan, PrefixLayout
 
 logger = logging.getLogger("leangrpo")
@@ -112,7 +112,7 @@ def resolve_backend(backend: str = "auto", device_type: str | None = None) -> st
     if backend != "auto":
         reason = backend_unavailable_reason(backend, device_type)
         if reason is not None:
-            raise PackedAttentionError(
+            raise AttentionSetupError(
                 f"packing.attention_backend={backend!r} is unavailable: {reason}; "
                 "or set packing.attention_backend=auto."
             )
@@ -304,19 +304,19 @@ def _check_packed_call(module, query, key, attention_mask, is_causal, kwargs, la
             "packed forward got an attention_mask; packed rows hold only real tokens, drop the mask."
         )
     if kwargs.get("s_aux") is not None:
-        raise PackedAttentionError(
+        raise AttentionSetupError(
             f"{type(module).__name__} adds attention sinks (s_aux: gpt-oss), which leangrpo's "
             "packed attention kernels do not implement, so its log-probs would be wrong; this "
             "architecture cannot be trained yet"
         )
     if is_causal is False or not getattr(module, "is_causal", True):
-        raise PackedAttentionError(
+        raise AttentionSetupError(
             "packed attention is causal only; this attention layer is bidirectional."
         )
     window = kwargs.get("sliding_window")
     longest = _longest_span(layout) if layout is not None else kwargs.get("max_length_q")
     if window is not None and (longest is None or longest > window):
-        raise PackedAttentionError(
+        raise AttentionSetupError(
             f"a packed sequence ({longest} tokens) exceeds the model's sliding window ({window}); "
             "the packed kernels implement full causal attention only: shorten sequences."
         )
@@ -469,7 +469,7 @@ def _install_padded_view(backbone: nn.Module) -> None:
 
 def _pad_packed_call(module, args, kwargs):
     if kwargs.get(PREFIX_KWARG) is not None:
-        raise PackedAttentionError(
+        raise AttentionSetupError(
             f"{type(module).__name__} cannot take the shared-prefix layout (its attention "
             "does not receive packed kwargs); set packing.shared_prefix=off."
         )
