@@ -21,10 +21,11 @@ from leangrpo.config.environment import EnvironmentConfig
 from leangrpo.contracts import Completion, Prompt, RolloutSample
 from leangrpo.environments.pool import EnvironmentPool
 from leangrpo.rewards import RewardPool
+from leangrpo.sandbox import cgroups, levels
 
 USER = [{"role": "user", "content": "go"}]
 LEVELS = ["namespace", "process"]
-TOOLS = ["hold_memory", "plant", "find", "read_keyring", "nested_userns", "attack_tagged",
+TOOLS = ["hold_memory", "memory_cgroup", "plant", "find", "read_keyring", "nested_userns", "attack_tagged",
          "forge_terms", "read_file"]  # fmt: skip
 KEY, SECRET = "leangrpo-test-token", "hf_keyring_secret_for_the_test"
 
@@ -155,19 +156,64 @@ def test_a_trajectory_cannot_reach_another_trajectorys_processes(level):
 @pytest.mark.parametrize("level", LEVELS)
 def test_a_call_cannot_hold_more_than_its_memory_limit(level):
     """A memfd filled with write() (never mapped: RLIMIT_AS does not see it), then three
-    processes each under the limit: the call's memory cgroup stops both."""
+    processes each under the limit, at once and one after another: the call's memory
+    cgroup, joined before the box runs anything, stops both. What counts is what the
+    processes hold at the same time: the kernel kills the largest, which may be one whose
+    report was already read (the CI failure "360 <= 256" counted such a report)."""
     with tools_pool(level, memory_limit_mb=256) as pool:
         if not pool.plan.memory_cgroup:
-            if os.environ.get("CI"):
-                pytest.fail(f"CI must bound a call's memory: {pool.plan.describe()}")
-            pytest.skip(f"no memory cgroup here: {pool.plan.describe()}")
+            if os.environ.get("CI") and os.geteuid() == 0:
+                pytest.fail(f"CI, as root, must bound a call's memory with a cgroup (is "
+                            f"/sys/fs/cgroup writable?): {pool.plan.describe()}")  # fmt: skip
+            assert_memory_bounded_per_process(pool)
+            return
+        own = json.loads(text(trajectory(pool, "memory_cgroup")))
+        assert own["group"].rsplit("/", 1)[-1].startswith("box-") and own["limit_mb"] == 256, own
         for args in ({"memfd_mb": 400, "processes": 0, "mb_each": 0},
-                     {"memfd_mb": 0, "processes": 3, "mb_each": 120}):  # fmt: skip
+                     {"memfd_mb": 0, "processes": 3, "mb_each": 120},
+                     {"memfd_mb": 0, "processes": 3, "mb_each": 120, "one_at_a_time": True}):  # fmt: skip
             out = trajectory(pool, "hold_memory", **args)
             if out.error is None:  # the tool lived on: what it held is what counts
                 assert json.loads(text(out))["held_mb"] <= 256, out
             else:
                 assert "memory limit" in out.error, out
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_without_a_memory_cgroup_memory_is_bounded_per_process(level, monkeypatch):
+    """The documented fallback where no memory cgroup can be made (not root, a read-only
+    /sys/fs/cgroup): the log line says so, and RLIMIT_AS still stops one process."""
+    monkeypatch.setattr(levels, "hierarchies", dict)  # what a machine without one finds
+    with tools_pool(level, memory_limit_mb=256) as pool:
+        assert not pool.plan.memory_cgroup
+        assert_memory_bounded_per_process(pool)
+
+
+def test_without_swap_accounting_a_box_is_kept_out_of_swap(tmp_path, monkeypatch):
+    """A cgroup v1 kernel without swap accounting (no memory.memsw.*: swapaccount=0) would
+    let a box's pages go to swap past its limit; its swappiness 0 keeps them in memory."""
+    written = {}
+
+    def write_at(fd: int, path: str, text: str) -> None:
+        if path.endswith("memsw.limit_in_bytes"):
+            raise FileNotFoundError(path)
+        written[path] = text
+
+    monkeypatch.setattr(cgroups, "_write_at", write_at)
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        v1 = [{"path": str(tmp_path), "version": 1, "controllers": ["memory"]}]
+        name = cgroups.BoxGroups(v1, [fd], memory_mb=256, pids=8).make()
+    finally:
+        os.close(fd)
+    assert written == {f"{name}/memory.limit_in_bytes": str(256 << 20),
+                       f"{name}/memory.swappiness": "0"}  # fmt: skip
+
+
+def assert_memory_bounded_per_process(pool: EnvironmentPool) -> None:
+    assert "256 MB of memory per process only" in pool.plan.describe(), pool.plan.describe()
+    out = trajectory(pool, "hold_memory", memfd_mb=0, processes=1, mb_each=400)
+    assert json.loads(text(out))["each"] == [0, 0], out  # the 400 MB process could not
 
 
 # -- the kernel's surface ----------------------------------------------------------------------

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 PTRACE_SEIZE = """
 import ctypes, sys
@@ -302,7 +303,10 @@ import os, sys
 fd = os.memfd_create("held")
 for _ in range(int(sys.argv[1])):
     os.write(fd, b"\x01" * (1 << 20))  # written, never mapped: RLIMIT_AS does not see it
-print(os.fstat(fd).st_size >> 20, flush=True)
+size = os.fstat(fd).st_size >> 20
+print(size, flush=True)
+sys.stdin.readline()
+print(size, flush=True)  # still alive, still holding it
 sys.stdin.read()
 """
 HOLD_HEAP = r"""
@@ -311,32 +315,48 @@ block = bytearray(int(sys.argv[1]) << 20)
 for i in range(0, len(block), 4096):
     block[i] = 1
 print(len(block) >> 20, flush=True)
+sys.stdin.readline()
+print(len(block) >> 20, flush=True)  # still alive, still holding it
 sys.stdin.read()
 """
 
 
-def hold_memory(memfd_mb: int, processes: int, mb_each: int) -> str:
+def hold_memory(memfd_mb: int, processes: int, mb_each: int, one_at_a_time: bool = False) -> str:
     """Hold memory the way RLIMIT_AS never counts: a memfd filled with write() in one
-    process, then `processes` processes of `mb_each` MB each, all at once.
+    process, then `processes` processes of `mb_each` MB each. `held_mb` is what they hold
+    at the same time: once all have reported, each still alive confirms it holds its
+    memory (one the kernel killed in the meantime, its report already read, counts 0).
 
     Args:
         memfd_mb: MB written into the memfd.
         processes: How many processes then allocate.
         mb_each: MB each allocates.
+        one_at_a_time: Start each process once the one before holds its memory.
     """
-    held = []
-    kids = [subprocess.Popen([sys.executable, "-c", HOLD_MEMFD, str(memfd_mb)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)]  # fmt: skip
-    kids += [subprocess.Popen([sys.executable, "-c", HOLD_HEAP, str(mb_each)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-             for _ in range(processes)]  # fmt: skip
+    starts = [(HOLD_MEMFD, memfd_mb)] + [(HOLD_HEAP, mb_each)] * processes
+    kids, reported = [], []
+    for code, mb in starts:
+        kids.append(subprocess.Popen([sys.executable, "-c", code, str(mb)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))  # fmt: skip
+        if one_at_a_time:
+            reported.append(_held(kids[-1]))
+    reported += [_held(kid) for kid in kids[len(reported) :]]
+    confirmed = []
     for kid in kids:
-        line = kid.stdout.readline().strip()
-        held.append(int(line) if line.isdigit() else 0)
+        with contextlib.suppress(OSError):
+            kid.stdin.write("\n")
+            kid.stdin.flush()
+        confirmed.append(_held(kid))
     for kid in kids:
-        kid.stdin.close()
+        with contextlib.suppress(OSError):
+            kid.stdin.close()
         kid.wait()
-    return json.dumps({"held_mb": sum(held), "each": held})
+    return json.dumps({"held_mb": sum(confirmed), "reported": reported, "each": confirmed})
+
+
+def _held(kid: subprocess.Popen) -> int:
+    line = kid.stdout.readline().strip()
+    return int(line) if line.isdigit() else 0
 
 
 def _places() -> list[str]:
@@ -542,3 +562,20 @@ def read_file(path: str) -> str:
         path: Its path.
     """
     return _attempt(lambda: _read(path))
+
+
+def memory_cgroup() -> str:
+    """The memory cgroup this process is in (from /proc/self/cgroup) and its limit."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, names, path = line.split(":", 2)
+        if "memory" in names.split(","):
+            limits = [f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"]
+        elif names == "":
+            limits = [f"{root}{path}/memory.max" for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")]
+        else:
+            continue
+        for limit in filter(os.path.exists, limits):
+            value = Path(limit).read_text().strip()
+            limit_mb = int(value) >> 20 if value.isdigit() else value
+            return json.dumps({"group": path, "limit_mb": limit_mb})
+    return json.dumps({"group": None, "limit_mb": None})
