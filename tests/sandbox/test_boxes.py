@@ -11,10 +11,11 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import sys
 
 import pytest
-from support.configs import rewards_section
-from support.hostile_tools import hermes
+from support.configs import ROOT, rewards_section
+from support.hostile_tools import PYTHON_SIGNALS, hermes
 from support.sandboxes import require_namespace
 
 from leangrpo.config.environment import EnvironmentConfig
@@ -26,7 +27,7 @@ from leangrpo.sandbox import cgroups, levels
 USER = [{"role": "user", "content": "go"}]
 LEVELS = ["namespace", "process"]
 TOOLS = ["hold_memory", "memory_cgroup", "plant", "find", "read_keyring", "nested_userns", "attack_tagged",
-         "forge_terms", "read_file"]  # fmt: skip
+         "forge_terms", "read_file", "signal_state"]  # fmt: skip
 KEY, SECRET = "leangrpo-test-token", "hf_keyring_secret_for_the_test"
 
 
@@ -103,6 +104,17 @@ def test_the_trainer_itself_refuses_undeclared_reward_terms():
         refused = pool._declared(ok)
         assert refused.ok is None and "'forged'" in refused.error
         assert pool._declared({**ok, "rewards": {}}).ok is not None
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_box_starts_with_a_fresh_interpreters_signals(level):
+    """The zygote waits on a signal wakeup fd and a SIGCHLD handler; a box inheriting them
+    had a child's exit write a byte into whatever descriptor now has the wakeup fd's number
+    (a file, a pipe, the reply socket): each box resets both before user code runs."""
+    with tools_pool(level) as pool:
+        state = json.loads(text(trajectory(pool, "signal_state")))
+    handlers = {**PYTHON_SIGNALS, "SIGUSR1": "_on_signal", "SIGXCPU": "_on_signal"}  # calls.py's
+    assert state == {"wakeup_fd": -1, "stray_bytes": 0, "handlers": handlers}, state
 
 
 # -- between calls and trajectories ----------------------------------------------------------
@@ -278,18 +290,11 @@ except OSError as e:
 """
 
 
-def test_a_command_in_a_box_reaches_its_forwarded_endpoint_only(tmp_path, monkeypatch):
+def test_a_command_in_a_box_reaches_its_forwarded_endpoint_only(tmp_path):
     """The box API's command half (what agent episodes use): stdin and stdout are pipes,
     and the one place a box without network reaches is the endpoint forwarded into it."""
     import socket
-    import sys
     import threading
-
-    from support.configs import ROOT
-
-    from leangrpo.sandbox.frames import FrameReader
-    from leangrpo.sandbox.levels import SandboxPlan
-    from leangrpo.sandbox.process import OutputBudget, WorkerProcess
 
     require_namespace()
     path = str(tmp_path / "endpoint.sock")
@@ -306,12 +311,36 @@ def test_a_command_in_a_box_reaches_its_forwarded_endpoint_only(tmp_path, monkey
             conn.sendall(b"pong:" + conn.recv(100))
 
     threading.Thread(target=answer, daemon=True).start()
-    monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests"))
-    init = {"entry": "support.box_entry", "mode": "serve", "forward": path, "stdin": "ping",
-            "argv": [sys.executable, "-c", CLIENT, str(outside.getsockname()[1])]}  # fmt: skip
+    try:
+        argv = [sys.executable, "-c", CLIENT, str(outside.getsockname()[1])]
+        out = run_command("namespace", argv, stdin="ping", forward=path)
+    finally:
+        server.close()
+        outside.close()
+    assert out.splitlines() == ["endpoint: pong:ping", "outside: ConnectionRefusedError"]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_command_in_a_box_starts_with_default_signals(level):
+    """Exec keeps what is ignored and blocked: a command inherited the worker's ignored
+    SIGINT and Python's ignored SIGPIPE (a pipeline that never ends on a closed reader)."""
+    out = run_command(level_here(level), ["grep", "-E", "^Sig(Ign|Blk)", "/proc/self/status"])
+    assert out.split() == ["SigBlk:", "0" * 16, "SigIgn:", "0" * 16], out
+
+
+def run_command(level: str, argv: list[str], stdin: str = "", forward: str | None = None) -> str:
+    """What `argv`, run in a box of a worker at `level` (support/box_entry.py), prints."""
+    from leangrpo.sandbox.frames import FrameReader
+    from leangrpo.sandbox.levels import SandboxPlan
+    from leangrpo.sandbox.process import OutputBudget, WorkerProcess
+
+    init = {"entry": "support.box_entry", "mode": "serve", "forward": forward, "stdin": stdin,
+            "argv": argv}  # fmt: skip
     replies = []
-    worker = WorkerProcess(init, "box test", OutputBudget(), parse=lambda p: json.loads(p),
-                           plan=SandboxPlan("environment", "namespace"))  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", str(ROOT / "tests"))
+        worker = WorkerProcess(init, "box test", OutputBudget(), parse=lambda p: json.loads(p),
+                               plan=SandboxPlan("environment", level))  # fmt: skip
     try:
         worker.sock.settimeout(60)
         reader = FrameReader()
@@ -319,7 +348,5 @@ def test_a_command_in_a_box_reaches_its_forwarded_endpoint_only(tmp_path, monkey
             replies += [json.loads(p) for p in reader.feed(worker.sock.recv(1 << 16))]
     finally:
         worker.kill()
-        server.close()
-        outside.close()
     (result,) = [r for r in replies if r["t"] == "result"]
-    assert result["out"].splitlines() == ["endpoint: pong:ping", "outside: ConnectionRefusedError"]
+    return result["out"]

@@ -579,3 +579,34 @@ def memory_cgroup() -> str:
             limit_mb = int(value) >> 20 if value.isdigit() else value
             return json.dumps({"group": path, "limit_mb": limit_mb})
     return json.dumps({"group": None, "limit_mb": None})
+
+
+PYTHON_SIGNALS = {"SIGINT": "default_int_handler", "SIGPIPE": "SIG_IGN", "SIGXFSZ": "SIG_IGN"}
+
+
+def signal_state() -> str:
+    """What this process inherited of signals: handlers other than a fresh interpreter's,
+    the wakeup fd, and whether a child's exit (SIGCHLD) writes into a descriptor opened
+    here (40 pipes: fds the zygote's wakeup fd may now name)."""
+    import signal
+
+    pipes = [os.pipe() for _ in range(40)]
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+    time.sleep(0.05)
+    stray = 0
+    for read, write in pipes:
+        os.set_blocking(read, False)
+        with contextlib.suppress(BlockingIOError):
+            stray += len(os.read(read, 4096))
+        os.close(read)
+        os.close(write)
+    handlers = {}
+    for signum in signal.valid_signals():
+        with contextlib.suppress(ValueError, OSError):
+            handler = signal.getsignal(signum)
+            name = getattr(handler, "__name__", None) or getattr(handler, "name", str(handler))
+            if handler not in (signal.SIG_DFL, None):
+                handlers[signal.Signals(signum).name] = name
+    wakeup = signal.set_wakeup_fd(-1)
+    return json.dumps({"wakeup_fd": wakeup, "stray_bytes": stray, "handlers": handlers})
+

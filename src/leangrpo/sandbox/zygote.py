@@ -10,7 +10,8 @@ checks, the set-up reports `announce` passes on), which returns what each box ru
   the child is born PID 1 of a new PID namespace (the zygote unshares one before the fork
   and steps back after it), so it sees no other process of the worker; process level: a
   session of its own and a fresh scratch directory. Before anything else runs, the child
-  closes every descriptor but its own, joins its cgroups (cgroups.py), is confined
+  joins its cgroups (cgroups.py), takes a fresh interpreter's signals (no wakeup fd, no
+  handler or ignored signal of the zygote's), closes every descriptor but its own, is confined
   (confine.py `confine_box`: namespaces, fresh /proc, scratch and /dev/shm; the process
   limit), starts its forwarder if asked (forward.py), drops every capability and loads
   the BOX filter (seccomp.py); then it runs `box_main` under its output meter, or execs
@@ -160,6 +161,7 @@ class Zygote:
         try:
             if group is not None:
                 self.groups.join(group)  # first: everything the box does is counted
+            _fresh_signals()  # before its wakeup fd is closed: no byte lands on a reused fd
             fds = _settle_descriptors(keep)  # the cgroups' and the zygote's are closed
             os.setsid()
             become_subreaper()  # orphans of its processes stay in its tree (process level)
@@ -234,6 +236,25 @@ class Zygote:
             self.announce({"t": "exit", "id": box.id, "code": code, "oom": oom})
 
 
+PYTHON_DEFAULTS = {signal.SIGINT: signal.default_int_handler, signal.SIGPIPE: signal.SIG_IGN,
+                   signal.SIGXFSZ: signal.SIG_IGN}  # fmt: skip  what a fresh interpreter sets
+
+
+def _fresh_signals() -> None:
+    """A fresh interpreter's signals: no wakeup fd (the zygote's would get a byte for each
+    signal, on whatever descriptor has its number by then), no handler or ignored signal
+    of the zygote's or the worker's (its SIGCHLD handler, SIGINT ignored), none blocked."""
+    signal.set_wakeup_fd(-1)
+    for signum in signal.valid_signals():
+        if signum in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        wanted = PYTHON_DEFAULTS.get(signum, signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):  # signals the C library reserves
+            if signal.getsignal(signum) is not wanted:
+                signal.signal(signum, wanted)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
 def _settle_descriptors(keep: dict[str, int]) -> dict[str, int]:
     """Close every descriptor but `keep`, moved to fixed places: 0 /dev/null (a command's
     stdin pipe), 1 and 2 the output pipe (a command's stdout: its pipe), the rest above."""
@@ -257,6 +278,8 @@ def _exec(request: dict, fds: dict[str, int], endpoint: str | None) -> None:
         env["LEANGRPO_ENDPOINT"] = endpoint
     for fd in fds.values():
         os.close(fd)
+    for signum in PYTHON_DEFAULTS:  # as subprocess's restore_signals: a command's defaults
+        signal.signal(signum, signal.SIG_DFL)
     argv = request["argv"]
     try:
         os.execvpe(argv[0], argv, env)
