@@ -23,11 +23,12 @@ from leangrpo.contracts import Completion, Prompt, RolloutSample
 from leangrpo.environments.pool import EnvironmentPool
 from leangrpo.rewards import RewardPool
 from leangrpo.sandbox import cgroups, levels
+from leangrpo.sandbox.confine import landlock_abi
 
 USER = [{"role": "user", "content": "go"}]
 LEVELS = ["namespace", "process"]
 TOOLS = ["hold_memory", "memory_cgroup", "plant", "find", "read_keyring", "nested_userns", "attack_tagged",
-         "forge_terms", "read_file", "signal_state"]  # fmt: skip
+         "forge_terms", "read_file", "signal_state", "other_scratch"]  # fmt: skip
 KEY, SECRET = "leangrpo-test-token", "hf_keyring_secret_for_the_test"
 
 
@@ -144,6 +145,31 @@ def test_what_a_trajectory_leaves_reaches_no_later_one(level, monkeypatch):
         assert text(trajectory(pool, "plant", name="planted")) == "planted"
         found = json.loads(text(trajectory(pool, "find", name="planted")))
     assert found == {"files": [], "marks": []}
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_box_cannot_reach_another_boxs_scratch(level, monkeypatch):
+    """Trajectory B is live; trajectory A, on the same worker, gets B's TMPDIR and writes
+    there, and looks beside its own for other boxes' (B's, the spare box's): at
+    `namespace` B's path is A's own tmpfs, at `process` a Landlock domain per box refuses
+    what is not its own. B never sees the file."""
+    if level == "process":
+        monkeypatch.setenv("LEANGRPO_TEST_PLACES", "tmp")
+    with tools_pool(level, sandbox={"pass_env": ["LEANGRPO_TEST_PLACES"]}) as pool:
+        if level == "process" and landlock_abi() < 1:  # the documented fallback
+            assert "no Landlock in this kernel" in pool.plan.describe(), pool.plan.describe()
+            return
+        (b,) = pool.new_sessions(1)
+        assert pool.reset([(b, USER, {}, 0)])[0].error is None
+        (step,) = pool.step([(b, hermes("other_scratch", other=""), 0)])
+        b_scratch = json.loads(text(step))["mine"]
+        a = json.loads(text(trajectory(pool, "other_scratch", other=b_scratch)))
+        (step,) = pool.step([(b, hermes("find", name="from-another-box"), 0)])
+        pool.finish([(b, "stop")])
+    assert json.loads(text(step))["files"] == [], (a, text(step))
+    if level == "process":
+        assert a["beside"] == "PermissionError", a
+        assert a["wrote"].startswith("PermissionError") and a["listed"].startswith("Perm"), a
 
 
 @pytest.mark.parametrize("level", LEVELS)

@@ -610,3 +610,21 @@ def signal_state() -> str:
     wakeup = signal.set_wakeup_fd(-1)
     return json.dumps({"wakeup_fd": wakeup, "stray_bytes": stray, "handlers": handlers})
 
+
+def other_scratch(other: str) -> str:
+    """Look for other boxes' scratch directories beside this one's (HOME/TMPDIR), and write
+    a file named `from-another-box` into `other` (another box's TMPDIR) unless it is "".
+
+    Args:
+        other: Another box's TMPDIR, or "".
+    """
+    mine = os.environ["TMPDIR"]
+    out = {"mine": mine}
+    try:
+        out["beside"] = sorted(set(os.listdir(os.path.dirname(mine))) - {os.path.basename(mine)})
+    except OSError as e:
+        out["beside"] = type(e).__name__
+    if other:
+        out["wrote"] = _attempt(lambda: _write(os.path.join(other, "from-another-box")))
+        out["listed"] = _attempt(lambda: len(os.listdir(other)))
+    return json.dumps(out)

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from leangrpo.sandbox.cgroups import make_group, remove_groups
+from leangrpo.sandbox.confine import SCRATCH_PREFIX
 from leangrpo.sandbox.frames import FrameReader, pickle_frame
 from leangrpo.sandbox.launch import LAUNCH_CODE
 from leangrpo.sandbox.levels import SandboxPlan, protect_trainer
@@ -236,7 +237,6 @@ class WorkerProcess:
         self.release()
 
 
-SCRATCH_PREFIX = "leangrpo-sandbox-"
 _cleaned: list[bool] = []  # stale scratch directories removed, once per process
 
 

@@ -46,6 +46,7 @@ from leangrpo.sandbox.confine import (
     back_to,
     confine_box,
     drop_privileges,
+    filesystem_grants,
     limit_box_tasks,
     new_pid_namespace,
     own_domain,
@@ -75,6 +76,9 @@ class Zygote:
             unix: compile_filter(box=True, unix_sockets=unix) for unix in {True, spec["network"]}
         }
         self.own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+        # process level: what a box may read and write besides its scratch (its mounts
+        # keep a namespace box's files apart)
+        self.grants = None if self.namespace else filesystem_grants(spec["scratch"])
         self.live: dict[int, _Live] = {}  # pid -> box
         self.unremoved: list[str] = []  # cgroups whose tasks were still being released
         self.box_main: Callable[[BoxConn], Any] | None = None
@@ -171,7 +175,7 @@ class Zygote:
             endpoint = self._forwarder(request.get("forward"))
             limit_box_tasks(self.spec, tasks)
             drop_privileges()
-            own_domain()
+            own_domain(None if self.grants is None else [*self.grants, (scratch, False)])
             load(self.programs[bool(self.spec["network"])])
             if request.get("argv"):
                 _exec(request, fds, endpoint)
