@@ -28,7 +28,8 @@ from leangrpo.sandbox.confine import landlock_abi
 USER = [{"role": "user", "content": "go"}]
 LEVELS = ["namespace", "process"]
 TOOLS = ["hold_memory", "memory_cgroup", "plant", "find", "read_keyring", "nested_userns", "attack_tagged",
-         "forge_terms", "read_file", "signal_state", "other_scratch"]  # fmt: skip
+         "forge_terms", "read_file", "signal_state", "other_scratch",
+         "lift_memory_limit"]  # fmt: skip
 KEY, SECRET = "leangrpo-test-token", "hf_keyring_secret_for_the_test"
 
 
@@ -215,6 +216,27 @@ def test_a_call_cannot_hold_more_than_its_memory_limit(level):
                 assert json.loads(text(out))["held_mb"] <= 256, out
             else:
                 assert "memory limit" in out.error, out
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_box_cannot_lift_its_own_memory_limit(level):
+    """The box's cgroup files are out of its reach: it can neither raise its limit nor move
+    into its worker's group (uid 0 owns them, and a root box without capabilities still
+    passes their permission checks: at `namespace` /sys is read-only, at `process` its
+    Landlock domain makes it so)."""
+    with tools_pool(level, memory_limit_mb=256) as pool:
+        if not pool.plan.memory_cgroup:
+            if os.environ.get("CI") and os.geteuid() == 0:
+                pytest.fail(f"CI, as root, must bound a call's memory with a cgroup: "
+                            f"{pool.plan.describe()}")  # fmt: skip
+            assert_memory_bounded_per_process(pool)
+            return
+        if level == "process" and landlock_abi() < 1:  # the documented fallback
+            assert "no Landlock in this kernel" in pool.plan.describe(), pool.plan.describe()
+            return
+        out = json.loads(text(trajectory(pool, "lift_memory_limit")))
+    assert not out["limit"].startswith("ok") and not out["leave"].startswith("ok"), out
+    assert out["after"] == {"group": out["group"], "limit_mb": 256}, out
 
 
 @pytest.mark.parametrize("level", LEVELS)

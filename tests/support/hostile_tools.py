@@ -628,3 +628,29 @@ def other_scratch(other: str) -> str:
         out["wrote"] = _attempt(lambda: _write(os.path.join(other, "from-another-box")))
         out["listed"] = _attempt(lambda: len(os.listdir(other)))
     return json.dumps(out)
+
+
+def lift_memory_limit() -> str:
+    """Raise this process's memory cgroup limit to 4 GiB, and move into its parent group."""
+    group = json.loads(memory_cgroup())["group"]
+    out = {"group": group}
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, names, path = line.split(":", 2)
+        if "memory" in names.split(","):
+            base, limit = "/sys/fs/cgroup/memory", "memory.limit_in_bytes"
+        elif names == "" and os.path.exists(f"/sys/fs/cgroup{path}/memory.max"):
+            base, limit = "/sys/fs/cgroup", "memory.max"
+        elif names == "":
+            base, limit = "/sys/fs/cgroup/unified", "memory.max"
+        else:
+            continue
+        mine = f"{base}{path}"
+        if limit == "memory.limit_in_bytes":  # v1: memory + swap first, never below memory
+            swap = Path(f"{mine}/memory.memsw.limit_in_bytes")
+            out["swap"] = _attempt(lambda p=swap: p.write_text(str(4 << 30)))
+        out["limit"] = _attempt(lambda p=f"{mine}/{limit}": Path(p).write_text(str(4 << 30)))
+        parent = os.path.dirname(mine)
+        out["leave"] = _attempt(lambda p=f"{parent}/cgroup.procs": Path(p).write_text("0"))
+        break
+    out["after"] = json.loads(memory_cgroup())
+    return json.dumps(out)

@@ -79,7 +79,7 @@ LANDLOCK_ACCESS_FS_READ_DIR, LANDLOCK_ACCESS_FS_REFER, LANDLOCK_ACCESS_FS_TRUNCA
 READ_RIGHTS = LANDLOCK_ACCESS_FS_READ_FILE | LANDLOCK_ACCESS_FS_READ_DIR
 FILE_RIGHTS = (LANDLOCK_ACCESS_FS_EXECUTE | LANDLOCK_ACCESS_FS_WRITE_FILE
                | LANDLOCK_ACCESS_FS_READ_FILE | LANDLOCK_ACCESS_FS_TRUNCATE)  # fmt: skip
-READ_ONLY_ROOTS: tuple[str, ...] = ()
+READ_ONLY_ROOTS = ("proc", "sys")  # at `process`: a box's own cgroup files, sysctls
 SCRATCH_PREFIX = "leangrpo-sandbox-"  # every worker's scratch directory (process.py)
 LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET, LANDLOCK_SCOPE_SIGNAL = 1, 2
 DEVICES = ("null", "zero", "full", "random", "urandom")
@@ -366,7 +366,10 @@ def own_domain(grants: list[tuple[str, bool]] | None = None) -> bool:
 
     `grants` (the `process` level: `filesystem_grants` and the box's own scratch) restricts
     the filesystem too: reading and writing only beneath those paths, each read-only or
-    not, so another box's scratch is out of its reach. None (the `namespace` level, whose mounts do that): the
+    not, so another box's scratch is out of its reach, and /proc and /sys are read-only:
+    its own cgroup's files (the limits of its memory and processes, cgroup.procs of its
+    worker's group) and the sysctls, which a root box without capabilities could
+    otherwise write as their owner. None (the `namespace` level, whose mounts do that): the
     filesystem is not restricted. False where the kernel has no Landlock (the log line
     says so)."""
     abi = landlock_abi()

@@ -144,10 +144,13 @@ class SandboxPlan:
 def _apart() -> str:
     """What keeps the boxes of a `process`-level worker apart (confine.py `own_domain`)."""
     if landlock_abi() >= 1:
-        return "each box's scratch and processes out of the others' reach (Landlock)"
+        return (
+            "each box's scratch and processes out of the others' reach, /proc and /sys "
+            "read-only (Landlock)"
+        )
     return (
         "no Landlock in this kernel: the boxes of a worker can reach each other's scratch "
-        "directories and processes"
+        "directories and processes, and a root box its own cgroup limits"
     )
 
 
