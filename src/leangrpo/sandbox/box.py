@@ -324,9 +324,17 @@ class Boxes:
             if kind == "box":
                 self._delivered[message["id"]] = _box(message, fds)
             elif kind == "exit":
-                self._exits[message["id"]] = message
+                if self._holds(message["id"]):
+                    self._exits[message["id"]] = message  # until `end`
             else:
                 self._pending.append(message)
+
+    def _holds(self, box_id: int) -> bool:
+        """Whether box `box_id` is live or delivered (not ended): the notice of an ended
+        box, which usually arrives after `end` (the zygote reaps what it killed), is
+        dropped, so `_exits` holds live boxes only."""
+        box = self._live.get(box_id) or self._delivered.get(box_id)
+        return box is not None and not box.ended
 
     @staticmethod
     def _poll(handles: list, timeout: float) -> set[int]:
