@@ -99,13 +99,21 @@ def test_undeclared_reward_terms_never_reach_the_trainer(level):
     assert later.error is None and later.ok["rewards"] == {}
 
 
-def test_the_trainer_itself_refuses_undeclared_reward_terms():
-    """The pool checks what a worker sends against the declared terms too."""
+def test_the_trainer_itself_refuses_undeclared_reward_terms(monkeypatch):
+    """A worker whose supervisor skips its check (support/lying_env_worker.py) sends the
+    term 'forged' the environment never declared: the pool's own check fails the item."""
+    spawn = EnvironmentPool._spawn
+
+    def lying(pool: EnvironmentPool, slot: int):
+        pool._init["entry"] = "support.lying_env_worker"
+        return spawn(pool, slot)
+
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests"))
+    monkeypatch.setattr(EnvironmentPool, "_spawn", lying)
     with tools_pool("process") as pool:
-        ok = {"rewards": {"forged": 100.0}, "metrics": {}, "seconds": 0.0}
-        refused = pool._declared(ok)
-        assert refused.ok is None and "'forged'" in refused.error
-        assert pool._declared({**ok, "rewards": {}}).ok is not None
+        assert pool.reward_terms == ()
+        out = trajectory(pool, "find", name="x")
+    assert out.ok is None and "'forged'" in out.error, out
 
 
 @pytest.mark.parametrize("level", LEVELS)
