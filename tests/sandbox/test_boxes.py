@@ -8,6 +8,7 @@ back."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -29,7 +30,7 @@ USER = [{"role": "user", "content": "go"}]
 LEVELS = ["namespace", "process"]
 TOOLS = ["hold_memory", "memory_cgroup", "plant", "find", "read_keyring", "nested_userns", "attack_tagged",
          "forge_terms", "read_file", "signal_state", "other_scratch",
-         "lift_memory_limit"]  # fmt: skip
+         "lift_memory_limit", "write_file"]  # fmt: skip
 KEY, SECRET = "leangrpo-test-token", "hf_keyring_secret_for_the_test"
 
 
@@ -179,6 +180,24 @@ def test_a_box_cannot_reach_another_boxs_scratch(level, monkeypatch):
     if level == "process":
         assert a["beside"] == "PermissionError", a
         assert a["wrote"].startswith("PermissionError") and a["listed"].startswith("Perm"), a
+
+
+def test_a_process_level_box_writes_where_its_user_may(tmp_path):
+    """What the Landlock domain of a `process`-level box leaves as it was: files anywhere
+    its user may write, directly in /tmp too (the scratch directories are elsewhere);
+    but /proc and /sys are read-only."""
+    made = f"/tmp/leangrpo-test-{os.getpid()}"
+    try:
+        with tools_pool("process") as pool:
+            if landlock_abi() < 1:  # the documented fallback: nothing is restricted
+                assert "no Landlock in this kernel" in pool.plan.describe()
+                return
+            wrote = [text(trajectory(pool, "write_file", path=path))
+                     for path in (str(tmp_path / "state.json"), made, "/proc/self/comm")]  # fmt: skip
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(made)
+    assert wrote[:2] == ["ok 1", "ok 1"] and wrote[2].startswith("PermissionError"), wrote
 
 
 @pytest.mark.parametrize("level", LEVELS)
