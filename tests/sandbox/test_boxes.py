@@ -30,7 +30,7 @@ USER = [{"role": "user", "content": "go"}]
 LEVELS = ["namespace", "process"]
 TOOLS = ["hold_memory", "memory_cgroup", "plant", "find", "read_keyring", "nested_userns", "attack_tagged",
          "forge_terms", "read_file", "signal_state", "other_scratch",
-         "lift_memory_limit", "write_file"]  # fmt: skip
+         "lift_memory_limit", "write_file", "frozen_objects"]  # fmt: skip
 KEY, SECRET = "leangrpo-test-token", "hf_keyring_secret_for_the_test"
 
 
@@ -126,6 +126,15 @@ def test_a_box_starts_with_a_fresh_interpreters_signals(level):
         state = json.loads(text(trajectory(pool, "signal_state")))
     handlers = {**PYTHON_SIGNALS, "SIGUSR1": "_on_signal", "SIGXCPU": "_on_signal"}  # calls.py's
     assert state == {"wakeup_fd": -1, "stray_bytes": 0, "handlers": handlers}, state
+
+
+def test_a_boxs_collections_leave_the_zygotes_objects_alone():
+    """The zygote freezes what it imported (gc.freeze) before it forks: a box's garbage
+    collections then never walk those objects, which would copy every page of them (a
+    box forked from a worker that imported math-verify cost 7x more per call)."""
+    with tools_pool("process") as pool:
+        frozen = int(text(trajectory(pool, "frozen_objects")))
+    assert frozen > 10_000, frozen
 
 
 # -- between calls and trajectories ----------------------------------------------------------

@@ -654,3 +654,10 @@ def lift_memory_limit() -> str:
         break
     out["after"] = json.loads(memory_cgroup())
     return json.dumps(out)
+
+
+def frozen_objects() -> str:
+    """How many objects this process's garbage collector leaves alone (gc.freeze)."""
+    import gc
+
+    return str(gc.get_freeze_count())

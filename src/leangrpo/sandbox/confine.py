@@ -282,14 +282,27 @@ def _drop_privileges() -> None:
     _prctl(PR_SET_NO_NEW_PRIVS, 1, "prctl NO_NEW_PRIVS")
     with contextlib.suppress(SetupError):  # without CAP_SETPCAP there is nothing to drop
         _prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, "prctl CAP_AMBIENT")
+    drop_bounding_set()
+    header, data = _CapHeader(0x20080522, 0), (_CapData * 2)()
+    _check(_libc.capset(ctypes.byref(header), data), "capset")
+
+
+_bounding_dropped: list[bool] = []  # once per process: its children inherit the empty set
+
+
+def drop_bounding_set() -> None:
+    """Empty the capability bounding set (what an exec could gain), once: the zygote does it
+    before forking boxes, which keep its effective capabilities (its user namespace's, to
+    make their own) but inherit the empty set, so each box skips the 41 prctl calls."""
+    if _bounding_dropped:
+        return
     for cap in range(_last_cap() + 1):
         if _libc.prctl(PR_CAPBSET_DROP, ctypes.c_ulong(cap), 0, 0, 0) < 0:
             if ctypes.get_errno() == errno.EINVAL:  # beyond what this kernel knows
                 break
             if ctypes.get_errno() == errno.EPERM:  # no CAP_SETPCAP: no capability to lose
                 break
-    header, data = _CapHeader(0x20080522, 0), (_CapData * 2)()
-    _check(_libc.capset(ctypes.byref(header), data), "capset")
+    _bounding_dropped.append(True)
 
 
 # -- a box (the zygote's child, before anything else runs in it) --------------------------

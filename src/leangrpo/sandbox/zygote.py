@@ -16,6 +16,11 @@ checks, the set-up reports `announce` passes on), which returns what each box ru
   limit), starts its forwarder if asked (forward.py), drops every capability and loads
   the BOX filter (seccomp.py); then it runs `box_main` under its output meter, or execs
   `argv`. The supervisor gets the box's pid and its descriptors (SCM_RIGHTS).
+  What every box would do alike is done once, in the zygote, before it serves: the
+  filters compiled and made ready to load, the bounding set emptied (namespace level; the
+  process level's worker has no capability left), its signals that differ from a fresh
+  interpreter's listed, and its objects frozen (gc.freeze: a box's collections never walk
+  them, which would copy every page they are on).
 - `{"t": "ended", "id"}`: the supervisor killed the box. When a box ends the zygote reaps
   it, tells the supervisor `{"t": "exit", "id", "code", "oom"}`, removes its cgroups and
   (process level) its scratch directory, and kills what it left behind (processes
@@ -25,6 +30,7 @@ checks, the set-up reports `announce` passes on), which returns what each box ru
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import os
 import select
@@ -45,6 +51,7 @@ from leangrpo.sandbox.confine import (
     SetupError,
     back_to,
     confine_box,
+    drop_bounding_set,
     drop_privileges,
     filesystem_grants,
     limit_box_tasks,
@@ -54,7 +61,7 @@ from leangrpo.sandbox.confine import (
 from leangrpo.sandbox.frames import FrameReader, frame, json_payload
 from leangrpo.sandbox.output import OutputMeter
 from leangrpo.sandbox.proctree import become_subreaper, children, kill_pids
-from leangrpo.sandbox.seccomp import compile_filter, load
+from leangrpo.sandbox.seccomp import Program, compile_filter, load
 
 BOX_SETUP_FAILED = 75
 
@@ -73,7 +80,8 @@ class Zygote:
         self.groups = groups
         self.namespace = spec["level"] == "namespace"
         self.programs = {
-            unix: compile_filter(box=True, unix_sockets=unix) for unix in {True, spec["network"]}
+            unix: Program(compile_filter(box=True, unix_sockets=unix))
+            for unix in {True, spec["network"]}
         }
         self.own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
         # process level: what a box may read and write besides its scratch (its mounts
@@ -82,6 +90,7 @@ class Zygote:
         self.live: dict[int, _Live] = {}  # pid -> box
         self.unremoved: list[str] = []  # cgroups whose tasks were still being released
         self.box_main: Callable[[BoxConn], Any] | None = None
+        self.signals: list[tuple[int, Any]] = []  # to reset in a box (`serve` finds them)
 
     def announce(self, message: dict) -> None:
         self.control.sendall(frame(json_payload(message)))
@@ -95,6 +104,10 @@ class Zygote:
         wake_read, wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wake_write)
         signal.signal(signal.SIGCHLD, lambda *a: None)
+        self.signals = _changed_signals()
+        if self.namespace:
+            drop_bounding_set()  # (the process level's worker has no capability left)
+        gc.freeze()  # a box's collections never walk (and so copy) the zygote's objects
         reader = FrameReader()
         poller = select.poll()
         poller.register(self.control, select.POLLIN)
@@ -165,7 +178,7 @@ class Zygote:
         try:
             if group is not None:
                 self.groups.join(group)  # first: everything the box does is counted
-            _fresh_signals()  # before its wakeup fd is closed: no byte lands on a reused fd
+            _fresh_signals(self.signals)  # before its wakeup fd is closed: no byte lands on a reused fd
             fds = _settle_descriptors(keep)  # the cgroups' and the zygote's are closed
             os.setsid()
             become_subreaper()  # orphans of its processes stay in its tree (process level)
@@ -244,18 +257,27 @@ PYTHON_DEFAULTS = {signal.SIGINT: signal.default_int_handler, signal.SIGPIPE: si
                    signal.SIGXFSZ: signal.SIG_IGN}  # fmt: skip  what a fresh interpreter sets
 
 
-def _fresh_signals() -> None:
-    """A fresh interpreter's signals: no wakeup fd (the zygote's would get a byte for each
-    signal, on whatever descriptor has its number by then), no handler or ignored signal
-    of the zygote's or the worker's (its SIGCHLD handler, SIGINT ignored), none blocked."""
-    signal.set_wakeup_fd(-1)
+def _changed_signals() -> list[tuple[int, Any]]:
+    """The zygote's signals whose handling is not a fresh interpreter's (its SIGCHLD
+    handler, SIGINT ignored by the worker), with what a fresh interpreter has."""
+    changed = []
     for signum in signal.valid_signals():
         if signum in (signal.SIGKILL, signal.SIGSTOP):
             continue
         wanted = PYTHON_DEFAULTS.get(signum, signal.SIG_DFL)
         with contextlib.suppress(OSError, ValueError):  # signals the C library reserves
             if signal.getsignal(signum) is not wanted:
-                signal.signal(signum, wanted)
+                changed.append((signum, wanted))
+    return changed
+
+
+def _fresh_signals(changed: list[tuple[int, Any]]) -> None:
+    """A fresh interpreter's signals: no wakeup fd (the zygote's would get a byte for each
+    signal, on whatever descriptor has its number by then), none of the zygote's
+    handlers (`changed`: `_changed_signals`), none blocked."""
+    signal.set_wakeup_fd(-1)
+    for signum, wanted in changed:
+        signal.signal(signum, wanted)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
 
