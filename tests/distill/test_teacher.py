@@ -141,6 +141,9 @@ def test_pure_distillation_needs_no_reward_function(tmp_path):
             {"rewards": {"functions": []}, "pipeline": {"replay": {"enabled": True}}},
             "pipeline.replay.enabled",
         ),
+        # mixed distillation (a weighted reward): flat groups still carry the teacher's signal
+        ({"pipeline": {"reroll": {"enabled": True}}}, "pipeline.reroll.enabled"),
+        ({"pipeline": {"replay": {"enabled": True}}}, "pipeline.replay.enabled"),
         ({"distill": {"weight": 0}}, "distill.weight"),
         ({"distill": {"discount": 1.5}}, "distill.discount"),
         ({"distill": {"teacher_quantization": "fp4"}}, "distill.teacher_quantization"),
