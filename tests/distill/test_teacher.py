@@ -95,6 +95,25 @@ def test_a_teacher_with_fewer_vocabulary_rows_is_refused(tmp_path):
         check_teacher(cfg, check_model_files(cfg.model), 1)
 
 
+def test_a_teacher_of_a_shorter_context_than_the_runs_sequences_is_refused(tmp_path):
+    """The demo's context is 64 positions, so prompts may take 64 - max_new_tokens and
+    sequences reach 64 tokens: a 32-position teacher is refused (preflight), unless
+    data.max_prompt_tokens keeps the sequences within its 32."""
+    from leangrpo.preflight import check_inputs
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(DEMO_MODEL, teacher)
+    config = json.loads((teacher / "config.json").read_text())
+    (teacher / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 32}))
+    cfg = distill_config(tmp_path, teacher)
+    with pytest.raises(TeacherMismatchError) as caught:
+        check_inputs(cfg, warn=False)
+    message = str(caught.value)
+    assert "attends to 32 positions" in message and "reach 64 tokens" in message
+    assert "data.max_prompt_tokens to at most 26" in message and "\n" not in message
+    check_inputs(distill_config(tmp_path, teacher, data={"max_prompt_tokens": 26}), warn=False)
+
+
 def test_a_missing_teacher_is_named_as_distill_teacher(tmp_path):
     cfg = distill_config(tmp_path, tmp_path / "nowhere")
     with pytest.raises(TeacherMismatchError, match="distill.teacher"):

@@ -10,7 +10,9 @@ added tokens carry their ids), or through transformers' tokenizer where there is
 tokenizer.json (sentencepiece-only models). The first id on which they differ is named.
 The teacher's embedding rows (config.json vocab_size) must also cover the policy's: a
 policy may sample any id below its own vocab_size, padding rows included, and the
-teacher must have a log-prob for it.
+teacher must have a log-prob for it. Its context (config.json max_position_embeddings)
+must hold the run's longest sequence (the longest prompt plus rollout.max_new_tokens, or
+environment.max_total_tokens).
 """
 
 from __future__ import annotations
@@ -91,12 +93,13 @@ def check_teacher_vocabulary(
         )
 
 
-def check_teacher(cfg: Any, policy: ModelFiles, world_size: int) -> None:
+def check_teacher(cfg: Any, policy: ModelFiles, world_size: int, limit: Any = None) -> None:
     """Everything about `cfg.distill` that can be known before torch is imported: the
     teacher's files (as model.name_or_path's), bitsandbytes and the CPU for a quantized
-    teacher, torchrun's limits, and the vocabulary check, which needs both tokenizers on
-    disk: a hub model not in the local cache yet is not compared (a warning says so;
-    download it first to have it checked)."""
+    teacher, torchrun's limits, its context against the run's longest sequence (`limit`:
+    the prompt limit preflight found, a `data.prompts.PromptLimit`, or None), and the
+    vocabulary check, which needs both tokenizers on disk: a hub model not in the local
+    cache yet is not compared (a warning says so; download it first to have it checked)."""
     distill = cfg.distill
     if distill is None:
         return
@@ -108,6 +111,7 @@ def check_teacher(cfg: Any, policy: ModelFiles, world_size: int) -> None:
             str(error).replace("model.name_or_path", "distill.teacher")
         ) from None
     check_teacher_quantization(cfg, world_size)
+    check_teacher_context(cfg, teacher, limit)
     if policy.directory is None or teacher.directory is None:
         log.warning(
             "distill.teacher: the policy's and the teacher's tokenizers were not compared, because one of them is not downloaded yet; download both (huggingface-cli download) to have the check run before anything loads"
@@ -115,6 +119,41 @@ def check_teacher(cfg: Any, policy: ModelFiles, world_size: int) -> None:
         return
     check_teacher_vocabulary(
         policy.directory, teacher.directory, _rows(policy.directory), _rows(teacher.directory)
+    )
+
+
+def longest_sequence(cfg: Any, limit: Any) -> tuple[int, str] | None:
+    """The most tokens one of the run's sequences holds, and why (None: no bound is known):
+    environment.max_total_tokens for multi-turn, else the longest prompt plus
+    rollout.max_new_tokens."""
+    if cfg.environment is not None:
+        total = cfg.environment.max_total_tokens
+        return total, f"environment.max_total_tokens = {total}"
+    if limit is None:
+        return None
+    new = cfg.rollout.max_new_tokens
+    return limit.tokens + new, (
+        f"a prompt of up to {limit.tokens} tokens ({limit.reason}) plus rollout.max_new_tokens = {new}"
+    )
+
+
+def check_teacher_context(cfg: Any, teacher: ModelFiles, limit: Any) -> None:
+    """Refuse a teacher whose context (config.json max_position_embeddings, rope scaling
+    included) is shorter than the run's longest sequence: it would score positions it was
+    never trained on (or index past its rotary table) without a word."""
+    longest = longest_sequence(cfg, limit)
+    if teacher.context is None or longest is None or longest[0] <= teacher.context:
+        return
+    tokens, why = longest
+    fix = (
+        f"lower environment.max_total_tokens to {teacher.context}"
+        if cfg.environment is not None
+        else f"set data.max_prompt_tokens to at most {teacher.context - cfg.rollout.max_new_tokens}"
+        if teacher.context > cfg.rollout.max_new_tokens
+        else f"lower rollout.max_new_tokens below {teacher.context}"
+    )
+    raise TeacherMismatchError(
+        f"distill.teacher ({cfg.distill.teacher}) attends to {teacher.context} positions ({teacher.context_source}), but this run's sequences reach {tokens} tokens ({why}); {fix}, or use a teacher with a longer context."
     )
 
 
