@@ -114,6 +114,45 @@ def test_a_teacher_of_a_shorter_context_than_the_runs_sequences_is_refused(tmp_p
     check_inputs(distill_config(tmp_path, teacher, data={"max_prompt_tokens": 26}), warn=False)
 
 
+def test_a_teacher_whose_heads_the_context_group_cannot_split_is_refused(tmp_path, monkeypatch):
+    """context_parallel_size 2 splits the demo policy's 2 heads, not a 3-head teacher's:
+    preflight refuses it from config.json before anything loads, naming distill.teacher,
+    and the torchrun set-up checks the loaded teacher's attention as it checks the
+    policy's (shard_on_mesh, before any sharding)."""
+    from types import SimpleNamespace
+
+    from support.models import make_tiny_model
+
+    from leangrpo.distributed.mesh import ContextParallelError, ParallelMesh
+    from leangrpo.distributed.strategy import shard_on_mesh
+    from leangrpo.ops.attention.adapter import enable_packed_attention
+    from leangrpo.preflight import check_inputs
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(DEMO_MODEL, teacher)
+    config = json.loads((teacher / "config.json").read_text())
+    assert config["num_attention_heads"] % 2 == 0  # the policy splits
+    three = {**config, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 16}
+    (teacher / "config.json").write_text(json.dumps(three))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = distill_config(tmp_path, teacher, distributed={"context_parallel_size": 2})
+    with pytest.raises(ConfigError) as caught:
+        check_inputs(cfg, warn=False)
+    message = str(caught.value)
+    assert "teacher's 3 attention heads" in message and "distill.teacher" in message
+    assert "\n" not in message
+
+    def loaded(heads: int):
+        model = make_tiny_model("qwen2", num_attention_heads=heads, num_key_value_heads=1)
+        enable_packed_attention(model, "sdpa_segments")
+        return model
+
+    policy = SimpleNamespace(model=loaded(4), teacher=loaded(3))
+    with pytest.raises(ContextParallelError, match=r"\(distill.teacher\) cannot be context"):
+        shard_on_mesh(policy, dist_cfg=None, ctx=SimpleNamespace(rank=0),
+                      mesh=ParallelMesh(1, 2, 0, 0), engine_copy=False)  # fmt: skip
+
+
 def test_a_missing_teacher_is_named_as_distill_teacher(tmp_path):
     cfg = distill_config(tmp_path, tmp_path / "nowhere")
     with pytest.raises(TeacherMismatchError, match="distill.teacher"):

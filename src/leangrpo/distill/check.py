@@ -25,7 +25,13 @@ from typing import Any
 
 from leangrpo.config import ConfigError
 from leangrpo.errors import UserError
-from leangrpo.model.files import ModelFiles, check_model_files, embedding_rows
+from leangrpo.model.files import (
+    ModelFiles,
+    attention_heads,
+    check_context_heads,
+    check_model_files,
+    embedding_rows,
+)
 
 MISSING = object()
 log = logging.getLogger("leangrpo")
@@ -112,6 +118,11 @@ def check_teacher(cfg: Any, policy: ModelFiles, world_size: int, limit: Any = No
         ) from None
     check_teacher_quantization(cfg, world_size)
     check_teacher_context(cfg, teacher, limit)
+    if teacher.directory is not None:  # its rows are split over the context group too
+        config = json.loads((teacher.directory / "config.json").read_text(encoding="utf-8"))
+        heads = attention_heads(config)
+        c = cfg.distributed.context_parallel_size
+        check_context_heads(c, heads, distill.teacher, "distill.teacher")
     if policy.directory is None or teacher.directory is None:
         log.warning(
             "distill.teacher: the policy's and the teacher's tokenizers were not compared, because one of them is not downloaded yet; download both (huggingface-cli download) to have the check run before anything loads"

@@ -547,6 +547,8 @@ def _teacher(cfg, device: str, b: int, tokens: int, rows: int, world_size: int) 
     settings = SimpleNamespace(name_or_path=distill.teacher, revision=distill.teacher_revision)
     source = f"config.json of distill.teacher = {distill.teacher!r}"
     t = dims_from_json(read_model_config(settings), source)
+    c = cfg.distributed.context_parallel_size  # its rows are split like the policy's
+    check_context_heads(c, t.heads, distill.teacher, "distill.teacher")
     quantized = SimpleNamespace(
         model=SimpleNamespace(
             quantization=distill.teacher_quantization,
