@@ -82,6 +82,48 @@ def test_an_added_token_counts_and_the_same_tokenizer_passes(tmp_path):
         check_teacher(cfg, check_model_files(cfg.model), 1)
 
 
+def edit_json(file: Path, **values) -> None:
+    file.write_text(json.dumps({**json.loads(file.read_text()), **values}))
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        (
+            {"generation_config.json": {"eos_token_id": 5}, "config.json": {"eos_token_id": 5}},
+            "another eos token id than the policy .*: 1 for the policy and 5 for the teacher",
+        ),
+        ({"config.json": {"bos_token_id": 3}}, "another bos token id .*none for the policy and 3"),
+        ({"tokenizer_config.json": {"pad_token": "<unk>"}}, "another pad token id .*: 0 for the"),
+    ],
+)
+def test_a_teacher_ending_beginning_or_padding_with_other_ids_is_refused(
+    tmp_path, files, expected
+):
+    """Same id -> token map, other special ids: the teacher would read the policy's end of
+    sequence as an ordinary token (one sentence naming which id differs)."""
+    teacher = tmp_path / "teacher"
+    shutil.copytree(DEMO_MODEL, teacher)
+    for name, values in files.items():
+        edit_json(teacher / name, **values)
+    cfg = distill_config(tmp_path, teacher)
+    with pytest.raises(TeacherMismatchError, match=expected) as caught:
+        check_teacher(cfg, check_model_files(cfg.model), 1)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_teacher_of_another_chat_template_is_refused_when_prompts_use_it(tmp_path):
+    teacher = tmp_path / "teacher"
+    shutil.copytree(DEMO_MODEL, teacher)
+    edit_json(teacher / "tokenizer_config.json", chat_template="{{ messages[0]['content'] }}!")
+    templated = distill_config(tmp_path, teacher, data={"chat_template": True})
+    with pytest.raises(TeacherMismatchError, match="another chat template than the policy"):
+        check_teacher(templated, check_model_files(templated.model), 1)
+    raw = distill_config(tmp_path, teacher)  # raw prompt text: no template is used
+    assert raw.data.chat_template is False
+    check_teacher(raw, check_model_files(raw.model), 1)
+
+
 def test_a_teacher_with_fewer_vocabulary_rows_is_refused(tmp_path):
     teacher = tmp_path / "teacher"
     shutil.copytree(DEMO_MODEL, teacher)

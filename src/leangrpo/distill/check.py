@@ -12,7 +12,11 @@ The teacher's embedding rows (config.json vocab_size) must also cover the policy
 policy may sample any id below its own vocab_size, padding rows included, and the
 teacher must have a log-prob for it. Its context (config.json max_position_embeddings)
 must hold the run's longest sequence (the longest prompt plus rollout.max_new_tokens, or
-environment.max_total_tokens).
+environment.max_total_tokens). It must end, begin and pad with the policy's ids
+(generation_config.json, config.json, the tokenizer's tokens), and when prompts are
+rendered with the tokenizer's chat template, have the policy's template. Which added
+tokens are flagged special is not compared: it changes how text is tokenized and
+decoded, and the teacher reads ids.
 """
 
 from __future__ import annotations
@@ -99,6 +103,88 @@ def check_teacher_vocabulary(
         )
 
 
+SPECIALS = ("eos", "bos", "pad")
+
+
+def special_ids(directory: Path) -> dict[str, tuple[int, ...] | None]:
+    """The ids the model ends, begins and pads with, as the hf engine picks them
+    (rollout/hf/engine.py): generation_config.json's, else config.json's, else the
+    tokenizer's (tokenizer_config.json's token, read through the id map); pad: the
+    tokenizer's, else generation_config.json's, else the eos."""
+    configs = [_json(directory / name) for name in ("generation_config.json", "config.json")]
+    tokens = _json(directory / "tokenizer_config.json")
+    ids = {token: i for i, token in id_to_token(directory).items()}
+    out: dict[str, tuple[int, ...] | None] = {}
+    for kind in ("eos", "bos"):
+        found = [c.get(f"{kind}_token_id") for c in configs] + [ids.get(_content(tokens, kind))]
+        out[kind] = next((_ids(v) for v in found if v is not None), None)
+    pad = [ids.get(_content(tokens, "pad")), configs[0].get("pad_token_id")]
+    out["pad"] = next((_ids(v) for v in pad if v is not None), out["eos"])
+    return out
+
+
+def chat_template(directory: Path) -> Any:
+    """The tokenizer's chat template: chat_template.jinja, chat_template.json's, or
+    tokenizer_config.json's (None: it has none)."""
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        template = _json(directory / name).get("chat_template")
+        if template is not None:
+            return template
+    return None
+
+
+def check_teacher_specials(policy_dir: Path, teacher_dir: Path, with_template: bool) -> None:
+    """Refuse a teacher that ends, begins or pads with other ids than the policy (its
+    log-prob of the policy's end-of-sequence would be that of an ordinary token), or, when
+    prompts are rendered with the tokenizer's chat template (`with_template`), whose
+    template differs (it would score prompts laid out as it never saw them). One sentence
+    naming what differs."""
+    mine, theirs = special_ids(policy_dir), special_ids(teacher_dir)
+    for kind in SPECIALS:
+        if mine[kind] != theirs[kind]:
+            raise TeacherMismatchError(
+                f"distill.teacher ({teacher_dir}) has another {kind} token id than the policy ({policy_dir}): {_listed(mine[kind])} for the policy and {_listed(theirs[kind])} for the teacher (generation_config.json, config.json or tokenizer_config.json), so it would score the policy's {kind} token as another token; use a teacher of the same tokenizer and special tokens."
+            )
+    if with_template and chat_template(policy_dir) != chat_template(teacher_dir):
+        raise TeacherMismatchError(
+            f"distill.teacher ({teacher_dir}) has another chat template than the policy ({policy_dir}), and data.chat_template: true renders the prompts with the policy's, so the teacher would score prompts laid out as it was never trained on; use a teacher with the same chat template, or name one template for both in data.chat_template."
+        )
+
+
+def _renders_with_tokenizer(cfg: Any) -> bool:
+    """Prompts (or turns) rendered with the policy tokenizer's own chat template."""
+    env = cfg.environment
+    if env is not None and env.chat_template is not None:
+        return False
+    return cfg.data.chat_template is True
+
+
+def _json(file: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _content(tokens: dict[str, Any], kind: str) -> str | None:
+    token = tokens.get(f"{kind}_token")
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    return tuple(sorted({int(v) for v in (value if isinstance(value, list) else [value])}))
+
+
+def _listed(ids: tuple[int, ...] | None) -> str:
+    if ids is None:
+        return "none"
+    return str(ids[0]) if len(ids) == 1 else ", ".join(map(str, ids))
+
+
 def check_teacher(cfg: Any, policy: ModelFiles, world_size: int, limit: Any = None) -> None:
     """Everything about `cfg.distill` that can be known before torch is imported: the
     teacher's files (as model.name_or_path's), bitsandbytes and the CPU for a quantized
@@ -131,6 +217,7 @@ def check_teacher(cfg: Any, policy: ModelFiles, world_size: int, limit: Any = No
     check_teacher_vocabulary(
         policy.directory, teacher.directory, _rows(policy.directory), _rows(teacher.directory)
     )
+    check_teacher_specials(policy.directory, teacher.directory, _renders_with_tokenizer(cfg))
 
 
 def longest_sequence(cfg: Any, limit: Any) -> tuple[int, str] | None:
