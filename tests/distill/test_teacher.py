@@ -306,6 +306,41 @@ def test_the_teacher_loads_frozen_and_a_quantized_one_scores_close(tmp_path):
     torch.testing.assert_close(b, torch.cat(want), rtol=1e-4, atol=1e-4)
 
 
+def test_teacher_rows_past_the_policys_vocabulary_do_not_shift_its_logprobs(tmp_path):
+    """A teacher with 16 more vocabulary rows than the policy, trained ones (copies of
+    real rows, so they would take mass), scores exactly as the same teacher without them:
+    its log-softmax runs over the policy's rows only."""
+    from transformers import AutoModelForCausalLM
+
+    from leangrpo.distill.teacher import load_teacher, teacher_logprobs
+    from leangrpo.train.packing import pack_samples
+
+    same = demo_teacher(tmp_path)
+    wide = tmp_path / "wide"
+    shutil.copytree(same, wide)
+    model = AutoModelForCausalLM.from_pretrained(same, dtype=torch.float32)
+    rows = model.config.vocab_size
+    model.resize_token_embeddings(rows + 16, mean_resizing=False)
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        head[rows:] = head[2:18]
+    model.save_pretrained(wide)
+    samples = step_samples([1.0, -1.0])
+    for s in samples:
+        s.prompt.ids = [i % rows for i in s.prompt.ids]
+        s.completion.ids = [i % rows for i in s.completion.ids]
+    mb = pack_samples(samples)
+    scored, kept = [], []
+    for teacher in (same, wide):
+        cfg = distill_config(tmp_path, teacher)
+        check_teacher(cfg, check_model_files(cfg.model), 1)  # more rows pass the check
+        loaded = load_teacher(cfg, torch.device("cpu"))
+        kept.append(loaded.get_output_embeddings().weight.shape[0])
+        scored.append(teacher_logprobs(loaded, mb, cfg.rollout.sampling_params(), cfg.logprobs))
+    torch.testing.assert_close(scored[1], scored[0], rtol=0, atol=1e-6)
+    assert kept == [rows, rows]
+
+
 # -- resume ---------------------------------------------------------------------------------
 
 

@@ -10,7 +10,8 @@ added tokens carry their ids), or through transformers' tokenizer where there is
 tokenizer.json (sentencepiece-only models). The first id on which they differ is named.
 The teacher's embedding rows (config.json vocab_size) must also cover the policy's: a
 policy may sample any id below its own vocab_size, padding rows included, and the
-teacher must have a log-prob for it. Its context (config.json max_position_embeddings)
+teacher must have a log-prob for it; rows past the policy's are cut off as the teacher
+loads (distill/teacher.py `narrow_vocabulary`), so its log-softmax runs over the policy's. Its context (config.json max_position_embeddings)
 must hold the run's longest sequence (the longest prompt plus rollout.max_new_tokens, or
 environment.max_total_tokens). It must end, begin and pad with the policy's ids
 (generation_config.json, config.json, the tokenizer's tokens), and when prompts are

@@ -4,7 +4,10 @@ Loading (`load_teacher`) goes through the policy's path (`model.policy.load_caus
 model.dtype, in memory of its own, its weights checked; `distill.teacher_quantization`
 nf4 / int8 quantizes its decoder's linears as it loads (bitsandbytes, the QLoRA path of
 model/quantization.py, double quantization on; the lm_head stays a plain matrix). Then
-packed attention (the policy's backend), dropout off, eval mode, no gradient. Under
+its vocabulary narrowed to the policy's rows (`narrow_vocabulary`: the teacher's log-softmax
+runs over the tokens the student normalises over; rows the student has not would take
+mass from every token), packed attention (the policy's backend), dropout off, eval mode,
+no gradient. Under
 torchrun it is sharded like the reference (distributed/fsdp.py `shard_policy`).
 
 Scoring (`teacher_logprobs`) is `model.scoring.score` on the teacher: one backbone forward
@@ -23,6 +26,7 @@ import torch
 from torch import nn
 
 from leangrpo.contracts import PackedBatch, SamplingParams
+from leangrpo.model.files import embedding_rows, read_model_config
 from leangrpo.model.policy import (
     disable_dropout,
     load_causal_lm,
@@ -55,6 +59,7 @@ def load_teacher(cfg, device: torch.device) -> nn.Module:
         revision=distill.teacher_revision, trust_remote_code=cfg.model.trust_remote_code, **extra,
     )  # fmt: skip
     refuse_scaled_logits(model.config)
+    narrow_vocabulary(model, embedding_rows(read_model_config(cfg.model)))
     enable_packed_attention(model, cfg.packing.attention_backend)
     disable_dropout(model)
     model.eval().requires_grad_(False)
@@ -65,6 +70,24 @@ def load_teacher(cfg, device: torch.device) -> nn.Module:
         distill.teacher_quantization if distill.teacher_quantization != "none" else dtype,
     )
     return model
+
+
+def narrow_vocabulary(model: nn.Module, rows: int | None) -> None:
+    """Keep the teacher's first `rows` vocabulary rows (the policy's, config.json
+    vocab_size): its log-softmax then runs over the tokens the student normalises over,
+    which the student can sample, and no mass sits on rows the student has not
+    (distill/check.py refuses a teacher with fewer). Embeddings and head alike, tied or
+    not (transformers' resize_token_embeddings; the rows kept are unchanged)."""
+    head = model.get_output_embeddings()
+    if rows is None or head is None or head.weight.shape[0] <= rows:
+        return
+    log.info(
+        "teacher: its %d vocabulary rows narrowed to the policy's %d (log-probs over the "
+        "policy's vocabulary)",
+        head.weight.shape[0],
+        rows,
+    )
+    model.resize_token_embeddings(rows, mean_resizing=False)
 
 
 @torch.no_grad()
