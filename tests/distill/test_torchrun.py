@@ -41,3 +41,27 @@ def test_a_sharded_teacher_scores_like_one_process(tmp_path):
         mb = pack_samples([by_ids[ids]])
         want = teacher_logprobs(model, mb, sampling, cfg.logprobs)
         torch.testing.assert_close(values, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_the_teacher_is_gathered_a_unit_at_a_time_under_shard_grad_op_as_planned(tmp_path):
+    """shard_grad_op keeps the policy's gathered layers for its backward; the frozen
+    teacher has none, so its units are resharded after their forward all the same: during
+    its passes a rank holds at most what `leangrpo plan` counts as gathered (root with the
+    tied embeddings + two layers), well under the whole teacher (three layers)."""
+    import json
+
+    from leangrpo.planner.plan import dims_from_json, model_bytes, teacher_gathered
+
+    teacher = save_demo_teacher(tmp_path / "teacher")
+    assert_ok(launch(tmp_path, "gathered", str(teacher), str(tmp_path), "shard_grad_op",
+                     worker=WORKER))  # fmt: skip
+    ranks = torch.load(tmp_path / "gathered.pt", weights_only=False)
+    cfg = config_from_dict(distill_run(str(teacher), tmp_path))
+    dims = dims_from_json(json.loads((teacher / "config.json").read_text()))
+    planned = teacher_gathered(cfg, dims, model_bytes(cfg, "cpu"))
+    whole = dims.params * 4
+    assert dims.layers == 3 and planned < whole
+    for seen in ranks:
+        assert 0 < seen["peak"] <= planned, (seen, planned, whole)
+        assert seen["after"] == 0  # released after the passes

@@ -1,6 +1,7 @@
 """One rank of the 2-process CPU (gloo) distillation test (tests/distill/test_torchrun.py).
 
-Run as `python tests/support/distill_worker.py teacher TEACHER_DIR OUT_DIR` with RANK,
+Run as `python tests/support/distill_worker.py teacher TEACHER_DIR OUT_DIR` (or `gathered
+TEACHER_DIR OUT_DIR SHARDING`: how much of the teacher its passes hold gathered) with RANK,
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT set. The trainer's pieces on the demo: the policy
 and the teacher (load_teacher) sharded by `shard_policy`, the rank's groups planned,
 `attach_old_and_ref` (the teacher's pass through its FSDP root), one `train_step`. Rank 0
@@ -71,12 +72,64 @@ def teacher_ranks(teacher: str, out: Path) -> None:
     ctx.shutdown()
 
 
+def held_whole(module) -> int:
+    """Bytes of `module`'s parameters held whole (gathered) right now."""
+    from torch.distributed.tensor import DTensor
+
+    return sum(p.numel() * p.element_size() for p in module.parameters() if not isinstance(p, DTensor))
+
+
+def gathered_ranks(teacher: str, out: Path, sharding: str) -> None:
+    """The teacher's no-grad passes under distributed.sharding = `sharding`: the most of
+    its parameters held gathered at once (sampled before and after every module's
+    forward), and what stays gathered after the passes. Rank 0 writes OUT/gathered.pt."""
+    from leangrpo.config import config_from_dict
+    from leangrpo.distill.teacher import load_teacher
+    from leangrpo.distributed.context import init_distributed
+    from leangrpo.distributed.fsdp import shard_policy
+    from leangrpo.distributed.strategy import TorchrunRanks
+    from leangrpo.model.policy import load_policy
+    from leangrpo.train.passes import attach_old_and_ref
+    from leangrpo.train.planning import plan_steps
+    from support.dist_worker import batches, dist_cfg
+
+    ctx = init_distributed(dist_cfg(sharding=sharding), "cpu")
+    raw = distill_run(teacher, out)
+    raw["distributed"] = {**raw.get("distributed", {}), "sharding": sharding}
+    cfg = config_from_dict(raw)
+    samples = [s for g in batches()[0] for s in g]
+    for s in samples:
+        s.reward = 0.0
+    policy = load_policy(cfg, None, torch.device("cpu"))
+    policy.teacher = load_teacher(cfg, torch.device("cpu"))
+    shard_policy(policy, cfg.distributed, ctx)
+    seen = {"peak": 0}
+
+    def sample(*_):
+        seen["peak"] = max(seen["peak"], held_whole(policy.teacher))
+
+    for module in policy.teacher.modules():
+        module.register_forward_pre_hook(sample)
+        module.register_forward_hook(sample)
+    steps = plan_steps(samples, cfg, policy, ctx.rank, ctx.world_size)
+    ranks = TorchrunRanks(ctx)
+    attach_old_and_ref(policy, steps, cfg.loss, cfg.logprobs, cfg.rollout.sampling_params(), ranks)
+    seen["after"] = held_whole(policy.teacher)
+    gathered = ctx.gather_to_main(seen)
+    if ctx.is_main:
+        torch.save(gathered, out / "gathered.pt")
+    ctx.shutdown()
+
+
 def main() -> None:
     torch.set_num_threads(1)
     scenario, arg, out = sys.argv[1:4]
-    if scenario != "teacher":
+    if scenario == "teacher":
+        teacher_ranks(arg, Path(out))
+    elif scenario == "gathered":
+        gathered_ranks(arg, Path(out), sys.argv[4])
+    else:
         raise SystemExit(f"unknown scenario {scenario!r}")
-    teacher_ranks(arg, Path(out))
 
 
 if __name__ == "__main__":
