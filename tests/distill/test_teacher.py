@@ -341,6 +341,33 @@ def test_teacher_rows_past_the_policys_vocabulary_do_not_shift_its_logprobs(tmp_
     assert kept == [rows, rows]
 
 
+def test_a_teacher_staged_in_host_memory_is_probed_there_for_the_devices_backend(monkeypatch):
+    """Under torchrun the teacher is probed in host memory before FSDP moves it to the
+    GPU: the backend stays the one chosen for the GPU (here a flash kernel, which cannot
+    run on the CPU), and the probe runs with a kernel that runs where the model is."""
+    from support.models import make_tiny_model
+
+    from leangrpo.ops.attention import adapter
+
+    real = adapter.register_packed_attention
+
+    def register(backend="auto", device_type=None):  # as on a GPU: flash_varlen chosen
+        assert device_type == "cuda"
+        name = real(backend, "cpu")
+        adapter._STATE.backend = "flash_varlen"
+        return name
+
+    monkeypatch.setattr(adapter._STATE, "backend", adapter._STATE.backend)  # restored after
+    monkeypatch.setattr(adapter, "register_packed_attention", register)
+    model = make_tiny_model(  # bf16: what a GPU run loads, which flash_varlen takes
+        "qwen2", num_attention_heads=4, num_key_value_heads=2, dtype=torch.bfloat16
+    )
+    assert adapter.enable_packed_attention(model, "auto", "cuda") == "flash_varlen"
+    support = adapter.packed_support(model)
+    assert support.packed_kwargs and not support.padded_view
+    assert support.context_layers == model.config.num_hidden_layers
+
+
 # -- resume ---------------------------------------------------------------------------------
 
 

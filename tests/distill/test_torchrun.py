@@ -44,6 +44,19 @@ def test_a_sharded_teacher_scores_like_one_process(tmp_path):
 
 
 @pytest.mark.slow
+def test_no_rank_holds_more_than_its_shards_and_one_unit_of_the_teacher_while_it_loads(tmp_path):
+    """The trainer's torchrun set-up (load_teacher staged, then shard_policy) on 2 ranks:
+    at any moment a rank holds, in memory of its own, at most its shards of the teacher
+    and one FSDP unit (the plan's 1/W and a gathered unit), never the whole teacher: it
+    is read from its memory-mapped files and sharded onto the device unit by unit."""
+    teacher = save_demo_teacher(tmp_path / "teacher")
+    assert_ok(launch(tmp_path, "load", str(teacher), str(tmp_path), "staged", worker=WORKER))
+    for seen in torch.load(tmp_path / "load.pt", weights_only=False):
+        assert seen["shards"] < 0.6 * seen["whole"]  # 1/2 of it, and padding
+        assert seen["peak"] <= seen["shards"] + seen["unit"] < seen["whole"], seen
+
+
+@pytest.mark.slow
 def test_the_teacher_is_gathered_a_unit_at_a_time_under_shard_grad_op_as_planned(tmp_path):
     """shard_grad_op keeps the policy's gathered layers for its backward; the frozen
     teacher has none, so its units are resharded after their forward all the same: during

@@ -13,7 +13,11 @@ second) and counts, per device, for one micro-batch of `train.micro_batch_tokens
     teacher_weights  a distillation teacher (distill.teacher, its own config.json): its
                      weights in model.dtype, or with distill.teacher_quantization its
                      decoder linears as bitsandbytes stores them (as for the base, double
-                     quantization on); sharded over W under torchrun like the policy [exact]
+                     quantization on); sharded over W under torchrun like the policy; a
+                     full-precision teacher is read from host memory and sharded onto
+                     the device unit by unit, never whole there (a quantized one is
+                     quantized on the device as it loads, whole until it is sharded:
+                     a set-up transient not in the total) [exact]
     generation_copy  the hf engine's own copy of the policy (async mode, torchrun), or
                      colocated vLLM's own copy of the base weights; none when vLLM and
                      the policy share one (rollout.vllm.share_weights), as far as the
