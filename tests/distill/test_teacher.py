@@ -153,6 +153,8 @@ def test_a_teacher_of_a_shorter_context_than_the_runs_sequences_is_refused(tmp_p
     message = str(caught.value)
     assert "attends to 32 positions" in message and "reach 64 tokens" in message
     assert "data.max_prompt_tokens to at most 26" in message and "\n" not in message
+    with pytest.raises(TeacherMismatchError, match="the policy's context of 64 positions"):
+        check_teacher(cfg, check_model_files(cfg.model), 1)  # no prompt limit given
     check_inputs(distill_config(tmp_path, teacher, data={"max_prompt_tokens": 26}), warn=False)
 
 

@@ -204,7 +204,7 @@ def check_teacher(cfg: Any, policy: ModelFiles, world_size: int, limit: Any = No
             str(error).replace("model.name_or_path", "distill.teacher")
         ) from None
     check_teacher_quantization(cfg, world_size)
-    check_teacher_context(cfg, teacher, limit)
+    check_teacher_context(cfg, policy, teacher, limit)
     if teacher.directory is not None:  # its rows are split over the context group too
         config = json.loads((teacher.directory / "config.json").read_text(encoding="utf-8"))
         heads = attention_heads(config)
@@ -221,26 +221,29 @@ def check_teacher(cfg: Any, policy: ModelFiles, world_size: int, limit: Any = No
     check_teacher_specials(policy.directory, teacher.directory, _renders_with_tokenizer(cfg))
 
 
-def longest_sequence(cfg: Any, limit: Any) -> tuple[int, str] | None:
+def longest_sequence(cfg: Any, limit: Any, policy: ModelFiles) -> tuple[int, str] | None:
     """The most tokens one of the run's sequences holds, and why (None: no bound is known):
     environment.max_total_tokens for multi-turn, else the longest prompt plus
-    rollout.max_new_tokens."""
+    rollout.max_new_tokens (`limit`: the prompt limit; without one, the policy's context
+    bounds the sequences)."""
     if cfg.environment is not None:
         total = cfg.environment.max_total_tokens
         return total, f"environment.max_total_tokens = {total}"
     if limit is None:
-        return None
+        if policy.context is None:
+            return None
+        return policy.context, f"the policy's context of {policy.context} positions"
     new = cfg.rollout.max_new_tokens
     return limit.tokens + new, (
         f"a prompt of up to {limit.tokens} tokens ({limit.reason}) plus rollout.max_new_tokens = {new}"
     )
 
 
-def check_teacher_context(cfg: Any, teacher: ModelFiles, limit: Any) -> None:
+def check_teacher_context(cfg: Any, policy: ModelFiles, teacher: ModelFiles, limit: Any) -> None:
     """Refuse a teacher whose context (config.json max_position_embeddings, rope scaling
     included) is shorter than the run's longest sequence: it would score positions it was
     never trained on (or index past its rotary table) without a word."""
-    longest = longest_sequence(cfg, limit)
+    longest = longest_sequence(cfg, limit, policy)
     if teacher.context is None or longest is None or longest[0] <= teacher.context:
         return
     tokens, why = longest
