@@ -150,8 +150,8 @@ def check_inputs(
 
     check_backends(list(cfg.logging.backends))
     check_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    check_teacher(cfg, model, int(os.environ.get("WORLD_SIZE", "1")))
     check_context_parallel(cfg, int(os.environ.get("WORLD_SIZE", "1")), model)
+    check_teacher(cfg, model, int(os.environ.get("WORLD_SIZE", "1")), limit)
     check_mixture_of_experts(cfg, model)
     ignored = ignored_options(cfg)
     if ignored and warn:

@@ -82,6 +82,48 @@ def test_an_added_token_counts_and_the_same_tokenizer_passes(tmp_path):
         check_teacher(cfg, check_model_files(cfg.model), 1)
 
 
+def edit_json(file: Path, **values) -> None:
+    file.write_text(json.dumps({**json.loads(file.read_text()), **values}))
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        (
+            {"generation_config.json": {"eos_token_id": 5}, "config.json": {"eos_token_id": 5}},
+            "another eos token id than the policy .*: 1 for the policy and 5 for the teacher",
+        ),
+        ({"config.json": {"bos_token_id": 3}}, "another bos token id .*none for the policy and 3"),
+        ({"tokenizer_config.json": {"pad_token": "<unk>"}}, "another pad token id .*: 0 for the"),
+    ],
+)
+def test_a_teacher_ending_beginning_or_padding_with_other_ids_is_refused(
+    tmp_path, files, expected
+):
+    """Same id -> token map, other special ids: the teacher would read the policy's end of
+    sequence as an ordinary token (one sentence naming which id differs)."""
+    teacher = tmp_path / "teacher"
+    shutil.copytree(DEMO_MODEL, teacher)
+    for name, values in files.items():
+        edit_json(teacher / name, **values)
+    cfg = distill_config(tmp_path, teacher)
+    with pytest.raises(TeacherMismatchError, match=expected) as caught:
+        check_teacher(cfg, check_model_files(cfg.model), 1)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_teacher_of_another_chat_template_is_refused_when_prompts_use_it(tmp_path):
+    teacher = tmp_path / "teacher"
+    shutil.copytree(DEMO_MODEL, teacher)
+    edit_json(teacher / "tokenizer_config.json", chat_template="{{ messages[0]['content'] }}!")
+    templated = distill_config(tmp_path, teacher, data={"chat_template": True})
+    with pytest.raises(TeacherMismatchError, match="another chat template than the policy"):
+        check_teacher(templated, check_model_files(templated.model), 1)
+    raw = distill_config(tmp_path, teacher)  # raw prompt text: no template is used
+    assert raw.data.chat_template is False
+    check_teacher(raw, check_model_files(raw.model), 1)
+
+
 def test_a_teacher_with_fewer_vocabulary_rows_is_refused(tmp_path):
     teacher = tmp_path / "teacher"
     shutil.copytree(DEMO_MODEL, teacher)
@@ -93,6 +135,66 @@ def test_a_teacher_with_fewer_vocabulary_rows_is_refused(tmp_path):
     cfg = distill_config(tmp_path, teacher, model={"name_or_path": str(policy)})
     with pytest.raises(TeacherMismatchError, match=f"has {rows} vocabulary rows"):
         check_teacher(cfg, check_model_files(cfg.model), 1)
+
+
+def test_a_teacher_of_a_shorter_context_than_the_runs_sequences_is_refused(tmp_path):
+    """The demo's context is 64 positions, so prompts may take 64 - max_new_tokens and
+    sequences reach 64 tokens: a 32-position teacher is refused (preflight), unless
+    data.max_prompt_tokens keeps the sequences within its 32."""
+    from leangrpo.preflight import check_inputs
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(DEMO_MODEL, teacher)
+    config = json.loads((teacher / "config.json").read_text())
+    (teacher / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 32}))
+    cfg = distill_config(tmp_path, teacher)
+    with pytest.raises(TeacherMismatchError) as caught:
+        check_inputs(cfg, warn=False)
+    message = str(caught.value)
+    assert "attends to 32 positions" in message and "reach 64 tokens" in message
+    assert "data.max_prompt_tokens to at most 26" in message and "\n" not in message
+    with pytest.raises(TeacherMismatchError, match="the policy's context of 64 positions"):
+        check_teacher(cfg, check_model_files(cfg.model), 1)  # no prompt limit given
+    check_inputs(distill_config(tmp_path, teacher, data={"max_prompt_tokens": 26}), warn=False)
+
+
+def test_a_teacher_whose_heads_the_context_group_cannot_split_is_refused(tmp_path, monkeypatch):
+    """context_parallel_size 2 splits the demo policy's 2 heads, not a 3-head teacher's:
+    preflight refuses it from config.json before anything loads, naming distill.teacher,
+    and the torchrun set-up checks the loaded teacher's attention as it checks the
+    policy's (shard_on_mesh, before any sharding)."""
+    from types import SimpleNamespace
+
+    from support.models import make_tiny_model
+
+    from leangrpo.distributed.mesh import ContextParallelError, ParallelMesh
+    from leangrpo.distributed.strategy import shard_on_mesh
+    from leangrpo.ops.attention.adapter import enable_packed_attention
+    from leangrpo.preflight import check_inputs
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(DEMO_MODEL, teacher)
+    config = json.loads((teacher / "config.json").read_text())
+    assert config["num_attention_heads"] % 2 == 0  # the policy splits
+    three = {**config, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 16}
+    (teacher / "config.json").write_text(json.dumps(three))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = distill_config(tmp_path, teacher, distributed={"context_parallel_size": 2})
+    with pytest.raises(ConfigError) as caught:
+        check_inputs(cfg, warn=False)
+    message = str(caught.value)
+    assert "teacher's 3 attention heads" in message and "distill.teacher" in message
+    assert "\n" not in message
+
+    def loaded(heads: int):
+        model = make_tiny_model("qwen2", num_attention_heads=heads, num_key_value_heads=1)
+        enable_packed_attention(model, "sdpa_segments")
+        return model
+
+    policy = SimpleNamespace(model=loaded(4), teacher=loaded(3))
+    with pytest.raises(ContextParallelError, match=r"\(distill.teacher\) cannot be context"):
+        shard_on_mesh(policy, dist_cfg=None, ctx=SimpleNamespace(rank=0),
+                      mesh=ParallelMesh(1, 2, 0, 0), engine_copy=False)  # fmt: skip
 
 
 def test_a_missing_teacher_is_named_as_distill_teacher(tmp_path):
@@ -141,6 +243,9 @@ def test_pure_distillation_needs_no_reward_function(tmp_path):
             {"rewards": {"functions": []}, "pipeline": {"replay": {"enabled": True}}},
             "pipeline.replay.enabled",
         ),
+        # mixed distillation (a weighted reward): flat groups still carry the teacher's signal
+        ({"pipeline": {"reroll": {"enabled": True}}}, "pipeline.reroll.enabled"),
+        ({"pipeline": {"replay": {"enabled": True}}}, "pipeline.replay.enabled"),
         ({"distill": {"weight": 0}}, "distill.weight"),
         ({"distill": {"discount": 1.5}}, "distill.discount"),
         ({"distill": {"teacher_quantization": "fp4"}}, "distill.teacher_quantization"),
@@ -201,6 +306,68 @@ def test_the_teacher_loads_frozen_and_a_quantized_one_scores_close(tmp_path):
             p = len(s.prompt.ids)
             want.append(logp[p - 1 : -1].gather(1, torch.tensor(s.completion.ids)[:, None])[:, 0])
     torch.testing.assert_close(b, torch.cat(want), rtol=1e-4, atol=1e-4)
+
+
+def test_teacher_rows_past_the_policys_vocabulary_do_not_shift_its_logprobs(tmp_path):
+    """A teacher with 16 more vocabulary rows than the policy, trained ones (copies of
+    real rows, so they would take mass), scores exactly as the same teacher without them:
+    its log-softmax runs over the policy's rows only."""
+    from transformers import AutoModelForCausalLM
+
+    from leangrpo.distill.teacher import load_teacher, teacher_logprobs
+    from leangrpo.train.packing import pack_samples
+
+    same = demo_teacher(tmp_path)
+    wide = tmp_path / "wide"
+    shutil.copytree(same, wide)
+    model = AutoModelForCausalLM.from_pretrained(same, dtype=torch.float32)
+    rows = model.config.vocab_size
+    model.resize_token_embeddings(rows + 16, mean_resizing=False)
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        head[rows:] = head[2:18]
+    model.save_pretrained(wide)
+    samples = step_samples([1.0, -1.0])
+    for s in samples:
+        s.prompt.ids = [i % rows for i in s.prompt.ids]
+        s.completion.ids = [i % rows for i in s.completion.ids]
+    mb = pack_samples(samples)
+    scored, kept = [], []
+    for teacher in (same, wide):
+        cfg = distill_config(tmp_path, teacher)
+        check_teacher(cfg, check_model_files(cfg.model), 1)  # more rows pass the check
+        loaded = load_teacher(cfg, torch.device("cpu"))
+        kept.append(loaded.get_output_embeddings().weight.shape[0])
+        scored.append(teacher_logprobs(loaded, mb, cfg.rollout.sampling_params(), cfg.logprobs))
+    torch.testing.assert_close(scored[1], scored[0], rtol=0, atol=1e-6)
+    assert kept == [rows, rows]
+
+
+def test_a_teacher_staged_in_host_memory_is_probed_there_for_the_devices_backend(monkeypatch):
+    """Under torchrun the teacher is probed in host memory before FSDP moves it to the
+    GPU: the backend stays the one chosen for the GPU (here a flash kernel, which cannot
+    run on the CPU), and the probe runs with a kernel that runs where the model is."""
+    from support.models import make_tiny_model
+
+    from leangrpo.ops.attention import adapter
+
+    real = adapter.register_packed_attention
+
+    def register(backend="auto", device_type=None):  # as on a GPU: flash_varlen chosen
+        assert device_type == "cuda"
+        name = real(backend, "cpu")
+        adapter._STATE.backend = "flash_varlen"
+        return name
+
+    monkeypatch.setattr(adapter._STATE, "backend", adapter._STATE.backend)  # restored after
+    monkeypatch.setattr(adapter, "register_packed_attention", register)
+    model = make_tiny_model(  # bf16: what a GPU run loads, which flash_varlen takes
+        "qwen2", num_attention_heads=4, num_key_value_heads=2, dtype=torch.bfloat16
+    )
+    assert adapter.enable_packed_attention(model, "auto", "cuda") == "flash_varlen"
+    support = adapter.packed_support(model)
+    assert support.packed_kwargs and not support.padded_view
+    assert support.context_layers == model.config.num_hidden_layers
 
 
 # -- resume ---------------------------------------------------------------------------------

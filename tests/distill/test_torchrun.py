@@ -41,3 +41,40 @@ def test_a_sharded_teacher_scores_like_one_process(tmp_path):
         mb = pack_samples([by_ids[ids]])
         want = teacher_logprobs(model, mb, sampling, cfg.logprobs)
         torch.testing.assert_close(values, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_no_rank_holds_more_than_its_shards_and_one_unit_of_the_teacher_while_it_loads(tmp_path):
+    """The trainer's torchrun set-up (load_teacher staged, then shard_policy) on 2 ranks:
+    at any moment a rank holds, in memory of its own, at most its shards of the teacher
+    and one FSDP unit (the plan's 1/W and a gathered unit), never the whole teacher: it
+    is read from its memory-mapped files and sharded onto the device unit by unit."""
+    teacher = save_demo_teacher(tmp_path / "teacher")
+    assert_ok(launch(tmp_path, "load", str(teacher), str(tmp_path), "staged", worker=WORKER))
+    for seen in torch.load(tmp_path / "load.pt", weights_only=False):
+        assert seen["shards"] < 0.6 * seen["whole"]  # 1/2 of it, and padding
+        assert seen["peak"] <= seen["shards"] + seen["unit"] < seen["whole"], seen
+
+
+@pytest.mark.slow
+def test_the_teacher_is_gathered_a_unit_at_a_time_under_shard_grad_op_as_planned(tmp_path):
+    """shard_grad_op keeps the policy's gathered layers for its backward; the frozen
+    teacher has none, so its units are resharded after their forward all the same: during
+    its passes a rank holds at most what `leangrpo plan` counts as gathered (root with the
+    tied embeddings + two layers), well under the whole teacher (three layers)."""
+    import json
+
+    from leangrpo.planner.plan import dims_from_json, model_bytes, teacher_gathered
+
+    teacher = save_demo_teacher(tmp_path / "teacher")
+    assert_ok(launch(tmp_path, "gathered", str(teacher), str(tmp_path), "shard_grad_op",
+                     worker=WORKER))  # fmt: skip
+    ranks = torch.load(tmp_path / "gathered.pt", weights_only=False)
+    cfg = config_from_dict(distill_run(str(teacher), tmp_path))
+    dims = dims_from_json(json.loads((teacher / "config.json").read_text()))
+    planned = teacher_gathered(cfg, dims, model_bytes(cfg, "cpu"))
+    whole = dims.params * 4
+    assert dims.layers == 3 and planned < whole
+    for seen in ranks:
+        assert 0 < seen["peak"] <= planned, (seen, planned, whole)
+        assert seen["after"] == 0  # released after the passes

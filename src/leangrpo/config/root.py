@@ -222,7 +222,8 @@ class Config(Section):
         """The teacher's log-probs are of the temperature-scaled distribution, unfiltered
         (a teacher filtered by top-k / min-p gives -inf to tokens outside its set), so the
         student's must be too; groups without reward variance still carry the teacher's
-        signal, so re-rolls and replay, which drop or swap them, have nothing to go on."""
+        signal, so re-rolls and replay, which drop or swap them, would drop the teacher's
+        signal with them (pure or mixed distillation alike)."""
         if self.distill is None:
             return self
         r = self.rollout
@@ -230,11 +231,10 @@ class Config(Section):
             raise rule_error(
                 f"distill compares the student's and the teacher's temperature-scaled distributions on each sampled token, and rollout.top_k ({r.top_k}) / rollout.min_p ({r.min_p}) would sample from a filtered one; set rollout.top_k: 0 and rollout.min_p: 0."
             )
-        pure = self.environment is None and all(s.weight == 0 for s in self.rewards.functions)
         for key, section in (("replay", self.pipeline.replay), ("reroll", self.pipeline.reroll)):
-            if pure and section.enabled:
+            if section.enabled:
                 raise rule_error(
-                    f"pipeline.{key}.enabled acts on groups without reward variance, and with distill and no weighted reward function every group is one (its signal is the teacher's, per token); set pipeline.{key}.enabled: false."
+                    f"pipeline.{key}.enabled drops or swaps the groups without reward variance, and with distill those groups still carry the teacher's per-token signal (every group does when no reward function is weighted); set pipeline.{key}.enabled: false."
                 )
         return self
 

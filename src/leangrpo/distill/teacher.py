@@ -4,8 +4,12 @@ Loading (`load_teacher`) goes through the policy's path (`model.policy.load_caus
 model.dtype, in memory of its own, its weights checked; `distill.teacher_quantization`
 nf4 / int8 quantizes its decoder's linears as it loads (bitsandbytes, the QLoRA path of
 model/quantization.py, double quantization on; the lm_head stays a plain matrix). Then
-packed attention (the policy's backend), dropout off, eval mode, no gradient. Under
-torchrun it is sharded like the reference (distributed/fsdp.py `shard_policy`).
+its vocabulary narrowed to the policy's rows (`narrow_vocabulary`: the teacher's log-softmax
+runs over the tokens the student normalises over; rows the student has not would take
+mass from every token), packed attention (the policy's backend), dropout off, eval mode,
+no gradient. Under
+torchrun it is sharded like the reference (distributed/fsdp.py `shard_policy`), from host
+memory (`staged`): no rank ever holds the whole teacher on the device.
 
 Scoring (`teacher_logprobs`) is `model.scoring.score` on the teacher: one backbone forward
 over the packed row, hidden states gathered at the completion-predicting positions, the
@@ -23,6 +27,7 @@ import torch
 from torch import nn
 
 from leangrpo.contracts import PackedBatch, SamplingParams
+from leangrpo.model.files import embedding_rows, read_model_config
 from leangrpo.model.policy import (
     disable_dropout,
     load_causal_lm,
@@ -36,13 +41,22 @@ log = logging.getLogger("leangrpo")
 KEY = "distill.teacher"
 
 
-def load_teacher(cfg, device: torch.device) -> nn.Module:
-    """The teacher of `cfg.distill` on `device`, frozen, with the packed attention backend
-    the policy was given (packing.attention_backend)."""
+def load_teacher(cfg, device: torch.device, *, staged: bool = False) -> nn.Module:
+    """The teacher of `cfg.distill` for `device`, frozen, with the packed attention backend
+    the policy was given (packing.attention_backend).
+
+    `staged` (torchrun, where it is sharded next): a full-precision teacher stays in host
+    memory, as views into its memory-mapped weight files where the dtype is the files'
+    (no copy of its own), and FSDP moves it to `device` one unit at a time as it shards
+    it (`distributed.fsdp.shard_model`), keeping each rank's shards: no rank holds more
+    than its shards and one unit on the device, and none a whole copy in memory of its
+    own. A quantized teacher is quantized on `device` as it loads (bitsandbytes), whole."""
     distill = cfg.distill
     dtype = resolve_dtype(cfg.model.dtype, device)
     extra = {}
-    if distill.teacher_quantization != "none":
+    quantized = distill.teacher_quantization != "none"
+    host = staged and not quantized
+    if quantized:
         from leangrpo.model.quantization import check_quantized_device, quantized_load_kwargs
 
         check_quantized_device(distill.teacher_quantization, device, "distill.teacher_quantization")
@@ -51,11 +65,12 @@ def load_teacher(cfg, device: torch.device) -> nn.Module:
         )
         extra = quantized_load_kwargs(settings, device, dtype)
     model = load_causal_lm(
-        distill.teacher, KEY, device, dtype,
+        distill.teacher, KEY, torch.device("cpu") if host else device, dtype, own_memory=not host,
         revision=distill.teacher_revision, trust_remote_code=cfg.model.trust_remote_code, **extra,
     )  # fmt: skip
     refuse_scaled_logits(model.config)
-    enable_packed_attention(model, cfg.packing.attention_backend)
+    narrow_vocabulary(model, embedding_rows(read_model_config(cfg.model)))
+    enable_packed_attention(model, cfg.packing.attention_backend, device.type)
     disable_dropout(model)
     model.eval().requires_grad_(False)
     log.info(
@@ -65,6 +80,24 @@ def load_teacher(cfg, device: torch.device) -> nn.Module:
         distill.teacher_quantization if distill.teacher_quantization != "none" else dtype,
     )
     return model
+
+
+def narrow_vocabulary(model: nn.Module, rows: int | None) -> None:
+    """Keep the teacher's first `rows` vocabulary rows (the policy's, config.json
+    vocab_size): its log-softmax then runs over the tokens the student normalises over,
+    which the student can sample, and no mass sits on rows the student has not
+    (distill/check.py refuses a teacher with fewer). Embeddings and head alike, tied or
+    not (transformers' resize_token_embeddings; the rows kept are unchanged)."""
+    head = model.get_output_embeddings()
+    if rows is None or head is None or head.weight.shape[0] <= rows:
+        return
+    log.info(
+        "teacher: its %d vocabulary rows narrowed to the policy's %d (log-probs over the "
+        "policy's vocabulary)",
+        head.weight.shape[0],
+        rows,
+    )
+    model.resize_token_embeddings(rows, mean_resizing=False)
 
 
 @torch.no_grad()

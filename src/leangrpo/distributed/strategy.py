@@ -105,10 +105,13 @@ def torchrun_strategy(cfg, ctx: DistContext, output_dir: Path) -> Strategy:
 
 def shard_on_mesh(policy, *, dist_cfg, ctx: DistContext, mesh: ParallelMesh, engine_copy: bool):
     """`fsdp.shard_for_training` with the scoring roots splitting rows over the mesh's
-    context group; a model whose attention cannot be split is refused first."""
+    context group; a model (the policy, or a distillation teacher) whose attention cannot
+    be split is refused first."""
     if mesh.context_size > 1:
         try:
             log.info(check_splittable(policy.model, mesh))
+            if policy.teacher is not None:  # its rows are split over the group too
+                check_splittable(policy.teacher, mesh, "distill.teacher")
         except ContextParallelError as error:  # every rank refuses alike: rank 0 says it
             error.shown_by_rank_0 = ctx.rank > 0  # type: ignore[attr-defined]
             raise

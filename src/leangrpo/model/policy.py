@@ -142,12 +142,14 @@ def load_policy(cfg, tokenizer, device: torch.device, *, reference_on_meta: bool
 
 
 def load_causal_lm(
-    name: str, key: str, device: torch.device, dtype: torch.dtype, **kwargs
+    name: str, key: str, device: torch.device, dtype: torch.dtype, *, own_memory: bool = True,
+    **kwargs,
 ) -> nn.Module:
     """A transformers causal LM from `name` (the config key `key` names it) on `device`:
     quantized as it loads when `kwargs` holds a `quantization_config` (then made safe,
-    model/quantization.py), in memory of its own, its weights checked. The policy's and
-    the distillation teacher's loading path."""
+    model/quantization.py), in memory of its own (`own_memory`; else CPU tensors may stay
+    views into the memory-mapped weight files), its weights checked. The policy's and the
+    distillation teacher's loading path."""
     from transformers import AutoModelForCausalLM
 
     try:  # mismatched shapes are reported in `info` (and refused below), not raised
@@ -164,7 +166,8 @@ def load_causal_lm(
 
         prepare_quantized(model, device)  # before any forward (the packed-attention probe)
     model = model.to(device)
-    own_aligned_memory(model)
+    if own_memory:
+        own_aligned_memory(model)
     refuse_broken_weights(model, info, name, key)
     return model
 

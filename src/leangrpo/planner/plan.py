@@ -13,7 +13,11 @@ second) and counts, per device, for one micro-batch of `train.micro_batch_tokens
     teacher_weights  a distillation teacher (distill.teacher, its own config.json): its
                      weights in model.dtype, or with distill.teacher_quantization its
                      decoder linears as bitsandbytes stores them (as for the base, double
-                     quantization on); sharded over W under torchrun like the policy [exact]
+                     quantization on); sharded over W under torchrun like the policy; a
+                     full-precision teacher is read from host memory and sharded onto
+                     the device unit by unit, never whole there (a quantized one is
+                     quantized on the device as it loads, whole until it is sharded:
+                     a set-up transient not in the total) [exact]
     generation_copy  the hf engine's own copy of the policy (async mode, torchrun), or
                      colocated vLLM's own copy of the base weights; none when vLLM and
                      the policy share one (rollout.vllm.share_weights), as far as the
@@ -43,8 +47,10 @@ second) and counts, per device, for one micro-batch of `train.micro_batch_tokens
                      its own (before the batch's first update): one layer's transient
                      activations (nothing is saved), the gathered completion hidden rows,
                      the chunked head's forward tiles (or the full logits), a quantized
-                     layer's dequantized weight, and two gathered layers under FSDP
-                     [estimated]
+                     layer's dequantized weight, and under FSDP what is gathered at once
+                     (`teacher_gathered`: its root, with tied embeddings, and two layers,
+                     or an untied head and a layer; the teacher reshards each unit after
+                     its forward under either sharding) [estimated]
     kv_cache         the hf engine's DynamicCache at its longest, for the larger of a training
                      generation call and an evaluation call (vLLM sizes its own) [exact]
     offloaded_to_host  layer inputs moved to host memory (not device memory; on CPU it is
@@ -547,6 +553,8 @@ def _teacher(cfg, device: str, b: int, tokens: int, rows: int, world_size: int) 
     settings = SimpleNamespace(name_or_path=distill.teacher, revision=distill.teacher_revision)
     source = f"config.json of distill.teacher = {distill.teacher!r}"
     t = dims_from_json(read_model_config(settings), source)
+    c = cfg.distributed.context_parallel_size  # its rows are split like the policy's
+    check_context_heads(c, t.heads, distill.teacher, "distill.teacher")
     quantized = SimpleNamespace(
         model=SimpleNamespace(
             quantization=distill.teacher_quantization,
@@ -555,14 +563,32 @@ def _teacher(cfg, device: str, b: int, tokens: int, rows: int, world_size: int) 
         )
     )
     base, replicated = base_bytes(quantized, t, b)
-    layer = (base - replicated) // max(t.layers, 1)  # an upper bound: embeddings included
     weights, gathered = base, 0
     if world_size > 1 and cfg.distributed.sharding != "no_shard":
-        weights, gathered = (base - replicated) // world_size + replicated, 2 * layer
+        weights = (base - replicated) // world_size + replicated
+        gathered = teacher_gathered(cfg, t, b)
     return {
         "teacher_weights": weights,
         "teacher_scoring": gathered + _teacher_pass(cfg, t, b, tokens, rows, device, quantized),
     }
+
+
+def teacher_gathered(cfg, t: Dims, b: int) -> int:
+    """What the sharded teacher holds gathered at most during its pass, whatever
+    distributed.sharding says (distributed/fsdp.py reshards its units after their forward
+    always: a frozen teacher keeps nothing for a backward): its FSDP root (the final norm,
+    and the embeddings when tied) for the whole pass, plus a decoder layer and the next
+    one gathered ahead, or an untied embedding or head unit and a layer beside it."""
+    quant = cfg.distill.teacher_quantization
+    gathered_b = DTYPE_BYTES.get(cfg.distributed.param_dtype, b)
+    layer = t.layer_params * gathered_b
+    if quant != "none":  # the quantized storage is gathered as stored
+        for i, o, _ in t.linears().values():
+            stored, _ = quantized_linear_bytes(i, o, quant, True)
+            layer += stored - i * o * gathered_b
+    matrix = t.vocab * t.hidden * gathered_b
+    root = t.hidden * gathered_b + (matrix if t.tied else 0)
+    return root + (2 * layer if t.tied else max(2 * layer, matrix + layer))
 
 
 def _teacher_pass(cfg, t: Dims, b: int, tokens: int, rows: int, device: str, quantized) -> int:

@@ -143,7 +143,9 @@ class Trainer:
         )
         if cfg.distill is not None:  # sharded with the policy under torchrun
             log.info("loading the teacher %s ...", cfg.distill.teacher)
-            self.policy.teacher = load_teacher(cfg, strategy.device)
+            # torchrun (sharded next): staged in host memory, sharded onto the device
+            staged = strategy.reference_on_meta
+            self.policy.teacher = load_teacher(cfg, strategy.device, staged=staged)
         own_copy = strategy.shard(self.policy)  # torchrun, hf engine: the rank's own copy
         self.engines = engines = make_engines(
             cfg, self.policy, ctx, own_copy, started=started and started.engine

@@ -143,11 +143,17 @@ def current_backend() -> str:
     return _STATE.backend
 
 
-def enable_packed_attention(model: nn.Module, backend: Backend = "auto") -> str:
-    """Switch a loaded (possibly peft-wrapped) model to the adapter; returns the backend."""
+def enable_packed_attention(
+    model: nn.Module, backend: Backend = "auto", device_type: str | None = None
+) -> str:
+    """Switch a loaded (possibly peft-wrapped) model to the adapter; returns the backend.
+    `device_type`: where the model will run, when it is still elsewhere (a torchrun
+    teacher staged in host memory, moved to the GPU as it is sharded): the backend is
+    chosen for that device, and the probe runs where the model is, with a kernel that
+    runs there (what the probe learns, which kwargs reach the attention, is the model's)."""
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     device = next(lm.parameters()).device
-    name = register_packed_attention(backend, device.type)
+    name = register_packed_attention(backend, device_type or device.type)
     if hasattr(lm, "set_attn_implementation"):
         lm.set_attn_implementation(name)
     support = _probe(lm, device)
@@ -432,12 +438,16 @@ def _probe(lm: nn.Module, device: torch.device) -> PackedSupport:
     if current_backend() in PREFIX_BACKENDS:
         runs.append((torch.tensor([[0, 1, 2, 3, 2]], device=device), {PREFIX_KWARG: layout}))
     _PROBE.active, _PROBE.saw_cu, _PROBE.saw_prefix, _PROBE.split_calls = True, False, False, 0
+    chosen = _STATE.backend
+    if chosen is not None and backend_unavailable_reason(chosen, device.type) is not None:
+        _STATE.backend = resolve_backend("auto", device.type)  # the model is not there yet
     try:
         with torch.no_grad():
             for position_ids, extra in runs:
                 backbone(input_ids=ids, position_ids=position_ids, use_cache=False, **extra)
     finally:
         _PROBE.active = False
+        _STATE.backend = chosen
     return PackedSupport(
         _PROBE.saw_cu,
         _PROBE.saw_prefix,
