@@ -60,7 +60,8 @@ def test_jsd_on_two_ranks_equals_one_process(launched):
     result = torch.load(tmp_path / "jsd.pt", weights_only=False)
     got, want = result["ranks"], result["one"]
     assert got["whole"] == [[], []]  # the teacher is all shards again after the step
-    assert want["metrics"]["loss/distill/jsd"] > 0 and got["padding"] >= 0
+    assert got["padding"] >= 1  # a rank dealt fewer groups ran the teacher on padding too
+    assert want["metrics"]["loss/distill/jsd"] > 0
     for name in ("loss", "loss/distill/jsd", "loss/entropy", "grad_norm"):
         assert got["metrics"][name] == pytest.approx(want["metrics"][name], rel=1e-4), name
     assert sorted(got["grads"]) == sorted(want["grads"]) and want["grads"]

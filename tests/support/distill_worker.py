@@ -9,9 +9,10 @@ The trainer's pieces on the demo: the policy and the teacher (load_teacher) shar
   completion ids), the teacher parameters held whole after the passes (none may be), and
   the step's loss.
 - jsd (objective jsd: the teacher's forward in the step through its FSDP root, its head
-  copied while gathered): rank 0 writes OUT_DIR/jsd.pt: the step's metrics and gathered
-  gradients on the 2 ranks and in one process on all the samples, and the teacher
-  parameters held whole after the step (none may be).
+  copied while gathered; 5 groups in small micro-batches, so one rank runs a padding
+  micro-batch, the teacher's forward included): rank 0 writes OUT_DIR/jsd.pt: the step's
+  metrics and gathered gradients on the 2 ranks and in one process on all the samples,
+  and the teacher parameters held whole after the step (none may be).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def teacher_ranks(ctx, teacher: str, out: Path) -> None:
 def jsd_run(teacher: str, out: Path) -> dict:
     raw = distill_run(teacher, out)
     raw["distill"].update(objective="jsd", jsd_beta=0.5, weight=0.5)
+    raw["train"]["micro_batch_tokens"] = 24  # more micro-batches: the ranks' counts differ
     return raw
 
 
@@ -89,7 +91,7 @@ def jsd_ranks(ctx, teacher: str, out: Path) -> None:
     from support.dist_worker import batches, unsharded_parameters
 
     cfg = config_from_dict(jsd_run(teacher, out))
-    samples = [s for g in batches()[0] for s in g]
+    samples = [s for g in batches()[0][:5] for s in g]  # 5 groups: one rank gets fewer
     for s in samples:
         s.reward = 0.0
 
