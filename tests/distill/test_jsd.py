@@ -218,6 +218,30 @@ def test_loss_and_gradient_equal_the_naive_reference(kind, beta):
     assert out.metrics["distill/jsd"].item() == pytest.approx(jsd_sum, rel=1e-5)
 
 
+def test_the_full_logits_switch_gives_the_same_divergence(monkeypatch):
+    """logprobs.chunked: false takes the full-logits reference for the divergence too
+    (and only then), with the same values and gradients."""
+    import leangrpo.model.scoring as scoring
+
+    calls = []
+    reference = scoring.naive_divergence
+    monkeypatch.setattr(scoring, "naive_divergence",
+                        lambda *a, **k: calls.append(1) or reference(*a, **k))  # fmt: skip
+    student, teacher = tiny_pair()
+    mb = pack_samples(make_samples())
+    rows = teacher_rows(teacher, mb, 0.3)
+    got = {}
+    for chunked in (True, False):
+        cfg = step_config(rollout={"temperature": TEMPERATURE}, logprobs={"chunked": chunked},
+                          distill={"teacher": "unused", "objective": "jsd", "jsd_beta": 0.3})  # fmt: skip
+        outs = score_distill(student, mb, cfg.rollout.sampling_params(), cfg.logprobs, rows)
+        grads = torch.autograd.grad(sum(o.sum() for o in outs), list(student.parameters()))
+        got[chunked] = [o.detach() for o in outs] + list(grads)
+        assert len(calls) == (0 if chunked else 1)
+    for a, b in zip(got[True], got[False]):
+        torch.testing.assert_close(a.to(F64), b.to(F64), rtol=1e-9, atol=1e-11)
+
+
 def pack_norm(mb, cfg):
     return normalisers([mb], cfg.loss, cfg.model_token_budget())
 
@@ -249,11 +273,13 @@ def test_the_divergence_pulls_the_student_towards_the_teacher():
 # ------------------------------------------------------------- context parallelism
 
 
-def test_context_parallel_step_equals_one_process(tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_context_parallel_step_equals_one_process(tmp_path, lora):
     """One optimizer step of the jsd objective (reward advantages too), C = 2 threads on
     the demo model with a noised teacher split like the student, against one process:
-    loss metrics (distill/jsd included) and every gradient. Multi-turn rows whose
-    sequences straddle the shard boundary."""
+    loss metrics (distill/jsd included) and every gradient; full fine-tuning (the head
+    trained) and LoRA (the head frozen: no weight gradient from the divergence).
+    Multi-turn rows whose sequences straddle the shard boundary."""
     from support.models import save_demo_teacher
     from transformers import AutoModelForCausalLM
 
@@ -261,12 +287,18 @@ def test_context_parallel_step_equals_one_process(tmp_path):
     sections = {"loss": {"type": "grpo", "beta": 0.0},
                 "distill": {"teacher": str(teacher_dir), "objective": "jsd", "jsd_beta": 0.5,
                             "weight": 0.5}}  # fmt: skip
+    if lora:
+        sections["lora"] = {"enabled": True, "r": 4, "alpha": 8}
     base = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, dtype=torch.float32)
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32)
 
     def policy(cfg):
         torch.manual_seed(0)
         out = build_policy(copy.deepcopy(base), cfg, None, torch.device("cpu"))
+        g = torch.Generator().manual_seed(1)
+        for name, p in sorted(out.model.named_parameters()):
+            if "lora_B" in name:  # adapters away from 0, so their gradients flow
+                p.data.normal_(0, 0.05, generator=g)
         out.teacher = copy.deepcopy(teacher).eval().requires_grad_(False)
         enable_packed_attention(out.teacher, out.attention_backend)
         return out

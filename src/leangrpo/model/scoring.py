@@ -37,7 +37,7 @@ from leangrpo.model.moe.control import routing_of
 from leangrpo.model.policy import Policy
 from leangrpo.ops.context_parallel.shards import WHOLE_ROW, whole_row
 from leangrpo.ops.logprobs.api import token_logprobs
-from leangrpo.ops.logprobs.divergence import chunked_divergence
+from leangrpo.ops.logprobs.divergence import chunked_divergence, naive_divergence
 
 
 def causal_lm(model: nn.Module) -> nn.Module:
@@ -139,11 +139,21 @@ def _head_divergence(model, hidden, targets, sampling, logprob_cfg, teacher: Tea
         "vocab_tile": logprob_cfg.vocab_tile,
     }
     if isinstance(head, ChunkedLMHead):  # a module call: FSDP gathers the head around it
-        return head(hidden, targets, teacher=teacher, **options)
-    return chunked_divergence(
-        hidden, head.weight, teacher.hidden, teacher.weight, targets,
-        getattr(head, "bias", None), teacher.bias, **options,
-    )  # fmt: skip
+        return head(hidden, targets, teacher=teacher, chunked=logprob_cfg.chunked, **options)
+    return divergence(hidden, head.weight, targets, getattr(head, "bias", None), teacher,
+                      chunked=logprob_cfg.chunked, **options)  # fmt: skip
+
+
+def divergence(hidden, weight, targets, bias, teacher: TeacherRows, *, chunked: bool = True,
+               **options):  # fmt: skip
+    """(divergence, log-probs, entropy) of the student's head against `teacher`: tiled
+    (`logprobs.chunked`, the default) or the full-logits reference."""
+    if not chunked:
+        options = {k: v for k, v in options.items() if k not in ("row_tile", "vocab_tile")}
+        return naive_divergence(hidden, weight, teacher.hidden, teacher.weight, targets, bias,
+                                teacher.bias, **options)  # fmt: skip
+    return chunked_divergence(hidden, weight, teacher.hidden, teacher.weight, targets, bias,
+                              teacher.bias, **options)  # fmt: skip
 
 
 def _head_logprobs(model, hidden, targets, sampling, logprob_cfg, with_entropy: bool):
@@ -209,8 +219,7 @@ class ChunkedLMHead(nn.Module):
         if targets is None:
             return nn.functional.linear(hidden, self.weight, self.bias)
         if teacher is not None:
-            return chunked_divergence(hidden, self.weight, teacher.hidden, teacher.weight,
-                                      targets, self.bias, teacher.bias, **options)  # fmt: skip
+            return divergence(hidden, self.weight, targets, self.bias, teacher, **options)
         return token_logprobs(hidden, self.weight, targets, self.bias, **options)
 
 
