@@ -33,7 +33,9 @@ import contextlib
 import itertools
 import json
 import logging
+import os
 import secrets
+import socket
 import threading
 import time
 from collections import Counter
@@ -86,23 +88,31 @@ class AgentEndpoint:
         self._thread: threading.Thread | None = None
         self.port: int | None = None
         self.base_url: str | None = None  # http://127.0.0.1:PORT/v1 once started
+        self.unix_socket: str | None = None  # its path, when serving on one
 
     # -- life -------------------------------------------------------------------------------
-    def start(self, port: int = 0) -> str:
-        """Serve on 127.0.0.1 (`port` 0: a free one); returns the base URL (`.../v1`)."""
+    def start(self, port: int = 0, unix_socket: str | None = None) -> str:
+        """Serve on 127.0.0.1 (`port` 0: a free one) and, when given, on the unix socket
+        `unix_socket` (what agent boxes reach, forwarded); returns the base URL (`.../v1`)."""
         import uvicorn
 
-        config = uvicorn.Config(self.app(), host=HOST, port=port, log_level="warning",
-                                lifespan="off", access_log=False)  # fmt: skip
+        sockets = [socket.create_server((HOST, port))]
+        if unix_socket is not None:
+            sockets.append(socket.socket(socket.AF_UNIX))
+            sockets[-1].bind(unix_socket)
+            os.chmod(unix_socket, 0o600)
+            self.unix_socket = unix_socket
+        config = uvicorn.Config(self.app(), log_level="warning", lifespan="off", access_log=False)
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="leangrpo-agent-endpoint", daemon=True)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": sockets},
+                                        name="leangrpo-agent-endpoint", daemon=True)  # fmt: skip
         self._thread.start()
         deadline = time.monotonic() + START_TIMEOUT_S
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"the agent endpoint did not start on {HOST}:{port}")
             time.sleep(0.01)
-        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        self.port = sockets[0].getsockname()[1]
         self.base_url = f"http://{HOST}:{self.port}/v1"
         return self.base_url
 

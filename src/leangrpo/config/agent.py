@@ -10,13 +10,41 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from leangrpo.config.base import Section
+from leangrpo.config.base import ONE_DAY_S, Section
+from leangrpo.config.io import rule_error
+from leangrpo.config.sandbox import SandboxConfig
 
 
 class AgentConfig(Section):
     """Agents written against the OpenAI client, trained through the endpoint."""
+
+    entry: str | None = Field(
+        None,
+        description="The agent: 'path/to/file.py:run' or 'pkg.module:run', a function run(client, task) (sync, or async: then client is an openai.AsyncOpenAI) called once per episode in a box of its own, with `client` pointed at the episode's session and `task` the prompt's messages and data columns; it returns the reward (a number), reward terms (a dict of numbers) or None.",
+    )
+    command: str | None = Field(
+        None,
+        description="The agent as any program: a shell command run once per episode in a box of its own, with OPENAI_BASE_URL and OPENAI_API_KEY set to the episode's session and the task as JSON on stdin; its last printed line is its reward (a number, a JSON object of numbers, or null).",
+    )
+    num_workers: int = Field(2, ge=1, le=256, description="Worker processes running episodes (the episodes that run at once).")
+    timeout_s: float = Field(
+        300.0,
+        gt=0,
+        le=ONE_DAY_S,
+        description="Wall-clock seconds one episode may take; an agent still running then is killed with its processes, its episode unscored and counted in agent/errors/timeout.",
+    )
+    startup_timeout_s: float = Field(60.0, gt=0, le=3600, description="Seconds a worker may take to import the agent.")
+    memory_limit_mb: int | None = Field(
+        8192,
+        ge=256,
+        description="Memory of each episode's box (a memory cgroup where the trainer has one, else the address-space limit of each process). null = none.",
+    )
+    sandbox: SandboxConfig = Field(
+        default_factory=SandboxConfig,
+        description="How the agent workers are confined; an episode reaches the endpoint (forwarded into its box) and nothing else unless sandbox.allow_network.",
+    )
 
     chat_template: str | None = Field(
         None,
@@ -46,3 +74,11 @@ class AgentConfig(Section):
         ge=1,
         description="Model tokens one episode may generate over all its requests; a request once they are spent is refused with 400 (code session_limit).",
     )
+
+    @model_validator(mode="after")
+    def _one_agent(self) -> AgentConfig:
+        if self.entry is not None and self.command is not None:
+            raise rule_error(
+                "agent.entry and agent.command both name the agent; keep one (entry: a Python function run(client, task); command: any program)."
+            )
+        return self
