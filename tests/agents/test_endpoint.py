@@ -53,9 +53,9 @@ def pool():
 
 
 @pytest.fixture(scope="module")
-def endpoint(engine, tokenizer):
+def endpoint(tokenizer):
     config = AgentConfig(max_total_tokens=MAX_TOTAL, max_requests=8)
-    made = AgentEndpoint(engine, tokenizer, config, None, {tokenizer.eos_token_id})
+    made = AgentEndpoint(tokenizer, config, None, {tokenizer.eos_token_id})
     made.start()
     yield made
     made.close()
@@ -129,9 +129,9 @@ def same_trajectory(ours, theirs) -> None:
 
 
 @pytest.mark.exact
-def test_a_session_is_the_native_trajectory_token_for_token(endpoint, native, pool):
+def test_a_session_is_the_native_trajectory_token_for_token(engine, endpoint, native, pool):
     compared = calls = 0
-    with endpoint.generating(PARAMS, 0):
+    with endpoint.generating(engine, PARAMS, 0):
         for prompt, index, theirs in native:
             if not clean(theirs):
                 continue
@@ -146,7 +146,7 @@ def test_a_session_is_the_native_trajectory_token_for_token(endpoint, native, po
 
 
 @pytest.mark.exact
-def test_async_sessions_in_parallel_are_the_native_trajectories(endpoint, native, pool):
+def test_async_sessions_in_parallel_are_the_native_trajectories(engine, endpoint, native, pool):
     """AsyncOpenAI, every episode at once (the API key names the session): each turn joins
     the running batch as it arrives, and each trajectory is still its own."""
     chosen = [(p, i, c) for p, i, c in native if clean(c)]
@@ -155,7 +155,7 @@ def test_async_sessions_in_parallel_are_the_native_trajectories(endpoint, native
         clients = [openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=s.key) for s in sessions]
         await asyncio.gather(*(async_calculator_agent(c, p, pool.tools) for c, (p, _, _) in zip(clients, chosen)))
 
-    with endpoint.generating(PARAMS, 0):
+    with endpoint.generating(engine, PARAMS, 0):
         sessions = [endpoint.open_session(p, PARAMS.seed, i) for p, i, _ in chosen]
         asyncio.run(episodes(sessions))
         for session, (_, _, theirs) in zip(sessions, chosen):
@@ -182,10 +182,10 @@ def reformatted(message: dict) -> dict:
     return out
 
 
-def test_reformatted_tool_call_json_continues_on_the_engines_ids(endpoint, native, pool):
+def test_reformatted_tool_call_json_continues_on_the_engines_ids(engine, endpoint, native, pool):
     prompt, index = first_call(native)
     made = []
-    with endpoint.generating(PARAMS, 0):
+    with endpoint.generating(engine, PARAMS, 0):
         for reformat in (False, True):
             session = endpoint.open_session(prompt, PARAMS.seed, index)
             client = openai.OpenAI(base_url=endpoint.url(session), api_key="-")
@@ -207,9 +207,9 @@ def test_reformatted_tool_call_json_continues_on_the_engines_ids(endpoint, nativ
     assert endpoint.metrics()["agent/prefix_breaks"] == 0
 
 
-def test_a_history_edit_starts_a_new_counted_segment(endpoint, native, pool):
+def test_a_history_edit_starts_a_new_counted_segment(engine, endpoint, native, pool):
     prompt, index = first_call(native)
-    with endpoint.generating(PARAMS, 0):
+    with endpoint.generating(engine, PARAMS, 0):
         session = endpoint.open_session(prompt, PARAMS.seed, index)
         client = openai.OpenAI(base_url=endpoint.base_url, api_key=session.key)
         messages = [dict(m) for m in prompt.messages]
@@ -227,10 +227,10 @@ def test_a_history_edit_starts_a_new_counted_segment(endpoint, native, pool):
     assert endpoint.metrics()["agent/prefix_breaks"] == 1
 
 
-def test_streamed_and_plain_answers_carry_the_same_ids(endpoint, native, pool):
+def test_streamed_and_plain_answers_carry_the_same_ids(engine, endpoint, native, pool):
     prompt, index = first_call(native)
     got = {}
-    with endpoint.generating(PARAMS, 0):
+    with endpoint.generating(engine, PARAMS, 0):
         for stream in (False, True):
             session = endpoint.open_session(prompt, PARAMS.seed, index)
             client = openai.OpenAI(base_url=endpoint.url(session), api_key="-")
@@ -256,10 +256,10 @@ def test_streamed_and_plain_answers_carry_the_same_ids(endpoint, native, pool):
     assert got[True] == got[False] and got[True][3] == "tool_calls"
 
 
-def test_what_the_run_cannot_honour_is_refused_openai_style(endpoint, native, pool):
+def test_what_the_run_cannot_honour_is_refused_openai_style(engine, endpoint, native, pool):
     prompt, index = first_call(native)
     endpoint.metrics()  # counts from here
-    with endpoint.generating(PARAMS, 0):
+    with endpoint.generating(engine, PARAMS, 0):
         session = endpoint.open_session(prompt, PARAMS.seed, index)
         client = openai.OpenAI(base_url=endpoint.url(session), api_key="-", max_retries=0)
         for bad, param in [({"temperature": 0.7}, "temperature"), ({"top_p": 0.9}, "top_p"),
@@ -282,8 +282,8 @@ def test_what_the_run_cannot_honour_is_refused_openai_style(endpoint, native, po
     assert metrics["agent/requests"] == 6  # the session's own (refused ones included)
 
 
-def test_completions_continue_on_token_ids_and_models_are_listed(endpoint, tokenizer):
-    with endpoint.generating(PARAMS, 0):
+def test_completions_continue_on_token_ids_and_models_are_listed(engine, endpoint, tokenizer):
+    with endpoint.generating(engine, PARAMS, 0):
         session = endpoint.open_session(None, 11, 0)
         client = openai.OpenAI(base_url=endpoint.url(session), api_key="-")
         assert [m.id for m in client.models.list()] == ["policy"]

@@ -7,6 +7,7 @@ the endpoint and nothing else."""
 
 from __future__ import annotations
 
+import functools
 import socket
 import sys
 
@@ -30,11 +31,7 @@ ADD = [{"type": "function", "function": {"name": "add"}}]
 @pytest.fixture(scope="module")
 def endpoint(tmp_path_factory):
     tokenizer = AutoTokenizer.from_pretrained(TOOLS_MODEL)
-    from leangrpo.rollout.hf.engine import HFEngine
-
-    model = AutoModelForCausalLM.from_pretrained(TOOLS_MODEL, dtype=torch.float32)
-    made = AgentEndpoint(HFEngine(model.eval(), tokenizer), tokenizer,
-                         AgentConfig(max_total_tokens=192, max_requests=6), None, {tokenizer.eos_token_id})  # fmt: skip
+    made = AgentEndpoint(tokenizer, AgentConfig(max_total_tokens=192, max_requests=6), None, {tokenizer.eos_token_id})
     made.start(unix_socket=str(tmp_path_factory.mktemp("endpoint") / "agent.sock"))
     yield made
     made.close()
@@ -45,10 +42,18 @@ def prompts() -> list[Prompt]:
             for uid, (a, b) in enumerate(PAIRS)]  # fmt: skip
 
 
+@functools.cache
+def engine():
+    from leangrpo.rollout.hf.engine import HFEngine
+
+    model = AutoModelForCausalLM.from_pretrained(TOOLS_MODEL, dtype=torch.float32)
+    return HFEngine(model.eval(), AutoTokenizer.from_pretrained(TOOLS_MODEL))
+
+
 def rollout(endpoint, **agent) -> tuple[AgentRollout, AgentWorkers]:
     cfg = AgentConfig(**{"num_workers": 2, "timeout_s": 30.0, **agent})
     workers = AgentWorkers(cfg, endpoint.unix_socket)
-    return AgentRollout(endpoint, workers), workers
+    return AgentRollout(endpoint, workers, engine()), workers
 
 
 def test_an_agents_sdk_agent_makes_groups_of_token_exact_trajectories(endpoint, monkeypatch):
@@ -98,7 +103,7 @@ def test_a_failing_agent_is_contained_and_counted(endpoint, monkeypatch, agent, 
 
 def test_an_agent_command_gets_its_session_and_task(endpoint, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests"))
-    command = f"{sys.executable} {ROOT / 'tests' / 'support' / 'agents.py'}"
+    command = f"{sys.executable} {ROOT / 'tests' / 'support' / 'agent_command.py'}"
     made, workers = rollout(endpoint, command=command, num_workers=1)
     try:
         (group,) = made.generate(prompts()[:1], PARAMS, 2, 0)

@@ -1,6 +1,6 @@
 """The OpenAI-compatible endpoint: HTTP on loopback, served from the run's rollout engine.
 
-`AgentEndpoint(engine, tokenizer, config, template, eos_ids)` checks the chat template
+`AgentEndpoint(tokenizer, config, template, eos_ids)` checks the chat template
 (it must render turn by turn, as for environments) and `start()`s a uvicorn server on
 127.0.0.1 (a free port) in a thread of its own. It serves:
 
@@ -16,8 +16,9 @@ under `/v1` with the session key as the API key (`Authorization: Bearer KEY`), a
 known key is refused (401, counted in agent/foreign_keys): sessions exist only while the
 trainer holds them open.
 
-Requests are answered only inside `generating(params, version)`, which opens the engine's
-turn stream at the run's sampling settings and policy version and drives it from one
+Requests are answered only inside `generating(engine, params, version)` (one at a time:
+the producer's and the evaluator's calls take turns), which opens the engine's turn
+stream at the run's sampling settings and policy version and drives it from one
 thread (pump.py): every turn, of any session, joins the running batch as it arrives, each
 segment keeping its KV cache (hf) or its server (vLLM servers) under its own key.
 `open_session(prompt, seed, index)` makes an episode's session (sessions.py records it);
@@ -70,9 +71,9 @@ START_TIMEOUT_S = 30.0
 class AgentEndpoint:
     """See the module docstring."""
 
-    def __init__(self, engine: TurnEngine, tokenizer: Any, config: AgentConfig,
-                 template: str | None, eos_ids: set[int]):  # fmt: skip
-        self.engine, self.tokenizer, self.config = engine, tokenizer, config
+    def __init__(self, tokenizer: Any, config: AgentConfig, template: str | None, eos_ids: set[int]):
+        self.tokenizer, self.config = tokenizer, config
+        self._generation = threading.Lock()  # one generation call at a time
         self.template, self.eos_ids = template, set(eos_ids)
         self.limits = SessionLimits(config.max_total_tokens, config.max_requests, config.max_episode_tokens)
         self._renderers: dict[str, Renderer] = {}
@@ -123,9 +124,9 @@ class AgentEndpoint:
             self._server = None
 
     @contextlib.contextmanager
-    def generating(self, params: SamplingParams, version: int) -> Iterator[AgentEndpoint]:
-        """Answer requests with the engine's turns at `params` and policy `version`."""
-        with self.engine.open_turns(params, version) as stream:
+    def generating(self, engine: TurnEngine, params: SamplingParams, version: int) -> Iterator[AgentEndpoint]:
+        """Answer requests with `engine`'s turns at `params` and policy `version`."""
+        with self._generation, engine.open_turns(params, version) as stream:
             self._params, self._version = params, version
             self._pump = TurnPump(stream)
             try:

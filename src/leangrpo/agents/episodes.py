@@ -10,12 +10,14 @@ agent.timeout_s plus a grace period (its supervisor is stuck), dies, or sends an
 off the protocol is killed with its tree and replaced; its episode fails. An episode's
 failure is a reply with an `error`, never an exception.
 
-`AgentRollout(endpoint, workers).generate(prompts, params, n, version, prompt_offset)`
-has an engine's call shape (as environments' `MultiTurnRollout`): inside
-`endpoint.generating(params, version)`, one session per episode (turn k of episode
-`index` seeded as the native rollout seeds it), the n episodes of a prompt its group; each
-episode's completion is its session's last segment, its reward terms the agent's (a
-number is the term `agent`), its error the episode's (unscored).
+`AgentRollout(endpoint, workers, engine).generate(prompts, params, n, version,
+prompt_offset)` has an engine's call shape (as environments' `MultiTurnRollout`): inside
+`endpoint.generating(engine, params, version)`, one session per episode (turn k of
+episode `index` seeded as the native rollout seeds it), the n episodes of a prompt its
+group; each episode's completion is its session's last segment, its earlier segments in
+`trajectory.earlier` (each trained as a sample of its own with the episode's advantage,
+pipeline/batch.py), its reward terms the agent's (a number is the term `agent`; None:
+rewards.functions alone score it), its error the episode's (unscored).
 """
 
 from __future__ import annotations
@@ -96,6 +98,8 @@ class AgentWorkers:
 
     def run(self, episodes: list[dict]) -> dict[int, dict]:
         """Every episode's reply (`reward` or `error`), by id."""
+        if not self.workers:
+            raise AgentError("the agent workers were closed (the run is ending)")
         queued, out = deque(episodes), {}
         busy: dict[int, tuple[dict, float]] = {}  # slot -> (episode, deadline)
         while queued or busy:
@@ -157,19 +161,20 @@ class AgentWorkers:
 class AgentRollout:
     """An engine's `generate` made of agent episodes: see the module docstring."""
 
-    def __init__(self, endpoint: AgentEndpoint, workers: AgentWorkers):
-        self.endpoint, self.workers = endpoint, workers
+    def __init__(self, endpoint: AgentEndpoint, workers: AgentWorkers, engine: Any, functions: bool = True):
+        self.endpoint, self.workers, self.engine = endpoint, workers, engine
+        self.functions = functions  # rewards.functions score an episode whose agent returns None
         self.last_metrics: dict[str, float] = {}
 
     @property
     def version(self) -> int:
-        return self.endpoint.engine.version
+        return self.engine.version
 
     def generate(self, prompts: list[Prompt], params: SamplingParams, n: int, version: int,
                  prompt_offset: int = 0) -> list[list[Completion]]:  # fmt: skip
         seed = params.seed if params.seed is not None else secrets.randbits(SEED_BITS)
         counts: Counter[str] = Counter()
-        with self.endpoint.generating(params, version):
+        with self.endpoint.generating(self.engine, params, version):
             sessions, episodes = [], []
             for p, prompt in enumerate(prompts):
                 for g in range(n):
@@ -182,9 +187,11 @@ class AgentRollout:
         completions = []
         for episode, session in zip(episodes, ended):
             reply = replies.get(episode["id"], {"error": "no reply", "kind": "lost"})
+            if "error" not in reply and reply.get("reward") is None and not self.functions:
+                reply = {"error": "the agent returned no reward and rewards.functions is empty", "kind": "no reward"}
             if "error" in reply:
                 counts["errors"] += 1
-                counts[f"errors/{reply.get('kind', 'raised')}"] += 1
+                counts[f"errors/{reply.get('kind', 'raised').replace(' ', '_')}"] += 1
             completions.append(episode_completion(session, reply, version))
         self.last_metrics = {**self.endpoint.metrics(), **{f"agent/{k}": float(v) for k, v in counts.items()}}
         self.last_metrics.setdefault("agent/errors", 0.0)
@@ -205,7 +212,8 @@ def _json_safe(value: Any) -> bool:
 
 
 def episode_completion(session, reply: dict, version: int) -> Completion:
-    """The episode's sample: its last segment, with the agent's reward terms or error."""
+    """The episode's sample: its last segment, the earlier ones in `trajectory.earlier`,
+    with the agent's reward terms or error."""
     segments = session.completions()
     error = reply.get("error")
     if not segments:
@@ -215,6 +223,8 @@ def episode_completion(session, reply: dict, version: int) -> Completion:
         return Completion([], "", [], "error", version, trajectory)
     completion = segments[-1]
     trajectory = completion.trajectory
+    trajectory.earlier = segments[:-1]
+    completion.version = min(c.version for c in segments)  # the episode's oldest turn
     trajectory.stats["segments"] = float(len(segments))
     trajectory.stats["requests"] = float(session.stats["requests"])
     if error is not None:
