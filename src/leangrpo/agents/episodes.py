@@ -226,6 +226,10 @@ def episode_completion(session, reply: dict, version: int) -> Completion:
     trajectory.earlier = segments[:-1]
     completion.version = min(c.version for c in segments)  # the episode's oldest turn
     trajectory.stats["segments"] = float(len(segments))
+    calls = [call for c in segments for call in c.trajectory.tool_calls]  # the episode's
+    trajectory.stats["tool_calls"] = float(len(calls))
+    for name, count in Counter(str(call["name"]) for call in calls).items():
+        trajectory.stats[f"tool_calls/{name}"] = float(count)
     trajectory.stats["requests"] = float(session.stats["requests"])
     if error is not None:
         trajectory.error = error

@@ -157,6 +157,10 @@ class Zygote:
              tasks: int) -> None:  # fmt: skip
         """In the new box: confine it, then run it (see the module docstring)."""
         code = 0
+        # the zygote's wake-up (its pipe is closed below): a child of the box that exits
+        # would otherwise print "Exception ignored ... signal wakeup fd" from the box
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         try:
             if group is not None:
                 self.groups.join(group)  # first: everything the box does is counted
