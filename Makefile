@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-tools smollm2 smollm2-qlora test test-main test-vllm setup setup-vllm setup-bench bench-trl lint clean gpu-wheels gpu-suite gpu-suite-dry
+.PHONY: demo demo-tools demo-agent smollm2 smollm2-qlora test test-main test-vllm setup setup-vllm setup-bench bench-trl lint clean gpu-wheels gpu-suite gpu-suite-dry
 
 setup: $(STAMP)
 
@@ -29,6 +29,13 @@ demo: $(STAMP)
 demo-tools: $(STAMP)
 	$(BIN)/leangrpo train examples/tools_demo.yaml --set run.overwrite=true
 	$(BIN)/leangrpo report runs/tools_demo
+
+# The same task with the agent written as an ordinary OpenAI Agents SDK agent (an Agent with
+# the calculator as a function_tool, examples/agent_demo/agent.py), trained through the
+# OpenAI-compatible endpoint (README.md has its curve next to demo-tools')
+demo-agent: $(STAMP)
+	$(BIN)/leangrpo train examples/agent_demo.yaml --set run.overwrite=true
+	$(BIN)/leangrpo report runs/agent_demo
 
 # GRPO with LoRA on the real SmolLM2-135M-Instruct (about 10 minutes on a 2-core CPU)
 smollm2: $(STAMP)

@@ -8,6 +8,8 @@ one sentence before torch loads."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -197,3 +199,33 @@ def test_an_agent_and_an_environment_together_are_refused(tmp_path):
     cfg["environment"] = native_run(tmp_path)["environment"]
     with pytest.raises(UserError, match="environment and agent both say how a trajectory is made"):
         config_from_dict(cfg)
+
+
+def test_serve_agent_answers_any_key_token_exactly(tmp_path):
+    """`leangrpo serve-agent CONFIG`: the policy for an outside agent; a key is a session,
+    its second request continues on the engine's ids."""
+    import openai
+
+    cfg = agent_run(tmp_path / "run")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    server = subprocess.Popen([sys.executable, "-m", "leangrpo", "serve-agent", str(path), "--port", "0"],
+                              cwd=ROOT, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        line = server.stdout.readline()
+        assert line.startswith("leangrpo: serving at http://127.0.0.1:"), line
+        client = openai.OpenAI(base_url=line.split(" at ")[1].strip(), api_key="an-outside-agent", max_retries=0)
+        messages = [{"role": "user", "content": "395+136="}]
+        first = client.chat.completions.create(model="policy", messages=messages, max_tokens=64,
+                                               extra_body={"return_token_ids": True})  # fmt: skip
+        messages.append(first.choices[0].message.model_dump(exclude_none=True))
+        messages.append({"role": "user", "content": "again"})
+        second = client.chat.completions.create(model="policy", messages=messages, max_tokens=8,
+                                                extra_body={"return_token_ids": True})  # fmt: skip
+        so_far = first.model_extra["prompt_token_ids"] + first.choices[0].model_extra["token_ids"]
+        assert second.model_extra["prompt_token_ids"][: len(so_far)] == so_far  # the engine's ids
+        with pytest.raises(openai.BadRequestError, match="temperature"):
+            client.chat.completions.create(model="policy", messages=messages, temperature=0.3)
+    finally:
+        server.terminate()
+        assert server.wait(timeout=60) == 0

@@ -96,3 +96,8 @@ def outside(client, task):
         return 1.0
     except OSError:
         return 0.0
+
+
+def returns_at_once(client, task):
+    """No request: what a box per episode costs (benchmarks/agent.py)."""
+    return 0.0

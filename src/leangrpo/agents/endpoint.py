@@ -23,7 +23,8 @@ thread (pump.py): every turn, of any session, joins the running batch as it arri
 segment keeping its KV cache (hf) or its server (vLLM servers) under its own key.
 `open_session(prompt, seed, index)` makes an episode's session (sessions.py records it);
 `end_session(key)` closes it (later requests: 404) and releases what the stream keeps for
-it. Metrics (`metrics()`): agent/requests, agent/refused, agent/foreign_keys,
+it. With `open_keys` (`leangrpo serve-agent`, agents/serve.py) any key opens a session of
+its own on its first request (the least recently used ended beyond that many). Metrics (`metrics()`): agent/requests, agent/refused, agent/foreign_keys,
 agent/errors, agent/prefix_breaks, agent/latency_s (mean per answered request).
 """
 
@@ -73,8 +74,12 @@ SWITCH_INTERVAL_S = 0.0005  # while generating (see `generating`)
 class AgentEndpoint:
     """See the module docstring."""
 
-    def __init__(self, tokenizer: Any, config: AgentConfig, template: str | None, eos_ids: set[int]):
+    def __init__(self, tokenizer: Any, config: AgentConfig, template: str | None, eos_ids: set[int],
+                 open_keys: int = 0):  # fmt: skip
         self.tokenizer, self.config = tokenizer, config
+        # serve-agent: any key opens a session of its own (at most this many kept, the
+        # least recently used ended first); 0: only the trainer's sessions are answered
+        self.open_keys = open_keys
         self._generation = threading.Lock()  # one generation call at a time
         self.template, self.eos_ids = template, set(eos_ids)
         self.limits = SessionLimits(config.max_total_tokens, config.max_requests, config.max_episode_tokens)
@@ -105,7 +110,8 @@ class AgentEndpoint:
             sockets[-1].bind(unix_socket)
             os.chmod(unix_socket, 0o600)
             self.unix_socket = unix_socket
-        config = uvicorn.Config(self.app(), log_level="warning", lifespan="off", access_log=False)
+        config = uvicorn.Config(self.app(), log_level="warning", lifespan="off", access_log=False,
+                                timeout_graceful_shutdown=1)  # fmt: skip
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": sockets},
                                         name="leangrpo-agent-endpoint", daemon=True)  # fmt: skip
@@ -153,9 +159,20 @@ class AgentEndpoint:
         self.sessions[key] = session
         return session
 
+    def _open_for(self, key: str) -> Session:
+        """serve-agent: a session for a key not seen before (the oldest ended past
+        `open_keys`), seeded at random."""
+        while len(self.sessions) >= self.open_keys:
+            self.end_session(next(iter(self.sessions)))
+        session = self.open_session()
+        self.sessions[key] = self.sessions.pop(session.key)
+        session.key = key
+        return session
+
     def end_session(self, key: str) -> Session:
         """Close a session: later requests are refused; its counts join the endpoint's."""
         session = self.sessions.pop(key)
+        self._locks.pop(key, None)
         session.closed = True
         self.stats.update(session.stats)
         if self._pump is not None:
@@ -240,6 +257,10 @@ class AgentEndpoint:
             auth = request.headers.get("authorization", "")
             key = auth[7:].strip() if auth.lower().startswith("bearer ") else None
         session = self.sessions.get(key) if key else None
+        if session is None and key and self.open_keys and self._pump is not None:
+            session = self._open_for(key)
+        elif session is not None and self.open_keys:
+            self.sessions[key] = self.sessions.pop(key)  # the most recently used last
         if session is None:
             raise Refused("no session has this key: use the base URL and API key the trainer gave this episode",
                           code="invalid_api_key", status=401)  # fmt: skip
