@@ -50,10 +50,10 @@ def engine():
     return HFEngine(model.eval(), AutoTokenizer.from_pretrained(TOOLS_MODEL))
 
 
-def rollout(endpoint, **agent) -> tuple[AgentRollout, AgentWorkers]:
+def rollout(endpoint, functions: bool = True, **agent) -> tuple[AgentRollout, AgentWorkers]:
     cfg = AgentConfig(**{"num_workers": 2, "timeout_s": 30.0, **agent})
     workers = AgentWorkers(cfg, endpoint.unix_socket)
-    return AgentRollout(endpoint, workers, engine()), workers
+    return AgentRollout(endpoint, workers, engine(), functions), workers
 
 
 def test_an_agents_sdk_agent_makes_groups_of_token_exact_trajectories(endpoint, monkeypatch):
@@ -127,3 +127,18 @@ def test_an_episode_reaches_the_endpoint_and_nothing_else(endpoint, monkeypatch)
         workers.close()
         outside.close()
     assert group[0].trajectory.rewards == {"agent": 0.0}  # the models call worked; outside did not
+
+
+@pytest.mark.parametrize("functions", [True, False])
+def test_an_agent_without_a_reward_is_left_to_the_reward_functions(endpoint, monkeypatch, functions):
+    """None: rewards.functions score the episode; with none configured it is unscored."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests"))
+    made, workers = rollout(endpoint, functions, entry="support.agents:silent", num_workers=1)
+    try:
+        (group,) = made.generate(prompts()[:1], PARAMS, 2, 0)
+    finally:
+        workers.close()
+    for c in group:
+        assert c.trajectory.rewards == {} and len(c.ids) <= 2
+        assert (c.trajectory.error is None) == functions
+    assert made.last_metrics.get("agent/errors/no_reward", 0.0) == (0.0 if functions else 2.0)

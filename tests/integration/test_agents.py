@@ -89,7 +89,7 @@ def test_an_agents_sdk_agent_trains_through_the_endpoint(tmp_path):
     (first, second) = [r for r in rows(tmp_path) if r.get("step", 0) > 0 and "agent/requests" in r]
     assert first["agent/requests"] >= 16 and first["agent/errors"] < 16
     assert "reward/env/agent/mean" in first and first["agent/latency_s"] > 0
-    assert "agent/prefix_breaks" in first
+    assert "agent/prefix_breaks" in first and "multiturn/tool_calls" in first
     episodes = [s for b in trainer.batches for s in b.samples if s.reward is not None]
     assert episodes and all(len(s.completion.logprobs) == s.completion.num_model_tokens for s in episodes)
 

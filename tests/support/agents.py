@@ -101,3 +101,8 @@ def outside(client, task):
 def returns_at_once(client, task):
     """No request: what a box per episode costs (benchmarks/agent.py)."""
     return 0.0
+
+
+def silent(client, task):
+    """One request and no reward: rewards.functions must score it."""
+    client.chat.completions.create(model="policy", messages=task["messages"], max_tokens=2)
