@@ -55,6 +55,8 @@ def prepare(init: dict, announce: Callable[[dict], None]) -> Callable[[BoxConn],
         run = resolve(init["agent_entry"])
         if not callable(run):
             raise TypeError(f"{type(run).__name__} is not callable")
+        if "agents" in sys.modules:  # the agent uses the OpenAI Agents SDK
+            _warm_agents_sdk()
     except BaseException as e:  # SystemExit at import included
         announce({"t": "init_error", "msg": f"agent.entry = {init['agent_entry']!r}: {type(e).__name__}: {e}"})
         return None
@@ -97,6 +99,38 @@ def _warm_openai() -> None:
             await aclient.chat.completions.create(model="policy", messages=messages, tools=tools)
 
     asyncio.run(warm_async())
+
+
+def _warm_agents_sdk() -> None:
+    """One Runner.run of a one-tool Agent against canned answers (a call, then text): the
+    SDK's own first-run work (about 30 ms of CPU) done once in the zygote, not in every
+    box. Best effort: an SDK whose API differs is simply not warmed."""
+    import httpx
+    import openai
+
+    try:
+        from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool
+    except ImportError:
+        return
+    turns = iter([WARM_COMPLETION, {**WARM_COMPLETION, "choices": [{"index": 0, "finish_reason": "stop",
+                  "message": {"role": "assistant", "content": "1"}}]}])  # fmt: skip
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=next(turns, WARM_COMPLETION))
+
+    def f() -> int:
+        """Return 1."""
+        return 1
+
+    async def warm() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as http:
+            client = openai.AsyncOpenAI(base_url="http://warm/v1", api_key="-", http_client=http)
+            model = OpenAIChatCompletionsModel(model="policy", openai_client=client)
+            agent = Agent(name="warm", tools=[function_tool(f)], model=model)
+            await Runner.run(agent, "warm", max_turns=2)
+
+    with contextlib.suppress(Exception):
+        asyncio.run(warm())
 
 
 def _episode(run: Callable, conn: BoxConn) -> None:

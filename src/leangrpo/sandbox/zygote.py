@@ -24,6 +24,7 @@ checks, the set-up reports `announce` passes on), which returns what each box ru
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import os
 import select
@@ -87,6 +88,10 @@ class Zygote:
         self.box_main = entry.prepare(init, self.announce)
         if self.box_main is None or init.get("mode", "serve") != "serve":
             return
+        # what the imports made is never collected: a box's garbage collections then skip
+        # it instead of writing to every object (copy-on-write faults: page after page of
+        # the zygote's memory copied into each box)
+        gc.freeze()
         wake_read, wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wake_write)
         signal.signal(signal.SIGCHLD, lambda *a: None)
