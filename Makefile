@@ -60,15 +60,18 @@ test: test-main test-vllm
 # straight run, a row's bits whatever shares its forward) again on the CPU kernels that an
 # AVX2-only machine picks and on ATen's generic ones, whatever this machine's CPU (the
 # generic pass only the comparisons of two ways of making a batch, not the resumes).
-# See docs/ARCHITECTURE.md, "Bitwise or within rounding".
+# See docs/testing.md, "Bitwise or within rounding".
 EXACT_ONE_PROCESS := tests/integration/test_multiturn.py tests/integration/test_trainer.py \
 	tests/rollout/test_hf.py tests/rollout/test_hf_turns.py tests/model/test_policy.py
 EXACT_TORCHRUN := tests/distributed/test_context_parallel.py
 AVX2_KERNELS := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
-EXACT_PASS := bash scripts/run_tests.sh $(BIN)/pytest -q -p no:cacheprovider -m exact
+# Both cores: pytest-xdist with two workers (every test keeps one intra-op thread; the
+# torchrun tests start their ranks beside the other worker's test, which only slows them).
+PYTEST := $(BIN)/pytest -q -n 2
+EXACT_PASS := bash scripts/run_tests.sh $(PYTEST) -p no:cacheprovider -m exact
 
 test-main: $(STAMP)
-	bash scripts/run_tests.sh $(BIN)/pytest -q
+	bash scripts/run_tests.sh $(PYTEST)
 	$(AVX2_KERNELS) $(EXACT_PASS) $(EXACT_ONE_PROCESS) $(EXACT_TORCHRUN)
 	ATEN_CPU_CAPABILITY=default $(EXACT_PASS) -k "not resume" $(EXACT_ONE_PROCESS)
 

@@ -1,32 +1,42 @@
-"""What the sandbox costs.  python benchmarks/sandbox.py [--quick] [--src DIR]
+"""What the sandbox costs.  python benchmarks/sandbox.py [--quick] [--src DIR] [--before DIR]
 
-Per sandbox level (sandbox/levels.py): **baseline = `process`** (no namespaces) vs
-`namespace` (the default where it starts). Cases:
+Per sandbox level (sandbox/levels.py), `process` and `namespace`. Cases:
 
 - `start-up`: one reward worker (the `length` built-in) from `RewardPool(...)` until it
   has scored its first call: interpreter, confinement, imports.
-- `reward call`: `RewardPool.score` of one prompt's 8 samples with `length` (one call), calls back to back (no
-  compute: the per-call cost of the round trip, the call's box and its clean-up).
+- `reward call`: `RewardPool.score` of one prompt's 8 samples with `length` (one call),
+  calls back to back (no compute: the per-call cost of the round trip, the call's box
+  and its clean-up).
+- `reward call (math)`: the same with `math` (math-verify imported: a larger worker to
+  fork; the demo's answers are integers, checked without sympy).
+- `scoring burst`: one `RewardPool.score` of 16 prompts x 8 samples with `math` after
+  0.3 s without calls (a step of `make demo`: 16 calls on one worker, while the trainer
+  generated and trained in between); time per call.
 - `trajectory start`: `EnvironmentPool.reset` of one new trajectory of the tool demo's
   environment (its box started and the environment built).
 - `tool call`: `EnvironmentPool.step` of one trajectory calling the tool demo's
   calculator (the `make demo-tools` path: parse, one limited tool call, reply).
 
-One JSON line per case and variant: `time_s` (mean wall time), `cpu_s` (CPU seconds per
-call of the trainer and every process of the worker, boxes that ended included: steadier
-than wall time on a shared machine; start-up: of the trainer only), `peak_bytes`
-(proportional set size, PSS, of the worker's processes after the measured calls; for a
-trajectory, with its box alive), `time_ratio` and `mem_ratio` against `process` from the
-same run. `--src DIR` measures another checkout's `src` (the code before a change, in the
-same conditions: `--src ../main/src`). The namespace probe (once per trainer process) runs
-before the timing. CPU only.
+One JSON line per case and variant: `time_s` (mean wall time per call), `cpu_s` (CPU
+seconds per call of the trainer and every process of the worker, boxes that ended
+included: steadier than wall time on a shared machine; start-up: of the trainer only),
+`peak_bytes` (proportional set size, PSS, of the worker's processes after the measured
+calls; for a trajectory, with its box alive), `time_ratio`, `cpu_ratio` and `mem_ratio`
+against the baseline of the same case and level from the same run. **Baseline**: with
+`--before DIR`, the same case and level measured with the leangrpo in DIR (the code
+before a change, e.g. before boxes: `git archive 30e860d src | tar -x -C /tmp/before`,
+then `--before /tmp/before/src`), run in a child process just before; without it, the
+`process` level of the same code. `--src DIR` measures another checkout's `src`. The
+namespace probe (once per trainer process) runs before the timing. CPU only.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,20 +52,21 @@ USER = [{"role": "user", "content": "123+456="}]
 LEVELS = ("process", "namespace")
 
 
-def samples(n: int) -> list:
-    from leangrpo.contracts import Completion, Prompt, RolloutSample
-
-    return [
-        RolloutSample(0, Prompt(0, "1+2=", [1]), Completion([1], "3", [0.0], "stop", 0))
-        for i in range(n)
-    ]
-
-
-def rewards_cfg(level: str):
+def rewards_cfg(level: str, name: str = "length"):
     from leangrpo.config.run import RewardsConfig
 
-    return RewardsConfig(functions=[{"name": "length", "kwargs": {"target": 3}}],
+    kwargs = {"answer_column": "answer"} if name == "math" else {"target": 1}
+    return RewardsConfig(functions=[{"name": name, "kwargs": kwargs}],
                          num_workers=1, sandbox={"level": level})  # fmt: skip
+
+
+def prompt_samples(prompt: int, n: int) -> list:
+    """`n` right answers to prompt `prompt` (its own uid: a call never mixes prompts)."""
+    from leangrpo.contracts import Completion, Prompt, RolloutSample
+
+    question = Prompt(prompt, "1+2=", [1], columns={"answer": "3"})
+    return [RolloutSample(prompt, question, Completion([1], "3", [0.0], "stop", 0))
+            for _ in range(n)]  # fmt: skip
 
 
 def environment_cfg(level: str):
@@ -76,13 +87,18 @@ def cpu_now(pid: int) -> float:
     not readable from here, so the worker tree's children_* times are used)."""
     total = time.process_time()
     for proc in tree(pid):
-        times = proc.cpu_times()
-        total += times.user + times.system + times.children_user + times.children_system
+        with contextlib.suppress(psutil.NoSuchProcess):  # a box that ended meanwhile
+            times = proc.cpu_times()
+            total += times.user + times.system + times.children_user + times.children_system
     return total
 
 
 def tree_pss(pid: int) -> int:
-    return sum(p.memory_full_info().pss for p in tree(pid))
+    total = 0
+    for proc in tree(pid):
+        with contextlib.suppress(psutil.NoSuchProcess):  # a box that ended meanwhile
+            total += proc.memory_full_info().pss
+    return total
 
 
 def start_up(level: str, repeats: int) -> tuple[float, float, int]:
@@ -92,27 +108,47 @@ def start_up(level: str, repeats: int) -> tuple[float, float, int]:
     for _ in range(repeats):
         t0, c0 = time.perf_counter(), time.process_time()
         with RewardPool(rewards_cfg(level)) as pool:
-            pool.score(samples(1))
+            pool.score(prompt_samples(0, 1))
             times.append(time.perf_counter() - t0)
             cpu += time.process_time() - c0
             pss = tree_pss(pool._workers[0].pid)
     return sum(times) / len(times), cpu / repeats, pss
 
 
-def reward_calls(level: str, calls: int) -> tuple[float, float, int]:
+def reward_calls(level: str, calls: int, name: str = "length") -> tuple[float, float, int]:
     from leangrpo.rewards import RewardPool
 
-    with RewardPool(rewards_cfg(level)) as pool:
-        for _ in range(3):  # warm: the first calls measure the function's speed
-            pool.score(samples(8))
+    with RewardPool(rewards_cfg(level, name)) as pool:
+        for i in range(3):  # warm: the first calls measure the function's speed
+            pool.score(prompt_samples(i, 8))
         pid = pool._workers[0].pid
         t0, c0 = time.perf_counter(), cpu_now(pid)
-        for _ in range(calls):
-            batch = samples(8)
+        for i in range(calls):
+            batch = prompt_samples(i, 8)
             pool.score(batch)
-            assert batch[0].reward is not None, batch[0]
+            assert batch[0].reward == 1.0, batch[0]
         elapsed = (time.perf_counter() - t0) / calls
         return elapsed, (cpu_now(pid) - c0) / calls, tree_pss(pid)
+
+
+def scoring_bursts(level: str, bursts: int, prompts: int = 16) -> tuple[float, float, int]:
+    from leangrpo.rewards import RewardPool
+
+    with RewardPool(rewards_cfg(level, "math")) as pool:
+        for _ in range(2):  # warm: speeds measured, spare boxes as many as a burst keeps
+            pool.score([s for p in range(prompts) for s in prompt_samples(p, 8)])
+        pid = pool._workers[0].pid
+        elapsed, cpu = 0.0, 0.0
+        for _ in range(bursts):
+            time.sleep(0.3)  # the trainer generates and trains
+            batch = [s for p in range(prompts) for s in prompt_samples(p, 8)]
+            t0, c0 = time.perf_counter(), cpu_now(pid)
+            pool.score(batch)
+            elapsed += time.perf_counter() - t0
+            cpu += cpu_now(pid) - c0
+            assert all(s.reward == 1.0 for s in batch), batch[0]
+        calls = bursts * prompts
+        return elapsed / calls, cpu / calls, tree_pss(pid)
 
 
 def trajectory_starts(level: str, calls: int) -> tuple[float, float, int]:
@@ -150,41 +186,65 @@ def tool_calls(level: str, calls: int) -> tuple[float, float, int]:
         return elapsed, (cpu_now(pid) - c0) / calls, tree_pss(pid)
 
 
+CASES = ("start-up", "reward call", "reward call (math)", "scoring burst", "trajectory start",
+         "tool call")  # fmt: skip
+
+
+def measure(case: str, level: str, quick: bool) -> tuple[float, float, int]:
+    repeats, calls = (2, 20) if quick else (5, 100)
+    runs = {
+        "start-up": lambda: start_up(level, repeats),
+        "reward call": lambda: reward_calls(level, calls),
+        "reward call (math)": lambda: reward_calls(level, calls, "math"),
+        "scoring burst": lambda: scoring_bursts(level, repeats + 1),
+        "trajectory start": lambda: trajectory_starts(level, calls),
+        "tool call": lambda: tool_calls(level, calls),
+    }
+    return runs[case]()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats and calls")
     parser.add_argument("--src", default=str(ROOT / "src"), help="the leangrpo to measure")
-    parser.add_argument("--case", action="append", help="only these cases (repeatable)")
+    parser.add_argument("--before", help="the leangrpo src to measure as the baseline")
+    parser.add_argument("--case", action="append", choices=CASES, help="only these cases")
+    parser.add_argument("--level", action="append", choices=LEVELS, help="only these levels")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(args.src).resolve()))
     from device_info import device_name
 
     from leangrpo.sandbox.levels import namespace_failure
 
-    repeats, calls = (2, 20) if args.quick else (5, 100)
     namespace_failure(False)  # the probe: once per trainer process, not per worker
-    cases = {
-        "start-up": lambda level: start_up(level, repeats),
-        "reward call": lambda level: reward_calls(level, calls),
-        "trajectory start": lambda level: trajectory_starts(level, calls),
-        "tool call": lambda level: tool_calls(level, calls),
-    }
     source = os.path.relpath(Path(args.src).resolve(), ROOT)
-    for case, run in cases.items():
-        if args.case and case not in args.case:
-            continue
+    for case in args.case or CASES:
         base = None
-        for level in LEVELS:
-            time_s, cpu_s, peak = run(level)
+        for level in args.level or LEVELS:
+            if args.before:
+                base = before(args, case, level)
+                print(json.dumps(base), flush=True)
+            time_s, cpu_s, peak = measure(case, level, args.quick)
             row = {"bench": "sandbox", "case": case, "device": device_name("cpu"),
                    "variant": level, "src": source, "time_s": round(time_s, 5),
                    "cpu_s": round(cpu_s, 5), "peak_bytes": peak}  # fmt: skip
             if base is None:
-                base = (time_s, peak)
+                base = row
             else:
-                row["time_ratio"] = round(time_s / base[0], 3)
-                row["mem_ratio"] = round(peak / base[1], 3)
+                row["time_ratio"] = round(time_s / base["time_s"], 3)
+                row["cpu_ratio"] = round(cpu_s / max(base["cpu_s"], 1e-9), 3)
+                row["mem_ratio"] = round(peak / base["peak_bytes"], 3)
             print(json.dumps(row), flush=True)
+
+
+def before(args: argparse.Namespace, case: str, level: str) -> dict:
+    """The baseline row: this case and level measured with `args.before`'s leangrpo, in a
+    child process (its own imports), now."""
+    argv = [sys.executable, __file__, "--src", args.before, "--case", case, "--level", level]
+    done = subprocess.run(argv + (["--quick"] if args.quick else []), capture_output=True,
+                          text=True, check=True)  # fmt: skip
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    return {**row, "variant": f"{level} (before)"}
 
 
 if __name__ == "__main__":

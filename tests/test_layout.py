@@ -28,10 +28,16 @@ Rules a-e, over every module under src/leangrpo:
   benchmarks, scripts, examples and the sources exists, so moves leave no stale pointer.
 - g (one code path): the trainer and the step never ask a context whether the run is
   distributed (`ctx.distributed`); what differs is behind the `Strategy`.
+- h (the docs map): every relative link of a Markdown file reaches a file and, with an
+  `#anchor`, one of its headings; every `dir/x.md` written in prose exists; every
+  `docs/page.md ("Title")` citation (in documents, docstrings, comments and the config's
+  descriptions, through docs/config.md), and every `[page.md](page.md) ("Title")` between
+  pages, names text that page holds; docs/ARCHITECTURE.md
+  stays a map under 250 lines, and every page under docs/ is linked from it or README.md.
 
 Each rule is a function from the parsed tree to failure lines ("path:line: what; fix"),
 run on the repository and, on small trees written to tmp_path, shown to fail.
-See docs/ARCHITECTURE.md ("Layout").
+See docs/modules.md ("Layout rules").
 """
 
 from __future__ import annotations
@@ -671,6 +677,132 @@ def _resolves(modules: Modules, dotted: str) -> bool:
     return False
 
 
+# ---------------------------------------------------------------- rule h: the docs map
+
+DOC_PAGES = "docs"
+MAP = "docs/ARCHITECTURE.md"
+MAP_LINES = 250
+LINK = re.compile(r"(?<!!)\[[^\]\n]*\]\(([^)\s]+)\)")
+MD_MENTION = re.compile(r"(?<![\w./-])((?:[\w.-]+/)+[\w.-]+\.md)\b")
+# `[page.md](page.md) ("Title")`, `[page.md](page.md#anchor), "Title"`
+LINK_CITATION = re.compile(r"\]\(([\w./-]+\.md)(?:#[\w-]+)?\)((?:[\s,()]*\"[^\"]+\")+)")
+MD_PLACEHOLDER = re.compile(r"^(docs/page|dir/x)\.md$")
+# `docs/page.md ("Title", "Other")`, `docs/page.md, "Title"`, `docs/page.md, 'Title'`
+CITATION = re.compile(r"(?<![\w./-])(docs/[\w.-]+\.md)((?:[\s,()]*\"[^\"]+\"|[\s,(]+'[^'\n]+')*)")
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a Markdown file's headings (outside code fences)."""
+    anchors: set[str] = set()
+    seen: dict[str, int] = {}
+    fenced = False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        match = re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if fenced or not match:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", match.group(1).lower()).replace(" ", "-")
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        anchors.add(slug if count == 0 else f"{slug}-{count}")
+    return anchors
+
+
+def _joined_prose(path: Path) -> tuple[str, list[int]]:
+    """A file's prose as one text (so a citation may wrap), with each line's number."""
+    numbered = list(_prose_lines(path))
+    return "\n".join(line for _, line in numbered), [number for number, _ in numbered]
+
+
+def check_doc_links(repo: Path, roots: Iterable[str]) -> list[str]:
+    """Every relative link of a Markdown file, and every `dir/x.md` a document or docstring
+    names, reaches a file of the repository; a link's `#anchor` is one of its headings; every
+    `docs/page.md ("Title")` citation names text the page holds."""
+    failures = []
+    for path in _repo_files(repo, roots):
+        if path.suffix not in TEXT_SUFFIXES or path.name.endswith(".lock"):
+            continue
+        text, numbers = _joined_prose(path)
+        rel = path.relative_to(repo)
+
+        def where(offset: int, text=text, numbers=numbers, rel=rel) -> str:
+            return f"{rel}:{numbers[text.count(chr(10), 0, offset)]}"
+
+        if path.suffix == ".md":
+            for match in LINK.finditer(text):
+                failures += _link_failures(repo, path, match.group(1), where(match.start()))
+        bases = [path.parent, *[d for d in path.parent.parents if repo in (d, *d.parents)]]
+        for match in MD_MENTION.finditer(text):
+            mention = match.group(1)
+            if mention.startswith("../") or MD_PLACEHOLDER.search(mention):
+                continue  # outside the repository (the workspace's notes), or an example
+            if not any((base / mention).exists() for base in bases):
+                failures.append(
+                    f"{where(match.start())}: {mention} does not exist; write its path now"
+                )
+        for match in CITATION.finditer(text):
+            if not MD_PLACEHOLDER.search(match.group(1)):
+                page, titles = repo / match.group(1), match.group(2)
+                failures += _citation_failures(page, match.group(1), titles, where(match.start()))
+        for match in LINK_CITATION.finditer(text) if path.suffix == ".md" else []:
+            page, titles = path.parent / match.group(1), match.group(2)
+            failures += _citation_failures(page, match.group(1), titles, where(match.start()))
+    return failures
+
+
+def _link_failures(repo: Path, path: Path, target: str, where: str) -> list[str]:
+    if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
+        return []
+    name, _, anchor = target.partition("#")
+    linked = (path.parent / name).resolve() if name else path
+    if not linked.is_relative_to(repo.resolve()) or not linked.exists():
+        return [f"{where}: the link {target} reaches no file; link the page that exists now"]
+    if anchor and linked.suffix == ".md" and anchor not in heading_anchors(linked.read_text()):
+        return [
+            f"{where}: the link {target} names no heading of {name or path.name}; link a heading it has"
+        ]
+    return []
+
+
+def _citation_failures(page: Path, label: str, titles: str, where: str) -> list[str]:
+    if not page.is_file():
+        return []  # named above, as a path or a link that reaches no file
+    held = " ".join(page.read_text().split())
+    failures = []
+    for double, single in re.findall(r"\"([^\"]+)\"|'([^']+)'", titles):
+        title = " ".join((double or single).split())
+        if title not in held:
+            failures.append(
+                f'{where}: {label} holds no "{title}"; cite the page and title that hold it now'
+            )
+    return failures
+
+
+def check_docs_map(repo: Path, limit: int = MAP_LINES) -> list[str]:
+    """ARCHITECTURE.md stays a map of at most `limit` lines, and every page under docs/ is
+    linked from it or from README.md, so no page is out of a reader's reach."""
+    failures = []
+    lines = len((repo / MAP).read_text().splitlines())
+    if lines > limit:
+        failures.append(
+            f"{MAP}: {lines} lines; keep the map under {limit} and move the detail to a page of "
+            "its own under docs/"
+        )
+    linked = set()
+    for source in [repo / MAP, repo / "README.md"]:
+        for target in LINK.findall(source.read_text()) if source.exists() else []:
+            linked.add((source.parent / target.partition("#")[0]).resolve())
+    for page in sorted((repo / DOC_PAGES).glob("*.md")):
+        if page.resolve() not in linked and page != repo / MAP:
+            failures.append(
+                f"{page.relative_to(repo)}: linked from neither {MAP} nor README.md; add it to the "
+                "map's table of pages"
+            )
+    return failures
+
+
 # ---------------------------------------------------------------- rule g: one code path
 
 ONE_CODE_PATH = ["leangrpo/train/trainer.py", "leangrpo/train/step.py"]
@@ -754,6 +886,16 @@ def test_the_trainer_has_one_code_path_for_one_process_and_torchrun():
 
 def test_paths_written_in_docs_and_docstrings_exist(modules):
     failures = check_path_mentions(SRC.parent, modules, DOCUMENTED)
+    assert not failures, _report(failures)
+
+
+def test_links_and_section_citations_in_docs_and_docstrings_hold():
+    failures = check_doc_links(SRC.parent, [*DOCUMENTED, "tests"])
+    assert not failures, _report(failures)
+
+
+def test_the_architecture_map_is_short_and_links_every_page():
+    failures = check_docs_map(SRC.parent)
     assert not failures, _report(failures)
 
 
@@ -997,6 +1139,53 @@ def test_path_rule(tmp_path):
     ]
 
 
+def test_doc_link_rule(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "src").mkdir()
+    (tmp_path / "docs" / "guide.md").write_text(
+        "# A page\n\n## Per-step cost (issue 12)\n\n- **Replay** swaps\n"
+    )
+    (tmp_path / "docs" / "map.md").write_text(
+        "[ok](guide.md#per-step-cost-issue-12) [web](https://x.org/a.md) [gone](old.md)\n"
+        '[bad anchor](guide.md#per-step-cost) docs/guide.md ("Replay") docs/gone.md\n'
+        'docs/guide.md, "Re-rolls"\n'
+        '[guide.md](guide.md) ("Replay") [guide.md](guide.md#a-page), "Streaming"\n'
+    )
+    (tmp_path / "src" / "mod.py").write_text(
+        '"""See docs/guide.md ("Per-step cost (issue 12)",\n"Replay") and docs/guide.md, \'Sampling\'."""\n'
+    )
+    assert check_doc_links(tmp_path, ["docs", "src"]) == [
+        "docs/map.md:1: the link old.md reaches no file; link the page that exists now",
+        "docs/map.md:2: the link guide.md#per-step-cost names no heading of guide.md; link a "
+        "heading it has",
+        "docs/map.md:2: docs/gone.md does not exist; write its path now",
+        'docs/map.md:3: docs/guide.md holds no "Re-rolls"; cite the page and title that hold '
+        "it now",
+        'docs/map.md:4: guide.md holds no "Streaming"; cite the page and title that hold it now',
+        'src/mod.py:2: docs/guide.md holds no "Sampling"; cite the page and title that hold it now',
+    ]
+
+
+def test_heading_anchors_follow_github():
+    text = "# leangrpo check (issue 38)\n## async_overlap\n```\n# not a heading\n```\n## `a` b\n## `a` b\n"
+    assert heading_anchors(text) == {"leangrpo-check-issue-38", "async_overlap", "a-b", "a-b-1"}
+
+
+def test_docs_map_rule(tmp_path):
+    (tmp_path / "docs").mkdir()
+    for name in ["a.md", "b.md", "c.md"]:
+        (tmp_path / "docs" / name).write_text("# page\n")
+    (tmp_path / "docs" / "ARCHITECTURE.md").write_text("# map\n[a](a.md#page)\n" + "line\n" * 8)
+    (tmp_path / "README.md").write_text("[b](docs/b.md)\n")
+    assert check_docs_map(tmp_path, limit=9) == [
+        "docs/ARCHITECTURE.md: 10 lines; keep the map under 9 and move the detail to a page of "
+        "its own under docs/",
+        "docs/c.md: linked from neither docs/ARCHITECTURE.md nor README.md; add it to the map's "
+        "table of pages",
+    ]
+    assert [f.split(":")[0] for f in check_docs_map(tmp_path, limit=10)] == ["docs/c.md"]
+
+
 def test_the_architecture_tree_names_every_module():
     """docs/ARCHITECTURE.md's layout tree matches src/: every module is written in it under
     its package, and every package of src is in it."""
@@ -1020,5 +1209,7 @@ def test_the_architecture_tree_names_every_module():
         package = "/".join(rel.parts[:-1]) + "/" if len(rel.parts) > 1 else ""
         words = {w for line in blocks.get(package, []) for w in line.replace(",", " ").split()}
         if rel.name not in words:
-            missing.append(f"{rel}: not in docs/ARCHITECTURE.md's layout tree under {package or 'the top'}")
+            missing.append(
+                f"{rel}: not in docs/ARCHITECTURE.md's layout tree under {package or 'the top'}"
+            )
     assert not missing, "\n".join(missing)

@@ -19,6 +19,7 @@ from leangrpo.contracts import Prompt
 from leangrpo.data.prompts import PromptSet
 from leangrpo.model.files import ModelFiles, ModelFilesError
 from leangrpo.preflight import (
+    check_attention_backend,
     check_inputs,
     check_micro_batch,
     check_reward_cells,
@@ -275,6 +276,24 @@ def test_a_cuda_attention_kernel_on_a_cpu_run_is_refused_before_the_model_loads(
     cfg = demo(tmp_path, f"packing.attention_backend={backend}", "run.device=cpu")
     with pytest.raises(ConfigError, match=rf"attention_backend: {backend} needs a CUDA device"):
         preflight(cfg, dry=True)
+
+
+def test_flex_attention_on_a_cpu_run_is_refused_before_the_model_loads(tmp_path: Path) -> None:
+    """flex_on_cpu.py: flex on CPU failed with a traceback at the first training step,
+    after the model loaded (torch has no CPU flex backward). Refused in the cheap checks
+    now, for training; scoring (`leangrpo eval`: forward only) may use it; and the trainer
+    checks it again once run.device auto has resolved to the CPU."""
+    cfg = demo(tmp_path, "packing.attention_backend=flex", "run.device=cpu")
+    with pytest.raises(ConfigError) as err:
+        preflight(cfg, dry=True)
+    assert str(err.value) == (
+        "packing.attention_backend: flex cannot train on the CPU (torch's flex attention has no backward there), but run.device is cpu; set packing.attention_backend: auto (or sdpa_segments), or run on a GPU."
+    )
+    check_inputs(cfg, training=False)  # scoring: forward only
+    auto = demo(tmp_path, "packing.attention_backend=flex", "run.device=auto")
+    with pytest.raises(ConfigError, match=r"but run.device is auto \(cpu here\); set"):
+        check_attention_backend(auto, "cpu")
+    check_attention_backend(auto, "cuda")
 
 
 def test_flash_varlen_without_flash_attn_is_refused_before_the_model_loads(

@@ -135,7 +135,7 @@ def _eval_parser(sub) -> None:
     p.add_argument(
         "target",
         metavar="RUN_OR_CHECKPOINT",
-        help="a run directory (its final/, else its newest intact checkpoint), a checkpoints/step-N or a final/ directory",
+        help="a run directory (its final/, or its newest intact checkpoint when that is newer), a checkpoints/step-N or a final/ directory",
     )
     p.add_argument(
         "--data",
@@ -324,7 +324,7 @@ def _eval(args) -> int:
     }
     result = evaluate(
         args.target, args.data, reward_funcs=args.rewards, num_prompts=args.num_prompts,
-        config=args.config, set_values=args.overrides, out=args.out,
+        config=args.config, set_values=args.overrides, out=args.out, data_label="--data",
         **({"eval": eval_section} if eval_section else {}),
     )  # fmt: skip
     _print(render(result))

@@ -15,7 +15,7 @@ The roles' interfaces live here too: `RolloutEngine`, `TurnEngine` and `TurnStre
 (rollout/; the multi-turn rollout of environments/ drives the latter two), `Producer`
 (pipeline/ and distributed/rollout.py), and what differs between one process and torchrun, chosen once
 at set-up (`Strategy`, picked by distributed/strategy.py: `StepRanks`, `Checkpointer`,
-`MetricsLog`). See docs/ARCHITECTURE.md.
+`MetricsLog`). See docs/ARCHITECTURE.md ("Contracts that cross roles").
 """
 
 from __future__ import annotations
@@ -200,6 +200,7 @@ class PackedBatch:
     behaviour_logprobs: Tensor  # (T,) float32, from the engine
     old_logprobs: Tensor | None = None  # (T,) float32, trainer's no-grad pass (decoupled IS)
     ref_logprobs: Tensor | None = None  # (T,) float32, reference policy (beta > 0)
+    teacher_logprobs: Tensor | None = None  # (T,) float32, distillation teacher (distill/)
     versions: Tensor | None = None  # (S,) int64, policy version that generated each sequence
     # routing replay: (T, MoE layers, k) experts the engine routed each completion token's
     # predicting position to (model/moe/routes.py); None when samples carry no route records
@@ -246,6 +247,9 @@ class LocalRow:
     num_targets: int  # T of the whole row
     routes: Tensor | None = None  # (T_c, layers, k) route records (routing replay), or None
     real_tokens: int | None = None  # this rank's tokens that are not padding; None: all
+    # (real,) float: sequences each real position belongs to (a shared prefix: a group's
+    # prompt positions count once per completion); None: one each (the plain layout)
+    sequences_per_position: Tensor | None = None
 
 
 class RowSplit(Protocol):
@@ -300,6 +304,9 @@ class LossInputs:
     ref_logprobs: Tensor | None = None  # (T,) reference policy, needed when beta > 0
     is_weights: Tensor | None = None  # (T,) detached off-policy correction weights
     entropy: Tensor | None = None  # (T,) per-token entropy, for metrics/masking
+    # (T,) a distillation teacher's log-probs: the `distill/reverse_kl` metric only (its
+    # signal is already in `advantages`)
+    teacher_logprobs: Tensor | None = None
 
 
 @dataclass
@@ -529,8 +536,9 @@ class Checkpointer(Protocol):
     def load(self, path: Path, model: Any, optimizer: Any, scheduler: Any) -> RestoredCheckpoint:
         ...
 
-    def save_final(self, model: Any, tokenizer: Any) -> Path:
-        """`final/`, a directory transformers / peft / vLLM load directly."""
+    def save_final(self, model: Any, tokenizer: Any, step: int, version: int) -> Path:
+        """`final/`, a directory transformers / peft / vLLM load directly, recording the
+        step and policy version it holds (checkpoint/rundir.py FINAL_STATE)."""
         ...
 
 

@@ -23,7 +23,9 @@ the first thing that touches the disk):
    checks (environments/check.py: names, template, the environment and its tools imported
    in a worker, rewards that could only be 0, and with the tokenizer's record the template
    and the prompts' first turns);
-4. the metrics backends are installed; what torchrun runs cannot do, and a
+4. a distillation teacher: its files, a quantized teacher's needs, and its tokenizer
+   mapping every id to the policy's token (distill/check.py);
+   the metrics backends are installed; what torchrun runs cannot do, and a
    distributed.context_parallel_size that the processes or the model's heads cannot take
    (`check_world`, `check_context_parallel`); options that do nothing in the chosen mode
    are listed in one warning;
@@ -69,6 +71,7 @@ from leangrpo.data.prompts import (
     check_data,
     load_prompts,
 )
+from leangrpo.distill.check import check_teacher
 from leangrpo.model.files import (
     EXPERT_KEYS,
     ModelFiles,
@@ -113,8 +116,11 @@ def preflight(cfg: Any, ctx: Any = None, dry: bool = False) -> Preflight:
     return Preflight(run_dir, model, limit)
 
 
-def check_inputs(cfg: Any, warn: bool = True) -> tuple[ModelFiles, PromptLimit | None]:
-    """Checks 1-4: everything but the run directory."""
+def check_inputs(
+    cfg: Any, warn: bool = True, training: bool = True
+) -> tuple[ModelFiles, PromptLimit | None]:
+    """Checks 1-4: everything but the run directory; `training` False: for scoring only
+    (`leangrpo eval`: no backward pass)."""
     from leangrpo.rewards import check_rewards
 
     check_engine_installed(cfg)
@@ -136,7 +142,7 @@ def check_inputs(cfg: Any, warn: bool = True) -> tuple[ModelFiles, PromptLimit |
     check_model_fits(cfg, model)
     if cfg.data.chat_template and cfg.environment is None:  # its check renders the first turns
         check_chat_rows(cfg.data, recall(model.directory))
-    check_attention_backend(cfg)
+    check_attention_backend(cfg, training=training)
     check_quantization_environment(cfg)
     limit = prompt_limit(cfg, model)
     check_trajectory_fits_micro_batch(cfg)  # after the context: the limit to name first
@@ -152,6 +158,7 @@ def check_inputs(cfg: Any, warn: bool = True) -> tuple[ModelFiles, PromptLimit |
     check_backends(list(cfg.logging.backends))
     check_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     check_context_parallel(cfg, int(os.environ.get("WORLD_SIZE", "1")), model)
+    check_teacher(cfg, model, int(os.environ.get("WORLD_SIZE", "1")), limit)
     check_mixture_of_experts(cfg, model)
     ignored = ignored_options(cfg)
     if ignored and warn:
@@ -210,16 +217,27 @@ def check_reward_columns(cfg: Any, specs: list, data_files: dict[str, CheckedFil
                 )
 
 
-def check_attention_backend(cfg: Any) -> None:
+def check_attention_backend(cfg: Any, device: str | None = None, training: bool = True) -> None:
     """A packed-attention kernel asked for by name must run where the run does: the CUDA
-    kernels on a GPU, flash_varlen with flash-attn installed (ops/attention/adapter.py
-    says it again, with the device, before the model's first forward)."""
+    kernels on a GPU, flash_varlen with flash-attn installed, flex not for training on
+    the CPU (torch has no CPU flex backward; its forward, for scoring, runs there).
+    `device`: the device run.device resolved to (the trainer's set-up, for `auto`); else
+    run.device. ops/attention/adapter.py says it again, with the device, before the
+    model's first forward."""
     backend = cfg.packing.attention_backend
+    device = device or cfg.run.device
+    where = f"run.device is {cfg.run.device}"
+    if device != cfg.run.device:
+        where += f" ({device} here)"
+    if backend == "flex" and training and device == "cpu":
+        raise ConfigError(
+            f"packing.attention_backend: flex cannot train on the CPU (torch's flex attention has no backward there), but {where}; set packing.attention_backend: auto (or sdpa_segments), or run on a GPU."
+        )
     if backend not in ("flash_varlen", "torch_varlen"):
         return
-    if cfg.run.device == "cpu":
+    if device == "cpu":
         raise ConfigError(
-            f"packing.attention_backend: {backend} needs a CUDA device, but run.device is cpu; set packing.attention_backend: auto (or sdpa_segments), or run on a GPU."
+            f"packing.attention_backend: {backend} needs a CUDA device, but {where}; set packing.attention_backend: auto (or sdpa_segments), or run on a GPU."
         )
     if backend == "flash_varlen" and importlib.util.find_spec("flash_attn") is None:
         raise ConfigError(
@@ -511,6 +529,8 @@ def describe_run_dir(run_dir: RunDir) -> str:
         return f"{path}: resumes from {run_dir.resume_from} (step {run_dir.resume_step}, its files verified){notes}"
     if run_dir.replaces:
         return f"{path}: run.overwrite replaces the earlier run there ({', '.join(run_dir.replaces)}) once the new run has written its first checkpoint"
+    if run_dir.leftovers:
+        return f"{path}: a fresh start, deleting what a run that failed before its first step left there ({', '.join(run_dir.leftovers)})"
     return f"{path}: a fresh start" + ("" if run_dir.path.is_dir() else " (to be created)")
 
 

@@ -127,3 +127,24 @@ def test_what_cannot_be_sent_is_refused_before_anything_starts():
     with pytest.raises(ShippingError, match=r"reward_funcs\[0\] \('guarded'\) cannot be sent"):
         GRPO(DEMO_YAML, reward_funcs=[guarded])
     assert len(psutil.Process().children(recursive=True)) == before
+
+
+def test_train_result_hands_out_final_only_when_it_holds_the_newest_weights(tmp_path):
+    """A run finished at step 2 (final/), then extended and stopped at step 10: final/ is
+    step 2's, so `TrainResult.final_dir` is None, not a model ten steps stale."""
+    from leangrpo.api.grpo import TrainResult
+    from leangrpo.checkpoint.manifest import record_files, write_complete
+    from leangrpo.checkpoint.rundir import write_final_state
+
+    out = tmp_path / "run"
+    (out / "final").mkdir(parents=True)
+    write_final_state(out / "final", 2, 2)
+    (out / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in range(11)))
+    for step in (2, 10):
+        checkpoint = out / "checkpoints" / f"step-{step}"
+        checkpoint.mkdir(parents=True)
+        (checkpoint / "trainer_state.json").write_text(json.dumps({"step": step}))
+        write_complete(checkpoint, step, record_files(checkpoint))
+        result = TrainResult.read(out)
+        assert result.final_dir == (out / "final" if step == 2 else None), step
+    assert result.step == 10

@@ -80,7 +80,7 @@ def test_overrides_merge_into_sections_or_find_their_one_section():
     [
         (
             {"temperature": 0.5},
-            "GRPO(temperature=...) is ambiguous: rollout.temperature, eval.temperature",
+            "GRPO(temperature=...) is ambiguous: rollout.temperature and eval.temperature both have it; say which section, as rollout={'temperature': ...} or eval={'temperature': ...}.",
         ),
         (
             {"learnig_rate": 1.0},
@@ -166,6 +166,48 @@ def test_environment_and_tools():
         ConfigError, match="is the class dict, not a subclass of leangrpo.environments.Environment"
     ):
         build_config(minimal_run(data={"chat_template": True}), environment=dict)
+
+
+@pytest.mark.parametrize(
+    "key, value, sections",
+    [
+        ("num_workers", 3, "rewards={'num_workers': ...} or environment={'num_workers': ...}"),
+        ("memory_limit_mb", 512, "rewards={'memory_limit_mb': ...} or environment={'memory_limit_mb': ...}"),
+        ("allow_network", True, "rewards={'sandbox': {'allow_network': ...}} or environment={'sandbox': {'allow_network': ...}}"),
+        ("pass_env", ["MY_API_KEY"], "rewards={'sandbox': {'pass_env': ...}} or environment={'sandbox': {'pass_env': ...}}"),
+        ("chat_template", "chatml", "data={'chat_template': ...} or environment={'chat_template': ...}"),
+    ],
+)  # fmt: skip
+def test_a_key_the_environment_shares_is_ambiguous_in_a_run_with_one(key, value, sections):
+    """api_env_kwargs.py: GRPO(environment=Env, allow_network=True) set the *rewards*
+    sandbox's allow_network, silently, the environment's staying off. In a run with an
+    environment (given as an argument, or a section of the config) such a key names both
+    sections; without one it is the other section's, as before."""
+    plain = build_config(DEMO_YAML, overrides={key: value})
+    assert plain.environment is None
+    given = [
+        {"environment": ToolEnvironment, "tools": [add]},
+        {"tools": [add]},
+        {"overrides": {"environment": {"name": "tools", "tools": ["examples/tools_demo/calculator.py:add"]}}},
+    ]  # fmt: skip
+    for how in given:
+        arguments = {**how, "overrides": {**how.get("overrides", {}), key: value}}
+        with pytest.raises(ConfigError) as err:
+            build_config(minimal_run(), **arguments)
+        message = str(err.value)
+        assert message.startswith(f"GRPO({key}=...) is ambiguous: ") and "\n" not in message
+        assert f"both have it; say which section, as {sections}." in message
+    with pytest.raises(ConfigError, match="is ambiguous"):  # the section in the config itself
+        build_config("examples/tools_demo.yaml", overrides={key: value})
+
+
+def test_a_key_only_the_environment_has_sets_it_in_a_run_with_one():
+    cfg = build_config(
+        minimal_run(data={"chat_template": True}),
+        tools=[add],
+        overrides={"max_turns": 3, "learning_rate": 0.5},
+    )
+    assert cfg.environment.max_turns == 3 and cfg.train.learning_rate == 0.5
 
 
 def test_a_config_round_trips_and_a_run_cannot_be_pickled(tmp_path):

@@ -142,6 +142,36 @@ def test_what_cannot_be_sent_is_refused_in_one_sentence_naming_it(held_objects, 
     assert "\n" not in text
 
 
+def test_a_copy_of_a_secret_from_the_environment_is_refused_naming_the_variable(monkeypatch):
+    """environ_copy.py: os.environ itself was refused, but `ENV = dict(os.environ)` sent
+    every variable, a token included, into config.yaml. A held object (or the code) whose
+    pickled bytes hold the value of a secret-looking variable is refused, naming it; a
+    function reading os.environ when it runs goes (the sandbox passes what pass_env names)."""
+    monkeypatch.setenv("LEANGRPO_TEST_API_TOKEN", "hunter2-very-secret")
+    sources = {
+        "import os\nENV = dict(os.environ)\ndef reward(p, c, **k):\n    return [float(bool(ENV))] * len(c)": (
+            "it holds the global `ENV` (a dict), which holds the value of the environment variable LEANGRPO_TEST_API_TOKEN, a secret"
+        ),
+        "import os\nclass S:\n    token = os.environ['LEANGRPO_TEST_API_TOKEN']\ndef reward(p, c, **k):\n    return [float(bool(S.token))] * len(c)": (
+            "it holds the global `S` (a class), which holds the class attribute `S.token` (a str), which holds the value of the environment variable LEANGRPO_TEST_API_TOKEN"
+        ),
+        "def reward(p, c, **k):\n    return [float('hunter2-very-secret' in x) for x in c]": (
+            "it holds the value of the environment variable LEANGRPO_TEST_API_TOKEN"
+        ),
+    }  # fmt: skip
+    for source, expected in sources.items():
+        with pytest.raises(ShippingError) as err:
+            reference(main_module(source)["reward"], "reward_funcs[0]")
+        text = str(err.value)
+        assert text.startswith("reward_funcs[0] ('reward') cannot be sent") and expected in text
+        assert "pass_env" in text and "\n" not in text
+    reads = "import os\ndef reward(p, c, **k):\n    return [float('LEANGRPO_TEST_API_TOKEN' in os.environ)] * len(c)"
+    assert isinstance(reference(main_module(reads)["reward"], "r"), ByValue)
+    monkeypatch.setenv("LEANGRPO_TEST_API_TOKEN", "short")  # too short to tell from chance
+    literal = "def reward(p, c, **k):\n    return [float('short' in x) for x in c]"
+    assert isinstance(reference(main_module(literal)["reward"], "r"), ByValue)
+
+
 def test_an_environment_class_holding_a_model_is_refused(held_objects):
     cell = main_module(
         """

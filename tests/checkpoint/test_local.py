@@ -24,7 +24,7 @@ from leangrpo.checkpoint.local import (
     save_checkpoint,
     save_final_model,
 )
-from leangrpo.checkpoint.rundir import latest_checkpoint
+from leangrpo.checkpoint.rundir import final_state, latest_checkpoint
 
 INPUT_IDS = torch.arange(24).remainder(64).reshape(2, 12)
 
@@ -263,13 +263,14 @@ def test_final_full_model_loads_with_transformers(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     model = make_tiny_model(seed=3)
-    final = save_final_model(tmp_path, model, RecordingTokenizer())
+    final = save_final_model(tmp_path, model, RecordingTokenizer(), step=3, version=2)
     assert (final / "tokenizer_config.json").is_file()
+    assert final_state(final) == {"step": 3, "version": 2}  # written inside, renamed with it
     loaded = AutoModelForCausalLM.from_pretrained(final)
     for (name, p), (_, q) in zip(model.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(p, q), name
     save_final_model(tmp_path, make_tiny_model(seed=4), None)  # replaces atomically
-    assert not list(tmp_path.glob(".tmp-*"))
+    assert not list(tmp_path.glob(".tmp-*")) and final_state(final) is None
 
 
 def test_final_lora_adapter_loads_with_peft(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ model loads, so they need none. tests/checkpoint/test_manifest.py damages real o
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -26,8 +27,10 @@ from leangrpo.checkpoint.rundir import (
     RunDirError,
     complete_checkpoints,
     config_changes,
+    current_final,
     open_run_dir,
     schedule_horizon,
+    write_final_state,
 )
 from leangrpo.config import config_from_dict
 from leangrpo.preflight import describe_run_dir
@@ -149,8 +152,41 @@ def earlier_run(out: Path) -> dict[str, bytes]:
     (out / "metrics.jsonl").write_text('{"step": 10}\n')
     (out / "final").mkdir()
     (out / "final" / "model.safetensors").write_bytes(b"w" * 100)
+    write_final_state(out / "final", 10, 10)
     (out / "config.yaml").write_text(make_cfg(out).to_yaml())
     return tree(out)
+
+
+def test_what_a_run_that_failed_before_its_first_step_left_does_not_block_the_rerun(
+    tmp_path: Path,
+) -> None:
+    """flex_on_cpu.py: a run that failed at its first step left metrics.jsonl (its step-0
+    evaluation), and the corrected rerun was refused as 'an earlier run'. Such leftovers
+    (step-0 rows only, the trackers' files) are deleted once the rerun starts writing;
+    anything more (a step completed, a torn row, another file) is still refused."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.yaml").write_text("the failed run's")
+    step0 = '{"step": 0, "prompts/train": 8}\n{"step": 0, "eval/reward": 0.25}\n'
+    (out / "metrics.jsonl").write_text(step0)
+    (out / "tensorboard").mkdir()
+    (out / "tensorboard" / "events").write_text("x")
+    looked = open_run_dir(make_cfg(out), dry=True)
+    described = describe_run_dir(looked)
+    assert "deleting what a run that failed before its first step left there" in described
+    assert "(metrics.jsonl, tensorboard)" in described
+    run_dir = open_run_dir(make_cfg(out))
+    assert run_dir.resume_from is None and run_dir.leftovers == ["metrics.jsonl", "tensorboard"]
+    assert (out / "metrics.jsonl").read_text() == step0  # untouched through the set-up
+    run_dir.begin_writing()
+    assert not (out / "metrics.jsonl").exists() and not (out / "tensorboard").exists()
+    run_dir.release()
+    for more in ('{"step": 1}\n', '{"step": 0, "eval/rew'):  # a step completed; a torn row
+        (out / "metrics.jsonl").write_text(step0 + more)
+        assert "already holds an earlier run (metrics.jsonl)" in refused(make_cfg(out))
+    (out / "metrics.jsonl").write_text(step0)
+    (out / "eval.jsonl").write_text('{"step": 0}\n')  # `leangrpo eval`'s: the user's figures
+    assert "already holds an earlier run (eval.jsonl, metrics.jsonl)" in refused(make_cfg(out))
 
 
 def test_overwrite_puts_the_earlier_run_back_when_the_new_one_ends_before_a_checkpoint(
@@ -466,6 +502,7 @@ def test_finished_run_is_reported_not_rerun(tmp_path: Path) -> None:
     assert not run_dir.finished and run_dir.resume_from == last
     run_dir.release()
     (out / "final").mkdir()
+    write_final_state(out / "final", 10, 10)
     run_dir = open_run_dir(make_cfg(out))
     assert run_dir.finished.startswith(f"Run {str(out)!r} is already finished")
     assert "step 10 and run.max_steps is 10" in run_dir.finished
@@ -473,6 +510,55 @@ def test_finished_run_is_reported_not_rerun(tmp_path: Path) -> None:
     run_dir = open_run_dir(make_cfg(out, max_steps=12))
     assert not run_dir.finished and run_dir.resume_step == 10
     run_dir.release()
+
+
+def test_a_final_older_than_the_resume_checkpoint_does_not_finish_the_run(tmp_path: Path) -> None:
+    """eval_stale_final.py: a run finished at step 2 (final/), extended and stopped at
+    step 10, then told max_steps 10: final/ holds step 2, so the run is not finished; it
+    resumes to finish (the last evaluation and final/). `current_final` passes it over."""
+    out = tmp_path / "run"
+    fake_checkpoint(out, 2, make_cfg(out))
+    (out / "final").mkdir()
+    write_final_state(out / "final", 2, 2)
+    assert current_final(out) == out / "final"
+    fake_checkpoint(out, 10, make_cfg(out))
+    assert current_final(out) is None
+    run_dir = open_run_dir(make_cfg(out))
+    assert not run_dir.finished and run_dir.resume_step == 10
+    run_dir.release()
+    (out / "final" / "final_state.json").unlink()  # written before leangrpo kept the step
+    run_dir = open_run_dir(make_cfg(out))
+    assert not run_dir.finished and current_final(out) is None
+    run_dir.release()
+    write_final_state(out / "final", 10, 10)
+    run_dir = open_run_dir(make_cfg(out))
+    assert run_dir.finished and current_final(out) == out / "final"
+    run_dir.release()
+
+
+def test_a_replay_run_resuming_a_batch_generated_without_routes_is_refused_first(
+    tmp_path: Path,
+) -> None:
+    """moe_resume_replay_on.py: rollout.routing_replay turned on by a resume inside a batch
+    generated without route records was refused only after the model loaded, without
+    naming the cause. The checkpoint's trainer_state.json says where its batch ends and
+    whether it carries routes: refused before anything loads, saying how to go on."""
+    out = tmp_path / "run"
+    path = fake_checkpoint(out, 5, make_cfg(out))
+    batch = {"ends_at_step": 6, "routes": False}
+    (path / "trainer_state.json").write_text(json.dumps({"step": 5, "batch_in_progress": batch}))
+    seal(path, 5)
+    replay = make_cfg(out, allow_config_changes=True, max_steps=20)
+    replay.rollout.routing_replay = True
+    message = refused(replay)
+    assert message == (
+        f"Checkpoint {str(path)!r} holds a batch in progress generated without route records (rollout.routing_replay was off when it was generated), which a run with rollout.routing_replay: true cannot train on; resume with rollout.routing_replay: false and run.max_steps: 6 (the step that batch ends at), then resume again with it on (the next batch is generated with routes)."
+    )
+    open_run_dir(make_cfg(out, max_steps=20)).release()  # replay off: resumed
+    batch["routes"] = True
+    (path / "trainer_state.json").write_text(json.dumps({"step": 5, "batch_in_progress": batch}))
+    seal(path, 5)
+    open_run_dir(replay).release()
 
 
 def test_explicit_resume_path_is_checked_first(tmp_path: Path) -> None:
@@ -492,7 +578,7 @@ def test_explicit_resume_from_another_directory_needs_a_clean_one(tmp_path: Path
     ckpt = fake_checkpoint(source, 3, make_cfg(source))
     out = tmp_path / "run"
     out.mkdir()
-    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    (out / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')  # a step completed
     assert "resumes from" in refused(make_cfg(out, resume=str(ckpt)))
     run_dir = open_run_dir(make_cfg(out, resume=str(ckpt), overwrite=True))
     run_dir.begin_writing()

@@ -831,7 +831,7 @@ def test_eval_on_other_data_rewards_and_sampled(trained, tmp_path):
     done = run_eval(lone, "--config", out / "config.yaml", "--num-prompts", "2")
     assert done.returncode == 0, done.stderr[-3000:]
     row = last_eval_row(tmp_path / "elsewhere" / "eval.jsonl")
-    assert row["checkpoint"] == str(lone) and row["step"] == 0  # no run: no step known
+    assert row["checkpoint"] == str(lone) and row["step"] == 2  # the step final/ records
 
 
 def damaged_copies(trained: dict[str, Path], tmp: Path) -> list[tuple[Path, str]]:

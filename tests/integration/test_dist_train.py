@@ -40,6 +40,7 @@ from support.torchrun import (
     wait_for_logged_step,
 )
 
+from leangrpo.checkpoint.rundir import final_state
 from leangrpo.config import config_from_dict
 from leangrpo.train import Trainer
 
@@ -90,6 +91,7 @@ def test_the_two_rank_run_logs_once_and_writes_a_loadable_final_model(runs):
         assert sum(r["dist/padding_micro_batches"] for r in rows if "loss" in r) > 0
     assert log.count("packed attention: backend") == 1  # rank 1 logs warnings only
     final = tmp / "two" / "final"
+    assert final_state(final) == {"step": STEPS, "version": STEPS}  # rank 0 wrote its record
     if mode == "full_sync":
         model = AutoModelForCausalLM.from_pretrained(final)
         state = model.state_dict()

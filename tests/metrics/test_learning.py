@@ -35,6 +35,16 @@ def test_flat_groups_for_several_steps_warn_once_with_the_cause(caplog, tmp_path
     assert str(tmp_path / "samples.jsonl") in line
 
 
+def test_flat_groups_do_not_warn_when_a_teacher_gives_the_signal(caplog, tmp_path):
+    """Pure distillation: every group is flat (no reward function), the teacher's per-token
+    advantage is the signal."""
+    signal = LearningSignal(tmp_path, flat_groups_matter=False)
+    with caplog.at_level(logging.WARNING, logger="leangrpo"):
+        for step in range(1, 3 * FLAT_STEPS):
+            signal.observe(step, {"frac_reward_zero_std": 1.0, "loss": 0.3})
+    assert warnings_of(caplog) == []
+
+
 def test_a_loss_exactly_zero_warns_a_tiny_one_does_not(caplog, tmp_path):
     signal = LearningSignal(tmp_path)
     with caplog.at_level(logging.WARNING, logger="leangrpo"):

@@ -425,6 +425,30 @@ def test_aux_loss_equals_transformers_over_real_tokens_and_its_gradient(arch):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_aux_loss_of_a_shared_prefix_row_equals_the_plain_rows(arch):
+    """moe_aux_shared_prefix.sh: packing.shared_prefix changed the aux loss, the shared
+    row counting a group's prompt once where the plain row holds it G times. Its prompt
+    positions now count once per completion: the same loss and router gradient."""
+    cfg = moe_config(rollout={"routing_replay": False}, train={"router_aux_loss_coef": 1.0})
+    policy = moe_policy(arch, cfg=cfg)
+    samples = make_samples([(7, [3, 1, 5]), (2, [4, 2]), (5, [1])], vocab=32, seed=3)
+    figures = []
+    for shared in (False, True):
+        mb = pack_samples(samples, shared_prefix=shared)
+        score(policy.model, mb, UNFILTERED, cfg.logprobs)
+        term, loss = policy.routing.last["aux_term"], policy.routing.last["aux_loss"]
+        term.backward()
+        grads = [r.weight.grad.clone() for r in routers(policy.model)]
+        figures.append((term.detach(), loss, grads))
+        policy.model.zero_grad()
+    (plain_term, plain_loss, plain_grads), (term, loss, grads) = figures
+    torch.testing.assert_close(term, plain_term, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, plain_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+
+
 def test_aux_loss_is_off_by_default_and_joins_the_step_when_on():
     policy = moe_policy()
     assert policy.routing.aux_coef == 0.0

@@ -7,6 +7,7 @@ import torch
 from support.models import make_tiny_model
 from support.samples import make_samples
 
+from leangrpo.errors import UserError
 from leangrpo.ops.attention import batching as attention_batching
 from leangrpo.ops.attention.adapter import (
     choose_shared_prefix,
@@ -122,8 +123,9 @@ def test_shared_prefix_equals_plain_packed(backend, batching_rule):
         with torch.no_grad():
             got = packed_logprobs(model, shared)
         torch.testing.assert_close(got, plain.detach(), atol=TOL, rtol=1e-5)
-        with pytest.raises(PackedAttentionError, match="no backward on CPU"):
+        with pytest.raises(PackedAttentionError, match="no backward on CPU") as err:
             packed_logprobs(model, shared)
+        assert isinstance(err.value, UserError)  # a setting to change: one sentence, exit 2
     else:
         got = packed_logprobs(model, shared)
         torch.testing.assert_close(got, plain, atol=TOL, rtol=1e-5)
@@ -248,8 +250,9 @@ def test_padded_view_for_models_outside_the_interface():
 def test_backend_selection_and_errors():
     assert resolve_backend("auto", "cpu") == "sdpa_segments"
     assert register_packed_attention("auto", "cpu") == "leangrpo_packed"
-    with pytest.raises(PackedAttentionError, match="needs a CUDA device"):
+    with pytest.raises(PackedAttentionError, match="needs a CUDA device") as err:
         resolve_backend("flash_varlen", "cpu")
+    assert isinstance(err.value, UserError)
     with pytest.raises(PackedAttentionError, match="unknown attention backend"):
         resolve_backend("magic", "cpu")
     assert choose_shared_prefix("off", "flex") is False

@@ -344,7 +344,7 @@ def test_models_whose_attention_the_split_cannot_reach_are_refused():
     three = ParallelMesh(1, 3, 0, 0)
     with pytest.raises(ContextParallelError, match="4 query heads cannot be split over 3"):
         check_splittable(model, three)
-    policy = SimpleNamespace(model=model)
+    policy = SimpleNamespace(model=model, teacher=None)
     for rank in (0, 1):  # under torchrun every rank refuses alike; rank 0 alone prints it
         with pytest.raises(ContextParallelError) as refused:
             shard_on_mesh(policy, dist_cfg=None, ctx=SimpleNamespace(rank=rank), mesh=three,

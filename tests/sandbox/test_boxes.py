@@ -8,24 +8,29 @@ back."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
+import sys
 
 import pytest
-from support.configs import rewards_section
-from support.hostile_tools import hermes
+from support.configs import ROOT, rewards_section
+from support.hostile_tools import PYTHON_SIGNALS, hermes
 from support.sandboxes import require_namespace
 
 from leangrpo.config.environment import EnvironmentConfig
 from leangrpo.contracts import Completion, Prompt, RolloutSample
 from leangrpo.environments.pool import EnvironmentPool
 from leangrpo.rewards import RewardPool
+from leangrpo.sandbox import cgroups, levels
+from leangrpo.sandbox.confine import landlock_abi
 
 USER = [{"role": "user", "content": "go"}]
 LEVELS = ["namespace", "process"]
-TOOLS = ["hold_memory", "plant", "find", "read_keyring", "nested_userns", "attack_tagged",
-         "forge_terms", "read_file"]  # fmt: skip
+TOOLS = ["hold_memory", "memory_cgroup", "plant", "find", "read_keyring", "nested_userns", "attack_tagged",
+         "forge_terms", "read_file", "signal_state", "other_scratch",
+         "lift_memory_limit", "write_file", "frozen_objects"]  # fmt: skip
 KEY, SECRET = "leangrpo-test-token", "hf_keyring_secret_for_the_test"
 
 
@@ -95,13 +100,41 @@ def test_undeclared_reward_terms_never_reach_the_trainer(level):
     assert later.error is None and later.ok["rewards"] == {}
 
 
-def test_the_trainer_itself_refuses_undeclared_reward_terms():
-    """The pool checks what a worker sends against the declared terms too."""
+def test_the_trainer_itself_refuses_undeclared_reward_terms(monkeypatch):
+    """A worker whose supervisor skips its check (support/lying_env_worker.py) sends the
+    term 'forged' the environment never declared: the pool's own check fails the item."""
+    spawn = EnvironmentPool._spawn
+
+    def lying(pool: EnvironmentPool, slot: int):
+        pool._init["entry"] = "support.lying_env_worker"
+        return spawn(pool, slot)
+
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests"))
+    monkeypatch.setattr(EnvironmentPool, "_spawn", lying)
     with tools_pool("process") as pool:
-        ok = {"rewards": {"forged": 100.0}, "metrics": {}, "seconds": 0.0}
-        refused = pool._declared(ok)
-        assert refused.ok is None and "'forged'" in refused.error
-        assert pool._declared({**ok, "rewards": {}}).ok is not None
+        assert pool.reward_terms == ()
+        out = trajectory(pool, "find", name="x")
+    assert out.ok is None and "'forged'" in out.error, out
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_box_starts_with_a_fresh_interpreters_signals(level):
+    """The zygote waits on a signal wakeup fd and a SIGCHLD handler; a box inheriting them
+    had a child's exit write a byte into whatever descriptor now has the wakeup fd's number
+    (a file, a pipe, the reply socket): each box resets both before user code runs."""
+    with tools_pool(level) as pool:
+        state = json.loads(text(trajectory(pool, "signal_state")))
+    handlers = {**PYTHON_SIGNALS, "SIGUSR1": "_on_signal", "SIGXCPU": "_on_signal"}  # calls.py's
+    assert state == {"wakeup_fd": -1, "stray_bytes": 0, "handlers": handlers}, state
+
+
+def test_a_boxs_collections_leave_the_zygotes_objects_alone():
+    """The zygote freezes what it imported (gc.freeze) before it forks: a box's garbage
+    collections then never walk those objects, which would copy every page of them (a
+    box forked from a worker that imported math-verify cost 7x more per call)."""
+    with tools_pool("process") as pool:
+        frozen = int(text(trajectory(pool, "frozen_objects")))
+    assert frozen > 10_000, frozen
 
 
 # -- between calls and trajectories ----------------------------------------------------------
@@ -111,7 +144,7 @@ def test_the_trainer_itself_refuses_undeclared_reward_terms():
 def test_what_a_call_leaves_reaches_no_other_call(level, monkeypatch):
     """Files in HOME/TMPDIR (and /dev/shm: namespace level) and module state: gone for
     another prompt's call in the same scoring and for the next scoring."""
-    if level == "process":  # its /dev/shm is the machine's (docs/ARCHITECTURE.md)
+    if level == "process":  # its /dev/shm is the machine's (docs/sandbox.md)
         monkeypatch.setenv("LEANGRPO_TEST_PLACES", "tmp")
     sandbox = {"level": level_here(level), "pass_env": ["LEANGRPO_TEST_PLACES"]}
     cfg = rewards_section("support.hostile_tools:planting_reward", sandbox=sandbox)
@@ -131,6 +164,49 @@ def test_what_a_trajectory_leaves_reaches_no_later_one(level, monkeypatch):
         assert text(trajectory(pool, "plant", name="planted")) == "planted"
         found = json.loads(text(trajectory(pool, "find", name="planted")))
     assert found == {"files": [], "marks": []}
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_box_cannot_reach_another_boxs_scratch(level, monkeypatch):
+    """Trajectory B is live; trajectory A, on the same worker, gets B's TMPDIR and writes
+    there, and looks beside its own for other boxes' (B's, the spare box's): at
+    `namespace` B's path is A's own tmpfs, at `process` a Landlock domain per box refuses
+    what is not its own. B never sees the file."""
+    if level == "process":
+        monkeypatch.setenv("LEANGRPO_TEST_PLACES", "tmp")
+    with tools_pool(level, sandbox={"pass_env": ["LEANGRPO_TEST_PLACES"]}) as pool:
+        if level == "process" and landlock_abi() < 1:  # the documented fallback
+            assert "no Landlock in this kernel" in pool.plan.describe(), pool.plan.describe()
+            return
+        (b,) = pool.new_sessions(1)
+        assert pool.reset([(b, USER, {}, 0)])[0].error is None
+        (step,) = pool.step([(b, hermes("other_scratch", other=""), 0)])
+        b_scratch = json.loads(text(step))["mine"]
+        a = json.loads(text(trajectory(pool, "other_scratch", other=b_scratch)))
+        (step,) = pool.step([(b, hermes("find", name="from-another-box"), 0)])
+        pool.finish([(b, "stop")])
+    assert json.loads(text(step))["files"] == [], (a, text(step))
+    if level == "process":
+        assert a["beside"] == "PermissionError", a
+        assert a["wrote"].startswith("PermissionError") and a["listed"].startswith("Perm"), a
+
+
+def test_a_process_level_box_writes_where_its_user_may(tmp_path):
+    """What the Landlock domain of a `process`-level box leaves as it was: files anywhere
+    its user may write, directly in /tmp too (the scratch directories are elsewhere);
+    but /proc and /sys are read-only."""
+    made = f"/tmp/leangrpo-test-{os.getpid()}"
+    try:
+        with tools_pool("process") as pool:
+            if landlock_abi() < 1:  # the documented fallback: nothing is restricted
+                assert "no Landlock in this kernel" in pool.plan.describe()
+                return
+            wrote = [text(trajectory(pool, "write_file", path=path))
+                     for path in (str(tmp_path / "state.json"), made, "/proc/self/comm")]  # fmt: skip
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(made)
+    assert wrote[:2] == ["ok 1", "ok 1"] and wrote[2].startswith("PermissionError"), wrote
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -155,19 +231,85 @@ def test_a_trajectory_cannot_reach_another_trajectorys_processes(level):
 @pytest.mark.parametrize("level", LEVELS)
 def test_a_call_cannot_hold_more_than_its_memory_limit(level):
     """A memfd filled with write() (never mapped: RLIMIT_AS does not see it), then three
-    processes each under the limit: the call's memory cgroup stops both."""
+    processes each under the limit, at once and one after another: the call's memory
+    cgroup, joined before the box runs anything, stops both. What counts is what the
+    processes hold at the same time: the kernel kills the largest, which may be one whose
+    report was already read (the CI failure "360 <= 256" counted such a report)."""
     with tools_pool(level, memory_limit_mb=256) as pool:
         if not pool.plan.memory_cgroup:
-            if os.environ.get("CI"):
-                pytest.fail(f"CI must bound a call's memory: {pool.plan.describe()}")
-            pytest.skip(f"no memory cgroup here: {pool.plan.describe()}")
+            if os.environ.get("CI") and os.geteuid() == 0:
+                pytest.fail(f"CI, as root, must bound a call's memory with a cgroup (is "
+                            f"/sys/fs/cgroup writable?): {pool.plan.describe()}")  # fmt: skip
+            assert_memory_bounded_per_process(pool)
+            return
+        own = json.loads(text(trajectory(pool, "memory_cgroup")))
+        assert own["group"].rsplit("/", 1)[-1].startswith("box-") and own["limit_mb"] == 256, own
         for args in ({"memfd_mb": 400, "processes": 0, "mb_each": 0},
-                     {"memfd_mb": 0, "processes": 3, "mb_each": 120}):  # fmt: skip
+                     {"memfd_mb": 0, "processes": 3, "mb_each": 120},
+                     {"memfd_mb": 0, "processes": 3, "mb_each": 120, "one_at_a_time": True}):  # fmt: skip
             out = trajectory(pool, "hold_memory", **args)
             if out.error is None:  # the tool lived on: what it held is what counts
                 assert json.loads(text(out))["held_mb"] <= 256, out
             else:
                 assert "memory limit" in out.error, out
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_box_cannot_lift_its_own_memory_limit(level):
+    """The box's cgroup files are out of its reach: it can neither raise its limit nor move
+    into its worker's group (uid 0 owns them, and a root box without capabilities still
+    passes their permission checks: at `namespace` /sys is read-only, at `process` its
+    Landlock domain makes it so)."""
+    with tools_pool(level, memory_limit_mb=256) as pool:
+        if not pool.plan.memory_cgroup:
+            if os.environ.get("CI") and os.geteuid() == 0:
+                pytest.fail(f"CI, as root, must bound a call's memory with a cgroup: "
+                            f"{pool.plan.describe()}")  # fmt: skip
+            assert_memory_bounded_per_process(pool)
+            return
+        if level == "process" and landlock_abi() < 1:  # the documented fallback
+            assert "no Landlock in this kernel" in pool.plan.describe(), pool.plan.describe()
+            return
+        out = json.loads(text(trajectory(pool, "lift_memory_limit")))
+    assert not out["limit"].startswith("ok") and not out["leave"].startswith("ok"), out
+    assert out["after"] == {"group": out["group"], "limit_mb": 256}, out
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_without_a_memory_cgroup_memory_is_bounded_per_process(level, monkeypatch):
+    """The documented fallback where no memory cgroup can be made (not root, a read-only
+    /sys/fs/cgroup): the log line says so, and RLIMIT_AS still stops one process."""
+    monkeypatch.setattr(levels, "hierarchies", dict)  # what a machine without one finds
+    with tools_pool(level, memory_limit_mb=256) as pool:
+        assert not pool.plan.memory_cgroup
+        assert_memory_bounded_per_process(pool)
+
+
+def test_without_swap_accounting_a_box_is_kept_out_of_swap(tmp_path, monkeypatch):
+    """A cgroup v1 kernel without swap accounting (no memory.memsw.*: swapaccount=0) would
+    let a box's pages go to swap past its limit; its swappiness 0 keeps them in memory."""
+    written = {}
+
+    def write_at(fd: int, path: str, text: str) -> None:
+        if path.endswith("memsw.limit_in_bytes"):
+            raise FileNotFoundError(path)
+        written[path] = text
+
+    monkeypatch.setattr(cgroups, "_write_at", write_at)
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        v1 = [{"path": str(tmp_path), "version": 1, "controllers": ["memory"]}]
+        name = cgroups.BoxGroups(v1, [fd], memory_mb=256, pids=8).make()
+    finally:
+        os.close(fd)
+    assert written == {f"{name}/memory.limit_in_bytes": str(256 << 20),
+                       f"{name}/memory.swappiness": "0"}  # fmt: skip
+
+
+def assert_memory_bounded_per_process(pool: EnvironmentPool) -> None:
+    assert "256 MB of memory per process only" in pool.plan.describe(), pool.plan.describe()
+    out = trajectory(pool, "hold_memory", memfd_mb=0, processes=1, mb_each=400)
+    assert json.loads(text(out))["each"] == [0, 0], out  # the 400 MB process could not
 
 
 # -- the kernel's surface ----------------------------------------------------------------------
@@ -232,18 +374,11 @@ except OSError as e:
 """
 
 
-def test_a_command_in_a_box_reaches_its_forwarded_endpoint_only(tmp_path, monkeypatch):
+def test_a_command_in_a_box_reaches_its_forwarded_endpoint_only(tmp_path):
     """The box API's command half (what agent episodes use): stdin and stdout are pipes,
     and the one place a box without network reaches is the endpoint forwarded into it."""
     import socket
-    import sys
     import threading
-
-    from support.configs import ROOT
-
-    from leangrpo.sandbox.frames import FrameReader
-    from leangrpo.sandbox.levels import SandboxPlan
-    from leangrpo.sandbox.process import OutputBudget, WorkerProcess
 
     require_namespace()
     path = str(tmp_path / "endpoint.sock")
@@ -260,12 +395,36 @@ def test_a_command_in_a_box_reaches_its_forwarded_endpoint_only(tmp_path, monkey
             conn.sendall(b"pong:" + conn.recv(100))
 
     threading.Thread(target=answer, daemon=True).start()
-    monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests"))
-    init = {"entry": "support.box_entry", "mode": "serve", "forward": path, "stdin": "ping",
-            "argv": [sys.executable, "-c", CLIENT, str(outside.getsockname()[1])]}  # fmt: skip
+    try:
+        argv = [sys.executable, "-c", CLIENT, str(outside.getsockname()[1])]
+        out = run_command("namespace", argv, stdin="ping", forward=path)
+    finally:
+        server.close()
+        outside.close()
+    assert out.splitlines() == ["endpoint: pong:ping", "outside: ConnectionRefusedError"]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_command_in_a_box_starts_with_default_signals(level):
+    """Exec keeps what is ignored and blocked: a command inherited the worker's ignored
+    SIGINT and Python's ignored SIGPIPE (a pipeline that never ends on a closed reader)."""
+    out = run_command(level_here(level), ["grep", "-E", "^Sig(Ign|Blk)", "/proc/self/status"])
+    assert out.split() == ["SigBlk:", "0" * 16, "SigIgn:", "0" * 16], out
+
+
+def run_command(level: str, argv: list[str], stdin: str = "", forward: str | None = None) -> str:
+    """What `argv`, run in a box of a worker at `level` (support/box_entry.py), prints."""
+    from leangrpo.sandbox.frames import FrameReader
+    from leangrpo.sandbox.levels import SandboxPlan
+    from leangrpo.sandbox.process import OutputBudget, WorkerProcess
+
+    init = {"entry": "support.box_entry", "mode": "serve", "forward": forward, "stdin": stdin,
+            "argv": argv}  # fmt: skip
     replies = []
-    worker = WorkerProcess(init, "box test", OutputBudget(), parse=lambda p: json.loads(p),
-                           plan=SandboxPlan("environment", "namespace"))  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", str(ROOT / "tests"))
+        worker = WorkerProcess(init, "box test", OutputBudget(), parse=lambda p: json.loads(p),
+                               plan=SandboxPlan("environment", level))  # fmt: skip
     try:
         worker.sock.settimeout(60)
         reader = FrameReader()
@@ -273,7 +432,5 @@ def test_a_command_in_a_box_reaches_its_forwarded_endpoint_only(tmp_path, monkey
             replies += [json.loads(p) for p in reader.feed(worker.sock.recv(1 << 16))]
     finally:
         worker.kill()
-        server.close()
-        outside.close()
     (result,) = [r for r in replies if r["t"] == "result"]
-    assert result["out"].splitlines() == ["endpoint: pong:ping", "outside: ConnectionRefusedError"]
+    return result["out"]

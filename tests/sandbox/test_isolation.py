@@ -3,7 +3,7 @@ an environment, tool or reward worker cannot read the trainer's environment, sig
 ptrace or read the trainer, leave a process behind, write outside its scratch directory
 or reach the network (namespace level), exhaust memory, fork without bound or flood its
 output; each limit it reaches is an error message to the model, counted. The process
-level keeps what it promises (docs/ARCHITECTURE.md, "Sandbox"): the environment, the
+level keeps what it promises (docs/sandbox.md, "What each level protects against"): the environment, the
 trainer's memory, the processes, memory and output."""
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 PTRACE_SEIZE = """
 import ctypes, sys
@@ -302,7 +303,10 @@ import os, sys
 fd = os.memfd_create("held")
 for _ in range(int(sys.argv[1])):
     os.write(fd, b"\x01" * (1 << 20))  # written, never mapped: RLIMIT_AS does not see it
-print(os.fstat(fd).st_size >> 20, flush=True)
+size = os.fstat(fd).st_size >> 20
+print(size, flush=True)
+sys.stdin.readline()
+print(size, flush=True)  # still alive, still holding it
 sys.stdin.read()
 """
 HOLD_HEAP = r"""
@@ -311,32 +315,48 @@ block = bytearray(int(sys.argv[1]) << 20)
 for i in range(0, len(block), 4096):
     block[i] = 1
 print(len(block) >> 20, flush=True)
+sys.stdin.readline()
+print(len(block) >> 20, flush=True)  # still alive, still holding it
 sys.stdin.read()
 """
 
 
-def hold_memory(memfd_mb: int, processes: int, mb_each: int) -> str:
+def hold_memory(memfd_mb: int, processes: int, mb_each: int, one_at_a_time: bool = False) -> str:
     """Hold memory the way RLIMIT_AS never counts: a memfd filled with write() in one
-    process, then `processes` processes of `mb_each` MB each, all at once.
+    process, then `processes` processes of `mb_each` MB each. `held_mb` is what they hold
+    at the same time: once all have reported, each still alive confirms it holds its
+    memory (one the kernel killed in the meantime, its report already read, counts 0).
 
     Args:
         memfd_mb: MB written into the memfd.
         processes: How many processes then allocate.
         mb_each: MB each allocates.
+        one_at_a_time: Start each process once the one before holds its memory.
     """
-    held = []
-    kids = [subprocess.Popen([sys.executable, "-c", HOLD_MEMFD, str(memfd_mb)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)]  # fmt: skip
-    kids += [subprocess.Popen([sys.executable, "-c", HOLD_HEAP, str(mb_each)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-             for _ in range(processes)]  # fmt: skip
+    starts = [(HOLD_MEMFD, memfd_mb)] + [(HOLD_HEAP, mb_each)] * processes
+    kids, reported = [], []
+    for code, mb in starts:
+        kids.append(subprocess.Popen([sys.executable, "-c", code, str(mb)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))  # fmt: skip
+        if one_at_a_time:
+            reported.append(_held(kids[-1]))
+    reported += [_held(kid) for kid in kids[len(reported) :]]
+    confirmed = []
     for kid in kids:
-        line = kid.stdout.readline().strip()
-        held.append(int(line) if line.isdigit() else 0)
+        with contextlib.suppress(OSError):
+            kid.stdin.write("\n")
+            kid.stdin.flush()
+        confirmed.append(_held(kid))
     for kid in kids:
-        kid.stdin.close()
+        with contextlib.suppress(OSError):
+            kid.stdin.close()
         kid.wait()
-    return json.dumps({"held_mb": sum(held), "each": held})
+    return json.dumps({"held_mb": sum(confirmed), "reported": reported, "each": confirmed})
+
+
+def _held(kid: subprocess.Popen) -> int:
+    line = kid.stdout.readline().strip()
+    return int(line) if line.isdigit() else 0
 
 
 def _places() -> list[str]:
@@ -542,3 +562,102 @@ def read_file(path: str) -> str:
         path: Its path.
     """
     return _attempt(lambda: _read(path))
+
+
+def memory_cgroup() -> str:
+    """The memory cgroup this process is in (from /proc/self/cgroup) and its limit."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, names, path = line.split(":", 2)
+        if "memory" in names.split(","):
+            limits = [f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"]
+        elif names == "":
+            limits = [f"{root}{path}/memory.max" for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")]
+        else:
+            continue
+        for limit in filter(os.path.exists, limits):
+            value = Path(limit).read_text().strip()
+            limit_mb = int(value) >> 20 if value.isdigit() else value
+            return json.dumps({"group": path, "limit_mb": limit_mb})
+    return json.dumps({"group": None, "limit_mb": None})
+
+
+PYTHON_SIGNALS = {"SIGINT": "default_int_handler", "SIGPIPE": "SIG_IGN", "SIGXFSZ": "SIG_IGN"}
+
+
+def signal_state() -> str:
+    """What this process inherited of signals: handlers other than a fresh interpreter's,
+    the wakeup fd, and whether a child's exit (SIGCHLD) writes into a descriptor opened
+    here (40 pipes: fds the zygote's wakeup fd may now name)."""
+    import signal
+
+    pipes = [os.pipe() for _ in range(40)]
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+    time.sleep(0.05)
+    stray = 0
+    for read, write in pipes:
+        os.set_blocking(read, False)
+        with contextlib.suppress(BlockingIOError):
+            stray += len(os.read(read, 4096))
+        os.close(read)
+        os.close(write)
+    handlers = {}
+    for signum in signal.valid_signals():
+        with contextlib.suppress(ValueError, OSError):
+            handler = signal.getsignal(signum)
+            name = getattr(handler, "__name__", None) or getattr(handler, "name", str(handler))
+            if handler not in (signal.SIG_DFL, None):
+                handlers[signal.Signals(signum).name] = name
+    wakeup = signal.set_wakeup_fd(-1)
+    return json.dumps({"wakeup_fd": wakeup, "stray_bytes": stray, "handlers": handlers})
+
+
+def other_scratch(other: str) -> str:
+    """Look for other boxes' scratch directories beside this one's (HOME/TMPDIR), and write
+    a file named `from-another-box` into `other` (another box's TMPDIR) unless it is "".
+
+    Args:
+        other: Another box's TMPDIR, or "".
+    """
+    mine = os.environ["TMPDIR"]
+    out = {"mine": mine}
+    try:
+        out["beside"] = sorted(set(os.listdir(os.path.dirname(mine))) - {os.path.basename(mine)})
+    except OSError as e:
+        out["beside"] = type(e).__name__
+    if other:
+        out["wrote"] = _attempt(lambda: _write(os.path.join(other, "from-another-box")))
+        out["listed"] = _attempt(lambda: len(os.listdir(other)))
+    return json.dumps(out)
+
+
+def lift_memory_limit() -> str:
+    """Raise this process's memory cgroup limit to 4 GiB, and move into its parent group."""
+    group = json.loads(memory_cgroup())["group"]
+    out = {"group": group}
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, names, path = line.split(":", 2)
+        if "memory" in names.split(","):
+            base, limit = "/sys/fs/cgroup/memory", "memory.limit_in_bytes"
+        elif names == "" and os.path.exists(f"/sys/fs/cgroup{path}/memory.max"):
+            base, limit = "/sys/fs/cgroup", "memory.max"
+        elif names == "":
+            base, limit = "/sys/fs/cgroup/unified", "memory.max"
+        else:
+            continue
+        mine = f"{base}{path}"
+        if limit == "memory.limit_in_bytes":  # v1: memory + swap first, never below memory
+            swap = Path(f"{mine}/memory.memsw.limit_in_bytes")
+            out["swap"] = _attempt(lambda p=swap: p.write_text(str(4 << 30)))
+        out["limit"] = _attempt(lambda p=f"{mine}/{limit}": Path(p).write_text(str(4 << 30)))
+        parent = os.path.dirname(mine)
+        out["leave"] = _attempt(lambda p=f"{parent}/cgroup.procs": Path(p).write_text("0"))
+        break
+    out["after"] = json.loads(memory_cgroup())
+    return json.dumps(out)
+
+
+def frozen_objects() -> str:
+    """How many objects this process's garbage collector leaves alone (gc.freeze)."""
+    import gc
+
+    return str(gc.get_freeze_count())

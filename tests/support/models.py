@@ -72,3 +72,23 @@ MOE_FIELDS = {
         "eos_token_id": None,
     },
 }
+
+
+def save_demo_teacher(out, seed: int = 7, scale: float = 0.05):
+    """The bundled demo model's files in `out` with its weights moved by seeded noise: a
+    distillation teacher of the same tokenizer (what tests/distill and the torchrun
+    distillation worker use)."""
+    import shutil
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    demo = Path(__file__).resolve().parents[2] / "examples" / "demo" / "model"
+    shutil.copytree(demo, out, dirs_exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(demo, dtype=torch.float32)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn_like(p))
+    model.save_pretrained(out)
+    return out

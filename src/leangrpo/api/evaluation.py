@@ -2,13 +2,16 @@
 
     leangrpo eval RUN_OR_CHECKPOINT [--data FILE] [--rewards NAME ...] [--num-prompts N]
 
-What is scored (`locate`, before torch is imported): a run directory gives its final/, or
-without one its newest intact checkpoint; a `checkpoints/step-N` directory is verified
+What is scored (`locate`, before torch is imported): a run directory gives its final/ when
+final/ is at least as new as its newest intact checkpoint (the step final/ records,
+checkpoint/rundir.py FINAL_STATE), else that checkpoint (a run extended past its final/
+and stopped; the printed line says final/ was older); a `checkpoints/step-N` directory is verified
 against its COMPLETE record (sizes and checksums, checkpoint/manifest.py) and a damaged
 one is refused in one sentence naming the damaged files; a final/ directory (full model
 or LoRA adapter, QLoRA included) has its JSON files parsed and its safetensors headers
 checked (final/ keeps no checksums: a flipped bit inside a tensor can only be caught as a
-non-finite weight once loaded, which is refused too). A sharded (torchrun) checkpoint is
+non-finite weight once loaded, which is refused too), and is reported at the step it
+records (0 when it records none), with a note when its run has a newer checkpoint. A sharded (torchrun) checkpoint is
 refused: its run's final/ is one ordinary directory.
 
 The settings are the run's own (its config.yaml, in the checkpoint or the run directory,
@@ -26,6 +29,7 @@ step, what was scored and the data.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -36,11 +40,24 @@ from typing import Any
 import yaml
 
 from leangrpo.api.grpo import console_logging
-from leangrpo.api.inputs import build_config, config_dict, reward_entries, section
+from leangrpo.api.inputs import (
+    build_config,
+    config_dict,
+    dataset_source,
+    reward_entries,
+    section,
+)
 from leangrpo.checkpoint.manifest import COMPLETE, checkpoint_problem
-from leangrpo.checkpoint.rundir import complete_checkpoints
+from leangrpo.checkpoint.rundir import (
+    FINAL_STATE,
+    checkpoint_step,
+    complete_checkpoints,
+    final_holds,
+    final_state,
+)
 from leangrpo.config import Config
 from leangrpo.config.io import apply_override
+from leangrpo.data.files import check_file
 from leangrpo.errors import UserError
 from leangrpo.model.files import ADAPTER_CONFIG, check_safetensors_header
 
@@ -59,9 +76,10 @@ class EvalTarget:
     path: Path  # a checkpoints/step-N or a final/ directory
     kind: str  # "checkpoint" or "final"
     run_dir: Path | None  # the run directory holding it, when it is in one
-    step: int  # the checkpoint's step (final/: the run's last checkpoint's; 0 unknown)
+    step: int  # the checkpoint's step (final/: the step it records; 0 unknown)
     version: int  # the policy version at that step
     adapter: bool  # LoRA weights (an adapter) rather than a full model
+    note: str = ""  # why this and not the run's final/ (or: final/ is older than ...)
 
     @property
     def weights(self) -> Path:
@@ -76,6 +94,7 @@ class EvalResult:
     step: int
     metrics: dict[str, float]
     written_to: Path
+    note: str = ""  # EvalTarget.note
 
 
 def evaluate(
@@ -87,11 +106,13 @@ def evaluate(
     config: Any = None,
     set_values: list[str] | None = None,
     out: str | Path | None = None,
+    data_label: str = "data",
     **overrides: Any,
 ) -> EvalResult:
     """Score a run's final/ or a checkpoint on `data` (a file, rows or a Dataset; default:
     the run's own eval prompts); `set_values`: `KEY=VALUE` strings as `--set` takes them,
-    applied to the run's settings first. See the module docstring."""
+    applied to the run's settings first; `data_label`: how a refusal of `data` names it
+    (`leangrpo eval`: --data). See the module docstring."""
     with console_logging():
         target = locate(Path(run_or_checkpoint))
         base = config_dict(config) if config is not None else _saved_config(target)
@@ -99,14 +120,14 @@ def evaluate(
             section(base, "rewards")["functions"] = reward_entries(reward_funcs)
         for value in set_values or []:
             apply_override(base, value)
-        cfg = eval_config(target, data, num_prompts, base, overrides)
+        cfg = eval_config(target, data, num_prompts, base, overrides, data_label)
         from leangrpo.preflight import check_inputs
 
-        _, limit = check_inputs(cfg)  # data, rewards, environment, model files: no torch
+        _, limit = check_inputs(cfg, training=False)  # data, rewards, environment, model files
         log.info("scoring %s (step %d) ...", target.path, target.step)
         metrics = score(cfg, target, limit)
         written = write_row(out, target, cfg, metrics)
-    return EvalResult(target.path, target.step, metrics, written)
+    return EvalResult(target.path, target.step, metrics, written, target.note)
 
 
 # -- what is scored (no torch) ---------------------------------------------------------------
@@ -138,11 +159,13 @@ def _run_of(path: Path) -> Path | None:
 
 
 def _in_run(run_dir: Path) -> EvalTarget:
-    """A run directory: its final/, else its newest intact checkpoint (the damaged ones
-    newer than it named in one warning)."""
-    if (run_dir / "final").is_dir():
-        return _final(run_dir / "final", run_dir)
+    """A run directory: its final/ unless its newest intact checkpoint is newer (or final/
+    records no step), else that checkpoint (the damaged ones newer than it named in one
+    warning)."""
+    final = run_dir / "final"
     newest, damaged = _newest_intact(run_dir)
+    if final.is_dir() and (newest is None or final_holds(final, checkpoint_step(newest))):
+        return _final(final, run_dir)
     if newest is None:
         held = f" ({'; '.join(damaged)})" if damaged else ""
         raise EvalTargetError(
@@ -150,7 +173,20 @@ def _in_run(run_dir: Path) -> EvalTarget:
         )
     if damaged:
         log.warning("scoring %s, the newest intact checkpoint: %s", newest.name, "; ".join(damaged))
-    return _checkpoint(newest, run_dir)
+    target = _checkpoint(newest, run_dir)
+    if not final.is_dir():
+        return target
+    note = f"the run's {_final_age(final, newest)}"
+    log.warning("scoring %s, not final/: %s", newest.name, note)
+    return dataclasses.replace(target, note=note)
+
+
+def _final_age(final: Path, newer: Path) -> str:
+    """How final/ is older than the run's checkpoint `newer`, in words."""
+    state = final_state(final)
+    if state is None:
+        return f"final/ records no step (no {FINAL_STATE}), so {newer.name} may be newer"
+    return f"final/ holds step {state['step']}, older than {newer.name}"
 
 
 def _newest_intact(run_dir: Path) -> tuple[Path | None, list[str]]:
@@ -198,13 +234,13 @@ def _final(path: Path, run_dir: Path | None) -> EvalTarget:
             check_safetensors_header(file)
         except UserError as e:
             raise EvalTargetError(f"{str(path)!r} is damaged: {e}") from None
-    step, version = 0, 0
-    if run_dir is not None:  # final/ is written right after the run's last checkpoint
-        newest, _ = _newest_intact(run_dir)
-        if newest is not None:
-            state = _json(newest / "trainer_state.json", "checkpoint")
-            step, version = int(state.get("step", 0)), int(state.get("version", 0))
-    return EvalTarget(path, "final", run_dir, step, version, adapter)
+    state = final_state(path) or {"step": 0, "version": 0}  # 0: unknown
+    note = ""
+    newest = complete_checkpoints(run_dir / "checkpoints") if run_dir is not None else []
+    if newest and not final_holds(path, newest[-1][0]):
+        note = _final_age(path, newest[-1][1])
+        log.warning("scoring %s: %s", path, note)
+    return EvalTarget(path, "final", run_dir, state["step"], state["version"], adapter, note)
 
 
 def _json(file: Path, what: str) -> dict:
@@ -228,9 +264,11 @@ def eval_config(
     num_prompts: int | None,
     base: dict,
     overrides: dict,
+    data_label: str = "data",
 ) -> Config:
     """The run's settings (`base`, the rewards asked for in it), for scoring: the data and
-    prompts asked for, the hf engine, full-model weights from final/ itself, no reference model."""
+    prompts asked for (`data`: its file checked here, a refusal naming it `data_label`),
+    the hf engine, full-model weights from final/ itself, no reference model."""
     scoring = {
         "rollout": {"engine": "hf"},
         "pipeline": {"mode": "sync"},
@@ -242,13 +280,19 @@ def eval_config(
         scoring["model"] = {"name_or_path": str(target.path), "revision": None}
     if num_prompts is not None:
         scoring["eval"] = {"num_prompts": num_prompts}
+    if data is not None:  # scored, and the train file too: the run's may not be here
+        file = dataset_source(data, data_label, train=False)["eval_path"]
+        scoring["data"] = {"path": file, "dataset": None, "eval_path": file}
+        scoring["data"].update(eval_size=0, eval_split=None)
     for key, value in overrides.items():
         scoring[key] = (
             {**scoring.get(key, {}), **value}
             if isinstance(value, dict) and isinstance(scoring.get(key), dict)
             else value
         )
-    cfg = build_config(base, train_dataset=data, eval_dataset=data, overrides=scoring)
+    cfg = build_config(base, overrides=scoring)
+    if data is not None:  # its problems named as it was given, before the run's checks
+        check_file(cfg.data.eval_path, data_label, cfg.data)
     d = cfg.data
     if not (d.eval_path or d.eval_split or d.eval_size > 0):
         raise EvalTargetError(
@@ -357,7 +401,8 @@ def _json_number(value: Any) -> Any:
 def render(result: EvalResult) -> str:
     """What `leangrpo eval` prints: the figures, one a line, and where they went."""
     width = max((len(k) for k in result.metrics), default=0)
-    lines = [f"leangrpo eval: {result.target} (step {result.step})"]
+    note = f"; {result.note}" if result.note else ""
+    lines = [f"leangrpo eval: {result.target} (step {result.step}{note})"]
     lines += [f"  {k:<{width}}  {v:.4g}" for k, v in sorted(result.metrics.items())]
     lines.append(f"  written to {result.written_to}")
     return "\n".join(lines)

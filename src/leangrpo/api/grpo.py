@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from leangrpo.api.inputs import build_config
+from leangrpo.checkpoint.rundir import current_final
 from leangrpo.config import Config, ConfigError
 
 log = logging.getLogger("leangrpo")
@@ -44,7 +45,7 @@ class TrainResult:
     """What a run left: read from its metrics.jsonl and directory once it has ended."""
 
     run_dir: Path
-    final_dir: Path | None  # final/ (the model or adapter), when written
+    final_dir: Path | None  # final/ (the model or adapter), when it holds the run's newest weights
     step: int  # the last step logged
     metrics: dict[str, float]  # every metric's last logged value
     eval: dict[str, float]  # the last evaluation's eval/* figures ({}: no eval prompts)
@@ -64,10 +65,9 @@ class TrainResult:
                 evals.append(row)
         last_eval = {k: v for k, v in evals[-1].items() if k.startswith("eval/")} if evals else {}
         curve = [(int(r["step"]), _number(r["eval/reward"])) for r in evals]
-        final = run_dir / "final"
         return cls(
             run_dir=run_dir,
-            final_dir=final if final.is_dir() else None,
+            final_dir=current_final(run_dir),  # not a final/ the run has trained past
             step=int(rows[-1]["step"]) if rows else 0,
             metrics=latest,
             eval=last_eval,

@@ -21,7 +21,11 @@ say, and a config loses nothing through it).
 - `**overrides`: `section={key: value}` merged into that section (`model='name'` is
   model.name_or_path), or `key=value` for a key that only one section has
   (`learning_rate=1e-5` is train.learning_rate); anything else is refused naming the
-  choices.
+  choices. The environment section counts only in a run with an environment (the
+  `environment=` / `tools=` arguments, or an environment section in the config): there a
+  key it shares with another section (`num_workers`, `allow_network`, `chat_template`
+  ...) is refused as ambiguous, naming both sections; without one, it is the other
+  section's.
 Every refusal is one sentence (a UserError) before anything starts.
 """
 
@@ -61,8 +65,15 @@ def build_config(
     """The run's validated config (see the module docstring)."""
     data = config_dict(config)
     _objects_in_config(data)
-    for key, value in (overrides or {}).items():
-        apply_override(data, key, value)
+    overrides = dict(overrides or {})
+    with_environment = (
+        environment is not None
+        or tools is not None
+        or data.get("environment") is not None
+        or overrides.get("environment") is not None
+    )
+    for key, value in overrides.items():
+        apply_override(data, key, value, with_environment)
     if reward_funcs is not None:
         section(data, "rewards")["functions"] = reward_entries(reward_funcs)
     if train_dataset is not None:
@@ -121,8 +132,11 @@ def section(data: dict[str, Any], name: str) -> dict[str, Any]:
 # -- overrides --------------------------------------------------------------------------------
 
 
-def apply_override(data: dict[str, Any], key: str, value: Any) -> None:
-    """`section={...}` merged in, `model='name'`, or `leaf=value` for a unique leaf key."""
+def apply_override(
+    data: dict[str, Any], key: str, value: Any, with_environment: bool = False
+) -> None:
+    """`section={...}` merged in, `model='name'`, or `leaf=value` for a unique leaf key
+    (of the environment section too when the run has an environment)."""
     if key in SECTIONS:
         if key == "model" and isinstance(value, str):
             section(data, "model")["name_or_path"] = value
@@ -134,8 +148,13 @@ def apply_override(data: dict[str, Any], key: str, value: Any) -> None:
             )
         return
     owners = [k for k in all_keys(Config) if "[]" not in k and k.rpartition(".")[2] == key]
-    # a key of a section given whole (environment: multi-turn) is not set by its name alone
-    owners = [k for k in owners if k.count(".") >= 1 and not k.startswith(OPTIONAL_SECTIONS)]
+    # a key of a section given whole (environment: multi-turn) is not set by its name alone:
+    # without an environment it is another section's (or refused), with one it may be either
+    owners = [
+        k
+        for k in owners
+        if k.count(".") >= 1 and (with_environment or not k.startswith(OPTIONAL_SECTIONS))
+    ]
     if len(owners) == 1:
         *path, leaf = owners[0].split(".")
         node = data
@@ -144,8 +163,10 @@ def apply_override(data: dict[str, Any], key: str, value: Any) -> None:
         node[leaf] = value
         return
     if owners:
+        names = f"{', '.join(owners[:-1])} and {owners[-1]} {'both' if len(owners) == 2 else 'all'}"
+        ways = " or ".join(_as_section(k) for k in owners)
         raise ConfigError(
-            f"GRPO({key}=...) is ambiguous: {', '.join(owners)} all have it; give the section, e.g. {owners[0].split('.')[0]}={{'{key}': ...}}."
+            f"GRPO({key}=...) is ambiguous: {names} have it; say which section, as {ways}."
         )
     optional = [
         k
@@ -166,6 +187,15 @@ def apply_override(data: dict[str, Any], key: str, value: Any) -> None:
         else "; its keyword arguments are config sections (run, model, data, ...) or their keys"
     )
     raise ConfigError(f"GRPO got an unknown keyword argument {key!r}{hint}")
+
+
+def _as_section(dotted: str) -> str:
+    """`rewards.sandbox.pass_env` as the keyword that sets it: rewards={'sandbox': {'pass_env': ...}}."""
+    head, *rest = dotted.split(".")
+    inner = "..."
+    for part in reversed(rest):
+        inner = f"{{{part!r}: {inner}}}"
+    return f"{head}={inner}"
 
 
 def _merge(into: dict[str, Any], new: dict[str, Any]) -> None:

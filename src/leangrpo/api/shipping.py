@@ -24,7 +24,11 @@ trainer's model is not the model being trained), a leangrpo run or its machinery
 (anything of leangrpo's but plain data: config sections, dataclasses), or more than
 `MAX_VALUE_BYTES` of pickled state. What a function reads from its globals is copied into
 the config: a secret it holds as a string would be too (the sandbox passes the variables
-`pass_env` names instead). One sentence (`ShippingError`,
+`pass_env` names instead), so a held object, or the whole value, whose pickled bytes
+contain the value of an environment variable that looks secret (`secret_variables`: a
+name with KEY, TOKEN, SECRET, PASSWORD or CREDENTIAL, a value of 8 characters or more) is
+refused naming the variable: `dict(os.environ)`, a settings object that copied a token,
+a literal pasted into the code. One sentence (`ShippingError`,
 a UserError), raised when the config is built: before any check, worker or model load.
 """
 
@@ -35,6 +39,7 @@ import importlib.util
 import inspect
 import io
 import os
+import re
 import sys
 import types
 from collections.abc import Iterator
@@ -47,6 +52,8 @@ from leangrpo.errors import UserError
 
 MAX_VALUE_BYTES = 1 << 20  # the value is kept in config.yaml and every checkpoint's copy
 MAX_DEPTH = 4  # how deep a refusal follows functions and classes held by value
+SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", re.IGNORECASE)
+MIN_SECRET_CHARS = 8  # shorter values would match by chance
 FIX = "define it in a module the workers can import (it is then sent by name), or create what it needs inside it"
 
 
@@ -133,6 +140,28 @@ def refusal(obj: Any) -> str | None:
     return None
 
 
+def secret_variables() -> dict[str, bytes]:
+    """The environment variables that look secret (SECRET_NAME, MIN_SECRET_CHARS; not a
+    path that exists, such as a key file's, which a code object's file name may contain),
+    by name: their values as UTF-8, as pickle writes a string."""
+    return {
+        name: value.encode("utf-8", "surrogateescape")
+        for name, value in os.environ.items()
+        if SECRET_NAME.search(name) and len(value) >= MIN_SECRET_CHARS and not os.path.exists(value)
+    }
+
+
+def secret_in(payload: bytes) -> str | None:
+    """The name of the first secret-looking environment variable whose value `payload`
+    (pickled bytes) contains; None when none does."""
+    found = (name for name, value in sorted(secret_variables().items()) if value in payload)
+    return next(found, None)
+
+
+def _secret_refusal(name: str) -> str:
+    return f"the value of the environment variable {name}, a secret that would be copied into config.yaml and every checkpoint (name it in the sandbox's pass_env and read os.environ inside the function)"
+
+
 def _is_machinery(obj: Any) -> bool:
     """A leangrpo object that is not plain data (config sections, dataclasses of results)."""
     from pydantic import BaseModel
@@ -156,6 +185,9 @@ def pickled(obj: Any, label: str) -> bytes:
         )
     try:
         payload = _dumps(obj)
+        secret = secret_in(payload)
+        if secret is not None:  # in the code itself (a literal), or where held() does not look
+            raise _Refused(_secret_refusal(secret))
     except _Refused as e:
         raise ShippingError(
             f"{what} cannot be sent to the workers by value: it holds {e}; {FIX}."
@@ -184,8 +216,10 @@ def _first_problem(obj: Any, depth: int, seen: set[int]) -> str | None:
         if why is not None:  # the object itself
             return f"{where}, {why}"
         try:
-            _dumps(value)
-            continue
+            secret = secret_in(_dumps(value))
+            if secret is None:
+                continue
+            inner = f"which holds {_secret_refusal(secret)}"
         except _Refused as e:  # something inside it
             inner = f"which holds {e}"
         except Exception as e:  # pickle's own: "cannot pickle '_thread.lock' object"

@@ -8,5 +8,5 @@
 - sharded.py: the same under torchrun, with torch.distributed.checkpoint (DCP);
   `ShardedCheckpointer` (every rank's batch-in-progress log-probs gathered to rank 0).
 
-See docs/ARCHITECTURE.md ("Exact resume", "Distributed").
+See docs/checkpoints.md ("Exact resume") and docs/distributed.md ("Sharded checkpoints").
 """

@@ -43,7 +43,7 @@ Choices:
 
 `LocalCheckpointer` is the trainer's `contracts.Checkpointer` for a single process
 (sharded.py's `ShardedCheckpointer` the torchrun one); the batch in progress goes into
-trainer_state.pt as `inflight`. See docs/ARCHITECTURE.md ("Exact resume").
+trainer_state.pt as `inflight`. See docs/checkpoints.md ("Exact resume").
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ import torch
 from safetensors.torch import load_file
 
 from leangrpo.checkpoint.manifest import COMPLETE, record_files, write_complete
-from leangrpo.checkpoint.rundir import complete_checkpoints
+from leangrpo.checkpoint.rundir import complete_checkpoints, write_final_state
 
 # Finding checkpoints needs no torch: the CLI does it before the model loads (rundir.py).
 from leangrpo.contracts import Completion, Prompt, RestoredCheckpoint, RolloutSample, Trajectory
@@ -186,9 +186,16 @@ def load_bulky_state(path: str | Path) -> dict[str, Any]:
     return torch.load(file, map_location="cpu", weights_only=True)
 
 
-def save_final_model(output_dir: str | Path, model: torch.nn.Module, tokenizer: Any | None) -> Path:
+def save_final_model(
+    output_dir: str | Path,
+    model: torch.nn.Module,
+    tokenizer: Any | None,
+    step: int | None = None,
+    version: int = 0,
+) -> Path:
     """Write `output_dir/final/` atomically, loadable by from_pretrained (full) or PeftModel
-    (a quantized base's BitsAndBytesConfig beside the adapter: model/quantization.py)."""
+    (a quantized base's BitsAndBytesConfig beside the adapter: model/quantization.py);
+    with `step`, its FINAL_STATE records the step and policy version it holds (rundir.py)."""
     output_dir = Path(output_dir)
     _remove_stale_tmp(output_dir, prefix=".tmp-final-")
     with _atomic_directory(output_dir / "final", "the final model", saved_bytes(model)) as tmp:
@@ -196,6 +203,8 @@ def save_final_model(output_dir: str | Path, model: torch.nn.Module, tokenizer: 
         write_adapter_notes(model, tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        if step is not None:
+            write_final_state(tmp, step, version)
     return output_dir / "final"
 
 
@@ -231,8 +240,10 @@ class LocalCheckpointer:
         state = load_checkpoint(path, model, optimizer, scheduler)
         return restored(state, load_bulky_state(path))
 
-    def save_final(self, model: torch.nn.Module, tokenizer: Any | None) -> Path:
-        return save_final_model(self.output_dir, model, tokenizer)
+    def save_final(
+        self, model: torch.nn.Module, tokenizer: Any | None, step: int, version: int
+    ) -> Path:
+        return save_final_model(self.output_dir, model, tokenizer, step, version)
 
 
 def restored(trainer_state: dict[str, Any], bulky: dict[str, Any]) -> RestoredCheckpoint:

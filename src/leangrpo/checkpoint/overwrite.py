@@ -52,7 +52,7 @@ class EarlierRun:
         beside a `.replaced-run/`: taken for the new run's checkpoint, the rest of the
         earlier run would be deleted."""
         for name in self.run_files:
-            _remove(self.output_dir / name)
+            remove(self.output_dir / name)
         partial = self.output_dir / (ASIDE + ".tmp")
         os.rename(self.aside, partial)
         _move_back(partial, self.output_dir)
@@ -108,7 +108,8 @@ def _move_back(partial: Path, output_dir: Path) -> None:
     partial.rmdir()
 
 
-def _remove(path: Path) -> None:
+def remove(path: Path) -> None:
+    """Delete a file, a link or a directory tree."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
     elif path.exists() or path.is_symlink():

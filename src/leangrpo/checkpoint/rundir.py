@@ -19,10 +19,11 @@ run does with `run.output_dir`, in this order:
    damaged is refused, naming them. An explicit path must be a complete, intact
    checkpoint (checked now, not after the model has loaded); `never` and
    `run.overwrite: true` take none.
-4. A resume checkpoint at or beyond `run.max_steps` (with final/ written, when
+4. A resume checkpoint at or beyond `run.max_steps` (with final/ written at its step, when
    `checkpoint.save_final_model`) means the run is finished: the CLI says so and exits 0
    without loading anything. Without final/ (a crash between the last checkpoint and
-   final/) the run resumes and only finishes: the last evaluation and final/.
+   final/), or with a final/ older than that checkpoint (the run was extended past it and
+   stopped), the run resumes and only finishes: the last evaluation and final/.
 5. A run that does not resume from this directory's own checkpoints needs a directory
    without an earlier run's files (metrics, samples, checkpoints, final model...):
    starting over there would append a second run to the old metrics.jsonl and prune the
@@ -30,7 +31,10 @@ run does with `run.output_dir`, in this order:
    replaces exactly the files leangrpo writes (never anything else): they stay in place
    through every check and the set-up, are set aside when the run starts writing
    (`RunDir.begin_writing`), deleted at its first checkpoint and put back if it ends
-   before one (overwrite.py).
+   before one (overwrite.py). Not an earlier run: what a run that failed before its first
+   step left (`never_stepped`: a metrics.jsonl of step-0 rows only, the evaluation before
+   training, and the trackers' directories of it); the next start deletes it when it
+   starts writing, so a corrected config simply runs again.
 6. A checkpoint written by another number of processes (torchrun ranks; 1 without
    torchrun) is refused: the sharded state and the per-rank RNG streams fit only the
    world size that wrote them.
@@ -41,6 +45,15 @@ run does with `run.output_dir`, in this order:
    `run.allow_config_changes: true`, which resumes with a warning listing them.
    `run.max_steps` only says where to stop: the LR schedule keeps the horizon the run
    started with (`schedule_horizon`, saved in every checkpoint's trainer_state.json).
+   rollout.routing_replay turned on inside a batch generated without route records is
+   refused, naming the step that batch ends at (`check_batch_routes`).
+
+final/ holds `final_state.json` (FINAL_STATE: the step and policy version it was written
+at), written inside it before it is renamed into place: a run extended past its final/
+(run.max_steps raised) leaves the older final/ where it was until it finishes, and what
+reads final/ as the run's model (`current_final`, `leangrpo eval`) checks that record
+against the newest checkpoint. A final/ without the record (written before leangrpo kept
+it) counts as the run's model only in a run without checkpoints.
 
 Under torchrun only rank 0 opens (locks, classifies, sets aside) the directory; the others
 receive its decision (`follower`) and never touch the lock (preflight.py). `leangrpo
@@ -61,7 +74,7 @@ from typing import Any
 import yaml
 
 from leangrpo.checkpoint.manifest import COMPLETE, checkpoint_problem, read_complete
-from leangrpo.checkpoint.overwrite import ASIDE, EarlierRun, set_aside, settle
+from leangrpo.checkpoint.overwrite import ASIDE, EarlierRun, remove, set_aside, settle
 from leangrpo.errors import UserError
 
 try:
@@ -89,6 +102,8 @@ RUN_FILES = (
     "config.yaml",
     "eval.jsonl",  # `leangrpo eval`'s figures (api/evaluation.py)
 )
+# In final/: {"step": N, "version": V}, the step and policy version final/ was written at.
+FINAL_STATE = "final_state.json"
 # Settings that change where output goes or how often, never what is trained.
 HARMLESS_KEYS = (
     "run.max_steps",  # the LR schedule's horizon stays the first one (schedule_horizon)
@@ -154,6 +169,48 @@ def checkpoint_step(path: Path) -> int:
 _NAMED_WRONG: set[Path] = set()  # each misnamed checkpoint is warned about once
 
 
+# -- final/ and the step it holds -------------------------------------------------------------
+
+
+def write_final_state(directory: Path, step: int, version: int) -> None:
+    """FINAL_STATE in `directory` (final/ being written): the step and version it holds."""
+    text = json.dumps({"step": int(step), "version": int(version)})
+    (directory / FINAL_STATE).write_text(text + "\n", encoding="utf-8")
+
+
+def final_state(final: Path) -> dict[str, int] | None:
+    """final/'s FINAL_STATE ({"step", "version"}), or None: no such file, or one that
+    does not hold two integers (written before leangrpo kept it, or damaged)."""
+    try:
+        state = json.loads((final / FINAL_STATE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(state, dict):
+        return None
+    numbers = {k: state.get(k) for k in ("step", "version")}
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in numbers.values()):
+        return None
+    return numbers  # type: ignore[return-value]
+
+
+def final_holds(final: Path, step: int) -> bool:
+    """`final` is a final/ written at `step` or later (its FINAL_STATE says so)."""
+    state = final_state(final) if final.is_dir() else None
+    return state is not None and state["step"] >= step
+
+
+def current_final(run_dir: Path) -> Path | None:
+    """The run's final/ when it holds the run's newest weights: written at the step of its
+    newest complete checkpoint or later, or the run has no checkpoint; else None (no
+    final/, or one the run has trained past since: extended and stopped, or finished with
+    checkpoint.save_final_model off)."""
+    final = Path(run_dir) / "final"
+    if not final.is_dir():
+        return None
+    found = complete_checkpoints(Path(run_dir) / "checkpoints")
+    return final if not found or final_holds(final, found[-1][0]) else None
+
+
 # -- the lock -------------------------------------------------------------------------------
 
 
@@ -217,6 +274,7 @@ class RunDir:
     finished: str = ""  # set (to a sentence) when the resume checkpoint is at run.max_steps
     config_notes: list[str] = field(default_factory=list)  # harmless config changes
     replaces: list[str] = field(default_factory=list)  # run.overwrite: the earlier run's files
+    leftovers: list[str] = field(default_factory=list)  # of a run that never stepped: deleted
     damaged: list[Path] = field(default_factory=list)  # newer than resume_from, damaged
     _earlier: EarlierRun | None = None  # set aside until this run's first checkpoint
 
@@ -226,6 +284,12 @@ class RunDir:
         checkpoints newer than the resume one are kept out of the pruning (`keep_damaged`)."""
         keep_damaged(self.damaged)
         self.damaged = []
+        for name in self.leftovers:
+            remove(self.path / name)
+        if self.leftovers:
+            left = ", ".join(self.leftovers)
+            log.info("deleted what a run that failed before its first step left: %s", left)
+            self.leftovers = []
         if self.replaces and self._earlier is None:
             self._earlier = set_aside(self.path, self.replaces, RUN_FILES)
             self.replaces = []
@@ -352,14 +416,21 @@ def _classify(run_dir: RunDir, cfg: Any) -> None:
         if run.resume == "auto":  # any newer complete checkpoint was passed over as damaged
             newer = complete_checkpoints(own)
             run_dir.damaged = [path for step, path in newer if step > run_dir.resume_step]
-        final_missing = cfg.checkpoint.save_final_model and not (run_dir.path / "final").is_dir()
+        final_missing = cfg.checkpoint.save_final_model and not final_holds(
+            run_dir.path / "final", run_dir.resume_step
+        )
         if run_dir.resume_step >= run.max_steps and not final_missing:
             run_dir.finished = f"Run {str(run_dir.path)!r} is already finished: its checkpoint {resume.name} is at step {run_dir.resume_step} and run.max_steps is {run.max_steps}; nothing to do (raise run.max_steps to train on, or set run.overwrite: true to start again)."
             return
         check_world_size(resume)
         check_context_parallel_size(resume, cfg.distributed.context_parallel_size)
         run_dir.config_notes = check_config_changes(resume, cfg)
+        check_batch_routes(resume, cfg)
     if resume is None or not _is_inside(resume, own):
+        files = earlier_run_files(run_dir.path) if run_dir.path.is_dir() else []
+        if not run.overwrite and never_stepped(run_dir.path, files):
+            run_dir.leftovers = [name.rstrip("/") for name in files]
+            return
         run_dir.replaces = _earlier_run(run_dir.path, run.overwrite, run.resume)
 
 
@@ -436,6 +507,25 @@ def _is_empty(path: Path) -> bool:
     return path.is_file() and path.stat().st_size == 0
 
 
+# What a run that failed before its first step may leave (besides config.yaml and .lock).
+NEVER_STEPPED = ("metrics.jsonl", "tensorboard/", "wandb/")
+
+
+def never_stepped(path: Path, files: list[str]) -> bool:
+    """`files` (`earlier_run_files`) are only what a run that failed before its first step
+    left: a metrics.jsonl whose every row is step 0 (the evaluation before training) and at
+    most the trackers' directories beside it. A torn or unreadable row, or any other file,
+    is an earlier run's (refused unless run.overwrite)."""
+    if "metrics.jsonl" not in files or not set(files) <= set(NEVER_STEPPED):
+        return False
+    try:
+        lines = (path / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+        rows = [json.loads(line) for line in lines if line.strip()]
+    except (OSError, ValueError):
+        return False
+    return all(isinstance(row, dict) and row.get("step") == 0 for row in rows)
+
+
 def _earlier_run(path: Path, overwrite: bool, resume: str) -> list[str]:
     """The earlier run's files (RUN_FILES) that run.overwrite replaces; a directory holding
     an earlier run without run.overwrite is refused."""
@@ -483,6 +573,29 @@ def check_context_parallel_size(checkpoint: Path, size: int) -> None:
         raise RunDirError(
             f"Checkpoint {str(checkpoint)!r} was written with distributed.context_parallel_size = {saved_size} but this run has {size}; the batch in progress it holds is split for that size, so resume it with distributed.context_parallel_size: {saved_size} (or start a new run in another run.output_dir)."
         )
+
+
+def check_batch_routes(checkpoint: Path, cfg: Any) -> None:
+    """A run with rollout.routing_replay cannot train on the checkpoint's batch in progress
+    if it was generated without route records (replay turned on by a resume mid-batch):
+    trainer_state.json's `batch_in_progress` says (the step it ends at, whether its
+    samples carry routes). A checkpoint saved before it was recorded is checked when its
+    batch loads (train/inflight.py), with the same sentence."""
+    state_file = checkpoint / "trainer_state.json"
+    if not cfg.rollout.routing_replay or not state_file.is_file():
+        return
+    batch = json.loads(state_file.read_text()).get("batch_in_progress")
+    if isinstance(batch, dict) and batch.get("routes") is False:
+        holder = f"Checkpoint {str(checkpoint)!r}"
+        raise RunDirError(unrouted_batch(holder, batch.get("ends_at_step")))
+
+
+def unrouted_batch(holder: str, ends_at: int | None) -> str:
+    """Why a routing-replay run cannot resume a batch generated without routes, and how."""
+    until = "until that batch is done"
+    if ends_at:
+        until = f"and run.max_steps: {ends_at} (the step that batch ends at)"
+    return f"{holder} holds a batch in progress generated without route records (rollout.routing_replay was off when it was generated), which a run with rollout.routing_replay: true cannot train on; resume with rollout.routing_replay: false {until}, then resume again with it on (the next batch is generated with routes)."
 
 
 def schedule_horizon(checkpoint: Path, default: int) -> int:

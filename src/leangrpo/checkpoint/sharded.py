@@ -32,7 +32,7 @@ for LoRA the adapter tensors only, passed to `save_pretrained(state_dict=...)`.
 `ShardedCheckpointer` is the trainer's `contracts.Checkpointer` under torchrun. The batch
 in progress has the same samples on every rank but per-rank old/reference log-probs (each
 rank's micro-batches): they are gathered to rank 0 as `attached_by_rank`, and each rank
-takes its own back on resume. See docs/ARCHITECTURE.md ("Distributed": "Checkpoints",
+takes its own back on resume. See docs/distributed.md ("Checkpoints",
 "Sharded checkpoints").
 """
 
@@ -73,6 +73,7 @@ from leangrpo.checkpoint.manifest import (
     record_files,
     write_complete,
 )
+from leangrpo.checkpoint.rundir import write_final_state
 from leangrpo.contracts import RestoredCheckpoint
 from leangrpo.distributed.context import DistContext
 from leangrpo.distributed.fsdp import gather_for_sync
@@ -233,9 +234,15 @@ def full_model_state(model: nn.Module, ctx: DistContext) -> dict[str, torch.Tens
 
 
 def save_final_sharded(
-    output_dir: str | Path, model: nn.Module, tokenizer: Any | None, ctx: DistContext
+    output_dir: str | Path,
+    model: nn.Module,
+    tokenizer: Any | None,
+    ctx: DistContext,
+    step: int | None = None,
+    version: int = 0,
 ) -> Path:
-    """Write `output_dir/final/` once (rank 0), loadable by from_pretrained / PeftModel."""
+    """Write `output_dir/final/` once (rank 0), loadable by from_pretrained / PeftModel;
+    with `step`, its FINAL_STATE records the step and policy version it holds (rundir.py)."""
     final = Path(output_dir) / "final"
     if is_peft_model(model):  # the adapter only: no need to gather the frozen base
         pairs = gather_for_sync(model, ctx, adapters_only=True, device="cpu")
@@ -249,6 +256,8 @@ def save_final_sharded(
             write_adapter_notes(model, tmp)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
+            if step is not None:
+                write_final_state(tmp, step, version)
     ctx.barrier()
     return final
 
@@ -289,8 +298,8 @@ class ShardedCheckpointer:
             loaded.inflight = inflight_to_load(self.ctx, loaded.inflight)
         return loaded
 
-    def save_final(self, model: nn.Module, tokenizer: Any | None) -> Path:
-        return save_final_sharded(self.output_dir, model, tokenizer, self.ctx)
+    def save_final(self, model: nn.Module, tokenizer: Any | None, step: int, version: int) -> Path:
+        return save_final_sharded(self.output_dir, model, tokenizer, self.ctx, step, version)
 
 
 def inflight_to_save(ctx: DistContext, state: dict) -> dict:

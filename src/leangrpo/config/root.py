@@ -31,6 +31,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from leangrpo.config.agent import AgentConfig
 from leangrpo.config.base import Section
+from leangrpo.config.distill import DistillConfig
 from leangrpo.config.environment import EnvironmentConfig
 from leangrpo.config.io import (
     ConfigError,
@@ -94,6 +95,9 @@ class Config(Section):
     agent: AgentConfig | None = Field(
         None,
         description="Agents written against the OpenAI client, trained through the OpenAI-compatible endpoint (docs/agents.md); null = none. Not with environment.",
+    )
+    distill: DistillConfig | None = Field(
+        None, description="On-policy distillation from a frozen teacher; null = none."
     )
 
     @model_validator(mode="after")
@@ -187,11 +191,12 @@ class Config(Section):
                 "environment and agent both say how a trajectory is made; keep one (environment: a leangrpo Environment; agent: a program written against the OpenAI client)."
             )
         multi = "environment" if env is not None else "agent" if agent is not None else None
-        if not functions and multi is None:
+        if not functions and multi is None and self.distill is None:
             raise rule_error(
-                "'rewards.functions' should have at least 1 item: name a reward function, e.g. rewards.functions: [math] (only an environment's or an agent's own reward terms can stand in for them)."
+                "'rewards.functions' should have at least 1 item: name a reward function, e.g. rewards.functions: [math] (only an environment's or an agent's own reward terms, or a distill teacher, can stand in for them)."
             )
-        if functions and all(spec.weight == 0 for spec in functions) and multi is None:
+        no_reward = all(spec.weight == 0 for spec in functions)
+        if functions and no_reward and multi is None and self.distill is None:
             raise rule_error(
                 "Every rewards.functions[*].weight is 0, so every reward and advantage is 0 and the run learns nothing; give at least one function a non-zero weight."
             )
@@ -235,6 +240,27 @@ class Config(Section):
         if self.agent is not None:
             return "agent", self.agent.max_total_tokens
         return None
+
+    @model_validator(mode="after")
+    def _check_distill(self) -> Config:
+        """The teacher's log-probs are of the temperature-scaled distribution, unfiltered
+        (a teacher filtered by top-k / min-p gives -inf to tokens outside its set), so the
+        student's must be too; groups without reward variance still carry the teacher's
+        signal, so re-rolls and replay, which drop or swap them, would drop the teacher's
+        signal with them (pure or mixed distillation alike)."""
+        if self.distill is None:
+            return self
+        r = self.rollout
+        if r.top_k or r.min_p:
+            raise rule_error(
+                f"distill compares the student's and the teacher's temperature-scaled distributions on each sampled token, and rollout.top_k ({r.top_k}) / rollout.min_p ({r.min_p}) would sample from a filtered one; set rollout.top_k: 0 and rollout.min_p: 0."
+            )
+        for key, section in (("replay", self.pipeline.replay), ("reroll", self.pipeline.reroll)):
+            if section.enabled:
+                raise rule_error(
+                    f"pipeline.{key}.enabled drops or swaps the groups without reward variance, and with distill those groups still carry the teacher's per-token signal (every group does when no reward function is weighted); set pipeline.{key}.enabled: false."
+                )
+        return self
 
     def model_token_budget(self) -> int:
         """The most tokens one sample trains on: rollout.max_new_tokens, or for multi-turn

@@ -85,7 +85,7 @@ class ModelConfig(Section):
     )
     disable_dropout: bool = Field(
         True,
-        description="Set every dropout of the model (and of the LoRA adapters) to 0, as TRL does for RL: the old/reference passes run without dropout, so with dropout kept the importance ratio is not 1 even on the first iteration and the clip acts on dropout noise. false keeps the model's dropout in the training pass (see docs/ARCHITECTURE.md).",
+        description="Set every dropout of the model (and of the LoRA adapters) to 0, as TRL does for RL: the old/reference passes run without dropout, so with dropout kept the importance ratio is not 1 even on the first iteration and the clip acts on dropout noise. false keeps the model's dropout in the training pass (see docs/training.md, 'Dropout is off for RL by default').",
     )
     trust_remote_code: bool = Field(
         False, description="Allow model code from the hub (transformers trust_remote_code)."

@@ -2,7 +2,7 @@
 
 One class for both sections, so environment/tool workers and reward workers can be set
 apart (a reward that needs a GPU runs at `process`, the tools stay at `namespace`). What
-each level protects against is docs/ARCHITECTURE.md's "Sandbox" section; the code is
+each level protects against is docs/sandbox.md ("What each level protects against"); the code is
 src/leangrpo/sandbox/.
 """
 

@@ -105,7 +105,7 @@ class RolloutConfig(Section):
         1.0,
         gt=0,
         le=1,
-        description="Nucleus filter; must stay 1.0 for training (see docs/ARCHITECTURE.md).",
+        description="Nucleus filter; must stay 1.0 for training (see docs/training.md, 'Sampling filters').",
     )
     min_p: float = Field(
         0.0,
@@ -180,7 +180,7 @@ class LossConfig(Section):
     """The policy objective and its off-policy correction."""
 
     type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "gspo", "cispo"] = Field(
-        "grpo", description="Objective; normalisers are described in docs/ARCHITECTURE.md."
+        "grpo", description="Objective; normalisers are described in docs/training.md, 'Loss normalisers'."
     )
     epsilon_low: float = Field(0.2, ge=0, le=1, description="Lower clip: ratio >= 1 - epsilon_low.")
     epsilon_high: float = Field(

@@ -13,5 +13,5 @@ paths except where the set-up picks a strategy.
   and the torchrun strategy (`contracts.Strategy`: the step's ranks, sharding, gathered
   weights, per-rank metrics, the sharded checkpointer, rank 0's logger).
 
-See docs/ARCHITECTURE.md "Distributed" and "Context parallelism".
+See docs/distributed.md and docs/context-parallel.md.
 """

@@ -11,7 +11,7 @@ silently, and a phase tracker.
   failed and its phase, and is fatal even when a collective would block the exit: the
   heartbeats, failure records and backstop that do this are in watch.py.
 `reduce_dict_over_ranks` reduces a metrics dict element-wise over ranks. See
-docs/ARCHITECTURE.md "Distributed" ("World size 1 is untouched", "Timeouts").
+docs/distributed.md ("World size 1 is untouched", "Timeouts").
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ without a collective. Plans are padded to one micro-batch count over ranks, sinc
 forward and backward gathers parameters with all of them: a rank short of micro-batches
 runs one-token padding batches (`padding_batch`, marked `PackedBatch.padding`) through a
 forward and a zero-gradient backward (`padding_pass`), never the loss. See
-docs/ARCHITECTURE.md "Distributed" ("A step", "Equal micro-batch counts").
+docs/distributed.md ("A step", "Equal micro-batch counts").
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ sharding does not matter. The offload hooks (offload.py) see the same layer inpu
 Weight sync (`gather_for_sync`): every rank gathers every tensor (`full_tensor()`) in the
 same fixed order, rank 0 keeps them, and only then does rank 0 send anything, so no
 all-gather is ever interleaved with a send (the deadlock of TRL #7103). See
-docs/ARCHITECTURE.md "Distributed" ("Units", "Weight sync").
+docs/distributed.md ("Units", "Weight sync").
 """
 
 from __future__ import annotations
@@ -59,7 +59,11 @@ def clean_name(name: str) -> str:
 
 
 def shard_model(
-    model: nn.Module, dist_cfg, ctx: DistContext, split: RowSplit = WHOLE_ROW
+    model: nn.Module,
+    dist_cfg,
+    ctx: DistContext,
+    split: RowSplit = WHOLE_ROW,
+    reshard_after_forward: bool | None = None,
 ) -> PackedScorer:
     """Shard `model` (a transformers causal LM, or a peft model around one) in place.
 
@@ -68,7 +72,9 @@ def shard_model(
     group of `init_distributed` (world size >= 2); a single process is never sharded.
     `split`: how the root's scoring pass splits a row over a context-parallel group
     (distributed/mesh.py; the whole row without one). Parameters are sharded over every
-    process (the data x context mesh flattened) either way.
+    process (the data x context mesh flattened) either way. `reshard_after_forward`:
+    whether the units free their gathered parameters after their forward (None: as
+    distributed.sharding says, full_shard).
     """
     if not ctx.distributed:
         raise ValueError(
@@ -81,7 +87,9 @@ def shard_model(
         mp_policy=_mixed_precision(dist_cfg),
         offload_policy=_offload_policy(dist_cfg, ctx),
     )
-    reshard = dist_cfg.sharding == "full_shard"
+    reshard = reshard_after_forward
+    if reshard is None:
+        reshard = dist_cfg.sharding == "full_shard"
     for layer in decoder_layers(model):
         fully_shard(layer, reshard_after_forward=reshard, **units)
     if embed.weight is not head.weight:  # untied: each big matrix is its own unit
@@ -256,11 +264,18 @@ def local_param_bytes(model: nn.Module) -> int:
 
 def shard_policy(policy, dist_cfg, ctx: DistContext, split: RowSplit = WHOLE_ROW) -> None:
     """Shard a loaded policy in place: `policy.root` becomes its FSDP root, and a full
-    fine-tuning reference (beta > 0) is sharded the same way (no full copy per rank). A
+    fine-tuning reference (beta > 0) and a distillation teacher are sharded the same way
+    (no full copy per rank; the teacher, loaded whole, keeps only its shards, and
+    frees each unit's gathered parameters after its forward under shard_grad_op too: a
+    frozen teacher has no backward to keep them for). A
     reference still on the meta device (`model.meta_copy`) is sharded there and its shards
     are then copied from the policy's: the same values, never a second full copy. Build
     the optimizer afterwards. `split`: the scoring passes' row split (`shard_model`)."""
     policy.root = shard_model(policy.model, dist_cfg, ctx, split)
+    if policy.teacher is not None:  # a distillation teacher: sharded like the reference,
+        # each unit resharded after its forward whatever the sharding (it has no backward)
+        resharded = dist_cfg.sharding != "no_shard"
+        policy.teacher = shard_model(policy.teacher, dist_cfg, ctx, split, resharded)
     if policy.reference is not None:
         on_meta = any(p.is_meta for p in policy.reference.parameters())
         reference = shard_model(policy.reference, dist_cfg, ctx, split)

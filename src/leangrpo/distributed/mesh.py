@@ -16,8 +16,8 @@ ranks with the same c.
   gradient norm, the skip decision and stop signals are reduced over all W.
 
 Every group is created on every rank, in one order, with `distributed.timeout_s`. With C = 1
-no group is created: the data group is the default one. See docs/ARCHITECTURE.md "Context
-parallelism".
+no group is created: the data group is the default one. See
+docs/context-parallel.md ("The mesh").
 """
 
 from __future__ import annotations
@@ -96,12 +96,14 @@ class ContextParallelError(UserError):
     """The model's attention cannot be split over a context-parallel group."""
 
 
-def check_splittable(model, mesh: ParallelMesh) -> str:
+def check_splittable(model, mesh: ParallelMesh, key: str | None = None) -> str:
     """Refuse, in one sentence, a model whose rows Ulysses cannot split over the context
-    group; else the log line saying how they are split. `model`: the loaded policy model,
-    its packed attention enabled (which probed what reaches its attention function)."""
+    group; else the log line saying how they are split. `model`: the loaded policy model
+    (or a distillation teacher, named by its config `key`), its packed attention enabled
+    (which probed what reaches its attention function)."""
     lm = causal_lm(model)
     name, config, c = type(lm).__name__, lm.config, mesh.context_size
+    name = f"{name} ({key})" if key else name
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     layers = config.num_hidden_layers

@@ -1,6 +1,6 @@
 """Generation under torchrun: who generates what, and how every rank gets the whole batch.
 
-Two arrangements (docs/ARCHITECTURE.md "Distributed"):
+Two arrangements (docs/distributed.md, "Generation"):
 
 - **Every rank its share** (the hf engine). Every rank runs the same producer: the same
   deterministic sampler draws the same prompts, rank r generates and scores the slice

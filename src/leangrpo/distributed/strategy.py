@@ -31,7 +31,7 @@ strategy: what a multi-process run puts where one process has its own pieces
   (the trainer's dealing needs the whole batch anyway, and no device sits idle while a
   batch is made); with vLLM servers rank 0 generates and broadcasts.
 
-See docs/ARCHITECTURE.md "Distributed".
+See docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -105,10 +105,13 @@ def torchrun_strategy(cfg, ctx: DistContext, output_dir: Path) -> Strategy:
 
 def shard_on_mesh(policy, *, dist_cfg, ctx: DistContext, mesh: ParallelMesh, engine_copy: bool):
     """`fsdp.shard_for_training` with the scoring roots splitting rows over the mesh's
-    context group; a model whose attention cannot be split is refused first."""
+    context group; a model (the policy, or a distillation teacher) whose attention cannot
+    be split is refused first."""
     if mesh.context_size > 1:
         try:
             log.info(check_splittable(policy.model, mesh))
+            if policy.teacher is not None:  # its rows are split over the group too
+                check_splittable(policy.teacher, mesh, "distill.teacher")
         except ContextParallelError as error:  # every rank refuses alike: rank 0 says it
             error.shown_by_rank_0 = ctx.rank > 0  # type: ignore[attr-defined]
             raise
@@ -141,10 +144,12 @@ class TorchrunRanks:
         return clip_grad_norm(parameters, max_norm)
 
     def release_gathered(self, policy) -> None:
-        """Reshard every FSDP unit of the policy and the reference (no collective)."""
+        """Reshard every FSDP unit of the policy, the reference and a distillation teacher
+        (no collective)."""
         reshard(policy.root)
-        if policy.reference is not None:
-            reshard(policy.reference)
+        for frozen in (policy.reference, policy.teacher):
+            if frozen is not None:
+                reshard(frozen)
 
 
 def gathered_weights(policy, *, ctx: DistContext, to_all: bool) -> Iterable[tuple[str, Any]]:

@@ -9,7 +9,7 @@ replies), registry.py (names of environments, tools, parsers), setup.py (what a 
 builds at start-up), metrics.py (`multiturn/*`), adapters/ (reasoning-gym, verifiers).
 
 The names below are imported from here (on first use, so a worker starts fast); the rest
-from their modules. See docs/ARCHITECTURE.md ("Multi-turn rollouts").
+from their modules. See docs/multiturn.md.
 """
 
 from __future__ import annotations

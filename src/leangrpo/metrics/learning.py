@@ -4,7 +4,8 @@ A GRPO run can go through every step and learn nothing, with no error anywhere. 
 signs are cheap to see and are each said once per run (a log warning):
 
 - every group flat (`frac_reward_zero_std` 1.0) for FLAT_STEPS optimizer steps in a row:
-  no reward varies within a group, so every advantage is 0;
+  no reward varies within a group, so every advantage is 0 (unless a distillation
+  teacher gives each token its own);
 - a loss exactly 0.0 for ZERO_LOSS_STEPS steps in a row (a tiny non-zero loss is normal:
   normalised advantages sum to 0): nothing reaches the gradient;
 - a tokenizer that drops most characters of the prompts (`tokenizer_keeps`): decoding the
@@ -28,7 +29,10 @@ SAMPLE_PROMPTS = 64  # prompts decoded for the tokenizer check
 class LearningSignal:
     """Watches each step's metrics; warns once per cause when the run cannot learn."""
 
-    def __init__(self, run_dir: Any = "."):
+    def __init__(self, run_dir: Any = ".", flat_groups_matter: bool = True):
+        """`flat_groups_matter`: False when flat groups still carry a signal (a
+        distillation teacher's, per token): no warning about them then."""
+        self.flat_groups_matter = flat_groups_matter
         self.path = f"{run_dir}/metrics.jsonl"
         self.samples = f"{run_dir}/samples.jsonl"
         self.flat_in_a_row = 0
@@ -42,7 +46,7 @@ class LearningSignal:
         loss = metrics.get("loss")
         if loss is not None:
             self.zero_loss_in_a_row = self.zero_loss_in_a_row + 1 if loss == 0.0 else 0
-        if self.flat_in_a_row >= FLAT_STEPS:
+        if self.flat_in_a_row >= FLAT_STEPS and self.flat_groups_matter:
             self._say(
                 "flat",
                 f"nothing to learn from at step {step}: in each of the last {FLAT_STEPS} steps every group's completions got the same reward (frac_reward_zero_std 1.0), so every advantage is 0; the task is likely too hard or too easy for the model at this temperature, or a reward scores every completion alike (reward/*/mean in {self.path} and the completions in {self.samples} show which)",

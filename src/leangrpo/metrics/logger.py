@@ -28,7 +28,7 @@ it) with a warning naming file and line. Choices:
   land in the step-0 row instead of a row of their own.
 - Under torchrun rank 0 holds the MetricsLogger and every other rank a `NullLogger` (the
   set-up's choice, distributed/strategy.py); both are a `contracts.MetricsLog`. See
-  docs/ARCHITECTURE.md ("Metrics and logs").
+  docs/distributed.md ("Metrics and logs").
 """
 
 from __future__ import annotations

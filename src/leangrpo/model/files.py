@@ -361,13 +361,18 @@ def attention_heads(config: dict) -> int | None:
     return heads if isinstance(heads, int) else None
 
 
-def check_context_heads(context_size: int, heads: int | None, name_or_path: str) -> None:
+def check_context_heads(
+    context_size: int, heads: int | None, name_or_path: str, key: str = "model.name_or_path"
+) -> None:
     """distributed.context_parallel_size C must divide the model's query heads (Ulysses
     gives each process H / C of them): one sentence, asked by train's preflight and by
-    `leangrpo plan` alike. `heads` None (not in config.json): left to the set-up's checks."""
+    `leangrpo plan` alike, of the policy and of a distillation teacher (`key`:
+    distill.teacher), whose rows are split alike. `heads` None (not in config.json): left
+    to the set-up's checks."""
     if context_size > 1 and heads is not None and heads % context_size:
+        whose = "model's" if key == "model.name_or_path" else "teacher's"
         raise ConfigError(
-            f"distributed.context_parallel_size ({context_size}) must divide the model's {heads} attention heads (Ulysses gives each process an equal share of them; config.json of model.name_or_path = {name_or_path!r}); use a context_parallel_size that divides {heads}."
+            f"distributed.context_parallel_size ({context_size}) must divide the {whose} {heads} attention heads (Ulysses gives each process an equal share of them; config.json of {key} = {name_or_path!r}); use a context_parallel_size that divides {heads}, or a {key} whose heads it divides."
         )
 
 

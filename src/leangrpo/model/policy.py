@@ -2,7 +2,8 @@
 a quantized base for QLoRA, quantization.py), LoRA, dropout off for RL, gradient
 checkpointing with optional activation offload, and the frozen reference copy for full
 fine-tuning with beta > 0 (LoRA runs use the same model with adapters disabled, see
-scoring.py). `Policy` is what the trainer, the engines and the sharding code share.
+scoring.py), and a distillation teacher's slot (loaded by distill/teacher.py). `Policy`
+is what the trainer, the engines and the sharding code share.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class Policy:
     offloader: ActivationOffloader | None = None
     attention_backend: str = "sdpa_segments"
     root: nn.Module | None = None  # torchrun: the FSDP root (a PackedScorer around model)
+    # distillation: the frozen teacher (distill/teacher.py; torchrun: its FSDP root), or None
+    teacher: nn.Module | None = None
 
     @property
     def scoring_module(self) -> nn.Module:
@@ -122,9 +125,6 @@ def load_policy(cfg, tokenizer, device: torch.device, *, reference_on_meta: bool
 
     `reference_on_meta` (torchrun): a full fine-tuning reference is a `meta_copy`, filled
     from the policy's shards once sharded (fsdp.shard_policy), not a second full copy."""
-    from transformers import AutoModelForCausalLM
-
-    name = cfg.model.name_or_path
     dtype = resolve_dtype(cfg.model.dtype, device)
     refuse_float16_full_finetuning(cfg, dtype)
     quantized = cfg.model.quantization != "none"
@@ -134,29 +134,42 @@ def load_policy(cfg, tokenizer, device: torch.device, *, reference_on_meta: bool
 
         check_device(cfg, device)
         extra = quantized_load_kwargs(cfg.model, device, resolve_compute_dtype(cfg.model, dtype))
+    model = load_causal_lm(
+        cfg.model.name_or_path, "model.name_or_path", device, dtype,
+        revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code, **extra,
+    )  # fmt: skip
+    return build_policy(model, cfg, tokenizer, device, reference_on_meta=reference_on_meta)
+
+
+def load_causal_lm(
+    name: str, key: str, device: torch.device, dtype: torch.dtype, *, own_memory: bool = True,
+    **kwargs,
+) -> nn.Module:
+    """A transformers causal LM from `name` (the config key `key` names it) on `device`:
+    quantized as it loads when `kwargs` holds a `quantization_config` (then made safe,
+    model/quantization.py), in memory of its own (`own_memory`; else CPU tensors may stay
+    views into the memory-mapped weight files), its weights checked. The policy's and the
+    distillation teacher's loading path."""
+    from transformers import AutoModelForCausalLM
+
     try:  # mismatched shapes are reported in `info` (and refused below), not raised
         model, info = AutoModelForCausalLM.from_pretrained(
-            name,
-            dtype=dtype,
-            revision=cfg.model.revision,
-            trust_remote_code=cfg.model.trust_remote_code,
-            output_loading_info=True,
-            ignore_mismatched_sizes=True,
-            **extra,
+            name, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
         )
     except (OSError, ValueError) as exc:  # unknown model_type or architecture, unreadable files
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
         raise ModelFilesError(
-            f"model.name_or_path = {name!r}: the model could not be loaded ({type(exc).__name__}: {first}); check config.json (model_type, architectures) and the weight files."
+            f"{key} = {name!r}: the model could not be loaded ({type(exc).__name__}: {first}); check config.json (model_type, architectures) and the weight files."
         ) from None
-    if quantized:
+    if "quantization_config" in kwargs:
         from leangrpo.model.quantization import prepare_quantized
 
         prepare_quantized(model, device)  # before any forward (the packed-attention probe)
     model = model.to(device)
-    own_aligned_memory(model)
-    refuse_broken_weights(model, info, name)
-    return build_policy(model, cfg, tokenizer, device, reference_on_meta=reference_on_meta)
+    if own_memory:
+        own_aligned_memory(model)
+    refuse_broken_weights(model, info, name, key)
+    return model
 
 
 ALIGNMENT_BYTES = 64  # c10's CPU allocator (c10/core/alignment.h); CUDA's aligns to more
@@ -180,7 +193,9 @@ def own_aligned_memory(model: nn.Module) -> None:
             tensor.data = tensor.data.clone(memory_format=torch.contiguous_format)
 
 
-def refuse_broken_weights(model: nn.Module, info: dict, name: str) -> None:
+def refuse_broken_weights(
+    model: nn.Module, info: dict, name: str, key: str = "model.name_or_path"
+) -> None:
     """Training must start from the checkpoint's weights: transformers initialises missing
     or wrongly shaped tensors at random with only a warning, and NaN weights fail later,
     deep in sampling."""
@@ -206,7 +221,7 @@ def refuse_broken_weights(model: nn.Module, info: dict, name: str) -> None:
             problems.append(f"tensors holding NaN or inf: {listed(bad)}")
     if problems:
         raise ModelFilesError(
-            f"model.name_or_path = {name!r} does not hold a usable checkpoint for its config.json ({'; '.join(problems)}); download or save the model again."
+            f"{key} = {name!r} does not hold a usable checkpoint for its config.json ({'; '.join(problems)}); download or save the model again."
         )
 
 

@@ -97,16 +97,16 @@ def bitsandbytes_version() -> str | None:
         return None
 
 
-def check_bitsandbytes(quant: str, version: str | None) -> None:
+def check_bitsandbytes(quant: str, version: str | None, key: str = "model.quantization") -> None:
     from packaging.version import Version
 
     if version is None:
         raise QuantizationError(
-            f"model.quantization: {quant} needs bitsandbytes >= {MIN_BITSANDBYTES}, which is not installed; {INSTALL_HINT}, or set model.quantization: none."
+            f"{key}: {quant} needs bitsandbytes >= {MIN_BITSANDBYTES}, which is not installed; {INSTALL_HINT}, or set {key}: none."
         )
     if Version(version) < Version(MIN_BITSANDBYTES):
         raise QuantizationError(
-            f"model.quantization: {quant} needs bitsandbytes >= {MIN_BITSANDBYTES} (its CPU 4-bit and int8 kernels), but {version} is installed; {INSTALL_HINT}."
+            f"{key}: {quant} needs bitsandbytes >= {MIN_BITSANDBYTES} (its CPU 4-bit and int8 kernels), but {version} is installed; {INSTALL_HINT}."
         )
 
 
@@ -122,15 +122,17 @@ def cpu_flags() -> set[str] | None:
     return None
 
 
-def cpu_problem(machine: str, flags: set[str] | None) -> str | None:
+def cpu_problem(
+    machine: str, flags: set[str] | None, key: str = "model.quantization"
+) -> str | None:
     """Why bitsandbytes cannot run on this CPU (the rest of a sentence), or None."""
     machine = machine.lower()
     if machine in ARM:
         return None
     if machine not in X86:
-        return f"runs bitsandbytes on the CPU, which supports x86-64 and ARM64 CPUs only, not {machine}; train on a supported machine or set model.quantization: none."
+        return f"runs bitsandbytes on the CPU, which supports x86-64 and ARM64 CPUs only, not {machine}; train on a supported machine or set {key}: none."
     if flags is not None and "avx2" not in flags:
-        return "runs bitsandbytes on the CPU, which needs an x86-64 CPU with AVX2, and this one has none; train on a newer CPU or a GPU, or set model.quantization: none."
+        return f"runs bitsandbytes on the CPU, which needs an x86-64 CPU with AVX2, and this one has none; train on a newer CPU or a GPU, or set {key}: none."
     return None
 
 
@@ -167,26 +169,32 @@ def check_vllm(device: str, has_bitsandbytes: bool | None) -> None:
 def check_device(cfg: Any, device: Any) -> None:
     """What needs torch: the GPU's compute capability, or the CPU of a resolved 'auto'
     (and then no local vLLM)."""
+    check_quantized_device(cfg.model.quantization, device, "model.quantization")
+    if device.type != "cuda" and starts_vllm(cfg):
+        check_vllm("cpu", None)
+
+
+def check_quantized_device(quant: str, device: Any, key: str) -> None:
+    """`key: quant` (model.quantization, distill.teacher_quantization) can run on
+    `device`: a GPU's compute capability (4-bit needs 6.0, int8 7.5), or a CPU
+    bitsandbytes runs on (AVX2 on x86-64, or ARM64)."""
     import torch
 
-    quant = cfg.model.quantization
     if device.type == "cuda":
         need = (7, 5) if quant == "int8" else (6, 0)
         have = torch.cuda.get_device_capability(device)
         if tuple(have) < need:
             raise QuantizationError(
-                f"model.quantization: {quant} needs a GPU of compute capability {need[0]}.{need[1]} or higher for bitsandbytes, and this one is {have[0]}.{have[1]}; use model.quantization: nf4 (6.0), none, or a newer GPU."
+                f"{key}: {quant} needs a GPU of compute capability {need[0]}.{need[1]} or higher for bitsandbytes, and this one is {have[0]}.{have[1]}; use {key}: nf4 (6.0), none, or a newer GPU."
             )
         return
     machine = platform.machine().lower()
     flags = cpu_flags()
     if machine in X86 and torch.backends.cpu.get_cpu_capability() == "DEFAULT":
         flags = (flags or set()) - {"avx2"}  # torch found no AVX2 either
-    problem = cpu_problem(machine, flags)
+    problem = cpu_problem(machine, flags, key)
     if problem:
-        raise QuantizationError(f"model.quantization: {quant} {problem}")
-    if starts_vllm(cfg):
-        check_vllm("cpu", None)
+        raise QuantizationError(f"{key}: {quant} {problem}")
 
 
 # -- loading ---------------------------------------------------------------------------------
@@ -235,7 +243,9 @@ def prepare_quantized(model: Any, device: Any) -> None:
     if device.type == "cpu":
         own_unquantized_tensors(model)
     kind = model.config.quantization_config.quantization_method()
-    log.info("quantized base: %d linear layers in %s (bitsandbytes %s)", count, kind, bnb.__version__)
+    log.info(
+        "quantized base: %d linear layers in %s (bitsandbytes %s)", count, kind, bnb.__version__
+    )
 
 
 def refuse_quantized_head(model: Any) -> None:

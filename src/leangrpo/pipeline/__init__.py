@@ -10,5 +10,5 @@
 - builder.py: the pipeline a run gets (`build_pipeline` -> `Pipeline`: producer,
   evaluator, torchrun share).
 
-See docs/ARCHITECTURE.md ("Choices": staleness, admission, re-rolls, replay).
+See docs/async.md (staleness, admission, re-rolls, replay).
 """

@@ -21,7 +21,7 @@
   batch then holds more samples than groups x G; each group stays contiguous under its
   group_id, which is what planning and packing read.
 - `RolloutSettings` and `ProducedBatch` are what flows between them and the producers.
-See docs/ARCHITECTURE.md ("Re-rolls", "Replay", "What `max_staleness` bounds").
+See docs/async.md ("Re-rolls", "Replay", "What `max_staleness` bounds").
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@
 With an environment or an agent (a `contracts.MultiTurn`, chosen once at the trainer's
 set-up), the producer's worker and the evaluator generate through its rollout over their
 engines (environments/driver.py `MultiTurnRollout`, sharing one pool of environment
-workers; agents/episodes.py `AgentRollout`, sharing the endpoint and the agent workers). See docs/ARCHITECTURE.md ("Distributed": "Generation").
+workers; agents/episodes.py `AgentRollout`, sharing the endpoint and the agent workers). See
+docs/distributed.md ("Generation").
 """
 
 from __future__ import annotations

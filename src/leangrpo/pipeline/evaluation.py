@@ -7,7 +7,7 @@ Rewards that fail are counted and left out of the mean, as in training; means ar
 overflow-safe like training's (rewards of +-1e308 average to a finite number, not nan).
 Under torchrun with per-rank engines (`share`), each rank evaluates its slice of the
 prompts and the scored samples are all-gathered, so the figures are the whole set's;
-`eval/version` is the oldest version a rank evaluated. See docs/ARCHITECTURE.md.
+`eval/version` is the oldest version a rank evaluated. See docs/distributed.md.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ Torchrun (hf engine): every rank runs the same producer on the same prompts and 
 its share of each batch (`RolloutWorker.share`, see distributed/rollout.py): it generates and
 scores its slice of the prompts, then an all-gather hands every rank the whole scored
 batch before re-rolls, so samplers, re-rolls, replay and advantages stay identical on
-every rank. See docs/ARCHITECTURE.md "Choices" and "Distributed".
+every rank. See docs/async.md and docs/distributed.md.
 
 This module holds the producers (`SyncProducer`, and `AsyncProducer` with its admission,
 streaming and stall rules), both `contracts.Producer`s like torchrun's

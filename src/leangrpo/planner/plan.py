@@ -10,6 +10,14 @@ second) and counts, per device, for one micro-batch of `train.micro_batch_tokens
                      double quantization, 0.56 without; int8 1 byte + a scale per row) [exact]
     reference_copy   a frozen copy for full fine-tuning with beta > 0 (LoRA's reference is
                      the same weights with the adapters off: no copy) [exact]
+    teacher_weights  a distillation teacher (distill.teacher, its own config.json): its
+                     weights in model.dtype, or with distill.teacher_quantization its
+                     decoder linears as bitsandbytes stores them (as for the base, double
+                     quantization on); sharded over W under torchrun like the policy; a
+                     full-precision teacher is read from host memory and sharded onto
+                     the device unit by unit, never whole there (a quantized one is
+                     quantized on the device as it loads, whole until it is sharded:
+                     a set-up transient not in the total) [exact]
     generation_copy  the hf engine's own copy of the policy (async mode, torchrun), or
                      colocated vLLM's own copy of the base weights; none when vLLM and
                      the policy share one (rollout.vllm.share_weights), as far as the
@@ -35,6 +43,14 @@ second) and counts, per device, for one micro-batch of `train.micro_batch_tokens
                      layer's Ulysses exchange buffers, the send and the receive buffer of
                      this rank's q, k and v (key/value heads replicated to lcm(K, C))
                      [exact for the exchange; other transients of the layer not counted]
+    teacher_scoring  the teacher's no-grad scoring pass over one micro-batch, a phase of
+                     its own (before the batch's first update): one layer's transient
+                     activations (nothing is saved), the gathered completion hidden rows,
+                     the chunked head's forward tiles (or the full logits), a quantized
+                     layer's dequantized weight, and under FSDP what is gathered at once
+                     (`teacher_gathered`: its root, with tied embeddings, and two layers,
+                     or an untied head and a layer; the teacher reshards each unit after
+                     its forward under either sharding) [estimated]
     kv_cache         the hf engine's DynamicCache at its longest, for the larger of a training
                      generation call and an evaluation call (vLLM sizes its own) [exact]
     offloaded_to_host  layer inputs moved to host memory (not device memory; on CPU it is
@@ -53,9 +69,10 @@ heads (`context_dims`). Weights, gradients and optimizer state are sharded over 
 processes. `longest_micro_batch` inverts the plan: the most tokens a micro-batch (one long
 sequence) may hold within a given memory per device.
 
-`total` is the peak: weights + reference_copy + generation_copy + adamw_state + the larger of
-the training pass and generation (kv_cache); both at once when an async hf producer
-generates while the trainer trains. The training pass (`training_pass`, a key beside the
+`total` is the peak: weights + reference_copy + teacher_weights + generation_copy +
+adamw_state + the largest of the training pass, the teacher's scoring pass and generation
+(kv_cache); generation at the same time as the larger of the other two when an async hf
+producer generates while the trainer trains. The training pass (`training_pass`, a key beside the
 terms) peaks when the head runs (what is saved + lm_head), in a layer's backward (what it
 holds + the gradients made by then) or at its end (gradients), plus all_to_all: the
 gradients, activations and lm_head lines are each that term's own figure, not all held at
@@ -117,15 +134,18 @@ TRAINING_PASS = "training_pass"  # a plan key beside the terms: the training pas
 TERMS = (
     "weights",
     "reference_copy",
+    "teacher_weights",
     "generation_copy",
     "gradients",
     "adamw_state",
     "activations",
     "lm_head",
     "all_to_all",
+    "teacher_scoring",
     "kv_cache",
     "offloaded_to_host",
 )
+PERSISTENT = ("weights", "reference_copy", "teacher_weights", "generation_copy", "adamw_state")
 
 
 @dataclass(frozen=True)
@@ -430,6 +450,7 @@ def plan_memory(
         "all_to_all": all_to_all_bytes(d, c, n, s.b),
         "kv_cache": _kv_cache(cfg, d, s, prompt, world_size) if hf else 0,
         "offloaded_to_host": host,
+        **_teacher(cfg, device, s.b, n, rows, world_size),
     }
     plan[TRAINING_PASS] = max(m.total for m in moments) + plan["all_to_all"]
     plan["total"] = peak(plan, concurrent=hf and cfg.pipeline.mode == "async", cpu=device == "cpu")
@@ -512,14 +533,77 @@ def sharing_blocker(cfg) -> tuple[str, str] | None:
 
 
 def peak(plan: dict[str, int], concurrent: bool, cpu: bool) -> int:
-    """Persistent terms + the larger phase (training pass or generation), or both at once."""
-    persistent = sum(
-        plan[k] for k in ("weights", "reference_copy", "generation_copy", "adamw_state")
-    )
+    """Persistent terms + the largest phase (training pass, teacher scoring or generation),
+    or generation at the same time as the larger of the other two."""
+    persistent = sum(plan[k] for k in PERSISTENT)
     train = plan[TRAINING_PASS]
     train += plan["offloaded_to_host"] if cpu else 0  # host memory is the device's on CPU
+    trainer = max(train, plan["teacher_scoring"])
     generation = plan["kv_cache"]
-    return persistent + (train + generation if concurrent else max(train, generation))
+    return persistent + (trainer + generation if concurrent else max(trainer, generation))
+
+
+def _teacher(cfg, device: str, b: int, tokens: int, rows: int, world_size: int) -> dict[str, int]:
+    """teacher_weights and teacher_scoring (see the module docstring); 0 without one."""
+    if cfg.distill is None:
+        return {"teacher_weights": 0, "teacher_scoring": 0}
+    from types import SimpleNamespace
+
+    distill = cfg.distill
+    settings = SimpleNamespace(name_or_path=distill.teacher, revision=distill.teacher_revision)
+    source = f"config.json of distill.teacher = {distill.teacher!r}"
+    t = dims_from_json(read_model_config(settings), source)
+    c = cfg.distributed.context_parallel_size  # its rows are split like the policy's
+    check_context_heads(c, t.heads, distill.teacher, "distill.teacher")
+    quantized = SimpleNamespace(
+        model=SimpleNamespace(
+            quantization=distill.teacher_quantization,
+            quantization_double_quant=True,
+            quantization_compute_dtype="auto",
+        )
+    )
+    base, replicated = base_bytes(quantized, t, b)
+    weights, gathered = base, 0
+    if world_size > 1 and cfg.distributed.sharding != "no_shard":
+        weights = (base - replicated) // world_size + replicated
+        gathered = teacher_gathered(cfg, t, b)
+    return {
+        "teacher_weights": weights,
+        "teacher_scoring": gathered + _teacher_pass(cfg, t, b, tokens, rows, device, quantized),
+    }
+
+
+def teacher_gathered(cfg, t: Dims, b: int) -> int:
+    """What the sharded teacher holds gathered at most during its pass, whatever
+    distributed.sharding says (distributed/fsdp.py reshards its units after their forward
+    always: a frozen teacher keeps nothing for a backward): its FSDP root (the final norm,
+    and the embeddings when tied) for the whole pass, plus a decoder layer and the next
+    one gathered ahead, or an untied embedding or head unit and a layer beside it."""
+    quant = cfg.distill.teacher_quantization
+    gathered_b = DTYPE_BYTES.get(cfg.distributed.param_dtype, b)
+    layer = t.layer_params * gathered_b
+    if quant != "none":  # the quantized storage is gathered as stored
+        for i, o, _ in t.linears().values():
+            stored, _ = quantized_linear_bytes(i, o, quant, True)
+            layer += stored - i * o * gathered_b
+    matrix = t.vocab * t.hidden * gathered_b
+    root = t.hidden * gathered_b + (matrix if t.tied else 0)
+    return root + (2 * layer if t.tied else max(2 * layer, matrix + layer))
+
+
+def _teacher_pass(cfg, t: Dims, b: int, tokens: int, rows: int, device: str, quantized) -> int:
+    """A no-grad forward of `tokens` tokens through the teacher and its head on `rows`."""
+    attention = (t.heads + 2 * t.kv_heads) * t.head_dim
+    layer = tokens * b * (3 * t.hidden + attention + 3 * t.active_intermediate)
+    gathered_rows = rows * t.hidden * b
+    if cfg.logprobs.chunked:
+        default_rows, default_vocab = DEFAULT_TILES[device]
+        row_tile = min(cfg.logprobs.row_tile or default_rows, rows)
+        vocab_tile = min(cfg.logprobs.vocab_tile or default_vocab, t.vocab)
+        head = 3 * row_tile * vocab_tile * 4 + 3 * rows * 4
+    else:
+        head = 2 * rows * t.vocab * 4
+    return layer + gathered_rows + head + dequantized_bytes(quantized, t, b)
 
 
 def completion_rows(cfg, tokens: int, prompt: int, kernel: str = "segments") -> int:
@@ -854,13 +938,18 @@ def explain_total(plan: dict[str, int], concurrent: bool, cpu: bool) -> list[str
     larger of the two phases, which never hold their memory at the same time (or both,
     when an async hf producer generates while the trainer trains)."""
     gib = lambda value: f"{value / 2**30:.3f}"  # noqa: E731
-    persistent = [k for k in ("weights", "reference_copy", "generation_copy", "adamw_state") if plan[k]]
+    persistent = [k for k in PERSISTENT if plan[k]]
     parts = [k for k in ("gradients", "activations", "lm_head", "all_to_all") if plan[k]]
     train = [f"at its peak, at most {' + '.join(parts) or '0'}"]
     if cpu and plan["offloaded_to_host"]:
         train.append("offloaded_to_host")
     fixed = sum(plan[k] for k in persistent)
     training = plan[TRAINING_PASS] + (plan["offloaded_to_host"] if cpu else 0)
+    if plan["teacher_scoring"] > training:  # the teacher's pass is the trainer's larger phase
+        train, training = (
+            ["teacher_scoring (the teacher's pass, larger than the training pass)"],
+            plan["teacher_scoring"],
+        )
     generation = plan["kv_cache"]
     first = f"  total = {' + '.join(persistent) or '0'} ({gib(fixed)}, held all run)"
     if concurrent:

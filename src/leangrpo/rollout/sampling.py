@@ -12,7 +12,7 @@ Order (transformers' order for these warpers; all in float32, filtered entries =
 2. top-k: keep logits >= the k-th largest (ties at the threshold are kept); k = 0 is off.
 3. top-p (nucleus): sort ascending, drop the tokens whose cumulative probability is
    <= 1 - top_p, always keep the most likely token; 1.0 is off. Only the hf engine offers
-   it (the trainer's chunked lm_head refuses it; see docs/ARCHITECTURE.md).
+   it (the trainer's chunked lm_head refuses it; see docs/training.md).
 4. min-p: keep tokens with p >= min_p * p_max, p from the filtered row; 0 is off.
 
 Top-k and min-p are thresholds on the same ordering and commute; top-p does not commute

@@ -10,6 +10,6 @@ trajectory or episode, each confined before it runs anything (its own PID, mount
 network namespaces, fresh scratch, memory and pids cgroups, a Landlock domain, the
 libseccomp filter of seccomp.py) and killed with its tree at its end; calls.py and
 output.py are the limits inside a box, frames.py the wire, proctree.py process trees,
-forward.py the one endpoint a box without network reaches. docs/ARCHITECTURE.md
-("Sandbox") has the threat model.
+forward.py the one endpoint a box without network reaches. docs/sandbox.md has the
+threat model ("What each level protects against").
 """

@@ -24,7 +24,9 @@ Supervisor side (what an entry's `supervise(channel, init, boxes)` uses):
     box.stdin / box.stdout                      # its pipes (stderr goes to the log)
 
 `start` takes a box forked ahead of time when one is ready (`spares`), so a call does not
-wait for the fork. `forward` (optional, a unix socket path the trainer listens on) is the
+wait for the fork; each call that still had to wait (a burst: one scoring's calls, many
+trajectories reset at once) keeps one more spare, up to MAX_SPARES, forked while the
+trainer generates and trains. `forward` (optional, a unix socket path the trainer listens on) is the
 one address a box without network reaches: a forwarder process inside the box listens on
 its own loopback and relays each connection there; the box's code finds the address in
 `LEANGRPO_ENDPOINT` (http://127.0.0.1:PORT) or `conn.endpoint`.
@@ -74,6 +76,7 @@ FORGED, DIED, TIMEOUT, MEMORY, GARBLED = (
     "garbled reply",
 )
 EXIT_NOTICE_S = 1.0  # how long the zygote may take to report a dead box's end
+MAX_SPARES = 16  # boxes forked ahead at most (a worker's calls of one scoring, at most)
 _CRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 
 
@@ -144,11 +147,19 @@ class Boxes:
         if forward is None and network == self.spare_network and self.spare_count:
             if not self._spares:
                 self._spares.append(self._request({"network": network}))
+            self._drain_control()
+            if self._spares[0] not in self._delivered:  # a call waits for a fork: keep more
+                self.spare_count = min(MAX_SPARES, self.spare_count + 1)
             box = self._take(self._spares.popleft())
             while len(self._spares) < self.spare_count:
                 self._spares.append(self._request({"network": network}))
             return box
         return self._take(self._request({"network": network, "forward": forward}))
+
+    def _drain_control(self) -> None:
+        """Read what the zygote has sent so far (boxes delivered, exits), without waiting."""
+        while self._poll([self.control], 0.0):
+            self._read_control(block=True)
 
     def command(self, argv: list[str], *, network: bool = False, forward: str | None = None,
                 env: dict[str, str] | None = None) -> Box:  # fmt: skip
@@ -324,9 +335,17 @@ class Boxes:
             if kind == "box":
                 self._delivered[message["id"]] = _box(message, fds)
             elif kind == "exit":
-                self._exits[message["id"]] = message
+                if self._holds(message["id"]):
+                    self._exits[message["id"]] = message  # until `end`
             else:
                 self._pending.append(message)
+
+    def _holds(self, box_id: int) -> bool:
+        """Whether box `box_id` is live or delivered (not ended): the notice of an ended
+        box, which usually arrives after `end` (the zygote reaps what it killed), is
+        dropped, so `_exits` holds live boxes only."""
+        box = self._live.get(box_id) or self._delivered.get(box_id)
+        return box is not None and not box.ended
 
     @staticmethod
     def _poll(handles: list, timeout: float) -> set[int]:

@@ -16,6 +16,9 @@ and pids cgroup (`max_processes`):
   confine.py clones the groups writable before the view is made read-only); the box joins
   them before anything else runs, and the zygote removes them once it has reaped the box,
   reading the OOM-kill counter first (a box killed at its limit fails as "memory limit").
+- A limit of memory, not of RAM: swap is counted (v1 memory.memsw.limit_in_bytes, v2
+  memory.swap.max 0); a v1 kernel without swap accounting keeps a box's pages out of swap
+  (memory.swappiness 0), or the kernel's swap would hold what the limit refuses.
 - Groups left by a trainer that died (its pid no longer running) are removed the next
   time one is made. Where no hierarchy is writable (not root, a read-only /sys/fs/cgroup)
   there is none, and the log line says that memory is bounded per process only.
@@ -214,8 +217,11 @@ class BoxGroups:
             with contextlib.suppress(OSError):  # no swap: a limit of memory, not of RAM
                 _write_at(fd, f"{name}/memory.swap.max", "0")
         elif controller == "memory":
-            with contextlib.suppress(OSError):  # the kernel may have no swap accounting
+            try:
                 _write_at(fd, f"{name}/memory.memsw.limit_in_bytes", str(value))
+            except OSError:  # no swap accounting (swapaccount=0): keep its pages out of swap
+                with contextlib.suppress(OSError):
+                    _write_at(fd, f"{name}/memory.swappiness", "0")
 
     def join(self, name: str) -> None:
         """Move the calling process (a new box, before anything runs) into box `name`."""

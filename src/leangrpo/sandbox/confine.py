@@ -25,9 +25,10 @@ namespace (Linux >= 5.14, unprivileged user namespaces or root):
   reach. It also refuses io_uring (which can open sockets past the filter) and system
   calls of another architecture's table (i386, x32), which the filter does not check.
 
-process (anywhere): no namespaces; the scratch is a plain directory; no_new_privs, and a
-root worker drops every capability (so it cannot ptrace, or read the memory of, the
-non-dumpable trainer: levels.py `protect_trainer`).
+process (anywhere): no namespaces; the scratch is a plain directory, a box's a directory
+in it that only the box's Landlock domain reaches (`own_domain`, `filesystem_grants`);
+no_new_privs, and a root worker drops every capability (so it cannot ptrace, or read the
+memory of, the non-dumpable trainer: levels.py `protect_trainer`).
 
 Both levels: the worker is non-dumpable (PR_SET_DUMPABLE 0, before user code: another
 worker's code, at the `process` level as the same user, could otherwise ptrace it or
@@ -49,6 +50,7 @@ import os
 import resource
 import signal
 import socket
+import stat
 import struct
 import sys
 
@@ -72,7 +74,13 @@ PR_CAP_AMBIENT_CLEAR_ALL = 4
 MS_REC, MS_PRIVATE = 0x4000, 0x40000
 SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
 LANDLOCK_CREATE_RULESET_VERSION, LANDLOCK_RULE_PATH_BENEATH = 1, 1
-LANDLOCK_ACCESS_FS_EXECUTE = 1
+LANDLOCK_ACCESS_FS_EXECUTE, LANDLOCK_ACCESS_FS_WRITE_FILE, LANDLOCK_ACCESS_FS_READ_FILE = 1, 2, 4
+LANDLOCK_ACCESS_FS_READ_DIR, LANDLOCK_ACCESS_FS_REFER, LANDLOCK_ACCESS_FS_TRUNCATE = 8, 1 << 13, 1 << 14
+READ_RIGHTS = LANDLOCK_ACCESS_FS_READ_FILE | LANDLOCK_ACCESS_FS_READ_DIR
+FILE_RIGHTS = (LANDLOCK_ACCESS_FS_EXECUTE | LANDLOCK_ACCESS_FS_WRITE_FILE
+               | LANDLOCK_ACCESS_FS_READ_FILE | LANDLOCK_ACCESS_FS_TRUNCATE)  # fmt: skip
+READ_ONLY_ROOTS = ("proc", "sys")  # at `process`: a box's own cgroup files, sysctls
+SCRATCH_PREFIX = "leangrpo-sandbox-"  # every worker's scratch directory (process.py)
 LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET, LANDLOCK_SCOPE_SIGNAL = 1, 2
 DEVICES = ("null", "zero", "full", "random", "urandom")
 LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
@@ -94,6 +102,10 @@ class _CapHeader(ctypes.Structure):
 
 class _CapData(ctypes.Structure):
     _fields_ = [(n, ctypes.c_uint32) for n in ("effective", "permitted", "inheritable")]
+
+
+# capset's arguments, every set empty (made once: a box pays for each page it writes)
+_NO_CAPS = (_CapHeader(0x20080522, 0), (_CapData * 2)())
 
 
 def _check(result: int, step: str) -> int:
@@ -274,14 +286,26 @@ def _drop_privileges() -> None:
     _prctl(PR_SET_NO_NEW_PRIVS, 1, "prctl NO_NEW_PRIVS")
     with contextlib.suppress(SetupError):  # without CAP_SETPCAP there is nothing to drop
         _prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, "prctl CAP_AMBIENT")
+    drop_bounding_set()
+    _check(_libc.capset(ctypes.byref(_NO_CAPS[0]), _NO_CAPS[1]), "capset")
+
+
+_bounding_dropped: list[bool] = []  # once per process: its children inherit the empty set
+
+
+def drop_bounding_set() -> None:
+    """Empty the capability bounding set (what an exec could gain), once: the zygote does it
+    before forking boxes, which keep its effective capabilities (its user namespace's, to
+    make their own) but inherit the empty set, so each box skips the 41 prctl calls."""
+    if _bounding_dropped:
+        return
     for cap in range(_last_cap() + 1):
         if _libc.prctl(PR_CAPBSET_DROP, ctypes.c_ulong(cap), 0, 0, 0) < 0:
             if ctypes.get_errno() == errno.EINVAL:  # beyond what this kernel knows
                 break
             if ctypes.get_errno() == errno.EPERM:  # no CAP_SETPCAP: no capability to lose
                 break
-    header, data = _CapHeader(0x20080522, 0), (_CapData * 2)()
-    _check(_libc.capset(ctypes.byref(header), data), "capset")
+    _bounding_dropped.append(True)
 
 
 # -- a box (the zygote's child, before anything else runs in it) --------------------------
@@ -349,35 +373,99 @@ class _PathBeneath(ctypes.Structure):
     _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
 
 
-def own_domain() -> bool:
+def own_domain(grants: list[tuple[str, bool]] | None = None) -> bool:
     """A Landlock domain of the box's own (after no_new_privs): a process outside it (the
     trainer, the supervisor and zygote, another box) can then not be ptraced, nor its
     /proc/<pid>/mem, fd or environ opened, and (Landlock ABI >= 6) neither signalled nor
     reached through an abstract unix socket, whatever its user: what keeps boxes apart at
-    the `process` level, where they share a PID namespace and a user. The filesystem is
-    not restricted by it. False where the kernel has no Landlock (the log line says so)."""
-    abi = _libc.syscall(SYS_LANDLOCK_CREATE_RULESET, None, 0, LANDLOCK_CREATE_RULESET_VERSION)
+    the `process` level, where they share a PID namespace and a user.
+
+    `grants` (the `process` level: `filesystem_grants` and the box's own scratch) restricts
+    the filesystem too: reading and writing only beneath those paths, each read-only or
+    not, so another box's scratch is out of its reach, and /proc and /sys are read-only:
+    its own cgroup's files (the limits of its memory and processes, cgroup.procs of its
+    worker's group) and the sysctls, which a root box without capabilities could
+    otherwise write as their owner. None (the `namespace` level, whose mounts do that): the
+    filesystem is not restricted. False where the kernel has no Landlock (the log line
+    says so)."""
+    abi = landlock_abi()
     if abi < 1:
         return False
-    if abi >= 6:
-        attr = _RulesetAttr(0, 0, LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET | LANDLOCK_SCOPE_SIGNAL)
-        size = ctypes.sizeof(attr)
-    else:  # a domain handling one right it then allows everywhere: ptrace is scoped
-        attr = _RulesetAttr(LANDLOCK_ACCESS_FS_EXECUTE, 0, 0)
-        size = 8
+    scoped = LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET | LANDLOCK_SCOPE_SIGNAL if abi >= 6 else 0
+    handled = _fs_rights(abi) if grants is not None else LANDLOCK_ACCESS_FS_EXECUTE
+    if grants is None and abi >= 6:
+        handled = 0  # scoping alone: the filesystem is the mounts' business
+    attr = _RulesetAttr(handled, 0, scoped)
+    size = ctypes.sizeof(attr) if abi >= 6 else 8
     ruleset = _check(_libc.syscall(SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), size, 0),
                      "landlock_create_ruleset")  # fmt: skip
     try:
-        if abi < 6:
-            root = os.open("/", os.O_PATH | os.O_CLOEXEC)
-            rule = _PathBeneath(LANDLOCK_ACCESS_FS_EXECUTE, root)
-            args = (ruleset, LANDLOCK_RULE_PATH_BENEATH, ctypes.byref(rule), 0)
-            _check(_libc.syscall(SYS_LANDLOCK_ADD_RULE, *args), "landlock_add_rule")
-            os.close(root)
+        if grants is not None:
+            for path, read_only in grants:
+                _grant(ruleset, path, handled & (READ_RIGHTS if read_only else ~0))
+        elif handled:  # a domain handling one right it then allows everywhere: ptrace is scoped
+            _grant(ruleset, "/", LANDLOCK_ACCESS_FS_EXECUTE)
         _check(_libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ruleset, 0), "landlock_restrict_self")
     finally:
         os.close(ruleset)
     return True
+
+
+def _fs_rights(abi: int) -> int:
+    """Every filesystem right this ABI knows but executing (allowed everywhere)."""
+    rights = (1 << 13) - 1 & ~LANDLOCK_ACCESS_FS_EXECUTE
+    if abi >= 2:
+        rights |= LANDLOCK_ACCESS_FS_REFER
+    if abi >= 3:
+        rights |= LANDLOCK_ACCESS_FS_TRUNCATE
+    return rights
+
+
+def _grant(ruleset: int, path: str, rights: int) -> None:
+    """Allow `rights` beneath `path` (the file rights alone on a file); a path gone since
+    it was listed is skipped (refused: the safe side)."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        if not stat.S_ISDIR(os.fstat(fd).st_mode):
+            rights &= FILE_RIGHTS
+        if rights:
+            rule = _PathBeneath(rights, fd)
+            args = (ruleset, LANDLOCK_RULE_PATH_BENEATH, ctypes.byref(rule), 0)
+            _check(_libc.syscall(SYS_LANDLOCK_ADD_RULE, *args), f"landlock_add_rule {path}")
+    finally:
+        os.close(fd)
+
+
+def filesystem_grants(scratch: str) -> list[tuple[str, bool]]:
+    """What a `process`-level box may read and write besides its own scratch directory
+    (the zygote's, once): everything beneath every entry of every directory on the way to
+    the worker's scratch directory, but that way itself and every worker's scratch
+    directory (SCRATCH_PREFIX); READ_ONLY_ROOTS read-only. So a box neither lists nor creates entries directly in those few directories (/, and
+    /tmp where the scratch is there: at `namespace` nothing of / is writable at all), and
+    an entry made in them after the zygote started is out of its reach too."""
+    root = os.path.realpath(scratch)
+    grants = []
+    here = "/"
+    for part in root.strip("/").split("/"):
+        for name in sorted(os.listdir(here)):
+            path = os.path.join(here, name)
+            if name != part and not _holds_scratch(os.path.realpath(path), root):
+                grants.append((path, here == "/" and name in READ_ONLY_ROOTS))
+        here = os.path.join(here, part)
+    return grants
+
+
+def _holds_scratch(path: str, root: str) -> bool:
+    """Whether `path` is on the way to, or inside, the worker's or another worker's scratch."""
+    return (
+        root == path
+        or root.startswith(path.rstrip("/") + "/")
+        or path.startswith(root + "/")
+        or any(part.startswith(SCRATCH_PREFIX) for part in path.split("/"))
+    )
 
 
 def landlock_abi() -> int:

@@ -37,6 +37,7 @@ from typing import Any
 
 from leangrpo.errors import UserError
 from leangrpo.sandbox.cgroups import hierarchies
+from leangrpo.sandbox.confine import landlock_abi
 
 ENV_NAMES = (
     "PATH", "LANG", "LANGUAGE", "TZ", "TERM", "LD_LIBRARY_PATH", "SSL_CERT_FILE",
@@ -111,7 +112,7 @@ class SandboxPlan:
             why = f", chosen because {self.reason}" if self.reason else ""
             what = (
                 f"process{why} (own session, allow-listed environment, no capabilities; "
-                f"each {unit} a process of its own with a fresh HOME/TMPDIR; "
+                f"each {unit} a process of its own with a fresh HOME/TMPDIR; {_apart()}; "
                 "the trainer's memory cannot be read, but code running as its user can "
                 "signal it and the filesystem is the trainer's)"
             )
@@ -138,6 +139,19 @@ class SandboxPlan:
             "memory cgroup here, so memfd, tmpfs and a call's several processes are not "
             "bounded together)"
         )
+
+
+def _apart() -> str:
+    """What keeps the boxes of a `process`-level worker apart (confine.py `own_domain`)."""
+    if landlock_abi() >= 1:
+        return (
+            "each box's scratch and processes out of the others' reach, /proc and /sys "
+            "read-only (Landlock)"
+        )
+    return (
+        "no Landlock in this kernel: the boxes of a worker can reach each other's scratch "
+        "directories and processes, and a root box its own cgroup limits"
+    )
 
 
 def check_level(section: Any, key: str) -> None:

@@ -16,12 +16,12 @@ only 0, 1 and 2. A thread rather than a per-call pipe: nothing is paid per call.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import fcntl
 import os
 import sys
 import termios
-import threading
 import time
 from collections.abc import Callable
 
@@ -47,7 +47,7 @@ class OutputMeter:
         os.close(write)
         self._read = fcntl.fcntl(read, fcntl.F_DUPFD_CLOEXEC, CHANNEL_FD_MIN)
         os.close(read)
-        threading.Thread(target=self._drain, name="output-meter", daemon=True).start()
+        _thread.start_new_thread(self._drain, ())  # (no Thread object: see calls._Watchdog)
 
     def start_call(self) -> None:
         self.counted = self.forwarded = 0

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from leangrpo.sandbox.cgroups import make_group, remove_groups
+from leangrpo.sandbox.confine import SCRATCH_PREFIX
 from leangrpo.sandbox.frames import FrameReader, pickle_frame
 from leangrpo.sandbox.launch import LAUNCH_CODE
 from leangrpo.sandbox.levels import SandboxPlan, protect_trainer
@@ -236,17 +237,28 @@ class WorkerProcess:
         self.release()
 
 
-SCRATCH_PREFIX = "leangrpo-sandbox-"
 _cleaned: list[bool] = []  # stale scratch directories removed, once per process
+SCRATCH_BASE = "/var/tmp"
+
+
+def scratch_base() -> str:
+    """Where workers' scratch directories are made: /var/tmp where this user may write
+    there, else the temporary directory. Not /tmp first: a `process`-level box can neither
+    list nor create entries directly in the directories on the way to its scratch
+    (confine.py `filesystem_grants`), and /tmp is where code writes most."""
+    if os.access(SCRATCH_BASE, os.W_OK | os.X_OK):
+        return SCRATCH_BASE
+    return tempfile.gettempdir()
 
 
 def scratch_directory() -> str:
     """A fresh scratch directory named after this trainer's pid; the first call also
     removes those of trainers no longer running (killed before they could)."""
+    base = scratch_base()
     if not _cleaned:
         _cleaned.append(True)
-        for path in Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*-*"):
+        for path in Path(base).glob(f"{SCRATCH_PREFIX}*-*"):
             owner = path.name[len(SCRATCH_PREFIX) :].partition("-")[0]
             if owner.isdigit() and int(owner) != os.getpid() and not process_exists(int(owner)):
                 shutil.rmtree(path, ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
+    return tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-", dir=base)

@@ -106,10 +106,18 @@ class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.c_void_p)]
 
 
-def load(program: bytes) -> None:
+class Program:
+    """A compiled filter made ready to load (the zygote's, once: each box only loads it)."""
+
+    def __init__(self, program: bytes):
+        self.buffer = ctypes.create_string_buffer(program, len(program))
+        self.fprog = _SockFprog(len(program) // 8, ctypes.cast(self.buffer, ctypes.c_void_p))
+        self.libc = ctypes.CDLL(None, use_errno=True)
+
+
+def load(program: bytes | Program) -> None:
     """Install a compiled filter on the calling thread (no_new_privs must be set)."""
-    buffer = ctypes.create_string_buffer(program, len(program))
-    prog = _SockFprog(len(program) // 8, ctypes.cast(buffer, ctypes.c_void_p))
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) < 0:
+    ready = program if isinstance(program, Program) else Program(program)
+    fprog = ctypes.byref(ready.fprog)
+    if ready.libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, fprog, 0, 0) < 0:
         raise OSError(ctypes.get_errno(), "seccomp")

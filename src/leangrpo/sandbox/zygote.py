@@ -10,11 +10,17 @@ checks, the set-up reports `announce` passes on), which returns what each box ru
   the child is born PID 1 of a new PID namespace (the zygote unshares one before the fork
   and steps back after it), so it sees no other process of the worker; process level: a
   session of its own and a fresh scratch directory. Before anything else runs, the child
-  closes every descriptor but its own, joins its cgroups (cgroups.py), is confined
+  joins its cgroups (cgroups.py), takes a fresh interpreter's signals (no wakeup fd, no
+  handler or ignored signal of the zygote's), closes every descriptor but its own, is confined
   (confine.py `confine_box`: namespaces, fresh /proc, scratch and /dev/shm; the process
   limit), starts its forwarder if asked (forward.py), drops every capability and loads
   the BOX filter (seccomp.py); then it runs `box_main` under its output meter, or execs
   `argv`. The supervisor gets the box's pid and its descriptors (SCM_RIGHTS).
+  What every box would do alike is done once, in the zygote, before it serves: the
+  filters compiled and made ready to load, the bounding set emptied (namespace level; the
+  process level's worker has no capability left), its signals that differ from a fresh
+  interpreter's listed, and its objects frozen (gc.freeze: a box's collections never walk
+  them, which would copy every page they are on).
 - `{"t": "ended", "id"}`: the supervisor killed the box. When a box ends the zygote reaps
   it, tells the supervisor `{"t": "exit", "id", "code", "oom"}`, removes its cgroups and
   (process level) its scratch directory, and kills what it left behind (processes
@@ -23,6 +29,7 @@ checks, the set-up reports `announce` passes on), which returns what each box ru
 
 from __future__ import annotations
 
+import _signal
 import contextlib
 import gc
 import importlib
@@ -45,7 +52,9 @@ from leangrpo.sandbox.confine import (
     SetupError,
     back_to,
     confine_box,
+    drop_bounding_set,
     drop_privileges,
+    filesystem_grants,
     limit_box_tasks,
     new_pid_namespace,
     own_domain,
@@ -53,7 +62,7 @@ from leangrpo.sandbox.confine import (
 from leangrpo.sandbox.frames import FrameReader, frame, json_payload
 from leangrpo.sandbox.output import OutputMeter
 from leangrpo.sandbox.proctree import become_subreaper, children, kill_pids
-from leangrpo.sandbox.seccomp import compile_filter, load
+from leangrpo.sandbox.seccomp import Program, compile_filter, load
 
 BOX_SETUP_FAILED = 75
 
@@ -72,12 +81,17 @@ class Zygote:
         self.groups = groups
         self.namespace = spec["level"] == "namespace"
         self.programs = {
-            unix: compile_filter(box=True, unix_sockets=unix) for unix in {True, spec["network"]}
+            unix: Program(compile_filter(box=True, unix_sockets=unix))
+            for unix in {True, spec["network"]}
         }
         self.own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+        # process level: what a box may read and write besides its scratch (its mounts
+        # keep a namespace box's files apart)
+        self.grants = None if self.namespace else filesystem_grants(spec["scratch"])
         self.live: dict[int, _Live] = {}  # pid -> box
         self.unremoved: list[str] = []  # cgroups whose tasks were still being released
         self.box_main: Callable[[BoxConn], Any] | None = None
+        self.signals: list[tuple[int, Any]] = []  # to reset in a box (`serve` finds them)
 
     def announce(self, message: dict) -> None:
         self.control.sendall(frame(json_payload(message)))
@@ -95,6 +109,10 @@ class Zygote:
         wake_read, wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wake_write)
         signal.signal(signal.SIGCHLD, lambda *a: None)
+        self.signals = _changed_signals()
+        if self.namespace:
+            drop_bounding_set()  # (the process level's worker has no capability left)
+        gc.freeze()  # a box's collections never walk (and so copy) the zygote's objects
         reader = FrameReader()
         poller = select.poll()
         poller.register(self.control, select.POLLIN)
@@ -169,16 +187,16 @@ class Zygote:
         try:
             if group is not None:
                 self.groups.join(group)  # first: everything the box does is counted
+            _fresh_signals(self.signals)  # before its wakeup fd is closed: no byte lands on a reused fd
             fds = _settle_descriptors(keep)  # the cgroups' and the zygote's are closed
             os.setsid()
             become_subreaper()  # orphans of its processes stay in its tree (process level)
             confine_box(self.spec, scratch, own_network=bool(request.get("network")))
-            os.environ.update(HOME=scratch, TMPDIR=scratch)
-            tempfile.tempdir = None  # the zygote's cached one is not this box's
+            _scratch_environment(scratch)
             endpoint = self._forwarder(request.get("forward"))
             limit_box_tasks(self.spec, tasks)
             drop_privileges()
-            own_domain()
+            own_domain(None if self.grants is None else [*self.grants, (scratch, False)])
             load(self.programs[bool(self.spec["network"])])
             if request.get("argv"):
                 _exec(request, fds, endpoint)
@@ -243,6 +261,44 @@ class Zygote:
             self.announce({"t": "exit", "id": box.id, "code": code, "oom": oom})
 
 
+PYTHON_DEFAULTS = {signal.SIGINT: signal.default_int_handler, signal.SIGPIPE: signal.SIG_IGN,
+                   signal.SIGXFSZ: signal.SIG_IGN}  # fmt: skip  what a fresh interpreter sets
+
+
+def _changed_signals() -> list[tuple[int, Any]]:
+    """The zygote's signals whose handling is not a fresh interpreter's (its SIGCHLD
+    handler, SIGINT ignored by the worker), with what a fresh interpreter has."""
+    changed = []
+    for signum in signal.valid_signals():
+        if signum in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        wanted = PYTHON_DEFAULTS.get(signum, signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):  # signals the C library reserves
+            if signal.getsignal(signum) is not wanted:  # (as plain ints: `_fresh_signals`)
+                changed.append((int(signum), int(wanted) if isinstance(wanted, int) else wanted))
+    return changed
+
+
+def _fresh_signals(changed: list[tuple[int, Any]]) -> None:
+    """A fresh interpreter's signals: no wakeup fd (the zygote's would get a byte for each
+    signal, on whatever descriptor has its number by then), none of the zygote's
+    handlers (`changed`: `_changed_signals`), none blocked."""
+    _signal.set_wakeup_fd(-1)
+    for signum, wanted in changed:  # the C functions: no enum made of what they return
+        _signal.signal(signum, wanted)
+    _signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
+def _scratch_environment(scratch: str) -> None:
+    """HOME and TMPDIR the box's scratch: set where they are not (a process box's own
+    directory; a namespace box's is the zygote's path, with a fresh tmpfs over it), as
+    each one set costs the box pages copied from the zygote."""
+    for name in ("HOME", "TMPDIR"):
+        if os.environ.get(name) != scratch:
+            os.environ[name] = scratch
+    tempfile.tempdir = None  # the zygote's cached one may not be this box's
+
+
 def _settle_descriptors(keep: dict[str, int]) -> dict[str, int]:
     """Close every descriptor but `keep`, moved to fixed places: 0 /dev/null (a command's
     stdin pipe), 1 and 2 the output pipe (a command's stdout: its pipe), the rest above."""
@@ -266,6 +322,8 @@ def _exec(request: dict, fds: dict[str, int], endpoint: str | None) -> None:
         env["LEANGRPO_ENDPOINT"] = endpoint
     for fd in fds.values():
         os.close(fd)
+    for signum in PYTHON_DEFAULTS:  # as subprocess's restore_signals: a command's defaults
+        signal.signal(signum, signal.SIG_DFL)
     argv = request["argv"]
     try:
         os.execvpe(argv[0], argv, env)

@@ -6,7 +6,7 @@ micro-batches), passes.py (the no-grad old and reference passes), inputs.py (the
 inputs and the step's normalisers), inflight.py (the batch in progress, resumable),
 step.py (one optimizer step), ranks.py (the ranks of one process, as the step sees them),
 loss.py (the objective family and IS correction), packing.py (packed batches and
-micro-batch plans), schedule.py (the LR schedule). See docs/ARCHITECTURE.md.
+micro-batch plans), schedule.py (the LR schedule). See docs/training.md.
 
 `Trainer` and `train` are imported from here (on first use); the rest from their modules.
 """

@@ -1,14 +1,14 @@
 """The batch in progress: a generation batch being trained on, resumable at any step.
 
-A `BatchInProgress` holds a batch's planned steps (old/reference log-probs attached by
-the no-grad passes) and how many of its mu x steps_per_generation optimizer steps are
-done, taken iteration-major. A checkpoint inside a batch saves it whole: its samples
+A `BatchInProgress` holds a batch's planned steps (old/reference/teacher log-probs
+attached by the no-grad passes) and how many of its mu x steps_per_generation optimizer
+steps are done, taken iteration-major. A checkpoint inside a batch saves it whole: its samples
 (re-planned identically on load) and the passes' tensors, so a resume continues with the
 same micro-batches and never recomputes old or reference log-probs with weights that
 have moved since; the batch's metrics (rewards, advantages, lengths, ...), logged with its
 first step, are saved too while that step is still to come. Under torchrun the tensors
 are each rank's own (the checkpointer gathers and hands them back). See
-docs/ARCHITECTURE.md ("Exact resume").
+docs/checkpoints.md ("Exact resume").
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from leangrpo.checkpoint.local import sample_from_state, sample_state
+from leangrpo.checkpoint.rundir import unrouted_batch
 from leangrpo.contracts import RolloutBatch
 from leangrpo.errors import RunError
 from leangrpo.model.policy import Policy
 from leangrpo.train.planning import PlannedStep, plan_steps
 
 # what the no-grad passes attach to a micro-batch: a checkpoint inside a batch keeps them
-NO_GRAD_FIELDS = ("old_logprobs", "ref_logprobs")
+NO_GRAD_FIELDS = ("old_logprobs", "ref_logprobs", "teacher_logprobs")
 
 
 @dataclass
@@ -38,6 +39,13 @@ class BatchInProgress:
     @property
     def remaining(self) -> int:
         return self.iterations * len(self.steps) - self.done
+
+    def summary(self, step: int) -> dict:
+        """What a resume checks before the model loads (checkpoint/rundir.py
+        `check_batch_routes`): the step the batch ends at, and whether its samples carry
+        route records (MoE routing replay)."""
+        routes = all(s.completion.routes is not None for s in self.batch.samples)
+        return {"ends_at_step": step + self.remaining, "routes": routes}
 
     def take(self) -> tuple[PlannedStep, dict[str, float]]:
         """The next step to train (iteration-major order) and the metrics to log with it."""
@@ -69,6 +77,8 @@ class BatchInProgress:
         """`state["attached"]` must be this rank's (the checkpointer hands back its own)."""
         batch = RolloutBatch([sample_from_state(s) for s in state["samples"]], state["group_size"])
         scored = [s for s in batch.samples if s.reward is not None]
+        if policy.routing.replay and any(s.completion.routes is None for s in scored):
+            raise RunError(unrouted_batch("The checkpoint", None))  # saved without its summary
         steps = plan_steps(scored, cfg, policy, rank, world_size)
         micro_batches = [mb for step in steps for mb in step.micro_batches]
         attached = [fields for step in state["attached"] for fields in step]

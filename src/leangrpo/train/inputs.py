@@ -10,7 +10,7 @@
   old pass's log-probs, behaviour IS weights), bypass (the behaviour log-probs as old, no
   weights) or none.
 
-See docs/ARCHITECTURE.md ("Loss normalisers", "Bypass mode has no IS weights").
+See docs/training.md ("Loss normalisers", "Bypass mode has no IS weights").
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from leangrpo.config.distill import DistillConfig
 from leangrpo.config.training import LossConfig
 from leangrpo.contracts import LossInputs, LossNormalisers, PackedBatch
+from leangrpo.distill.advantages import distill_advantages
 from leangrpo.train.loss import build_mask, importance_weights
 
 
@@ -73,10 +75,15 @@ def token_mask(mb: PackedBatch, loss: LossConfig) -> torch.Tensor:
 
 
 def loss_inputs(
-    mb: PackedBatch, logprobs: torch.Tensor, entropy: torch.Tensor | None, loss: LossConfig
+    mb: PackedBatch,
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor | None,
+    loss: LossConfig,
+    distill: DistillConfig | None = None,
 ) -> tuple[LossInputs, dict[str, torch.Tensor]]:
     """The loss's view of a micro-batch, with the off-policy correction chosen in config
-    (and its IS metrics, 0-d tensors on the device)."""
+    (and its IS metrics, 0-d tensors on the device); `distill`: the run's distill section
+    (None: no teacher)."""
     mask = token_mask(mb, loss)
     behaviour = mb.behaviour_logprobs
     old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach().float()
@@ -99,12 +106,30 @@ def loss_inputs(
     inputs = LossInputs(
         logprobs=logprobs.float(),
         old_logprobs=old,
-        advantages=mb.advantages[mb.token_seq],
+        advantages=token_advantages(mb, old, distill),
         mask=mask,
         token_seq=mb.token_seq,
         num_sequences=mb.num_sequences,
         ref_logprobs=mb.ref_logprobs,
         is_weights=weights,
         entropy=entropy,
+        teacher_logprobs=mb.teacher_logprobs,
     )
     return inputs, metrics
+
+
+def token_advantages(
+    mb: PackedBatch, old: torch.Tensor, distill: DistillConfig | None
+) -> torch.Tensor:
+    """(T,) A_t: the sequence's reward advantage, plus distill.weight x the discounted
+    reverse-KL rewards against the teacher when there is one (`old`: the student's
+    log-probs of the sampled tokens, the ratio's denominator)."""
+    advantages = mb.advantages[mb.token_seq]
+    if distill is None:
+        return advantages
+    if mb.teacher_logprobs is None:
+        raise RuntimeError("distill is set but no teacher log-probs were attached to the batch")
+    kl = distill_advantages(
+        old, mb.teacher_logprobs, mb.token_seq, distill.weight, distill.discount
+    )
+    return advantages.float() + kl

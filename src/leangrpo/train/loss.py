@@ -1,7 +1,7 @@
 """The GRPO objective family, KL k3 and the importance-sampling (IS) correction.
 
 Configured by the config's own `loss` section (`config.training.LossConfig`, validated
-there: one copy of the settings); docs/ARCHITECTURE.md "Choices" gives the reasons.
+there: one copy of the settings); docs/training.md gives the reasons.
 Every variant is three small pieces picked from a registry (no string branches):
 
     ratio      token: r_t = exp(logp_t - old_t)
@@ -77,6 +77,9 @@ METRIC_COUNTS: dict[str, str | None] = {
     "kl": "tokens",  # k3, only when ref_logprobs are given
     "entropy": "tokens",  # only when entropy is given
     "is/weight_applied": "tokens",  # only when is_weights are given
+    # log p_policy - log p_teacher of the sampled tokens (a distillation teacher's log-probs
+    # given): the sampled estimate of KL(policy || teacher) per token
+    "distill/reverse_kl": "tokens",
 }
 
 
@@ -218,7 +221,7 @@ def _check_inputs(inputs: LossInputs, cfg: LossConfig) -> None:
     named = {"old_logprobs": inputs.old_logprobs, "advantages": inputs.advantages,
              "mask": inputs.mask, "token_seq": inputs.token_seq,
              "ref_logprobs": inputs.ref_logprobs, "is_weights": inputs.is_weights,
-             "entropy": inputs.entropy}  # fmt: skip
+             "entropy": inputs.entropy, "teacher_logprobs": inputs.teacher_logprobs}  # fmt: skip
     for name, tensor in named.items():
         if tensor is not None and tensor.shape != shape:
             raise ValueError(f"LossInputs.{name} has shape {tuple(tensor.shape)}, need {shape}")
@@ -268,14 +271,14 @@ def compute_loss(inputs: LossInputs, norm: LossNormalisers, cfg: LossConfig) -> 
         if cfg.beta > 0:
             per_token = per_token + cfg.beta * kl
     loss = variant.reduce(per_token, kept, norm)
-    metrics = _metrics(kept, ratio, adv, kl, cfg)
+    metrics = _metrics(kept, logp, ratio, adv, kl, cfg)
     metrics["filtered_tokens"] = filtered.sum().to(metrics["tokens"].dtype)
     return LossOutputs(loss=loss, metrics=metrics)
 
 
 @torch.no_grad()
 def _metrics(
-    inputs: LossInputs, ratio: Tensor, adv: Tensor, kl: Tensor | None, cfg: LossConfig
+    inputs: LossInputs, logp: Tensor, ratio: Tensor, adv: Tensor, kl: Tensor | None, cfg: LossConfig
 ) -> dict[str, Tensor]:
     mask = inputs.mask
     low, high, region = _clip_flags(ratio, adv, cfg)
@@ -288,6 +291,9 @@ def _metrics(
         "ratio/mean": _select(ratio, mask).sum(),
     }
     optional = {"kl": kl, "entropy": inputs.entropy, "is/weight_applied": inputs.is_weights}
+    if inputs.teacher_logprobs is not None:
+        teacher = _select(_upcast(inputs.teacher_logprobs).to(logp.dtype), mask)
+        optional["distill/reverse_kl"] = logp.detach() - teacher
     for name, values in optional.items():
         if values is not None:
             out[name] = _select(values.to(ratio.dtype), mask).sum()

@@ -1,4 +1,4 @@
-"""The no-grad passes before a batch's first update: old and reference log-probs.
+"""The no-grad passes before a batch's first update: old, reference and teacher log-probs.
 
 - old log-probs (the ratio's denominator): a separate pass only when the weights will have
   moved before a micro-batch is trained on (mu > 1 or several steps per batch); otherwise
@@ -7,12 +7,15 @@
 - reference log-probs, only when beta > 0: unfiltered (temperature only, see
   `model.scoring.reference_logprobs`), so the KL never meets a reference that excludes a
   token.
+- teacher log-probs, only with a distillation teacher (`policy.teacher`, distill/): the
+  same pass on the teacher, under the reference's transformation
+  (`distill.teacher.teacher_logprobs`).
 
-Both run in eval mode over every planned micro-batch (torchrun's padding ones too: every
+All run in eval mode over every planned micro-batch (torchrun's padding ones too: every
 rank makes the same forwards), then `ranks.release_gathered` frees what the passes left
 gathered (FSDP2 reshards neither the root nor, under shard_grad_op, any unit after a
-forward that no backward follows). See docs/ARCHITECTURE.md ("Reference log-probs are
-unfiltered", "Units").
+forward that no backward follows). See docs/training.md ("Reference log-probs are
+unfiltered") and docs/distributed.md ("Units").
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 
 from leangrpo.config.training import LogprobsConfig, LossConfig
 from leangrpo.contracts import SamplingParams, StepRanks
+from leangrpo.distill.teacher import teacher_logprobs
 from leangrpo.model.policy import Policy
 from leangrpo.model.scoring import eval_mode, reference_logprobs, score
 from leangrpo.train.planning import PlannedStep
@@ -42,10 +46,12 @@ def attach_old_and_ref(
     sampling: SamplingParams,
     ranks: StepRanks = ONE_PROCESS,
 ) -> None:
-    """Fill in old and reference log-probs on every micro-batch before the first update."""
+    """Fill in old, reference and teacher log-probs on every micro-batch before the first
+    update."""
     want_old = needs_old_pass(loss, len(steps))
     want_ref = loss.beta > 0
-    if not (want_old or want_ref):
+    teacher = policy.teacher
+    if not (want_old or want_ref or teacher is not None):
         return
     with eval_mode(policy.model):  # torchrun: padding micro-batches run these passes too
         for mb in (mb for step in steps for mb in step.micro_batches):
@@ -54,4 +60,6 @@ def attach_old_and_ref(
                 mb.old_logprobs = score(module, mb, sampling, logprobs)[0].float()
             if want_ref:
                 mb.ref_logprobs = reference_logprobs(policy, mb, sampling, logprobs).float()
+            if teacher is not None:
+                mb.teacher_logprobs = teacher_logprobs(teacher, mb, sampling, logprobs)
     ranks.release_gathered(policy)

@@ -11,7 +11,7 @@ Under torchrun every rank holds the whole batch; each step's groups are dealt to
 (`distributed.dealing.deal_groups`, by tokens or attention cost), each rank packs only its
 share, and every rank's plan is padded with one-token padding micro-batches to the largest
 count. Every rank plans every rank's share, so no collective is needed. See
-docs/ARCHITECTURE.md ("One generation batch", "A step", "Dealing groups").
+docs/training.md ("One generation batch") and docs/distributed.md ("A step", "Dealing groups").
 """
 
 from __future__ import annotations

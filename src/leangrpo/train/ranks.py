@@ -4,7 +4,7 @@
 an identity (what a world-size-1 `DistContext` also does), the gradient norm is torch's
 `clip_grad_norm_` and the passes leave nothing gathered. Torchrun's counterpart is
 `distributed.strategy.TorchrunRanks`; `distributed.strategy.choose_strategy` picks one at
-set-up, so the step runs one code path either way (docs/ARCHITECTURE.md "A step").
+set-up, so the step runs one code path either way (docs/distributed.md, "A step").
 """
 
 from __future__ import annotations

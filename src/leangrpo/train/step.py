@@ -15,7 +15,7 @@ The ranks are a `contracts.StepRanks`, picked at set-up: one process (identities
 torchrun, where the normaliser counts are all-reduced once, padding micro-batches run a
 forward and a zero-gradient backward (never the loss), the gradient norm is global, the
 skip decision is all-reduced and the loss metrics are combined over ranks, so every rank
-takes the same decision and rank 0 logs global figures. See docs/ARCHITECTURE.md
+takes the same decision and rank 0 logs global figures. See docs/distributed.md
 ("A step", "Gradients are averaged over ranks").
 """
 
@@ -65,7 +65,7 @@ def train_step(
                 padding_pass(module, mb, sampling, cfg.logprobs, backward=True, with_entropy=True)
                 continue
             logprobs, entropy = score(module, mb, sampling, cfg.logprobs, with_entropy=True)
-            inputs, mb_is = loss_inputs(mb, logprobs, entropy, cfg.loss)
+            inputs, mb_is = loss_inputs(mb, logprobs, entropy, cfg.loss, cfg.distill)
             out = compute_loss(inputs, norm, cfg.loss)
             policy.routing.loss_with_aux(out.loss, inputs, norm).backward()  # MoE: + aux loss
         on_device.append((out.loss.detach(), out.metrics, mb_is))

@@ -7,7 +7,7 @@ roles' own pieces: `train.ranks.OneProcess`, `checkpoint.local.LocalCheckpointer
 `metrics.logger.MetricsLogger`, `Policy.named_trainable_tensors`, no sharding, figures as
 measured, nothing to stop. `distributed.strategy.choose_strategy` picks this one or the
 torchrun one once, at set-up, so the trainer runs one code path. See
-docs/ARCHITECTURE.md "Distributed" ("One process or torchrun is chosen once").
+docs/distributed.md ("One process or torchrun is chosen once").
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ inside a batch holds that batch (`BatchInProgress`), so resume is exact at any s
 Stop signals (stopping.py): during `train()` a first SIGTERM or Ctrl-C is checked at each
 optimizer-step boundary (on every rank, agreed by one all-reduce; a wait for a batch in one
 process is cut short: the batch is abandoned); the run then saves a checkpoint at that
-step, closes, and raises `RunStopped`. See docs/ARCHITECTURE.md.
+step, closes, and raises `RunStopped`. See docs/training.md and docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from leangrpo.agents.setup import start_agents
 from leangrpo.checkpoint.rundir import schedule_horizon
 from leangrpo.config import Config
 from leangrpo.contracts import MultiTurn, RolloutBatch
+from leangrpo.distill.teacher import load_teacher
 from leangrpo.distributed.context import DistContext, init_distributed
 from leangrpo.distributed.strategy import choose_strategy
 from leangrpo.environments.setup import start_environments
@@ -51,7 +52,13 @@ from leangrpo.metrics.learning import LearningSignal, warn_if_tokenizer_drops_te
 from leangrpo.model.policy import Policy, load_policy
 from leangrpo.model.tokenizer import remember
 from leangrpo.pipeline.builder import build_pipeline
-from leangrpo.preflight import Preflight, load_checked_tokenizer, preflight, prepare_prompts
+from leangrpo.preflight import (
+    Preflight,
+    check_attention_backend,
+    load_checked_tokenizer,
+    preflight,
+    prepare_prompts,
+)
 from leangrpo.prestart import Prestarted
 from leangrpo.rewards import RewardPool
 from leangrpo.rollout.factory import make_engines, start_shared_engine
@@ -113,6 +120,7 @@ class Trainer:
     def _build(self, cfg: Config) -> None:
         ctx = self.ctx
         self.strategy = strategy = choose_strategy(cfg, ctx, self.out)
+        check_attention_backend(cfg, strategy.device.type)  # run.device auto, resolved
         log.info("loading transformers, the tokenizer and the prompts ...")
         tokenizer, limit = load_checked_tokenizer(cfg, self.checked)  # `leangrpo check` too
         # multi-turn, still before the model loads: environment workers (or the agent
@@ -124,7 +132,8 @@ class Trainer:
         prompts = prepare_prompts(cfg, tokenizer, limit, first_turn)
         if ctx.is_main:
             warn_if_tokenizer_drops_text(prompts.train, tokenizer, cfg.model.name_or_path)
-        self.learning = LearningSignal(self.out)  # warns when nothing can be learned
+        # warns when nothing can be learned (a teacher's signal is not the groups')
+        self.learning = LearningSignal(self.out, flat_groups_matter=cfg.distill is None)
         remember(self.checked.model.directory, tokenizer)  # for the next preflight and check
         if self.multi_turn is not None:
             self.multi_turn.probe(prompts.train[0])
@@ -134,6 +143,11 @@ class Trainer:
         self.policy: Policy = shared or load_policy(
             cfg, tokenizer, strategy.device, reference_on_meta=strategy.reference_on_meta
         )
+        if cfg.distill is not None:  # sharded with the policy under torchrun
+            log.info("loading the teacher %s ...", cfg.distill.teacher)
+            # torchrun (sharded next): staged in host memory, sharded onto the device
+            staged = strategy.reference_on_meta
+            self.policy.teacher = load_teacher(cfg, strategy.device, staged=staged)
         own_copy = strategy.shard(self.policy)  # torchrun, hf engine: the rank's own copy
         self.engines = engines = make_engines(
             cfg, self.policy, ctx, own_copy, started=started and started.engine
@@ -481,7 +495,9 @@ class Trainer:
         self.save_checkpoint()
         if self.cfg.checkpoint.save_final_model:
             with self.ctx.phase("checkpoint"):
-                self.strategy.checkpointer.save_final(self.policy.model, self.policy.tokenizer)
+                self.strategy.checkpointer.save_final(
+                    self.policy.model, self.policy.tokenizer, self.step, self.version
+                )
         return final
 
     def save_checkpoint(self) -> Path:
@@ -493,6 +509,8 @@ class Trainer:
             "schedule_steps": self.schedule_steps,  # the LR schedule's horizon (resume keeps it)
             # rows logged at this step so far: a resume drops the ones logged after it
             "metrics_rows_at_step": self.logger.rows_logged_at(self.step),
+            # checked by a resume before the model loads (rundir.py `check_batch_routes`)
+            "batch_in_progress": self.inflight.summary(self.step) if self.inflight else None,
         }
         bulky = {"producer": self.producer.state_dict()}
         extra = {"config.yaml": self.cfg.to_yaml()}  # compared on resume (rundir.py)

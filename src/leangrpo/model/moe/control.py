@@ -32,7 +32,13 @@ Auxiliary loss (`train.router_aux_loss_coef`; off by default): transformers'
 `load_balancing_loss_func` over the micro-batch's real tokens only (context-parallel
 padding never counts): E x sum_e f_e P_e, f_e the share of (token, layer, slot)
 assignments to expert e (the experts used: the replayed ones where routes are replayed),
-P_e the mean router probability of e over tokens and layers. Under context parallelism
+P_e the mean router probability of e over tokens and layers. Every token of every
+sequence counts, prompt tokens included, as transformers counts them in a padded batch;
+in a shared-prefix row (packing.shared_prefix) a group's prompt is laid once for its G
+completions, so its positions count G times (`LocalRow.sequences_per_position`): the
+loss is the plain layout's, whichever layout packs the micro-batch (a position shared by
+G sequences routes as each of their copies would: the same tokens, the same causal
+context). Under context parallelism
 each rank holds its tokens' probabilities: its term is E x sum_e f_e(group) P_e(own)
 with the group's counts, so the ranks' terms add up to the loss and each rank's gradient
 is its own tokens' share (as the log-probs' gather does). The trainer adds
@@ -126,6 +132,7 @@ class RoutingControl:
         self.last = {}
         self._announced = True
         self._real = row.real_tokens
+        self._shared = row.sequences_per_position
         routes = row.routes
         if routes is None:
             if self.replay and not padding and row.num_targets > 0:
@@ -269,12 +276,17 @@ class RoutingControl:
             self._layer_flips += differs
 
     def _aux_statistics(self, layer: int, logits: Tensor, indices: Tensor, first: bool) -> None:
+        """(E,) assignments and summed probabilities over the real positions, each weighted
+        by the sequences it belongs to (a shared prompt's: its group's completions)."""
         real = logits.shape[0] if self._real is None else self._real
-        probs = torch.softmax(logits[:real].float(), dim=-1).sum(dim=0)  # (E,), with grad
+        probs = torch.softmax(logits[:real].float(), dim=-1)  # (real, E), with grad
+        shared = self._shared
+        probs = (probs if shared is None else probs * shared[:, None]).sum(dim=0)
         with torch.no_grad():
-            chosen = indices[:real].reshape(-1)
+            chosen = indices[:real]
+            per = torch.ones(real, device=logits.device) if shared is None else shared
             counts = torch.zeros(self.spec.experts, device=logits.device)
-            counts.index_add_(0, chosen, torch.ones_like(chosen, dtype=counts.dtype))
+            counts.index_add_(0, chosen.reshape(-1), per[:, None].expand_as(chosen).reshape(-1))
         if first:
             self._aux_counts[layer], self._aux_probs[layer] = counts, probs
 
@@ -284,6 +296,7 @@ class RoutingControl:
         self._mask: Tensor | None = None  # (n,) positions with a route
         self._conflicts: Tensor | None = None
         self._real: int | None = None
+        self._shared: Tensor | None = None  # (real,) sequences per position (shared prefix)
         self._calls = [0] * layers
         self._aux_counts: list[Tensor | None] = [None] * layers
         self._aux_probs: list[Tensor | None] = [None] * layers

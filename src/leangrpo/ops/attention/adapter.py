@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from leangrpo.ops.attention import kernels
-from leangrpo.ops.attention.kernels import PackedAttentionError
+from leangrpo.ops.attention.kernels import AttentionSetupError, PackedAttentionError
 from leangrpo.ops.attention.layout import GroupSpan, PrefixLayout
 
 logger = logging.getLogger("leangrpo")
@@ -112,7 +112,7 @@ def resolve_backend(backend: str = "auto", device_type: str | None = None) -> st
     if backend != "auto":
         reason = backend_unavailable_reason(backend, device_type)
         if reason is not None:
-            raise PackedAttentionError(
+            raise AttentionSetupError(
                 f"packing.attention_backend={backend!r} is unavailable: {reason}; "
                 "or set packing.attention_backend=auto."
             )
@@ -143,11 +143,17 @@ def current_backend() -> str:
     return _STATE.backend
 
 
-def enable_packed_attention(model: nn.Module, backend: Backend = "auto") -> str:
-    """Switch a loaded (possibly peft-wrapped) model to the adapter; returns the backend."""
+def enable_packed_attention(
+    model: nn.Module, backend: Backend = "auto", device_type: str | None = None
+) -> str:
+    """Switch a loaded (possibly peft-wrapped) model to the adapter; returns the backend.
+    `device_type`: where the model will run, when it is still elsewhere (a torchrun
+    teacher staged in host memory, moved to the GPU as it is sharded): the backend is
+    chosen for that device, and the probe runs where the model is, with a kernel that
+    runs there (what the probe learns, which kwargs reach the attention, is the model's)."""
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     device = next(lm.parameters()).device
-    name = register_packed_attention(backend, device.type)
+    name = register_packed_attention(backend, device_type or device.type)
     if hasattr(lm, "set_attn_implementation"):
         lm.set_attn_implementation(name)
     support = _probe(lm, device)
@@ -304,19 +310,19 @@ def _check_packed_call(module, query, key, attention_mask, is_causal, kwargs, la
             "packed forward got an attention_mask; packed rows hold only real tokens, drop the mask."
         )
     if kwargs.get("s_aux") is not None:
-        raise PackedAttentionError(
+        raise AttentionSetupError(
             f"{type(module).__name__} adds attention sinks (s_aux: gpt-oss), which leangrpo's "
             "packed attention kernels do not implement, so its log-probs would be wrong; this "
             "architecture cannot be trained yet"
         )
     if is_causal is False or not getattr(module, "is_causal", True):
-        raise PackedAttentionError(
+        raise AttentionSetupError(
             "packed attention is causal only; this attention layer is bidirectional."
         )
     window = kwargs.get("sliding_window")
     longest = _longest_span(layout) if layout is not None else kwargs.get("max_length_q")
     if window is not None and (longest is None or longest > window):
-        raise PackedAttentionError(
+        raise AttentionSetupError(
             f"a packed sequence ({longest} tokens) exceeds the model's sliding window ({window}); "
             "the packed kernels implement full causal attention only: shorten sequences."
         )
@@ -432,12 +438,16 @@ def _probe(lm: nn.Module, device: torch.device) -> PackedSupport:
     if current_backend() in PREFIX_BACKENDS:
         runs.append((torch.tensor([[0, 1, 2, 3, 2]], device=device), {PREFIX_KWARG: layout}))
     _PROBE.active, _PROBE.saw_cu, _PROBE.saw_prefix, _PROBE.split_calls = True, False, False, 0
+    chosen = _STATE.backend
+    if chosen is not None and backend_unavailable_reason(chosen, device.type) is not None:
+        _STATE.backend = resolve_backend("auto", device.type)  # the model is not there yet
     try:
         with torch.no_grad():
             for position_ids, extra in runs:
                 backbone(input_ids=ids, position_ids=position_ids, use_cache=False, **extra)
     finally:
         _PROBE.active = False
+        _STATE.backend = chosen
     return PackedSupport(
         _PROBE.saw_cu,
         _PROBE.saw_prefix,
@@ -469,7 +479,7 @@ def _install_padded_view(backbone: nn.Module) -> None:
 
 def _pad_packed_call(module, args, kwargs):
     if kwargs.get(PREFIX_KWARG) is not None:
-        raise PackedAttentionError(
+        raise AttentionSetupError(
             f"{type(module).__name__} cannot take the shared-prefix layout (its attention "
             "does not receive packed kwargs); set packing.shared_prefix=off."
         )

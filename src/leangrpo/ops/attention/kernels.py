@@ -25,12 +25,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from leangrpo.errors import UserError
 from leangrpo.ops.attention import batching
 from leangrpo.ops.attention.layout import PrefixLayout
 
 
 class PackedAttentionError(RuntimeError):
-    """A packed forward that the adapter cannot run exactly."""
+    """A packed forward that the adapter cannot run exactly: called the wrong way (a KV
+    cache, an attention mask, a batch of rows), a caller's bug; or `AttentionSetupError`."""
+
+
+class AttentionSetupError(PackedAttentionError, UserError):
+    """A packed forward this configuration cannot run exactly (the attention backend, the
+    device, the model's attention, the sequences' lengths): the user's to fix, one
+    sentence naming the setting (the CLI prints it without a traceback, exit 2)."""
 
 
 _HOST_BOUNDS: dict[str, Any] = {}
@@ -138,7 +146,7 @@ def torch_varlen(q, k, v, cu, max_len, scale, dropout) -> Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
     if dropout > 0:
-        raise PackedAttentionError(
+        raise AttentionSetupError(
             "torch_varlen has no attention dropout; set attention_dropout=0 "
             "or packing.attention_backend=flash_varlen."
         )
@@ -157,7 +165,7 @@ def torch_varlen(q, k, v, cu, max_len, scale, dropout) -> Tensor:
     if "scale" in params:
         extra["scale"] = scale
     elif abs(scale - q.shape[-1] ** -0.5) > 1e-12:
-        raise PackedAttentionError(
+        raise AttentionSetupError(
             "this torch's varlen_attn has no scale argument and the model uses "
             "a non-default one; use packing.attention_backend=flex."
         )
@@ -172,11 +180,11 @@ def _flex_call(q, k, v, block_mask, scale, dropout) -> Tensor:
     from torch.nn.attention.flex_attention import flex_attention
 
     if dropout > 0:
-        raise PackedAttentionError(
+        raise AttentionSetupError(
             "flex attention has no attention dropout; set attention_dropout=0."
         )
     if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
-        raise PackedAttentionError(
+        raise AttentionSetupError(
             "flex attention has no backward on CPU (torch limitation); train on CPU with "
             "packing.attention_backend=sdpa_segments (or auto)."
         )

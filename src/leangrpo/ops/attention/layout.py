@@ -35,6 +35,20 @@ class PrefixLayout:
     def max_segment_len(self) -> int:
         return max(max(g.prompt_len, *g.completion_lens) for g in self.groups)
 
+    def sequences_per_position(self, device: torch.device) -> Tensor:
+        """(N,) float: how many sequences each position belongs to, a group's prompt
+        positions to each of its completions, a completion's to one (what the plain layout
+        would hold of it); cached per device. MoE statistics weigh positions by it."""
+        key = ("sequences", str(device))
+        if key not in self._device_cache:
+            counts, lens = [], []
+            for g in self.groups:
+                counts += [len(g.completion_lens)] + [1] * len(g.completion_lens)
+                lens += [g.prompt_len, *g.completion_lens]
+            per = torch.tensor(counts, dtype=torch.float32).repeat_interleave(torch.tensor(lens))
+            self._device_cache[key] = per.to(device)
+        return self._device_cache[key]
+
     def segment_ids(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
         """(group_of, segment_of, is_prompt), each (N,), cached per device; used by flex."""
         key = ("segments", str(device))

@@ -5,6 +5,6 @@ completion tokens, the whole row's attention kwargs) and holds `WHOLE_ROW`, the 
 one process; ulysses.py is the Ulysses strategy (an all-to-all from sequence shards to
 head shards around attention and back, log-probs put back into the row's order);
 exchange.py the collectives it runs on a process group. Torch only, knowing no config:
-distributed/mesh.py builds the groups and picks the strategy. See docs/ARCHITECTURE.md
-"Context parallelism".
+distributed/mesh.py builds the groups and picks the strategy. See
+docs/context-parallel.md.
 """

@@ -71,7 +71,17 @@ def whole_row(batch: PackedBatch) -> LocalRow:
         tokens=None,
         num_targets=batch.num_completion_tokens,
         routes=batch.routes,
+        sequences_per_position=_sequences_per_position(batch, 0, batch.num_tokens),
     )
+
+
+def _sequences_per_position(batch: PackedBatch, start: int, end: int) -> Tensor | None:
+    """Positions [start, end) of a shared-prefix row: sequences each belongs to; None for
+    the plain layout (one each)."""
+    layout = getattr(batch, "prefix", None)
+    if layout is None:
+        return None
+    return layout.sequences_per_position(batch.input_ids.device)[start:end]
 
 
 class WholeRow:
@@ -142,6 +152,7 @@ def shard_row(
         num_targets=batch.num_completion_tokens,
         routes=None if batch.routes is None else batch.routes[mine],
         real_tokens=max(0, min(end, shards.tokens) - start),
+        sequences_per_position=_sequences_per_position(batch, start, min(end, shards.tokens)),
     )
 
 

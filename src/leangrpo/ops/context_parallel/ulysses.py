@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from leangrpo.ops.attention.adapter import CONTEXT_KWARG
-from leangrpo.ops.attention.kernels import PackedAttentionError
+from leangrpo.ops.attention.kernels import AttentionSetupError
 from leangrpo.ops.context_parallel.exchange import Exchange
 from leangrpo.ops.context_parallel.shards import RowShards, shard_row
 
@@ -89,7 +89,7 @@ class Ulysses:
         kernel over the whole row, (1, h, N, D) in and (1, N, h, D) out."""
         c, heads = self.size, query.shape[1]
         if heads % c:
-            raise PackedAttentionError(
+            raise AttentionSetupError(
                 f"Ulysses splits attention heads over the context-parallel group: {heads} query "
                 f"heads cannot be split over {c} ranks; choose a distributed.context_parallel_size "
                 f"that divides {heads}"

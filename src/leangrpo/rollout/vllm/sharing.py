@@ -43,7 +43,7 @@ optimizer step on the policy is an update of the weights vLLM serves.
   trainer, so they are never used here. CPU vLLM has no sleep mode (logged once).
 
 Tested with vLLM 0.32.x (`TESTED_VLLM`); the vLLM internals this reads are listed in
-docs/ARCHITECTURE.md ("One copy of the weights").
+docs/shared-weights.md ("vLLM internals read, and the tested range").
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ every update and generation; until its run has pushed weights it reports `NO_VER
 - an update from another run always loads; within a run versions only move forward:
   the same version again is a retried update (nothing to do), an older one is refused.
 
-See docs/ARCHITECTURE.md ("Policy identity").
+See docs/rollout.md ("Policy identity").
 """
 
 from __future__ import annotations
