@@ -62,6 +62,7 @@ test: test-main test-vllm
 # generic pass only the comparisons of two ways of making a batch, not the resumes).
 # See docs/testing.md, "Bitwise or within rounding".
 EXACT_ONE_PROCESS := tests/integration/test_multiturn.py tests/integration/test_trainer.py \
+	tests/integration/test_agents.py \
 	tests/rollout/test_hf.py tests/rollout/test_hf_turns.py tests/model/test_policy.py
 EXACT_TORCHRUN := tests/distributed/test_context_parallel.py
 AVX2_KERNELS := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
