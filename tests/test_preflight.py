@@ -193,7 +193,7 @@ def test_context_parallel_without_torchrun_is_one_line_and_no_torch(tmp_path: Pa
 def test_the_continuous_batch_knobs_are_listed_where_nothing_reads_them(tmp_path: Path) -> None:
     knobs = ("rollout.max_batch_size=4", "rollout.kv_cache_tokens=4096")
     assert ignored_options(demo(tmp_path, *knobs)) == [
-        "rollout.max_batch_size, rollout.kv_cache_tokens (there is no environment: single-turn "
+        "rollout.max_batch_size, rollout.kv_cache_tokens (there is no environment or agent: single-turn "
         "generation batches by rollout.hf_prompts_per_forward)"
     ]
     tools = load_config(

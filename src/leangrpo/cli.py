@@ -1,4 +1,5 @@
-"""`leangrpo train | check | plan | report | merge | serve`, `--version`: thin entry points,
+"""`leangrpo train | check | plan | report | merge | eval | serve | serve-agent`, `--version`:
+thin entry points,
 heavy imports deferred.
 
 Errors that are the user's to fix (config, data, reward functions, model files, the run
@@ -112,6 +113,14 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "serve", help="start a vLLM server with leangrpo's weight-sync extension", add_help=False
     )
+    text = "serve a policy on the OpenAI-compatible agent endpoint, for an outside agent (no training)"
+    sa = sub.add_parser("serve-agent", help=text, description=text + "; docs/agents.md.")
+    sa.add_argument("config", help="YAML config file (its model, rollout sampling, agent limits)")
+    sa.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config value")  # fmt: skip
+    sa.add_argument("--model", default=None, metavar="DIR",
+                    help="the model to serve: a run's final/ or a model directory (default: model.name_or_path)")  # fmt: skip
+    sa.add_argument("--port", type=int, default=8000, help="the loopback port (0: a free one; default 8000)")
     return parser
 
 
@@ -261,6 +270,8 @@ def _dispatch(args) -> int:
         return _merge(args)
     if args.command == "eval":
         return _eval(args)
+    if args.command == "serve-agent":
+        return _serve_agent(args)
     from leangrpo.metrics.report import report
 
     _print(report(args.run_dir))
@@ -317,6 +328,17 @@ def _eval(args) -> int:
         **({"eval": eval_section} if eval_section else {}),
     )  # fmt: skip
     _print(render(result))
+    return 0
+
+
+def _serve_agent(args) -> int:
+    from leangrpo.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    from leangrpo.agents.serve import serve_agent
+
+    serve_agent(cfg, args.model, args.port, ready=lambda url: _print(f"leangrpo: serving at {url}"))
+    _exit_now(0)  # served and closed: skip tearing torch down
     return 0
 
 

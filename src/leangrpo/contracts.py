@@ -78,6 +78,10 @@ class Trajectory:
     # the prompt the trajectory starts from: the environment's start messages rendered
     # with its tools (the sample's prompt); None once it is the sample's (checkpoints)
     start: Prompt | None = None
+    # an agent episode's earlier segments (agents/: the agent edited its history), each a
+    # completion with its own trajectory and start; the producer makes each a sample of its
+    # own with this episode's reward and advantage (pipeline/batch.py), then empties this
+    earlier: list[Completion] = field(default_factory=list)
 
     def model_offsets(self) -> list[int]:
         """Position in Completion.ids of each model token, in order."""
@@ -384,6 +388,27 @@ class TurnEngine(Protocol):
     def open_turns(self, params: SamplingParams, version: int) -> TurnStream:
         """A stream for one generation call's turns at `version` (close it when done)."""
         ...
+
+
+class MultiTurn(Protocol):
+    """What a multi-turn run sets up once, before the model loads, and generates through:
+    an environment pool (environments/setup.py `Environments`) or agents behind the
+    OpenAI-compatible endpoint (agents/setup.py `Agents`)."""
+
+    def first_turn(self, messages: list[dict[str, Any]]) -> str:
+        """A prompt's messages as its trajectory's first turn renders them."""
+        ...
+
+    def probe(self, prompt: Prompt) -> None:
+        """Fail with one line now rather than unscore every sample later."""
+        ...
+
+    def rollout(self, engine: Any) -> Any:
+        """An object with an engine's `generate` call shape over `engine`, each completion
+        a trajectory, and `last_metrics` (the call's metrics)."""
+        ...
+
+    def close(self) -> None: ...
 
 
 @runtime_checkable

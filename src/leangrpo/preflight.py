@@ -9,7 +9,8 @@ the first thing that touches the disk):
    line), columns, every prompt typed and non-empty (data/prompts.py, data/files.py);
 2. reward functions resolve (rewards/registry.py), and so do an environment's names and
    files (environments/registry.py; it is imported at the trainer's set-up, before the
-   model loads: environments/setup.py); a `namespace` sandbox asked for can start here
+   model loads: environments/setup.py), and an agent's entry or command (agents/check.py);
+   a `namespace` sandbox asked for can start here
    (sandbox/levels.py);
 3. model files: config.json, weights, safetensors headers, tokenizer (model/files.py),
    a quantized base's needs (bitsandbytes installed, the CPU, vLLM's in-flight
@@ -131,6 +132,12 @@ def check_inputs(
 
         spec_of(cfg.environment)
         check_level(cfg.environment, "environment")
+    if cfg.agent is not None:  # the entry's file or module, the command's program; no import
+        from leangrpo.agents.check import check_agent
+        from leangrpo.sandbox.levels import check_level
+
+        check_agent(cfg.agent)
+        check_level(cfg.agent, "agent")
     model = check_model_files(cfg.model)
     check_model_fits(cfg, model)
     if cfg.data.chat_template and cfg.environment is None:  # its check renders the first turns
@@ -189,7 +196,8 @@ def check_reward_columns(cfg: Any, specs: list, data_files: dict[str, CheckedFil
     """The data columns the built-in rewards read exist in every local data file and are
     passed to the rewards (data.columns), known before the model loads; a hub dataset's
     columns are known only once it loads."""
-    extra = {"messages", "num_turns", "tool_calls", "env_rewards"} if cfg.environment else set()
+    multi = cfg.multi_turn() is not None
+    extra = {"messages", "num_turns", "tool_calls", "env_rewards"} if multi else set()
     for i, spec in enumerate(specs):
         for column in builtin_columns(spec):
             if column in spec.kwargs or column in extra:
@@ -238,12 +246,14 @@ def check_attention_backend(cfg: Any, device: str | None = None, training: bool 
 
 
 def check_trajectory_fits_micro_batch(cfg: Any) -> None:
-    """A micro-batch must hold a whole trajectory (environment.max_total_tokens); checked
-    after `prompt_limit`, which names a max_total_tokens over the model's context first."""
-    env = cfg.environment
-    if env is not None and cfg.train.micro_batch_tokens < env.max_total_tokens:
+    """A micro-batch must hold a whole trajectory (environment.max_total_tokens, or
+    agent.max_total_tokens: one segment of an episode); checked after `prompt_limit`, which
+    names a max_total_tokens over the model's context first."""
+    multi = cfg.multi_turn()
+    if multi is not None and cfg.train.micro_batch_tokens < multi[1]:
+        key, total = multi
         raise ConfigError(
-            f"train.micro_batch_tokens ({cfg.train.micro_batch_tokens}) must be at least environment.max_total_tokens ({env.max_total_tokens}), because a micro-batch must hold a whole trajectory; raise train.micro_batch_tokens or lower environment.max_total_tokens."
+            f"train.micro_batch_tokens ({cfg.train.micro_batch_tokens}) must be at least {key}.max_total_tokens ({total}), because a micro-batch must hold a whole trajectory; raise train.micro_batch_tokens or lower {key}.max_total_tokens."
         )
 
 
@@ -360,24 +370,24 @@ def prompt_limit(cfg: Any, model: ModelFiles) -> PromptLimit | None:
     vllm_len = cfg.rollout.vllm.max_model_len
     if cfg.rollout.engine == "vllm" and vllm_len is not None:
         contexts.append((vllm_len, f"rollout.vllm.max_model_len = {vllm_len}"))
-    env = cfg.environment
+    multi = cfg.multi_turn()  # (environment | agent, its max_total_tokens)
     for context, what in contexts:
         if context <= new_tokens:
             raise ConfigError(
                 f"rollout.max_new_tokens ({new_tokens}) leaves no room for a prompt in {what}; lower rollout.max_new_tokens."
             )
-        if env is not None and env.max_total_tokens > context:
+        if multi is not None and multi[1] > context:
             raise ConfigError(
-                f"environment.max_total_tokens ({env.max_total_tokens}) exceeds {what}, so a long trajectory would run past the positions the model has; lower environment.max_total_tokens."
+                f"{multi[0]}.max_total_tokens ({multi[1]}) exceeds {what}, so a long trajectory would run past the positions the model has; lower {multi[0]}.max_total_tokens."
             )
         limits.append(
             PromptLimit(context - new_tokens, f"{what} minus rollout.max_new_tokens = {new_tokens}")
         )
-    if env is not None:  # the first turn must fit the trajectory's budget
+    if multi is not None:  # the first turn must fit the trajectory's budget
         limits.append(
             PromptLimit(
-                env.max_total_tokens - new_tokens,
-                f"environment.max_total_tokens = {env.max_total_tokens} minus rollout.max_new_tokens = {new_tokens}",
+                multi[1] - new_tokens,
+                f"{multi[0]}.max_total_tokens = {multi[1]} minus rollout.max_new_tokens = {new_tokens}",
             )
         )
     return min(limits, key=lambda lim: lim.tokens, default=None)
@@ -527,7 +537,7 @@ def describe_run_dir(run_dir: RunDir) -> str:
 def check_micro_batch(prompts: list, cfg: Any) -> None:
     """Every sequence (prompt + up to max_new_tokens) must fit one micro-batch (a
     trajectory's environment.max_total_tokens do: a rule of the config)."""
-    if not prompts or cfg.environment is not None:
+    if not prompts or cfg.multi_turn() is not None:
         return
     longest = max(prompts, key=lambda p: len(p.ids))
     need = len(longest.ids) + cfg.rollout.max_new_tokens
@@ -552,8 +562,8 @@ def ignored_options(cfg: Any) -> list[str]:
         (cfg.generates_with_live_weights(), "pipeline", ("sync_interval",), "the hf engine in sync mode generates with the trainer's live weights"),
         (engine == "hf", "rollout.vllm", None, "rollout.engine is hf"),
         (engine == "vllm", "rollout", ("hf_prompts_per_forward", "max_batch_size", "kv_cache_tokens"), "rollout.engine is vllm"),
-        (cfg.environment is None, "rollout", ("max_batch_size", "kv_cache_tokens"), "there is no environment: single-turn generation batches by rollout.hf_prompts_per_forward"),
-        (cfg.environment is not None and engine == "hf", "rollout", ("hf_prompts_per_forward",), "multi-turn turns decode in a continuous batch of rollout.max_batch_size rows"),
+        (cfg.multi_turn() is None, "rollout", ("max_batch_size", "kv_cache_tokens"), "there is no environment or agent: single-turn generation batches by rollout.hf_prompts_per_forward"),
+        (cfg.multi_turn() is not None and engine == "hf", "rollout", ("hf_prompts_per_forward",), "multi-turn turns decode in a continuous batch of rollout.max_batch_size rows"),
         (engine == "vllm" and vllm_mode == "colocate", "rollout.vllm", ("urls", "request_timeout_s", "max_retries"), "rollout.vllm.mode is colocate"),
         (engine == "vllm" and vllm_mode == "server", "rollout.vllm", ("share_weights", "adapter_sync"), "rollout.vllm.mode is server"),
         (cfg.shares_vllm_weights() and not cfg.lora.enabled and cfg.pipeline.mode == "sync", "pipeline", ("sync_interval",), "colocated vLLM shares the trainer's weights (rollout.vllm.share_weights), so it generates with the live weights"),

@@ -16,6 +16,7 @@ from leangrpo.contracts import (
     RolloutBatch,
     RolloutSample,
     SamplingParams,
+    Trajectory,
 )
 from leangrpo.distributed.context import DistContext
 from leangrpo.distributed.rollout import MainRankProducer
@@ -655,3 +656,36 @@ def test_sync_push_reads_the_tensors_only_when_the_engine_does():
         producer = SyncProducer(worker, BatchFinisher(settings, max_staleness=0))
         producer.push_weights(1, tensors)
         assert engine.version == 1 and len(reads) == expected
+
+
+def episode(uid: int, reward: float, segments: int) -> RolloutSample:
+    """An agent episode of `segments` segments (the agent edited its history in between)."""
+
+    def segment(k: int) -> Completion:
+        start = Prompt(uid, f"start {k}", [5, 6 + k], messages=[{"role": "user", "content": str(k)}])
+        trajectory = Trajectory([(2, True)], [0], [], start=start)
+        return Completion([1, 2 + k], f"turn {k}", [-0.5, -0.25], "stop", 0, trajectory)
+
+    last = segment(segments - 1)
+    last.trajectory.earlier = [segment(k) for k in range(segments - 1)]
+    return RolloutSample(uid, last.trajectory.start, last, reward=reward)
+
+
+def test_every_segment_of_an_episode_is_trained_with_its_advantage():
+    settings = RolloutSettings(2, 1, SamplingParams(), "group", seed=0)
+    finisher = BatchFinisher(settings, max_staleness=1, replay=ReplayBuffer(4))
+    group = [episode(0, 1.0, 3), episode(0, 0.0, 1)]
+    batch = finished(finisher, [group], 0, 0)
+    assert batch.metrics["agent/earlier_segments"] == 2
+    assert [s.completion.text for s in batch.samples] == ["turn 0", "turn 1", "turn 2", "turn 0"]
+    assert [s.prompt.ids for s in batch.samples][:3] == [[5, 6], [5, 7], [5, 8]]  # each its own start
+    first, second = batch.samples[:3], batch.samples[3]
+    assert {s.advantage for s in first} == {-second.advantage} and second.advantage < 0
+    assert {s.reward for s in first} == {1.0} and {s.group_id for s in batch.samples} == {0}
+    assert all(not s.completion.trajectory.earlier for s in batch.samples)  # trained once each
+    assert len(group[0].completion.trajectory.earlier) == 2  # the buffered episode is whole
+    restored = ReplayBuffer(4)  # a checkpoint of the buffer keeps every segment and start
+    restored.load_state_dict(finisher.replay.state_dict())
+    (kept,) = restored.groups
+    again = kept[0].completion.trajectory.earlier
+    assert [c.ids for c in again] == [[1, 2], [1, 3]] and again[1].trajectory.start.ids == [5, 7]

@@ -333,27 +333,13 @@ def _untied_missing(model: torch.nn.Module, missing: list[str], loaded: set[str]
 
 def sample_state(sample: RolloutSample) -> dict[str, Any]:
     """A scored rollout sample as plain data (its prompt's reward columns left out; a
-    multi-turn trajectory's segments, versions, messages and figures kept; a route record,
-    a tensor, kept as it is)."""
-    p, c = sample.prompt, sample.completion
-    completion = {
-        "ids": list(c.ids),
-        "text": c.text,
-        "logprobs": list(c.logprobs),
-        "finish_reason": c.finish_reason,
-        "version": c.version,
-    }
-    if c.trajectory is not None:  # its start is the sample's prompt
-        completion["trajectory"] = dataclasses.asdict(dataclasses.replace(c.trajectory, start=None))
-    if c.routes is not None:  # routing replay: the engine's record, as it came
-        completion["routes"] = c.routes
-    prompt = {"uid": p.uid, "text": p.text, "ids": list(p.ids)}
-    if p.messages is not None:
-        prompt["messages"] = p.messages
+    multi-turn trajectory's segments, versions, messages and figures kept, an agent
+    episode's earlier segments with their own starts; a route record, a tensor, kept as it
+    is)."""
     return {
         "group_id": sample.group_id,
-        "prompt": prompt,
-        "completion": completion,
+        "prompt": _prompt_state(sample.prompt),
+        "completion": _completion_state(sample.completion),
         "rewards": dict(sample.rewards),
         "reward": sample.reward,
         "advantage": sample.advantage,
@@ -361,16 +347,50 @@ def sample_state(sample: RolloutSample) -> dict[str, Any]:
     }
 
 
-def sample_from_state(state: dict[str, Any]) -> RolloutSample:
-    completion = dict(state["completion"])
+def _prompt_state(p: Prompt) -> dict[str, Any]:
+    prompt = {"uid": p.uid, "text": p.text, "ids": list(p.ids)}
+    if p.messages is not None:
+        prompt["messages"] = p.messages
+    return prompt
+
+
+def _completion_state(c: Completion, keep_start: bool = False) -> dict[str, Any]:
+    completion = {
+        "ids": list(c.ids),
+        "text": c.text,
+        "logprobs": list(c.logprobs),
+        "finish_reason": c.finish_reason,
+        "version": c.version,
+    }
+    t = c.trajectory
+    if t is not None:  # its start is the sample's prompt (an earlier segment's: its own)
+        plain = dataclasses.asdict(dataclasses.replace(t, start=None, earlier=[]))
+        plain["earlier"] = [_completion_state(e, keep_start=True) for e in t.earlier]
+        if keep_start and t.start is not None:
+            plain["start"] = _prompt_state(t.start)
+        completion["trajectory"] = plain
+    if c.routes is not None:  # routing replay: the engine's record, as it came
+        completion["routes"] = c.routes
+    return completion
+
+
+def _completion_from_state(state: dict[str, Any]) -> Completion:
+    completion = dict(state)
     if completion.get("trajectory") is not None:
         trajectory = dict(completion["trajectory"])
         trajectory["segments"] = [(int(n), bool(m)) for n, m in trajectory["segments"]]
+        trajectory["earlier"] = [_completion_from_state(e) for e in trajectory.get("earlier", [])]
+        if trajectory.get("start") is not None:
+            trajectory["start"] = Prompt(**trajectory["start"])
         completion["trajectory"] = Trajectory(**trajectory)
+    return Completion(**completion)
+
+
+def sample_from_state(state: dict[str, Any]) -> RolloutSample:
     return RolloutSample(
         group_id=state["group_id"],
         prompt=Prompt(**state["prompt"]),
-        completion=Completion(**completion),
+        completion=_completion_from_state(state["completion"]),
         rewards=dict(state["rewards"]),
         reward=state["reward"],
         advantage=state["advantage"],

@@ -3,7 +3,8 @@
 Modules: root.py (`Config`, the rules across sections, loading), base.py (`Section`),
 run.py (run, model, lora, data, rewards, eval, checkpoint, logging), training.py
 (rollout, loss, train, packing, logprobs, offload, pipeline, distributed), environment.py
-(environment: multi-turn rollouts), sandbox.py (the workers' sandbox sub-section of
+(environment: multi-turn rollouts), agent.py (agent: agents trained through the
+OpenAI-compatible endpoint), sandbox.py (the workers' sandbox sub-section of
 environment and rewards), io.py (YAML,
 `--set` overrides, one-sentence errors).
 

@@ -16,7 +16,7 @@ from them by scripts/gen_config_docs.py). Choices:
 
 Layout: the sections live in run.py (run, model, lora, data, rewards, eval, checkpoint,
 logging), training.py (rollout, loss, train, packing, logprobs, offload, pipeline,
-distributed) and environment.py (environment), their base `Section` in base.py; this module holds `Config` with the rules
+distributed), environment.py (environment) and agent.py (agent), their base `Section` in base.py; this module holds `Config` with the rules
 that span sections, and loading (`load_config`, `config_from_dict`), which the package
 facade (`leangrpo.config`) hands out.
 """
@@ -29,6 +29,7 @@ from typing import Any
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
+from leangrpo.config.agent import AgentConfig
 from leangrpo.config.base import Section
 from leangrpo.config.distill import DistillConfig
 from leangrpo.config.environment import EnvironmentConfig
@@ -90,6 +91,10 @@ class Config(Section):
     )
     environment: EnvironmentConfig | None = Field(
         None, description="Multi-turn rollouts (environments and tools); null = single-turn."
+    )
+    agent: AgentConfig | None = Field(
+        None,
+        description="Agents written against the OpenAI client, trained through the OpenAI-compatible endpoint (docs/agents.md); null = none. Not with environment.",
     )
     distill: DistillConfig | None = Field(
         None, description="On-policy distillation from a frozen teacher; null = none."
@@ -180,42 +185,61 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _check_rewards_and_environment(self) -> Config:
-        env, functions = self.environment, self.rewards.functions
-        if not functions and env is None and self.distill is None:
+        env, agent, functions = self.environment, self.agent, self.rewards.functions
+        if env is not None and agent is not None:
             raise rule_error(
-                "'rewards.functions' should have at least 1 item: name a reward function, e.g. rewards.functions: [math] (only an environment's own reward terms, or a distill teacher, can stand in for them)."
+                "environment and agent both say how a trajectory is made; keep one (environment: a leangrpo Environment; agent: a program written against the OpenAI client)."
+            )
+        multi = "environment" if env is not None else "agent" if agent is not None else None
+        if not functions and multi is None and self.distill is None:
+            raise rule_error(
+                "'rewards.functions' should have at least 1 item: name a reward function, e.g. rewards.functions: [math] (only an environment's or an agent's own reward terms, or a distill teacher, can stand in for them)."
             )
         no_reward = all(spec.weight == 0 for spec in functions)
-        if functions and no_reward and env is None and self.distill is None:
+        if functions and no_reward and multi is None and self.distill is None:
             raise rule_error(
                 "Every rewards.functions[*].weight is 0, so every reward and advantage is 0 and the run learns nothing; give at least one function a non-zero weight."
             )
-        if env is None:
+        if agent is not None and agent.entry is None and agent.command is None:
+            raise rule_error(
+                "agent needs agent.entry (a Python function run(client, task), e.g. agent.entry: my_agent.py:run) or agent.command (any program, given OPENAI_BASE_URL and OPENAI_API_KEY)."
+            )
+        if multi is None:
             return self
+        total = (env or agent).max_total_tokens
         if not self.data.chat_template:
             raise rule_error(
-                "environment needs data.chat_template (true, or a template's name or file), because a multi-turn conversation is rendered turn by turn with a chat template from the prompt's messages."
+                f"{multi} needs data.chat_template (true, or a template's name or file), because a multi-turn conversation is rendered turn by turn with a chat template from the prompt's messages."
             )
         if self.data.overlong_prompts.startswith("truncate"):
             raise rule_error(
                 f"data.overlong_prompts: {self.data.overlong_prompts} cannot shorten a multi-turn prompt, whose first turn is rendered from its messages (with the tools); use error or drop."
             )
         new = self.rollout.max_new_tokens
-        if env.max_total_tokens <= new:
+        if total <= new:
             raise rule_error(
-                f"environment.max_total_tokens ({env.max_total_tokens}) must exceed rollout.max_new_tokens ({new}), the budget of one turn, or no prompt leaves room for a turn."
+                f"{multi}.max_total_tokens ({total}) must exceed rollout.max_new_tokens ({new}), the budget of one turn, or no prompt leaves room for a turn."
             )
         budget = self.rollout.kv_cache_tokens
-        if self.rollout.engine == "hf" and budget is not None and budget < env.max_total_tokens:
+        if self.rollout.engine == "hf" and budget is not None and budget < total:
             raise rule_error(
-                f"rollout.kv_cache_tokens ({budget}) must be at least environment.max_total_tokens ({env.max_total_tokens}), because the hf engine must hold one whole trajectory's KV cache; raise it, or set it to null (no bound)."
+                f"rollout.kv_cache_tokens ({budget}) must be at least {multi}.max_total_tokens ({total}), because the hf engine must hold one whole trajectory's KV cache; raise it, or set it to null (no bound)."
             )
         vllm_len = self.rollout.vllm.max_model_len
-        if self.rollout.engine == "vllm" and vllm_len is not None and vllm_len < env.max_total_tokens:
+        if self.rollout.engine == "vllm" and vllm_len is not None and vllm_len < total:
             raise rule_error(
-                f"rollout.vllm.max_model_len ({vllm_len}) must be at least environment.max_total_tokens ({env.max_total_tokens}), the longest trajectory vLLM is asked to continue."
+                f"rollout.vllm.max_model_len ({vllm_len}) must be at least {multi}.max_total_tokens ({total}), the longest trajectory vLLM is asked to continue."
             )
         return self
+
+    def multi_turn(self) -> tuple[str, int] | None:
+        """The section that makes trajectories ('environment' or 'agent') and its
+        max_total_tokens; None for a single-turn run."""
+        if self.environment is not None:
+            return "environment", self.environment.max_total_tokens
+        if self.agent is not None:
+            return "agent", self.agent.max_total_tokens
+        return None
 
     @model_validator(mode="after")
     def _check_distill(self) -> Config:
@@ -242,6 +266,8 @@ class Config(Section):
         """The most tokens one sample trains on: rollout.max_new_tokens, or for multi-turn
         min(max_turns x max_new_tokens, max_total_tokens) (dr_grpo's constant normaliser)."""
         new = self.rollout.max_new_tokens
+        if self.agent is not None:  # one segment of an episode
+            return min(self.agent.max_requests * new, self.agent.max_total_tokens)
         if self.environment is None:
             return new
         return min(self.environment.max_turns * new, self.environment.max_total_tokens)

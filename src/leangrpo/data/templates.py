@@ -117,8 +117,9 @@ def data_template(data_cfg: Any) -> str | None:
 
 
 def conversation_template(cfg: Any) -> str | None:
-    """environment.chat_template, else data.chat_template's name or file (the prompts'
-    template), else None: the tokenizer's."""
-    if cfg.environment.chat_template is not None:
-        return load_template(cfg.environment.chat_template)
+    """environment.chat_template (agent.chat_template), else data.chat_template's name or
+    file (the prompts' template), else None: the tokenizer's."""
+    section = cfg.environment if cfg.environment is not None else cfg.agent
+    if section.chat_template is not None:
+        return load_template(section.chat_template, f"{cfg.multi_turn()[0]}.chat_template")
     return data_template(cfg.data)

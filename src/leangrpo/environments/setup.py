@@ -9,7 +9,7 @@ their first turn renders them (`Environments.renderer.first_turn`, data/prompts.
 `load_prompts`), and `Environments.probe` resets and finishes one trajectory on the first
 train prompt, so an environment whose reset fails stops the run here with one line rather
 than unscoring every sample later. `Environments.rollout(engine)` is then the multi-turn
-rollout over an engine.
+rollout over an engine. `Environments` is a `contracts.MultiTurn`, as agents' `Agents`.
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ class Environments:
     eos_ids: set[int]
     name: str = "tools"  # environment.name, for messages
     scheduling: str = "per_trajectory"
+
+    def first_turn(self, messages: list[dict]) -> str:
+        return self.renderer.first_turn(messages)
 
     def rollout(self, engine: Any) -> MultiTurnRollout:
         if not isinstance(engine, TurnEngine):

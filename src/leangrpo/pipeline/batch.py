@@ -14,7 +14,12 @@
   once, under a group id of its own, never older than max_staleness at consumption; the
   batch's own groups join the buffer after), the staleness check (`check_staleness` raises
   rather than train beyond the bound), group advantages; with re-rolls on, the flat groups
-  left (re-queued or dropped, all advantages 0) are taken out of the batch.
+  left (re-queued or dropped, all advantages 0) are taken out of the batch. Last, an agent
+  episode's earlier segments (`Trajectory.earlier`: the agent edited its history) become
+  samples of their own in its group, before its last one, with its rewards and advantage
+  (`expand_episodes`): every token the model produced in the episode is trained on. The
+  batch then holds more samples than groups x G; each group stays contiguous under its
+  group_id, which is what planning and packing read.
 - `RolloutSettings` and `ProducedBatch` are what flows between them and the producers.
 See docs/async.md ("Re-rolls", "Replay", "What `max_staleness` bounds").
 """
@@ -202,6 +207,9 @@ class BatchFinisher:
             kept = [g for g in groups if not is_flat(g)]
             batch.samples = [s for g in kept for s in g]
             batch.metrics["reroll/left_out"] = float(len(groups) - len(kept))
+        batch.samples, earlier = expand_episodes(batch.samples)
+        if earlier:
+            batch.metrics["agent/earlier_segments"] = float(earlier)
         return batch
 
     def _apply_replay(self, groups, trainer_version: int):
@@ -223,6 +231,24 @@ class BatchFinisher:
     def load_state_dict(self, state: dict) -> None:
         if self.replay is not None:
             self.replay.load_state_dict(state.get("replay", []))
+
+
+def expand_episodes(samples: list[RolloutSample]) -> tuple[list[RolloutSample], int]:
+    """Each agent episode's earlier segments as samples of their own, right before its
+    last (see the module docstring); the samples' objects are not changed (a replay buffer
+    may hold them); returns the samples and the number of segments added."""
+    out, added = [], 0
+    for s in samples:
+        trajectory = s.completion.trajectory
+        if trajectory is None or not trajectory.earlier:
+            out.append(s)
+            continue
+        for c in trajectory.earlier:
+            out.append(replace(s, prompt=c.trajectory.start, completion=c, rewards=dict(s.rewards)))
+            added += 1
+        last = replace(s.completion, trajectory=replace(trajectory, earlier=[]))
+        out.append(replace(s, completion=last))
+    return out, added
 
 
 def check_staleness(samples: list[RolloutSample], trainer_version: int, bound: int) -> None:

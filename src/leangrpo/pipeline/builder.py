@@ -8,9 +8,11 @@
   evaluator's on the main thread's), so every rank holds every batch.
 - Torchrun with vLLM servers: rank 0's producer behind a broadcast (`MainRankProducer`);
   rank 0 alone evaluates.
-With an environment, the producer's worker and the evaluator generate through a
-multi-turn rollout over their engines (environments/driver.py), sharing one pool of
-environment workers. See docs/distributed.md ("Generation").
+With an environment or an agent (a `contracts.MultiTurn`, chosen once at the trainer's
+set-up), the producer's worker and the evaluator generate through its rollout over their
+engines (environments/driver.py `MultiTurnRollout`, sharing one pool of environment
+workers; agents/episodes.py `AgentRollout`, sharing the endpoint and the agent workers). See
+docs/distributed.md ("Generation").
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from leangrpo.contracts import Producer
+from leangrpo.contracts import MultiTurn, Producer
 from leangrpo.data.sampler import PromptSampler
 from leangrpo.distributed.rollout import MainRankProducer, RankShare
 from leangrpo.pipeline.batch import BatchFinisher, RolloutSettings, RolloutWorker
@@ -35,12 +37,12 @@ class Pipeline:
 
 
 def build_pipeline(
-    cfg, ctx, engines, rewards, train_prompts, eval_prompts, environments=None
+    cfg, ctx, engines, rewards, train_prompts, eval_prompts, multi_turn: MultiTurn | None = None
 ) -> Pipeline:
     """`cfg`: the run's Config; `engines` is None on torchrun ranks > 0 when rank 0
-    drives vLLM servers; `environments` (environments.setup.Environments): multi-turn."""
+    drives vLLM servers; `multi_turn`: an environment's or an agent's set-up."""
     reward_lock = threading.Lock()  # the producer thread and evaluation share the pool
-    envs = environments
+    envs = multi_turn
     if not ctx.distributed:
         producer = _producer(cfg, engines, rewards, train_prompts, reward_lock, envs=envs)
         evaluator = _evaluator(cfg, engines, rewards, eval_prompts, producer, reward_lock, envs)

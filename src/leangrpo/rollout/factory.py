@@ -75,7 +75,7 @@ def _hf_engines(cfg, policy, own_copy) -> Engines:
 
     per_forward = cfg.rollout.hf_prompts_per_forward
     rows = None if per_forward is None else per_forward * cfg.rollout.num_generations
-    if cfg.environment is not None:  # multi-turn: the continuous batch's rows
+    if cfg.multi_turn() is not None:  # environment or agent: the continuous batch's rows
         rows = cfg.rollout.max_batch_size
     common = dict(
         device=policy.device, max_batch_size=rows, kv_cache_tokens=cfg.rollout.kv_cache_tokens

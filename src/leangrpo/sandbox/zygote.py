@@ -102,6 +102,10 @@ class Zygote:
         self.box_main = entry.prepare(init, self.announce)
         if self.box_main is None or init.get("mode", "serve") != "serve":
             return
+        # what the imports made is never collected: a box's garbage collections then skip
+        # it instead of writing to every object (copy-on-write faults: page after page of
+        # the zygote's memory copied into each box)
+        gc.freeze()
         wake_read, wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wake_write)
         signal.signal(signal.SIGCHLD, lambda *a: None)
@@ -176,6 +180,10 @@ class Zygote:
              tasks: int) -> None:  # fmt: skip
         """In the new box: confine it, then run it (see the module docstring)."""
         code = 0
+        # the zygote's wake-up (its pipe is closed below): a child of the box that exits
+        # would otherwise print "Exception ignored ... signal wakeup fd" from the box
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         try:
             if group is not None:
                 self.groups.join(group)  # first: everything the box does is counted

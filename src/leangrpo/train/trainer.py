@@ -39,13 +39,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from leangrpo.agents.setup import start_agents
 from leangrpo.checkpoint.rundir import schedule_horizon
 from leangrpo.config import Config
-from leangrpo.contracts import RolloutBatch
+from leangrpo.contracts import MultiTurn, RolloutBatch
 from leangrpo.distill.teacher import load_teacher
 from leangrpo.distributed.context import DistContext, init_distributed
 from leangrpo.distributed.strategy import choose_strategy
-from leangrpo.environments.setup import Environments, start_environments
+from leangrpo.environments.setup import start_environments
 from leangrpo.errors import RunError
 from leangrpo.metrics.learning import LearningSignal, warn_if_tokenizer_drops_text
 from leangrpo.model.policy import Policy, load_policy
@@ -64,7 +65,7 @@ from leangrpo.rollout.factory import make_engines, start_shared_engine
 from leangrpo.stopping import RunStopped, StopRequested, StopSignals
 from leangrpo.train.inflight import BatchInProgress
 from leangrpo.train.passes import attach_old_and_ref
-from leangrpo.train.planning import PlannedStep, plan_steps
+from leangrpo.train.planning import PlannedStep, group_indices, plan_steps
 from leangrpo.train.routing import routing_diagnostics
 from leangrpo.train.schedule import make_scheduler
 from leangrpo.train.skips import certain_cause, skipped_batches_advice
@@ -110,8 +111,8 @@ class Trainer:
             self.stop_signal = 0  # the signal the ranks agreed to stop on (0: none)
             self._build(cfg)
         except BaseException:
-            if getattr(self, "environments", None) is not None:
-                self.environments.close()
+            if getattr(self, "multi_turn", None) is not None:
+                self.multi_turn.close()
             self.checked.release()
             raise
 
@@ -122,19 +123,20 @@ class Trainer:
         check_attention_backend(cfg, strategy.device.type)  # run.device auto, resolved
         log.info("loading transformers, the tokenizer and the prompts ...")
         tokenizer, limit = load_checked_tokenizer(cfg, self.checked)  # `leangrpo check` too
-        # multi-turn, still before the model loads: environment workers and the chat
-        # template, the prompts as their first turn renders them, a probe reset
-        self.environments = self._start_environments(cfg, tokenizer)
+        # multi-turn, still before the model loads: environment workers (or the agent
+        # endpoint and workers) and the chat template, the prompts as their first turn
+        # renders them, a probe reset
+        self.multi_turn = self._start_multi_turn(cfg, tokenizer)
         early = self.prestarted
-        first_turn = self.environments.renderer.first_turn if self.environments else None
+        first_turn = self.multi_turn.first_turn if self.multi_turn else None
         prompts = prepare_prompts(cfg, tokenizer, limit, first_turn)
         if ctx.is_main:
             warn_if_tokenizer_drops_text(prompts.train, tokenizer, cfg.model.name_or_path)
         # warns when nothing can be learned (a teacher's signal is not the groups')
         self.learning = LearningSignal(self.out, flat_groups_matter=cfg.distill is None)
         remember(self.checked.model.directory, tokenizer)  # for the next preflight and check
-        if self.environments is not None:
-            self.environments.probe(prompts.train[0])
+        if self.multi_turn is not None:
+            self.multi_turn.probe(prompts.train[0])
         log.info("loading the model %s (%s) ...", cfg.model.name_or_path, cfg.model.dtype)
         started = start_shared_engine(cfg, strategy.device)  # vLLM first: the policy views it
         shared = started.build_policy(cfg, tokenizer, strategy.device) if started else None
@@ -164,7 +166,7 @@ class Trainer:
             engines is not None and engines.rollout_shares_weights
         )
         pipeline = build_pipeline(
-            cfg, ctx, engines, self.rewards, prompts.train, prompts.eval, self.environments
+            cfg, ctx, engines, self.rewards, prompts.train, prompts.eval, self.multi_turn
         )
         self.producer, self.evaluator = pipeline.producer, pipeline.evaluator
         self.share = pipeline.share
@@ -183,11 +185,14 @@ class Trainer:
         if not resumed:
             self.logger.stage(prompts.metrics)  # merged into the step-0 row
 
-    def _start_environments(self, cfg: Config, tokenizer) -> Environments | None:
-        """The environment workers (prestarted where they could be), on the processes that
-        generate (torchrun with vLLM: rank 0 alone)."""
+    def _start_multi_turn(self, cfg: Config, tokenizer) -> MultiTurn | None:
+        """The environment workers (prestarted where they could be), or the agent endpoint
+        and workers, on the processes that generate (torchrun with vLLM: rank 0 alone)."""
         if not self.strategy.generates:
             return None
+        if cfg.agent is not None:
+            log.info("starting the agent endpoint and %d agent worker(s) ...", cfg.agent.num_workers)
+            return start_agents(cfg, tokenizer)
         early = self.prestarted
         pool = early.take_environment_pool() if early is not None else None
         if cfg.environment is not None and pool is None:
@@ -533,8 +538,8 @@ class Trainer:
             self.strategy.stop_producer(self.producer, self.share)
         if self.rewards is not None:
             self.rewards.close()
-        if self.environments is not None:  # a producer stepping environments stops too
-            self.environments.close()
+        if self.multi_turn is not None:  # a producer stepping environments stops too
+            self.multi_turn.close()
         self.producer.close()
         if self.engines is not None:
             self.engines.close()
@@ -590,10 +595,11 @@ def staleness_metrics(versions: list[int], version: int) -> dict[str, float]:
 def sample_rows(batch: RolloutBatch, groups: int = 2, per_group: int = 3) -> list[dict]:
     """A few completions of the first groups: what the model writes and how it is scored."""
     return [
-        {"prompt": s.prompt.text, "completion": _shown(s), "reward": s.reward}
-        for group in batch.groups()[:groups]
-        for s in group[:per_group]
-    ]
+        {"prompt": batch.samples[i].prompt.text, "completion": _shown(batch.samples[i]),
+         "reward": batch.samples[i].reward}
+        for group in group_indices(batch.samples)[:groups]
+        for i in group[:per_group]
+    ]  # fmt: skip
 
 
 def _shown(sample) -> str:
