@@ -28,7 +28,7 @@ demo: $(STAMP)
 # and a noised student, then runs distillation, GRPO and both (scripts/demo_distill.py;
 # the curves are in README.md and benchmarks/RESULTS.md); a few minutes of CPU, niced
 demo-distill: $(STAMP)
-	nice -n 10 $(BIN)/python scripts/demo_distill.py
+	$(BIN)/python scripts/demo_distill.py
 
 # Multi-turn GRPO with a calculator tool on the bundled tool-use demo (about 58 s of CPU,
 # about a minute on a quiet 2-core machine; examples/tools_demo/README.md has its curve)
