@@ -187,6 +187,31 @@ def test_a_program_cannot_forge_its_calls_limit():
 
 
 @pytest.mark.parametrize("level", LEVELS)
+def test_a_forked_child_holds_no_way_past_the_output_meter(level):
+    """The meter's descriptor to the trainer's pipe was close-on-exec only: a child forked
+    from the call kept it and wrote past max_output_bytes (and the meter's count)."""
+    cfg = rewards_section("support.hostile_tools:forked_pipes_reward",
+                          sandbox={"level": level_here(level)})  # fmt: skip
+    batch = samples(["x"], [0])
+    with RewardPool(cfg) as pool:
+        pool.score(batch)
+    assert batch[0].reward == 0.0
+
+
+def test_a_timeout_in_exec_code_names_no_import(caplog):
+    """Code run with exec() is a "<module>" frame too: the timeout said "while importing
+    __reward__" (and retired the worker as if an import had been cut)."""
+    cfg = rewards_section("support.hostile_tools:import_interrupted_reward", timeout_s=1.0,
+                          sandbox={"level": "process"})  # fmt: skip
+    batch = samples(["x"], [0])
+    with caplog.at_level("WARNING", logger="leangrpo.rewards"), RewardPool(cfg) as pool:
+        pool.score(batch)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert batch[0].reward is None and "timed out after 1 s" in said, said
+    assert "while importing" not in said, said
+
+
+@pytest.mark.parametrize("level", LEVELS)
 def test_what_a_trajectory_leaves_reaches_no_later_one(level, monkeypatch):
     if level == "process":
         monkeypatch.setenv("LEANGRPO_TEST_PLACES", "tmp")

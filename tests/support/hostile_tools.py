@@ -571,6 +571,31 @@ def forged_limit_reward(prompts: list, completions: list, **columns) -> list:
     return [0.0] * len(completions)
 
 
+def forked_pipes_reward(prompts: list, completions: list, **columns) -> list:
+    """How many pipes open for writing a child forked from the call holds past 0, 1 and 2
+    (the output meter's descriptor to the trainer's pipe: writes there pass the meter)."""
+    import fcntl
+    import stat
+
+    pid = os.fork()
+    if pid == 0:
+        found = 0
+        for fd in range(3, 1024):
+            with contextlib.suppress(OSError):
+                writable = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY
+                found += stat.S_ISFIFO(os.fstat(fd).st_mode) and writable
+        os._exit(min(found, 100))
+    _, status = os.waitpid(pid, 0)
+    return [float(os.waitstatus_to_exitcode(status))] * len(completions)
+
+
+def import_interrupted_reward(prompts: list, completions: list, **columns) -> list:
+    """Runs code with exec() that sleeps past the call's time limit: no module is being
+    imported."""
+    exec("import time\nwhile True: time.sleep(0.05)", {"__name__": "__reward__"})
+    return [0.0] * len(completions)
+
+
 def planting_reward(prompts: list, completions: list, **columns) -> list:
     """'plant' leaves files and module state (1.0); anything else scores 1.0 if it finds
     what a plant left, else 0.0."""

@@ -289,7 +289,12 @@ def _importing(exc: BaseException) -> list[str]:
     names = []
     tb = exc.__traceback__
     while tb is not None:
-        if tb.tb_frame.f_code.co_name == "<module>":
-            names.append(str(tb.tb_frame.f_globals.get("__name__")))
+        frame = tb.tb_frame
+        spec = frame.f_globals.get("__spec__")
+        # a module's top level, not code run with exec() (also "<module>", not an import)
+        if frame.f_code.co_name == "<module>" and spec is not None and (
+            getattr(spec, "origin", None) == frame.f_code.co_filename
+        ):
+            names.append(str(frame.f_globals.get("__name__")))
         tb = tb.tb_next
     return names
