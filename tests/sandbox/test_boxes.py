@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import glob
 import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from support.configs import ROOT, rewards_section
@@ -224,15 +226,22 @@ def test_what_a_trajectory_leaves_reaches_no_later_one(level, monkeypatch):
 def test_a_scratch_tree_of_any_depth_is_removed(tmp_path, monkeypatch):
     """A `process`-level call leaves a tree 1,500 levels deep in its scratch (a directory
     on disk): shutil.rmtree raised RecursionError there (ignore_errors does not cover it),
-    which killed the zygote and then the trainer's own clean-up. The next call is scored,
-    and the worker's scratch goes with it whole."""
+    which killed the zygote and then the trainer's own clean-up. The zygote removes the
+    box's scratch and lives on (the next call is scored on the same worker), and the
+    worker's scratch goes with it whole."""
     monkeypatch.setattr(worker_process, "SCRATCH_BASE", str(tmp_path))
     cfg = rewards_section("support.hostile_tools:deep_scratch_reward", sandbox={"level": "process"})
     try:
         with RewardPool(cfg) as pool:
+            worker = pool._workers[0]
             first, later = samples(["deep"], [0]), samples(["fine"], [1])
             pool.score(first)
+            deadline = time.monotonic() + 60  # a liveness bound: the zygote removes it
+            while glob.glob(f"{worker.scratch}/*/d") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not glob.glob(f"{worker.scratch}/*/d")
             pool.score(later)
+            assert pool._workers[0] is worker  # not replaced: its zygote lived on
         assert [s.reward for s in first + later] == [0.0, 1.0]
         assert list(tmp_path.iterdir()) == []
     finally:  # never leave the tree to pytest's own (recursive) clean-up
