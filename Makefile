@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-tools smollm2 smollm2-qlora test test-main test-vllm setup setup-vllm setup-bench bench-trl lint clean gpu-wheels gpu-suite gpu-suite-dry
+.PHONY: demo demo-tools demo-distill smollm2 smollm2-qlora test test-main test-vllm setup setup-vllm setup-bench bench-trl lint clean gpu-wheels gpu-suite gpu-suite-dry
 
 setup: $(STAMP)
 
@@ -23,6 +23,12 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/leangrpo train examples/demo.yaml --set run.overwrite=true
+
+# On-policy distillation against GRPO on the demo task: builds the teacher (40 GRPO steps)
+# and a noised student, then runs distillation, GRPO and both (scripts/demo_distill.py;
+# the curves are in README.md and benchmarks/RESULTS.md); a few minutes of CPU, niced
+demo-distill: $(STAMP)
+	nice -n 10 $(BIN)/python scripts/demo_distill.py
 
 # Multi-turn GRPO with a calculator tool on the bundled tool-use demo (about 58 s of CPU,
 # about a minute on a quiet 2-core machine; examples/tools_demo/README.md has its curve)

@@ -23,6 +23,10 @@ Cases (`--case a|b|c|d`, default all):
   c  long completions: 256 new tokens (a random 4-layer model with SmolLM2's 49k vocabulary
      that never stops), reward: length of the text
   d  LoRA on SmolLM2-135M-Instruct (examples/smollm2_cpu.yaml's task)
+  distill  on-policy distillation against TRL's DistillationTrainer (benchmarks/
+     vs_trl_distill.py): the demo-distill student and GRPO teacher, 16 prompts x 8, 6 new
+     tokens, the generalised JSD (beta 1) on both; leangrpo's rows: jsd, sampled, and jsd
+     with the teacher in nf4
   e  multi-turn tool calling: the tool demo (examples/tools_demo.yaml: 16 prompts x 8, the
      calculator tool, at most 3 model turns of 64 tokens within 192 tokens) against TRL's
      GRPOTrainer(tools=[add]) with max_tool_calling_iterations 2 and max_completion_length
@@ -31,6 +35,7 @@ Cases (`--case a|b|c|d`, default all):
 
     python benchmarks/vs_trl.py --quick            # CI-sized: 3 steps per case, one pair
     python benchmarks/vs_trl.py --case a           # one case, full size
+    python benchmarks/vs_trl.py --case distill --quick
     python benchmarks/vs_trl.py --only leangrpo --quick   # no TRL needed (plumbing check)
 """
 
@@ -52,9 +57,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from device_info import device_name  # noqa: E402
 from vs_trl_cases import prepare_case  # noqa: E402
+from vs_trl_distill import VARIANTS as DISTILL_VARIANTS  # noqa: E402
 
 BENCH = "vs_trl"
 VARIANTS = ("trl", "leangrpo")  # baseline first
+ALL_VARIANTS = tuple(dict.fromkeys(VARIANTS + DISTILL_VARIANTS))
 
 
 @dataclass(frozen=True)
@@ -116,7 +123,16 @@ CASES = {
         rewards=(MATH,), eval_prompts=64, chat=True, yaml="examples/tools_demo.yaml",
         repeats=1, tools=True,
     ),
+    "distill": Case(
+        name="distill", title="distill", model="demo_distill", data="demo",
+        prompts_per_step=16, group=8, max_new_tokens=6, lr=2e-4, steps=20,
+        rewards=(MATH,), eval_prompts=128, repeats=1,
+    ),
 }  # fmt: skip
+
+
+def case_variants(case: Case) -> tuple[str, ...]:
+    return DISTILL_VARIANTS if case.name == "distill" else VARIANTS
 
 
 # ----------------------------------------------------------------------------- parent
@@ -194,11 +210,16 @@ def summarise(case: Case, variant: str, runs: list[dict], device: str) -> dict:
 
 
 def run_case(case: Case, args) -> list[dict]:
-    variants = [v for v in VARIANTS if args.only in (None, v)]
+    variants = [v for v in case_variants(case) if args.only in (None, v)]
     device = device_name(args.device, threads=1)  # every run uses one thread on CPU
     with tempfile.TemporaryDirectory(prefix=f"vs_trl_{case.name}_") as tmp:
         workdir = Path(tmp)
-        prepare_case(case, workdir, ROOT)
+        if case.name == "distill":
+            from vs_trl_distill import prepare
+
+            prepare(workdir)
+        else:
+            prepare_case(case, workdir, ROOT)
         runs: dict[str, list[dict]] = {v: [] for v in variants}
         for _ in range(args.repeats or case.repeats):  # A/B/A/B
             for variant in variants:
@@ -210,8 +231,9 @@ def run_case(case: Case, args) -> list[dict]:
             row["time_ratio"] = row["time_s"] / base["time_s"]
             row["mem_ratio"] = row["peak_bytes"] / base["peak_bytes"]
             for phase in ("generate_s", "reward_s", "score_train_s", "step_cpu_s"):
-                row[f"{phase[:-2]}_ratio"] = row[phase] / max(base[phase], 1e-9)
-            pairs = zip(runs["leangrpo"], runs["trl"])
+                if base[phase] > 0:  # a phase the baseline does not time has no ratio
+                    row[f"{phase[:-2]}_ratio"] = row[phase] / base[phase]
+            pairs = zip(runs[row["variant"]], runs["trl"])
             row["paired_time_ratios"] = [
                 round(a["step_s"] / b["step_s"], 3)
                 for a, b in pairs
@@ -230,20 +252,23 @@ def main() -> None:
         "--repeats", type=int, default=None, help="interleaved runs per variant (default: per case)"
     )
     p.add_argument("--steps", type=int, default=None, help="override every case's step count")
-    p.add_argument("--only", choices=VARIANTS, default=None, help="run one side only")
+    p.add_argument("--only", choices=ALL_VARIANTS, default=None, help="run one variant only")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run")
-    p.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=ALL_VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--eval-prompts", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        from vs_trl_runs import run_variant
+        if args.case[0] == "distill":
+            from vs_trl_distill import run_variant
+        else:
+            from vs_trl_runs import run_variant
 
         case = replace(CASES[args.case[0]], steps=args.steps, eval_prompts=args.eval_prompts)
         print(json.dumps(run_variant(args.child, case, args.workdir, args.device)), flush=True)
         return
-    if args.only != "leangrpo" and not has_trl():
+    if (args.only is None or args.only == "trl") and not has_trl():
         print(
             json.dumps(
                 {"bench": BENCH, "skipped": "TRL is not installed (pip install -e '.[bench]')"}

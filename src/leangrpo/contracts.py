@@ -271,6 +271,19 @@ class RowSplit(Protocol):
 
 
 @dataclass(frozen=True)
+class TeacherRows:
+    """A distillation teacher's view of one micro-batch's local row (this rank's part under
+    context parallelism), for the tiled divergence in the student's scoring pass
+    (`distill.objective: jsd`): its final hidden states at the completion-predicting
+    positions and its lm_head, all detached (the teacher is frozen)."""
+
+    hidden: Tensor  # (T_c, H_teacher) the local row's completion-predicting positions
+    weight: Tensor  # (V_teacher, H_teacher) its lm_head, a plain tensor (gathered if sharded)
+    bias: Tensor | None
+    beta: float  # distill.jsd_beta: 0 = forward KL, 1 = reverse KL
+
+
+@dataclass(frozen=True)
 class LossNormalisers:
     """Global counts that make a token-level loss exact under any micro-batching.
 
@@ -303,6 +316,10 @@ class LossInputs:
     # (T,) a distillation teacher's log-probs: the `distill/reverse_kl` metric only (its
     # signal is already in `advantages`)
     teacher_logprobs: Tensor | None = None
+    # (T,) per-token divergence to a distillation teacher (distill.objective: jsd), carries
+    # grad; added to the loss as divergence_weight x its token mean over the step
+    divergence: Tensor | None = None
+    divergence_weight: float = 0.0
 
 
 @dataclass

@@ -77,3 +77,21 @@ def test_leangrpo_side_of_the_multi_turn_tools_case_runs(tmp_path, monkeypatch):
     assert result["steps"] == 2 and result["generate_s"] > 0
     assert result["peak_bytes"] > result["peak_rss_self_bytes"] > 0  # workers counted
     assert 0.0 <= result["final_eval"] <= 1.0
+
+
+def test_the_distill_case_has_a_row_per_variant_with_ratios_against_trl(monkeypatch):
+    """--case distill: TRL's DistillationTrainer is the baseline of leangrpo's three rows
+    (jsd, sampled, jsd with an nf4 teacher)."""
+    records = {"trl": run(2.0, 400), "leangrpo": run(1.0, 200), "leangrpo_sampled": run(0.5, 100),
+               "leangrpo_nf4": run(1.5, 300)}  # fmt: skip
+    monkeypatch.setattr(vs_trl, "run_child", lambda variant, *a: records[variant])
+    import vs_trl_distill
+
+    monkeypatch.setattr(vs_trl_distill, "prepare", lambda workdir: None)
+    args = type("A", (), {"only": None, "device": "cpu", "repeats": None})()
+    rows = vs_trl.run_case(vs_trl.CASES["distill"], args)
+    assert [r["variant"] for r in rows] == ["trl", "leangrpo", "leangrpo_sampled", "leangrpo_nf4"]
+    assert "time_ratio" not in rows[0]
+    ratios = {r["variant"]: (r["time_ratio"], r["mem_ratio"]) for r in rows[1:]}
+    assert ratios == {"leangrpo": (0.5, 0.5), "leangrpo_sampled": (0.25, 0.25),
+                      "leangrpo_nf4": (0.75, 0.75)}  # fmt: skip

@@ -249,6 +249,10 @@ def test_pure_distillation_needs_no_reward_function(tmp_path):
         ({"distill": {"weight": 0}}, "distill.weight"),
         ({"distill": {"discount": 1.5}}, "distill.discount"),
         ({"distill": {"teacher_quantization": "fp4"}}, "distill.teacher_quantization"),
+        ({"distill": {"objective": "jsd", "discount": 0.5}}, r"distill.discount \(0.5\)"),
+        ({"distill": {"jsd_beta": 0.5}}, "distill.jsd_beta only applies"),
+        ({"distill": {"objective": "jsd", "jsd_beta": 1.5}}, "distill.jsd_beta"),
+        ({"distill": {"objective": "kl"}}, "distill.objective"),
     ],
 )
 def test_the_distill_section_refuses_what_it_cannot_do(tmp_path, sections, expected):
@@ -408,14 +412,17 @@ def trained(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_a_distillation_run_resumes_bitwise_inside_a_batch(tmp_path):
+@pytest.mark.parametrize("objective", ["sampled", "jsd"])
+def test_a_distillation_run_resumes_bitwise_inside_a_batch(tmp_path, objective):
     """mu 2: step 3 is the first iteration of the second batch; a crash there resumes
-    with the batch's saved teacher (and old) log-probs, never recomputed, and ends with
-    exactly the weights of the run that went straight through."""
+    with the batch's saved teacher (and old) log-probs, never recomputed (jsd: the
+    teacher's forward runs in each step, nothing of it is saved), and ends with exactly
+    the weights of the run that went straight through."""
     teacher = demo_teacher(tmp_path)
+    distill = {"discount": 0.5} if objective == "sampled" else {"objective": "jsd", "jsd_beta": 0.5}
     sections = dict(
         rewards={"functions": []},
-        distill={"discount": 0.5},
+        distill=distill,
         checkpoint={"every_steps": 1, "keep_last": 2, "save_final_model": False},
         train={"lr_scheduler": "constant", "micro_batch_tokens": 40},
     )
@@ -429,7 +436,8 @@ def test_a_distillation_run_resumes_bitwise_inside_a_batch(tmp_path):
         StopAt(cfg).train()
     resumed = Trainer(cfg)
     assert resumed.step == 3 and resumed.inflight is not None and resumed.inflight.done == 1
-    assert resumed.inflight.steps[0].micro_batches[0].teacher_logprobs is not None
+    saved = resumed.inflight.steps[0].micro_batches[0].teacher_logprobs
+    assert (saved is not None) == (objective == "sampled")
     resumed.train()
     final, want = trained(resumed), trained(straight)
     assert all(torch.equal(final[n], want[n]) for n in want)

@@ -78,3 +78,20 @@ def test_a_teacher_pass_larger_than_the_training_pass_sets_the_total(tmp_path):
     persistent = sum(plan[k] for k in ("weights", "teacher_weights", "adamw_state"))
     assert plan["total"] == persistent + max(plan["teacher_scoring"], plan["kv_cache"])
     assert "teacher_scoring (the teacher's pass" in render_plan(plan, cfg)
+
+
+def test_the_jsd_objective_counts_the_teacher_in_the_training_step(tmp_path):
+    """jsd: the teacher's hidden rows (and under FSDP its head's copy) are held through
+    the student's pass, and its forward runs beside the gradients made by then."""
+    teacher = write(tmp_path, "teacher", QWEN3_8B)
+    sampled = plan_memory(config(tmp_path / "a", teacher=str(teacher)))
+    assert sampled["teacher_in_step"] == 0
+    jsd = plan_memory(config(tmp_path / "b", teacher=str(teacher), objective="jsd"))
+    rows = 20480 * 2048 // (2048 + 512)  # completion rows of a micro-batch (512-token prompts)
+    assert jsd["teacher_in_step"] >= rows * 4096 * 2  # bfloat16 hidden rows of the teacher
+    assert jsd[TRAINING_PASS] == sampled[TRAINING_PASS] + jsd["teacher_in_step"]
+    assert jsd["teacher_scoring"] == sampled["teacher_scoring"] + jsd["gradients"]
+    sharded = plan_memory(config(tmp_path / "c", teacher=str(teacher), objective="jsd"),
+                          world_size=4)  # fmt: skip
+    head = 151936 * 4096 * 2
+    assert sharded["teacher_in_step"] >= head + rows * 4096 * 2

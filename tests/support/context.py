@@ -213,7 +213,7 @@ def one_step(policy, samples: list, cfg, ranks=None) -> dict:
     ranks = ranks or ONE_PROCESS
     sampling = cfg.rollout.sampling_params()
     steps = plan_steps(samples, cfg, policy, ranks.rank, ranks.world_size)
-    attach_old_and_ref(policy, steps, cfg.loss, cfg.logprobs, sampling, ranks)
+    attach_old_and_ref(policy, steps, cfg.loss, cfg.logprobs, sampling, ranks, cfg.distill)
     recorder = RecordingOptimizer(policy.model.named_parameters())
     result = train_step(policy, steps[0].micro_batches, recorder, cfg, sampling, ranks)
     return {
@@ -289,6 +289,8 @@ def simulated_step(policy, samples: list, cfg, size: int) -> list[dict]:
     copies = [copy.deepcopy(policy) for _ in range(size)]
     for mine in copies:  # the probe's verdict is kept per model object: probe each copy
         enable_packed_attention(mine.model, policy.attention_backend)
+        if mine.teacher is not None:
+            enable_packed_attention(mine.teacher, policy.attention_backend)
 
     def rank(c: int, exchange: RankExchange) -> dict:
         mine = copies[c]
@@ -296,6 +298,8 @@ def simulated_step(policy, samples: list, cfg, size: int) -> list[dict]:
         mine.root = PackedScorer(mine.model, split)
         if mine.reference is not None:
             mine.reference = PackedScorer(mine.reference, split)
+        if mine.teacher is not None:  # a distillation teacher: split like the reference
+            mine.teacher = PackedScorer(mine.teacher, split)
         return one_step(mine, samples, cfg, ThreadRanks(exchange, size))
 
     return run_ranks(size, rank)

@@ -1,14 +1,22 @@
 """One rank of the 2-process CPU (gloo) distillation test (tests/distill/test_torchrun.py).
 
-Run as `python tests/support/distill_worker.py teacher TEACHER_DIR OUT_DIR` (or `gathered
-TEACHER_DIR OUT_DIR SHARDING`: how much of the teacher its passes hold gathered; `load
-TEACHER_DIR OUT_DIR staged|whole`: what a rank holds of it while it loads and shards) with RANK,
-WORLD_SIZE, MASTER_ADDR and MASTER_PORT set. The trainer's pieces on the demo: the policy
-and the teacher (load_teacher) sharded by `shard_policy`, the rank's groups planned,
-`attach_old_and_ref` (the teacher's pass through its FSDP root), one `train_step`. Rank 0
-writes OUT_DIR/teacher.pt: per rank, the teacher log-probs of each sample it scored (by
-its completion ids), the teacher parameters held whole after the passes (none
-may be), and the step's loss.
+Run as `python tests/support/distill_worker.py SCENARIOS TEACHER_DIR OUT_DIR` with RANK,
+WORLD_SIZE, MASTER_ADDR and MASTER_PORT set; SCENARIOS `+`-separated, run in one launch.
+The trainer's pieces on the demo: the policy and the teacher (load_teacher) sharded by
+`shard_policy`, the rank's groups planned, `attach_old_and_ref`, one `train_step`.
+- teacher (objective sampled, the teacher's pass through its FSDP root): rank 0 writes
+  OUT_DIR/teacher.pt: per rank, the teacher log-probs of each sample it scored (by its
+  completion ids), the teacher parameters held whole after the passes (none may be), and
+  the step's loss.
+- jsd (objective jsd: the teacher's forward in the step through its FSDP root, its head
+  copied while gathered; 5 groups in small micro-batches, so one rank runs a padding
+  micro-batch, the teacher's forward included): rank 0 writes OUT_DIR/jsd.pt: the step's
+  metrics and gathered gradients on the 2 ranks and in one process on all the samples,
+  and the teacher parameters held whole after the step (none may be).
+- gathered TEACHER_DIR OUT_DIR SHARDING (alone, its own launch): how much of the teacher
+  its passes hold gathered under that sharding (OUT_DIR/gathered.pt).
+- load TEACHER_DIR OUT_DIR staged|whole (alone, its own launch): what a rank holds of the
+  teacher while it loads and shards (OUT_DIR/load.pt).
 """
 
 from __future__ import annotations
@@ -32,10 +40,9 @@ def distill_run(teacher: str, out: Path) -> dict:
     return raw
 
 
-def teacher_ranks(teacher: str, out: Path) -> None:
+def teacher_ranks(ctx, teacher: str, out: Path) -> None:
     from leangrpo.config import config_from_dict
     from leangrpo.distill.teacher import load_teacher
-    from leangrpo.distributed.context import init_distributed
     from leangrpo.distributed.fsdp import shard_policy
     from leangrpo.distributed.strategy import TorchrunRanks
     from leangrpo.model.policy import load_policy
@@ -43,9 +50,8 @@ def teacher_ranks(teacher: str, out: Path) -> None:
     from leangrpo.train.passes import attach_old_and_ref
     from leangrpo.train.planning import plan_steps
     from leangrpo.train.step import train_step
-    from support.dist_worker import batches, dist_cfg, unsharded_parameters
+    from support.dist_worker import batches, unsharded_parameters
 
-    ctx = init_distributed(dist_cfg(), "cpu")
     cfg = config_from_dict(distill_run(teacher, out))
     samples = [s for g in batches()[0] for s in g]
     for s in samples:
@@ -70,7 +76,42 @@ def teacher_ranks(teacher: str, out: Path) -> None:
     gathered = ctx.gather_to_main(seen)
     if ctx.is_main:
         torch.save(gathered, out / "teacher.pt")
-    ctx.shutdown()
+
+
+def jsd_run(teacher: str, out: Path) -> dict:
+    raw = distill_run(teacher, out)
+    raw["distill"].update(objective="jsd", jsd_beta=0.5, weight=0.5)
+    raw["train"]["micro_batch_tokens"] = 24  # more micro-batches: the ranks' counts differ
+    return raw
+
+
+def jsd_ranks(ctx, teacher: str, out: Path) -> None:
+    from leangrpo.config import config_from_dict
+    from leangrpo.distill.teacher import load_teacher
+    from leangrpo.distributed.fsdp import shard_policy
+    from leangrpo.distributed.strategy import TorchrunRanks
+    from leangrpo.model.policy import load_policy
+    from support.context import one_step
+    from support.dist_worker import batches, unsharded_parameters
+
+    cfg = config_from_dict(jsd_run(teacher, out))
+    samples = [s for g in batches()[0][:5] for s in g]  # 5 groups: one rank gets fewer
+    for s in samples:
+        s.reward = 0.0
+
+    def loaded():
+        torch.manual_seed(0)
+        policy = load_policy(cfg, None, torch.device("cpu"))
+        policy.teacher = load_teacher(cfg, torch.device("cpu"))
+        return policy
+
+    sharded = loaded()
+    shard_policy(sharded, cfg.distributed, ctx)
+    got = one_step(sharded, samples, cfg, TorchrunRanks(ctx))
+    got["whole"] = ctx.gather_to_main(unsharded_parameters(sharded.teacher))
+    if ctx.is_main:
+        want = one_step(loaded(), samples, cfg)
+        torch.save({"ranks": got, "one": want}, out / "jsd.pt")
 
 
 def held_whole(module) -> int:
@@ -198,16 +239,24 @@ def load_ranks(teacher: str, out: Path, staged: bool) -> None:
 
 
 def main() -> None:
+    from leangrpo.distributed.context import init_distributed
+    from support.dist_worker import dist_cfg
+
     torch.set_num_threads(1)
-    scenario, arg, out = sys.argv[1:4]
-    if scenario == "teacher":
-        teacher_ranks(arg, Path(out))
-    elif scenario == "gathered":
-        gathered_ranks(arg, Path(out), sys.argv[4])
-    elif scenario == "load":
-        load_ranks(arg, Path(out), sys.argv[4] == "staged")
-    else:
-        raise SystemExit(f"unknown scenario {scenario!r}")
+    scenarios, arg, out = sys.argv[1].split("+"), sys.argv[2], Path(sys.argv[3])
+    if scenarios == ["gathered"]:  # each sets its process group up itself
+        return gathered_ranks(arg, out, sys.argv[4])
+    if scenarios == ["load"]:
+        return load_ranks(arg, out, sys.argv[4] == "staged")
+    unknown = set(scenarios) - {"teacher", "jsd"}
+    if unknown:
+        raise SystemExit(f"unknown scenario(s) {sorted(unknown)}")
+    ctx = init_distributed(dist_cfg(), "cpu")
+    if "teacher" in scenarios:
+        teacher_ranks(ctx, arg, out)
+    if "jsd" in scenarios:
+        jsd_ranks(ctx, arg, out)
+    ctx.shutdown()
 
 
 if __name__ == "__main__":

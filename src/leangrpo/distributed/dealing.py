@@ -125,11 +125,16 @@ def padding_pass(
     *,
     backward: bool,
     with_entropy: bool = False,
+    teacher=None,
 ) -> None:
-    """Forward (and backward with a zero upstream gradient) through every unit."""
-    logprobs, entropy = scorer(batch, sampling, logprob_cfg, with_entropy=with_entropy)
+    """Forward (and backward with a zero upstream gradient) through every unit; with
+    `teacher` (contracts.TeacherRows, distill.objective: jsd) the divergence's pass."""
+    if teacher is None:
+        outputs = scorer(batch, sampling, logprob_cfg, with_entropy=with_entropy)
+    else:
+        outputs = scorer(batch, sampling, logprob_cfg, with_entropy=True, teacher=teacher)
     if backward and torch.is_grad_enabled():
-        outputs = [t for t in (logprobs, entropy) if t is not None and t.requires_grad]
+        outputs = [t for t in outputs if t is not None and t.requires_grad]
         torch.autograd.backward(outputs, [torch.zeros_like(t) for t in outputs])
 
 

@@ -32,11 +32,12 @@ import dataclasses
 import torch
 from torch import nn
 
-from leangrpo.contracts import LocalRow, PackedBatch, RowSplit, SamplingParams
+from leangrpo.contracts import LocalRow, PackedBatch, RowSplit, SamplingParams, TeacherRows
 from leangrpo.model.moe.control import routing_of
 from leangrpo.model.policy import Policy
 from leangrpo.ops.context_parallel.shards import WHOLE_ROW, whole_row
 from leangrpo.ops.logprobs.api import token_logprobs
+from leangrpo.ops.logprobs.divergence import chunked_divergence, naive_divergence
 
 
 def causal_lm(model: nn.Module) -> nn.Module:
@@ -82,21 +83,77 @@ def score(
             "score(): the model is FSDP-sharded; score through the PackedScorer that "
             "leangrpo.distributed.fsdp.shard_model returned, so that the sharded weights are gathered"
         )
-    return _score(model, batch, sampling, logprob_cfg, with_entropy, WHOLE_ROW)
+    return _score(model, batch, sampling, logprob_cfg, with_entropy, WHOLE_ROW)[:2]
 
 
-def _score(model, batch, sampling, logprob_cfg, with_entropy: bool, split: RowSplit):
+def score_distill(
+    model: nn.Module,
+    batch: PackedBatch,
+    sampling: SamplingParams,
+    logprob_cfg,
+    teacher: TeacherRows,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log-probs, entropy, divergence to the teacher), each (T,): `score` with the tiled
+    generalised JSD (ops/logprobs/divergence.py) in the same sweep of the student's head;
+    `teacher`: the teacher's rows for the same local row (`distill.teacher.teacher_rows`).
+    The sampling transformation is the temperature only (config refuses filters with a
+    teacher)."""
+    if isinstance(model, PackedScorer):
+        return model(batch, sampling, logprob_cfg, with_entropy=True, teacher=teacher)
+    if any(_is_dtensor(p) for p in causal_lm(model).parameters()):
+        raise RuntimeError("score_distill(): the model is FSDP-sharded; pass its PackedScorer")
+    return _score(model, batch, sampling, logprob_cfg, True, WHOLE_ROW, teacher)
+
+
+def _score(model, batch, sampling, logprob_cfg, with_entropy: bool, split: RowSplit,
+           teacher: TeacherRows | None = None):  # fmt: skip
     """score() without the check (inside the FSDP root's forward, units not yet reached
     still hold sharded weights; each unit's forward gathers its own), on `split`'s part of
-    the row; the (T,) log-probs (and entropies) of the whole row. A mixture of experts
-    replays the batch's routes, or compares them (model/moe/control.py)."""
+    the row; the (T,) log-probs, entropies (or None) and divergences to `teacher` (or None)
+    of the whole row. A mixture of experts replays the batch's routes, or compares them
+    (model/moe/control.py)."""
     row = split.local_row(batch)
     routing = routing_of(model)
     routing.prepare(row, batch.padding)
-    logprobs, entropy = _head_logprobs(model, row_hidden(model, row), row.targets, sampling,
-                                       logprob_cfg, with_entropy)  # fmt: skip
+    hidden = row_hidden(model, row)
+    divergence = None
+    if teacher is None:
+        logprobs, entropy = _head_logprobs(model, hidden, row.targets, sampling, logprob_cfg,
+                                           with_entropy)  # fmt: skip
+    else:
+        divergence, logprobs, entropy = _head_divergence(model, hidden, row.targets, sampling,
+                                                         logprob_cfg, teacher)  # fmt: skip
     routing.finish(row, split)
-    return split.gather(logprobs, entropy, row)
+    logprobs, entropy = split.gather(logprobs, entropy, row)
+    if divergence is not None:
+        divergence = split.gather(divergence, None, row)[0]
+    return logprobs, entropy, divergence
+
+
+def _head_divergence(model, hidden, targets, sampling, logprob_cfg, teacher: TeacherRows):
+    _, head = backbone_and_head(model)
+    options = {
+        "beta": teacher.beta,
+        "temperature": sampling.temperature,
+        "row_tile": logprob_cfg.row_tile,
+        "vocab_tile": logprob_cfg.vocab_tile,
+    }
+    if isinstance(head, ChunkedLMHead):  # a module call: FSDP gathers the head around it
+        return head(hidden, targets, teacher=teacher, chunked=logprob_cfg.chunked, **options)
+    return divergence(hidden, head.weight, targets, getattr(head, "bias", None), teacher,
+                      chunked=logprob_cfg.chunked, **options)  # fmt: skip
+
+
+def divergence(hidden, weight, targets, bias, teacher: TeacherRows, *, chunked: bool = True,
+               **options):  # fmt: skip
+    """(divergence, log-probs, entropy) of the student's head against `teacher`: tiled
+    (`logprobs.chunked`, the default) or the full-logits reference."""
+    if not chunked:
+        options = {k: v for k, v in options.items() if k not in ("row_tile", "vocab_tile")}
+        return naive_divergence(hidden, weight, teacher.hidden, teacher.weight, targets, bias,
+                                teacher.bias, **options)  # fmt: skip
+    return chunked_divergence(hidden, weight, teacher.hidden, teacher.weight, targets, bias,
+                              teacher.bias, **options)  # fmt: skip
 
 
 def _head_logprobs(model, hidden, targets, sampling, logprob_cfg, with_entropy: bool):
@@ -144,9 +201,25 @@ class ChunkedLMHead(nn.Module):
         self.bias = getattr(linear, "bias", None)
         self.in_features, self.out_features = self.weight.shape[1], self.weight.shape[0]
 
-    def forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None, **options):
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        teacher: TeacherRows | None = None,
+        copy_weight: bool = False,
+        **options,
+    ):
+        """Logits (no targets); log-probs (and entropy) of `targets`; with `teacher`, the
+        (divergence, log-probs, entropy) of ops/logprobs/divergence.py; with `copy_weight`,
+        a detached copy of (weight, bias), taken while FSDP has them gathered (a frozen
+        teacher's head for the student's divergence, forward and backward)."""
+        if copy_weight:
+            bias = None if self.bias is None else self.bias.detach().clone()
+            return self.weight.detach().clone(), bias
         if targets is None:
             return nn.functional.linear(hidden, self.weight, self.bias)
+        if teacher is not None:
+            return divergence(hidden, self.weight, targets, self.bias, teacher, **options)
         return token_logprobs(hidden, self.weight, targets, self.bias, **options)
 
 
@@ -182,8 +255,35 @@ class PackedScorer(nn.Module):
         self.model = model
         self.split = split
 
-    def forward(self, batch: PackedBatch, sampling, logprob_cfg, with_entropy: bool = False):
-        return _score(self.model, batch, sampling, logprob_cfg, with_entropy, self.split)
+    def forward(self, batch: PackedBatch, sampling, logprob_cfg, with_entropy: bool = False,
+                teacher: TeacherRows | None = None, rows_of: float | None = None):  # fmt: skip
+        """(log-probs, entropy); with `teacher`, (log-probs, entropy, divergence); with
+        `rows_of` (a distillation teacher's root: its jsd_beta), its `TeacherRows` of the
+        batch's local row, under no_grad."""
+        if rows_of is not None:
+            return _teacher_rows(self.model, self.split.local_row(batch), rows_of)
+        out = _score(self.model, batch, sampling, logprob_cfg, with_entropy, self.split, teacher)
+        return out if teacher is not None else out[:2]
+
+
+@torch.no_grad()
+def teacher_rows(teacher: nn.Module, batch: PackedBatch, beta: float) -> TeacherRows:
+    """A frozen teacher's `TeacherRows` of the batch (its FSDP root's: through its forward,
+    the head copied while gathered; a plain model's: the whole row, its head as it is)."""
+    if isinstance(teacher, PackedScorer):
+        return teacher(batch, None, None, rows_of=beta)
+    return _teacher_rows(teacher, whole_row(batch), beta, copy=False)
+
+
+def _teacher_rows(model: nn.Module, row: LocalRow, beta: float, copy: bool = True) -> TeacherRows:
+    hidden = row_hidden(model, row).detach()
+    _, head = backbone_and_head(model)
+    if isinstance(head, ChunkedLMHead) and copy:
+        weight, bias = head(hidden, copy_weight=True)
+    else:
+        weight, bias = head.weight.detach(), getattr(head, "bias", None)
+        bias = None if bias is None else bias.detach()
+    return TeacherRows(hidden, weight, bias, float(beta))
 
 
 @torch.no_grad()

@@ -50,7 +50,16 @@ second) and counts, per device, for one micro-batch of `train.micro_batch_tokens
                      layer's dequantized weight, and under FSDP what is gathered at once
                      (`teacher_gathered`: its root, with tied embeddings, and two layers,
                      or an untied head and a layer; the teacher reshards each unit after
-                     its forward under either sharding) [estimated]
+                     its forward under either sharding) [estimated]; with
+                     distill.objective: jsd the same forward runs in the training step
+                     before each micro-batch's student pass, so it holds the gradients
+                     made by then too (and, under FSDP, the copy of the teacher's
+                     lm_head it takes)
+    teacher_in_step  distill.objective: jsd only: what the student's training pass holds
+                     of the teacher: its final hidden rows of the micro-batch (rows x
+                     its hidden size), under FSDP its lm_head's copy, and the teacher's
+                     logit tiles beside the student's in the divergence's head [exact
+                     for the rows and the copy; tiles as the lm_head term's]
     kv_cache         the hf engine's DynamicCache at its longest, for the larger of a training
                      generation call and an evaluation call (vLLM sizes its own) [exact]
     offloaded_to_host  layer inputs moved to host memory (not device memory; on CPU it is
@@ -142,6 +151,7 @@ TERMS = (
     "lm_head",
     "all_to_all",
     "teacher_scoring",
+    "teacher_in_step",
     "kv_cache",
     "offloaded_to_host",
 )
@@ -452,7 +462,11 @@ def plan_memory(
         "offloaded_to_host": host,
         **_teacher(cfg, device, s.b, n, rows, world_size),
     }
-    plan[TRAINING_PASS] = max(m.total for m in moments) + plan["all_to_all"]
+    plan[TRAINING_PASS] = (
+        max(m.total for m in moments) + plan["all_to_all"] + plan["teacher_in_step"]
+    )
+    if cfg.distill is not None and cfg.distill.objective == "jsd":  # in the step: gradients
+        plan["teacher_scoring"] += plan["gradients"]
     plan["total"] = peak(plan, concurrent=hf and cfg.pipeline.mode == "async", cpu=device == "cpu")
     if sharing_blocker(cfg) is None:
         plan[SAVED_BY_SHARING] = base  # not a term: the copy colocated vLLM does not hold
@@ -546,7 +560,7 @@ def peak(plan: dict[str, int], concurrent: bool, cpu: bool) -> int:
 def _teacher(cfg, device: str, b: int, tokens: int, rows: int, world_size: int) -> dict[str, int]:
     """teacher_weights and teacher_scoring (see the module docstring); 0 without one."""
     if cfg.distill is None:
-        return {"teacher_weights": 0, "teacher_scoring": 0}
+        return {"teacher_weights": 0, "teacher_scoring": 0, "teacher_in_step": 0}
     from types import SimpleNamespace
 
     distill = cfg.distill
@@ -564,12 +578,19 @@ def _teacher(cfg, device: str, b: int, tokens: int, rows: int, world_size: int) 
     )
     base, replicated = base_bytes(quantized, t, b)
     weights, gathered = base, 0
-    if world_size > 1 and cfg.distributed.sharding != "no_shard":
+    sharded = world_size > 1 and cfg.distributed.sharding != "no_shard"
+    if sharded:
         weights = (base - replicated) // world_size + replicated
         gathered = teacher_gathered(cfg, t, b)
+    in_step = 0
+    if distill.objective == "jsd":
+        head_copy = t.vocab * t.hidden * b if sharded else 0
+        gathered += head_copy
+        in_step = rows * t.hidden * b + head_copy + _divergence_tiles(cfg, t, rows, device)
     return {
         "teacher_weights": weights,
         "teacher_scoring": gathered + _teacher_pass(cfg, t, b, tokens, rows, device, quantized),
+        "teacher_in_step": in_step,
     }
 
 
@@ -589,6 +610,15 @@ def teacher_gathered(cfg, t: Dims, b: int) -> int:
     matrix = t.vocab * t.hidden * gathered_b
     root = t.hidden * gathered_b + (matrix if t.tied else 0)
     return root + (2 * layer if t.tied else max(2 * layer, matrix + layer))
+
+
+def _divergence_tiles(cfg, t: Dims, rows: int, device: str) -> int:
+    """The teacher's fp32 tiles in the divergence's head: its logits tile, log-probs and
+    their exponential, beside the student's (which the lm_head term counts)."""
+    default_rows, default_vocab = DEFAULT_TILES[device]
+    row_tile = min(cfg.logprobs.row_tile or default_rows, rows)
+    vocab_tile = min(cfg.logprobs.vocab_tile or default_vocab, t.vocab)
+    return 3 * row_tile * vocab_tile * 4
 
 
 def _teacher_pass(cfg, t: Dims, b: int, tokens: int, rows: int, device: str, quantized) -> int:

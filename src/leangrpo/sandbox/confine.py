@@ -104,6 +104,10 @@ class _CapData(ctypes.Structure):
     _fields_ = [(n, ctypes.c_uint32) for n in ("effective", "permitted", "inheritable")]
 
 
+# capset's arguments, every set empty (made once: a box pays for each page it writes)
+_NO_CAPS = (_CapHeader(0x20080522, 0), (_CapData * 2)())
+
+
 def _check(result: int, step: str) -> int:
     if result < 0:
         code = ctypes.get_errno()
@@ -283,8 +287,7 @@ def _drop_privileges() -> None:
     with contextlib.suppress(SetupError):  # without CAP_SETPCAP there is nothing to drop
         _prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, "prctl CAP_AMBIENT")
     drop_bounding_set()
-    header, data = _CapHeader(0x20080522, 0), (_CapData * 2)()
-    _check(_libc.capset(ctypes.byref(header), data), "capset")
+    _check(_libc.capset(ctypes.byref(_NO_CAPS[0]), _NO_CAPS[1]), "capset")
 
 
 _bounding_dropped: list[bool] = []  # once per process: its children inherit the empty set

@@ -50,8 +50,12 @@ def pickle_frame(obj: Any) -> bytes:
     return frame(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
 
+_ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"))  # made once: a box pays
+# for every page it writes, and a new encoder per message wrote dozens
+
+
 def json_payload(message: dict) -> bytes:
-    return json.dumps(message, allow_nan=False, separators=(",", ":")).encode()
+    return _ENCODER.encode(message).encode()
 
 
 def read_frame(sock: socket.socket) -> bytes:

@@ -21,12 +21,12 @@ per-call pipe: nothing is paid per call.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import fcntl
 import os
 import sys
 import termios
-import threading
 import time
 from collections.abc import Callable
 
@@ -53,7 +53,7 @@ class OutputMeter:
         self._read = fcntl.fcntl(read, fcntl.F_DUPFD_CLOEXEC, CHANNEL_FD_MIN)
         os.close(read)
         os.register_at_fork(after_in_child=self._forget)
-        threading.Thread(target=self._drain, name="output-meter", daemon=True).start()
+        _thread.start_new_thread(self._drain, ())  # (no Thread object: see calls._Watchdog)
 
     def _forget(self) -> None:
         """In a forked child: close both ends the meter holds, so what the child prints

@@ -29,6 +29,7 @@ checks, the set-up reports `announce` passes on), which returns what each box ru
 
 from __future__ import annotations
 
+import _signal
 import contextlib
 import gc
 import importlib
@@ -183,8 +184,7 @@ class Zygote:
             os.setsid()
             become_subreaper()  # orphans of its processes stay in its tree (process level)
             confine_box(self.spec, scratch, own_network=bool(request.get("network")))
-            os.environ.update(HOME=scratch, TMPDIR=scratch)
-            tempfile.tempdir = None  # the zygote's cached one is not this box's
+            _scratch_environment(scratch)
             endpoint = self._forwarder(request.get("forward"))
             limit_box_tasks(self.spec, tasks)
             drop_privileges()
@@ -266,8 +266,8 @@ def _changed_signals() -> list[tuple[int, Any]]:
             continue
         wanted = PYTHON_DEFAULTS.get(signum, signal.SIG_DFL)
         with contextlib.suppress(OSError, ValueError):  # signals the C library reserves
-            if signal.getsignal(signum) is not wanted:
-                changed.append((signum, wanted))
+            if signal.getsignal(signum) is not wanted:  # (as plain ints: `_fresh_signals`)
+                changed.append((int(signum), int(wanted) if isinstance(wanted, int) else wanted))
     return changed
 
 
@@ -275,10 +275,20 @@ def _fresh_signals(changed: list[tuple[int, Any]]) -> None:
     """A fresh interpreter's signals: no wakeup fd (the zygote's would get a byte for each
     signal, on whatever descriptor has its number by then), none of the zygote's
     handlers (`changed`: `_changed_signals`), none blocked."""
-    signal.set_wakeup_fd(-1)
-    for signum, wanted in changed:
-        signal.signal(signum, wanted)
-    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    _signal.set_wakeup_fd(-1)
+    for signum, wanted in changed:  # the C functions: no enum made of what they return
+        _signal.signal(signum, wanted)
+    _signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
+def _scratch_environment(scratch: str) -> None:
+    """HOME and TMPDIR the box's scratch: set where they are not (a process box's own
+    directory; a namespace box's is the zygote's path, with a fresh tmpfs over it), as
+    each one set costs the box pages copied from the zygote."""
+    for name in ("HOME", "TMPDIR"):
+        if os.environ.get(name) != scratch:
+            os.environ[name] = scratch
+    tempfile.tempdir = None  # the zygote's cached one may not be this box's
 
 
 def _settle_descriptors(keep: dict[str, int]) -> dict[str, int]:

@@ -80,10 +80,11 @@ def loss_inputs(
     entropy: torch.Tensor | None,
     loss: LossConfig,
     distill: DistillConfig | None = None,
+    divergence: torch.Tensor | None = None,
 ) -> tuple[LossInputs, dict[str, torch.Tensor]]:
     """The loss's view of a micro-batch, with the off-policy correction chosen in config
     (and its IS metrics, 0-d tensors on the device); `distill`: the run's distill section
-    (None: no teacher)."""
+    (None: no teacher); `divergence`: the (T,) divergence to the teacher (objective jsd)."""
     mask = token_mask(mb, loss)
     behaviour = mb.behaviour_logprobs
     old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach().float()
@@ -114,6 +115,8 @@ def loss_inputs(
         is_weights=weights,
         entropy=entropy,
         teacher_logprobs=mb.teacher_logprobs,
+        divergence=divergence,
+        divergence_weight=0.0 if divergence is None else distill.weight,
     )
     return inputs, metrics
 
@@ -125,7 +128,7 @@ def token_advantages(
     reverse-KL rewards against the teacher when there is one (`old`: the student's
     log-probs of the sampled tokens, the ratio's denominator)."""
     advantages = mb.advantages[mb.token_seq]
-    if distill is None:
+    if distill is None or distill.objective != "sampled":  # jsd: a loss term of its own
         return advantages
     if mb.teacher_logprobs is None:
         raise RuntimeError("distill is set but no teacher log-probs were attached to the batch")

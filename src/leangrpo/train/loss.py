@@ -38,6 +38,11 @@ Choices:
   The token-sum normalisers (bnpo, dr_grpo, dapo, cispo) are counted before the forward
   that finds these tokens, so a filtered token still counts in their denominator (as a
   token with zero loss); grpo and gspo average over the kept tokens of each sequence.
+- A distillation divergence (`inputs.divergence`, distill.objective: jsd) is added as
+  divergence_weight x its sum over the kept tokens / norm.tokens, whatever loss.type: the
+  token mean over the step, TRL's DistillationTrainer reduction. Like the KL it is not
+  multiplied by the IS weights (it is the current policy's divergence, not an estimate
+  from samples of the behaviour policy's).
 - IS correction modes: "decoupled" = the trainer computes old log-probs with a no-grad
   pass and `importance_weights(old, behaviour, ...)` gives detached weights that multiply
   the policy term; "bypass" = the trainer passes the behaviour log-probs as
@@ -80,6 +85,8 @@ METRIC_COUNTS: dict[str, str | None] = {
     # log p_policy - log p_teacher of the sampled tokens (a distillation teacher's log-probs
     # given): the sampled estimate of KL(policy || teacher) per token
     "distill/reverse_kl": "tokens",
+    # the per-token divergence to the teacher (distill.objective: jsd), the loss's own term
+    "distill/jsd": "tokens",
 }
 
 
@@ -221,7 +228,8 @@ def _check_inputs(inputs: LossInputs, cfg: LossConfig) -> None:
     named = {"old_logprobs": inputs.old_logprobs, "advantages": inputs.advantages,
              "mask": inputs.mask, "token_seq": inputs.token_seq,
              "ref_logprobs": inputs.ref_logprobs, "is_weights": inputs.is_weights,
-             "entropy": inputs.entropy, "teacher_logprobs": inputs.teacher_logprobs}  # fmt: skip
+             "entropy": inputs.entropy, "teacher_logprobs": inputs.teacher_logprobs,
+             "divergence": inputs.divergence}  # fmt: skip
     for name, tensor in named.items():
         if tensor is not None and tensor.shape != shape:
             raise ValueError(f"LossInputs.{name} has shape {tuple(tensor.shape)}, need {shape}")
@@ -271,6 +279,8 @@ def compute_loss(inputs: LossInputs, norm: LossNormalisers, cfg: LossConfig) -> 
         if cfg.beta > 0:
             per_token = per_token + cfg.beta * kl
     loss = variant.reduce(per_token, kept, norm)
+    if inputs.divergence is not None:  # distillation (jsd): a token mean over the step
+        loss = loss + inputs.divergence_weight * reduce_tokens(inputs.divergence, kept, norm)
     metrics = _metrics(kept, logp, ratio, adv, kl, cfg)
     metrics["filtered_tokens"] = filtered.sum().to(metrics["tokens"].dtype)
     return LossOutputs(loss=loss, metrics=metrics)
@@ -290,7 +300,8 @@ def _metrics(
         "clip/region_frac": _select(region.to(ratio.dtype), mask).sum(),
         "ratio/mean": _select(ratio, mask).sum(),
     }
-    optional = {"kl": kl, "entropy": inputs.entropy, "is/weight_applied": inputs.is_weights}
+    optional = {"kl": kl, "entropy": inputs.entropy, "is/weight_applied": inputs.is_weights,
+                "distill/jsd": inputs.divergence}  # fmt: skip
     if inputs.teacher_logprobs is not None:
         teacher = _select(_upcast(inputs.teacher_logprobs).to(logp.dtype), mask)
         optional["distill/reverse_kl"] = logp.detach() - teacher

@@ -7,9 +7,11 @@
 - reference log-probs, only when beta > 0: unfiltered (temperature only, see
   `model.scoring.reference_logprobs`), so the KL never meets a reference that excludes a
   token.
-- teacher log-probs, only with a distillation teacher (`policy.teacher`, distill/): the
-  same pass on the teacher, under the reference's transformation
-  (`distill.teacher.teacher_logprobs`).
+- teacher log-probs, only with a distillation teacher (`policy.teacher`, distill/) and
+  distill.objective: sampled: the same pass on the teacher, under the reference's
+  transformation (`distill.teacher.teacher_logprobs`). The jsd objective needs the
+  teacher's hidden states, not its log-probs: its forward runs in the training step
+  (train/step.py).
 
 All run in eval mode over every planned micro-batch (torchrun's padding ones too: every
 rank makes the same forwards), then `ranks.release_gathered` frees what the passes left
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from leangrpo.config.distill import DistillConfig
 from leangrpo.config.training import LogprobsConfig, LossConfig
 from leangrpo.contracts import SamplingParams, StepRanks
 from leangrpo.distill.teacher import teacher_logprobs
@@ -45,12 +48,14 @@ def attach_old_and_ref(
     logprobs: LogprobsConfig,
     sampling: SamplingParams,
     ranks: StepRanks = ONE_PROCESS,
+    distill: DistillConfig | None = None,
 ) -> None:
     """Fill in old, reference and teacher log-probs on every micro-batch before the first
-    update."""
+    update (`distill`: the run's section; the teacher's pass is the sampled objective's)."""
     want_old = needs_old_pass(loss, len(steps))
     want_ref = loss.beta > 0
-    teacher = policy.teacher
+    jsd = distill is not None and distill.objective == "jsd"
+    teacher = None if jsd else policy.teacher
     if not (want_old or want_ref or teacher is not None):
         return
     with eval_mode(policy.model):  # torchrun: padding micro-batches run these passes too

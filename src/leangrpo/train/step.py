@@ -15,7 +15,14 @@ The ranks are a `contracts.StepRanks`, picked at set-up: one process (identities
 torchrun, where the normaliser counts are all-reduced once, padding micro-batches run a
 forward and a zero-gradient backward (never the loss), the gradient norm is global, the
 skip decision is all-reduced and the loss metrics are combined over ranks, so every rank
-takes the same decision and rank 0 logs global figures. See docs/distributed.md
+takes the same decision and rank 0 logs global figures.
+
+With distill.objective: jsd each micro-batch first runs the teacher's forward (no_grad,
+`model.scoring.teacher_rows`: its final hidden states at the completion-predicting
+positions of this rank's row, and its head; a sharded teacher's head copied while
+gathered), then the student's scoring pass with the tiled divergence in the same sweep of
+its head; the teacher's rows live until that micro-batch's backward is done (padding
+micro-batches make the same forwards). See docs/distributed.md
 ("A step", "Gradients are averaged over ranks").
 """
 
@@ -31,7 +38,7 @@ import torch
 from leangrpo.contracts import PackedBatch, SamplingParams, StepRanks
 from leangrpo.distributed.dealing import padding_pass
 from leangrpo.model.policy import Policy
-from leangrpo.model.scoring import score
+from leangrpo.model.scoring import eval_mode, score, score_distill, teacher_rows
 from leangrpo.train.inputs import loss_inputs, normalisers
 from leangrpo.train.loss import compute_loss, sums_to_means
 from leangrpo.train.ranks import ONE_PROCESS
@@ -58,20 +65,32 @@ def train_step(
     norm = normalisers(real, cfg.loss, cfg.model_token_budget(), ranks.processes, ranks.all_reduce)
     on_device = []  # per micro-batch: (loss, loss metrics, IS metrics), 0-d tensors
     sums_offload: dict[str, float] = defaultdict(float)
+    jsd = cfg.distill is not None and cfg.distill.objective == "jsd"
     for mb in micro_batches:
         module = policy.scoring_module
+        teacher = _teacher_rows(policy, mb, cfg.distill.jsd_beta) if jsd else None
         with _offload_scope(policy):
             if mb.padding:  # torchrun: the same FSDP collectives as the peers, no loss
-                padding_pass(module, mb, sampling, cfg.logprobs, backward=True, with_entropy=True)
+                padding_pass(module, mb, sampling, cfg.logprobs, backward=True, with_entropy=True,
+                             teacher=teacher)  # fmt: skip
                 continue
-            logprobs, entropy = score(module, mb, sampling, cfg.logprobs, with_entropy=True)
-            inputs, mb_is = loss_inputs(mb, logprobs, entropy, cfg.loss, cfg.distill)
+            divergence = None
+            if teacher is None:
+                logprobs, entropy = score(module, mb, sampling, cfg.logprobs, with_entropy=True)
+            else:
+                logprobs, entropy, divergence = score_distill(
+                    module, mb, sampling, cfg.logprobs, teacher
+                )
+            inputs, mb_is = loss_inputs(mb, logprobs, entropy, cfg.loss, cfg.distill, divergence)
             out = compute_loss(inputs, norm, cfg.loss)
             policy.routing.loss_with_aux(out.loss, inputs, norm).backward()  # MoE: + aux loss
         on_device.append((out.loss.detach(), out.metrics, mb_is))
         if policy.offloader is not None:  # per micro-batch counts add up to the step's
             for k, v in policy.offloader.metrics().items():
                 sums_offload[k] = v if k == "offload/pool_bytes" else sums_offload[k] + v
+        del teacher  # its hidden states (and a sharded teacher's head copy) go now
+    if jsd:  # the teacher's FSDP root stays gathered after its forwards: reshard it
+        ranks.release_gathered(policy)
     total_loss, sums, is_metrics = _sum_on_host(on_device)  # the step's one device sync
     grad_norm = ranks.clip_gradients(policy.trainable_parameters(), cfg.train.max_grad_norm)
     updated = ranks.all_true(math.isfinite(total_loss) and math.isfinite(grad_norm))
@@ -107,6 +126,15 @@ def _to_host(per_micro_batch: list[tuple]) -> list[tuple[float, dict, dict]]:
         (next(values), {k: next(values) for k in m}, {k: next(values) for k in i})
         for _, m, i in per_micro_batch
     ]
+
+
+def _teacher_rows(policy: Policy, mb: PackedBatch, beta: float):
+    """The teacher's rows of `mb` for the jsd objective: its forward under no_grad, in eval
+    mode (it always is), one micro-batch at a time."""
+    if policy.teacher is None:
+        raise RuntimeError("distill.objective: jsd needs the teacher loaded (policy.teacher)")
+    with eval_mode(policy.teacher):
+        return teacher_rows(policy.teacher, mb, beta)
 
 
 def _offload_scope(policy: Policy):

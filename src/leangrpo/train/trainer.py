@@ -327,7 +327,9 @@ class Trainer:
                 return None
             self.skips.batches_in_a_row = 0
             cfg = self.cfg
-            attach_old_and_ref(self.policy, steps, cfg.loss, cfg.logprobs, self.sampling, ranks)
+            attach_old_and_ref(
+                self.policy, steps, cfg.loss, cfg.logprobs, self.sampling, ranks, cfg.distill
+            )
             batch_metrics = {
                 **batch.metrics,
                 **rollout_metrics(batch, self.version),
