@@ -35,7 +35,7 @@ HOSTILE_CODE = textwrap.dedent(
         return [table.get(c, 1.0) for c in completions]
 
     def huge(prompts, completions, **columns):
-        return [1e200 if i % 2 else -1e200 for i in range(len(completions))]
+        return [1e200 if len(c) % 2 else -1e200 for c in completions]
 
     def mutator(prompts, completions, level, **columns):
         n = len(completions)
@@ -172,15 +172,15 @@ def test_values_are_checked_per_sample_and_inputs_are_private(hostile):
         samples = make_samples(texts, prompt=0)
         metrics = pool.score(samples)
     table = {key: [s.rewards[key] for s in samples] for key in pool.keys}
-    assert table["numpy_array"] == [float(i) for i in range(9)]  # one chunk of 9: 0..8
+    assert table["numpy_array"] == [0.0] * 9  # a call per sample: 0 in each
     assert table["mixed"] == [0.5, 2.0, None, 3.0, None, None, None, None, 1.0]
-    assert table["huge"] == [-1e200, 1e200] * 4 + [-1e200]
+    assert table["huge"] == [-1e200] * 3 + [1e200] * 3 + [-1e200, 1e200, 1e200]
     assert table["mutator"] == [1.0] * 9  # checked against the count it was given
     assert table["reader"] == [1.0] * 9  # the mutator's changes did not reach it
     assert metrics["reward/mixed/failures"] == 4.0  # str, nan, list, big; None is no failure
     assert metrics["reward/numpy_array/failures"] == 0.0
     assert all(math.isfinite(v) for v in metrics.values())
-    assert metrics["reward/huge/mean"] == pytest.approx(-1e200 / 9)
+    assert metrics["reward/huge/mean"] == pytest.approx(1e200 / 9)
 
 
 def test_garbage_and_pickles_on_the_channel_are_counted_never_unpickled(hostile, tmp_path):

@@ -42,9 +42,6 @@ USER_CODE = textwrap.dedent(
     def wrong_length(prompts, completions, **columns):
         return [1.0] * (len(completions) + 1)
 
-    def one_value(prompts, completions, **columns):  # fits a one-sample retry
-        return [1.0]
-
     def strings(prompts, completions, **columns):
         return ["yes" for c in completions]
 
@@ -192,17 +189,15 @@ def test_fail_fast_is_one_sentence_naming_function_sample_and_error(user_module)
         assert [s.reward for s in samples] == [2.0, 2.0]
 
 
-@pytest.mark.parametrize("name", ["one_value", "wrong_length"])
-def test_a_list_of_the_wrong_length_stops_at_once_naming_the_function_and_lengths(
-    user_module, name
-):
-    """Never retried one sample per call, where `[1.0]` fits and hides the bug."""
-    got = 1 if name == "one_value" else 5
+def test_a_list_of_the_wrong_length_stops_at_once_naming_the_function_and_lengths(user_module):
+    """A user function's calls hold one sample each (its own box): `[1.0]` fits them, a
+    list of two does not."""
+    name = "wrong_length"
     with RewardPool(cfg((f"{user_module}:{name}", 1.0, {}), timeout_s=5.0, num_workers=1)) as pool:
         with pytest.raises(RewardFailedError) as err:
             pool.score(make_samples(["a", "b", "c", "d"], prompt=0))
         text = str(err.value)
-        assert text.startswith(f"reward '{name}' returned {got} values for 4 samples; ")
+        assert text.startswith(f"reward '{name}' returned 2 values for 1 samples; ")
         assert "returns one reward per completion" in text and "\n" not in text
         assert is_user_error(err.value)
 
@@ -268,13 +263,14 @@ def test_failures_of_several_ways_or_of_the_moment_do_not_stop_the_run(user_modu
 def test_a_function_that_times_out_on_every_call_is_not_retried_sample_by_sample(user_module):
     """bad_reward_always_timeout_slow.sh: a chunk that timed out was retried one sample per
     call, each its own timeout (17 calls of timeout_s for 16 samples), on every batch. Now
-    after the chunk and 2 samples alone time out, none of its calls having returned, the
-    rest fail as timed out without a call; a slow sample among fast ones is still found."""
+    after 2 samples alone time out (a user function's calls hold one sample each), none of
+    its calls having returned, the rest fail as timed out without a call; a slow sample
+    among fast ones is still found."""
     f = f"{user_module}:slow"
     with RewardPool(cfg((f, 1.0, {}), timeout_s=0.5, num_workers=1)) as pool:
-        samples = make_samples(["sleep"] * 16, prompt=0)  # one group: one call
+        samples = make_samples(["sleep"] * 16, prompt=0)
         metrics = pool.score(samples)
-        assert pool._task_ids == 3  # the chunk, then 2 samples alone (not 1 + 16)
+        assert pool._task_ids == 2  # 2 samples alone (not 16)
     assert all(s.reward is None for s in samples)
     assert metrics["reward/slow/timeouts"] == 16 and metrics["reward/slow/failures"] == 16
     with RewardPool(cfg((f, 1.0, {}), timeout_s=0.5, num_workers=1)) as pool:
@@ -285,14 +281,13 @@ def test_a_function_that_times_out_on_every_call_is_not_retried_sample_by_sample
 
 
 def test_a_function_timing_out_on_every_prompt_is_given_up_on_after_one_chunk(user_module):
-    """Calls never mix prompts: with 4 prompts' chunks queued, the samples of the first
-    chunk that timed out are tried alone before the other prompts' chunks, so the function
-    is given up on after 1 chunk and 2 samples (3 calls), not 4 chunks and 2 samples."""
+    """With 4 prompts' samples queued, the function is given up on after 2 calls (a user
+    function's calls hold one sample each), not one per prompt or per sample."""
     f = f"{user_module}:slow"
     samples = [s for p in range(4) for s in make_samples(["sleep"] * 4, prompt=p)]
     with RewardPool(cfg((f, 1.0, {}), timeout_s=0.5, num_workers=1)) as pool:
         metrics = pool.score(samples)
-        assert pool._task_ids == 3
+        assert pool._task_ids == 2
     assert all(s.reward is None for s in samples)
     assert metrics["reward/slow/timeouts"] == 16
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import glob
 import json
 import os
+import subprocess
 import sys
+import time
 
 import pytest
 from support.configs import ROOT, rewards_section
@@ -24,6 +27,7 @@ from leangrpo.contracts import Completion, Prompt, RolloutSample
 from leangrpo.environments.pool import EnvironmentPool
 from leangrpo.rewards import RewardPool
 from leangrpo.sandbox import cgroups, levels
+from leangrpo.sandbox import process as worker_process
 from leangrpo.sandbox.confine import landlock_abi
 
 USER = [{"role": "user", "content": "go"}]
@@ -156,6 +160,59 @@ def test_what_a_call_leaves_reaches_no_other_call(level, monkeypatch):
     assert [s.reward for s in first + later] == [1.0, 0.0, 0.0]
 
 
+def test_a_samples_program_cannot_reach_its_siblings():
+    """A unit-test reward runs each sample's program; one leaves a detached process that
+    kills the later programs of its call, its GRPO group's siblings: they scored 0 and its
+    advantage rose. A user function now gets one sample per call, a box of its own; a
+    built-in (which never executes model text) keeps its chunks."""
+    cfg = rewards_section("support.hostile_tools:box_sharers_reward", ("length", 1.0, {"target": 5}),
+                          sandbox={"level": "process"})  # fmt: skip
+    batch = samples(["a", "b", "c", "d"], [0, 0, 0, 0])  # one prompt's group
+    with RewardPool(cfg) as pool:
+        pool.score(batch)
+        sizes = {tuple(task.fns): len(task.indices) for task in pool._initial_tasks(batch)}
+    assert [s.rewards["box_sharers_reward"] for s in batch] == [1.0] * 4
+    assert sizes == {(0,): 1, (1,): 4}, sizes
+
+
+def test_a_program_cannot_forge_its_calls_limit():
+    """The program a reward runs sends its reward's process SIGUSR1 and SIGXCPU (the
+    signals of the wall-time and CPU limits): they were taken as a timeout, and the wrong
+    program was left unscored (advantage 0) instead of scoring 0.0."""
+    cfg = rewards_section("support.hostile_tools:forged_limit_reward", cpu_time_limit_s=30.0,
+                          sandbox={"level": "process"})  # fmt: skip
+    batch = samples(["wrong"], [0])
+    with RewardPool(cfg) as pool:
+        metrics = pool.score(batch)
+    assert batch[0].reward == 0.0, metrics
+    assert not any(v for k, v in metrics.items() if "failures" in k or "timeouts" in k), metrics
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_forked_child_holds_no_way_past_the_output_meter(level):
+    """The meter's descriptor to the trainer's pipe was close-on-exec only: a child forked
+    from the call kept it and wrote past max_output_bytes (and the meter's count)."""
+    cfg = rewards_section("support.hostile_tools:forked_pipes_reward",
+                          sandbox={"level": level_here(level)})  # fmt: skip
+    batch = samples(["x"], [0])
+    with RewardPool(cfg) as pool:
+        pool.score(batch)
+    assert batch[0].reward == 0.0
+
+
+def test_a_timeout_in_exec_code_names_no_import(caplog):
+    """Code run with exec() is a "<module>" frame too: the timeout said "while importing
+    __reward__" (and retired the worker as if an import had been cut)."""
+    cfg = rewards_section("support.hostile_tools:import_interrupted_reward", timeout_s=1.0,
+                          sandbox={"level": "process"})  # fmt: skip
+    batch = samples(["x"], [0])
+    with caplog.at_level("WARNING", logger="leangrpo.rewards"), RewardPool(cfg) as pool:
+        pool.score(batch)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert batch[0].reward is None and "timed out after 1 s" in said, said
+    assert "while importing" not in said, said
+
+
 @pytest.mark.parametrize("level", LEVELS)
 def test_what_a_trajectory_leaves_reaches_no_later_one(level, monkeypatch):
     if level == "process":
@@ -164,6 +221,31 @@ def test_what_a_trajectory_leaves_reaches_no_later_one(level, monkeypatch):
         assert text(trajectory(pool, "plant", name="planted")) == "planted"
         found = json.loads(text(trajectory(pool, "find", name="planted")))
     assert found == {"files": [], "marks": []}
+
+
+def test_a_scratch_tree_of_any_depth_is_removed(tmp_path, monkeypatch):
+    """A `process`-level call leaves a tree 1,500 levels deep in its scratch (a directory
+    on disk): shutil.rmtree raised RecursionError there (ignore_errors does not cover it),
+    which killed the zygote and then the trainer's own clean-up. The zygote removes the
+    box's scratch and lives on (the next call is scored on the same worker), and the
+    worker's scratch goes with it whole."""
+    monkeypatch.setattr(worker_process, "SCRATCH_BASE", str(tmp_path))
+    cfg = rewards_section("support.hostile_tools:deep_scratch_reward", sandbox={"level": "process"})
+    try:
+        with RewardPool(cfg) as pool:
+            worker = pool._workers[0]
+            first, later = samples(["deep"], [0]), samples(["fine"], [1])
+            pool.score(first)
+            deadline = time.monotonic() + 60  # a liveness bound: the zygote removes it
+            while glob.glob(f"{worker.scratch}/*/d") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not glob.glob(f"{worker.scratch}/*/d")
+            pool.score(later)
+            assert pool._workers[0] is worker  # not replaced: its zygote lived on
+        assert [s.reward for s in first + later] == [0.0, 1.0]
+        assert list(tmp_path.iterdir()) == []
+    finally:  # never leave the tree to pytest's own (recursive) clean-up
+        subprocess.run(["rm", "-rf", "--", str(tmp_path)], check=False)
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -223,6 +305,8 @@ def test_a_trajectory_cannot_reach_another_trajectorys_processes(level):
         pool.finish([(b, "stop")])
     if level == "namespace":
         assert found == {}
+    else:  # the attacker found B's helper: the refusals below are not vacuous
+        assert found, found
     for attempts in found.values():
         assert not any(attempts[k].startswith("ok") for k in ("stdin", "mem", "signal")), found
         assert attempts["ptrace"] != "attached", found

@@ -46,6 +46,15 @@ def test_the_default_is_the_namespace_where_it_starts():
     assert "\n" not in line
 
 
+def test_the_process_levels_line_says_ipc_is_shared_between_calls():
+    """At `process` a box has no IPC namespace (its capabilities are gone before the
+    zygote forks it): a System V segment one call makes is there for the next. The line
+    says so."""
+    cfg = EnvironmentConfig(tools=["support.environments:add"], sandbox={"level": "process"})
+    line = plan_for(cfg, "environment").describe()
+    assert "System V IPC and /dev/shm shared by every process of this user" in line, line
+
+
 def test_namespace_where_it_cannot_start_is_refused_in_one_sentence_before_the_model(tmp_path):
     done = without_user_namespaces(
         sys.executable, "-m", "leangrpo", "train", "examples/tools_demo.yaml",

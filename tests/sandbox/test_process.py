@@ -14,11 +14,13 @@ import time
 import psutil
 import pytest
 from support.configs import ROOT
+from support.hostile_tools import make_deep_tree
 from support.sandboxes import require_namespace
 
 from leangrpo.config.environment import EnvironmentConfig
 from leangrpo.environments.pool import EnvironmentPool
 from leangrpo.sandbox import process as worker_process
+from leangrpo.sandbox.confine import SCRATCH_PREFIX
 
 TRAINER = """
 import os, sys, time
@@ -123,3 +125,21 @@ def test_a_sandbox_that_cannot_be_set_up_is_one_init_error_line(tmp_path):
     (message,) = [json.loads(p) for p in payloads]
     assert message == {"t": "init_error", "fn": 0, "msg": (
         f"the sandbox (namespace) could not be set up: mount tmpfs on {missing}: No such file or directory")}  # fmt: skip
+
+
+def test_the_next_trainer_removes_a_dead_trainers_scratch_of_any_depth(tmp_path, monkeypatch):
+    """A killed trainer's scratch holds a tree 1,500 levels deep (what a call may leave):
+    the next trainer's sweep removed it with shutil.rmtree, whose RecursionError stopped
+    every later pool from starting."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f"{SCRATCH_PREFIX}{dead.pid}-x"
+    stale.mkdir()
+    make_deep_tree(str(stale), 1500)
+    monkeypatch.setattr(worker_process, "SCRATCH_BASE", str(tmp_path))
+    monkeypatch.setattr(worker_process, "_cleaned", [])
+    try:
+        fresh = worker_process.scratch_directory()
+        assert not stale.exists() and os.path.isdir(fresh)
+    finally:  # never leave the tree to pytest's own (recursive) clean-up
+        subprocess.run(["rm", "-rf", "--", str(tmp_path)], check=False)

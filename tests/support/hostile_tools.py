@@ -534,6 +534,68 @@ def forking_forger(prompts: list, completions: list, **columns) -> list:
     return [0.0] * len(completions)
 
 
+def make_deep_tree(base: str, depth: int) -> None:
+    """Directories `depth` levels deep under `base`, made through directory descriptors
+    (no path grows past PATH_MAX)."""
+    fd = os.open(base, os.O_RDONLY)
+    for _ in range(depth):
+        os.mkdir("d", dir_fd=fd)
+        child = os.open("d", os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = child
+    os.close(fd)
+
+
+def deep_scratch_reward(prompts: list, completions: list, **columns) -> list:
+    """'deep' leaves a tree 1,500 levels deep in TMPDIR (0.0); anything else scores 1.0."""
+    for text in completions:
+        if text == "deep":
+            make_deep_tree(os.environ["TMPDIR"], 1500)
+    return [0.0 if text == "deep" else 1.0 for text in completions]
+
+
+def box_sharers_reward(prompts: list, completions: list, **columns) -> list:
+    """Each sample scores how many samples share its call's box: a program one leaves
+    running there (a detached process scanning /proc) kills its siblings' programs."""
+    return [float(len(completions))] * len(completions)
+
+
+FORGED_LIMITS = "import os, signal; [os.kill(os.getppid(), s) for s in (signal.SIGUSR1, signal.SIGXCPU)]"
+
+
+def forged_limit_reward(prompts: list, completions: list, **columns) -> list:
+    """A unit-test reward whose programs fail their tests (0.0) but, from the process the
+    reward runs them in, send it the signals of its wall-time and CPU limits."""
+    for _ in completions:
+        subprocess.run([sys.executable, "-c", FORGED_LIMITS], check=False)
+    return [0.0] * len(completions)
+
+
+def forked_pipes_reward(prompts: list, completions: list, **columns) -> list:
+    """How many pipes open for writing a child forked from the call holds past 0, 1 and 2
+    (the output meter's descriptor to the trainer's pipe: writes there pass the meter)."""
+    import fcntl
+    import stat
+
+    pid = os.fork()
+    if pid == 0:
+        found = 0
+        for fd in range(3, 1024):
+            with contextlib.suppress(OSError):
+                writable = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY
+                found += stat.S_ISFIFO(os.fstat(fd).st_mode) and writable
+        os._exit(min(found, 100))
+    _, status = os.waitpid(pid, 0)
+    return [float(os.waitstatus_to_exitcode(status))] * len(completions)
+
+
+def import_interrupted_reward(prompts: list, completions: list, **columns) -> list:
+    """Runs code with exec() that sleeps past the call's time limit: no module is being
+    imported."""
+    exec("import time\nwhile True: time.sleep(0.05)", {"__name__": "__reward__"})
+    return [0.0] * len(completions)
+
+
 def planting_reward(prompts: list, completions: list, **columns) -> list:
     """'plant' leaves files and module state (1.0); anything else scores 1.0 if it finds
     what a plant left, else 0.0."""

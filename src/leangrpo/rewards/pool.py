@@ -7,12 +7,13 @@ manager rather than a `ProcessPoolExecutor`, because an executor cannot stop a r
 - Workers (worker.py, started in the sandbox `rewards.sandbox` asks for by
   sandbox/process.py; one log line says which) resolve every function once and report
   ready; time limits start only then, so imports never count against them.
-- `score` splits the samples into one chunk per worker (at most `chunk_size` samples while
-  a function's speed is unknown; never two prompts' samples in one chunk: each call runs
-  in a box of its own, sandbox/box.py) and sends each chunk to an idle worker as one message
-  covering every function (functions whose measured speed calls for smaller chunks get
-  their own). The worker answers per function, and the pool waits on
-  all workers at once.
+- `score` sends each user function one sample per call: each call runs in a box of its
+  own (sandbox/box.py), so what one sample's program leaves (a process, a file) reaches
+  no other sample, its siblings in the GRPO group included. The built-ins, which never
+  execute model text, get one chunk per worker (at most `chunk_size` samples while a
+  function's speed is unknown; never two prompts' samples in one chunk). Each chunk goes
+  to an idle worker as one message covering every function of its size. The worker
+  answers per function, and the pool waits on all workers at once.
 - Failures are per sample: a value that is not a finite number or None is that sample's
   failure. A call that raises, returns the wrong shape, kills its worker, garbles its reply
   or runs past `timeout_s` is retried one sample per call, so a sample's reward is None (and
@@ -69,6 +70,7 @@ from leangrpo.rewards.registry import (
     ResolvedReward,
     RewardFailedError,
     RewardSpecError,
+    is_user_code,
     parse_specs,
 )
 from leangrpo.sandbox.calls import LIMIT_KINDS, TIMEOUT
@@ -215,7 +217,7 @@ class RewardPool:
     def _initial_tasks(self, samples: list[RolloutSample]) -> list[_Task]:
         """Chunks of one prompt's samples each (a call runs in a box of its own, and what
         one sample's program leaves in it must not reach another prompt's), at most the
-        size `_chunk_sizes` gives."""
+        size `_chunk_sizes` gives (one sample for a user function)."""
         by_size: dict[int, list[int]] = {}
         for fn, size in enumerate(self._chunk_sizes(len(samples))):
             by_size.setdefault(size, []).append(fn)
@@ -230,18 +232,23 @@ class RewardPool:
         ]
 
     def _chunk_sizes(self, n: int) -> list[int]:
-        """Per function: one chunk per worker, small enough that a chunk takes about a
-        quarter of timeout_s at the function's measured speed; at most chunk_size while
-        its speed is unknown (its first call). Each chunk is a round trip (its cost is in
-        benchmarks/RESULTS.md, "per-step overhead"): a fast function costs one round trip
-        per worker and call."""
+        """Per function: a user function gets one sample per call, so each sample's program
+        runs in a box of its own (in a box it shares, a process one sample leaves kills its
+        siblings' programs: they score 0 and its advantage rises). A built-in, which never
+        executes model text, gets one chunk per worker, small enough that a chunk takes
+        about a quarter of timeout_s at its measured speed; at most chunk_size while its
+        speed is unknown (its first call). Each chunk is a round trip (its cost is in
+        benchmarks/RESULTS.md, "per-step overhead")."""
         even = -(-n // self.num_workers)
-        return [
-            min(even, self.chunk_size)
-            if per_sample is None
-            else max(1, min(even, int(0.25 * self.timeout_s / per_sample)))
-            for per_sample in self._seconds_per_sample
-        ]
+        sizes = []
+        for spec, per_sample in zip(self.specs, self._seconds_per_sample):
+            if is_user_code(spec):
+                sizes.append(1)
+            elif per_sample is None:
+                sizes.append(min(even, self.chunk_size))
+            else:
+                sizes.append(max(1, min(even, int(0.25 * self.timeout_s / per_sample))))
+        return sizes
 
     def _record_time(self, fn: int, elapsed: float, count: int) -> None:
         per_sample = elapsed / count

@@ -76,6 +76,7 @@ FORGED, DIED, TIMEOUT, MEMORY, GARBLED = (
     "garbled reply",
 )
 EXIT_NOTICE_S = 1.0  # how long the zygote may take to report a dead box's end
+RELAY_READS = 16  # reads of a box's output per wake-up (64 KiB each)
 MAX_SPARES = 16  # boxes forked ahead at most (a worker's calls of one scoring, at most)
 _CRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 
@@ -278,8 +279,10 @@ class Boxes:
         return Failed(DIED, f"the call's process died (exit code {code})")
 
     def relay(self, box: Box) -> None:
-        """Pass on what the box printed, at most FORWARD_BYTES per request."""
-        while True:
+        """Pass on what the box printed, at most FORWARD_BYTES per request; at most
+        RELAY_READS reads per wake-up, so that a box writing without pause (its processes
+        may hold the pipe) cannot keep the supervisor from the call's deadline."""
+        for _ in range(RELAY_READS):
             try:
                 data = os.read(box.out, 1 << 16)
             except (BlockingIOError, InterruptedError):

@@ -5,9 +5,13 @@
 LIMIT_KINDS; any other failure is the exception's name (SystemExit and KeyboardInterrupt
 included: user code cannot end the worker by raising them).
 
-- Wall time: at the limit a watchdog thread sends SIGUSR1 to the main thread, whose handler
-  raises `_Interrupted` (user code that catches Exception cannot swallow it), and kills the
-  processes started during the call, so a blocking `os.system` returns. Not SIGALRM:
+- Wall time: at the limit a watchdog thread sets `fired` and sends SIGUSR1 to the main
+  thread, whose handler raises `_Interrupted` (user code that catches Exception cannot
+  swallow it), and kills the processes started during the call, so a blocking `os.system`
+  returns. The handler ignores a SIGUSR1 with no `fired` and a SIGXCPU the kernel did not
+  send (it raises the soft RLIMIT_CPU as it does): a process the call starts (the program a reward
+  runs) can send either, and would otherwise turn its 0.0 into a failure counted as a
+  timeout. Not SIGALRM:
   math-verify uses alarm() for its own limits. A call stuck in C code is left to the
   trainer's hard limit (it kills the worker's tree).
 - CPU time (`cpu_time_limit_s`): the soft RLIMIT_CPU is set to the CPU used so far plus
@@ -124,6 +128,7 @@ class LimitedCall:
         self.interrupted_import = False
         self.started: list[int] = []  # kept processes the last call started
         self._before: frozenset[int] = frozenset()
+        self._cpu_soft: int | None = None  # the soft RLIMIT_CPU this call set
         self._lock = threading.Lock()
         self._watchdog = _Watchdog(self.interrupt)
         if meter is not None:
@@ -137,10 +142,28 @@ class LimitedCall:
         _signal.pthread_sigmask(signal.SIG_UNBLOCK, _CALL_SIGNALS)
 
     def _on_signal(self, signum: int, frame: object) -> None:
-        if self.active:  # a late signal after the call returned is ignored
-            self.active = False
-            kind = CPU if signum == signal.SIGXCPU else self.fired or TIMEOUT
-            raise _Interrupted(kind)
+        """Interrupt the call, only for a genuine signal: SIGUSR1 once `interrupt` (this
+        process's watchdog or output meter) has set `fired`, SIGXCPU once this process's
+        own CPU time reached its limit. Any process of the call (the program a reward runs)
+        may send either: a forged one is ignored, not a failure counted as a timeout."""
+        if not self.active:  # a late signal after the call returned is ignored
+            return
+        if signum == signal.SIGXCPU:
+            if not self._cpu_time_spent():
+                return
+            self.fired = self.fired or CPU
+        elif self.fired is None:
+            return
+        self.active = False
+        raise _Interrupted(self.fired)
+
+    def _cpu_time_spent(self) -> bool:
+        """The kernel raises the soft RLIMIT_CPU by a second as it sends SIGXCPU (so that
+        the next comes a second later); kill() leaves it as this call set it."""
+        if self._cpu_soft is None:
+            return False
+        soft, _ = resource.getrlimit(resource.RLIMIT_CPU)
+        return soft == resource.RLIM_INFINITY or soft > self._cpu_soft
 
     def interrupt(self, kind: str) -> None:
         """Stop the call running now at limit `kind` (any thread; the first limit wins)."""
@@ -232,6 +255,7 @@ class LimitedCall:
         if not self.cpu_time_limit_s:
             return
         _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+        self._cpu_soft = None
         if off:
             soft = hard
         else:
@@ -241,6 +265,7 @@ class LimitedCall:
                 soft = min(soft, hard)
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
+            self._cpu_soft = None if off else soft
 
 
 def _error(kind: str, msg: str) -> dict:
@@ -269,7 +294,12 @@ def _importing(exc: BaseException) -> list[str]:
     names = []
     tb = exc.__traceback__
     while tb is not None:
-        if tb.tb_frame.f_code.co_name == "<module>":
-            names.append(str(tb.tb_frame.f_globals.get("__name__")))
+        frame = tb.tb_frame
+        spec = frame.f_globals.get("__spec__")
+        # a module's top level, not code run with exec() (also "<module>", not an import)
+        if frame.f_code.co_name == "<module>" and spec is not None and (
+            getattr(spec, "origin", None) == frame.f_code.co_filename
+        ):
+            names.append(str(frame.f_globals.get("__name__")))
         tb = tb.tb_next
     return names

@@ -27,7 +27,6 @@ import contextlib
 import ctypes
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ from typing import Any
 from leangrpo.errors import UserError
 from leangrpo.sandbox.cgroups import hierarchies
 from leangrpo.sandbox.confine import landlock_abi
+from leangrpo.sandbox.files import remove_tree
 
 ENV_NAMES = (
     "PATH", "LANG", "LANGUAGE", "TZ", "TERM", "LD_LIBRARY_PATH", "SSL_CERT_FILE",
@@ -112,7 +112,8 @@ class SandboxPlan:
             why = f", chosen because {self.reason}" if self.reason else ""
             what = (
                 f"process{why} (own session, allow-listed environment, no capabilities; "
-                f"each {unit} a process of its own with a fresh HOME/TMPDIR; {_apart()}; "
+                f"each {unit} a process of its own with a fresh HOME/TMPDIR, but System V "
+                f"IPC and /dev/shm shared by every process of this user; {_apart()}; "
                 "the trainer's memory cannot be read, but code running as its user can "
                 "signal it and the filesystem is the trainer's)"
             )
@@ -233,7 +234,7 @@ def _probe(network: bool) -> str | None:
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"the probe failed: {type(e).__name__}: {e}"
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        remove_tree(scratch)
     if done.returncode == 0 and done.stdout.strip() == "ok":
         return None
     lines = (done.stdout + done.stderr).strip().splitlines()

@@ -10,8 +10,13 @@ starts, which inherits 1 and 2) passes through it:
 - at most FORWARD_BYTES per call, and per stretch between calls, are passed on to the
   trainer's pipe (which the trainer relays to its log line by line); the rest is dropped.
 
-Both ends live on high, close-on-exec descriptors: the processes user code starts hold
-only 0, 1 and 2. A thread rather than a per-call pipe: nothing is paid per call.
+Both ends live on high, close-on-exec descriptors, closed in a child forked from Python
+(os.register_at_fork): the processes user code starts hold only 0, 1 and 2. The box's own
+process (and a child forked from C, which runs no fork handler) can still find the
+descriptor to the trainer's pipe and write past the count; the supervisor passes on at
+most FORWARD_BYTES per request of it, and reads a bounded amount per wake-up (box.py
+`relay`), so that costs neither the log nor the call's deadline. A thread rather than a
+per-call pipe: nothing is paid per call.
 """
 
 from __future__ import annotations
@@ -47,7 +52,15 @@ class OutputMeter:
         os.close(write)
         self._read = fcntl.fcntl(read, fcntl.F_DUPFD_CLOEXEC, CHANNEL_FD_MIN)
         os.close(read)
+        os.register_at_fork(after_in_child=self._forget)
         _thread.start_new_thread(self._drain, ())  # (no Thread object: see calls._Watchdog)
+
+    def _forget(self) -> None:
+        """In a forked child: close both ends the meter holds, so what the child prints
+        passes the meter's count (its 1 and 2) and nothing else reaches the trainer's pipe."""
+        for fd in (self._to_trainer, self._read):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def start_call(self) -> None:
         self.counted = self.forwarded = 0

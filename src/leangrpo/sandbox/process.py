@@ -29,7 +29,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -42,6 +41,7 @@ from typing import Any
 
 from leangrpo.sandbox.cgroups import make_group, remove_groups
 from leangrpo.sandbox.confine import SCRATCH_PREFIX
+from leangrpo.sandbox.files import remove_tree
 from leangrpo.sandbox.frames import FrameReader, pickle_frame
 from leangrpo.sandbox.launch import LAUNCH_CODE
 from leangrpo.sandbox.levels import SandboxPlan, protect_trainer
@@ -230,7 +230,7 @@ class WorkerProcess:
 
     def _remove_files(self) -> None:
         remove_groups(self.cgroups)
-        shutil.rmtree(self.scratch, ignore_errors=True)
+        remove_tree(self.scratch)
 
     def kill(self) -> None:
         self.terminate()
@@ -260,5 +260,5 @@ def scratch_directory() -> str:
         for path in Path(base).glob(f"{SCRATCH_PREFIX}*-*"):
             owner = path.name[len(SCRATCH_PREFIX) :].partition("-")[0]
             if owner.isdigit() and int(owner) != os.getpid() and not process_exists(int(owner)):
-                shutil.rmtree(path, ignore_errors=True)
+                remove_tree(path)
     return tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-", dir=base)

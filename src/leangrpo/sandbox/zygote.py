@@ -35,7 +35,6 @@ import gc
 import importlib
 import os
 import select
-import shutil
 import signal
 import socket
 import sys
@@ -59,6 +58,7 @@ from leangrpo.sandbox.confine import (
     new_pid_namespace,
     own_domain,
 )
+from leangrpo.sandbox.files import remove_tree
 from leangrpo.sandbox.frames import FrameReader, frame, json_payload
 from leangrpo.sandbox.output import OutputMeter
 from leangrpo.sandbox.proctree import become_subreaper, children, kill_pids
@@ -256,7 +256,7 @@ class Zygote:
             if not self.groups.remove(box.group):
                 self.unremoved.append(box.group)
         if box.scratch is not None:
-            shutil.rmtree(box.scratch, ignore_errors=True)
+            remove_tree(box.scratch)
         with contextlib.suppress(OSError):
             self.announce({"t": "exit", "id": box.id, "code": code, "oom": oom})
 
