@@ -390,22 +390,19 @@ def test_processes_end_with_the_tool_call_or_with_the_trajectory():
         assert live_with(helper) == []
 
 
-def test_a_tool_does_not_see_the_trainers_secrets_or_reach_it():
+def test_a_tool_does_not_see_the_trainers_secrets_or_reach_it(monkeypatch):
     """Workers inherited the trainer's whole environment and could signal it and read
     /proc/<trainer>/environ (isolation.py)."""
     import json
     import os
 
-    os.environ["HF_TOKEN"] = "hf_secret_for_the_test"
-    try:
-        tools = ["support.hostile_tools:read_env", "support.hostile_tools:attack"]
-        with pool_for("tools", tools=tools) as pool:
-            keys = pool.new_sessions(2)
-            pool.reset([(k, USER, {}, 0) for k in keys])
-            out = pool.step([(keys[0], hermes("read_env", name="HF_TOKEN"), 0),
-                             (keys[1], hermes("attack", pid=os.getpid(), signals=False), 0)])  # fmt: skip
-    finally:
-        del os.environ["HF_TOKEN"]
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_for_the_test")  # the user's own comes back
+    tools = ["support.hostile_tools:read_env", "support.hostile_tools:attack"]
+    with pool_for("tools", tools=tools) as pool:
+        keys = pool.new_sessions(2)
+        pool.reset([(k, USER, {}, 0) for k in keys])
+        out = pool.step([(keys[0], hermes("read_env", name="HF_TOKEN"), 0),
+                         (keys[1], hermes("attack", pid=os.getpid(), signals=False), 0)])  # fmt: skip
     assert out[0].ok["reply"][0]["content"] == "null"
     found = json.loads(out[1].ok["reply"][0]["content"])
     assert found["environ"].startswith(("FileNotFoundError", "PermissionError"))

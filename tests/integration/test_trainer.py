@@ -44,6 +44,7 @@ class StopAfter(Trainer):
             raise _Interrupt
 
 
+@pytest.mark.exact
 def test_resume_is_exact(tmp_path):
     straight = Trainer(config_from_dict(tiny_run(tmp_path / "a")))
     initial = trained_params(straight)
@@ -328,6 +329,7 @@ def exact_resume_config(tmp_path: Path, mode: str, reward_file: Path, **run) -> 
     )
 
 
+@pytest.mark.exact
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_resume_is_exact_inside_a_batch(tmp_path, mode):
@@ -410,6 +412,7 @@ def step_rows(run_dir: Path) -> dict[int, dict]:
 COUNTERS = ("version", "train/skipped_steps", "pipeline/skipped_batches")
 
 
+@pytest.mark.exact
 @pytest.mark.slow
 def test_streaming_resume_is_exact_at_zero_staleness(tmp_path):
     """streaming_resume.py: chunks made while the trainer was inside a batch went stale and

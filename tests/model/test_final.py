@@ -109,6 +109,19 @@ def test_a_full_fine_tuning_final_model_reloads_as_saved(tmp_path):
     torch.testing.assert_close(logits(load_final(final), ids), logits(policy.model, ids))
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_reloaded_final_is_laid_out_as_the_trainers_policy(tmp_path, lora):
+    """Aligned memory (model.policy.own_aligned_memory), not views into the safetensors
+    file 40 bytes off a boundary: oneMKL's one-row products round by alignment on the
+    kernels AMD CPUs pick, so an unaligned reload decoded other bits than the trainer."""
+    policy = trained_policy(tmp_path, lora=lora)
+    final = save_final_model(tmp_path / "run", policy.model, policy.tokenizer)
+    model = load_final(final)
+    tensors = [*model.parameters(), *model.buffers()]
+    misaligned = [t.shape for t in tensors if t.numel() and t.data_ptr() % 64]
+    assert not misaligned, misaligned
+
+
 def test_a_directory_without_a_model_or_its_base_is_refused_in_one_sentence(tmp_path):
     with pytest.raises(ModelFilesError, match="holds neither a model"):
         load_final(tmp_path)

@@ -267,3 +267,20 @@ def test_vllm_is_asked_to_quantize_the_base_in_flight(tmp_path, monkeypatch):
     plain = config_from_dict(qlora_run(tmp_path, "none", rollout={"engine": "vllm"}))
     make_vllm_engine(plain, policy)
     assert "quantization" not in calls[-1][1]["engine_kwargs"]
+
+
+@pytest.mark.parametrize("flags", [{"avx2", "fma"}, None])
+def test_atens_generic_kernels_are_no_statement_about_the_cpu(monkeypatch, flags):
+    """ATEN_CPU_CAPABILITY=default (make test's generic-kernel pass, or a user's setting)
+    makes torch report DEFAULT on any CPU: a CPU whose /proc/cpuinfo lists AVX2 still takes
+    a 4-bit base; only where cpuinfo cannot be read does torch's DEFAULT mean no AVX2."""
+    from leangrpo.model import quantization
+
+    monkeypatch.setattr(quantization.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(quantization, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    if flags is None:
+        with pytest.raises(quantization.QuantizationError, match="AVX2"):
+            quantization.check_quantized_device("nf4", torch.device("cpu"), "model.quantization")
+    else:
+        quantization.check_quantized_device("nf4", torch.device("cpu"), "model.quantization")

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from leangrpo.model.files import ADAPTER_CONFIG, ModelFilesError, check_merge
-from leangrpo.model.policy import DTYPES, quiet_transformers_progress
+from leangrpo.model.policy import DTYPES, own_aligned_memory, quiet_transformers_progress
 from leangrpo.model.quantization import NOTE_FILE, prepare_quantized, write_quantization_note
 
 log = logging.getLogger("leangrpo")
@@ -87,7 +87,9 @@ def _load_full(path: Path, device: torch.device) -> nn.Module:
         )
     with quiet_transformers_progress():
         model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
-    return model.to(device).eval()
+    model = model.to(device)
+    own_aligned_memory(model)  # as the trainer's policy: the same bits on every CPU
+    return model.eval()
 
 
 def load_base(path: Path, device: torch.device, *, base: str | None, quantized: bool) -> nn.Module:
@@ -122,7 +124,9 @@ def load_base(path: Path, device: torch.device, *, base: str | None, quantized: 
     if note is not None:
         prepare_quantized(model, device)
         return model
-    return model.to(device)
+    model = model.to(device)
+    own_aligned_memory(model)  # as the trainer's policy: the same bits on every CPU
+    return model
 
 
 def base_dtype(path: Path) -> torch.dtype | str:

@@ -190,8 +190,9 @@ def check_quantized_device(quant: str, device: Any, key: str) -> None:
         return
     machine = platform.machine().lower()
     flags = cpu_flags()
-    if machine in X86 and torch.backends.cpu.get_cpu_capability() == "DEFAULT":
-        flags = (flags or set()) - {"avx2"}  # torch found no AVX2 either
+    if machine in X86 and flags is None and torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        flags = set()  # no /proc/cpuinfo, and torch found no AVX2 either (ATen's choice is
+        # otherwise no statement about the CPU: ATEN_CPU_CAPABILITY=default picks it anywhere)
     problem = cpu_problem(machine, flags, key)
     if problem:
         raise QuantizationError(f"{key}: {quant} {problem}")
