@@ -12,6 +12,8 @@ episode's box starts from that import.
 
 from __future__ import annotations
 
+import contextlib
+
 import openai
 from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
 from agents.exceptions import MaxTurnsExceeded
@@ -33,8 +35,8 @@ def add(a: int, b: int) -> int:
 async def run(client: openai.AsyncOpenAI, task: dict) -> None:
     model = OpenAIChatCompletionsModel(model="policy", openai_client=client)
     agent = Agent(name="calculator", tools=[add], model=model)
-    try:
+    # out of turns or of tokens: the episode ends there, scored on its last turn, as the
+    # tool environment's
+    with contextlib.suppress(MaxTurnsExceeded, openai.BadRequestError):
         await Runner.run(agent, task["messages"], max_turns=3)
-    except (MaxTurnsExceeded, openai.BadRequestError):  # out of turns or of tokens: the
-        pass  # episode ends there, scored on its last turn, as the tool environment's
     return None
