@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
+import httpx
 import openai
 import pytest
 import torch
 from support.configs import ROOT
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from leangrpo.agents.endpoint import AgentEndpoint
+from leangrpo.agents.endpoint import AgentEndpoint, max_body_bytes
+from leangrpo.agents.sessions import Session
 from leangrpo.config.agent import AgentConfig
 from leangrpo.config.environment import EnvironmentConfig
 from leangrpo.contracts import Prompt, SamplingParams
@@ -299,3 +302,33 @@ def test_completions_continue_on_token_ids_and_models_are_listed(engine, endpoin
     assert trajectory.ids == ids + more + second_ids
     assert trajectory.trajectory.segments == [(len(ids), True), (len(more), False), (len(second_ids), True)]
     assert trajectory.logprobs[: len(ids)] == first.choices[0].logprobs.token_logprobs
+
+
+def test_an_oversized_body_is_refused_before_it_is_read_and_rendering_is_off_the_loop(engine, endpoint, monkeypatch):
+    """413 from Content-Length, or from the bytes streamed so far (no length declared);
+    a request's rendering runs in a worker thread, never on the loop every session shares."""
+    limit = max_body_bytes(endpoint.config.max_total_tokens)
+    threads = []
+    plan_chat = Session.plan_chat
+
+    def recorded(self, *args):
+        threads.append(threading.current_thread())
+        return plan_chat(self, *args)
+
+    monkeypatch.setattr(Session, "plan_chat", recorded)
+    endpoint.metrics()  # counts from here
+    with endpoint.generating(engine, PARAMS, 0):
+        session = endpoint.open_session(None, 1, 0)
+        headers = {"Authorization": f"Bearer {session.key}", "Content-Type": "application/json"}
+        url = endpoint.base_url + "/chat/completions"
+        big = json.dumps({"messages": [{"role": "user", "content": "x" * limit}]}).encode()
+        declared = httpx.post(url, headers=headers, content=big, timeout=60)
+        streamed = httpx.post(url, headers=headers, content=(big[i : i + 65536] for i in range(0, len(big), 65536)),
+                              timeout=60)  # fmt: skip
+        ok = httpx.post(url, headers=headers, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                        timeout=60)  # fmt: skip
+        endpoint.end_session(session.key)
+    for refused in (declared, streamed):
+        assert refused.status_code == 413 and refused.json()["error"]["code"] == "request_too_large"
+    assert ok.status_code == 200 and endpoint.metrics()["agent/refused"] == 2
+    assert threads and all(t is not endpoint._thread for t in threads)

@@ -26,6 +26,12 @@ segment keeping its KV cache (hf) or its server (vLLM servers) under its own key
 it. With `open_keys` (`leangrpo serve-agent`, agents/serve.py) any key opens a session of
 its own on its first request (the least recently used ended beyond that many). Metrics (`metrics()`): agent/requests, agent/refused, agent/foreign_keys,
 agent/errors, agent/prefix_breaks, agent/latency_s (mean per answered request).
+
+A request body over `max_body_bytes(max_total_tokens)` (16 bytes per token of
+agent.max_total_tokens, at least 1 MiB) is refused with 413 (code request_too_large) as
+soon as its Content-Length or the bytes read so far pass it; rendering and tokenizing a
+request, and cutting a turn at its stop strings, run in a worker thread, off the event
+loop every session shares.
 """
 
 from __future__ import annotations
@@ -69,6 +75,13 @@ log = logging.getLogger("leangrpo.agents")
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 30.0
 SWITCH_INTERVAL_S = 0.0005  # while generating (see `generating`)
+BODY_BYTES_PER_TOKEN = 16  # a request body may hold this many bytes per token of context,
+MIN_BODY_BYTES = 1 << 20  # and at least this many
+
+
+def max_body_bytes(max_total_tokens: int) -> int:
+    """The largest request body the endpoint reads (see the module docstring)."""
+    return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * int(max_total_tokens))
 
 
 class AgentEndpoint:
@@ -233,7 +246,7 @@ class AgentEndpoint:
         start = time.perf_counter()
         try:
             session = self._session(request)
-            body = await _json_body(request)
+            body = await _json_body(request, max_body_bytes(self.config.max_total_tokens))
             lock = self._locks.setdefault(session.key, asyncio.Lock())
             async with lock:
                 session.stats["requests"] += 1
@@ -271,9 +284,9 @@ class AgentEndpoint:
         check_tool_choice(body)
         messages = template_messages(body.get("messages"))
         tools = body.get("tools") or None
-        plan = session.plan_chat(messages, tools, self.renderer(tools), limits)
+        plan = await _off_loop(session.plan_chat, messages, tools, self.renderer(tools), limits)
         completion = await self._generate(plan)
-        segment, text, finish = session.commit(plan, completion, self.eos_ids)
+        segment, text, finish = await _off_loop(session.commit, plan, completion, self.eos_ids)
         parsed = parse_hermes(text)
         message = assistant_message(parsed, session.turns - 1)
         session.record_view(segment, plan, message)
@@ -292,9 +305,9 @@ class AgentEndpoint:
             raise Refused("prompt must be one non-empty string or one list of token ids", "prompt")
         if isinstance(prompt, list) and (max(prompt) >= len(self.tokenizer) or min(prompt) < 0):
             raise Refused(f"prompt holds token ids outside the vocabulary (0..{len(self.tokenizer) - 1})", "prompt")
-        plan = session.plan_tokens(prompt, self.renderer(None), limits)
+        plan = await _off_loop(session.plan_tokens, prompt, self.renderer(None), limits)
         completion = await self._generate(plan)
-        segment, text, finish = session.commit(plan, completion, self.eos_ids)
+        segment, text, finish = await _off_loop(session.commit, plan, completion, self.eos_ids)
         return self._answer(plan, segment, {"text": text}, finish, body)
 
     async def _generate(self, plan):
@@ -326,14 +339,36 @@ class AgentEndpoint:
         )
 
 
-async def _json_body(request) -> dict:
+async def _off_loop(fn, *args):
+    """fn(*args) in a worker thread: the event loop serves the other sessions meanwhile."""
+    from starlette.concurrency import run_in_threadpool
+
+    return await run_in_threadpool(fn, *args)
+
+
+async def _json_body(request, limit: int) -> dict:
+    """The request's JSON object, read only while it stays within `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk)
     try:
-        body = await request.json()
+        body = json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise Refused("the request body is not JSON") from None
     if not isinstance(body, dict):
         raise Refused("the request body must be a JSON object")
     return body
+
+
+def _too_large(size: int, limit: int) -> Refused:
+    return Refused(f"the request body passes {limit} bytes ({size} so far; 16 bytes per token of agent.max_total_tokens, "
+                   "at least 1 MiB): send a shorter conversation", code="request_too_large", status=413)  # fmt: skip
 
 
 async def _sse(chunks: list[dict]):
