@@ -332,3 +332,22 @@ def test_an_oversized_body_is_refused_before_it_is_read_and_rendering_is_off_the
         assert refused.status_code == 413 and refused.json()["error"]["code"] == "request_too_large"
     assert ok.status_code == 200 and endpoint.metrics()["agent/refused"] == 2
     assert threads and all(t is not endpoint._thread for t in threads)
+
+
+def test_max_requests_is_the_number_of_requests_answered(engine, tokenizer):
+    made = AgentEndpoint(tokenizer, AgentConfig(max_total_tokens=MAX_TOTAL, max_requests=2), None, {tokenizer.eos_token_id})
+    made.start()
+    try:
+        with made.generating(engine, PARAMS, 0):
+            session = made.open_session(None, 1, 0)
+            client = openai.OpenAI(base_url=made.url(session), api_key="-", max_retries=0)
+            messages = [{"role": "user", "content": "1+2="}]
+            for _ in range(2):
+                client.chat.completions.create(model="policy", messages=messages, max_tokens=2)
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.chat.completions.create(model="policy", messages=messages, max_tokens=2)
+            ended = made.end_session(session.key)
+    finally:
+        made.close()
+    assert refused.value.code == "session_limit" and "2 requests" in refused.value.message
+    assert ended.stats["requests"] == 3 and ended.stats["turns"] == 2

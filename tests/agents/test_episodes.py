@@ -94,8 +94,8 @@ def test_a_failing_agent_is_contained_and_counted(endpoint, monkeypatch, agent, 
     assert metrics["agent/errors"] == 2 and metrics[f"agent/errors/{kind}"] == 2
     for c in group:
         assert c.finish_reason == "error" and c.trajectory.error
-    if agent == "flood":  # every request it could make was made, the rest refused
-        assert all(c.trajectory.stats["requests"] == 6 for c in group)
+    if agent == "flood":  # its 6 requests answered, the 7th refused
+        assert all(c.trajectory.stats["requests"] == 7 and c.trajectory.stats["segments"] == 6 for c in group)
         assert metrics["agent/refused"] == 2
     if agent == "foreign":
         assert metrics["agent/foreign_keys"] == 2 and all(c.ids == [] for c in group)

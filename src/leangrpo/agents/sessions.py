@@ -108,7 +108,7 @@ class Session:
     def check_budget(self) -> None:
         if self.closed:
             raise Refused("this session has ended", code="session_ended", status=404)
-        if self.stats["requests"] >= self.limits.max_requests:
+        if self.stats["requests"] > self.limits.max_requests:  # this request counted already
             raise Refused(f"this episode made its {self.limits.max_requests} requests (agent.max_requests)", code="session_limit")
         if self.model_tokens >= self.limits.max_episode_tokens:
             raise Refused(f"this episode generated its {self.limits.max_episode_tokens} tokens (agent.max_episode_tokens)", code="session_limit")
