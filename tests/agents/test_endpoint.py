@@ -351,3 +351,18 @@ def test_max_requests_is_the_number_of_requests_answered(engine, tokenizer):
         made.close()
     assert refused.value.code == "session_limit" and "2 requests" in refused.value.message
     assert ended.stats["requests"] == 3 and ended.stats["turns"] == 2
+
+
+@pytest.mark.parametrize("depth", [100_000, 900])
+def test_deeply_nested_json_is_refused_and_counted(engine, endpoint, depth):
+    """Too deep to parse, or parsed but too deep to render: 400, OpenAI-style, counted."""
+    endpoint.metrics()  # counts from here
+    nested = "[" * depth + "]" * depth
+    body = f'{{"messages": [{{"role": "user", "content": "x"}}], "tools": {nested}}}' if depth < 1000 else nested
+    with endpoint.generating(engine, PARAMS, 0):
+        session = endpoint.open_session(None, 1, 0)
+        answer = httpx.post(endpoint.base_url + "/chat/completions", content=body.encode(), timeout=60,
+                            headers={"Authorization": f"Bearer {session.key}"})  # fmt: skip
+        endpoint.end_session(session.key)
+    assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request_error"
+    assert endpoint.metrics()["agent/refused"] == 1

@@ -361,6 +361,8 @@ async def _json_body(request, limit: int) -> dict:
         body = json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise Refused("the request body is not JSON") from None
+    except RecursionError:
+        raise Refused("the request body nests JSON too deeply: send an OpenAI request object") from None
     if not isinstance(body, dict):
         raise Refused("the request body must be a JSON object")
     return body
