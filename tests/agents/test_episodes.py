@@ -167,4 +167,11 @@ def test_a_forged_reward_is_the_episodes_counted_error_never_an_exception(endpoi
     for c in group[: len(FORGED)]:
         assert c.finish_reason == "error" and c.trajectory.rewards == {}
         assert "reward" in c.trajectory.error
-    assert all(c.trajectory.error == "the agent made no request" for c in group[len(FORGED) :])
+    assert made.last_metrics["agent/errors"] == len(FORGED) + 2
+
+
+def test_an_agent_that_makes_no_request_is_a_counted_error(endpoint):
+    made = AgentRollout(endpoint, ForgedWorkers([1.0, None]), engine())
+    (group,) = made.generate(prompts()[:1], PARAMS, 2, 0)
+    assert made.last_metrics["agent/errors"] == made.last_metrics["agent/errors/no_request"] == 2
+    assert all(c.finish_reason == "error" and "no request" in c.trajectory.error for c in group)

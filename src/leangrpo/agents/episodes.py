@@ -17,7 +17,10 @@ episode `index` seeded as the native rollout seeds it), the n episodes of a prom
 group; each episode's completion is its session's last segment, its earlier segments in
 `trajectory.earlier` (each trained as a sample of its own with the episode's advantage,
 pipeline/batch.py), its reward terms the agent's (a number is the term `agent`; None:
-rewards.functions alone score it), its error the episode's (unscored).
+rewards.functions alone score it), its error the episode's (unscored). The reward is
+checked here, outside the box (`checked_reward`): one that is not a finite number or a dict
+of metric-named finite numbers is the episode's error (agent/errors/bad_reward), as is an
+episode with no answered request (agent/errors/no_request).
 """
 
 from __future__ import annotations
@@ -191,6 +194,8 @@ class AgentRollout:
         completions = []
         for episode, session in zip(episodes, ended):
             reply = checked_reply(replies.get(episode["id"], {"error": "no reply", "kind": "lost"}))
+            if "error" not in reply and not session.segments:  # nothing to train: an error, counted
+                reply = {"error": "the agent made no request that was answered (no model turn to train)", "kind": "no request"}
             if "error" not in reply and reply.get("reward") is None and not self.functions:
                 reply = {"error": "the agent returned no reward and rewards.functions is empty", "kind": "no reward"}
             if "error" in reply:
