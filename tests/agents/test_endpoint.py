@@ -9,8 +9,11 @@ settings the run cannot honour and foreign keys are refused OpenAI-style."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 import threading
+import time
 
 import httpx
 import openai
@@ -23,7 +26,7 @@ from leangrpo.agents.endpoint import AgentEndpoint, max_body_bytes
 from leangrpo.agents.sessions import Session
 from leangrpo.config.agent import AgentConfig
 from leangrpo.config.environment import EnvironmentConfig
-from leangrpo.contracts import Prompt, SamplingParams
+from leangrpo.contracts import Completion, Prompt, SamplingParams
 from leangrpo.environments.driver import MultiTurnRollout, TurnLimits
 from leangrpo.environments.pool import EnvironmentPool
 from leangrpo.environments.rendering import Renderer
@@ -366,3 +369,79 @@ def test_deeply_nested_json_is_refused_and_counted(engine, endpoint, depth):
         endpoint.end_session(session.key)
     assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request_error"
     assert endpoint.metrics()["agent/refused"] == 1
+
+
+class GatedEngine:
+    """A turn engine that answers only once `gate` is set (`asked` says a turn arrived)."""
+
+    version = 0
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.asked, self.gate, self.released = tokenizer, threading.Event(), threading.Event(), []
+
+    @contextlib.contextmanager
+    def open_turns(self, params, version):
+        yield self
+
+    def submit(self, request):
+        self.queue, self.queue_key = [*getattr(self, "queue", []), request], request.key
+        self.asked.set()
+
+    def pending(self):
+        return len(getattr(self, "queue", []))
+
+    def advance(self, timeout):
+        if not self.gate.wait(0.01):
+            return []
+        done, self.queue = self.queue, []
+        ids = [*self.tokenizer.encode("hi", add_special_tokens=False), self.tokenizer.eos_token_id]
+        return [(r, Completion(ids, "hi", [-0.5] * len(ids), "stop", 0)) for r in done]
+
+    def release(self, key):
+        self.released.append(key)
+
+    def metrics(self):
+        return {}
+
+    def close(self):
+        pass
+
+
+HI = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_a_turn_whose_session_ended_meanwhile_is_refused_and_released(endpoint, tokenizer):
+    gated = GatedEngine(tokenizer)
+    with endpoint.generating(gated, PARAMS, 0):
+        session = endpoint.open_session(None, 1, 0)
+        answers = []
+        late = threading.Thread(target=lambda: answers.append(httpx.post(
+            endpoint.base_url + "/chat/completions", json=HI, timeout=60,
+            headers={"Authorization": f"Bearer {session.key}"})))  # fmt: skip
+        late.start()
+        assert gated.asked.wait(60)
+        ended = endpoint.end_session(session.key)  # the episode's reply came back first
+        gated.gate.set()
+        late.join(60)
+    assert answers[0].status_code == 404 and answers[0].json()["error"]["code"] == "session_ended"
+    assert ended.segments == [] and gated.released == [gated.queue_key]
+
+
+def test_a_turn_whose_client_disconnected_is_not_recorded(endpoint, tokenizer):
+    gated = GatedEngine(tokenizer)
+    endpoint.metrics()  # counts from here
+    with endpoint.generating(gated, PARAMS, 0):
+        session = endpoint.open_session(None, 1, 0)
+        body = json.dumps(HI).encode()
+        client = socket.create_connection(("127.0.0.1", endpoint.port))
+        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       + f"Authorization: Bearer {session.key}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        assert gated.asked.wait(60)
+        client.close()  # the agent gave up (its timeout, its box killed)
+        gated.gate.set()
+        deadline = time.monotonic() + 60  # against a hang only
+        while endpoint.stats["abandoned"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ended = endpoint.end_session(session.key)
+    assert ended.segments == [] and ended.stats["turns"] == 0
+    assert endpoint.metrics()["agent/abandoned"] == 1

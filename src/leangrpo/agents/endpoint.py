@@ -25,7 +25,9 @@ segment keeping its KV cache (hf) or its server (vLLM servers) under its own key
 `end_session(key)` closes it (later requests: 404) and releases what the stream keeps for
 it. With `open_keys` (`leangrpo serve-agent`, agents/serve.py) any key opens a session of
 its own on its first request (the least recently used ended beyond that many). Metrics (`metrics()`): agent/requests, agent/refused, agent/foreign_keys,
-agent/errors, agent/prefix_breaks, agent/latency_s (mean per answered request).
+agent/errors, agent/prefix_breaks, agent/abandoned (turns whose client disconnected before
+the answer: never recorded), agent/latency_s (mean per answered request). A turn whose
+session ended while it was generated is not recorded either (404).
 
 A request body over `max_body_bytes(max_total_tokens)` (16 bytes per token of
 agent.max_total_tokens, at least 1 MiB) is refused with 413 (code request_too_large) as
@@ -203,7 +205,7 @@ class AgentEndpoint:
         answered = stats.pop("answered", 0)
         latency = stats.pop("latency_s", 0.0)
         out = {f"agent/{k}": float(v) for k, v in stats.items()}
-        for key in ("requests", "refused", "foreign_keys", "errors", "prefix_breaks"):
+        for key in ("requests", "refused", "foreign_keys", "errors", "prefix_breaks", "abandoned"):
             out.setdefault(f"agent/{key}", 0.0)
         out["agent/latency_s"] = latency / answered if answered else 0.0
         return out
@@ -250,7 +252,7 @@ class AgentEndpoint:
             lock = self._locks.setdefault(session.key, asyncio.Lock())
             async with lock:
                 session.stats["requests"] += 1
-                answer = await (self._chat_turn if chat else self._text_turn)(session, body)
+                answer = await (self._chat_turn if chat else self._text_turn)(session, body, request)
         except Refused as e:
             self.stats["refused" if e.status < 500 else "errors"] += 1
             if e.code == "invalid_api_key":
@@ -279,14 +281,14 @@ class AgentEndpoint:
                           code="invalid_api_key", status=401)  # fmt: skip
         return session
 
-    async def _chat_turn(self, session: Session, body: dict) -> Answer:
+    async def _chat_turn(self, session: Session, body: dict, request=None) -> Answer:
         limits = sampling_limits(body, self._params)
         check_tool_choice(body)
         messages = template_messages(body.get("messages"))
         tools = body.get("tools") or None
         plan = await _off_loop(session.plan_chat, messages, tools, self.renderer(tools), limits)
         completion = await self._generate(plan)
-        segment, text, finish = await _off_loop(session.commit, plan, completion, self.eos_ids)
+        segment, text, finish = await self._commit(session, plan, completion, request)
         parsed = parse_hermes(text)
         message = assistant_message(parsed, session.turns - 1)
         session.record_view(segment, plan, message)
@@ -294,7 +296,7 @@ class AgentEndpoint:
             finish = "tool_calls"
         return self._answer(plan, segment, message, finish, body)
 
-    async def _text_turn(self, session: Session, body: dict) -> Answer:
+    async def _text_turn(self, session: Session, body: dict, request=None) -> Answer:
         limits = sampling_limits(body, self._params)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
@@ -307,8 +309,27 @@ class AgentEndpoint:
             raise Refused(f"prompt holds token ids outside the vocabulary (0..{len(self.tokenizer) - 1})", "prompt")
         plan = await _off_loop(session.plan_tokens, prompt, self.renderer(None), limits)
         completion = await self._generate(plan)
-        segment, text, finish = await _off_loop(session.commit, plan, completion, self.eos_ids)
+        segment, text, finish = await self._commit(session, plan, completion, request)
         return self._answer(plan, segment, {"text": text}, finish, body)
+
+    async def _commit(self, session: Session, plan, completion, request=None):
+        """Record the turn unless its session ended meanwhile (refused 404, what the stream
+        kept for a new segment released) or its client is gone (never trained: refused,
+        counted in agent/abandoned)."""
+        if request is not None and await request.is_disconnected():
+            self.stats["abandoned"] += 1
+            self._release_unrecorded(session, plan)
+            raise Refused("the client disconnected before its turn was answered; the turn is not recorded",
+                          code="client_disconnected", status=499)  # fmt: skip
+        try:
+            return await _off_loop(session.commit, plan, completion, self.eos_ids)
+        except Refused:
+            self._release_unrecorded(session, plan)
+            raise
+
+    def _release_unrecorded(self, session: Session, plan) -> None:
+        if (plan.segment is None or session.closed) and self._pump is not None:
+            self._pump.release(plan.request.key)
 
     async def _generate(self, plan):
         pump = self._pump

@@ -183,7 +183,11 @@ class Session:
 
     # -- recording --------------------------------------------------------------------------
     def commit(self, plan: Plan, completion: Completion, eos_ids: set[int]) -> tuple[Segment, str, str]:
-        """Record the engine's turn; (its segment, its text for the client, finish reason)."""
+        """Record the engine's turn; (its segment, its text for the client, finish reason).
+        A session ended meanwhile (its episode's reply came back) records nothing: refused."""
+        if self.closed:
+            raise Refused("this session ended while its turn was generated; the turn is not recorded",
+                          code="session_ended", status=404)  # fmt: skip
         ids, logprobs, finish, shown = _cut(completion, plan.limits.stop, plan.conversation.renderer)
         stopped_on_eos = finish == "stop" and ids[-1] in eos_ids
         text = plan.conversation.add_model_turn(ids, stopped_on_eos)
