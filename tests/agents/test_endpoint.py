@@ -9,18 +9,24 @@ settings the run cannot honour and foreign keys are refused OpenAI-style."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
+import threading
+import time
 
+import httpx
 import openai
 import pytest
 import torch
 from support.configs import ROOT
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from leangrpo.agents.endpoint import AgentEndpoint
+from leangrpo.agents.endpoint import AgentEndpoint, max_body_bytes
+from leangrpo.agents.sessions import Session
 from leangrpo.config.agent import AgentConfig
 from leangrpo.config.environment import EnvironmentConfig
-from leangrpo.contracts import Prompt, SamplingParams
+from leangrpo.contracts import Completion, Prompt, SamplingParams
 from leangrpo.environments.driver import MultiTurnRollout, TurnLimits
 from leangrpo.environments.pool import EnvironmentPool
 from leangrpo.environments.rendering import Renderer
@@ -299,3 +305,143 @@ def test_completions_continue_on_token_ids_and_models_are_listed(engine, endpoin
     assert trajectory.ids == ids + more + second_ids
     assert trajectory.trajectory.segments == [(len(ids), True), (len(more), False), (len(second_ids), True)]
     assert trajectory.logprobs[: len(ids)] == first.choices[0].logprobs.token_logprobs
+
+
+def test_an_oversized_body_is_refused_before_it_is_read_and_rendering_is_off_the_loop(engine, endpoint, monkeypatch):
+    """413 from Content-Length, or from the bytes streamed so far (no length declared);
+    a request's rendering runs in a worker thread, never on the loop every session shares."""
+    limit = max_body_bytes(endpoint.config.max_total_tokens)
+    threads = []
+    plan_chat = Session.plan_chat
+
+    def recorded(self, *args):
+        threads.append(threading.current_thread())
+        return plan_chat(self, *args)
+
+    monkeypatch.setattr(Session, "plan_chat", recorded)
+    endpoint.metrics()  # counts from here
+    with endpoint.generating(engine, PARAMS, 0):
+        session = endpoint.open_session(None, 1, 0)
+        headers = {"Authorization": f"Bearer {session.key}", "Content-Type": "application/json"}
+        url = endpoint.base_url + "/chat/completions"
+        big = json.dumps({"messages": [{"role": "user", "content": "x" * limit}]}).encode()
+        declared = httpx.post(url, headers=headers, content=big, timeout=60)
+        streamed = httpx.post(url, headers=headers, content=(big[i : i + 65536] for i in range(0, len(big), 65536)),
+                              timeout=60)  # fmt: skip
+        ok = httpx.post(url, headers=headers, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                        timeout=60)  # fmt: skip
+        endpoint.end_session(session.key)
+    for refused in (declared, streamed):
+        assert refused.status_code == 413 and refused.json()["error"]["code"] == "request_too_large"
+    assert ok.status_code == 200 and endpoint.metrics()["agent/refused"] == 2
+    assert threads and all(t is not endpoint._thread for t in threads)
+
+
+def test_max_requests_is_the_number_of_requests_answered(engine, tokenizer):
+    made = AgentEndpoint(tokenizer, AgentConfig(max_total_tokens=MAX_TOTAL, max_requests=2), None, {tokenizer.eos_token_id})
+    made.start()
+    try:
+        with made.generating(engine, PARAMS, 0):
+            session = made.open_session(None, 1, 0)
+            client = openai.OpenAI(base_url=made.url(session), api_key="-", max_retries=0)
+            messages = [{"role": "user", "content": "1+2="}]
+            for _ in range(2):
+                client.chat.completions.create(model="policy", messages=messages, max_tokens=2)
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.chat.completions.create(model="policy", messages=messages, max_tokens=2)
+            ended = made.end_session(session.key)
+    finally:
+        made.close()
+    assert refused.value.code == "session_limit" and "2 requests" in refused.value.message
+    assert ended.stats["requests"] == 3 and ended.stats["turns"] == 2
+
+
+@pytest.mark.parametrize("depth", [100_000, 900])
+def test_deeply_nested_json_is_refused_and_counted(engine, endpoint, depth):
+    """Too deep to parse, or parsed but too deep to render: 400, OpenAI-style, counted."""
+    endpoint.metrics()  # counts from here
+    nested = "[" * depth + "]" * depth
+    body = f'{{"messages": [{{"role": "user", "content": "x"}}], "tools": {nested}}}' if depth < 1000 else nested
+    with endpoint.generating(engine, PARAMS, 0):
+        session = endpoint.open_session(None, 1, 0)
+        answer = httpx.post(endpoint.base_url + "/chat/completions", content=body.encode(), timeout=60,
+                            headers={"Authorization": f"Bearer {session.key}"})  # fmt: skip
+        endpoint.end_session(session.key)
+    assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request_error"
+    assert endpoint.metrics()["agent/refused"] == 1
+
+
+class GatedEngine:
+    """A turn engine that answers only once `gate` is set (`asked` says a turn arrived)."""
+
+    version = 0
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.asked, self.gate, self.released = tokenizer, threading.Event(), threading.Event(), []
+
+    @contextlib.contextmanager
+    def open_turns(self, params, version):
+        yield self
+
+    def submit(self, request):
+        self.queue, self.queue_key = [*getattr(self, "queue", []), request], request.key
+        self.asked.set()
+
+    def pending(self):
+        return len(getattr(self, "queue", []))
+
+    def advance(self, timeout):
+        if not self.gate.wait(0.01):
+            return []
+        done, self.queue = self.queue, []
+        ids = [*self.tokenizer.encode("hi", add_special_tokens=False), self.tokenizer.eos_token_id]
+        return [(r, Completion(ids, "hi", [-0.5] * len(ids), "stop", 0)) for r in done]
+
+    def release(self, key):
+        self.released.append(key)
+
+    def metrics(self):
+        return {}
+
+    def close(self):
+        pass
+
+
+HI = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_a_turn_whose_session_ended_meanwhile_is_refused_and_released(endpoint, tokenizer):
+    gated = GatedEngine(tokenizer)
+    with endpoint.generating(gated, PARAMS, 0):
+        session = endpoint.open_session(None, 1, 0)
+        answers = []
+        late = threading.Thread(target=lambda: answers.append(httpx.post(
+            endpoint.base_url + "/chat/completions", json=HI, timeout=60,
+            headers={"Authorization": f"Bearer {session.key}"})))  # fmt: skip
+        late.start()
+        assert gated.asked.wait(60)
+        ended = endpoint.end_session(session.key)  # the episode's reply came back first
+        gated.gate.set()
+        late.join(60)
+    assert answers[0].status_code == 404 and answers[0].json()["error"]["code"] == "session_ended"
+    assert ended.segments == [] and gated.released == [gated.queue_key]
+
+
+def test_a_turn_whose_client_disconnected_is_not_recorded(endpoint, tokenizer):
+    gated = GatedEngine(tokenizer)
+    endpoint.metrics()  # counts from here
+    with endpoint.generating(gated, PARAMS, 0):
+        session = endpoint.open_session(None, 1, 0)
+        body = json.dumps(HI).encode()
+        client = socket.create_connection(("127.0.0.1", endpoint.port))
+        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       + f"Authorization: Bearer {session.key}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        assert gated.asked.wait(60)
+        client.close()  # the agent gave up (its timeout, its box killed)
+        gated.gate.set()
+        deadline = time.monotonic() + 60  # against a hang only
+        while endpoint.stats["abandoned"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ended = endpoint.end_session(session.key)
+    assert ended.segments == [] and ended.stats["turns"] == 0
+    assert endpoint.metrics()["agent/abandoned"] == 1

@@ -94,8 +94,8 @@ def test_a_failing_agent_is_contained_and_counted(endpoint, monkeypatch, agent, 
     assert metrics["agent/errors"] == 2 and metrics[f"agent/errors/{kind}"] == 2
     for c in group:
         assert c.finish_reason == "error" and c.trajectory.error
-    if agent == "flood":  # every request it could make was made, the rest refused
-        assert all(c.trajectory.stats["requests"] == 6 for c in group)
+    if agent == "flood":  # its 6 requests answered, the 7th refused
+        assert all(c.trajectory.stats["requests"] == 7 and c.trajectory.stats["segments"] == 6 for c in group)
         assert metrics["agent/refused"] == 2
     if agent == "foreign":
         assert metrics["agent/foreign_keys"] == 2 and all(c.ids == [] for c in group)
@@ -142,3 +142,36 @@ def test_an_agent_without_a_reward_is_left_to_the_reward_functions(endpoint, mon
         assert c.trajectory.rewards == {} and len(c.ids) <= 2
         assert (c.trajectory.error is None) == functions
     assert made.last_metrics.get("agent/errors/no_reward", 0.0) == (0.0 if functions else 2.0)
+
+
+class ForgedWorkers:
+    """Workers whose boxes send these rewards (an agent that replaced the box's own check)."""
+
+    def __init__(self, rewards):
+        self.rewards = rewards
+
+    def run(self, episodes):
+        return {e["id"]: {"t": "episode", "id": e["id"], "reward": r} for e, r in zip(episodes, self.rewards)}
+
+
+FORGED = ["not-a-number", [1, 2], True, float("nan"), float("inf"), {"a": "x"}, {"a": True},
+          {"a": float("nan")}, {1: 1.0}, {"bad name\n": 1.0}, {f"t{i}": 1.0 for i in range(33)}]  # fmt: skip
+
+
+def test_a_forged_reward_is_the_episodes_counted_error_never_an_exception(endpoint):
+    """The trusted side checks the reward again: the box's check runs beside the agent."""
+    made = AgentRollout(endpoint, ForgedWorkers([*FORGED, 2, {"ok/term": 0.5}]), engine())
+    prompt = prompts()[:1]
+    (group,) = made.generate(prompt, PARAMS, len(FORGED) + 2, 0)
+    assert made.last_metrics["agent/errors/bad_reward"] == len(FORGED)
+    for c in group[: len(FORGED)]:
+        assert c.finish_reason == "error" and c.trajectory.rewards == {}
+        assert "reward" in c.trajectory.error
+    assert made.last_metrics["agent/errors"] == len(FORGED) + 2
+
+
+def test_an_agent_that_makes_no_request_is_a_counted_error(endpoint):
+    made = AgentRollout(endpoint, ForgedWorkers([1.0, None]), engine())
+    (group,) = made.generate(prompts()[:1], PARAMS, 2, 0)
+    assert made.last_metrics["agent/errors"] == made.last_metrics["agent/errors/no_request"] == 2
+    assert all(c.finish_reason == "error" and "no request" in c.trajectory.error for c in group)

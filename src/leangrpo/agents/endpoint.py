@@ -25,7 +25,15 @@ segment keeping its KV cache (hf) or its server (vLLM servers) under its own key
 `end_session(key)` closes it (later requests: 404) and releases what the stream keeps for
 it. With `open_keys` (`leangrpo serve-agent`, agents/serve.py) any key opens a session of
 its own on its first request (the least recently used ended beyond that many). Metrics (`metrics()`): agent/requests, agent/refused, agent/foreign_keys,
-agent/errors, agent/prefix_breaks, agent/latency_s (mean per answered request).
+agent/errors, agent/prefix_breaks, agent/abandoned (turns whose client disconnected before
+the answer: never recorded), agent/latency_s (mean per answered request). A turn whose
+session ended while it was generated is not recorded either (404).
+
+A request body over `max_body_bytes(max_total_tokens)` (16 bytes per token of
+agent.max_total_tokens, at least 1 MiB) is refused with 413 (code request_too_large) as
+soon as its Content-Length or the bytes read so far pass it; rendering and tokenizing a
+request, and cutting a turn at its stop strings, run in a worker thread, off the event
+loop every session shares.
 """
 
 from __future__ import annotations
@@ -69,6 +77,13 @@ log = logging.getLogger("leangrpo.agents")
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 30.0
 SWITCH_INTERVAL_S = 0.0005  # while generating (see `generating`)
+BODY_BYTES_PER_TOKEN = 16  # a request body may hold this many bytes per token of context,
+MIN_BODY_BYTES = 1 << 20  # and at least this many
+
+
+def max_body_bytes(max_total_tokens: int) -> int:
+    """The largest request body the endpoint reads (see the module docstring)."""
+    return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * int(max_total_tokens))
 
 
 class AgentEndpoint:
@@ -190,7 +205,7 @@ class AgentEndpoint:
         answered = stats.pop("answered", 0)
         latency = stats.pop("latency_s", 0.0)
         out = {f"agent/{k}": float(v) for k, v in stats.items()}
-        for key in ("requests", "refused", "foreign_keys", "errors", "prefix_breaks"):
+        for key in ("requests", "refused", "foreign_keys", "errors", "prefix_breaks", "abandoned"):
             out.setdefault(f"agent/{key}", 0.0)
         out["agent/latency_s"] = latency / answered if answered else 0.0
         return out
@@ -233,11 +248,11 @@ class AgentEndpoint:
         start = time.perf_counter()
         try:
             session = self._session(request)
-            body = await _json_body(request)
+            body = await _json_body(request, max_body_bytes(self.config.max_total_tokens))
             lock = self._locks.setdefault(session.key, asyncio.Lock())
             async with lock:
                 session.stats["requests"] += 1
-                answer = await (self._chat_turn if chat else self._text_turn)(session, body)
+                answer = await (self._chat_turn if chat else self._text_turn)(session, body, request)
         except Refused as e:
             self.stats["refused" if e.status < 500 else "errors"] += 1
             if e.code == "invalid_api_key":
@@ -266,14 +281,14 @@ class AgentEndpoint:
                           code="invalid_api_key", status=401)  # fmt: skip
         return session
 
-    async def _chat_turn(self, session: Session, body: dict) -> Answer:
+    async def _chat_turn(self, session: Session, body: dict, request=None) -> Answer:
         limits = sampling_limits(body, self._params)
         check_tool_choice(body)
         messages = template_messages(body.get("messages"))
         tools = body.get("tools") or None
-        plan = session.plan_chat(messages, tools, self.renderer(tools), limits)
+        plan = await _off_loop(session.plan_chat, messages, tools, self.renderer(tools), limits)
         completion = await self._generate(plan)
-        segment, text, finish = session.commit(plan, completion, self.eos_ids)
+        segment, text, finish = await self._commit(session, plan, completion, request)
         parsed = parse_hermes(text)
         message = assistant_message(parsed, session.turns - 1)
         session.record_view(segment, plan, message)
@@ -281,7 +296,7 @@ class AgentEndpoint:
             finish = "tool_calls"
         return self._answer(plan, segment, message, finish, body)
 
-    async def _text_turn(self, session: Session, body: dict) -> Answer:
+    async def _text_turn(self, session: Session, body: dict, request=None) -> Answer:
         limits = sampling_limits(body, self._params)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
@@ -292,10 +307,29 @@ class AgentEndpoint:
             raise Refused("prompt must be one non-empty string or one list of token ids", "prompt")
         if isinstance(prompt, list) and (max(prompt) >= len(self.tokenizer) or min(prompt) < 0):
             raise Refused(f"prompt holds token ids outside the vocabulary (0..{len(self.tokenizer) - 1})", "prompt")
-        plan = session.plan_tokens(prompt, self.renderer(None), limits)
+        plan = await _off_loop(session.plan_tokens, prompt, self.renderer(None), limits)
         completion = await self._generate(plan)
-        segment, text, finish = session.commit(plan, completion, self.eos_ids)
+        segment, text, finish = await self._commit(session, plan, completion, request)
         return self._answer(plan, segment, {"text": text}, finish, body)
+
+    async def _commit(self, session: Session, plan, completion, request=None):
+        """Record the turn unless its session ended meanwhile (refused 404, what the stream
+        kept for a new segment released) or its client is gone (never trained: refused,
+        counted in agent/abandoned)."""
+        if request is not None and await request.is_disconnected():
+            self.stats["abandoned"] += 1
+            self._release_unrecorded(session, plan)
+            raise Refused("the client disconnected before its turn was answered; the turn is not recorded",
+                          code="client_disconnected", status=499)  # fmt: skip
+        try:
+            return await _off_loop(session.commit, plan, completion, self.eos_ids)
+        except Refused:
+            self._release_unrecorded(session, plan)
+            raise
+
+    def _release_unrecorded(self, session: Session, plan) -> None:
+        if (plan.segment is None or session.closed) and self._pump is not None:
+            self._pump.release(plan.request.key)
 
     async def _generate(self, plan):
         pump = self._pump
@@ -326,14 +360,38 @@ class AgentEndpoint:
         )
 
 
-async def _json_body(request) -> dict:
+async def _off_loop(fn, *args):
+    """fn(*args) in a worker thread: the event loop serves the other sessions meanwhile."""
+    from starlette.concurrency import run_in_threadpool
+
+    return await run_in_threadpool(fn, *args)
+
+
+async def _json_body(request, limit: int) -> dict:
+    """The request's JSON object, read only while it stays within `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk)
     try:
-        body = await request.json()
+        body = json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise Refused("the request body is not JSON") from None
+    except RecursionError:
+        raise Refused("the request body nests JSON too deeply: send an OpenAI request object") from None
     if not isinstance(body, dict):
         raise Refused("the request body must be a JSON object")
     return body
+
+
+def _too_large(size: int, limit: int) -> Refused:
+    return Refused(f"the request body passes {limit} bytes ({size} so far; 16 bytes per token of agent.max_total_tokens, "
+                   "at least 1 MiB): send a shorter conversation", code="request_too_large", status=413)  # fmt: skip
 
 
 async def _sse(chunks: list[dict]):

@@ -17,13 +17,18 @@ episode `index` seeded as the native rollout seeds it), the n episodes of a prom
 group; each episode's completion is its session's last segment, its earlier segments in
 `trajectory.earlier` (each trained as a sample of its own with the episode's advantage,
 pipeline/batch.py), its reward terms the agent's (a number is the term `agent`; None:
-rewards.functions alone score it), its error the episode's (unscored).
+rewards.functions alone score it), its error the episode's (unscored). The reward is
+checked here, outside the box (`checked_reward`): one that is not a finite number or a dict
+of metric-named finite numbers is the episode's error (agent/errors/bad_reward), as is an
+episode with no answered request (agent/errors/no_request).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import re
 import secrets
 import sys
 import time
@@ -40,6 +45,8 @@ from leangrpo.seeding import SEED_BITS
 
 log = logging.getLogger("leangrpo.agents")
 GRACE_S = 5.0  # beyond agent.timeout_s, how long a worker may take to answer an episode
+MAX_REWARD_TERMS = 32  # an agent's reward dict: at most this many terms,
+REWARD_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,64}")  # each named like a metric
 
 
 class AgentError(RuntimeError):
@@ -186,7 +193,9 @@ class AgentRollout:
             ended = [self.endpoint.end_session(s.key) for s in sessions]
         completions = []
         for episode, session in zip(episodes, ended):
-            reply = replies.get(episode["id"], {"error": "no reply", "kind": "lost"})
+            reply = checked_reply(replies.get(episode["id"], {"error": "no reply", "kind": "lost"}))
+            if "error" not in reply and not session.segments:  # nothing to train: an error, counted
+                reply = {"error": "the agent made no request that was answered (no model turn to train)", "kind": "no request"}
             if "error" not in reply and reply.get("reward") is None and not self.functions:
                 reply = {"error": "the agent returned no reward and rewards.functions is empty", "kind": "no reward"}
             if "error" in reply:
@@ -196,6 +205,35 @@ class AgentRollout:
         self.last_metrics = {**self.endpoint.metrics(), **{f"agent/{k}": float(v) for k, v in counts.items()}}
         self.last_metrics.setdefault("agent/errors", 0.0)
         return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+
+def checked_reply(reply: dict) -> dict:
+    """The reply with its reward checked here, on the trusted side (the box's own check runs
+    beside the agent's code, which can replace it): a bad reward is the episode's error."""
+    if "error" in reply:
+        return reply
+    try:
+        return {**reply, "reward": checked_reward(reply.get("reward"))}
+    except ValueError as e:
+        return {"error": str(e), "kind": "bad reward"}
+
+
+def checked_reward(value: Any) -> float | dict[str, float] | None:
+    """None, a finite number, or a dict of at most MAX_REWARD_TERMS metric-like names to
+    finite numbers; anything else a ValueError naming what came."""
+    if value is None or _finite(value):
+        return None if value is None else float(value)
+    if isinstance(value, dict) and len(value) <= MAX_REWARD_TERMS and all(
+        isinstance(k, str) and REWARD_NAME.fullmatch(k) and _finite(v) for k, v in value.items()
+    ):
+        return {k: float(v) for k, v in value.items()}
+    shown = repr(value)[:60] if isinstance(value, (str, int, float, bool, type(None))) else f"{len(value) if hasattr(value, '__len__') else '?'} items"
+    raise ValueError(f"the agent's reward ({type(value).__name__} {shown}) is not a finite number or a dict of "
+                     f"at most {MAX_REWARD_TERMS} names [A-Za-z0-9_.:/-] to finite numbers; return one of those or None")
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def task_of(prompt: Prompt) -> dict:
@@ -215,6 +253,7 @@ def episode_completion(session, reply: dict, version: int) -> Completion:
     """The episode's sample: its last segment, the earlier ones in `trajectory.earlier`,
     with the agent's reward terms or error."""
     segments = session.completions()
+    reply = checked_reply(reply)  # generate checked it; a direct caller too
     error = reply.get("error")
     if not segments:
         p = session.prompt
@@ -238,5 +277,5 @@ def episode_completion(session, reply: dict, version: int) -> Completion:
     if isinstance(reward, dict):
         trajectory.rewards = dict(reward)
     elif reward is not None:
-        trajectory.rewards = {"agent": float(reward)}
+        trajectory.rewards = {"agent": reward}
     return completion

@@ -108,7 +108,7 @@ class Session:
     def check_budget(self) -> None:
         if self.closed:
             raise Refused("this session has ended", code="session_ended", status=404)
-        if self.stats["requests"] >= self.limits.max_requests:
+        if self.stats["requests"] > self.limits.max_requests:  # this request counted already
             raise Refused(f"this episode made its {self.limits.max_requests} requests (agent.max_requests)", code="session_limit")
         if self.model_tokens >= self.limits.max_episode_tokens:
             raise Refused(f"this episode generated its {self.limits.max_episode_tokens} tokens (agent.max_episode_tokens)", code="session_limit")
@@ -183,7 +183,11 @@ class Session:
 
     # -- recording --------------------------------------------------------------------------
     def commit(self, plan: Plan, completion: Completion, eos_ids: set[int]) -> tuple[Segment, str, str]:
-        """Record the engine's turn; (its segment, its text for the client, finish reason)."""
+        """Record the engine's turn; (its segment, its text for the client, finish reason).
+        A session ended meanwhile (its episode's reply came back) records nothing: refused."""
+        if self.closed:
+            raise Refused("this session ended while its turn was generated; the turn is not recorded",
+                          code="session_ended", status=404)  # fmt: skip
         ids, logprobs, finish, shown = _cut(completion, plan.limits.stop, plan.conversation.renderer)
         stopped_on_eos = finish == "stop" and ids[-1] in eos_ids
         text = plan.conversation.add_model_turn(ids, stopped_on_eos)
@@ -261,14 +265,24 @@ def _too_long(tokens: int, limit: int) -> Refused:
 def _cut(completion: Completion, stops: tuple[str, ...], renderer: Renderer):
     """The turn up to the request's first stop string (kept in the ids, as the engines keep
     theirs): (ids, log-probs, finish reason, the text the client gets or None for the
-    turn's own)."""
+    turn's own). The shortest prefix whose text holds a stop is found by bisection (a
+    longer prefix's text holds what a shorter one's does): O(log n) decodes, not n."""
     ids, logprobs, finish = list(completion.ids), list(completion.logprobs), completion.finish_reason
-    if not stops:
-        return ids, logprobs, finish, None
     decode = renderer.tokenizer.decode
-    for i in range(len(ids)):
-        text = decode(ids[: i + 1], skip_special_tokens=True)
+
+    def first_stop(n: int) -> tuple[str, int | None]:
+        text = decode(ids[:n], skip_special_tokens=True)
         hits = [text.find(s) for s in stops if s in text]
-        if hits:
-            return ids[: i + 1], logprobs[: i + 1], "stop", text[: min(hits)]
-    return ids, logprobs, finish, None
+        return text, min(hits) if hits else None
+
+    if not stops or not ids or first_stop(len(ids))[1] is None:
+        return ids, logprobs, finish, None
+    lo, hi = 1, len(ids)  # the prefix of hi tokens holds a stop; find the fewest that does
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if first_stop(mid)[1] is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    text, at = first_stop(hi)
+    return ids[:hi], logprobs[:hi], "stop", text[:at]
