@@ -527,10 +527,12 @@ def test_set_override_reaches_the_config(tmp_path):
 
 
 SLEEPING_REWARD = """
-import subprocess, time
+import json, subprocess, time
+
+EVAL = {{json.loads(line)["prompt"] for line in open({eval_path!r})}}
 
 def sleepy(prompts, completions, **columns):
-    if len(completions) > 4:  # training batches (the evaluation scores 4 samples)
+    if prompts[0] not in EVAL:  # training batches (a call holds one sample: rewards/pool.py)
         subprocess.Popen(["sleep", "301"])  # a process the reward starts: must die too
         time.sleep(300)
     return [1.0] * len(completions)
@@ -559,7 +561,8 @@ def test_ctrl_c_ends_the_run_promptly_without_orphans(tmp_path, mode):
     import psutil
 
     out = tmp_path / "run"
-    (tmp_path / "sleepy.py").write_text(SLEEPING_REWARD)
+    eval_path = str(ROOT / "examples" / "demo" / "eval.jsonl")
+    (tmp_path / "sleepy.py").write_text(SLEEPING_REWARD.format(eval_path=eval_path))
     sets = {
         "run.output_dir": out,
         "run.max_steps": 500,

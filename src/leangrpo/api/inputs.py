@@ -49,7 +49,8 @@ from leangrpo.data.files import DataError
 from leangrpo.model.smollm2 import cache_dir
 
 SECTIONS = tuple(Config.model_fields)
-OPTIONAL_SECTIONS = ("environment.",)  # absent unless asked for: set by environment=/tools=
+OPTIONAL_SECTIONS = ("environment.", "agent.")  # absent unless asked for (environment=/tools=,
+# agent={...}); a run has at most one of them, and only the environment's keys are set by name
 
 
 def build_config(
@@ -153,7 +154,9 @@ def apply_override(
     owners = [
         k
         for k in owners
-        if k.count(".") >= 1 and (with_environment or not k.startswith(OPTIONAL_SECTIONS))
+        if k.count(".") >= 1
+        and not k.startswith("agent.")
+        and (with_environment or not k.startswith(OPTIONAL_SECTIONS))
     ]
     if len(owners) == 1:
         *path, leaf = owners[0].split(".")
