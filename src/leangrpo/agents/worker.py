@@ -180,11 +180,7 @@ def _line(text: str) -> str:
 
 
 def supervise(channel: Channel, init: dict, boxes: Boxes) -> None:
-    for report in boxes.setup_messages():
-        channel.send(report)
-        if report.get("t") in ("ready", "init_error"):
-            break
-    if report.get("t") != "ready" or init["mode"] != "serve":
+    if boxes.forward_setup(channel, init["mode"] == "serve") is None:
         return
     boxes.spare_count = 0  # every box is made with the endpoint forwarded into it
     while True:

@@ -152,11 +152,8 @@ def prepare(init: dict, announce: Callable[[dict], None]) -> Callable[[BoxConn],
 
 def supervise(channel: Channel, init: dict, boxes: Boxes) -> None:
     """Forward the zygote's set-up report, then answer tasks until the channel closes."""
-    for report in boxes.setup_messages():
-        channel.send(report)
-        if report.get("t") in ("ready", "init_error"):
-            break
-    if report.get("t") != "ready" or init["mode"] != "serve":
+    report = boxes.forward_setup(channel, init["mode"] == "serve")
+    if report is None:
         return
     Sessions(init, boxes, report).serve(channel)
 

@@ -62,11 +62,7 @@ def prepare(init: dict, announce: Callable[[dict], None]) -> Callable[[BoxConn],
 
 def supervise(channel: Channel, init: dict, boxes: Boxes) -> None:
     """Forward the zygote's set-up reports, then answer tasks until the channel closes."""
-    for report in boxes.setup_messages():
-        channel.send(report)
-        if report.get("t") in ("ready", "init_error"):
-            break
-    if report.get("t") != "ready" or init["mode"] != "serve":
+    if boxes.forward_setup(channel, init["mode"] == "serve") is None:
         return
     limit_s = float(init["timeout_s"]) * (1 + GRACE_FRACTION) + 0.5
     while True:

@@ -141,6 +141,16 @@ class Boxes:
                 yield self._pending.popleft()
             self._read_control(block=True)
 
+    def forward_setup(self, channel: Any, serve: bool) -> dict | None:
+        """Send the zygote's set-up reports down `channel` until ready or init_error; the
+        ready report when the worker goes on to serve tasks (`serve`), else None."""
+        report: dict = {}
+        for report in self.setup_messages():
+            channel.send(report)
+            if report.get("t") in ("ready", "init_error"):
+                break
+        return report if report.get("t") == "ready" and serve else None
+
     # -- making boxes ---------------------------------------------------------------------------
     def start(self, network: bool | None = None, forward: str | None = None) -> Box:
         """A box running the entry's prepared callable (a spare one when ready)."""
