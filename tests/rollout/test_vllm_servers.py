@@ -11,13 +11,13 @@ The rules themselves, on fake servers: test_vllm_router.py.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import secrets
 import threading
 import time
 
 import pytest
+from support.processes import kill_tree
 from support.vllm_models import CHARS, build_char_model, mean_abs_logprob_gap, perturb
 
 from leangrpo.contracts import Prompt, SamplingParams, TurnRequest
@@ -59,19 +59,6 @@ def servers(tmp_path_factory):
         for entry in started:
             if entry is not None:
                 kill_tree(entry[0].pid)
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL a server and the engine core it spawned."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-    except psutil.NoSuchProcess:
-        return
-    for process in [*root.children(recursive=True), root]:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.kill()
 
 
 def turns(engine, keys, params, rounds=1, budget=40, during=None):

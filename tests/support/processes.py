@@ -1,10 +1,12 @@
 """Child interpreters: the CLI (`run_cli`) and short Python probes (`run_python`), run from
 the repository root with their output captured as text. A probe checks what a fresh
 process imports (torch, datasets, ...), which the test's own process cannot tell: its
-asserts fail the child, so the exit status and stderr say what went wrong."""
+asserts fail the child, so the exit status and stderr say what went wrong. `kill_tree`:
+a `leangrpo serve` and the engine core it spawned, SIGKILLed."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 
@@ -42,3 +44,16 @@ def _run(argv: list[str], timeout: float, env: dict[str, str] | None = None):
     return subprocess.run(
         [sys.executable, *argv], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env
     )
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process (a server) and every process it spawned (its engine core)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return
+    for process in [*root.children(recursive=True), root]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()

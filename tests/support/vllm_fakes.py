@@ -2,7 +2,9 @@
 
 `FakeLocal` stands in for `LocalVLLM` behind the real HTTP handler: the real
 `VersionGate` (so the version and run rules under test are the product's), scripted
-completions, and a record of what was loaded.
+completions, and a record of what was loaded. `FakeTeacher` adds a served distillation
+teacher's scoring: a transformers model's log-probs of given ids, one plain forward per
+sequence (the naive reference of what vLLM's prompt log-probs are).
 """
 
 from __future__ import annotations
@@ -115,15 +117,44 @@ class FakeLocal:
         pass
 
 
+class FakeTeacher(FakeLocal):
+    """A served teacher: `score` runs `model` (a transformers causal LM) on each sequence
+    alone, log-softmax at temperature 1 in float64; what it scored is recorded."""
+
+    def __init__(self, model, name: str = "teacher", max_model_len: int = 64):
+        super().__init__(name)
+        self.model, self.max_model_len = model, max_model_len
+        self.scored: list[list[int]] = []
+
+    def score(self, sequences, starts):
+        import torch
+
+        self._misbehave()
+        run, version = self.held
+        if run is not None:
+            from leangrpo.contracts import EngineVersionError
+
+            raise EngineVersionError(f"this server holds run {run}'s weights")
+        out = []
+        with self.gate.admit(version, run), torch.no_grad():
+            for ids, start in zip(sequences, starts):
+                logits = self.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+                logp = torch.log_softmax(logits.double(), -1)
+                targets = torch.tensor(ids[start:])
+                out.append(logp[start - 1 : len(ids) - 1].gather(1, targets[:, None])[:, 0].tolist())
+                self.scored.append(list(ids))
+        return out
+
+
 class Served:
     """A real `ThreadingHTTPServer` with the real handler around a FakeLocal."""
 
-    def __init__(self, local: FakeLocal, staging: Path, **handler_kwargs):
+    def __init__(self, local: FakeLocal, staging: Path, model: str = "fake", **handler_kwargs):
         self.local = local
         self.staging = staging
         staging.mkdir(parents=True, exist_ok=True)
         self.server = ThreadingHTTPServer(
-            ("127.0.0.1", 0), make_handler(local, staging, "fake", **handler_kwargs)
+            ("127.0.0.1", 0), make_handler(local, staging, model, **handler_kwargs)
         )
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()

@@ -260,7 +260,31 @@ class Config(Section):
                 raise rule_error(
                     f"pipeline.{key}.enabled drops or swaps the groups without reward variance, and with distill those groups still carry the teacher's per-token signal (every group does when no reward function is weighted); set pipeline.{key}.enabled: false."
                 )
+        if self.distill.served:
+            self._check_served_teacher()
         return self
+
+    def _check_served_teacher(self) -> None:
+        """A served teacher's log-probs are vLLM's prompt log-probs: of the unscaled
+        distribution (vLLM applies no temperature to them), so the student's must be too;
+        and its servers are the teacher's alone (a rollout server gets the policy's
+        weights pushed to it)."""
+        temperature = self.rollout.temperature
+        if temperature != 1.0:
+            raise rule_error(
+                f"distill.teacher_urls: vLLM's prompt log-probs, which a served teacher returns, are of the unscaled distribution (temperature 1), and rollout.temperature is {temperature:g}, so the teacher's and the student's log-probs would be of different distributions; set rollout.temperature: 1.0, or use a local distill.teacher (scored at any temperature)."
+            )
+        engine = self.rollout.vllm.urls if self.rollout.engine == "vllm" else []
+        rollout = {u.rstrip("/") for u in engine}
+        shared = [u for u in self.distill.teacher_urls if u.rstrip("/") in rollout]
+        if shared:
+            raise rule_error(
+                f"{shared[0]} is in both distill.teacher_urls and rollout.vllm.urls, and the policy's weight sync would replace the teacher's weights on it; serve the teacher on a server of its own."
+            )
+
+    def served_teacher(self) -> bool:
+        """Distillation from a teacher on `leangrpo serve` processes (distill.teacher_urls)."""
+        return self.distill is not None and self.distill.served
 
     def model_token_budget(self) -> int:
         """The most tokens one sample trains on: rollout.max_new_tokens, or for multi-turn

@@ -18,18 +18,27 @@ environment.max_total_tokens). It must end, begin and pad with the policy's ids
 rendered with the tokenizer's chat template, have the policy's template. Which added
 tokens are flagged special is not compared: it changes how text is tokenized and
 decoded, and the teacher reads ids.
+
+Each side is a `TokenizerSide`. A served teacher (distill.teacher_urls) is compared the
+same way from what each server says of the model it loaded (GET /teacher: the same
+record read from its directory, `tokenizer_report`, and its max_model_len), with two
+differences: its vocabulary rows must equal the policy's (vLLM normalises over all the
+rows a model has; a local teacher is narrowed to the policy's), and its max_model_len,
+not its config's context, must hold the run's longest sequence. A server that does not
+answer or refuses is one `TeacherServerError`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 from leangrpo.config import ConfigError
-from leangrpo.errors import UserError
+from leangrpo.errors import RunError, UserError
 from leangrpo.model.files import (
     ModelFiles,
     attention_heads,
@@ -44,6 +53,14 @@ log = logging.getLogger("leangrpo")
 
 class TeacherMismatchError(UserError):
     """The teacher cannot score the policy's ids (one sentence)."""
+
+
+class TeacherServerError(RunError):
+    """A server of distill.teacher_urls does not answer, or refuses (one sentence), before
+    the run or during it."""
+
+
+URLS_KEY = "distill.teacher_urls"
 
 
 def id_to_token(directory: Path) -> dict[int, str]:
@@ -88,19 +105,59 @@ def _shown(token: object) -> str:
     return "absent" if token is MISSING else repr(token)
 
 
-def check_teacher_vocabulary(
-    policy_dir: Path, teacher_dir: Path, policy_rows: int | None, teacher_rows: int | None
-) -> None:
+@dataclass(frozen=True)
+class TokenizerSide:
+    """One side of the comparison (the policy, or a local or served teacher): what it
+    calls itself in a message, its id -> token map, its vocabulary rows (config.json
+    vocab_size; None: not said), the ids it ends, begins and pads with, its chat
+    template (None: none)."""
+
+    name: str
+    tokens: dict[int, str]
+    rows: int | None
+    specials: dict[str, tuple[int, ...] | None]
+    template: Any
+
+
+def local_side(name: str, directory: Path) -> TokenizerSide:
+    """A model directory's side of the comparison."""
+    return TokenizerSide(
+        name, id_to_token(directory), _rows(directory), special_ids(directory),
+        chat_template(directory),
+    )  # fmt: skip
+
+
+def tokenizer_report(directory: Path) -> dict[str, Any]:
+    """A model directory's side as JSON (what `leangrpo serve` answers GET /teacher with:
+    token ids as [id, token] pairs, special ids as lists)."""
+    side = local_side(str(directory), directory)
+    return {
+        "tokens": sorted(side.tokens.items()),
+        "vocab_size": side.rows,
+        "specials": {k: None if v is None else list(v) for k, v in side.specials.items()},
+        "chat_template": side.template,
+    }
+
+
+def served_side(name: str, report: dict[str, Any]) -> TokenizerSide:
+    """A served teacher's side, from its GET /teacher reply (`tokenizer_report`)."""
+    specials = {k: None if v is None else tuple(v) for k, v in report["specials"].items()}
+    tokens = {int(i): str(token) for i, token in report["tokens"]}
+    return TokenizerSide(name, tokens, report["vocab_size"], specials, report["chat_template"])
+
+
+def check_teacher_vocabulary(policy: TokenizerSide, teacher: TokenizerSide) -> None:
     """Refuse a teacher whose tokenizer maps some id to another token than the policy's,
     or whose embedding rows do not cover the policy's (one sentence each)."""
-    difference = first_difference(id_to_token(policy_dir), id_to_token(teacher_dir))
+    difference = first_difference(policy.tokens, teacher.tokens)
     if difference is not None:
         raise TeacherMismatchError(
-            f"distill.teacher ({teacher_dir}) has another tokenizer than the policy ({policy_dir}): {difference}, so it would score other tokens than the policy sampled; use a teacher of the same tokenizer family (same vocabulary and added tokens)."
+            f"{teacher.name} has another tokenizer than the policy ({policy.name}): {difference}, so it would score other tokens than the policy sampled; use a teacher of the same tokenizer family (same vocabulary and added tokens)."
         )
-    if policy_rows is not None and teacher_rows is not None and teacher_rows < policy_rows:
+    mine, theirs = policy.rows, teacher.rows
+    if mine is not None and theirs is not None and theirs < mine:
         raise TeacherMismatchError(
-            f"distill.teacher ({teacher_dir}) has {teacher_rows} vocabulary rows (config.json vocab_size) and the policy {policy_rows}, so a token the policy samples from its last {policy_rows - teacher_rows} rows would have no teacher log-prob; use a teacher whose vocab_size covers the policy's."
+            f"{teacher.name} has {theirs} vocabulary rows (config.json vocab_size) and the policy {mine}, so a token the policy samples from its last {mine - theirs} rows would have no teacher log-prob; use a teacher whose vocab_size covers the policy's."
         )
 
 
@@ -137,21 +194,23 @@ def chat_template(directory: Path) -> Any:
     return None
 
 
-def check_teacher_specials(policy_dir: Path, teacher_dir: Path, with_template: bool) -> None:
+def check_teacher_specials(
+    policy: TokenizerSide, teacher: TokenizerSide, with_template: bool
+) -> None:
     """Refuse a teacher that ends, begins or pads with other ids than the policy (its
     log-prob of the policy's end-of-sequence would be that of an ordinary token), or, when
     prompts are rendered with the tokenizer's chat template (`with_template`), whose
     template differs (it would score prompts laid out as it never saw them). One sentence
     naming what differs."""
-    mine, theirs = special_ids(policy_dir), special_ids(teacher_dir)
     for kind in SPECIALS:
-        if mine[kind] != theirs[kind]:
+        mine, theirs = policy.specials[kind], teacher.specials[kind]
+        if mine != theirs:
             raise TeacherMismatchError(
-                f"distill.teacher ({teacher_dir}) has another {kind} token id than the policy ({policy_dir}): {_listed(mine[kind])} for the policy and {_listed(theirs[kind])} for the teacher (generation_config.json, config.json or tokenizer_config.json), so it would score the policy's {kind} token as another token; use a teacher of the same tokenizer and special tokens."
+                f"{teacher.name} has another {kind} token id than the policy ({policy.name}): {_listed(mine)} for the policy and {_listed(theirs)} for the teacher (generation_config.json, config.json or tokenizer_config.json), so it would score the policy's {kind} token as another token; use a teacher of the same tokenizer and special tokens."
             )
-    if with_template and chat_template(policy_dir) != chat_template(teacher_dir):
+    if with_template and policy.template != teacher.template:
         raise TeacherMismatchError(
-            f"distill.teacher ({teacher_dir}) has another chat template than the policy ({policy_dir}), and data.chat_template: true renders the prompts with the policy's, so the teacher would score prompts laid out as it was never trained on; use a teacher with the same chat template, or name one template for both in data.chat_template."
+            f"{teacher.name} has another chat template than the policy ({policy.name}), and data.chat_template: true renders the prompts with the policy's, so the teacher would score prompts laid out as it was never trained on; use a teacher with the same chat template, or name one template for both in data.chat_template."
         )
 
 
@@ -196,6 +255,9 @@ def check_teacher(cfg: Any, policy: ModelFiles, world_size: int, limit: Any = No
     distill = cfg.distill
     if distill is None:
         return
+    if distill.served:
+        check_served_teacher(cfg, policy, limit)
+        return
     settings = SimpleNamespace(name_or_path=distill.teacher, revision=distill.teacher_revision)
     try:
         teacher = check_model_files(settings)
@@ -215,10 +277,71 @@ def check_teacher(cfg: Any, policy: ModelFiles, world_size: int, limit: Any = No
             "distill.teacher: the policy's and the teacher's tokenizers were not compared, because one of them is not downloaded yet; download both (huggingface-cli download) to have the check run before anything loads"
         )
         return
-    check_teacher_vocabulary(
-        policy.directory, teacher.directory, _rows(policy.directory), _rows(teacher.directory)
+    mine = local_side(str(policy.directory), policy.directory)
+    theirs = local_side(f"distill.teacher ({teacher.directory})", teacher.directory)
+    check_teacher_vocabulary(mine, theirs)
+    check_teacher_specials(mine, theirs, _renders_with_tokenizer(cfg))
+
+
+def check_served_teacher(cfg: Any, policy: ModelFiles, limit: Any) -> None:
+    """A served teacher's checks (distill.teacher_urls), the local teacher's asked of each
+    server's model (GET /teacher): the same id -> token map, special ids and (prompts
+    rendered with it) chat template as the policy's; exactly the policy's vocabulary rows
+    (vLLM's log-softmax runs over all the rows the model has, where a local teacher is
+    narrowed to the policy's); a max_model_len that holds the run's longest sequence.
+    A server that does not answer, or refuses, is one error naming it."""
+    if policy.directory is None:
+        log.warning(
+            "distill.teacher_urls: the policy's and the served teacher's tokenizers were not compared, because the policy is not downloaded yet; download it (huggingface-cli download) to have the check run before anything loads"
+        )
+        return
+    mine = local_side(str(policy.directory), policy.directory)
+    for url, report in served_reports(cfg.distill):
+        theirs = served_side(f"distill.teacher_urls' {url} (serving {report['model']})", report)
+        check_teacher_vocabulary(mine, theirs)
+        if mine.rows is not None and theirs.rows is not None and theirs.rows > mine.rows:
+            raise TeacherMismatchError(
+                f"{theirs.name} has {theirs.rows} vocabulary rows (config.json vocab_size) and the policy {mine.rows}, and vLLM's log-probs are normalised over all of the teacher's rows, so its last {theirs.rows - mine.rows} would take probability from every token the student can sample; serve a teacher with the policy's vocab_size, or load it in the trainer (distill.teacher), which narrows it to the policy's rows."
+            )
+        check_teacher_specials(mine, theirs, _renders_with_tokenizer(cfg))
+        check_served_context(cfg, policy, limit, theirs.name, int(report["max_model_len"]))
+
+
+def served_reports(distill: Any) -> list[tuple[str, dict[str, Any]]]:
+    """(url, GET /teacher reply) of every server in distill.teacher_urls; a server that
+    does not answer, refuses the token or the route is one `TeacherServerError`."""
+    from leangrpo.rollout.vllm.client import ServerPool, VLLMServerError, read_token
+
+    try:
+        token = read_token(distill.teacher_token_file, "distill.teacher_token_file")
+        pool = ServerPool(distill.teacher_urls, timeout_s=distill.teacher_timeout_s,
+                          token=token, key=URLS_KEY)  # fmt: skip
+    except (ValueError, VLLMServerError) as error:
+        raise TeacherServerError(f"{URLS_KEY}: {one_sentence(error)}.") from None
+    try:
+        return [(url, pool.request(url, "GET", "/teacher")) for url in pool.urls]
+    except VLLMServerError as error:
+        raise TeacherServerError(
+            f"{URLS_KEY}: {one_sentence(error)}; a served teacher is a `leangrpo serve TEACHER` of this leangrpo version."
+        ) from None
+    finally:
+        pool.close()
+
+
+def one_sentence(error: BaseException) -> str:
+    return " ".join(str(error).split()).rstrip(".")
+
+
+def check_served_context(cfg: Any, policy: ModelFiles, limit: Any, name: str, served: int) -> None:
+    """Refuse a server whose max_model_len is shorter than the run's longest sequence:
+    vLLM would refuse the request that scores it, mid-run."""
+    longest = longest_sequence(cfg, limit, policy)
+    if longest is None or longest[0] <= served:
+        return
+    tokens, why = longest
+    raise TeacherMismatchError(
+        f"{name} takes sequences of up to {served} tokens (its max_model_len), but this run's sequences reach {tokens} tokens ({why}); start it with `leangrpo serve ... --max-model-len {tokens}` (where the model's context allows), or shorten the run's sequences."
     )
-    check_teacher_specials(policy.directory, teacher.directory, _renders_with_tokenizer(cfg))
 
 
 def longest_sequence(cfg: Any, limit: Any, policy: ModelFiles) -> tuple[int, str] | None:

@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import Any
 
 from leangrpo.contracts import Completion, EngineVersionError, SamplingParams, TurnRequest
-from leangrpo.model.moe.routes import routes_from_wire
 from leangrpo.rollout.vllm.files import adapter_files
 from leangrpo.rollout.vllm.router import NoServerLeft, Router, Server
 from leangrpo.rollout.vllm.versions import NO_VERSION
@@ -54,6 +53,9 @@ log = logging.getLogger(__name__)
 TOKEN_ENV = "LEANGRPO_SERVE_TOKEN"
 MIN_TOKEN_CHARS = 16
 TURNS_IN_FLIGHT = 64  # per server: threads of a turn stream's requests
+# a scoring request's tokens: its JSON body well within a server's 64 MiB, its reply's
+# floats a few MB
+SCORE_REQUEST_TOKENS = 1 << 18
 
 
 def one_line(err: BaseException) -> str:
@@ -101,11 +103,13 @@ class ServerPool:
         backoff_s: float = 0.5,
         process: subprocess.Popen | None = None,
         token: str | None = None,
+        key: str = "rollout.vllm.urls",
     ):
         if not urls:
             raise ValueError(
                 "no vLLM server URLs; set rollout.vllm.urls or leave it empty to start one locally"
             )
+        self.key = key  # the config key that lists the servers, for messages
         self.urls = [u.rstrip("/") for u in urls]
         self.timeout_s = timeout_s
         self.max_retries = max_retries
@@ -113,7 +117,7 @@ class ServerPool:
         self.process = process
         self.token = token
         self.held: tuple[str | None, int] = (None, NO_VERSION)
-        self.router = Router(self.urls)
+        self.router = Router(self.urls, key)
         self._pool = ThreadPoolExecutor(
             max_workers=max(2, 2 * len(self.urls)), thread_name_prefix="vllm-client"
         )
@@ -176,7 +180,7 @@ class ServerPool:
                 last = err
         raise ServerUnreachable(
             f"vLLM server {url} did not answer {method} {path} after {retries + 1} attempts "
-            f"(last error: {last}); check that `leangrpo serve` runs there and that rollout.vllm.urls is right"
+            f"(last error: {last}); check that `leangrpo serve` runs there and that {self.key} is right"
         )
 
     def _post_json(self, url: str, path: str, payload: dict, retries: int | None = None) -> Any:
@@ -318,6 +322,73 @@ class ServerPool:
             ) from None
         return self.router.reroute(key, run, version, requests)
 
+    # -- a served distillation teacher (distill/served.py) -----------------------------------
+    def score(
+        self, sequences: list[list[int]], starts: list[int], temperature: float = 1.0
+    ) -> list[list[float]]:
+        """Each sequence's log-probs from its start on (POST /score, servers of a served
+        teacher, which hold the model they loaded: no run, no version): the sequences
+        spread evenly over the healthy servers, each server's share sent in requests of at
+        most SCORE_REQUEST_TOKENS tokens; a server that fails, or no longer holds the
+        teacher (409), is marked down and its requests go to another; none left: one
+        `ServerUnreachable` naming every server's error. `temperature`: 1 (a server
+        refuses any other: vLLM's prompt log-probs are of the unscaled distribution)."""
+        if not sequences:
+            return []
+        try:
+            servers = self.router.spread(len(sequences), None, NO_VERSION)
+        except NoServerLeft as gone:
+            raise ServerUnreachable(str(gone)) from None
+        shares: dict[int, list[int]] = {}  # server index -> sequence indices
+        for i, server in enumerate(servers):
+            shares.setdefault(server.index, []).append(i)
+
+        def call(first: int) -> list[tuple[int, list[float]]]:
+            out, server = [], self.router.servers[first]
+            for chunk in _chunks(shares[first], [len(sequences[i]) for i in shares[first]]):
+                payload = {
+                    "sequences": [sequences[i] for i in chunk],
+                    "starts": [starts[i] for i in chunk],
+                    "temperature": temperature,
+                }
+                server, reply = self._score_with_failover(server, len(chunk), payload)
+                out += zip(chunk, reply["logprobs"], strict=True)
+            return out
+
+        results: list[list[float]] = [[] for _ in sequences]
+        for future in [self._pool.submit(call, first) for first in shares]:
+            for i, row in future.result():
+                results[i] = row
+        return results
+
+    def _score_with_failover(
+        self, server: Server, requests: int, payload: dict
+    ) -> tuple[Server, dict]:
+        """POST /score on `server` (its `requests` counted in flight there), else on the
+        next healthy one; the server that answered, and its reply."""
+        while True:
+            try:
+                if not server.healthy:  # it failed an earlier request of this share
+                    raise ServerUnreachable(server.last_error)
+                alone = len(self.router.eligible(None, NO_VERSION)) <= 1
+                reply = self._post_json(server.url, "/score", payload, None if alone else 0)
+            except (ServerUnreachable, EngineVersionError) as err:
+                why = one_line(err) if server.healthy else server.last_error
+                if server.healthy:
+                    log.warning("teacher server %s failed (%s); its sequences go to another "
+                                "server", server.url, why)  # fmt: skip
+                self.router.failed(server, why, requests)
+                try:
+                    server = self.router.reroute(None, None, NO_VERSION, requests)
+                except NoServerLeft as gone:
+                    raise ServerUnreachable(str(gone)) from None
+                continue
+            except BaseException:
+                self.router.done(server, requests)
+                raise
+            self.router.done(server, requests)
+            return server, reply
+
     # -- weights ----------------------------------------------------------------------------
     def load_weight_files(self, paths: list[Path], version: int, *, run: str) -> None:
         """Two phases: every server stages the buckets, then every server commits; a server
@@ -425,6 +496,20 @@ def _open_body(body: bytes | Path | None) -> Iterator[tuple[Any, int | None]]:
         yield file, body.stat().st_size
 
 
+def _chunks(indices: list[int], lengths: list[int]) -> Iterator[list[int]]:
+    """`indices` in order, in runs of at most SCORE_REQUEST_TOKENS tokens (a longer
+    sequence alone)."""
+    chunk, tokens = [], 0
+    for i, n in zip(indices, lengths):
+        if chunk and tokens + n > SCORE_REQUEST_TOKENS:
+            yield chunk
+            chunk, tokens = [], 0
+        chunk.append(i)
+        tokens += n
+    if chunk:
+        yield chunk
+
+
 def _error_message(err: urllib.error.HTTPError) -> str:
     try:
         return json.loads(err.read()).get("error", err.reason)
@@ -449,6 +534,8 @@ def _client_error(err: urllib.error.HTTPError, url: str, path: str) -> Exception
 
 def completion_of(reply: dict) -> Completion:
     """A completion a server sent (its route record decoded and size-checked)."""
+    from leangrpo.model.moe.routes import routes_from_wire  # torch: not for the checks
+
     routes = reply.get("routes")
     fields = {k: v for k, v in reply.items() if k != "routes"}
     return Completion(**fields, routes=None if routes is None else routes_from_wire(routes))

@@ -12,6 +12,13 @@ unless noted):
     GET  /health                          -> {"run", "version", "model", "in_flight", "max_body_bytes",
                                               "lora_modules", "routed_experts"}
     POST /generate {prompts, params, n, run, version, seeds} -> {"completions": [[Completion...]]}
+    POST /score {sequences, starts, temperature}  -> {"logprobs": [[float...]]}: a served
+                                          distillation teacher's log-probs of given ids
+                                          (vLLM's prompt log-probs, positions start.. of each
+                                          sequence; temperature must be 1: vLLM applies none)
+    GET  /teacher                         -> {"model", "tokens", "vocab_size", "specials",
+                                              "chat_template", "max_model_len"}: what a
+                                          trainer checks a served teacher by (distill/check.py)
     PUT  /weights/{run}/{version}/{index} body: one safetensors bucket (binary, streamed to disk)
     POST /weights/{run}/{version}/commit  {num_buckets}
     PUT  /adapter/{run}/{version}         body: uncompressed tar of adapter_config.json + *.safetensors
@@ -28,11 +35,13 @@ Security (the weights decide what the trainer learns from, so writes must be tru
 - adapter archives may hold only regular files named `adapter_config.json` or
   `*.safetensors` (no paths, links or pickles).
 
-Version or run mismatch -> 409 (EngineVersionError on the client); bad input -> 4xx.
+Version or run mismatch -> 409 (EngineVersionError on the client), as is /score on a
+server a run has pushed its weights to (it no longer holds the teacher); bad input -> 4xx.
 """
 
 from __future__ import annotations
 
+import argparse
 import hmac
 import io
 import json
@@ -49,6 +58,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from leangrpo.contracts import Completion, EngineVersionError, SamplingParams
+from leangrpo.distill.check import tokenizer_report
+from leangrpo.model.files import check_model_files
 from leangrpo.model.moe.routes import routes_to_wire
 
 log = logging.getLogger("leangrpo.rollout.vllm.server")  # the name `leangrpo serve` logs under
@@ -73,6 +84,7 @@ class ServerState:
     token: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_MB << 20
     staging_timeout_s: float = STAGING_TIMEOUT_S
+    teacher: dict | None = None  # the GET /teacher reply, read once
 
 
 class Refused(Exception):
@@ -214,6 +226,10 @@ def _route(method: str, path: str, body: Body, st: ServerState) -> dict:
             }
         case ("POST", ["generate"]):
             return _generate(st.local, body.json())
+        case ("POST", ["score"]):
+            return _score(st.local, body.json())
+        case ("GET", ["teacher"]):
+            return _teacher(st)
         case ("PUT", ["weights", run, version, index]):
             return _stage_bucket(st, _run(run), _number(version), _number(index), body)
         case ("POST", ["weights", run, version, "commit"]):
@@ -260,6 +276,36 @@ def _generate(local: Any, payload: dict) -> dict:
     run, version, n = _run(payload["run"]), _number(payload["version"]), _number(payload["n"])
     groups = local.generate(prompts, params, n, version, seeds, run=run)
     return {"completions": [[completion_json(c) for c in group] for group in groups]}
+
+
+def _score(local: Any, payload: dict) -> dict:
+    sequences, starts = payload["sequences"], payload["starts"]
+    if not isinstance(sequences, list) or not all(
+        isinstance(q, list) and all(type(t) is int and t >= 0 for t in q) for q in sequences
+    ):
+        raise ValueError("sequences must be lists of token ids")
+    if not isinstance(starts, list) or len(starts) != len(sequences):
+        raise ValueError("starts must hold one position per sequence")
+    starts = [_number(start) for start in starts]
+    temperature = payload.get("temperature", 1.0)
+    if temperature != 1.0:
+        raise ValueError(
+            f"temperature {temperature!r}: vLLM's prompt log-probs are of the unscaled "
+            "distribution, so this server scores at temperature 1 only"
+        )
+    return {"logprobs": local.score(sequences, starts)}
+
+
+def _teacher(st: ServerState) -> dict:
+    """The served model's tokenizer report (distill/check.py `tokenizer_report`) and the
+    longest sequence the engine takes; read from its directory once."""
+    if st.teacher is None:
+        settings = argparse.Namespace(name_or_path=st.model, revision=None)
+        directory = check_model_files(settings).directory
+        if directory is None:
+            raise FileNotFoundError(f"{st.model} has no local directory to read its tokenizer from")
+        st.teacher = {"model": st.model, **tokenizer_report(directory)}
+    return st.teacher | {"max_model_len": st.local.max_model_len}
 
 
 def completion_json(c: Completion) -> dict:

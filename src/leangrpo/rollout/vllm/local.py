@@ -22,6 +22,10 @@ outputs that finish for another caller are kept for it. So concurrent callers (t
 threads of `leangrpo serve`, a turn stream and an evaluation) are batched by vLLM's
 scheduler together, and a turn stream adds each turn the moment it is ready.
 
+`score` serves a distillation teacher (`leangrpo serve TEACHER`, distill/served.py): the
+prompt log-probs of given sequences under the weights loaded from disk, refused once a
+run has pushed its own.
+
 Before vLLM starts, its compile cache is checked for the entries a start-up killed while
 compiling left damaged, which are removed and compiled again (compile_cache.py).
 """
@@ -105,6 +109,24 @@ def completion_from_output(output: Any, version: int, routes: bool = False) -> C
         version=version,
         routes=routes_from_vllm(output.routed_experts, len(ids)) if routes else None,
     )
+
+
+def teacher_sampling_params() -> Any:
+    """A scoring request: the prompt's own log-probs (`prompt_logprobs=0`: each position's
+    actual next token only, of vLLM's log-softmax over the full vocabulary, no temperature
+    or filter), one greedy token generated because a request must generate one, nothing
+    detokenised."""
+    vllm = import_vllm()
+    return vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+
+
+def prompt_logprobs_from(output: Any, ids: list[int], start: int) -> list[float]:
+    """log p(ids[i] | ids[:i]) for i in [start, len(ids)) from a request's prompt log-probs
+    (vLLM's entry i holds its prompt token's; entry 0 is None)."""
+    entries = output.prompt_logprobs
+    if entries is None or len(entries) != len(ids):
+        raise RuntimeError("vLLM returned no prompt log-probs; was prompt_logprobs=0 dropped?")
+    return [float(entries[i][ids[i]].logprob) for i in range(start, len(ids))]
 
 
 @dataclass(frozen=True)
@@ -333,6 +355,40 @@ class LocalVLLM:
             [completion_from_output(o, version, self.routes) for o in req.outputs]
             for req in outputs
         ]
+
+    def score(self, sequences: list[list[int]], starts: list[int]) -> list[list[float]]:
+        """The log-prob of each sequence's token at every position from its start on,
+        given the tokens before it, under the weights loaded from disk: vLLM's prompt
+        log-probs (its full vocabulary, no temperature, no filter), the log-probs a served
+        distillation teacher returns (distill/served.py). Refused (EngineVersionError)
+        once a run has pushed its weights here: the engine no longer holds the model it
+        loaded."""
+        for i, (ids, start) in enumerate(zip(sequences, starts, strict=True)):
+            if not 1 <= start <= len(ids) - 1:
+                raise ValueError(
+                    f"sequence {i} has {len(ids)} tokens, so scored positions start in "
+                    f"[1, {len(ids) - 1}], got {start}"
+                )
+        run, version = self.held
+        if run is not None:
+            raise EngineVersionError(
+                f"this server holds run {run}'s weights (version {version}), pushed by a "
+                "trainer, not the model it loaded, so it cannot score as a teacher; restart "
+                "`leangrpo serve` and list it in distill.teacher_urls only, never in "
+                "rollout.vllm.urls"
+            )
+        sampling = [teacher_sampling_params() for _ in sequences]
+        with self.gate.admit(version, run):
+            outputs = self.collect(self.enqueue(sequences, sampling, run=run, version=version))
+        return [
+            prompt_logprobs_from(output, ids, start)
+            for output, ids, start in zip(outputs, sequences, starts)
+        ]
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt + completion) this engine takes."""
+        return int(self.llm.llm_engine.vllm_config.model_config.max_model_len)
 
     # -- requests, stepped cooperatively ----------------------------------------------------
     def enqueue(

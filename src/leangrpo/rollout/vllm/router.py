@@ -52,8 +52,9 @@ class Server:
 
 
 class Router:
-    def __init__(self, urls: list[str]):
+    def __init__(self, urls: list[str], key: str = "rollout.vllm.urls"):
         self.servers = [Server(i, url) for i, url in enumerate(urls)]
+        self.key = key  # the config key that lists the servers, for messages
         self._sticky: dict[Hashable, int] = {}  # trajectory key -> server index
         self._lock = threading.Lock()
         self.retries = 0
@@ -153,7 +154,7 @@ class Router:
         down = "; ".join(f"{s.url} ({s.last_error})" for s in self.servers)
         return (
             f"every vLLM server failed: {down}; check the `leangrpo serve` processes in "
-            "rollout.vllm.urls"
+            f"{self.key}"
         )
 
 

@@ -41,7 +41,8 @@ from leangrpo.rollout.vllm.settings import INSTALL_HINT, VLLMSettings
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="leangrpo serve",
-        description="Serve a model for leangrpo rollouts with vLLM. "
+        description="Serve a model for leangrpo rollouts with vLLM, or as a distillation "
+        "teacher (distill.teacher_urls: it then scores the sampled tokens, POST /score). "
         "Extra `--name value` flags are passed to vllm.LLM as name=value. "
         f"The shared-secret token comes from ${TOKEN_ENV} or --token-file; it is required "
         "whenever --host is not a loopback address.",
