@@ -89,7 +89,7 @@ setup-vllm:
 	bash scripts/setup_vllm_venv.sh
 
 test-vllm: setup-vllm
-	bash scripts/run_tests.sh .venv-vllm/bin/pytest -q -m vllm tests/rollout/test_vllm.py tests/rollout/test_vllm_sharing.py tests/rollout/test_vllm_multiturn.py tests/rollout/test_vllm_servers.py tests/rollout/test_vllm_compile_cache.py tests/rollout/test_vllm_moe.py
+	bash scripts/run_tests.sh .venv-vllm/bin/pytest -q -m vllm tests/rollout/test_vllm.py tests/rollout/test_vllm_sharing.py tests/rollout/test_vllm_multiturn.py tests/rollout/test_vllm_servers.py tests/rollout/test_vllm_compile_cache.py tests/rollout/test_vllm_moe.py tests/distill/test_served_vllm.py
 
 # GPU suite (benchmarks/RESULTS.md, "GPU suite"): wheels for the GPU machine, the run
 # itself on a CUDA machine, and its CPU dry run (tiny shapes; also a test).

@@ -24,7 +24,8 @@ the first thing that touches the disk):
    in a worker, rewards that could only be 0, and with the tokenizer's record the template
    and the prompts' first turns);
 4. a distillation teacher: its files, a quantized teacher's needs, and its tokenizer
-   mapping every id to the policy's token (distill/check.py);
+   mapping every id to the policy's token (distill/check.py); a served teacher's servers
+   (distill.teacher_urls) asked what their model's tokenizer and context are;
    the metrics backends are installed; what torchrun runs cannot do, and a
    distributed.context_parallel_size that the processes or the model's heads cannot take
    (`check_world`, `check_context_parallel`); options that do nothing in the chosen mode

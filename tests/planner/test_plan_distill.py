@@ -95,3 +95,16 @@ def test_the_jsd_objective_counts_the_teacher_in_the_training_step(tmp_path):
                           world_size=4)  # fmt: skip
     head = 151936 * 4096 * 2
     assert sharded["teacher_in_step"] >= head + rows * 4096 * 2
+
+
+def test_a_served_teacher_counts_no_local_memory_and_the_plan_says_so(tmp_path):
+    """distill.teacher_urls: no teacher weights or pass on this device (they are the
+    servers'), the plan equal to the run's without a teacher, and a line saying why."""
+    plain = plan_memory(config(tmp_path / "a"))
+    cfg = config(tmp_path / "b", teacher_urls=["http://10.0.0.2:8000", "http://10.0.0.3:8000"])
+    served = plan_memory(cfg)
+    assert served["teacher_weights"] == served["teacher_scoring"] == served["teacher_in_step"] == 0
+    assert served == plain
+    text = render_plan(served, cfg)
+    assert "teacher_weights and teacher_scoring are 0: the teacher is served" in text
+    assert "2 server(s)" in text

@@ -17,7 +17,9 @@ second) and counts, per device, for one micro-batch of `train.micro_batch_tokens
                      full-precision teacher is read from host memory and sharded onto
                      the device unit by unit, never whole there (a quantized one is
                      quantized on the device as it loads, whole until it is sharded:
-                     a set-up transient not in the total) [exact]
+                     a set-up transient not in the total); a served teacher
+                     (distill.teacher_urls) counts 0 here and in teacher_scoring: its
+                     weights and pass are its servers' (the plan says so) [exact]
     generation_copy  the hf engine's own copy of the policy (async mode, torchrun), or
                      colocated vLLM's own copy of the base weights; none when vLLM and
                      the policy share one (rollout.vllm.share_weights), as far as the
@@ -558,8 +560,9 @@ def peak(plan: dict[str, int], concurrent: bool, cpu: bool) -> int:
 
 
 def _teacher(cfg, device: str, b: int, tokens: int, rows: int, world_size: int) -> dict[str, int]:
-    """teacher_weights and teacher_scoring (see the module docstring); 0 without one."""
-    if cfg.distill is None:
+    """teacher_weights and teacher_scoring (see the module docstring); 0 without one, and
+    0 for a served teacher (distill.teacher_urls: its weights and pass are its servers')."""
+    if cfg.distill is None or cfg.distill.served:
         return {"teacher_weights": 0, "teacher_scoring": 0, "teacher_in_step": 0}
     from types import SimpleNamespace
 
@@ -947,6 +950,10 @@ def render_plan(
     concurrent = cfg is not None and cfg.rollout.engine == "hf" and cfg.pipeline.mode == "async"
     lines += explain_total(plan, concurrent, cpu)
     lines.extend(_sharing_note(plan, cfg))
+    if cfg is not None and cfg.served_teacher():
+        lines.append(
+            f"  teacher_weights and teacher_scoring are 0: the teacher is served (distill.teacher_urls, {len(cfg.distill.teacher_urls)} server(s)); its weights and scoring pass are in the servers' memory, not this device's"
+        )
     if cfg is not None and cfg.run.device == "cpu":
         lines.append(
             f"  + the process itself (python, torch, transformers, peft imported): about {PROCESS_BASELINE_CPU / 2**30:.2f} GiB of RSS, not in the total"

@@ -11,7 +11,9 @@
   distill.objective: sampled: the same pass on the teacher, under the reference's
   transformation (`distill.teacher.teacher_logprobs`). The jsd objective needs the
   teacher's hidden states, not its log-probs: its forward runs in the training step
-  (train/step.py).
+  (train/step.py). A served teacher (distill.teacher_urls, `distill.served.ServedTeacher`)
+  is asked for the same log-probs before the trainer's own passes start, and answers
+  while they run.
 
 All run in eval mode over every planned micro-batch (torchrun's padding ones too: every
 rank makes the same forwards), then `ranks.release_gathered` frees what the passes left
@@ -27,6 +29,7 @@ import torch
 from leangrpo.config.distill import DistillConfig
 from leangrpo.config.training import LogprobsConfig, LossConfig
 from leangrpo.contracts import SamplingParams, StepRanks
+from leangrpo.distill.served import ServedTeacher
 from leangrpo.distill.teacher import teacher_logprobs
 from leangrpo.model.policy import Policy
 from leangrpo.model.scoring import eval_mode, reference_logprobs, score
@@ -49,17 +52,28 @@ def attach_old_and_ref(
     sampling: SamplingParams,
     ranks: StepRanks = ONE_PROCESS,
     distill: DistillConfig | None = None,
+    served: ServedTeacher | None = None,
 ) -> None:
     """Fill in old, reference and teacher log-probs on every micro-batch before the first
-    update (`distill`: the run's section; the teacher's pass is the sampled objective's)."""
+    update (`distill`: the run's section; the teacher's pass is the sampled objective's;
+    `served`: a served teacher's client, asked instead of a local teacher's pass)."""
     want_old = needs_old_pass(loss, len(steps))
     want_ref = loss.beta > 0
     jsd = distill is not None and distill.objective == "jsd"
     teacher = None if jsd else policy.teacher
-    if not (want_old or want_ref or teacher is not None):
-        return
+    batches = [mb for step in steps for mb in step.micro_batches]
+    pending = served.start(batches, sampling.temperature) if served is not None else None
+    if want_old or want_ref or teacher is not None:
+        _local_passes(policy, batches, want_old, want_ref, teacher, logprobs, sampling, ranks)
+    if pending is not None:
+        pending.attach()
+
+
+def _local_passes(policy: Policy, batches: list, want_old: bool, want_ref: bool, teacher,
+                  logprobs: LogprobsConfig, sampling: SamplingParams, ranks: StepRanks) -> None:
+    """The passes on the trainer's own models (`teacher`: a local one, or None)."""
     with eval_mode(policy.model):  # torchrun: padding micro-batches run these passes too
-        for mb in (mb for step in steps for mb in step.micro_batches):
+        for mb in batches:
             if want_old:
                 module = policy.scoring_module
                 mb.old_logprobs = score(module, mb, sampling, logprobs)[0].float()

@@ -43,6 +43,7 @@ from leangrpo.agents.setup import start_agents
 from leangrpo.checkpoint.rundir import schedule_horizon
 from leangrpo.config import Config
 from leangrpo.contracts import MultiTurn, RolloutBatch
+from leangrpo.distill.served import ServedTeacher
 from leangrpo.distill.teacher import load_teacher
 from leangrpo.distributed.context import DistContext, init_distributed
 from leangrpo.distributed.strategy import choose_strategy
@@ -143,7 +144,9 @@ class Trainer:
         self.policy: Policy = shared or load_policy(
             cfg, tokenizer, strategy.device, reference_on_meta=strategy.reference_on_meta
         )
-        if cfg.distill is not None:  # sharded with the policy under torchrun
+        # a served teacher: its servers' client (they were checked before anything loaded)
+        self.served_teacher = ServedTeacher(cfg.distill) if cfg.served_teacher() else None
+        if cfg.distill is not None and not cfg.distill.served:  # sharded under torchrun
             log.info("loading the teacher %s ...", cfg.distill.teacher)
             # torchrun (sharded next): staged in host memory, sharded onto the device
             staged = strategy.reference_on_meta
@@ -332,9 +335,8 @@ class Trainer:
                 return None
             self.skips.batches_in_a_row = 0
             cfg = self.cfg
-            attach_old_and_ref(
-                self.policy, steps, cfg.loss, cfg.logprobs, self.sampling, ranks, cfg.distill
-            )
+            attach_old_and_ref(self.policy, steps, cfg.loss, cfg.logprobs, self.sampling, ranks,
+                               cfg.distill, self.served_teacher)  # fmt: skip
             batch_metrics = {
                 **batch.metrics,
                 **rollout_metrics(batch, self.version),
@@ -543,6 +545,8 @@ class Trainer:
         self.producer.close()
         if self.engines is not None:
             self.engines.close()
+        if self.served_teacher is not None:
+            self.served_teacher.close()
         self.logger.close()
         self.checked.release()
 
