@@ -710,7 +710,10 @@ real = checkpoint.save_model_weights
 def slow(model, directory, for_resume):
     real(model, directory, for_resume)
     if stopping._active is not None and stopping._active.requested:  # the stop's save
-        Path(os.environ["LEANGRPO_TEST_MARK"]).write_text(str(Path(directory).parent))
+        mark = Path(os.environ["LEANGRPO_TEST_MARK"])  # written whole, then renamed: the
+        part = mark.with_name(mark.name + ".part")  # test reads it as soon as it exists
+        part.write_text(str(Path(directory).parent))
+        os.replace(part, mark)
         time.sleep(600)
 
 checkpoint.save_model_weights = slow
