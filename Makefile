@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-tools demo-agent demo-distill smollm2 smollm2-qlora test test-main test-vllm setup setup-vllm setup-bench bench-trl lint clean gpu-wheels gpu-suite gpu-suite-dry
+.PHONY: demo demo-tools demo-agent demo-distill smollm2 smollm2-qlora test test-main test-vllm setup setup-vllm setup-verifiers setup-bench bench-trl lint clean gpu-wheels gpu-suite gpu-suite-dry
 
 setup: $(STAMP)
 
@@ -80,13 +80,18 @@ AMD_KERNELS := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONEDNN_MA
 PYTEST := $(BIN)/pytest -q -n 2
 EXACT_PASS := bash scripts/run_tests.sh $(PYTEST) -p no:cacheprovider -m exact
 
-test-main: $(STAMP)
+test-main: $(STAMP) setup-verifiers
 	bash scripts/run_tests.sh $(PYTEST)
 	$(AMD_KERNELS) $(EXACT_PASS) $(EXACT_ONE_PROCESS) $(EXACT_TORCHRUN)
 	ATEN_CPU_CAPABILITY=default $(EXACT_PASS) -k "not resume" $(EXACT_ONE_PROCESS)
 
 setup-vllm:
 	bash scripts/setup_vllm_venv.sh
+
+# verifiers 0.4's v1 stack, beside .venv (which pins the classic verifiers < 0.4): the venv
+# whose python runs v1 environments as agent commands (docs/agents.md); the tests use it
+setup-verifiers:
+	bash scripts/setup_verifiers_venv.sh
 
 test-vllm: setup-vllm
 	bash scripts/run_tests.sh .venv-vllm/bin/pytest -q -m vllm tests/rollout/test_vllm.py tests/rollout/test_vllm_sharing.py tests/rollout/test_vllm_multiturn.py tests/rollout/test_vllm_servers.py tests/rollout/test_vllm_compile_cache.py tests/rollout/test_vllm_moe.py tests/distill/test_served_vllm.py
@@ -106,4 +111,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks scripts
 
 clean:
-	rm -rf $(VENV) .venv-vllm runs
+	rm -rf $(VENV) .venv-vllm .venv-verifiers .venv-verifiers.lock runs

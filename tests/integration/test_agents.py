@@ -16,6 +16,7 @@ import pytest
 import torch
 from support.configs import ROOT, updated
 from support.processes import run_cli
+from support.verifiers_venv import adapter_command, pythonpath
 
 from leangrpo.config import config_from_dict
 from leangrpo.errors import UserError
@@ -92,6 +93,33 @@ def test_an_agents_sdk_agent_trains_through_the_endpoint(tmp_path):
     assert "agent/prefix_breaks" in first and "multiturn/tool_calls" in first
     episodes = [s for b in trainer.batches for s in b.samples if s.reward is not None]
     assert episodes and all(len(s.completion.logprobs) == s.completion.num_model_tokens for s in episodes)
+
+
+@pytest.mark.slow
+def test_a_verifiers_v1_environment_trains_through_the_endpoint(tmp_path, monkeypatch):
+    """verifiers 0.4's v1 stack as agent.command (leangrpo.agents.verifiers_v1 with
+    .venv-verifiers' python): a Taskset and its harness (tests/support/vf_calculator.py) per
+    episode, in the episode's box; the task's @vf.reward is the episode's reward, trained."""
+    monkeypatch.setenv("PYTHONPATH", pythonpath())
+    cfg = agent_run(tmp_path, agent={"entry": None, "command": " ".join(adapter_command("run")), "timeout_s": 600},
+                    rewards={"functions": []},
+                    rollout={"num_generations": 2, "prompts_per_batch": 2, "max_new_tokens": 64, "max_batch_size": 1})  # fmt: skip
+    trainer = Recording(config_from_dict(cfg))
+    before = params(trainer)
+    trainer.train()
+    steps = [r for r in rows(tmp_path) if r.get("step", 0) > 0 and "agent/requests" in r]
+    assert len(steps) == 2
+    for row in steps:
+        assert row["agent/errors"] == 0 and row["agent/prefix_breaks"] == 0
+        assert row["agent/requests"] >= 4 and row["reward/env/agent/mean"] == row["reward/mean"]
+    episodes = [s for b in trainer.batches for s in b.samples]
+    assert len(episodes) == 8 and all(s.reward in (0.0, 1.0) for s in episodes)
+    for s in episodes:  # the reward is the task's: the answer in the episode's last reply
+        last = [m for m in s.completion.trajectory.messages if m["role"] == "assistant"][-1]
+        assert s.reward == (1.0 if s.prompt.columns["answer"] in (last.get("content") or "") else 0.0)
+        assert len(s.completion.logprobs) == s.completion.num_model_tokens > 0
+    assert len({s.reward for s in episodes}) > 1  # this seed: some right, some wrong
+    assert all(row["grad_norm"] > 0 for row in steps) and max_abs_diff(before, params(trainer)) > 0  # it learned
 
 
 @pytest.mark.exact

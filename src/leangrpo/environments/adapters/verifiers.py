@@ -7,7 +7,8 @@
 Needs verifiers >= 0.2, < 0.4 (`pip install 'leangrpo[verifiers]'`, Python >= 3.11): 0.4
 replaced MultiTurnEnv with its v1 stack, where a harness program drives the model over
 HTTP (verifiers owns the loop; leangrpo cannot drive it turn by turn), so it is refused in
-one line. The data: `python -m leangrpo.environments.adapters.verifiers --load ... --out
+one line here; a v1 environment trains as an agent instead (agents/verifiers_v1.py, in a
+venv of its own). The data: `python -m leangrpo.environments.adapters.verifiers --load ... --out
 train.jsonl` writes the environment's dataset (`--eval`: its eval dataset) as rows with the
 prompt messages and the columns verifiers' rubric reads (answer, info, task, example_id);
 train on them with data.chat_template: true.
@@ -49,7 +50,7 @@ def import_verifiers() -> Any:
         ) from None
     if not hasattr(vf, "MultiTurnEnv") or str(vf.__version__).startswith("0.4"):
         raise EnvironmentSpecError(
-            f"verifiers {vf.__version__} replaced MultiTurnEnv with its v1 harness stack, which leangrpo cannot drive turn by turn; install '{REQUIRES}'"
+            f"verifiers {vf.__version__} replaced MultiTurnEnv with its v1 harness stack, which leangrpo cannot drive turn by turn; install '{REQUIRES}', or train a v1 environment as an agent (agent.command: .venv-verifiers/bin/python -m leangrpo.agents.verifiers_v1 --taskset ID; docs/agents.md)"
         )
     return vf
 
