@@ -101,9 +101,10 @@ def test_a_failing_agent_is_contained_and_counted(endpoint, monkeypatch, agent, 
         assert metrics["agent/foreign_keys"] == 2 and all(c.ids == [] for c in group)
 
 
-def test_an_agent_command_gets_its_session_and_task(endpoint, monkeypatch):
+@pytest.mark.parametrize("prefix", ["", "AGENT_MODE=test "])  # a shell line, assignments too
+def test_an_agent_command_gets_its_session_and_task(endpoint, monkeypatch, prefix):
     monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests"))
-    command = f"{sys.executable} {ROOT / 'tests' / 'support' / 'agent_command.py'}"
+    command = f"{prefix}{sys.executable} {ROOT / 'tests' / 'support' / 'agent_command.py'}"
     made, workers = rollout(endpoint, command=command, num_workers=1)
     try:
         (group,) = made.generate(prompts()[:1], PARAMS, 2, 0)

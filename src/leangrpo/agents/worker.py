@@ -209,7 +209,9 @@ def _entry(boxes: Boxes, init: dict, episode: dict, deadline: float) -> dict:
 
 
 def _command(boxes: Boxes, init: dict, episode: dict, deadline: float) -> dict:
-    script = f'OPENAI_BASE_URL="$LEANGRPO_ENDPOINT/v1"; export OPENAI_BASE_URL; exec {init["command"]}'
+    # the command as the shell line it was checked as (no `exec`: `exec VAR=1 prog` is not
+    # a command); the box ends the shell's whole tree with the episode
+    script = f'OPENAI_BASE_URL="$LEANGRPO_ENDPOINT/v1"; export OPENAI_BASE_URL; {init["command"]}'
     box = boxes.command(["/bin/sh", "-c", script], network=False, forward=init["forward"],
                         env={"OPENAI_API_KEY": episode["key"]})  # fmt: skip
     try:
