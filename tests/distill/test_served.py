@@ -1,8 +1,10 @@
 """A served distillation teacher (distill.teacher_urls), without vLLM: the config's
 refusals; the log-probs through the real client, wire and HTTP handler (fake servers
 scoring with a transformers teacher, support/vllm_fakes.py `FakeTeacher`) against the
-in-process teacher's packed pass, plain, shared-prefix and multi-turn; a server dying
-or refusing mid-run (its share goes to another; none left: one sentence); the checks
+in-process teacher's packed pass, plain, shared-prefix and multi-turn; a server dying,
+refusing or replying what was not asked mid-run (its share goes to another; none left:
+one sentence), a server's transient failures (probed, back for the next batch; a lone
+one waited for within the timeout); the checks
 before anything loads, asked of each server's model. vLLM's own prompt log-probs against
 the in-process teacher, and a training run: test_served_vllm.py."""
 
@@ -159,6 +161,7 @@ def test_a_dead_or_refusing_server_hands_its_share_over_and_none_left_is_one_sen
     servers' errors, its log-probs never set."""
     teacher, (a, b) = teacher_servers
     client = served_teacher([a, b])
+    client.pool.patience_s = 1.0  # how long the last batch waits for a (closed) to answer
     mb = pack_samples(make_samples(seed=1))
     client.start([mb], 1.0).attach()
     assert a.local.scored and b.local.scored  # both served the first batch
@@ -177,6 +180,93 @@ def test_a_dead_or_refusing_server_hands_its_share_over_and_none_left_is_one_sen
     assert message.startswith("distill.teacher_urls: every vLLM server failed") and "\n" not in message
     assert a.url in message and b.url in message and "another-run" in message
     assert mb.teacher_logprobs is None
+    client.close()
+
+
+# a server's reply that is not the log-probs asked for: (rows -> its rows, what the error says)
+WRONG_REPLIES = {
+    "the position before the start too": (lambda rows: [[-0.125] + r for r in rows],
+                                          "6 log-probs for the 5 scored tokens"),
+    "a row one short": (lambda rows: [r[:-1] for r in rows], "4 log-probs for the 5 scored"),
+    "a sequence missing": (lambda rows: rows[:-1], "rows for"),
+    "nan": (lambda rows: [[float("nan")] * len(r) for r in rows], "returned nan for token 0"),
+    "-inf": (lambda rows: [r[:-1] + [float("-inf")] for r in rows], "returned -inf for token 4"),
+    "positive": (lambda rows: [[5.0] * len(r) for r in rows], "returned 5.0 for token 0"),
+    "not a number": (lambda rows: [[None] * len(r) for r in rows], "returned None for token 0"),
+}
+
+
+@pytest.mark.parametrize("wrong", list(WRONG_REPLIES))
+def test_a_server_whose_reply_is_not_the_logprobs_asked_for_has_failed(teacher_servers, wrong):
+    """A reply with a row longer or shorter than the tokens asked, a sequence missing, a
+    value that is not finite, above 0 or not a number: that server's failure (its share
+    scored by the other server, the batch right), and with no other server one sentence
+    naming the server and what was wrong, nothing attached."""
+    teacher, (a, b) = teacher_servers
+    a.local.wrong, expected = WRONG_REPLIES[wrong]
+    client = served_teacher([a, b])
+    mb = pack_samples(make_samples(seed=3))
+    client.start([mb], 1.0).attach()
+    torch.testing.assert_close(mb.teacher_logprobs.double(), in_process(teacher, mb).double(),
+                               rtol=1e-6, atol=1e-6)  # fmt: skip
+    router = client.pool.router
+    assert not router.servers[0].healthy and expected in router.servers[0].last_error
+    client.close()
+    alone = served_teacher([a])
+    mb = pack_samples(make_samples(seed=3))
+    with pytest.raises(TeacherServerError) as caught:
+        alone.start([mb], 1.0).attach()
+    message = str(caught.value)
+    assert message.startswith("distill.teacher_urls: every vLLM server failed: " + a.url)
+    assert expected in message and "\n" not in message
+    assert mb.teacher_logprobs is None
+    alone.close()
+
+
+def test_a_server_that_failed_once_is_probed_and_serves_the_next_batch(teacher_servers):
+    """One failed request marks a server down for that batch only: before the next batch
+    it is probed (GET /health), answers, and takes its share again; a second server's
+    one-off failure later is the same: the run never runs out of servers by glitches."""
+    teacher, (a, b) = teacher_servers
+    client = served_teacher([a, b])
+    router = client.pool.router
+    for batch, (failing, down) in enumerate([(a, 0), (None, None), (b, 1), (None, None)]):
+        if failing is not None:
+            failing.local.fail_next = 1
+        before = len(a.local.scored), len(b.local.scored)
+        mb = pack_samples(make_samples(seed=batch))
+        client.start([mb], 1.0).attach()
+        torch.testing.assert_close(mb.teacher_logprobs.double(),
+                                   in_process(teacher, mb).double(), rtol=1e-6, atol=1e-6)  # fmt: skip
+        scored = len(a.local.scored) - before[0], len(b.local.scored) - before[1]
+        if down is None:  # both in rotation again, both scored
+            assert all(s.healthy for s in router.servers) and min(scored) > 0, batch
+        else:  # the other one scored the whole batch
+            assert not router.servers[down].healthy and scored[1 - down] == 4, batch
+    client.close()
+
+
+def test_a_lone_server_is_waited_for_within_the_timeout_then_one_sentence(teacher_servers):
+    """One server failing more requests in a row than its retries: the batch waits for it
+    (probing its health in back-off steps) and completes when it scores again; a server
+    that does not come back within the patience (distill.teacher_timeout_s) stops the
+    batch with one sentence saying so."""
+    teacher, (a, _) = teacher_servers
+    client = served_teacher([a])
+    client.pool.backoff_s = 0.01
+    a.local.fail_next = client.pool.max_retries + 3  # down after its retries, then 2 more
+    mb = pack_samples(make_samples(seed=5))
+    client.start([mb], 1.0).attach()
+    torch.testing.assert_close(mb.teacher_logprobs.double(), in_process(teacher, mb).double(),
+                               rtol=1e-6, atol=1e-6)  # fmt: skip
+    assert a.local.fail_next == 0 and client.pool.router.servers[0].healthy
+    client.pool.patience_s = 0.5
+    a.close()
+    mb = pack_samples(make_samples(seed=6))
+    with pytest.raises(TeacherServerError) as caught:
+        client.start([mb], 1.0).attach()
+    message = str(caught.value)
+    assert a.url in message and "none answered within 0.5 s" in message and "\n" not in message
     client.close()
 
 

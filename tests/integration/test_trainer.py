@@ -403,6 +403,50 @@ def test_a_run_whose_groups_are_all_flat_stops_with_one_sentence(tmp_path):
     assert not any("loss" in r for r in rows)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["local", "served"])
+def test_a_resume_inside_a_batch_that_adds_distill_scores_that_batch_with_the_teacher(
+    tmp_path, source
+):
+    """A run without distill stops after step 1, inside its first batch (mu 2); resumed
+    with distill added (run.allow_config_changes), the batch in progress, saved without
+    teacher log-probs, is scored by the teacher at the resume (a local teacher's packed
+    pass, or the served teacher's servers: each the teacher's log-probs of the batch's
+    tokens), and its second step trains with them."""
+    from support.models import save_demo_teacher
+    from support.vllm_fakes import FakeTeacher, Served
+    from transformers import AutoModelForCausalLM
+
+    from leangrpo.config.training import LogprobsConfig
+    from leangrpo.contracts import SamplingParams
+    from leangrpo.distill.teacher import teacher_logprobs
+    from leangrpo.ops.attention.adapter import enable_packed_attention
+
+    directory = save_demo_teacher(tmp_path / "teacher")
+    teacher = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    enable_packed_attention(teacher, "sdpa_segments")
+    server = Served(FakeTeacher(teacher), tmp_path / "staging", model=str(directory))
+    distill = {"teacher": str(directory)} if source == "local" else {"teacher_urls": [server.url]}
+    sections = {"checkpoint": {"every_steps": 1, "keep_last": 3},
+                "train": {"lr_scheduler": "constant", "warmup_steps": 0}}  # fmt: skip
+    try:
+        Trainer(config_from_dict(tiny_run(tmp_path, run={"max_steps": 1}, **sections))).train()
+        run = {"max_steps": 2, "allow_config_changes": True}
+        resumed = Trainer(config_from_dict(tiny_run(tmp_path, run=run, distill=distill, **sections)))
+        assert resumed.step == 1 and resumed.inflight is not None and resumed.inflight.done == 1
+        batches = [mb for step in resumed.inflight.steps for mb in step.micro_batches]
+        with torch.no_grad():
+            for mb in batches:
+                want = teacher_logprobs(teacher, mb, SamplingParams(temperature=1.0), LogprobsConfig())
+                torch.testing.assert_close(mb.teacher_logprobs, want.float(), rtol=1e-5, atol=1e-5)
+        assert (len(server.local.scored) > 0) == (source == "served")
+        resumed.train()
+    finally:
+        server.close()
+    rows = step_rows(tmp_path / "run")
+    assert "loss/distill/reverse_kl" in rows[2] and "loss/distill/reverse_kl" not in rows[1]
+
+
 def step_rows(run_dir: Path) -> dict[int, dict]:
     """The last row logged for each trained step (a resumed run logs a step once more only
     if it was logged before its checkpoint)."""

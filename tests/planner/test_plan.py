@@ -156,9 +156,10 @@ def test_kv_cache_follows_the_longest_decode_call():
 def test_constants_copied_from_torch_modules_stay_equal():
     from leangrpo.ops.attention import adapter as attention
     from leangrpo.ops.logprobs import api as logprobs
+    from leangrpo.ops.logprobs import divergence
     from leangrpo.planner import plan as planner
 
-    assert planner.DEFAULT_TILES == logprobs.DEFAULT_TILES
+    assert planner.DEFAULT_TILES == logprobs.DEFAULT_TILES == divergence.DEFAULT_TILES
     assert planner.AUTO_MIN_PROMPT_FRACTION == attention.AUTO_MIN_PROMPT_FRACTION
     for setting in ("auto", "on", "off"):
         for prompt in (4, 64, 400):

@@ -8,6 +8,7 @@ import json
 from support.configs import minimal_run, updated
 
 from leangrpo.config import config_from_dict
+from leangrpo.planner.inventory import divergence_head_bytes
 from leangrpo.planner.plan import TRAINING_PASS, dims_from_json, plan_memory, render_plan
 
 QWEN3_8B = {
@@ -88,7 +89,11 @@ def test_the_jsd_objective_counts_the_teacher_in_the_training_step(tmp_path):
     assert sampled["teacher_in_step"] == 0
     jsd = plan_memory(config(tmp_path / "b", teacher=str(teacher), objective="jsd"))
     rows = 20480 * 2048 // (2048 + 512)  # completion rows of a micro-batch (512-token prompts)
-    assert jsd["teacher_in_step"] >= rows * 4096 * 2  # bfloat16 hidden rows of the teacher
+    student = dims_from_json(QWEN3_06B)  # fully fine-tuned in bfloat16, CUDA's tiles
+    head = divergence_head_bytes(rows, student.hidden, student.vocab, 2, (1024, 8192), True, 1.0)
+    beyond = head - sampled["lm_head"]  # the divergence's head beyond the plain head's count
+    assert beyond >= student.vocab * student.hidden * 2  # its head's gradient is fp32, not bf16
+    assert jsd["teacher_in_step"] == rows * 4096 * 2 + beyond  # + the teacher's bf16 rows
     assert jsd[TRAINING_PASS] == sampled[TRAINING_PASS] + jsd["teacher_in_step"]
     assert jsd["teacher_scoring"] == sampled["teacher_scoring"] + jsd["gradients"]
     sharded = plan_memory(config(tmp_path / "c", teacher=str(teacher), objective="jsd"),

@@ -119,17 +119,27 @@ class FakeLocal:
 
 class FakeTeacher(FakeLocal):
     """A served teacher: `score` runs `model` (a transformers causal LM) on each sequence
-    alone, log-softmax at temperature 1 in float64; what it scored is recorded."""
+    alone, log-softmax at temperature 1 in float64; what it scored is recorded. It can
+    fail its next requests (`fail_next`) or reply wrong rows (`wrong`)."""
 
     def __init__(self, model, name: str = "teacher", max_model_len: int = 64):
         super().__init__(name)
         self.model, self.max_model_len = model, max_model_len
         self.scored: list[list[int]] = []
+        self.fail_next = 0  # the next this many requests fail (500), then it scores again
+        self.wrong = None  # rows -> the rows it replies instead (a broken server)
 
     def score(self, sequences, starts):
+        self._misbehave()
+        if self.fail_next:
+            self.fail_next -= 1
+            raise RuntimeError(f"server {self.name} failed for a moment")
+        out = self._score(sequences, starts)
+        return out if self.wrong is None else self.wrong(out)
+
+    def _score(self, sequences, starts):
         import torch
 
-        self._misbehave()
         run, version = self.held
         if run is not None:
             from leangrpo.contracts import EngineVersionError

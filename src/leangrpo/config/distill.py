@@ -33,7 +33,7 @@ class DistillConfig(Section):
     )
     teacher_urls: list[str] = Field(
         default_factory=list,
-        description="A served teacher instead of distill.teacher: the URLs (http://host:port) of `leangrpo serve TEACHER` processes, which return the log-prob of every sampled model token as vLLM's prompt log-probs of the sequence's ids (the trainer holds none of the teacher's weights; `leangrpo plan` counts 0 for it). Requests are spread over the servers, a server that fails is marked down and its share goes to another, and with none left the run stops with one error. Each server is asked, before anything loads, for its model's vocabulary, special tokens, chat template and max_model_len, checked as a local teacher's are; its vocabulary rows must equal the policy's (vLLM normalises over all of them). vLLM's prompt log-probs are of the unscaled distribution, so rollout.temperature must be 1, and distill.objective must be sampled (jsd needs the teacher's hidden states). A server must serve the teacher only: never list it in rollout.vllm.urls, whose weight sync would replace the teacher's weights (it then refuses to score).",
+        description="A served teacher instead of distill.teacher: the URLs (http://host:port) of `leangrpo serve TEACHER` processes, which return the log-prob of every sampled model token as vLLM's prompt log-probs of the sequence's ids (the trainer holds none of the teacher's weights; `leangrpo plan` counts 0 for it). Requests are spread over the servers; a server that fails a request (no answer, a refusal, or a reply that is not finite log-probs <= 0 of exactly the tokens asked) is marked down and its share goes to another; before each batch a server marked down is probed (GET /health) and takes requests again when it answers; with none answering, a batch waits up to distill.teacher_timeout_s for one to come back (probing in back-off steps), then the run stops with one error naming every server's. Each server is asked, before anything loads, for its model's vocabulary, special tokens, chat template and max_model_len, checked as a local teacher's are; its vocabulary rows must equal the policy's (vLLM normalises over all of them). vLLM's prompt log-probs are of the unscaled distribution, so rollout.temperature must be 1, and distill.objective must be sampled (jsd needs the teacher's hidden states). A server must serve the teacher only: never list it in rollout.vllm.urls, whose weight sync would replace the teacher's weights (it then refuses to score).",
     )
     teacher_token_file: str | None = Field(
         None,
@@ -43,7 +43,7 @@ class DistillConfig(Section):
         600.0,
         gt=0,
         le=ONE_DAY_S,
-        description="Seconds to wait for one teacher server's answer (one share of a batch's sequences); at most 86400.",
+        description="Seconds to wait for one teacher server's answer (one share of a batch's sequences), and, when no server is left, for one to answer again before the run stops; at most 86400.",
     )
     teacher_revision: str | None = Field(
         None,

@@ -8,7 +8,9 @@ completion tokens in the batch's order, the sequence it belongs to and its posit
 there (its predicting position's `position_ids` + 1: the layouts' positions are the
 sequence's own). The servers get every micro-batch's sequences of the batch at once
 (rollout/vllm/client.py `ServerPool.score`: spread evenly over the servers, a failed
-server's share re-sent to another, one error when none is left), score them with vLLM's
+server's share re-sent to another, a reply that is not the log-probs asked for a
+failure too, a server marked down probed before the next batch, one error when none
+answers within distill.teacher_timeout_s), score them with vLLM's
 prompt log-probs (the log-softmax of the unscaled logits over the full vocabulary, no
 filter: the reference's transformation at temperature 1, which the config requires), and
 the (T,) float32 log-probs land on `PackedBatch.teacher_logprobs` exactly where the local

@@ -238,6 +238,54 @@ def head_bytes(
 FULL_LOGITS_BYTES = 20
 
 
+def divergence_head_bytes(
+    rows: int,
+    hidden: int,
+    vocab: int,
+    b: int,
+    tiles: tuple[int, int] | None,
+    weight_grad: bool,
+    beta: float,
+) -> int:
+    """Peak extra bytes of distill.objective: jsd's head (ops/logprobs/divergence.py, the
+    student's log-probs, entropy and the divergence in one sweep, forward then backward)
+    over `rows` rows of the student's hidden (width `hidden`) against the teacher's
+    hidden rows (their own term), `vocab` the student's rows of the head.
+
+    Chunked (`tiles`): each tile pair is consumed where it is made, so at most three fp32
+    tiles are alive (beta 0 or 1: forward, both models' logits and one exponential;
+    backward, the two tiles and the entropy term) or four (0 < beta < 1: the mixture's
+    log m and one difference beside them), plus the gradient tile's copy in b when b < 4.
+    Rows outer always: hidden's gradient (N, H) in b, a row tile's accumulator (and its
+    matmul's output in b when b < 4), a trained weight's (V, H) gradient in fp32 (its
+    (vocab_tile, H) matmul output in b when b < 4, and at the end its copy in b); and
+    DIVERGENCE_VECTORS (N,) fp32 vectors (outputs, the four saved, incoming gradients).
+    Full logits (`tiles` None): DIVERGENCE_FULL_LOGITS_BYTES per (row, vocab) element.
+    Checked against the allocations of the real kernel: tests/planner/test_plan_divergence.py.
+    """
+    acc = 8 if b == 8 else 4  # float64 students accumulate in float64
+    vectors = rows * acc * DIVERGENCE_VECTORS
+    if tiles is None:
+        return rows * vocab * DIVERGENCE_FULL_LOGITS_BYTES + vectors + rows * hidden * b
+    row_tile, vocab_tile = min(tiles[0], rows), min(tiles[1], vocab)
+    tile = row_tile * vocab_tile
+    lower = b if b < 4 else 0  # copies in the model dtype exist only when it differs
+    alive = (4 if 0.0 < beta < 1.0 else 3) * acc * tile + lower * tile
+    grads = rows * hidden * b + row_tile * hidden * (acc + lower)
+    if weight_grad:
+        grads += vocab * hidden * acc + vocab_tile * hidden * lower
+    end = rows * hidden * b + (vocab * hidden * (acc + lower) if weight_grad else 0)
+    return vectors + max(alive + grads, end)
+
+
+# the jsd head's (N,) vectors alive at once (about 10 measured, 12 counted), and its
+# full-logits path's bytes per (row, vocab) element (both models' logits, log-softmaxes,
+# exponentials and the mixture's: measured on CPU 32 for beta 0 / 1 and 36 between in
+# fp32, about half in bf16)
+DIVERGENCE_VECTORS = 12
+DIVERGENCE_FULL_LOGITS_BYTES = 36
+
+
 def kv_cache_bytes(d, rows: int, length: int, b: int) -> int:
     """transformers' DynamicCache after `length` positions: K and V per layer, (rows,
     kv_heads, length, head_dim) in the model dtype, plus one layer's K while

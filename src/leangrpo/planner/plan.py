@@ -59,9 +59,11 @@ second) and counts, per device, for one micro-batch of `train.micro_batch_tokens
                      lm_head it takes)
     teacher_in_step  distill.objective: jsd only: what the student's training pass holds
                      of the teacher: its final hidden rows of the micro-batch (rows x
-                     its hidden size), under FSDP its lm_head's copy, and the teacher's
-                     logit tiles beside the student's in the divergence's head [exact
-                     for the rows and the copy; tiles as the lm_head term's]
+                     its hidden size), under FSDP its lm_head's copy, and what the
+                     divergence's head (both models' logit tiles, one sweep) holds beyond
+                     the plain head the lm_head term counts (inventory.py
+                     `divergence_head_bytes`) [exact for the rows and the copy; the head
+                     checked against the kernel's allocations on CPU]
     kv_cache         the hf engine's DynamicCache at its longest, for the larger of a training
                      generation call and an evaluation call (vLLM sizes its own) [exact]
     offloaded_to_host  layer inputs moved to host memory (not device memory; on CPU it is
@@ -123,6 +125,7 @@ from leangrpo.planner.inventory import (
     adapted_linears,
     attention_kernel,
     backward_extra,
+    divergence_head_bytes,
     final_norm_bytes,
     head_bytes,
     kv_cache_bytes,
@@ -464,6 +467,7 @@ def plan_memory(
         "offloaded_to_host": host,
         **_teacher(cfg, device, s.b, n, rows, world_size),
     }
+    plan["teacher_in_step"] += _divergence_extra(cfg, d, s, rows, device, head)
     plan[TRAINING_PASS] = (
         max(m.total for m in moments) + plan["all_to_all"] + plan["teacher_in_step"]
     )
@@ -589,7 +593,7 @@ def _teacher(cfg, device: str, b: int, tokens: int, rows: int, world_size: int) 
     if distill.objective == "jsd":
         head_copy = t.vocab * t.hidden * b if sharded else 0
         gathered += head_copy
-        in_step = rows * t.hidden * b + head_copy + _divergence_tiles(cfg, t, rows, device)
+        in_step = rows * t.hidden * b + head_copy
     return {
         "teacher_weights": weights,
         "teacher_scoring": gathered + _teacher_pass(cfg, t, b, tokens, rows, device, quantized),
@@ -615,13 +619,19 @@ def teacher_gathered(cfg, t: Dims, b: int) -> int:
     return root + (2 * layer if t.tied else max(2 * layer, matrix + layer))
 
 
-def _divergence_tiles(cfg, t: Dims, rows: int, device: str) -> int:
-    """The teacher's fp32 tiles in the divergence's head: its logits tile, log-probs and
-    their exponential, beside the student's (which the lm_head term counts)."""
-    default_rows, default_vocab = DEFAULT_TILES[device]
-    row_tile = min(cfg.logprobs.row_tile or default_rows, rows)
-    vocab_tile = min(cfg.logprobs.vocab_tile or default_vocab, t.vocab)
-    return 3 * row_tile * vocab_tile * 4
+def _divergence_extra(cfg, d: Dims, s: Setup, rows: int, device: str, head: int) -> int:
+    """distill.objective: jsd: what its head (the student's log-probs, entropy and the
+    divergence from both models' tiles) holds beyond `head`, the plain head's count in
+    the lm_head term; 0 for any other objective."""
+    if cfg.distill is None or cfg.distill.objective != "jsd":
+        return 0
+    tiles = None
+    if cfg.logprobs.chunked:
+        default_rows, default_vocab = DEFAULT_TILES[device]
+        tiles = (cfg.logprobs.row_tile or default_rows, cfg.logprobs.vocab_tile or default_vocab)
+    jsd = divergence_head_bytes(rows, d.hidden, d.vocab, s.b, tiles, not s.lora,
+                                cfg.distill.jsd_beta)  # fmt: skip
+    return max(0, jsd - head)
 
 
 def _teacher_pass(cfg, t: Dims, b: int, tokens: int, rows: int, device: str, quantized) -> int:

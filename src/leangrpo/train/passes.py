@@ -13,7 +13,8 @@
   teacher's hidden states, not its log-probs: its forward runs in the training step
   (train/step.py). A served teacher (distill.teacher_urls, `distill.served.ServedTeacher`)
   is asked for the same log-probs before the trainer's own passes start, and answers
-  while they run.
+  while they run. A batch in progress restored without them (distill added on a resume)
+  gets them at the resume, the same way (`attach_missing_teacher`).
 
 All run in eval mode over every planned micro-batch (torchrun's padding ones too: every
 rank makes the same forwards), then `ranks.release_gathered` frees what the passes left
@@ -67,6 +68,34 @@ def attach_old_and_ref(
         _local_passes(policy, batches, want_old, want_ref, teacher, logprobs, sampling, ranks)
     if pending is not None:
         pending.attach()
+
+
+@torch.no_grad()
+def attach_missing_teacher(
+    policy: Policy,
+    steps: list[PlannedStep],
+    logprobs: LogprobsConfig,
+    sampling: SamplingParams,
+    ranks: StepRanks = ONE_PROCESS,
+    distill: DistillConfig | None = None,
+    served: ServedTeacher | None = None,
+) -> bool:
+    """A restored batch in progress (train/inflight.py) saved without teacher log-probs
+    (a resume that adds distill, or turns jsd into sampled, under run.allow_config_changes)
+    gets them now from the run's teacher, by the fresh batch's path (`attach_old_and_ref`'s
+    teacher pass, or its request to the servers); the old and reference log-probs it was
+    saved with stay. True when it was scored. Every rank of a torchrun decides alike: the
+    checkpoint's micro-batches, padding ones too, hold teacher log-probs on all or none."""
+    if distill is None or distill.objective == "jsd":
+        return False
+    batches = [mb for step in steps for mb in step.micro_batches]
+    if all(mb.teacher_logprobs is not None for mb in batches):
+        return False
+    if served is not None:
+        served.start(batches, sampling.temperature).attach()
+    else:
+        _local_passes(policy, batches, False, False, policy.teacher, logprobs, sampling, ranks)
+    return True
 
 
 def _local_passes(policy: Policy, batches: list, want_old: bool, want_ref: bool, teacher,

@@ -65,7 +65,7 @@ from leangrpo.rewards import RewardPool
 from leangrpo.rollout.factory import make_engines, start_shared_engine
 from leangrpo.stopping import RunStopped, StopRequested, StopSignals
 from leangrpo.train.inflight import BatchInProgress
-from leangrpo.train.passes import attach_old_and_ref
+from leangrpo.train.passes import attach_missing_teacher, attach_old_and_ref
 from leangrpo.train.planning import PlannedStep, group_indices, plan_steps
 from leangrpo.train.routing import routing_diagnostics
 from leangrpo.train.schedule import make_scheduler
@@ -263,6 +263,11 @@ class Trainer:
             self.inflight = BatchInProgress.from_state(
                 restored.inflight, self.cfg, self.policy, ranks.rank, ranks.world_size
             )
+            cfg = self.cfg
+            if attach_missing_teacher(self.policy, self.inflight.steps, cfg.logprobs,
+                                      self.sampling, ranks, cfg.distill, self.served_teacher):  # fmt: skip
+                log.info("the batch in progress was saved without the teacher's log-probs "
+                         "(distill added on this resume): scored by the teacher now")  # fmt: skip
         # the engine gets these weights before it generates anything (async: a floor)
         self.producer.report_progress(self.version, self._steps_left())
         self.producer.push_weights(self.version, self._weights)

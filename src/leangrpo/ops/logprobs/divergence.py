@@ -33,6 +33,13 @@ the teacher gets no gradient (it is frozen: its inputs must not require one). Gr
 the student's hidden states, lm_head weight and bias accumulate in fp32 (a (V, H) buffer
 when the weight is trained). The matmuls run in each model's own dtype (autocast's when
 it is on), like its lm_head.
+
+Memory: each tile pair is consumed where it is made (its two tiles overwritten in place by
+what comes next, the operations and their order unchanged, so the values are those of the
+out-of-place formulas bit for bit), so at most three fp32 tiles are alive (beta 0 or 1)
+or four (0 < beta < 1: the mixture's log m and one difference beside the pair), forward
+and backward; `leangrpo plan` counts that (planner/inventory.py `divergence_head_bytes`,
+checked against this kernel's allocations).
 """
 
 from __future__ import annotations
@@ -131,7 +138,7 @@ class _Online:
         """Fold tile z in; returns (exp(z - new max), the old sums' rescale factor)."""
         m_new = torch.maximum(self.m, z.amax(dim=1))
         scale = torch.exp(self.m - m_new)
-        e = torch.exp(z - m_new[:, None])
+        e = (z - m_new[:, None]).exp_()  # one tile, not two
         self.s.mul_(scale).add_(e.sum(dim=1))
         self.m = m_new
         return e, scale
@@ -146,47 +153,74 @@ def _tiles(h_s, ws, bs, h_t, wt, bt, spec: _DivSpec, v0: int, v1: int):
     return z_s, z_t
 
 
-def _log_mixture(log_ps: Tensor, log_pt: Tensor, beta: float) -> Tensor:
-    return torch.logaddexp(log_ps + math.log(1.0 - beta), log_pt + math.log(beta))
+def _log_mixture(log_ps: Tensor, log_pt: Tensor, beta: float, *, consume: bool) -> Tensor:
+    """log m: in log_pt's memory when `consume` (log p_t not needed after), else a new
+    tile; one more tile alive while it is made."""
+    weighted_t = log_pt.add_(math.log(beta)) if consume else log_pt + math.log(beta)
+    return torch.logaddexp(log_ps + math.log(1.0 - beta), weighted_t, out=weighted_t)
+
+
+class _RowSums:
+    """Pass 1's per-row state of one row tile (see the module docstring)."""
+
+    def __init__(self, n: int, acc: torch.dtype, device: torch.device):
+        self.student, self.teacher = _Online(n, acc, device), _Online(n, acc, device)
+        self.x_sum = torch.zeros(n, dtype=acc, device=device)  # sum exp(z_s - m_s) z_s
+        self.gap = torch.zeros(n, dtype=acc, device=device)  # beta 0 / 1: the KL's gap
+        self.z_target = torch.zeros(n, dtype=acc, device=device)
+
+    def add(self, z_s: Tensor, z_t: Tensor, slots: tuple[Tensor, Tensor], beta: float) -> None:
+        """Fold one tile pair in, consuming both (overwritten in place): at most three
+        tiles alive, these two included."""
+        in_tile, local = slots
+        self.z_target = torch.where(in_tile, z_s.gather(1, local[:, None]).squeeze(1),
+                                    self.z_target)  # fmt: skip
+        e_t, scale_t = self.teacher.add(z_t)
+        if beta == 0.0:  # sum exp(z_t - m_t) (z_t - z_s)
+            self.gap.mul_(scale_t).add_(z_t.sub_(z_s).mul_(e_t).sum(dim=1))
+        del e_t
+        e_s, scale_s = self.student.add(z_s)
+        if beta == 1.0:  # sum exp(z_s - m_s) (z_s - z_t)
+            self.gap.mul_(scale_s).add_(torch.sub(z_s, z_t, out=z_t).mul_(e_s).sum(dim=1))
+        self.x_sum.mul_(scale_s).add_(e_s.mul_(z_s).sum(dim=1))
 
 
 def _forward_rows(h_s, ws, bs, h_t, wt, bt, targets, spec: _DivSpec):
-    """One row tile: (divergence, aux, student log Z, teacher log Z, target z, entropy)."""
+    """One row tile: (divergence, aux, student log Z, teacher log Z, target z, entropy).
+    Each tile pair is consumed where it is made (`_RowSums.add`, `_mixture_terms`), so no
+    more than three (pass 1) or four (pass 2) fp32 tiles are ever alive."""
     n, dev, acc, beta = h_s.shape[0], h_s.device, spec.acc, spec.beta
-    student, teacher = _Online(n, acc, dev), _Online(n, acc, dev)
-    x_sum = torch.zeros(n, dtype=acc, device=dev)  # sum exp(z_s - m_s) z_s
-    gap = torch.zeros(n, dtype=acc, device=dev)  # beta 0 / 1: the KL's weighted gap
-    z_target = torch.zeros(n, dtype=acc, device=dev)
+    sums = _RowSums(n, acc, dev)
     ranges = _vocab_ranges(ws.shape[0], spec.vocab_tile)
     for v0, v1 in ranges:
-        z_s, z_t = _tiles(h_s, ws, bs, h_t, wt, bt, spec, v0, v1)
-        in_tile, local = _target_slots(targets, v0, v1)
-        z_target = torch.where(in_tile, z_s.gather(1, local[:, None]).squeeze(1), z_target)
-        e_s, scale_s = student.add(z_s)
-        x_sum.mul_(scale_s).add_((e_s * z_s).sum(dim=1))
-        e_t, scale_t = teacher.add(z_t)
-        if beta == 0.0:
-            gap.mul_(scale_t).add_((e_t * (z_t - z_s)).sum(dim=1))
-        elif beta == 1.0:
-            gap.mul_(scale_s).add_((e_s * (z_s - z_t)).sum(dim=1))
-    ls, lt = student.log_z(), teacher.log_z()
-    entropy = ls - x_sum / student.s
+        sums.add(*_tiles(h_s, ws, bs, h_t, wt, bt, spec, v0, v1), _target_slots(targets, v0, v1),
+                 beta)  # fmt: skip
+    ls, lt = sums.student.log_z(), sums.teacher.log_z()
+    entropy = ls - sums.x_sum / sums.student.s
+    z_target = sums.z_target
     if beta == 0.0:
-        div = gap / teacher.s - lt + ls
+        div = sums.gap / sums.teacher.s - lt + ls
         return div, div, ls, lt, z_target, entropy
     if beta == 1.0:
-        div = gap / student.s - ls + lt
+        div = sums.gap / sums.student.s - ls + lt
         return div, div, ls, lt, z_target, entropy
     div = torch.zeros(n, dtype=acc, device=dev)
     kl_s = torch.zeros(n, dtype=acc, device=dev)  # KL(p_s || m), the gradient's baseline
     for v0, v1 in ranges:
-        z_s, z_t = _tiles(h_s, ws, bs, h_t, wt, bt, spec, v0, v1)
-        log_ps, log_pt = z_s - ls[:, None], z_t - lt[:, None]
-        log_m = _log_mixture(log_ps, log_pt, beta)
-        ks = (log_ps.exp() * (log_ps - log_m)).sum(dim=1)
-        div.add_(beta * (log_pt.exp() * (log_pt - log_m)).sum(dim=1) + (1.0 - beta) * ks)
+        kt, ks = _mixture_terms(*_tiles(h_s, ws, bs, h_t, wt, bt, spec, v0, v1), ls, lt, beta)
+        div.add_(beta * kt + (1.0 - beta) * ks)
         kl_s.add_(ks)
     return div, kl_s, ls, lt, z_target, entropy
+
+
+def _mixture_terms(z_s: Tensor, z_t: Tensor, ls: Tensor, lt: Tensor, beta: float):
+    """One tile pair's row sums of p_t (log p_t - log m) and p_s (log p_s - log m),
+    consuming both tiles (in place): four tiles alive at most, these two included."""
+    log_ps, log_pt = z_s.sub_(ls[:, None]), z_t.sub_(lt[:, None])
+    log_m = _log_mixture(log_ps, log_pt, beta, consume=False)
+    kt = (log_pt - log_m).mul_(log_pt.exp_()).sum(dim=1)
+    ks = torch.sub(log_ps, log_m, out=log_m).mul_(log_ps.exp_()).sum(dim=1)
+    return kt, ks
 
 
 def _forward(h_s, ws, bs, h_t, wt, bt, targets, spec: _DivSpec):
@@ -204,26 +238,49 @@ def _forward(h_s, ws, bs, h_t, wt, bt, targets, spec: _DivSpec):
 
 
 def _grad_z(z_s, z_t, rows_saved, slots, grads, spec: _DivSpec) -> Tensor:
-    """d loss / d z_s for one tile pair (see the module docstring), divided by T."""
+    """d loss / d z_s for one tile pair (see the module docstring), divided by T; made in
+    the two tiles' memory (both consumed), three fp32 tiles alive at most (four for
+    0 < beta < 1)."""
     aux, ls, lt, entropy = rows_saved
     g_div, g_lp, g_ent = grads
     beta = spec.beta
-    log_ps, log_pt = z_s - ls[:, None], z_t - lt[:, None]
-    p_s = log_ps.exp()
-    if beta == 0.0:
-        gz = (p_s - log_pt.exp()).mul_(g_div[:, None])
-    elif beta == 1.0:
-        gz = (p_s * (log_ps - log_pt - aux[:, None])).mul_(g_div[:, None])
-    else:
-        log_m = _log_mixture(log_ps, log_pt, beta)
-        gz = (p_s * (log_ps - log_m - aux[:, None])).mul_((1.0 - beta) * g_div[:, None])
-    gz.sub_(p_s * g_lp[:, None])
-    gz.add_(p_s * (ls - entropy)[:, None].sub(z_s).mul_(g_ent[:, None]))
+    # the entropy term's g_H (log Z_s - H - z_s), before z_s becomes log p_s
+    ent = (ls - entropy)[:, None].sub(z_s).mul_(g_ent[:, None])
+    log_ps, log_pt = z_s.sub_(ls[:, None]), z_t.sub_(lt[:, None])
+    if beta == 0.0:  # p_s - p_t
+        gz = torch.sub(log_ps.exp_(), log_pt.exp_(), out=log_pt)
+    elif beta == 1.0:  # p_s (log p_s - log p_t - D)
+        gz = torch.sub(log_ps, log_pt, out=log_pt).sub_(aux[:, None]).mul_(log_ps.exp_())
+    else:  # (1 - beta) p_s (log p_s - log m - KL(p_s || m))
+        log_m = _log_mixture(log_ps, log_pt, beta, consume=True)
+        gz = torch.sub(log_ps, log_m, out=log_m).sub_(aux[:, None]).mul_(log_ps.exp_())
+    p_s = log_ps
+    gz.mul_(g_div[:, None] if beta in (0.0, 1.0) else (1.0 - beta) * g_div[:, None])
+    ent.mul_(p_s)
+    gz.sub_(p_s.mul_(g_lp[:, None]))
+    gz.add_(ent)
     in_tile, local = slots
     gz.scatter_add_(1, local[:, None], (g_lp * in_tile)[:, None])
     if spec.temperature != 1.0:
         gz.div_(spec.temperature)
     return gz
+
+
+def _backward_tile(h, ht, inputs, v0, v1, rows, grads, spec: _DivSpec, out) -> None:
+    """One tile pair's gradient, added to `out` = (hidden's, weight's, bias's); every tile
+    it makes is gone when it returns."""
+    _, ws, bs, _, wt, bt, targets = inputs
+    rows_saved, (r0, r1) = rows
+    g_h, grad_w, grad_b = out
+    slots = _target_slots(targets[r0:r1], v0, v1)
+    gz = _grad_z(*_tiles(h, ws, bs, ht, wt, bt, spec, v0, v1), rows_saved, slots, grads, spec)
+    g = gz.to(h.dtype)
+    if g_h is not None:
+        _accumulate_mm(g_h, g, ws[v0:v1].to(h.dtype))
+    if grad_w is not None:
+        _accumulate_mm(grad_w[v0:v1], g.T, h)
+    if grad_b is not None:
+        grad_b[v0:v1].add_(gz.sum(dim=0))
 
 
 def _backward(inputs, saved, grads, spec: _DivSpec, needs: tuple[bool, bool, bool]):
@@ -240,16 +297,8 @@ def _backward(inputs, saved, grads, spec: _DivSpec, needs: tuple[bool, bool, boo
         h, ht = h_s[r0:r1].to(spec.student), h_t[r0:r1].to(spec.teacher)
         g_h = torch.zeros(h.shape, dtype=acc, device=dev) if need_h else None
         for v0, v1 in _vocab_ranges(ws.shape[0], spec.vocab_tile):
-            z_s, z_t = _tiles(h, ws, bs, ht, wt, bt, spec, v0, v1)
-            slots = _target_slots(targets[r0:r1], v0, v1)
-            gz = _grad_z(z_s, z_t, rows_saved, slots, rows_grads, spec)
-            g = gz.to(h.dtype)
-            if g_h is not None:
-                _accumulate_mm(g_h, g, ws[v0:v1].to(h.dtype))
-            if grad_w is not None:
-                _accumulate_mm(grad_w[v0:v1], g.T, h)
-            if grad_b is not None:
-                grad_b[v0:v1].add_(gz.sum(dim=0))
+            _backward_tile(h, ht, inputs, v0, v1, (rows_saved, (r0, r1)), rows_grads, spec,
+                           (g_h, grad_w, grad_b))  # fmt: skip
         if grad_h is not None:
             grad_h[r0:r1] = g_h
     return grad_h, grad_w, grad_b

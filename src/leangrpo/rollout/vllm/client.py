@@ -20,7 +20,10 @@ run) becomes `EngineVersionError`, other 4xx one error with the server's reason:
 is a server failure, except a 409 from a server this client committed the version to: it
 lost those weights (restarted, or another run pushed to it), so it is marked for the next
 sync (router.py `lost_weights`) and the request goes to a server that holds the version;
-with none left, the `EngineVersionError` says what happened.
+with none left, the `EngineVersionError` says what happened. A served teacher's pool
+(`score`: servers that take no weights) brings a server marked down back by a health probe
+before each call instead, checks every reply (`checked_scores`), and with none left waits
+for one within `patience_s`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import os
 import socket
 import subprocess
@@ -56,6 +60,9 @@ TURNS_IN_FLIGHT = 64  # per server: threads of a turn stream's requests
 # a scoring request's tokens: its JSON body well within a server's 64 MiB, its reply's
 # floats a few MB
 SCORE_REQUEST_TOKENS = 1 << 18
+PROBE_TIMEOUT_S = 10.0  # a health probe of a server marked down (at most the pool's timeout)
+MAX_PAUSE_S = 30.0  # the longest back-off step while waiting for a teacher server
+LOGPROB_ROUNDING = 1e-3  # how far above 0 a served log-prob may round
 
 
 def one_line(err: BaseException) -> str:
@@ -104,6 +111,7 @@ class ServerPool:
         process: subprocess.Popen | None = None,
         token: str | None = None,
         key: str = "rollout.vllm.urls",
+        patience_s: float | None = None,
     ):
         if not urls:
             raise ValueError(
@@ -114,10 +122,13 @@ class ServerPool:
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
+        # a teacher pool: how long a scoring call waits for a server while none is healthy
+        self.patience_s = timeout_s if patience_s is None else patience_s
         self.process = process
         self.token = token
         self.held: tuple[str | None, int] = (None, NO_VERSION)
         self.router = Router(self.urls, key)
+        self._refused_now: set[int] = set()  # a scoring call's servers not to wait for
         self._pool = ThreadPoolExecutor(
             max_workers=max(2, 2 * len(self.urls)), thread_name_prefix="vllm-client"
         )
@@ -154,10 +165,13 @@ class ServerPool:
         body: bytes | Path | None = None,
         content_type: str = "application/json",
         retries: int | None = None,
+        timeout_s: float | None = None,
     ) -> Any:
-        """One HTTP call with retries (default `max_retries`); returns the decoded JSON
-        reply. A Path body streams."""
+        """One HTTP call with retries (default `max_retries`), each attempt bounded by
+        `timeout_s` (default the pool's); returns the decoded JSON reply. A Path body
+        streams."""
         retries = self.max_retries if retries is None else retries
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         last: Exception | None = None
         for attempt in range(retries + 1):
             if attempt:
@@ -170,7 +184,7 @@ class ServerPool:
                     if length is not None:
                         headers["Content-Length"] = str(length)
                     req = urllib.request.Request(url + path, data, headers, method=method)
-                    with urllib.request.urlopen(req, timeout=self.timeout_s) as reply:
+                    with urllib.request.urlopen(req, timeout=timeout_s) as reply:
                         return json.loads(reply.read())
             except urllib.error.HTTPError as err:
                 if err.code < 500:
@@ -327,32 +341,39 @@ class ServerPool:
         self, sequences: list[list[int]], starts: list[int], temperature: float = 1.0
     ) -> list[list[float]]:
         """Each sequence's log-probs from its start on (POST /score, servers of a served
-        teacher, which hold the model they loaded: no run, no version): the sequences
-        spread evenly over the healthy servers, each server's share sent in requests of at
-        most SCORE_REQUEST_TOKENS tokens; a server that fails, or no longer holds the
-        teacher (409), is marked down and its requests go to another; none left: one
-        `ServerUnreachable` naming every server's error. `temperature`: 1 (a server
-        refuses any other: vLLM's prompt log-probs are of the unscaled distribution)."""
+        teacher, which hold the model they loaded: no run, no version). The servers marked
+        down are probed first (`revive`: back when GET /health answers and they hold no
+        run's weights); the sequences spread evenly over the healthy ones, each server's
+        share sent in requests of at most SCORE_REQUEST_TOKENS tokens. A server fails a
+        request by not answering it (connection, timeout, 5xx), by refusing it (409: it no
+        longer holds the teacher) or by a reply that is not log-probs of what was asked
+        (`checked_scores`: a row per sequence of len(ids) - start finite values <= 0);
+        it is marked down and its requests go to another. With none left, the share waits
+        for one to come back (`patience_s`, probing the ones that did not answer; a server
+        that refused or answered wrongly is probed again before the next call only), then
+        raises one `ServerUnreachable` naming every server's error. `temperature`: 1 (a
+        server refuses any other: vLLM's prompt log-probs are of the unscaled
+        distribution)."""
         if not sequences:
             return []
-        try:
-            servers = self.router.spread(len(sequences), None, NO_VERSION)
-        except NoServerLeft as gone:
-            raise ServerUnreachable(str(gone)) from None
+        self.revive(self.router.servers)
+        self._refused_now = set()  # this call's servers that refused or answered wrongly
+        first_servers = self._teacher_servers(len(sequences), _Patience(self))
         shares: dict[int, list[int]] = {}  # server index -> sequence indices
-        for i, server in enumerate(servers):
+        for i, server in enumerate(first_servers):
             shares.setdefault(server.index, []).append(i)
 
         def call(first: int) -> list[tuple[int, list[float]]]:
-            out, server = [], self.router.servers[first]
+            out, server, patience = [], self.router.servers[first], _Patience(self)
             for chunk in _chunks(shares[first], [len(sequences[i]) for i in shares[first]]):
                 payload = {
                     "sequences": [sequences[i] for i in chunk],
                     "starts": [starts[i] for i in chunk],
                     "temperature": temperature,
                 }
-                server, reply = self._score_with_failover(server, len(chunk), payload)
-                out += zip(chunk, reply["logprobs"], strict=True)
+                asked = [len(sequences[i]) - starts[i] for i in chunk]
+                server, rows = self._score_with_failover(server, payload, asked, patience)
+                out += zip(chunk, rows, strict=True)
             return out
 
         results: list[list[float]] = [[] for _ in sequences]
@@ -361,33 +382,93 @@ class ServerPool:
                 results[i] = row
         return results
 
+    def revive(self, servers: list[Server], at_once: bool = True) -> None:
+        """Probe each of `servers` marked down (GET /health, once, within PROBE_TIMEOUT_S;
+        `at_once` on the pool's threads, else one after the other): back in rotation when
+        it answers and holds no run's weights (a teacher's server serves the model it
+        loaded)."""
+        down = [s for s in servers if not s.healthy]
+        answers = self._pool.map(self._probe, down) if at_once else map(self._probe, down)
+        for server, why in zip(down, answers):
+            if why is None:
+                self.router.back(server)
+                log.warning("teacher server %s answers again; back in rotation", server.url)
+            else:
+                server.last_error = why
+
+    def _probe(self, server: Server) -> str | None:
+        """None when the server answers its health probe and holds no run's weights; else
+        what is wrong."""
+        try:
+            health = self.request(server.url, "GET", "/health", retries=0,
+                                  timeout_s=min(self.timeout_s, PROBE_TIMEOUT_S))  # fmt: skip
+        except VLLMServerError as err:
+            return one_line(err)
+        if health.get("run") is not None:
+            return (f"it holds run {health['run']}'s weights (a trainer pushed them there), not "
+                    "the teacher it loaded; restart it")  # fmt: skip
+        return None
+
+    def _teacher_servers(self, groups: int, patience: _Patience) -> list[Server]:
+        """`router.spread` over the healthy teacher servers, waiting for one while none is."""
+        while True:
+            try:
+                return self.router.spread(groups, None, NO_VERSION)
+            except NoServerLeft as gone:
+                self._wait_for_a_server(gone, patience)
+
     def _score_with_failover(
-        self, server: Server, requests: int, payload: dict
-    ) -> tuple[Server, dict]:
-        """POST /score on `server` (its `requests` counted in flight there), else on the
-        next healthy one; the server that answered, and its reply."""
+        self, server: Server, payload: dict, asked: list[int], patience: _Patience
+    ) -> tuple[Server, list[list[float]]]:
+        """POST /score on `server` (its requests counted in flight there), else on the
+        next healthy one; the server that answered, and its checked rows."""
+        requests = len(asked)
         while True:
             try:
                 if not server.healthy:  # it failed an earlier request of this share
                     raise ServerUnreachable(server.last_error)
                 alone = len(self.router.eligible(None, NO_VERSION)) <= 1
                 reply = self._post_json(server.url, "/score", payload, None if alone else 0)
-            except (ServerUnreachable, EngineVersionError) as err:
+                rows = checked_scores(reply, asked)
+            except (ServerUnreachable, EngineVersionError, WrongScores) as err:
+                if not isinstance(err, ServerUnreachable):
+                    self._refused_now.add(server.index)
                 why = one_line(err) if server.healthy else server.last_error
                 if server.healthy:
                     log.warning("teacher server %s failed (%s); its sequences go to another "
                                 "server", server.url, why)  # fmt: skip
                 self.router.failed(server, why, requests)
-                try:
-                    server = self.router.reroute(None, None, NO_VERSION, requests)
-                except NoServerLeft as gone:
-                    raise ServerUnreachable(str(gone)) from None
+                server = self._next_teacher_server(requests, patience)
                 continue
             except BaseException:
                 self.router.done(server, requests)
                 raise
             self.router.done(server, requests)
-            return server, reply
+            return server, rows
+
+    def _next_teacher_server(self, requests: int, patience: _Patience) -> Server:
+        """Another healthy server for `requests` of a failed one (counted as retries),
+        waiting for one to come back while none is."""
+        try:
+            return self.router.reroute(None, None, NO_VERSION, requests)
+        except NoServerLeft as gone:
+            self._wait_for_a_server(gone, patience)
+        while True:
+            try:
+                return self.router.for_turn(None, None, NO_VERSION, requests)
+            except NoServerLeft as gone:
+                self._wait_for_a_server(gone, patience)
+
+    def _wait_for_a_server(self, gone: NoServerLeft, patience: _Patience) -> None:
+        """Sleep a back-off step, then probe the servers that did not answer (not those
+        that refused or answered wrongly in this call); raise `ServerUnreachable` when
+        none of them may come back or `patience` has run out."""
+        waiting = [s for s in self.router.servers if s.index not in self._refused_now]
+        if not waiting or not patience.pause():
+            raise ServerUnreachable(
+                f"{gone}" + ("" if not waiting else f" (none answered within {patience.seconds:g} s)")
+            ) from None
+        self.revive(waiting, at_once=False)  # on a call's thread: not on the pool's again
 
     # -- weights ----------------------------------------------------------------------------
     def load_weight_files(self, paths: list[Path], version: int, *, run: str) -> None:
@@ -508,6 +589,67 @@ def _chunks(indices: list[int], lengths: list[int]) -> Iterator[list[int]]:
         tokens += n
     if chunk:
         yield chunk
+
+
+class WrongScores(VLLMServerError):
+    """A teacher server's /score reply is not log-probs of what was asked."""
+
+
+def checked_scores(reply: Any, asked: list[int]) -> list[list[float]]:
+    """The rows of a /score reply, each `asked[k]` finite log-probs (at most
+    LOGPROB_ROUNDING above 0: a certain token rounds there); `WrongScores` saying what is
+    wrong otherwise."""
+    rows = reply.get("logprobs") if isinstance(reply, dict) else None
+    if not isinstance(rows, list) or len(rows) != len(asked):
+        got = f"{len(rows)} rows" if isinstance(rows, list) else "no 'logprobs' list"
+        raise WrongScores(f"it returned {got} for {len(asked)} sequences")
+    for k, (row, n) in enumerate(zip(rows, asked)):
+        if not isinstance(row, list) or len(row) != n:
+            got = f"{len(row)} log-probs" if isinstance(row, list) else "no list"
+            raise WrongScores(f"it returned {got} for the {n} scored tokens of sequence {k} "
+                              "of its request")  # fmt: skip
+        wrong = None if _plausible(row) else next(
+            ((j, v) for j, v in enumerate(row) if not _a_logprob(v)), None
+        )
+        if wrong is not None:
+            raise WrongScores(f"it returned {wrong[1]!r} for token {wrong[0]} of sequence {k} "
+                              "of its request, where a log-prob is a finite number <= 0")  # fmt: skip
+    return rows
+
+
+def _plausible(row: list) -> bool:
+    """Every value a log-prob, checked at C speed (max and sum; `_a_logprob` finds the
+    culprit when not)."""
+    try:
+        return not row or (max(row) <= LOGPROB_ROUNDING and math.isfinite(sum(row)))
+    except TypeError:  # not numbers
+        return False
+
+
+def _a_logprob(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value) and value <= LOGPROB_ROUNDING
+
+
+class _Patience:
+    """How long a share of a scoring call waits for a teacher server to come back: the
+    pool's `patience_s` from the first moment none was left (not restarted when one comes
+    back and fails again), in back-off steps from `backoff_s` doubling to MAX_PAUSE_S."""
+
+    def __init__(self, pool: ServerPool):
+        self.seconds, self._step = pool.patience_s, pool.backoff_s
+        self._deadline: float | None = None
+
+    def pause(self) -> bool:
+        """Sleep the next step (never past the deadline); False once the time is up."""
+        now = time.monotonic()
+        if self._deadline is None:
+            self._deadline = now + self.seconds
+        left = self._deadline - now
+        if left <= 0:
+            return False
+        time.sleep(min(self._step, left))
+        self._step = min(2 * self._step, MAX_PAUSE_S)
+        return True
 
 
 def _error_message(err: urllib.error.HTTPError) -> str:

@@ -10,7 +10,8 @@ its requests in flight and the requests it served. The rules (client.py applies 
 - a single-turn call spreads its prompt groups (a prompt's n samples stay together) over
   the eligible servers, each group to the one with the fewest assigned so far;
 - a server that fails a request (refused or reset connection, timeout, 5xx) is marked
-  down: it gets nothing until a weight sync reaches it again; the request is re-routed
+  down: it gets nothing until a weight sync reaches it again (a served teacher's, which
+  takes no weights: until it answers a health probe, `back`); the request is re-routed
   (`reroute`), counted in `retries`;
 - a request goes to a server whose committed (run, version) is the one asked for while
   one exists; a server that missed a sync is never chosen over one that took it, and the
@@ -134,6 +135,12 @@ class Router:
     def forget(self, key: Hashable) -> None:
         with self._lock:
             self._sticky.pop(key, None)
+
+    def back(self, server: Server) -> None:
+        """A teacher's server marked down answered its health probe: it serves again
+        (holding what it held; a rollout server comes back by a weight sync instead)."""
+        with self._lock:
+            server.healthy = True
 
     def committed(self, server: Server, held: tuple[str | None, int]) -> None:
         """A weight sync reached the server: it holds `held` and serves again."""
