@@ -1,6 +1,6 @@
 """One copy of the weights: colocated vLLM sharing its tensors with the policy, vs two copies.
 
-    .venv-vllm/bin/python benchmarks/shared_weights.py [--quick] [--model DIR] [--modes full,lora]
+    .venv-vllm/bin/python benchmarks/shared_weights.py [--quick | --smallest] [--model DIR] [--modes full,lora]
 
 Each (mode, variant) runs in a child process of its own, so its peak memory is its own,
 through the trainer's own set-up (`rollout.factory.start_shared_engine`,
@@ -13,8 +13,8 @@ through the trainer's own set-up (`rollout.factory.start_shared_engine`,
   (`share_weights: true`).
 In each child: generation (a warm-up call, then `rounds` timed calls of P prompts x n
 completions of up to T tokens, temperature 1, seeded alike), the trainer's standby call
-(`engine.sleep()`: a no-op on CPU), one training step (forward + backward + AdamW on random
-tokens: full fine-tuning, or LoRA r=16 on every linear layer), then `rounds` weight syncs
+(`engine.sleep()`: a no-op on CPU), one training step (forward + backward + AdamW on
+`rows` x `tokens` random tokens: full fine-tuning, or LoRA r=16 on every linear layer), then `rounds` weight syncs
 of what the trainer sends (`update_weights(policy.named_trainable_tensors())`): with two
 copies today's file path (safetensors buckets, or a peft directory), shared in place (a
 prefix-cache reset) or the adapter's tensors in memory.
@@ -27,7 +27,11 @@ call, `tokens_per_s`), `sync` (`time_s`, the median). Every `shared` row carries
 On CPU, cases `gemm/M<rows>/<layer>` time one linear layer of the model as each variant
 serves it (`gemm_rows`: vLLM's prepacked oneDNN matmul vs F.linear on the shared weight).
 The shared child checks every base parameter's storage pointer and offset against its
-vLLM view (`shared_params`, `unshared_params` on its memory row).
+vLLM view after the syncs (`shared_params`, `unshared_params` on its memory row).
+
+Sizes: `--quick` (full fine-tuning only, small calls), `--smallest` (full fine-tuning only,
+the smallest calls and one gemm call each: what tests/rollout/test_vllm_sharing.py runs,
+for the memory figures and the views; its times measure nothing), the default the rest.
 
 Model: SmolLM2-135M-Instruct in fp32 (`leangrpo.model.smollm2`'s converted directory) on
 CPU; `--model DIR` another; on CUDA without --model, Qwen2.5-1.5B's shape (models.py) with
@@ -55,9 +59,11 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 VARIANTS = ("two_copies", "shared")
 KV_CACHE_BYTES = {"cpu": 64 << 20, "cuda": 2 << 30}  # the same KV cache in both variants
-SIZES = {  # prompts, completions per prompt, max new tokens, timed rounds, micro-batch rows
-    "quick": dict(prompts=4, n=2, new=16, rounds=2, rows=4),
-    "full": dict(prompts=8, n=4, new=32, rounds=3, rows=8),
+SIZES = {  # prompts, completions per prompt, max new tokens, timed rounds, the training
+    # step's rows x tokens, calls timed per gemm case
+    "smallest": dict(prompts=2, n=1, new=2, rounds=1, rows=1, tokens=8, gemm_repeats=1),
+    "quick": dict(prompts=4, n=2, new=16, rounds=2, rows=4, tokens=64, gemm_repeats=10),
+    "full": dict(prompts=8, n=4, new=32, rounds=3, rows=8, tokens=64, gemm_repeats=50),
 }
 PROMPT_TOKENS = 32
 
@@ -189,7 +195,7 @@ def child(args) -> list[dict]:
         tokens += sum(len(c.ids) for g in groups for c in g)
     meter.sample()
     engine.sleep()  # the trainer's standby while it trains (CPU: no sleep mode)
-    step_s = train_step(policy, vocab, size["rows"], dev)
+    step_s = train_step(policy, vocab, size["rows"], size["tokens"], dev)
     meter.sample()
     sync = []
     for version in range(1, size["rounds"] + 1):
@@ -229,12 +235,13 @@ def child(args) -> list[dict]:
     ]
 
 
-def train_step(policy, vocab: int, rows: int, device) -> float:
+def train_step(policy, vocab: int, rows: int, tokens: int, device) -> float:
     """Forward + backward + AdamW on random tokens: the optimizer state exists afterwards."""
     import torch
 
     t = time.perf_counter()
-    ids = torch.randint(3, vocab, (rows, 64), generator=torch.Generator().manual_seed(2)).to(device)
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, vocab, (rows, tokens), generator=gen).to(device)
     optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-5)
     loss = policy.model(input_ids=ids, labels=ids).loss
     loss.backward()
@@ -281,7 +288,8 @@ def gemm_rows(model: Path, batch_rows=(1, 8, 32), repeats: int = 50) -> list[dic
     oneDNN matmul (**baseline** `onednn_prepacked`, what two copies run) vs `F.linear` on
     the plain weight (`f_linear`, what sharing runs), at the model's shapes (q/k/v fused,
     o, gate/up fused, down, lm_head) for decode batches of `batch_rows` rows; mean of
-    `repeats` calls after 5 warm-up calls. Nothing on CUDA (the weights stay plain there)."""
+    `repeats` calls after min(5, repeats) warm-up calls. Nothing on CUDA (the weights stay
+    plain there)."""
     import torch
     from vllm import _custom_ops as ops
 
@@ -300,7 +308,7 @@ def gemm_rows(model: Path, batch_rows=(1, 8, 32), repeats: int = 50) -> list[dic
     }
 
     def mean_s(fn, *args) -> float:
-        for _ in range(5):
+        for _ in range(min(5, repeats)):
             fn(*args)
         start = time.perf_counter()
         for _ in range(repeats):
@@ -348,7 +356,12 @@ def _run_child(model, mode, variant, size, device, label, tokenizer, timeout_s) 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="full fine-tuning only, small calls")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="full fine-tuning only, small calls")
+    size.add_argument(
+        "--smallest", action="store_true",
+        help="full fine-tuning only, the smallest calls (the test's: memory and views, no speeds)",
+    )  # fmt: skip
     p.add_argument("--model", type=Path, default=None)
     p.add_argument("--modes", default=None, help="full,lora (quick: full)")
     p.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
@@ -362,17 +375,18 @@ def main(argv: list[str] | None = None) -> None:
         for row in child(args):
             print(json.dumps(row), flush=True)
         return
-    modes = (args.modes or ("full" if args.quick else "full,lora")).split(",")
+    size = "smallest" if args.smallest else "quick" if args.quick else "full"
+    modes = (args.modes or ("full,lora" if size == "full" else "full")).split(",")
     print(
         json.dumps({"bench": "shared_weights", "case": "env", "variant": "-",
                     "python": platform.python_version(), "vllm": _vllm_version()}),
         flush=True,
     )  # fmt: skip
-    for row in case_rows(args.model, modes, "quick" if args.quick else "full"):
+    for row in case_rows(args.model, modes, size):
         print(json.dumps(row), flush=True)
     if args.model is not None or device_name() == "cpu":
         model = args.model or default_model("cpu", Path(tempfile.gettempdir()))[0]
-        for row in gemm_rows(model, repeats=10 if args.quick else 50):
+        for row in gemm_rows(model, repeats=SIZES[size]["gemm_repeats"]):
             print(json.dumps(row), flush=True)
 
 

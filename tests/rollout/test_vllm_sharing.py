@@ -10,7 +10,7 @@ engine core in this process:
 
 vLLM engines started: one shared demo engine (module fixture), one per trainer run (demo
 model, in this process: 9 runs) and the two SmolLM2 processes of
-benchmarks/shared_weights.py --quick (the memory test).
+benchmarks/shared_weights.py --smallest (the memory test).
 """
 
 from __future__ import annotations
@@ -912,17 +912,19 @@ def test_ctrl_c_during_an_in_memory_adapter_sync_loses_nothing_a_resume_needs(st
 
 @pytest.mark.vllm
 def test_sharing_saves_one_fp32_copy_of_smollm2(tmp_path):
-    """benchmarks/shared_weights.py --quick: SmolLM2-135M (Llama layout, tied embeddings),
-    full fine-tuning, each variant in a process of its own: the peak RSS of trainer +
-    colocated vLLM is at least one fp32 copy (~0.5 GiB) lower when they share the weights,
-    and every base parameter of the policy is a view of vLLM's tensor (pointer, offset)."""
+    """benchmarks/shared_weights.py --smallest: SmolLM2-135M (Llama layout, tied
+    embeddings), full fine-tuning, each variant in a process of its own (generation, a
+    training step, a weight sync, generation again): the peak RSS of trainer + colocated
+    vLLM is at least one fp32 copy (~0.5 GiB) lower when they share the weights, and after
+    the sync every base parameter of the policy is still a view of vLLM's tensor (pointer,
+    offset): the sync left them in place. Its times are measured, not judged."""
     from leangrpo.model.smollm2 import find_converted, missing_reason, smollm2_dir
 
     model = smollm2_dir() if missing_reason() is None else find_converted()
     if model is None:
         pytest.skip(f"SmolLM2 is not converted here: {missing_reason()}")
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "shared_weights.py"), "--quick", "--model", str(model)],
+        [sys.executable, str(ROOT / "benchmarks" / "shared_weights.py"), "--smallest", "--model", str(model)],
         capture_output=True, text=True, timeout=900,
         env={**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "2"},
     )  # fmt: skip
@@ -932,7 +934,8 @@ def test_sharing_saves_one_fp32_copy_of_smollm2(tmp_path):
     assert "error" not in shared and "error" not in copies
     assert shared["unshared_params"] == 0 and shared["shared_params"] == 272  # 30 layers x 9 + 2
     assert copies["peak_bytes"] - shared["peak_bytes"] >= 0.5 * 2**30, (copies, shared)
-    assert shared["mem_ratio"] < 1 and rows["full/sync", "shared"]["time_ratio"] < 0.1
+    assert shared["mem_ratio"] < 1
+    assert all(rows["full/sync", variant]["time_s"] >= 0 for variant in ("shared", "two_copies"))
     assert rows["full/generate", "shared"]["tokens_per_s"] > 0
     gemm = {case for case, variant in rows if case.startswith("gemm/")}  # CPU: per-layer cost
     assert len(gemm) == 3 * 5, gemm  # M 1, 8, 32 x q/k/v, o, gate/up, down, lm_head

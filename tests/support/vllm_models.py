@@ -14,7 +14,9 @@ CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 +-*/=.,?"
 EOS = 0
 
 
-def build_char_model(path: Path, seed: int = 0, tied: bool = False, arch: str = "qwen2"):
+def build_char_model(
+    path: Path, seed: int = 0, tied: bool = False, arch: str = "qwen2", layers: int = 2
+):
     """A tiny Qwen2 (head_dim 64, which vLLM's CPU kernels support) + character tokenizer;
     `arch` "qwen3_moe": a tiny Qwen3-MoE (4 experts, top-2) of the same head size."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -28,7 +30,9 @@ def build_char_model(path: Path, seed: int = 0, tied: bool = False, arch: str = 
         tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
     )
     extra = {"head_dim": 64, "initializer_range": 0.1} if arch == "qwen3_moe" else {}
-    model = make_tiny_model(arch, vocab_size=len(vocab), hidden_size=256, seed=seed, **extra)
+    model = make_tiny_model(
+        arch, vocab_size=len(vocab), hidden_size=256, num_layers=layers, seed=seed, **extra
+    )
     for cfg in (model.config, model.generation_config):
         cfg.eos_token_id = cfg.bos_token_id = cfg.pad_token_id = EOS
     if tied:  # lm_head reads embed_tokens: the case vLLM's layerwise reload leaves stale on CPU
