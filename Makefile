@@ -61,8 +61,9 @@ bench-trl: setup-bench
 	$(BIN)/python benchmarks/vs_trl.py
 
 # Both suites (what CI runs: .ci/run). The vLLM venv's set-up (downloads and unpacking,
-# .venv-vllm-setup.log) runs in the background from the start, beside `make setup` and the
-# main suite; the vLLM suite runs after both (scripts/test_all.sh).
+# .venv-vllm-setup.log) and the verifiers one (.venv-verifiers-setup.log) run in the
+# background from the start, beside `make setup` and the main suite; the vLLM suite runs
+# after both (scripts/test_all.sh).
 test:
 	MAKE="$(MAKE)" bash scripts/test_all.sh
 
@@ -84,7 +85,7 @@ AMD_KERNELS := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONEDNN_MA
 PYTEST := $(BIN)/pytest -q -n 2
 EXACT_PASS := bash scripts/run_tests.sh $(PYTEST) -p no:cacheprovider -m exact
 
-test-main: $(STAMP) setup-verifiers
+test-main: $(STAMP)
 	bash scripts/run_tests.sh $(PYTEST)
 	$(AMD_KERNELS) $(EXACT_PASS) $(EXACT_ONE_PROCESS) $(EXACT_TORCHRUN)
 	ATEN_CPU_CAPABILITY=default $(EXACT_PASS) -k "not resume" $(EXACT_ONE_PROCESS)

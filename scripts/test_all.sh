@@ -17,18 +17,26 @@ SETUP_LIMIT_S=${VLLM_SETUP_LIMIT_S:-3600}  # a hang guard only: it takes minutes
 # timeout(1) leads a process group of its own: stopping the group stops pip too.
 timeout "$SETUP_LIMIT_S" bash scripts/setup_vllm_venv.sh </dev/null >"$LOG" 2>&1 &
 setup_pid=$!
+# .venv-verifiers (verifiers 0.4's v1 stack) likewise: the tests that use it wait on the
+# script's lock (tests/support/verifiers_venv.py) and fail with its output if it failed
+timeout "$SETUP_LIMIT_S" bash scripts/setup_verifiers_venv.sh </dev/null >.venv-verifiers-setup.log 2>&1 &
+verifiers_pid=$!
 
 stop_setup() {
-  if [ -n "$setup_pid" ]; then
-    kill -TERM -- "-$setup_pid" 2>/dev/null || kill -TERM "$setup_pid" 2>/dev/null || true
-    wait "$setup_pid" 2>/dev/null || true
-  fi
+  for pid in "$setup_pid" "$verifiers_pid"; do
+    if [ -n "$pid" ]; then
+      kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+      wait "$pid" 2>/dev/null || true
+    fi
+  done
 }
 trap stop_setup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
 "$MAKE" test-main
+wait "$verifiers_pid" 2>/dev/null || true  # its failure failed the tests that use it
+verifiers_pid=
 
 echo "make test: waiting for the vLLM venv's set-up (scripts/setup_vllm_venv.sh, log $LOG)"
 rc=0
