@@ -98,8 +98,17 @@ setup-vllm:
 setup-verifiers:
 	bash scripts/setup_verifiers_venv.sh
 
+# The vLLM suite on both cores too (run alone, it leaves one idle most of the time): each
+# file on one worker (--dist loadfile: a module's engines and runs are made once), the
+# files in this order (the longest first, not re-sorted by test count).
+VLLM_FILES := tests/rollout/test_vllm_sharing.py tests/distill/test_served_vllm.py \
+	tests/rollout/test_vllm_compile_cache.py \
+	tests/rollout/test_vllm_moe.py tests/rollout/test_vllm_servers.py \
+	tests/rollout/test_vllm_multiturn.py tests/rollout/test_vllm.py
+VLLM_PYTEST := .venv-vllm/bin/pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m vllm
+
 test-vllm: setup-vllm
-	bash scripts/run_tests.sh .venv-vllm/bin/pytest -q -m vllm tests/rollout/test_vllm.py tests/rollout/test_vllm_sharing.py tests/rollout/test_vllm_multiturn.py tests/rollout/test_vllm_servers.py tests/rollout/test_vllm_compile_cache.py tests/rollout/test_vllm_moe.py tests/distill/test_served_vllm.py
+	bash scripts/run_tests.sh $(VLLM_PYTEST) $(VLLM_FILES)
 
 # GPU suite (benchmarks/RESULTS.md, "GPU suite"): wheels for the GPU machine, the run
 # itself on a CUDA machine, and its CPU dry run (tiny shapes; also a test).

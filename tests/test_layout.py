@@ -38,6 +38,9 @@ Rules a-e, over every module under src/leangrpo:
 Each rule is a function from the parsed tree to failure lines ("path:line: what; fix"),
 run on the repository and, on small trees written to tmp_path, shown to fail.
 See docs/modules.md ("Layout rules").
+
+Besides the rules: `make test` runs every test file that holds vLLM tests (the Makefile
+lists them in VLLM_FILES, the vLLM suite's files: docs/testing.md ("How make test runs")).
 """
 
 from __future__ import annotations
@@ -1213,3 +1216,16 @@ def test_the_architecture_tree_names_every_module():
                 f"{rel}: not in docs/ARCHITECTURE.md's layout tree under {package or 'the top'}"
             )
     assert not missing, "\n".join(missing)
+
+
+def test_make_test_runs_every_file_with_vllm_tests():
+    """A vLLM test file missing from VLLM_FILES would never run: the main venv has no vLLM."""
+    repo = SRC.parent
+    makefile = (repo / "Makefile").read_text().replace("\\\n", " ")
+    (listed,) = re.findall(r"^VLLM_FILES := (.*)$", makefile, flags=re.M)
+    marked = [
+        str(path.relative_to(repo))
+        for path in sorted((repo / "tests").rglob("test_*.py"))
+        if re.search(r"^\s*@pytest\.mark\.vllm\b", path.read_text(), flags=re.M)
+    ]
+    assert marked and sorted(listed.split()) == marked, (listed, marked)
