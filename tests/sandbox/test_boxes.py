@@ -170,9 +170,9 @@ def test_a_samples_program_cannot_reach_its_siblings():
     batch = samples(["a", "b", "c", "d"], [0, 0, 0, 0])  # one prompt's group
     with RewardPool(cfg) as pool:
         pool.score(batch)
-        sizes = {tuple(task.fns): len(task.indices) for task in pool._initial_tasks(batch)}
+        sizes = {call.fn: len(call.indices) for call in pool._initial_calls(batch)}
     assert [s.rewards["box_sharers_reward"] for s in batch] == [1.0] * 4
-    assert sizes == {(0,): 1, (1,): 4}, sizes
+    assert sizes == {0: 1, 1: 4}, sizes
 
 
 def test_a_program_cannot_forge_its_calls_limit():

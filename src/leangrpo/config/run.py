@@ -270,6 +270,12 @@ class RewardsConfig(Section):
         description="Seconds one function may take on one chunk of completions; a chunk that times out is retried one completion per call, so a completion is unscored only when it alone takes longer. Processes the call started are killed with it.",
     )
     num_workers: int = Field(2, ge=1, le=256, description="Worker processes scoring completions.")
+    calls_per_worker: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="Reward calls one worker runs side by side, each in a box of its own (a scoring's calls reach a worker in one message). null = the CPUs the trainer may use divided by num_workers, at least 1. Set 1 for a reward that holds a GPU, or much memory, per call.",
+    )
     fail_fast: bool = Field(
         False,
         description="Stop training, with one sentence naming the function, the sample and the error, on the first reward failure instead of leaving the sample unscored.",

@@ -12,6 +12,7 @@ and what happened. Built-ins need no import check.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -47,7 +48,18 @@ def worker_init(specs: list[ResolvedReward], rewards_cfg: Any, mode: str) -> dic
         "specs": [asdict(s) for s in specs],
         "timeout_s": float(rewards_cfg.timeout_s),
         "cpu_time_limit_s": getattr(rewards_cfg, "cpu_time_limit_s", None),
+        "parallel": calls_per_worker(rewards_cfg),
     }
+
+
+def calls_per_worker(rewards_cfg: Any) -> int:
+    """Calls one worker runs side by side (`rewards.calls_per_worker`; null: the CPUs this
+    process may use shared among the workers, at least 1)."""
+    chosen = getattr(rewards_cfg, "calls_per_worker", None)
+    if chosen:
+        return int(chosen)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cpus or 1) // int(getattr(rewards_cfg, "num_workers", 1) or 1))
 
 
 def startup_timeout(rewards_cfg: Any) -> float:

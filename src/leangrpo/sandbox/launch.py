@@ -59,7 +59,7 @@ def main() -> None:
         zygote, control = _fork_zygote(channel, init, spec, group_fds)
         if spec["level"] == "namespace":
             drop_privileges()  # the supervisor makes nothing: the zygote does
-        boxes = Boxes(control, channel.sock.fileno())
+        boxes = Boxes(control, channel.sock.fileno(), max_output=int(spec["max_output_bytes"]))
         importlib.import_module(init["entry"]).supervise(channel, init, boxes)
     except SetupError as e:
         code = SETUP_FAILED
