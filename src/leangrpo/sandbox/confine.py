@@ -26,7 +26,7 @@ namespace (Linux >= 5.14, unprivileged user namespaces or root):
   calls of another architecture's table (i386, x32), which the filter does not check.
 
 process (anywhere): no namespaces; the scratch is a plain directory, a box's a directory
-in it that only the box's Landlock domain reaches (`own_domain`, `filesystem_grants`);
+in it that only the box's Landlock domain reaches (`domain_ruleset`, `filesystem_grants`);
 no_new_privs, and a root worker drops every capability (so it cannot ptrace, or read the
 memory of, the non-dumpable trainer: levels.py `protect_trainer`).
 
@@ -373,12 +373,14 @@ class _PathBeneath(ctypes.Structure):
     _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
 
 
-def own_domain(grants: list[tuple[str, bool]] | None = None) -> bool:
-    """A Landlock domain of the box's own (after no_new_privs): a process outside it (the
-    trainer, the supervisor and zygote, another box) can then not be ptraced, nor its
-    /proc/<pid>/mem, fd or environ opened, and (Landlock ABI >= 6) neither signalled nor
-    reached through an abstract unix socket, whatever its user: what keeps boxes apart at
-    the `process` level, where they share a PID namespace and a user.
+def domain_ruleset(grants: list[tuple[str, bool]] | None = None) -> int | None:
+    """The rules of a box's own Landlock domain (`enter_domain`, after no_new_privs), made
+    by the zygote before the fork (a box pays for every page its code writes): a process
+    outside the domain (the trainer, the supervisor and zygote, another box) can then not
+    be ptraced, nor its /proc/<pid>/mem, fd or environ opened, and (Landlock ABI >= 6)
+    neither signalled nor reached through an abstract unix socket, whatever its user: what
+    keeps boxes apart at the `process` level, where they share a PID namespace and a user.
+    Each box that enters gets a domain of its own, whoever else entered the same rules.
 
     `grants` (the `process` level: `filesystem_grants` and the box's own scratch) restricts
     the filesystem too: reading and writing only beneath those paths, each read-only or
@@ -386,11 +388,11 @@ def own_domain(grants: list[tuple[str, bool]] | None = None) -> bool:
     its own cgroup's files (the limits of its memory and processes, cgroup.procs of its
     worker's group) and the sysctls, which a root box without capabilities could
     otherwise write as their owner. None (the `namespace` level, whose mounts do that): the
-    filesystem is not restricted. False where the kernel has no Landlock (the log line
-    says so)."""
+    filesystem is not restricted. The ruleset's descriptor (close-on-exec), or None where
+    the kernel has no Landlock (the log line says so)."""
     abi = landlock_abi()
     if abi < 1:
-        return False
+        return None
     scoped = LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET | LANDLOCK_SCOPE_SIGNAL if abi >= 6 else 0
     handled = _fs_rights(abi) if grants is not None else LANDLOCK_ACCESS_FS_EXECUTE
     if grants is None and abi >= 6:
@@ -405,10 +407,17 @@ def own_domain(grants: list[tuple[str, bool]] | None = None) -> bool:
                 _grant(ruleset, path, handled & (READ_RIGHTS if read_only else ~0))
         elif handled:  # a domain handling one right it then allows everywhere: ptrace is scoped
             _grant(ruleset, "/", LANDLOCK_ACCESS_FS_EXECUTE)
-        _check(_libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ruleset, 0), "landlock_restrict_self")
-    finally:
+    except BaseException:
         os.close(ruleset)
-    return True
+        raise
+    return ruleset
+
+
+def enter_domain(ruleset: int | None) -> None:
+    """Restrict the calling box to a new Landlock domain of `ruleset`'s rules (none: no
+    Landlock here)."""
+    if ruleset is not None:
+        _check(_libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ruleset, 0), "landlock_restrict_self")
 
 
 def _fs_rights(abi: int) -> int:

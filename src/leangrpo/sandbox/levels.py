@@ -143,7 +143,7 @@ class SandboxPlan:
 
 
 def _apart() -> str:
-    """What keeps the boxes of a `process`-level worker apart (confine.py `own_domain`)."""
+    """What keeps the boxes of a `process`-level worker apart (confine.py `domain_ruleset`)."""
     if landlock_abi() >= 1:
         return (
             "each box's scratch and processes out of the others' reach, /proc and /sys "

@@ -62,12 +62,13 @@ from leangrpo.sandbox.confine import (
     SetupError,
     back_to,
     confine_box,
+    domain_ruleset,
     drop_bounding_set,
     drop_privileges,
+    enter_domain,
     filesystem_grants,
     limit_box_tasks,
     new_pid_namespace,
-    own_domain,
 )
 from leangrpo.sandbox.files import remove_tree
 from leangrpo.sandbox.frames import CHANNEL_FD_MIN, FrameReader, frame, json_payload
@@ -97,6 +98,7 @@ class _Made:
     stdio: tuple[tuple[int, int], tuple[int, int]] | None  # a command's stdin, stdout pipes
     group: str | None
     procs: list[int]  # its cgroups' cgroup.procs, open for the box to join
+    domain: int | None  # the rules of its Landlock domain
     scratch: str
     tasks: int
     pid: int = -1
@@ -114,8 +116,9 @@ class Zygote:
         }
         self.own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
         # process level: what a box may read and write besides its scratch (its mounts
-        # keep a namespace box's files apart)
+        # keep a namespace box's files apart: one set of rules, a domain per box)
         self.grants = None if self.namespace else filesystem_grants(spec["scratch"])
+        self.domain = domain_ruleset() if self.namespace else None
         self.live: dict[int, _Live] = {}  # pid -> box
         self.unremoved: list[str] = []  # cgroups whose tasks were still being released
         self.box_main: Callable[[BoxConn], Any] | None = None
@@ -181,10 +184,12 @@ class Zygote:
         stdio = (os.pipe(), os.pipe()) if request.get("argv") else None
         group = self.groups.make() if self.groups is not None else None
         procs = self.groups.procs(group) if group is not None else []
-        scratch = self.spec["scratch"]
+        scratch, domain = self.spec["scratch"], self.domain
         if not self.namespace:
             scratch = tempfile.mkdtemp(prefix="box-", dir=self.spec["scratch"])
-        return _Made(request, parent, child, os.pipe(), stdio, group, procs, scratch, tasks)
+            domain = domain_ruleset([*self.grants, (scratch, False)])
+        return _Made(request, parent, child, os.pipe(), stdio, group, procs, domain, scratch,
+                     tasks)  # fmt: skip
 
     def _fork(self, box: _Made) -> int:
         """Fork `box` (its pid; -1 if the fork failed): as little as can be between forks."""
@@ -207,6 +212,8 @@ class Zygote:
         os.close(box.out[1])
         for fd in box.procs:
             os.close(fd)
+        if box.domain is not None and box.domain != self.domain:
+            os.close(box.domain)
         fds = [box.parent.fileno(), box.out[0]]
         if box.stdio is not None:
             os.close(box.stdio[0][0])
@@ -236,6 +243,8 @@ class Zygote:
         _signal.signal(_signal.SIGCHLD, _signal.SIG_DFL)
         request = box.request
         keep = {"sock": box.child.fileno(), "out": box.out[1]}
+        if box.domain is not None:
+            keep["domain"] = box.domain
         if box.stdio is not None:
             keep.update(stdin=box.stdio[0][0], stdout=box.stdio[1][1])
         try:
@@ -252,7 +261,10 @@ class Zygote:
             endpoint = self._forwarder(request.get("forward"))
             limit_box_tasks(self.spec, box.tasks)
             drop_privileges()
-            own_domain(None if self.grants is None else [*self.grants, (box.scratch, False)])
+            domain = fds.pop("domain", None)
+            enter_domain(domain)
+            if domain is not None:
+                os.close(domain)
             load(self.programs[bool(self.spec["network"])])
             if request.get("argv"):
                 _exec(request, fds, endpoint)
