@@ -200,6 +200,25 @@ def test_a_forked_child_holds_no_way_past_the_output_meter(level):
     assert batch[0].reward == 0.0
 
 
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_reward_printing_without_end_fails_at_its_output_limit(level, caplog):
+    """A reward call's box writes into the supervisor's pipe directly (no meter thread in
+    it: one call per box), so the supervisor counts what it prints: past max_output_bytes
+    the call fails as "output limit" and its box is killed; at most 64 KiB of lines reach
+    the log; the other function's calls are scored."""
+    cfg = rewards_section("support.hostile_tools:flooding_reward", ("length", 1.0, {"target": 1}),
+                          sandbox={"level": level_here(level), "max_output_bytes": 65536})  # fmt: skip
+    batch = samples(["x", "y"], [0, 1])
+    with caplog.at_level("INFO", logger="leangrpo.rewards"), RewardPool(cfg) as pool:
+        metrics = pool.score(batch)
+    assert [s.rewards["flooding_reward"] for s in batch] == [None, None], metrics
+    assert [s.rewards["length"] for s in batch] == [1.0, 1.0], metrics
+    assert metrics["reward/output_failures"] == 2, metrics
+    said = [r.getMessage() for r in caplog.records]
+    assert any("printed more than 65536 bytes" in line for line in said), said
+    assert 0 < sum("spam" in line for line in said) <= (64 << 10) // 1000 + 1
+
+
 def test_a_timeout_in_exec_code_names_no_import(caplog):
     """Code run with exec() is a "<module>" frame too: the timeout said "while importing
     __reward__" (and retired the worker as if an import had been cut)."""

@@ -23,13 +23,27 @@ Supervisor side (what an entry's `supervise(channel, init, boxes)` uses):
     box = boxes.command(argv, env={...}, forward="/run/endpoint.sock")  # (b) any command:
     box.stdin / box.stdout                      # its pipes (stderr goes to the log)
 
+and, for calls side by side (rewards/worker.py): `reserve(n)` (n spares asked for at
+once), `ready_spare()` (a spare already forked, or None), `send(box, request)`,
+`wait_any({box: deadline}, channel)` (the boxes that replied, failed or ran out of time),
+`refill()`.
+
 `start` takes a box forked ahead of time when one is ready (`spares`), so a call does not
-wait for the fork; each call that still had to wait (a burst: one scoring's calls, many
-trajectories reset at once) keeps one more spare, up to MAX_SPARES, forked while the
-trainer generates and trains. `forward` (optional, a unix socket path the trainer listens on) is the
-one address a box without network reaches: a forwarder process inside the box listens on
-its own loopback and relays each connection there; the box's code finds the address in
-`LEANGRPO_ENDPOINT` (http://127.0.0.1:PORT) or `conn.endpoint`.
+wait for the fork: a spare is set up whole (confined, its limits armed) and waits for its
+request. Each call that still had to wait (a burst: one scoring's calls, many
+trajectories reset at once) keeps one more spare, up to MAX_SPARES; `reserve` keeps as
+many as a burst asked for. Spares are asked for in one message once fewer than half are
+left (`refill`: the zygote forks them in one batch, zygote.py), while the trainer
+generates and trains. `forward` (optional, a unix socket path the trainer listens on) is
+the one address a box without network reaches: a forwarder process inside the box
+listens on its own loopback and relays each connection there; the box's code finds the
+address in `LEANGRPO_ENDPOINT` (http://127.0.0.1:PORT) or `conn.endpoint`.
+
+What a box prints reaches the trainer's log through the supervisor, in whole lines (boxes
+print side by side), at most FORWARD_BYTES per request. A box runs under an output meter
+(output.py: a thread counting what each of its calls prints, a trajectory's tool calls)
+unless `spare_metered` is false (a reward call's box, one call: its fd 1 and 2 are the
+pipe to the supervisor, which counts every byte and fails the request past `max_output`).
 
 A reply is accepted only from the box's own socket, only from its main process (the
 kernel's SCM_CREDENTIALS: a forked child writing a well-formed frame is told apart), only
