@@ -64,11 +64,12 @@ from leangrpo.sandbox.confine import (
     confine_box,
     domain_ruleset,
     drop_bounding_set,
-    drop_privileges,
+    drop_box_privileges,
     enter_domain,
     filesystem_grants,
     limit_box_tasks,
     new_pid_namespace,
+    opened_grants,
 )
 from leangrpo.sandbox.files import remove_tree
 from leangrpo.sandbox.frames import CHANNEL_FD_MIN, FrameReader, frame, json_payload
@@ -117,7 +118,7 @@ class Zygote:
         self.own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
         # process level: what a box may read and write besides its scratch (its mounts
         # keep a namespace box's files apart: one set of rules, a domain per box)
-        self.grants = None if self.namespace else filesystem_grants(spec["scratch"])
+        self.grants = None if self.namespace else opened_grants(filesystem_grants(spec["scratch"]))
         self.domain = domain_ruleset() if self.namespace else None
         self.live: dict[int, _Live] = {}  # pid -> box
         self.unremoved: list[str] = []  # cgroups whose tasks were still being released
@@ -139,6 +140,7 @@ class Zygote:
         self.signals = _changed_signals()
         if self.namespace:
             drop_bounding_set()  # (the process level's worker has no capability left)
+            _scratch_environment(self.spec["scratch"])  # each box's, with a fresh tmpfs over it
         # what the imports made is never collected: a box's garbage collections then skip
         # it instead of writing to every object (copy-on-write faults: page after page of
         # the zygote's memory copied into each box)
@@ -257,10 +259,11 @@ class Zygote:
             os.setsid()
             become_subreaper()  # orphans of its processes stay in its tree (process level)
             confine_box(self.spec, box.scratch, own_network=bool(request.get("network")))
-            _scratch_environment(box.scratch)
+            if not self.namespace:  # (a namespace box's scratch is the zygote's: `serve`)
+                _scratch_environment(box.scratch)
             endpoint = self._forwarder(request.get("forward"))
             limit_box_tasks(self.spec, box.tasks)
-            drop_privileges()
+            drop_box_privileges()
             domain = fds.pop("domain", None)
             enter_domain(domain)
             if domain is not None:
@@ -361,9 +364,9 @@ def _fresh_signals(changed: list[tuple[int, Any]]) -> None:
 
 
 def _scratch_environment(scratch: str) -> None:
-    """HOME and TMPDIR the box's scratch: set where they are not (a process box's own
-    directory; a namespace box's is the zygote's path, with a fresh tmpfs over it), as
-    each one set costs the box pages copied from the zygote."""
+    """HOME and TMPDIR `scratch`: a process box's own directory, or (set once, in the
+    zygote, for all its boxes) a namespace worker's, over which each box mounts a fresh
+    tmpfs."""
     for name in ("HOME", "TMPDIR"):
         if os.environ.get(name) != scratch:
             os.environ[name] = scratch
