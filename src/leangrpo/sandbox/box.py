@@ -153,6 +153,7 @@ class Boxes:
         self._exits: dict[int, dict] = {}
         self._ids = 0
         self._pending: deque[dict] = deque()  # set-up messages read while waiting for boxes
+        self._short = False  # `ready_spare` found none ready, and none has been taken since
 
     # -- set-up -----------------------------------------------------------------------------
     def setup_messages(self) -> Any:
@@ -195,10 +196,16 @@ class Boxes:
         return self._take(self._request([request])[0])
 
     def ready_spare(self) -> Box | None:
-        """A spare box already forked, without waiting (None: ask with `reserve`)."""
+        """A spare box already forked, without waiting (None: ask with `reserve`). Calls
+        that find none ready (while spares are on their way) keep one more spare from
+        then on, once per such wait, up to MAX_SPARES, as `start` does."""
         self._drain_control()
         if self._spares and self._spares[0] in self._delivered:
+            self._short = False
             return self._take(self._spares.popleft())
+        if not self._short:
+            self._short = True
+            self.spare_count = min(MAX_SPARES, self.spare_count + 1)
         return None
 
     def reserve(self, count: int) -> None:
