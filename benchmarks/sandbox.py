@@ -9,6 +9,10 @@ Per sandbox level (sandbox/levels.py), `process` and `namespace`. Cases:
   and its clean-up).
 - `reward call (math)`: the same with `math` (math-verify imported: a larger worker to
   fork; the demo's answers are integers, checked without sympy).
+- `spaced call`, `spaced call (math)`: the same calls, each 50 ms after the one before
+  (as in training, where the trainer generates between scorings: the spare boxes are
+  ready and what the last call left is done); `time_s` is the median, the latency a
+  scoring waits for; CPU per call counts the gaps.
 - `scoring burst`: one `RewardPool.score` of 16 prompts x 8 samples with `math` after
   0.3 s without calls (a step of `make demo`: 16 calls on one worker, in one message
   since issue 36's cost work, while the trainer generated and trained in between); wall
@@ -52,6 +56,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+GAP_S = 0.05  # between two spaced calls
 CALCULATOR = str(ROOT / "examples" / "tools_demo" / "calculator.py") + ":add"
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 123, "b": 456}}</tool_call>'
 USER = [{"role": "user", "content": "123+456="}]
@@ -193,6 +198,32 @@ def reward_calls(level: str, calls: int, name: str = "length") -> tuple[float, f
         return elapsed, (cpu_now(pid) - c0) / calls, tree_pss(pid), where
 
 
+def spaced_calls(level: str, calls: int, name: str = "length") -> tuple:
+    """As `reward_calls`, each call GAP_S after the one before (the trainer generated in
+    between: the spares are ready, what the last call left is done): the median wall time
+    of a call, and the CPU of calls and gaps together per call."""
+    from leangrpo.rewards import RewardPool
+
+    with RewardPool(rewards_cfg(level, name)) as pool:
+        for i in range(3):
+            pool.score(prompt_samples(i, 8))
+        pid = pool._workers[0].pid
+        time.sleep(GAP_S)
+        c0 = cpu_now(pid)
+        split = Split(pid, level)
+        times = []
+        for i in range(calls):
+            batch = prompt_samples(i, 8)
+            t0 = time.perf_counter()
+            pool.score(batch)
+            times.append(time.perf_counter() - t0)
+            assert batch[0].reward == 1.0, batch[0]
+            time.sleep(GAP_S)
+        where = split.per_call(calls)
+        median = sorted(times)[len(times) // 2]
+        return median, (cpu_now(pid) - c0) / calls, tree_pss(pid), where
+
+
 def scoring_bursts(level: str, bursts: int, prompts: int = 16) -> tuple[float, float, int]:
     from leangrpo.rewards import RewardPool
 
@@ -260,8 +291,8 @@ def tool_calls(level: str, calls: int) -> tuple[float, float, int]:
         return elapsed, (cpu_now(pid) - c0) / calls, tree_pss(pid)
 
 
-CASES = ("start-up", "reward call", "reward call (math)", "scoring burst", "trajectory start",
-         "tool call")  # fmt: skip
+CASES = ("start-up", "reward call", "reward call (math)", "spaced call", "spaced call (math)",
+         "scoring burst", "trajectory start", "tool call")  # fmt: skip
 
 
 def measure(case: str, level: str, quick: bool) -> tuple[float, float, int, dict | None]:
@@ -271,6 +302,8 @@ def measure(case: str, level: str, quick: bool) -> tuple[float, float, int, dict
         "start-up": lambda: start_up(level, repeats),
         "reward call": lambda: reward_calls(level, calls),
         "reward call (math)": lambda: reward_calls(level, calls, "math"),
+        "spaced call": lambda: spaced_calls(level, calls),
+        "spaced call (math)": lambda: spaced_calls(level, calls, "math"),
         "scoring burst": lambda: scoring_bursts(level, repeats + 1),
         "trajectory start": lambda: trajectory_starts(level, calls),
         "tool call": lambda: tool_calls(level, calls),
