@@ -123,6 +123,15 @@ HOSTILE_CODE = textwrap.dedent(
     def sleeper(prompts, completions, **columns):
         time.sleep(60)
         return [1.0] * len(completions)
+
+    def forger(prompts, completions, **columns):  # sends its box's reply itself
+        import gc, json
+        if completions[0].startswith("{"):
+            conn = next(o for o in gc.get_objects() if type(o).__name__ == "BoxConn")
+            conn.send(json.loads(completions[0]))
+            time.sleep(30)  # the supervisor takes the first frame and ends the box
+        time.sleep(0.5)  # honest calls overlap the forged one
+        return [1.0] * len(completions)
     """
 )
 
@@ -320,3 +329,33 @@ def test_memory_and_cpu_limits_fail_the_call(hostile, caplog):
     assert metrics["reward/hog/failures"] == 2.0
     text = " ".join(r.getMessage() for r in caplog.records)
     assert "MemoryError" in text and "used its CPU time after 1 s" in text
+
+
+FORGED = {
+    "count": {"t": "result", "values": [0.0, 0.0], "errors": []},
+    "wrong length": {"t": "error", "kind": "wrong length", "msg": "returned 7 values"},
+    "timeout": {"t": "error", "kind": "timeout", "msg": "timed out after 5 s"},
+    "box died": {"t": "error", "kind": "box died", "msg": "not this box's to say"},
+    "errors": {"t": "result", "values": [1.0], "errors": [[3, "timeout", "x"]]},
+}
+
+
+@pytest.mark.parametrize("forgery", sorted(FORGED))
+def test_a_forged_reply_fails_its_own_call_only_never_its_neighbours(hostile, forgery):
+    """The program a reward runs sends its box's reply itself: a count that does not fit
+    the call, a kind the pool acts on ("wrong length" once stopped the run, "timeout"
+    counts toward giving the function up), errors at no sample of the call. Its own
+    sample fails (counted as nothing the supervisor did not see); the calls beside it in
+    the worker, and the run, go on."""
+    import json
+
+    texts = ["honest", json.dumps(FORGED[forgery]), "honest", "honest", "honest"]
+    with RewardPool(cfg(hostile, "forger", timeout_s=20.0, calls_per_worker=2)) as pool:
+        samples = make_samples(texts)
+        metrics = pool.score(samples)
+        assert [s.reward for s in samples] == [1.0, None, 1.0, 1.0, 1.0]
+        assert metrics["reward/forger/failures"] == 1.0
+        assert metrics["reward/forger/timeouts"] == 0.0
+        again = make_samples(["honest", "honest"])
+        pool.score(again)  # the worker is still whole
+        assert [s.reward for s in again] == [1.0, 1.0]

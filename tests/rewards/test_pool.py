@@ -1,5 +1,5 @@
-"""RewardPool: scoring in worker processes, failure isolation, time limits, fail_fast, a
-wrong-length return and systematic failures stopping the run, close."""
+"""RewardPool: scoring in worker processes, failure isolation, time limits, fail_fast,
+wrong-length returns and systematic failures stopping the run, close."""
 
 from __future__ import annotations
 
@@ -206,15 +206,24 @@ def test_fail_fast_is_one_sentence_naming_function_sample_and_error(user_module)
         assert [s.reward for s in samples] == [2.0, 2.0]
 
 
-def test_a_list_of_the_wrong_length_stops_at_once_naming_the_function_and_lengths(user_module):
+def test_a_list_of_the_wrong_length_fails_its_call_and_stops_the_run_when_systematic(
+    user_module,
+):
     """A user function's calls hold one sample each (its own box): `[1.0]` fits them, a
-    list of two does not."""
+    list of two does not. A box's reply can be forged by the program a reward runs, so no
+    reply stops the run on its own: each such call fails (counted), and a function that
+    does it on every sample of 2 or more prompts is stopped after the batch."""
     name = "wrong_length"
     with RewardPool(cfg((f"{user_module}:{name}", 1.0, {}), timeout_s=5.0, num_workers=1)) as pool:
+        samples = make_samples(["a", "b"], prompt=0)  # one prompt: maybe its data row
+        assert pool.score(samples)[f"reward/{name}/failures"] == 2.0
         with pytest.raises(RewardFailedError) as err:
-            pool.score(make_samples(["a", "b", "c", "d"], prompt=0))
+            pool.score(make_samples(["a", "b", "c", "d"]))
         text = str(err.value)
-        assert text.startswith(f"reward '{name}' returned 2 values for 1 samples; ")
+        assert text.startswith(
+            f"reward '{name}' failed on all 4 samples of a batch the same way (returned 2 "
+            "values for 1 samples; return a list of 1)"
+        ), text
         assert "returns one reward per completion" in text and "\n" not in text
         assert is_user_error(err.value)
 

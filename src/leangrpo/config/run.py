@@ -282,7 +282,7 @@ class RewardsConfig(Section):
     )
     systematic_failures: Literal["stop", "warn"] = Field(
         "stop",
-        description="A function that fails on every sample of a scoring batch the same way, on 2 or more prompts (one prompt's failures may be its data row's, not the function's): returns a string, NaN or a scalar, or raises the same exception type (timeouts and dead workers do not count). 'stop' ends the run after that batch with one sentence naming the function and what it returned; 'warn' logs it once and leaves those samples unscored. A list of the wrong length always stops at once. A reward that calls a remote judge, which may be down for a whole batch, raises the same exception on every sample then: give it `warn`.",
+        description="A function that fails on every sample of a scoring batch the same way, on 2 or more prompts (one prompt's failures may be its data row's, not the function's): returns a list of the wrong length, a string, NaN or a scalar, or raises the same exception type (timeouts and dead workers do not count). 'stop' ends the run after that batch with one sentence naming the function and what it returned; 'warn' logs it once and leaves those samples unscored. A reward that calls a remote judge, which may be down for a whole batch, raises the same exception on every sample then: give it `warn`.",
     )
     startup_timeout_s: float = Field(
         60.0,

@@ -17,7 +17,10 @@ manager rather than a `ProcessPoolExecutor`, because an executor cannot stop a r
   supervisor runs them side by side (`rewards.calls_per_worker`), answering each as it
   ends. The pool waits on all workers at once.
 - Failures are per call and per sample: a value that is not a finite number or None is
-  that sample's failure. A call that raises, returns the wrong shape, dies, garbles its
+  that sample's failure. A list of the wrong length is the call's failure like any other
+  (a program a reward runs can forge its box's reply, worker.py: no kind a box sends may
+  stop the run on its own); a function that returns one on every sample is stopped by
+  the systematic check. A call that raises, returns the wrong shape, dies, garbles its
   reply or runs past `timeout_s` is retried one sample per call, so a sample's reward is
   None (and counted) only when it fails on its own. The first failure of each kind per
   function is logged with its message; the rest are counted in `reward/<name>/failures`.
@@ -63,6 +66,7 @@ from typing import TYPE_CHECKING, Any
 from leangrpo.pipeline.advantages import mean_std
 from leangrpo.rewards.check import did_not_start, exited, init_error, startup_timeout, worker_init
 from leangrpo.rewards.protocol import (
+    WRONG_LENGTH,
     CallError,
     Cancelled,
     InitError,
@@ -201,7 +205,14 @@ class RewardPool:
             ((kind, detail),) = ways.items()
             if kind in CIRCUMSTANTIAL:
                 continue
-            fix = "fix it" if kind in ("bad value", "bad return") else "fix the error it raises"
+            fix = "fix the error it raises"
+            if kind in ("bad value", "bad return"):
+                fix = "fix it"
+            elif kind == WRONG_LENGTH:
+                fix = (
+                    "it is called with lists of prompts and completions and returns one "
+                    "reward per completion, in order: fix it"
+                )
             what = f"reward '{spec.key}' failed on all {n} samples of a batch the same way"
             what += f" ({detail})"
             if self.systematic == "stop":
@@ -291,7 +302,7 @@ class RewardPool:
                         {name: [col[i] for i in key] for name, col in columns.items()},
                     )
                     chunks[key] = pickle.dumps(chunk)
-                items.append((call.id, call.fn, chunks[key]))
+                items.append((call.id, call.fn, chunks[key], len(key)))
             if not worker.calls:
                 self._progress(worker, time.monotonic())
             worker.calls.update((call.id, call) for call in calls)
@@ -390,18 +401,17 @@ class RewardPool:
                 run.values[call.fn][i] = value
             for j, kind, msg in reply.errors:
                 self._sample_failed(run, call.fn, call.indices[j], kind, msg)
-        elif reply.kind == "wrong length":  # a broken contract: retrying one by one hides it
-            self._restart_busy_workers()
-            raise RewardFailedError(
-                f"reward '{self.specs[call.fn].key}' {reply.msg} (it is called with lists of "
-                "prompts and completions, and returns one reward per completion, in order)"
-            )
         else:
             self._call_failed(run, call, reply.kind, reply.msg)
 
     def _call_failed(self, run: _Run, call: _Call, kind: str, msg: str) -> None:
         """Function call.fn failed on the call's whole chunk."""
         fn = call.fn
+        if kind == WRONG_LENGTH:  # never re-run one sample per call, where a function
+            # returning [1.0] would fit and score everything 1.0
+            for i in call.indices:
+                self._sample_failed(run, fn, i, kind, msg)
+            return
         if len(call.indices) > 1:  # find the samples that fail on their own, first: a
             # function that times out on every call is then given up on after this chunk and
             # GIVE_UP_AFTER samples alone, not after every other prompt's chunk too

@@ -43,6 +43,7 @@ def box_limit_s(timeout_s: float) -> float:
     interrupted at timeout_s and did not stop): the call then fails as timed out."""
     return timeout_s * (1 + GRACE_FRACTION) + 0.5
 
+
 # ---- replies (worker -> trainer) ---------------------------------------------------------
 
 
@@ -60,6 +61,9 @@ class Ready:
 class InitError:
     fn: int
     msg: str
+
+
+WRONG_LENGTH = "wrong length"  # a failed call's kind: its values do not fit its samples
 
 
 @dataclass(frozen=True)

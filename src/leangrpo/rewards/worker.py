@@ -24,12 +24,23 @@ picture). Two halves:
   a box that dies, prints past max_output_bytes or runs past its time is that call's
   failure alone (the pool retries it sample by sample). A call the pool cancels is
   dropped if it has not started and its box killed if it has.
+- A box runs user code, and the program a reward runs can send the box's reply itself:
+  nothing in a reply is trusted beyond that call (`_checked`). The supervisor counts the
+  values against the call's samples (a mismatch: that call fails "wrong length"), takes
+  per-sample errors only as "bad value" at a position of the call, and sets a failed
+  call's kind itself: "timeout" only once the call has run for timeout_s by its own
+  clock; an exception's name, "bad return", "wrong length" and the limits a call meets
+  inside its box (CPU, memory, processes) as the box says (each labels that call, no
+  more: no kind a box sends stops the run or gives a function up); anything else
+  ("box died", "output limit", ...: the supervisor's or the pool's to set) "raised",
+  the claim kept in its message.
 """
 
 from __future__ import annotations
 
 import numbers
 import pickle
+import re
 import sys
 import time
 from collections import deque
@@ -37,10 +48,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from leangrpo.rewards.protocol import CallError, Result, box_limit_s, parse_reply
+from leangrpo.rewards.protocol import WRONG_LENGTH, CallError, Result, box_limit_s, parse_reply
 from leangrpo.rewards.registry import ResolvedReward, RewardSpecError, is_user_code, resolve
 from leangrpo.sandbox.box import Box, BoxConn, Boxes, Failed, Outcome
-from leangrpo.sandbox.calls import LimitedCall, message
+from leangrpo.sandbox.calls import CPU, MEMORY, PROCESSES, TIMEOUT, LimitedCall, message
 from leangrpo.sandbox.frames import Channel, ProtocolError, one_line
 
 
@@ -77,6 +88,7 @@ def supervise(channel: Channel, init: dict, boxes: Boxes) -> None:
 class _Running:
     call: int
     fn: int
+    samples: int  # in the call's chunk: its reply must hold as many values
     started: float
     deadline: float
 
@@ -91,7 +103,8 @@ class Calls:
         self.boxes = boxes
         self.parallel = max(1, int(init.get("parallel", 1)))
         self.limit_s = box_limit_s(float(init["timeout_s"]))
-        self.queue: deque[tuple[int, int, bytes]] = deque()  # (call, fn, chunk) not started
+        # (call, fn, chunk, samples) not started
+        self.queue: deque[tuple[int, int, bytes, int]] = deque()
         self.running: dict[Box, _Running] = {}
         boxes.spare_metered = False  # a box holds one call: its output is counted here
         # spares for two rounds of calls: refilled in batches (box.py `refill`) while one
@@ -125,9 +138,9 @@ class Calls:
             if box is None:  # the rest wait for their boxes (wait_any wakes at a delivery)
                 self.boxes.reserve(len(self.queue))
                 return
-            call, fn, chunk = self.queue.popleft()
+            call, fn, chunk, samples = self.queue.popleft()
             now = time.monotonic()
-            self.running[box] = _Running(call, fn, now, now + self.limit_s)
+            self.running[box] = _Running(call, fn, samples, now, now + self.limit_s)
             failed = self.boxes.send(box, (fn, chunk))
             if failed is not None:
                 self._answer(box, failed)
@@ -135,9 +148,10 @@ class Calls:
     def _answer(self, box: Box, outcome: Outcome) -> None:
         running = self.running.pop(box)
         self.boxes.end(box)
-        reply = _checked(outcome, self.init)
+        elapsed = time.monotonic() - running.started
+        reply = _checked(outcome, self.init, running.samples, elapsed)
         if reply["t"] == "result":
-            reply["seconds"] = time.monotonic() - running.started
+            reply["seconds"] = elapsed
         self.channel.send({**reply, "task": running.call, "fn": running.fn})
 
     def _cancel(self, calls: set[int]) -> None:
@@ -152,9 +166,10 @@ class Calls:
                 self.channel.send({"t": "cancelled", "task": running.call, "fn": running.fn})
 
 
-def _checked(outcome: Any, init: dict) -> dict:
-    """What a box's reply may carry to the trainer: its values and errors, or one failure."""
-    if isinstance(outcome, Failed):
+def _checked(outcome: Any, init: dict, samples: int, elapsed: float) -> dict:
+    """What a box's reply may carry to the trainer: its values and errors, or one failure
+    of the call (module docstring: nothing in it is trusted beyond the call)."""
+    if isinstance(outcome, Failed):  # the supervisor's own finding
         if outcome.kind == "timeout":
             msg = f"timed out after {init['timeout_s']:g} s and did not stop (its box was killed)"
             return {"t": "error", "kind": "timeout", "msg": msg}
@@ -165,10 +180,45 @@ def _checked(outcome: Any, init: dict) -> dict:
     except ProtocolError as e:
         return {"t": "error", "kind": "garbled reply", "msg": str(e)}
     if isinstance(parsed, Result):
-        return {"t": "result", "values": parsed.values, "errors": [list(e) for e in parsed.errors]}
+        return _checked_result(parsed, samples)
     if isinstance(parsed, CallError):
-        return {"t": "error", "kind": parsed.kind, "msg": parsed.msg}
+        kind, msg = _checked_kind(parsed.kind, parsed.msg, float(init["timeout_s"]), elapsed)
+        return {"t": "error", "kind": kind, "msg": msg}
     return {"t": "error", "kind": "garbled reply", "msg": "a reply that is not a call's"}
+
+
+def _checked_result(parsed: Result, samples: int) -> dict:
+    """A result with one value per sample of the call, its errors "bad value" at distinct
+    positions of the call; else the call's failure."""
+    if len(parsed.values) != samples:
+        msg = f"returned {len(parsed.values)} values for {samples} samples; return a list of {samples}"
+        return {"t": "error", "kind": WRONG_LENGTH, "msg": msg}
+    positions = [e[0] for e in parsed.errors]
+    if len(set(positions)) != len(positions) or not all(
+        type(j) is int and 0 <= j < samples for j in positions
+    ):
+        return {"t": "error", "kind": "garbled reply", "msg": "errors at no sample of the call"}
+    errors = [[j, "bad value", msg] for j, _, msg in parsed.errors]
+    return {"t": "result", "values": parsed.values, "errors": errors}
+
+
+# kinds a box may claim: the function's own failures, and the limits its call meets in
+# the box (LimitedCall: they label that call only, and no more)
+_CLAIMABLE = ("bad return", WRONG_LENGTH, CPU, MEMORY, PROCESSES)
+_EXCEPTION_NAME = re.compile(r"[A-Z][A-Za-z0-9_]{0,99}")
+
+
+def _checked_kind(kind: str, msg: str, timeout_s: float, elapsed: float) -> tuple[str, str]:
+    """The kind of a failed call as the supervisor sets it (a box may send any): a claimed
+    "timeout" only once the call ran for timeout_s (the box's own watchdog fires no
+    sooner), an exception's name or a kind of _CLAIMABLE as claimed; the rest (a kind the
+    supervisor or the pool sets: "box died", "output limit", ...) "raised", the claim kept
+    in the message."""
+    if kind == TIMEOUT and elapsed >= timeout_s:
+        return kind, msg
+    if kind in _CLAIMABLE or _EXCEPTION_NAME.fullmatch(kind):
+        return kind, msg
+    return "raised", f"{one_line(kind, 60)}: {msg}"
 
 
 def _as_payload(message: dict) -> bytes:
@@ -247,7 +297,7 @@ def validate(raw: Any, n: int) -> tuple[list[float | None], list[list]]:
         raise BadReturn(f"returned a {type(raw).__name__} for {n} samples; return a list of {n}")
     if len(items) != n:
         raise BadReturn(
-            f"returned {len(items)} values for {n} samples; return a list of {n}", "wrong length"
+            f"returned {len(items)} values for {n} samples; return a list of {n}", WRONG_LENGTH
         )
     values: list[float | None] = []
     errors: list[list] = []
