@@ -124,6 +124,25 @@ HOSTILE_CODE = textwrap.dedent(
         time.sleep(60)
         return [1.0] * len(completions)
 
+    def loopback(prompts, completions, **columns):  # listens, or connects, on 127.0.0.1
+        import socket
+        port = 47000 + int(MARK.rsplit(".", 1)[1]) % 1000
+        end = time.time() + 4
+        if completions[0] == "listen":
+            s = socket.socket()
+            s.bind(("127.0.0.1", port)); s.listen(4); s.settimeout(4)
+            try:
+                s.accept()[0].sendall(b"hello")
+            except OSError:
+                pass
+            return [0.0]
+        while time.time() < end:
+            try:
+                return [float(socket.create_connection(("127.0.0.1", port), 1).recv(5) == b"hello")]
+            except OSError:
+                time.sleep(0.05)
+        return [0.0]
+
     def forger(prompts, completions, **columns):  # sends its box's reply itself
         import gc, json
         if completions[0].startswith("{"):
@@ -359,3 +378,13 @@ def test_a_forged_reply_fails_its_own_call_only_never_its_neighbours(hostile, fo
         again = make_samples(["honest", "honest"])
         pool.score(again)  # the worker is still whole
         assert [s.reward for s in again] == [1.0, 1.0]
+
+
+def test_calls_side_by_side_do_not_share_a_loopback(hostile):
+    """Two prompts' calls run side by side in one worker: one listens on 127.0.0.1, the
+    other connects there. Each box has a network namespace of its own (or the worker runs
+    them one at a time): the connect finds nobody."""
+    with RewardPool(cfg(hostile, "loopback", timeout_s=20.0, calls_per_worker=2)) as pool:
+        samples = make_samples(["listen", "connect"])
+        pool.score(samples)
+    assert [s.reward for s in samples] == [0.0, 0.0]

@@ -62,6 +62,17 @@ def calls_per_worker(rewards_cfg: Any) -> int:
     return max(1, (cpus or 1) // int(getattr(rewards_cfg, "num_workers", 1) or 1))
 
 
+def side_by_side(plan: SandboxPlan, parallel: int) -> dict:
+    """What a worker's start-up message says of its calls side by side: as many as asked,
+    each box with a network namespace of its own where it can have one (levels.py
+    `boxes_own_network`: else the loopback is every worker's anyway, the host's); one at a
+    time where its boxes would share a process count (`boxes_share_a_process_count`: a
+    call that forks up to it would leave its neighbour none)."""
+    if plan.boxes_share_a_process_count():
+        parallel = 1
+    return {"parallel": parallel, "own_network": parallel > 1 and plan.boxes_own_network()}
+
+
 def startup_timeout(rewards_cfg: Any) -> float:
     return float(getattr(rewards_cfg, "startup_timeout_s", None) or DEFAULT_STARTUP_TIMEOUT_S)
 

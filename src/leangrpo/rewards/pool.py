@@ -15,7 +15,8 @@ manager rather than a `ProcessPoolExecutor`, because an executor cannot stop a r
   function on one chunk; the calls of a scoring are shared out among the workers, each
   worker's share in one message (a round trip per scoring, not per call), and its
   supervisor runs them side by side (`rewards.calls_per_worker`), answering each as it
-  ends. The pool waits on all workers at once.
+  ends (check.py `side_by_side`: each box then in a network namespace of its own where
+  it can have one; one at a time where its boxes would share a process count). The pool waits on all workers at once.
 - Failures are per call and per sample: a value that is not a finite number or None is
   that sample's failure. A list of the wrong length is the call's failure like any other
   (a program a reward runs can forge its box's reply, worker.py: no kind a box sends may
@@ -64,7 +65,14 @@ from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any
 
 from leangrpo.pipeline.advantages import mean_std
-from leangrpo.rewards.check import did_not_start, exited, init_error, startup_timeout, worker_init
+from leangrpo.rewards.check import (
+    did_not_start,
+    exited,
+    init_error,
+    side_by_side,
+    startup_timeout,
+    worker_init,
+)
 from leangrpo.rewards.protocol import (
     WRONG_LENGTH,
     CallError,
@@ -151,6 +159,7 @@ class RewardPool:
         self._plan = plan_for(rewards_cfg, "rewards") if self.specs else None
         if self._plan is not None:
             log.info("%s", self._plan.describe())
+            self._init.update(side_by_side(self._plan, self._init["parallel"]))
         self._lock = threading.RLock()  # one score() at a time; close() may re-enter
         self._state = threading.Lock()  # guards _closed against spawning new workers
         self._closed = False

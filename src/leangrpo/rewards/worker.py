@@ -17,7 +17,8 @@ picture). Two halves:
 - `supervise(channel, init, boxes)`, in the supervisor (`Calls`): a task is a list of
   calls, each one function on one chunk of samples (protocol.py); each call runs in a
   fresh box (a process of its own, forked from the zygote, that never saw another call;
-  its inputs unpickled there), up to `init["parallel"]` boxes side by side, and each box
+  its inputs unpickled there), up to `init["parallel"]` boxes side by side (each then in
+  a network namespace of its own: rewards/check.py `side_by_side`), and each box
   is killed with its tree once it has answered. The supervisor accepts one reply per
   box, from the box's main process, and sends the trainer only its values, stamped with
   the call and function it asked for, as soon as that call ends: a forged or late frame,
@@ -107,6 +108,8 @@ class Calls:
         self.queue: deque[tuple[int, int, bytes, int]] = deque()
         self.running: dict[Box, _Running] = {}
         boxes.spare_metered = False  # a box holds one call: its output is counted here
+        # side by side, each box has a loopback of its own where it can (check.py)
+        boxes.spare_network = bool(init.get("own_network"))
         # spares for two rounds of calls: refilled in batches (box.py `refill`) while one
         # round's are still ready
         boxes.spare_count = max(boxes.spare_count, 2 * self.parallel)
