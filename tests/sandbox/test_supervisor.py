@@ -166,3 +166,25 @@ def test_a_call_that_finds_no_spare_ready_keeps_one_more_once():
             sock.close()
             os.close(fd)
         os.waitpid(pid, 0)
+
+
+def test_a_burst_of_calls_asks_for_at_most_max_spares_at_once():
+    """A scoring of hundreds of calls on one worker reserved a spare box per call: each
+    holds descriptors in the supervisor and the zygote, and a batch of 256 ran out of them
+    (the worker exited). The spares asked for at once stay within MAX_SPARES."""
+    supervisor, zygote_end = socket.socketpair()
+    channel, trainer = socket.socketpair()
+    boxes = Boxes(supervisor, channel.fileno(), spares=0)
+    try:
+        boxes.reserve(256)
+        boxes.reserve(256)  # the same burst: nothing more until spares are taken
+        zygote_end.setblocking(False)
+        reader, requests = FrameReader(), []
+        with contextlib.suppress(BlockingIOError):
+            while data := zygote_end.recv(1 << 16):
+                requests += reader.feed(data)
+        kinds = [pickle.loads(r)["t"] for r in requests]
+        assert kinds == ["box"] * MAX_SPARES and boxes.spare_count == MAX_SPARES
+    finally:
+        for sock in (supervisor, zygote_end, channel, trainer):
+            sock.close()

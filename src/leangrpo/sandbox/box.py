@@ -210,9 +210,12 @@ class Boxes:
 
     def reserve(self, count: int) -> None:
         """`count` spare boxes asked for at once (a burst of calls about to start), and as
-        many kept from now on (up to MAX_SPARES): the zygote forks those missing in one
+        many kept from now on, up to MAX_SPARES both (each holds descriptors, the
+        supervisor's and the zygote's: a burst of hundreds of calls would run out of them;
+        the rest are asked for as these are taken): the zygote forks those missing in one
         batch."""
-        self.spare_count = max(self.spare_count, min(count, MAX_SPARES))
+        count = min(count, MAX_SPARES)
+        self.spare_count = max(self.spare_count, count)
         self._request_spares(count - len(self._spares))
 
     def refill(self) -> None:
