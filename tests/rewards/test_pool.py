@@ -377,16 +377,37 @@ def test_a_function_that_times_out_on_every_call_is_not_retried_sample_by_sample
     assert metrics["reward/slow/timeouts"] == 1
 
 
-def test_a_function_timing_out_on_every_prompt_is_given_up_on_after_one_chunk(user_module):
-    """With 4 prompts' samples queued, the function is given up on after 2 calls (a user
-    function's calls hold one sample each), not one per prompt or per sample."""
+def test_a_function_timing_out_on_every_prompt_is_given_up_on_after_half_the_prompts(
+    user_module,
+):
+    """With 4 prompts' samples queued, the function is given up on after 2 calls on each
+    of 2 prompts (a user function's calls hold one sample each), not one per sample."""
     f = f"{user_module}:slow"
     samples = [s for p in range(4) for s in make_samples(["sleep"] * 4, prompt=p)]
     with RewardPool(cfg((f, 1.0, {}), timeout_s=0.5, num_workers=1, calls_per_worker=1)) as pool:
         metrics = pool.score(samples)
-        assert pool._calls_run == 2
+        assert pool._calls_run == 4
     assert all(s.reward is None for s in samples)
     assert metrics["reward/slow/timeouts"] == 16
+
+
+@pytest.mark.parametrize("same_prompt", [True, False])
+def test_two_looping_samples_leave_the_other_prompts_scored(user_module, same_prompt):
+    """Two samples that time out, run first and side by side, were taken for a function
+    that always times out: the pool gave it up for the batch and cancelled the other
+    prompts' calls, which never started. They are a prompt's own: the rest are scored."""
+    loopers = (
+        make_samples(["sleep", "sleep"], prompt=98)
+        if same_prompt
+        else make_samples(["sleep"], prompt=98) + make_samples(["sleep"], prompt=99)
+    )
+    samples = loopers + make_samples(["a", "b", "c", "d"])
+    config = cfg((f"{user_module}:slow", 1.0, {}), timeout_s=0.5, num_workers=1,
+                 calls_per_worker=2)  # fmt: skip
+    with RewardPool(config) as pool:
+        metrics = pool.score(samples)
+    assert [s.reward for s in samples] == [None, None, 0.5, 0.5, 0.5, 0.5]
+    assert metrics["reward/slow/timeouts"] == 2
 
 
 def test_startup_timeout_bounds_a_built_in_workers_start_too():

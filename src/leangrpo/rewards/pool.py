@@ -34,11 +34,15 @@ manager rather than a `ProcessPoolExecutor`, because an executor cannot stop a r
   once a function's speed is measured (the seconds its box reports) so that a chunk
   takes about a quarter of it. The sandbox's other limits (CPU, memory, output,
   processes) fail a call the same way; each kind is counted in `reward/<kind>_failures`.
-  A function that times out on every call of a batch (its chunks, then GIVE_UP_AFTER
-  samples alone) is not retried on the rest: they fail as timed out too, its calls
-  still queued at a worker are cancelled there (`reward/<name>/timeouts` counts a
-  function's samples that did), so such a batch costs a few timeouts, not one per
-  sample; a batch whose every sample timed out stops the run (train/skips.py).
+  A function that times out on every call on a prompt (its chunks, then GIVE_UP_AFTER
+  samples alone) is not retried on that prompt's other samples: they fail as timed out
+  too, its calls still queued at a worker are cancelled there (`reward/<name>/timeouts`
+  counts a function's samples that did). Other prompts' calls still run (two looping
+  samples that happen to run first must not leave the batch unscored), until at least
+  half the batch's prompts are given up on with none of the function's calls answered:
+  then the function is, for the batch. So such a batch costs a few timeouts per prompt
+  of half the batch, not one per sample; a batch whose every sample timed out stops the
+  run (train/skips.py).
 - Multi-turn trajectories: rewards also get the trajectory's columns (`trajectory_columns`);
   the environment's reward terms are added to the total (weight 1) as `env/<name>`, and a
   trajectory whose environment failed is unscored. With no reward function configured
@@ -104,8 +108,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("leangrpo.rewards")
 # Failures that say more about the moment than the function: never "the same way" (item 5)
 CIRCUMSTANTIAL = ("worker died", "box died", "garbled reply", "forged reply", *LIMIT_KINDS)
-# One-sample calls of a function that time out, none of its calls of the batch having
-# returned, before its other samples are given up on (`_give_up_on`)
+# One-sample calls of a function on one prompt that time out, none of its calls on that
+# prompt having returned, before that prompt's other samples are given up on; and prompts
+# so given up on (at least half the batch's), none of its calls having returned, before
+# the function is (`_give_up_on`)
 GIVE_UP_AFTER = 2
 
 
@@ -128,9 +134,12 @@ class _Run:
     limits: dict[str, int] = field(default_factory=dict)  # samples failed at a sandbox limit
     ways: list[dict[str, str]] = field(default_factory=list)  # [function]: kind -> first detail
     timeouts: list[int] = field(default_factory=list)  # [function]: samples failed by timeout
-    alone_timed_out: list[int] = field(default_factory=list)  # [function]: one-sample calls
-    answered: list[bool] = field(default_factory=list)  # [function]: any call of it returned
+    # [function]: prompt -> its one-sample calls that timed out
+    alone_timed_out: list[dict[Any, int]] = field(default_factory=list)
+    answered: list[set] = field(default_factory=list)  # [function]: prompts a call returned on
     given_up: dict[int, str] = field(default_factory=dict)  # function -> why (`_give_up_on`)
+    # [function]: prompt -> why (`_give_up_on`)
+    prompts_given_up: list[dict[Any, str]] = field(default_factory=list)
 
 
 class RewardPool:
@@ -240,7 +249,9 @@ class RewardPool:
         n, k = len(samples), len(self.specs)
         run = _Run(samples, [[None] * n for _ in self.specs], [0] * k)
         run.ways, run.timeouts = [{} for _ in self.specs], [0] * k
-        run.alone_timed_out, run.answered = [0] * k, [False] * k
+        run.alone_timed_out = [{} for _ in self.specs]
+        run.answered = [set() for _ in self.specs]
+        run.prompts_given_up = [{} for _ in self.specs]
         run.queue.extend(self._initial_calls(samples))
         payload = _payload(samples)
         while run.queue or any(w.calls for w in self._workers):
@@ -398,13 +409,13 @@ class RewardPool:
         del worker.calls[reply.task]
         self._progress(worker, time.monotonic())
         if isinstance(reply, Cancelled):
-            why = run.given_up.get(call.fn, "cancelled")
+            why = _given_up(run, call) or "cancelled"
             for i in call.indices:
                 self._sample_failed(run, call.fn, i, TIMEOUT, why)
             return
         self._calls_run += 1
         if isinstance(reply, Result):
-            run.answered[call.fn] = True
+            run.answered[call.fn].add(_prompt(run, call))
             self._record_time(call.fn, reply.seconds, len(call.indices))
             for i, value in zip(call.indices, reply.values):
                 run.values[call.fn][i] = value
@@ -428,32 +439,51 @@ class RewardPool:
             return
         self._sample_failed(run, fn, call.indices[0], kind, msg)
         if kind == TIMEOUT:
-            run.alone_timed_out[fn] += 1
-            if run.alone_timed_out[fn] >= GIVE_UP_AFTER and not run.answered[fn]:
-                self._give_up_on(run, fn)
+            uid = _prompt(run, call)
+            timed_out = run.alone_timed_out[fn]
+            timed_out[uid] = timed_out.get(uid, 0) + 1
+            if timed_out[uid] >= GIVE_UP_AFTER and uid not in run.answered[fn]:
+                self._give_up_on(run, fn, uid)
 
-    def _give_up_on(self, run: _Run, fn: int) -> None:
-        """A function that timed out on every call of this batch, its chunks and
-        GIVE_UP_AFTER samples alone: its samples not scored yet are left unscored as timed
-        out, not each retried for timeout_s (17 s a batch at timeout_s 1 with 16 samples).
-        Its calls still queued here are dropped; those a worker holds are cancelled there
-        (its supervisor answers each "cancelled", or with what it returned first)."""
-        if fn in run.given_up:
+    def _give_up_on(self, run: _Run, fn: int, uid: Any) -> None:
+        """Function fn timed out on every call on prompt `uid` of this batch, GIVE_UP_AFTER
+        samples alone: that prompt's samples not scored yet are left unscored as timed out,
+        not each retried for timeout_s. Only that prompt's: the calls of other prompts,
+        which may not have started (two looping samples run first, side by side), still
+        run. Once at least half the batch's prompts (and GIVE_UP_AFTER) are so given up
+        on, none of the function's calls having returned, the function itself is: the
+        rest of its samples fail the same way. Calls still queued here are dropped; those
+        a worker holds are cancelled there (its supervisor answers each "cancelled", or
+        with what it returned first)."""
+        if fn in run.given_up or uid in run.prompts_given_up[fn]:
             return
-        why = run.given_up[fn] = (
-            f"not run: every call of this batch timed out (its chunks and {GIVE_UP_AFTER} "
-            f"samples alone, at rewards.timeout_s = {self.timeout_s:g} s)"
+        run.prompts_given_up[fn][uid] = why = (
+            f"not run: {GIVE_UP_AFTER} samples of its prompt timed out alone, none scored "
+            f"(at rewards.timeout_s = {self.timeout_s:g} s)"
         )
+        self._cancel(run, fn, why, lambda call: _prompt(run, call) == uid)
+        prompts = len({sample.prompt.uid for sample in run.samples})
+        given_up = len(run.prompts_given_up[fn])
+        if given_up >= max(GIVE_UP_AFTER, -(-prompts // 2)) and not run.answered[fn]:
+            run.given_up[fn] = why = (
+                f"not run: every call of this batch timed out ({GIVE_UP_AFTER} samples alone "
+                f"of each of {given_up} prompts, at rewards.timeout_s = {self.timeout_s:g} s)"
+            )
+            self._cancel(run, fn, why, lambda call: True)
+
+    def _cancel(self, run: _Run, fn: int, why: str, chosen: Any) -> None:
+        """Function fn's calls that `chosen` picks fail as timed out (`why`) without a run:
+        dropped from the queue, cancelled at the worker that holds them."""
         kept: deque[_Call] = deque()
         for call in run.queue:
-            if call.fn != fn:
+            if call.fn != fn or not chosen(call):
                 kept.append(call)
                 continue
             for i in call.indices:
                 self._sample_failed(run, fn, i, TIMEOUT, why)
         run.queue = kept
         for worker in self._workers:
-            held = [call.id for call in worker.calls.values() if call.fn == fn]
+            held = [call.id for call in worker.calls.values() if call.fn == fn and chosen(call)]
             if held:
                 with contextlib.suppress(WorkerGone):  # then its calls fail with it
                     worker.send(("cancel", held))
@@ -496,9 +526,10 @@ class RewardPool:
         calls = list(self._workers[slot].calls.values())
         self._replace(slot)
         for call in calls:
-            if call.fn in run.given_up:
+            why = _given_up(run, call)
+            if why is not None:
                 for i in call.indices:
-                    self._sample_failed(run, call.fn, i, TIMEOUT, run.given_up[call.fn])
+                    self._sample_failed(run, call.fn, i, TIMEOUT, why)
             elif call.requeued:
                 self._call_failed(run, call, kind, msg)
             else:
@@ -562,6 +593,16 @@ _LIVE_POOLS: weakref.WeakSet[RewardPool] = weakref.WeakSet()
 def _close_live_pools() -> None:
     for pool in list(_LIVE_POOLS):
         pool.close()
+
+
+def _prompt(run: _Run, call: _Call) -> Any:
+    """The prompt of a call's samples (a chunk never mixes prompts)."""
+    return run.samples[call.indices[0]].prompt.uid
+
+
+def _given_up(run: _Run, call: _Call) -> str | None:
+    """Why a call is not run (its function or its prompt given up on), or None."""
+    return run.given_up.get(call.fn) or run.prompts_given_up[call.fn].get(_prompt(run, call))
 
 
 def _payload(samples: list[RolloutSample]) -> tuple[list[str], list[str], dict[str, list]]:
