@@ -9,9 +9,15 @@ Per sandbox level (sandbox/levels.py), `process` and `namespace`. Cases:
   and its clean-up).
 - `reward call (math)`: the same with `math` (math-verify imported: a larger worker to
   fork; the demo's answers are integers, checked without sympy).
+- `spaced call`, `spaced call (math)`: the same calls, each 50 ms after the one before
+  (as in training, where the trainer generates between scorings: the spare boxes are
+  ready and what the last call left is done); `time_s` is the median, the latency a
+  scoring waits for; CPU per call counts the gaps.
 - `scoring burst`: one `RewardPool.score` of 16 prompts x 8 samples with `math` after
-  0.3 s without calls (a step of `make demo`: 16 calls on one worker, while the trainer
-  generated and trained in between); time per call.
+  0.3 s without calls (a step of `make demo`: 16 calls on one worker, in one message
+  since issue 36's cost work, while the trainer generated and trained in between); wall
+  time per call of the scoring, CPU per call of the scoring and the 0.3 s after it (what
+  the burst left: its boxes' ends, the spares forked for the next one).
 - `trajectory start`: `EnvironmentPool.reset` of one new trajectory of the tool demo's
   environment (its box started and the environment built).
 - `tool call`: `EnvironmentPool.step` of one trajectory calling the tool demo's
@@ -22,7 +28,11 @@ seconds per call of the trainer and every process of the worker, boxes that ende
 included: steadier than wall time on a shared machine; start-up: of the trainer only),
 `peak_bytes` (proportional set size, PSS, of the worker's processes after the measured
 calls; for a trajectory, with its box alive), `time_ratio`, `cpu_ratio` and `mem_ratio`
-against the baseline of the same case and level from the same run. **Baseline**: with
+against the baseline of the same case and level from the same run; for the reward
+cases of code with a zygote, `split`: per call, the CPU milliseconds of the trainer, the
+supervisor, the zygote and the boxes that ended (from /proc: the zygote's reaped
+children), and the minor page faults (copy-on-write copies, mostly) of the zygote and of
+those boxes. **Baseline**: with
 `--before DIR`, the same case and level measured with the leangrpo in DIR (the code
 before a change, e.g. before boxes: `git archive 30e860d src | tar -x -C /tmp/before`,
 then `--before /tmp/before/src`), run in a child process just before; without it, the
@@ -46,6 +56,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+GAP_S = 0.05  # between two spaced calls
 CALCULATOR = str(ROOT / "examples" / "tools_demo" / "calculator.py") + ":add"
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 123, "b": 456}}</tool_call>'
 USER = [{"role": "user", "content": "123+456="}]
@@ -93,6 +104,59 @@ def cpu_now(pid: int) -> float:
     return total
 
 
+def worker_roles(pid: int, level: str) -> tuple[int, int] | None:
+    """(supervisor, zygote) of the worker launched as `pid`; None for code without a
+    zygote (before boxes)."""
+    try:
+        supervisor = psutil.Process(pid)
+        if level == "namespace":  # the launcher waits; its child is the worker
+            (supervisor,) = supervisor.children()
+        (zygote,) = supervisor.children()
+        return supervisor.pid, zygote.pid
+    except (ValueError, psutil.Error):
+        return None
+
+
+def process_counters(pid: int) -> tuple[float, int, float, int]:
+    """(CPU seconds, minor faults) of `pid` and of its children it reaped, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    minflt, cminflt = int(fields[7]), int(fields[8])
+    own = (int(fields[11]) + int(fields[12])) / tick
+    reaped = (int(fields[13]) + int(fields[14])) / tick
+    return own, minflt, reaped, cminflt
+
+
+class Split:
+    """Where a call's CPU goes: the trainer, the supervisor, the zygote, the ended boxes
+    (reaped by the zygote: spares forked in the window and still alive are left out), and
+    the page faults of the zygote and of those boxes."""
+
+    def __init__(self, pid: int, level: str):
+        self.roles = worker_roles(pid, level)
+        self.start = self._now()
+
+    def _now(self) -> tuple | None:
+        if self.roles is None:
+            return None
+        supervisor, zygote = self.roles
+        return (time.process_time(), process_counters(supervisor), process_counters(zygote))
+
+    def per_call(self, calls: int) -> dict | None:
+        end = self._now()
+        if self.start is None or end is None:
+            return None
+        (t0, s0, z0), (t1, s1, z1) = self.start, end
+        ms = {"trainer": t1 - t0, "supervisor": s1[0] - s0[0], "zygote": z1[0] - z0[0],
+              "boxes": z1[2] - z0[2]}  # fmt: skip
+        return {
+            "cpu_ms": {k: round(v / calls * 1e3, 2) for k, v in ms.items()},
+            "faults": {"zygote": round((z1[1] - z0[1]) / calls),
+                       "boxes": round((z1[3] - z0[3]) / calls)},  # fmt: skip
+        }
+
+
 def tree_pss(pid: int) -> int:
     total = 0
     for proc in tree(pid):
@@ -122,13 +186,42 @@ def reward_calls(level: str, calls: int, name: str = "length") -> tuple[float, f
         for i in range(3):  # warm: the first calls measure the function's speed
             pool.score(prompt_samples(i, 8))
         pid = pool._workers[0].pid
-        t0, c0 = time.perf_counter(), cpu_now(pid)
+        c0 = cpu_now(pid)
+        split = Split(pid, level)
+        t0 = time.perf_counter()
         for i in range(calls):
             batch = prompt_samples(i, 8)
             pool.score(batch)
             assert batch[0].reward == 1.0, batch[0]
         elapsed = (time.perf_counter() - t0) / calls
-        return elapsed, (cpu_now(pid) - c0) / calls, tree_pss(pid)
+        where = split.per_call(calls)
+        return elapsed, (cpu_now(pid) - c0) / calls, tree_pss(pid), where
+
+
+def spaced_calls(level: str, calls: int, name: str = "length") -> tuple:
+    """As `reward_calls`, each call GAP_S after the one before (the trainer generated in
+    between: the spares are ready, what the last call left is done): the median wall time
+    of a call, and the CPU of calls and gaps together per call."""
+    from leangrpo.rewards import RewardPool
+
+    with RewardPool(rewards_cfg(level, name)) as pool:
+        for i in range(3):
+            pool.score(prompt_samples(i, 8))
+        pid = pool._workers[0].pid
+        time.sleep(GAP_S)
+        c0 = cpu_now(pid)
+        split = Split(pid, level)
+        times = []
+        for i in range(calls):
+            batch = prompt_samples(i, 8)
+            t0 = time.perf_counter()
+            pool.score(batch)
+            times.append(time.perf_counter() - t0)
+            assert batch[0].reward == 1.0, batch[0]
+            time.sleep(GAP_S)
+        where = split.per_call(calls)
+        median = sorted(times)[len(times) // 2]
+        return median, (cpu_now(pid) - c0) / calls, tree_pss(pid), where
 
 
 def scoring_bursts(level: str, bursts: int, prompts: int = 16) -> tuple[float, float, int]:
@@ -138,17 +231,29 @@ def scoring_bursts(level: str, bursts: int, prompts: int = 16) -> tuple[float, f
         for _ in range(2):  # warm: speeds measured, spare boxes as many as a burst keeps
             pool.score([s for p in range(prompts) for s in prompt_samples(p, 8)])
         pid = pool._workers[0].pid
-        elapsed, cpu = 0.0, 0.0
+        time.sleep(0.3)
+        elapsed, cpu, splits = 0.0, 0.0, []
         for _ in range(bursts):
-            time.sleep(0.3)  # the trainer generates and trains
             batch = [s for p in range(prompts) for s in prompt_samples(p, 8)]
-            t0, c0 = time.perf_counter(), cpu_now(pid)
+            c0 = cpu_now(pid)
+            split = Split(pid, level)
+            t0 = time.perf_counter()
             pool.score(batch)
             elapsed += time.perf_counter() - t0
-            cpu += cpu_now(pid) - c0
             assert all(s.reward == 1.0 for s in batch), batch[0]
+            time.sleep(0.3)  # the trainer generates and trains: the next burst's boxes forked
+            splits.append(split.per_call(prompts))
+            cpu += cpu_now(pid) - c0  # the burst and what it left to do (its boxes' ends,
+            # the spares forked for the next one): all a burst's calls cost
         calls = bursts * prompts
-        return elapsed / calls, cpu / calls, tree_pss(pid)
+        return elapsed / calls, cpu / calls, tree_pss(pid), mean_split(splits)
+
+
+def mean_split(splits: list[dict | None]) -> dict | None:
+    if not splits or None in splits:
+        return None
+    return {group: {k: round(sum(s[group][k] for s in splits) / len(splits), 2)
+                    for k in splits[0][group]} for group in splits[0]}  # fmt: skip
 
 
 def trajectory_starts(level: str, calls: int) -> tuple[float, float, int]:
@@ -186,21 +291,25 @@ def tool_calls(level: str, calls: int) -> tuple[float, float, int]:
         return elapsed, (cpu_now(pid) - c0) / calls, tree_pss(pid)
 
 
-CASES = ("start-up", "reward call", "reward call (math)", "scoring burst", "trajectory start",
-         "tool call")  # fmt: skip
+CASES = ("start-up", "reward call", "reward call (math)", "spaced call", "spaced call (math)",
+         "scoring burst", "trajectory start", "tool call")  # fmt: skip
 
 
-def measure(case: str, level: str, quick: bool) -> tuple[float, float, int]:
+def measure(case: str, level: str, quick: bool) -> tuple[float, float, int, dict | None]:
+    """(wall seconds, CPU seconds per call, PSS, where a reward call's CPU goes or None)."""
     repeats, calls = (2, 20) if quick else (5, 100)
     runs = {
         "start-up": lambda: start_up(level, repeats),
         "reward call": lambda: reward_calls(level, calls),
         "reward call (math)": lambda: reward_calls(level, calls, "math"),
+        "spaced call": lambda: spaced_calls(level, calls),
+        "spaced call (math)": lambda: spaced_calls(level, calls, "math"),
         "scoring burst": lambda: scoring_bursts(level, repeats + 1),
         "trajectory start": lambda: trajectory_starts(level, calls),
         "tool call": lambda: tool_calls(level, calls),
     }
-    return runs[case]()
+    result = runs[case]()
+    return result if len(result) == 4 else (*result, None)
 
 
 def main() -> None:
@@ -224,10 +333,12 @@ def main() -> None:
             if args.before:
                 base = before(args, case, level)
                 print(json.dumps(base), flush=True)
-            time_s, cpu_s, peak = measure(case, level, args.quick)
+            time_s, cpu_s, peak, split = measure(case, level, args.quick)
             row = {"bench": "sandbox", "case": case, "device": device_name("cpu"),
                    "variant": level, "src": source, "time_s": round(time_s, 5),
                    "cpu_s": round(cpu_s, 5), "peak_bytes": peak}  # fmt: skip
+            if split is not None:
+                row["split"] = split
             if base is None:
                 base = row
             else:

@@ -12,6 +12,8 @@ from support.configs import SRC, rewards_section
 from support.processes import run_python
 
 from leangrpo.rewards import RewardSpecError, check_rewards
+from leangrpo.rewards.check import side_by_side
+from leangrpo.sandbox.levels import SandboxPlan
 
 CLEAN_ENV = {"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"}  # nothing else inherited
 
@@ -118,3 +120,21 @@ def test_the_check_imports_neither_torch_nor_the_pool(tmp_path):
     done = run_python(code, env=CLEAN_ENV)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("level", "network", "process_limit", "parallel", "own_network"),
+    [
+        ("namespace", False, "cgroup", 4, True),  # a loopback and a pids cgroup per box
+        ("namespace", False, "", 4, True),  # no process limit: no count shared either
+        ("namespace", False, "rlimit", 1, False),  # RLIMIT_NPROC: the worker's uid's count
+        ("namespace", True, "cgroup", 4, False),  # the host's network, every worker's
+        ("process", False, "cgroup", 4, False),  # no network namespace per box
+    ],
+)
+def test_calls_side_by_side_get_a_loopback_and_process_count_of_their_own(
+    level, network, process_limit, parallel, own_network
+):
+    plan = SandboxPlan("rewards", level, network=network, process_limit=process_limit)
+    assert side_by_side(plan, 4) == {"parallel": parallel, "own_network": own_network}
+    assert side_by_side(plan, 1) == {"parallel": 1, "own_network": False}

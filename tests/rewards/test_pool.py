@@ -1,11 +1,13 @@
-"""RewardPool: scoring in worker processes, failure isolation, time limits, fail_fast, a
-wrong-length return and systematic failures stopping the run, close."""
+"""RewardPool: scoring in worker processes, failure isolation, time limits, fail_fast,
+wrong-length returns and systematic failures stopping the run, close."""
 
 from __future__ import annotations
 
 import math
 import re
 import textwrap
+import threading
+import time
 
 import pytest
 from support.configs import rewards_section
@@ -61,6 +63,21 @@ USER_CODE = textwrap.dedent(
 
     def echo_level(prompts, completions, level, scale=1.0, **columns):
         return [scale * lv for lv in level]
+
+    def meet(prompts, completions, meeting, **columns):  # scores only beside its partner
+        import os
+        mine = os.path.join(meeting[0], completions[0])
+        partner = os.path.join(meeting[0], "b" if completions[0] == "a" else "a")
+        open(mine, "w").close()
+        deadline = time.monotonic() + 30  # a hang guard: alone, it never meets
+        while not os.path.exists(partner) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        print("met" if os.path.exists(partner) else "alone", completions[0], "x" * 5000)
+        return [float(os.path.exists(partner))]
+
+    def nap(prompts, completions, **columns):
+        time.sleep(1.0)
+        return [0.75] * len(completions)
     """
 )
 
@@ -189,15 +206,24 @@ def test_fail_fast_is_one_sentence_naming_function_sample_and_error(user_module)
         assert [s.reward for s in samples] == [2.0, 2.0]
 
 
-def test_a_list_of_the_wrong_length_stops_at_once_naming_the_function_and_lengths(user_module):
+def test_a_list_of_the_wrong_length_fails_its_call_and_stops_the_run_when_systematic(
+    user_module,
+):
     """A user function's calls hold one sample each (its own box): `[1.0]` fits them, a
-    list of two does not."""
+    list of two does not. A box's reply can be forged by the program a reward runs, so no
+    reply stops the run on its own: each such call fails (counted), and a function that
+    does it on every sample of 2 or more prompts is stopped after the batch."""
     name = "wrong_length"
     with RewardPool(cfg((f"{user_module}:{name}", 1.0, {}), timeout_s=5.0, num_workers=1)) as pool:
+        samples = make_samples(["a", "b"], prompt=0)  # one prompt: maybe its data row
+        assert pool.score(samples)[f"reward/{name}/failures"] == 2.0
         with pytest.raises(RewardFailedError) as err:
-            pool.score(make_samples(["a", "b", "c", "d"], prompt=0))
+            pool.score(make_samples(["a", "b", "c", "d"]))
         text = str(err.value)
-        assert text.startswith(f"reward '{name}' returned 2 values for 1 samples; ")
+        assert text.startswith(
+            f"reward '{name}' failed on all 4 samples of a batch the same way (returned 2 "
+            "values for 1 samples; return a list of 1)"
+        ), text
         assert "returns one reward per completion" in text and "\n" not in text
         assert is_user_error(err.value)
 
@@ -260,6 +286,76 @@ def test_failures_of_several_ways_or_of_the_moment_do_not_stop_the_run(user_modu
         assert [s.reward for s in samples] == [None, None] and metrics["reward/failures"] == 2
 
 
+def test_a_scorings_calls_reach_a_worker_in_one_message_and_run_side_by_side(
+    user_module, tmp_path, caplog
+):
+    """Issue 36's cost: a call per prompt was a round trip of its own, one box after the
+    other. Now one message carries a worker's share of a scoring, its supervisor runs the
+    calls side by side, each in its box (two calls that score only while both run: `meet`),
+    and answers each as it ends: the one that times out fails alone. Their output reaches
+    the log in whole lines."""
+    f = f"{user_module}:"
+    functions = [(f + "meet", 1.0, {}), (f + "slow", 1.0, {})]
+    config = cfg(*functions, timeout_s=60.0, num_workers=1, calls_per_worker=2,
+                 sandbox={"level": "process"})  # fmt: skip
+    samples = make_samples(["a", "b"])
+    for sample in samples:
+        sample.prompt.columns["meeting"] = str(tmp_path)
+    with caplog.at_level("INFO", logger="leangrpo.rewards"), RewardPool(config) as pool:
+        worker = pool._workers[0]
+        sent: list = []
+        send = worker.send
+        worker.send = lambda message: (sent.append(message[0]), send(message))[1]
+        metrics = pool.score(samples)
+    assert sent == ["calls"] and pool._calls_run == 4  # 2 functions x 2 prompts, one message
+    assert [s.rewards for s in samples] == [{"meet": 1.0, "slow": 0.5}] * 2, metrics
+    lines = [r.getMessage() for r in caplog.records if "met " in r.getMessage()]
+    assert sorted(line.split()[4] for line in lines) == ["a", "b"], lines  # whole lines
+    with RewardPool(cfg((f + "slow", 1.0, {}), timeout_s=0.5, num_workers=1,
+                        calls_per_worker=2)) as pool:  # fmt: skip
+        samples = make_samples(["sleep", "a", "b", "c"])
+        metrics = pool.score(samples)
+    assert [s.reward for s in samples] == [None, 0.5, 0.5, 0.5]
+    assert metrics["reward/slow/timeouts"] == 1 and metrics["reward/slow/failures"] == 1
+
+
+def test_a_worker_that_breaks_mid_scoring_sends_its_calls_again_once(user_module):
+    """The supervisor runs no user code, so a worker that breaks while its calls run (here:
+    killed from outside) is not their doing: they are sent again, to its replacement. A
+    call whose worker breaks a second time fails as "worker died"."""
+    f = f"{user_module}:nap"
+
+    def kill_workers(pool: RewardPool, times: int) -> threading.Thread:
+        def run() -> None:
+            killed: set[int] = set()
+            deadline = time.monotonic() + 120  # a hang guard
+            while len(killed) < times and time.monotonic() < deadline:
+                worker = pool._workers[0] if pool._workers else None
+                if worker is not None and worker.calls and worker.pid not in killed:
+                    time.sleep(0.2)  # its calls are running in their boxes
+                    killed.add(worker.pid)
+                    worker.terminate()
+                time.sleep(0.01)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
+    with RewardPool(cfg((f, 1.0, {}), timeout_s=30.0, num_workers=1)) as pool:
+        first = pool._workers[0].pid
+        samples = make_samples(["a", "b"])
+        killer = kill_workers(pool, 1)
+        metrics = pool.score(samples)
+        killer.join()
+        assert pool._workers[0].pid != first
+        assert [s.reward for s in samples] == [0.75, 0.75] and metrics["reward/failures"] == 0
+        samples = make_samples(["a", "b"])
+        killer = kill_workers(pool, 2)
+        metrics = pool.score(samples)
+        killer.join()
+    assert [s.reward for s in samples] == [None, None] and metrics["reward/nap/failures"] == 2
+
+
 def test_a_function_that_times_out_on_every_call_is_not_retried_sample_by_sample(user_module):
     """bad_reward_always_timeout_slow.sh: a chunk that timed out was retried one sample per
     call, each its own timeout (17 calls of timeout_s for 16 samples), on every batch. Now
@@ -267,10 +363,11 @@ def test_a_function_that_times_out_on_every_call_is_not_retried_sample_by_sample
     its calls having returned, the rest fail as timed out without a call; a slow sample
     among fast ones is still found."""
     f = f"{user_module}:slow"
-    with RewardPool(cfg((f, 1.0, {}), timeout_s=0.5, num_workers=1)) as pool:
+    one_at_a_time = {"num_workers": 1, "calls_per_worker": 1}
+    with RewardPool(cfg((f, 1.0, {}), timeout_s=0.5, **one_at_a_time)) as pool:
         samples = make_samples(["sleep"] * 16, prompt=0)
         metrics = pool.score(samples)
-        assert pool._task_ids == 2  # 2 samples alone (not 16)
+        assert pool._calls_run == 2  # 2 samples alone (not 16): the rest cancelled
     assert all(s.reward is None for s in samples)
     assert metrics["reward/slow/timeouts"] == 16 and metrics["reward/slow/failures"] == 16
     with RewardPool(cfg((f, 1.0, {}), timeout_s=0.5, num_workers=1)) as pool:
@@ -280,16 +377,37 @@ def test_a_function_that_times_out_on_every_call_is_not_retried_sample_by_sample
     assert metrics["reward/slow/timeouts"] == 1
 
 
-def test_a_function_timing_out_on_every_prompt_is_given_up_on_after_one_chunk(user_module):
-    """With 4 prompts' samples queued, the function is given up on after 2 calls (a user
-    function's calls hold one sample each), not one per prompt or per sample."""
+def test_a_function_timing_out_on_every_prompt_is_given_up_on_after_half_the_prompts(
+    user_module,
+):
+    """With 4 prompts' samples queued, the function is given up on after 2 calls on each
+    of 2 prompts (a user function's calls hold one sample each), not one per sample."""
     f = f"{user_module}:slow"
     samples = [s for p in range(4) for s in make_samples(["sleep"] * 4, prompt=p)]
-    with RewardPool(cfg((f, 1.0, {}), timeout_s=0.5, num_workers=1)) as pool:
+    with RewardPool(cfg((f, 1.0, {}), timeout_s=0.5, num_workers=1, calls_per_worker=1)) as pool:
         metrics = pool.score(samples)
-        assert pool._task_ids == 2
+        assert pool._calls_run == 4
     assert all(s.reward is None for s in samples)
     assert metrics["reward/slow/timeouts"] == 16
+
+
+@pytest.mark.parametrize("same_prompt", [True, False])
+def test_two_looping_samples_leave_the_other_prompts_scored(user_module, same_prompt):
+    """Two samples that time out, run first and side by side, were taken for a function
+    that always times out: the pool gave it up for the batch and cancelled the other
+    prompts' calls, which never started. They are a prompt's own: the rest are scored."""
+    loopers = (
+        make_samples(["sleep", "sleep"], prompt=98)
+        if same_prompt
+        else make_samples(["sleep"], prompt=98) + make_samples(["sleep"], prompt=99)
+    )
+    samples = loopers + make_samples(["a", "b", "c", "d"])
+    config = cfg((f"{user_module}:slow", 1.0, {}), timeout_s=0.5, num_workers=1,
+                 calls_per_worker=2)  # fmt: skip
+    with RewardPool(config) as pool:
+        metrics = pool.score(samples)
+    assert [s.reward for s in samples] == [None, None, 0.5, 0.5, 0.5, 0.5]
+    assert metrics["reward/slow/timeouts"] == 2
 
 
 def test_startup_timeout_bounds_a_built_in_workers_start_too():

@@ -170,9 +170,9 @@ def test_a_samples_program_cannot_reach_its_siblings():
     batch = samples(["a", "b", "c", "d"], [0, 0, 0, 0])  # one prompt's group
     with RewardPool(cfg) as pool:
         pool.score(batch)
-        sizes = {tuple(task.fns): len(task.indices) for task in pool._initial_tasks(batch)}
+        sizes = {call.fn: len(call.indices) for call in pool._initial_calls(batch)}
     assert [s.rewards["box_sharers_reward"] for s in batch] == [1.0] * 4
-    assert sizes == {(0,): 1, (1,): 4}, sizes
+    assert sizes == {0: 1, 1: 4}, sizes
 
 
 def test_a_program_cannot_forge_its_calls_limit():
@@ -198,6 +198,25 @@ def test_a_forked_child_holds_no_way_past_the_output_meter(level):
     with RewardPool(cfg) as pool:
         pool.score(batch)
     assert batch[0].reward == 0.0
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_reward_printing_without_end_fails_at_its_output_limit(level, caplog):
+    """A reward call's box writes into the supervisor's pipe directly (no meter thread in
+    it: one call per box), so the supervisor counts what it prints: past max_output_bytes
+    the call fails as "output limit" and its box is killed; at most 64 KiB of lines reach
+    the log; the other function's calls are scored."""
+    cfg = rewards_section("support.hostile_tools:flooding_reward", ("length", 1.0, {"target": 1}),
+                          sandbox={"level": level_here(level), "max_output_bytes": 65536})  # fmt: skip
+    batch = samples(["x", "y"], [0, 1])
+    with caplog.at_level("INFO", logger="leangrpo.rewards"), RewardPool(cfg) as pool:
+        metrics = pool.score(batch)
+    assert [s.rewards["flooding_reward"] for s in batch] == [None, None], metrics
+    assert [s.rewards["length"] for s in batch] == [1.0, 1.0], metrics
+    assert metrics["reward/output_failures"] == 2, metrics
+    said = [r.getMessage() for r in caplog.records]
+    assert any("printed more than 65536 bytes" in line for line in said), said
+    assert 0 < sum("spam" in line for line in said) <= (64 << 10) // 1000 + 1
 
 
 def test_a_timeout_in_exec_code_names_no_import(caplog):

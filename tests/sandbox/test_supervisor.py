@@ -132,3 +132,59 @@ def test_spare_boxes_grow_with_calls_that_wait_for_a_fork_and_stay_bounded():
             sock.close()
             os.close(fd)
         os.waitpid(pid, 0)
+
+
+def test_a_call_that_finds_no_spare_ready_keeps_one_more_once():
+    """The reward supervisor takes spares without waiting (`ready_spare`, calls side by
+    side): a call that finds none ready keeps one more spare from then on, once per wait,
+    so that the spares refilled in batches are there before the calls that need them."""
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        os._exit(0)
+    supervisor, zygote_end = socket.socketpair()
+    channel, trainer = socket.socketpair()
+    boxes = Boxes(supervisor, channel.fileno(), spares=2)
+    zygote = HeldZygote(zygote_end, pid)
+    try:
+        boxes.reserve(2)
+        assert boxes.ready_spare() is None and boxes.spare_count == 3  # not forked yet
+        assert boxes.ready_spare() is None and boxes.spare_count == 3  # the same wait
+        zygote.free()
+        deadline = time.monotonic() + 30  # a hang guard
+        box = None
+        while box is None and time.monotonic() < deadline:
+            box = boxes.ready_spare()
+            time.sleep(0.01)
+        assert box is not None and boxes.spare_count == 3
+        boxes.end(box)
+        assert boxes.ready_spare() is not None and boxes.spare_count == 3  # ready: no more
+    finally:
+        for sock in (supervisor, zygote_end, channel, trainer):
+            sock.close()
+        for sock, fd in zygote.held:
+            sock.close()
+            os.close(fd)
+        os.waitpid(pid, 0)
+
+
+def test_a_burst_of_calls_asks_for_at_most_max_spares_at_once():
+    """A scoring of hundreds of calls on one worker reserved a spare box per call: each
+    holds descriptors in the supervisor and the zygote, and a batch of 256 ran out of them
+    (the worker exited). The spares asked for at once stay within MAX_SPARES."""
+    supervisor, zygote_end = socket.socketpair()
+    channel, trainer = socket.socketpair()
+    boxes = Boxes(supervisor, channel.fileno(), spares=0)
+    try:
+        boxes.reserve(256)
+        boxes.reserve(256)  # the same burst: nothing more until spares are taken
+        zygote_end.setblocking(False)
+        reader, requests = FrameReader(), []
+        with contextlib.suppress(BlockingIOError):
+            while data := zygote_end.recv(1 << 16):
+                requests += reader.feed(data)
+        kinds = [pickle.loads(r)["t"] for r in requests]
+        assert kinds == ["box"] * MAX_SPARES and boxes.spare_count == MAX_SPARES
+    finally:
+        for sock in (supervisor, zygote_end, channel, trainer):
+            sock.close()

@@ -270,13 +270,19 @@ class RewardsConfig(Section):
         description="Seconds one function may take on one chunk of completions; a chunk that times out is retried one completion per call, so a completion is unscored only when it alone takes longer. Processes the call started are killed with it.",
     )
     num_workers: int = Field(2, ge=1, le=256, description="Worker processes scoring completions.")
+    calls_per_worker: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="Reward calls one worker runs side by side, each in a box of its own (a scoring's calls reach a worker in one message). null = the CPUs the trainer may use divided by num_workers, at least 1. Set 1 for a reward that holds a GPU, or much memory, per call.",
+    )
     fail_fast: bool = Field(
         False,
         description="Stop training, with one sentence naming the function, the sample and the error, on the first reward failure instead of leaving the sample unscored.",
     )
     systematic_failures: Literal["stop", "warn"] = Field(
         "stop",
-        description="A function that fails on every sample of a scoring batch the same way, on 2 or more prompts (one prompt's failures may be its data row's, not the function's): returns a string, NaN or a scalar, or raises the same exception type (timeouts and dead workers do not count). 'stop' ends the run after that batch with one sentence naming the function and what it returned; 'warn' logs it once and leaves those samples unscored. A list of the wrong length always stops at once. A reward that calls a remote judge, which may be down for a whole batch, raises the same exception on every sample then: give it `warn`.",
+        description="A function that fails on every sample of a scoring batch the same way, on 2 or more prompts (one prompt's failures may be its data row's, not the function's): returns a list of the wrong length, a string, NaN or a scalar, or raises the same exception type (timeouts and dead workers do not count). 'stop' ends the run after that batch with one sentence naming the function and what it returned; 'warn' logs it once and leaves those samples unscored. A reward that calls a remote judge, which may be down for a whole batch, raises the same exception on every sample then: give it `warn`.",
     )
     startup_timeout_s: float = Field(
         60.0,

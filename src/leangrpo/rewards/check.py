@@ -12,6 +12,7 @@ and what happened. Built-ins need no import check.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -47,7 +48,29 @@ def worker_init(specs: list[ResolvedReward], rewards_cfg: Any, mode: str) -> dic
         "specs": [asdict(s) for s in specs],
         "timeout_s": float(rewards_cfg.timeout_s),
         "cpu_time_limit_s": getattr(rewards_cfg, "cpu_time_limit_s", None),
+        "parallel": calls_per_worker(rewards_cfg),
     }
+
+
+def calls_per_worker(rewards_cfg: Any) -> int:
+    """Calls one worker runs side by side (`rewards.calls_per_worker`; null: the CPUs this
+    process may use shared among the workers, at least 1)."""
+    chosen = getattr(rewards_cfg, "calls_per_worker", None)
+    if chosen:
+        return int(chosen)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cpus or 1) // int(getattr(rewards_cfg, "num_workers", 1) or 1))
+
+
+def side_by_side(plan: SandboxPlan, parallel: int) -> dict:
+    """What a worker's start-up message says of its calls side by side: as many as asked,
+    each box with a network namespace of its own where it can have one (levels.py
+    `boxes_own_network`: else the loopback is every worker's anyway, the host's); one at a
+    time where its boxes would share a process count (`boxes_share_a_process_count`: a
+    call that forks up to it would leave its neighbour none)."""
+    if plan.boxes_share_a_process_count():
+        parallel = 1
+    return {"parallel": parallel, "own_network": parallel > 1 and plan.boxes_own_network()}
 
 
 def startup_timeout(rewards_cfg: Any) -> float:

@@ -11,24 +11,38 @@ manager rather than a `ProcessPoolExecutor`, because an executor cannot stop a r
   own (sandbox/box.py), so what one sample's program leaves (a process, a file) reaches
   no other sample, its siblings in the GRPO group included. The built-ins, which never
   execute model text, get one chunk per worker (at most `chunk_size` samples while a
-  function's speed is unknown; never two prompts' samples in one chunk). Each chunk goes
-  to an idle worker as one message covering every function of its size. The worker
-  answers per function, and the pool waits on all workers at once.
-- Failures are per sample: a value that is not a finite number or None is that sample's
-  failure. A call that raises, returns the wrong shape, kills its worker, garbles its reply
-  or runs past `timeout_s` is retried one sample per call, so a sample's reward is None (and
-  counted) only when it fails on its own. The first failure of each kind per function is
-  logged with its message; the rest are counted in `reward/<name>/failures`.
-- Two time limits: at `timeout_s` the worker interrupts the call itself (the worker lives
-  on); a worker still silent `grace_s` later (stuck in C code) has its whole process tree
-  killed and is replaced. `timeout_s` bounds one function on one chunk; chunks shrink once
-  a function's speed is measured so that a chunk takes about a quarter of it. The
-  sandbox's other limits (CPU, memory, output, processes) fail a call the same way; each
-  kind is counted in `reward/<kind>_failures`. A function that times out on every call
-  of a batch (its chunks, then GIVE_UP_AFTER samples alone) is not retried on the rest:
-  they fail as timed out too (`reward/<name>/timeouts` counts a function's samples that
-  did), so such a batch costs a few timeouts, not one per sample; a batch whose every
-  sample timed out stops the run (train/skips.py).
+  function's speed is unknown; never two prompts' samples in one chunk). A call is one
+  function on one chunk; the calls of a scoring are shared out among the workers, each
+  worker's share in one message (a round trip per scoring, not per call), and its
+  supervisor runs them side by side (`rewards.calls_per_worker`), answering each as it
+  ends (check.py `side_by_side`: each box then in a network namespace of its own where
+  it can have one; one at a time where its boxes would share a process count). The pool waits on all workers at once.
+- Failures are per call and per sample: a value that is not a finite number or None is
+  that sample's failure. A list of the wrong length is the call's failure like any other
+  (a program a reward runs can forge its box's reply, worker.py: no kind a box sends may
+  stop the run on its own); a function that returns one on every sample is stopped by
+  the systematic check. A call that raises, returns the wrong shape, dies, garbles its
+  reply or runs past `timeout_s` is retried one sample per call, so a sample's reward is
+  None (and counted) only when it fails on its own. The first failure of each kind per
+  function is logged with its message; the rest are counted in `reward/<name>/failures`.
+- Time limits: at `timeout_s` the call's box interrupts the call itself; a box still
+  running a little later (box_limit_s: stuck in C code) is killed by its supervisor, and
+  the call fails as timed out. A worker with calls out that sends nothing for longer
+  than that and `grace_s` more is broken: its whole process tree is killed, it is
+  replaced, and its calls are sent again once (the worker's failure is not theirs; a
+  second time they fail). `timeout_s` bounds one function on one chunk; chunks shrink
+  once a function's speed is measured (the seconds its box reports) so that a chunk
+  takes about a quarter of it. The sandbox's other limits (CPU, memory, output,
+  processes) fail a call the same way; each kind is counted in `reward/<kind>_failures`.
+  A function that times out on every call on a prompt (its chunks, then GIVE_UP_AFTER
+  samples alone) is not retried on that prompt's other samples: they fail as timed out
+  too, its calls still queued at a worker are cancelled there (`reward/<name>/timeouts`
+  counts a function's samples that did). Other prompts' calls still run (two looping
+  samples that happen to run first must not leave the batch unscored), until at least
+  half the batch's prompts are given up on with none of the function's calls answered:
+  then the function is, for the batch. So such a batch costs a few timeouts per prompt
+  of half the batch, not one per sample; a batch whose every sample timed out stops the
+  run (train/skips.py).
 - Multi-turn trajectories: rewards also get the trajectory's columns (`trajectory_columns`);
   the environment's reward terms are added to the total (weight 1) as `env/<name>`, and a
   trajectory whose environment failed is unscored. With no reward function configured
@@ -55,14 +69,24 @@ from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any
 
 from leangrpo.pipeline.advantages import mean_std
-from leangrpo.rewards.check import did_not_start, exited, init_error, startup_timeout, worker_init
+from leangrpo.rewards.check import (
+    did_not_start,
+    exited,
+    init_error,
+    side_by_side,
+    startup_timeout,
+    worker_init,
+)
 from leangrpo.rewards.protocol import (
+    WRONG_LENGTH,
     CallError,
+    Cancelled,
     InitError,
     Loading,
     Ready,
     Reply,
     Result,
+    box_limit_s,
     parse_reply,
 )
 from leangrpo.rewards.registry import (
@@ -84,16 +108,19 @@ if TYPE_CHECKING:
 log = logging.getLogger("leangrpo.rewards")
 # Failures that say more about the moment than the function: never "the same way" (item 5)
 CIRCUMSTANTIAL = ("worker died", "box died", "garbled reply", "forged reply", *LIMIT_KINDS)
-# One-sample calls of a function that time out, none of its calls of the batch having
-# returned, before its other samples are given up on (`_give_up_on`)
+# One-sample calls of a function on one prompt that time out, none of its calls on that
+# prompt having returned, before that prompt's other samples are given up on; and prompts
+# so given up on (at least half the batch's), none of its calls having returned, before
+# the function is (`_give_up_on`)
 GIVE_UP_AFTER = 2
 
 
 @dataclass
-class _Task:
+class _Call:
     indices: list[int]  # sample positions in the score() call
-    fns: list[int]  # functions still to answer, in the order the worker runs them
+    fn: int
     id: int = 0
+    requeued: bool = False  # sent again once already, its worker having broken meanwhile
 
 
 @dataclass
@@ -103,12 +130,16 @@ class _Run:
     samples: list[RolloutSample]
     values: list[list[float | None]]  # [function][sample]
     failures: list[int]
-    queue: deque[_Task] = field(default_factory=deque)
+    queue: deque[_Call] = field(default_factory=deque)
     limits: dict[str, int] = field(default_factory=dict)  # samples failed at a sandbox limit
     ways: list[dict[str, str]] = field(default_factory=list)  # [function]: kind -> first detail
     timeouts: list[int] = field(default_factory=list)  # [function]: samples failed by timeout
-    alone_timed_out: list[int] = field(default_factory=list)  # [function]: one-sample calls
-    answered: list[bool] = field(default_factory=list)  # [function]: any call of it returned
+    # [function]: prompt -> its one-sample calls that timed out
+    alone_timed_out: list[dict[Any, int]] = field(default_factory=list)
+    answered: list[set] = field(default_factory=list)  # [function]: prompts a call returned on
+    given_up: dict[int, str] = field(default_factory=dict)  # function -> why (`_give_up_on`)
+    # [function]: prompt -> why (`_give_up_on`)
+    prompts_given_up: list[dict[Any, str]] = field(default_factory=list)
 
 
 class RewardPool:
@@ -128,19 +159,24 @@ class RewardPool:
         if chunk_size < 1:
             raise ValueError(f"chunk_size = {chunk_size} must be >= 1")
         self.chunk_size = chunk_size
-        self.grace_s = max(1.0, 0.25 * self.timeout_s)  # soft limit in the worker, then kill
+        self.grace_s = max(1.0, 0.25 * self.timeout_s)  # the supervisor's own slack
+        # a worker with calls out answers one at least this often: each call's box is
+        # killed at box_limit_s, and the next one starts at once
+        self.silence_s = box_limit_s(self.timeout_s) + self.grace_s
         self.startup_timeout_s = startup_timeout(rewards_cfg)
         self._init = worker_init(self.specs, rewards_cfg, "serve")
         self._plan = plan_for(rewards_cfg, "rewards") if self.specs else None
         if self._plan is not None:
             log.info("%s", self._plan.describe())
+            self._init.update(side_by_side(self._plan, self._init["parallel"]))
         self._lock = threading.RLock()  # one score() at a time; close() may re-enter
         self._state = threading.Lock()  # guards _closed against spawning new workers
         self._closed = False
         self._wake_read, self._wake_write = os.pipe()  # close() wakes a waiting score()
         self._budget = OutputBudget()
         self._logged: set[tuple[int, str]] = set()
-        self._task_ids = 0
+        self._call_ids = 0
+        self._calls_run = 0  # calls a box answered (not cancelled)
         self._seconds_per_sample: list[float | None] = [None] * len(self.specs)
         self._workers: list[WorkerProcess] = []
         for slot in range(self.num_workers if self.specs else 0):  # none: env rewards only
@@ -187,7 +223,14 @@ class RewardPool:
             ((kind, detail),) = ways.items()
             if kind in CIRCUMSTANTIAL:
                 continue
-            fix = "fix it" if kind in ("bad value", "bad return") else "fix the error it raises"
+            fix = "fix the error it raises"
+            if kind in ("bad value", "bad return"):
+                fix = "fix it"
+            elif kind == WRONG_LENGTH:
+                fix = (
+                    "it is called with lists of prompts and completions and returns one "
+                    "reward per completion, in order: fix it"
+                )
             what = f"reward '{spec.key}' failed on all {n} samples of a batch the same way"
             what += f" ({detail})"
             if self.systematic == "stop":
@@ -206,27 +249,26 @@ class RewardPool:
         n, k = len(samples), len(self.specs)
         run = _Run(samples, [[None] * n for _ in self.specs], [0] * k)
         run.ways, run.timeouts = [{} for _ in self.specs], [0] * k
-        run.alone_timed_out, run.answered = [0] * k, [False] * k
-        run.queue.extend(self._initial_tasks(samples))
+        run.alone_timed_out = [{} for _ in self.specs]
+        run.answered = [set() for _ in self.specs]
+        run.prompts_given_up = [{} for _ in self.specs]
+        run.queue.extend(self._initial_calls(samples))
         payload = _payload(samples)
-        while run.queue or any(w.task for w in self._workers):
+        while run.queue or any(w.calls for w in self._workers):
             self._dispatch(run, payload)
             self._wait_and_handle(run)
         return run
 
-    def _initial_tasks(self, samples: list[RolloutSample]) -> list[_Task]:
-        """Chunks of one prompt's samples each (a call runs in a box of its own, and what
-        one sample's program leaves in it must not reach another prompt's), at most the
-        size `_chunk_sizes` gives (one sample for a user function)."""
-        by_size: dict[int, list[int]] = {}
-        for fn, size in enumerate(self._chunk_sizes(len(samples))):
-            by_size.setdefault(size, []).append(fn)
+    def _initial_calls(self, samples: list[RolloutSample]) -> list[_Call]:
+        """Per function, chunks of one prompt's samples each (a call runs in a box of its
+        own, and what one sample's program leaves in it must not reach another prompt's),
+        at most the size `_chunk_sizes` gives (one sample for a user function)."""
         by_prompt: dict[Any, list[int]] = {}
         for i, sample in enumerate(samples):
             by_prompt.setdefault(sample.prompt.uid, []).append(i)
         return [
-            _Task(group[start : start + size], fns)
-            for size, fns in by_size.items()
+            _Call(group[start : start + size], fn)
+            for fn, size in enumerate(self._chunk_sizes(len(samples)))
             for group in by_prompt.values()
             for start in range(0, len(group), size)
         ]
@@ -256,34 +298,47 @@ class RewardPool:
         self._seconds_per_sample[fn] = per_sample if old is None else 0.5 * (old + per_sample)
 
     def _dispatch(self, run: _Run, payload: tuple) -> None:
+        """The queue shared out among the workers, each ready one's share in one message
+        (its supervisor runs them side by side and answers each as it ends); a worker not
+        ready yet takes its share once it is."""
         prompts, completions, columns = payload
+        chunks: dict[tuple[int, ...], bytes] = {}  # one pickle per chunk, whatever its functions
         for slot, worker in enumerate(self._workers):
             if not run.queue:
                 return
-            if worker.ready and worker.task is None:
-                task = run.queue.popleft()
-                self._task_ids += 1
-                task.id = self._task_ids
-                pick = task.indices
-                chunk = (
-                    [prompts[i] for i in pick],
-                    [completions[i] for i in pick],
-                    {name: [col[i] for i in pick] for name, col in columns.items()},
-                )
-                self._start(worker, task)
-                try:
-                    worker.send((task.id, task.fns, pickle.dumps(chunk)))
-                except WorkerGone as e:
-                    self._fail_worker(slot, run, "worker died", str(e))
+            if not worker.ready:
+                continue
+            share = -(-len(run.queue) // len(self._workers))
+            calls = [run.queue.popleft() for _ in range(share)]
+            items = []
+            for call in calls:
+                self._call_ids += 1
+                call.id = self._call_ids
+                key = tuple(call.indices)
+                if key not in chunks:
+                    chunk = (
+                        [prompts[i] for i in key],
+                        [completions[i] for i in key],
+                        {name: [col[i] for i in key] for name, col in columns.items()},
+                    )
+                    chunks[key] = pickle.dumps(chunk)
+                items.append((call.id, call.fn, chunks[key], len(key)))
+            if not worker.calls:
+                self._progress(worker, time.monotonic())
+            worker.calls.update((call.id, call) for call in calls)
+            try:
+                worker.send(("calls", items))
+            except WorkerGone as e:
+                self._fail_worker(slot, run, "worker died", str(e))
 
-    def _start(self, worker: WorkerProcess, task: _Task | None) -> None:
-        worker.task = task
-        worker.since = time.monotonic()
-        worker.deadline = worker.since + self.timeout_s + self.grace_s if task else math.inf
+    def _progress(self, worker: WorkerProcess, now: float) -> None:
+        """The worker answered (or was idle): its next answer is due within silence_s."""
+        worker.since = now
+        worker.deadline = now + self.silence_s
 
     def _wait_and_handle(self, run: _Run) -> None:
         """Block until a worker replies, dies, prints or passes a deadline; handle it."""
-        deadlines = [w.deadline for w in self._workers if w.task is not None]
+        deadlines = [w.deadline for w in self._workers if w.calls]
         deadlines += [w.started + self.startup_timeout_s for w in self._workers if not w.ready]
         timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
         handles: list[Any] = [self._wake_read]
@@ -298,12 +353,12 @@ class RewardPool:
                 worker.relay_output()
             if worker.sock in ready:
                 self._read(slot, worker, run)
-            elif worker.task is not None and now >= worker.deadline:
+            elif worker.calls and now >= worker.deadline:
                 message = (
-                    f"timed out after {self.timeout_s:g} s and did not stop within "
-                    f"{self.grace_s:g} s more (its worker was killed)"
+                    f"its reward worker sent nothing for {self.silence_s:g} s while calls "
+                    "were running (it was killed and replaced)"
                 )
-                self._fail_worker(slot, run, "timeout", message)
+                self._fail_worker(slot, run, "worker died", message)
             elif not worker.ready and now - worker.started > self.startup_timeout_s:
                 self.close()
                 raise RewardSpecError(
@@ -341,67 +396,97 @@ class RewardPool:
         else:
             self._answer(slot, worker, reply, run)
 
-    def _answer(self, slot: int, worker: WorkerProcess, reply: Result | CallError, run: _Run):
-        task = worker.task
+    def _answer(self, slot: int, worker: WorkerProcess, reply: Result | CallError | Cancelled,
+                run: _Run) -> None:  # fmt: skip
+        call = worker.calls.get(reply.task)
         if (
-            task is None
-            or (reply.task, reply.fn) != (task.id, task.fns[0])
-            or (isinstance(reply, Result) and len(reply.values) != len(task.indices))
+            call is None
+            or reply.fn != call.fn
+            or (isinstance(reply, Result) and len(reply.values) != len(call.indices))
         ):
-            self._fail_worker(slot, run, "garbled reply", "a reply that does not fit its task")
+            self._fail_worker(slot, run, "garbled reply", "a reply that does not fit its call")
             return
-        now = time.monotonic()
+        del worker.calls[reply.task]
+        self._progress(worker, time.monotonic())
+        if isinstance(reply, Cancelled):
+            why = _given_up(run, call) or "cancelled"
+            for i in call.indices:
+                self._sample_failed(run, call.fn, i, TIMEOUT, why)
+            return
+        self._calls_run += 1
         if isinstance(reply, Result):
-            run.answered[reply.fn] = True
-            self._record_time(reply.fn, now - worker.since, len(task.indices))
-            for i, value in zip(task.indices, reply.values):
-                run.values[reply.fn][i] = value
+            run.answered[call.fn].add(_prompt(run, call))
+            self._record_time(call.fn, reply.seconds, len(call.indices))
+            for i, value in zip(call.indices, reply.values):
+                run.values[call.fn][i] = value
             for j, kind, msg in reply.errors:
-                self._sample_failed(run, reply.fn, task.indices[j], kind, msg)
-        elif reply.kind == "wrong length":  # a broken contract: retrying one by one hides it
-            self._restart_busy_workers()
-            raise RewardFailedError(
-                f"reward '{self.specs[reply.fn].key}' {reply.msg} (it is called with lists of "
-                "prompts and completions, and returns one reward per completion, in order)"
-            )
+                self._sample_failed(run, call.fn, call.indices[j], kind, msg)
         else:
-            self._call_failed(run, task, reply.kind, reply.msg)
-        rest = task.fns[1:]
-        self._start(worker, _Task(task.indices, rest, task.id) if rest else None)
-        if reply.retire and not rest:  # it exits: a call was stopped mid-import
-            self._replace(slot)
+            self._call_failed(run, call, reply.kind, reply.msg)
 
-    def _call_failed(self, run: _Run, task: _Task, kind: str, msg: str) -> None:
-        """Function task.fns[0] failed on the whole chunk."""
-        fn = task.fns[0]
-        if len(task.indices) > 1:  # find the samples that fail on their own, first: a
+    def _call_failed(self, run: _Run, call: _Call, kind: str, msg: str) -> None:
+        """Function call.fn failed on the call's whole chunk."""
+        fn = call.fn
+        if kind == WRONG_LENGTH:  # never re-run one sample per call, where a function
+            # returning [1.0] would fit and score everything 1.0
+            for i in call.indices:
+                self._sample_failed(run, fn, i, kind, msg)
+            return
+        if len(call.indices) > 1:  # find the samples that fail on their own, first: a
             # function that times out on every call is then given up on after this chunk and
             # GIVE_UP_AFTER samples alone, not after every other prompt's chunk too
-            run.queue.extendleft(_Task([i], [fn]) for i in reversed(task.indices))
+            run.queue.extendleft(_Call([i], fn) for i in reversed(call.indices))
             return
-        self._sample_failed(run, fn, task.indices[0], kind, msg)
+        self._sample_failed(run, fn, call.indices[0], kind, msg)
         if kind == TIMEOUT:
-            run.alone_timed_out[fn] += 1
-            if run.alone_timed_out[fn] >= GIVE_UP_AFTER and not run.answered[fn]:
-                self._give_up_on(run, fn)
+            uid = _prompt(run, call)
+            timed_out = run.alone_timed_out[fn]
+            timed_out[uid] = timed_out.get(uid, 0) + 1
+            if timed_out[uid] >= GIVE_UP_AFTER and uid not in run.answered[fn]:
+                self._give_up_on(run, fn, uid)
 
-    def _give_up_on(self, run: _Run, fn: int) -> None:
-        """A function that timed out on every call of this batch, its chunks and
-        GIVE_UP_AFTER samples alone: its samples not scored yet are left unscored as timed
-        out, not each retried for timeout_s (17 s a batch at timeout_s 1 with 16 samples)."""
-        why = (
-            f"not run: every call of this batch timed out (its chunks and {GIVE_UP_AFTER} "
-            f"samples alone, at rewards.timeout_s = {self.timeout_s:g} s)"
+    def _give_up_on(self, run: _Run, fn: int, uid: Any) -> None:
+        """Function fn timed out on every call on prompt `uid` of this batch, GIVE_UP_AFTER
+        samples alone: that prompt's samples not scored yet are left unscored as timed out,
+        not each retried for timeout_s. Only that prompt's: the calls of other prompts,
+        which may not have started (two looping samples run first, side by side), still
+        run. Once at least half the batch's prompts (and GIVE_UP_AFTER) are so given up
+        on, none of the function's calls having returned, the function itself is: the
+        rest of its samples fail the same way. Calls still queued here are dropped; those
+        a worker holds are cancelled there (its supervisor answers each "cancelled", or
+        with what it returned first)."""
+        if fn in run.given_up or uid in run.prompts_given_up[fn]:
+            return
+        run.prompts_given_up[fn][uid] = why = (
+            f"not run: {GIVE_UP_AFTER} samples of its prompt timed out alone, none scored "
+            f"(at rewards.timeout_s = {self.timeout_s:g} s)"
         )
-        kept: deque[_Task] = deque()
-        for task in run.queue:
-            if fn in task.fns:
-                for i in task.indices:
-                    self._sample_failed(run, fn, i, TIMEOUT, why)
-                task = _Task(task.indices, [f for f in task.fns if f != fn], task.id)
-            if task.fns:
-                kept.append(task)
+        self._cancel(run, fn, why, lambda call: _prompt(run, call) == uid)
+        prompts = len({sample.prompt.uid for sample in run.samples})
+        given_up = len(run.prompts_given_up[fn])
+        if given_up >= max(GIVE_UP_AFTER, -(-prompts // 2)) and not run.answered[fn]:
+            run.given_up[fn] = why = (
+                f"not run: every call of this batch timed out ({GIVE_UP_AFTER} samples alone "
+                f"of each of {given_up} prompts, at rewards.timeout_s = {self.timeout_s:g} s)"
+            )
+            self._cancel(run, fn, why, lambda call: True)
+
+    def _cancel(self, run: _Run, fn: int, why: str, chosen: Any) -> None:
+        """Function fn's calls that `chosen` picks fail as timed out (`why`) without a run:
+        dropped from the queue, cancelled at the worker that holds them."""
+        kept: deque[_Call] = deque()
+        for call in run.queue:
+            if call.fn != fn or not chosen(call):
+                kept.append(call)
+                continue
+            for i in call.indices:
+                self._sample_failed(run, fn, i, TIMEOUT, why)
         run.queue = kept
+        for worker in self._workers:
+            held = [call.id for call in worker.calls.values() if call.fn == fn and chosen(call)]
+            if held:
+                with contextlib.suppress(WorkerGone):  # then its calls fail with it
+                    worker.send(("cancel", held))
 
     def _sample_failed(self, run: _Run, fn: int, i: int, kind: str, msg: str) -> None:
         key = self.specs[fn].key
@@ -435,15 +520,20 @@ class RewardPool:
         return WorkerProcess(self._init, label, self._budget, parse=parse_reply, plan=self._plan)
 
     def _fail_worker(self, slot: int, run: _Run, kind: str, msg: str) -> None:
-        """The worker broke while running its task's first function: replace it, fail that
-        function's call, and queue the task's other functions again."""
-        task = self._workers[slot].task
+        """The worker broke (died, garbled its channel, fell silent): replace it. Its calls
+        were no call's doing (user code never runs in the process that holds the
+        channel): each is queued again once; a second time, it fails as `kind`."""
+        calls = list(self._workers[slot].calls.values())
         self._replace(slot)
-        if task is None:
-            return
-        if len(task.fns) > 1:
-            run.queue.append(_Task(task.indices, task.fns[1:]))
-        self._call_failed(run, task, kind, msg)
+        for call in calls:
+            why = _given_up(run, call)
+            if why is not None:
+                for i in call.indices:
+                    self._sample_failed(run, call.fn, i, TIMEOUT, why)
+            elif call.requeued:
+                self._call_failed(run, call, kind, msg)
+            else:
+                run.queue.append(_Call(call.indices, call.fn, requeued=True))
 
     def _replace(self, slot: int) -> None:
         with self._state:
@@ -454,7 +544,7 @@ class RewardPool:
 
     def _restart_busy_workers(self) -> None:
         for slot, worker in enumerate(self._workers):
-            if worker.task is not None:
+            if worker.calls:
                 self._replace(slot)
 
     def close(self) -> None:
@@ -503,6 +593,16 @@ _LIVE_POOLS: weakref.WeakSet[RewardPool] = weakref.WeakSet()
 def _close_live_pools() -> None:
     for pool in list(_LIVE_POOLS):
         pool.close()
+
+
+def _prompt(run: _Run, call: _Call) -> Any:
+    """The prompt of a call's samples (a chunk never mixes prompts)."""
+    return run.samples[call.indices[0]].prompt.uid
+
+
+def _given_up(run: _Run, call: _Call) -> str | None:
+    """Why a call is not run (its function or its prompt given up on), or None."""
+    return run.given_up.get(call.fn) or run.prompts_given_up[call.fn].get(_prompt(run, call))
 
 
 def _payload(samples: list[RolloutSample]) -> tuple[list[str], list[str], dict[str, list]]:

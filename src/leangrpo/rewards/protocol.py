@@ -1,21 +1,29 @@
-"""The reward workers' replies: the frames of sandbox/frames.py (pickles from the
+"""The reward workers' messages: the frames of sandbox/frames.py (pickles from the
 trainer, length-prefixed JSON back), with this schema. The trainer decodes nothing but
 JSON from a worker and refuses NaN/Infinity and every message that does not match
-(`ProtocolError`): the pool counts that as a failure of the worker's task and replaces the
-worker.
+(`ProtocolError`): the pool counts that as a failure of the worker's calls and replaces
+the worker.
+
+Tasks (trainer -> worker, pickles): `("calls", [(k, i, chunk), ...])`, calls k of
+function i on a chunk of samples (`chunk`: the pickled prompts, completions and columns,
+unpickled only in the call's box), one scoring's share of a worker in one message, each
+call in a box of its own and several side by side (worker.py); `("cancel", [k, ...])`,
+calls the pool gave up on (their function timed out on every call of the scoring).
 
 Replies (worker -> trainer), one JSON object each:
 
     {"t": "loading", "fn": i}                     about to import function i
     {"t": "ready"}                                every function resolved
     {"t": "init_error", "fn": i, "msg": s}        function i could not be resolved
-    {"t": "result", "task": k, "fn": i, "values": [x | null, ...], "errors": [[j, kind, msg], ...]}
+    {"t": "result", "task": k, "fn": i, "values": [x | null, ...], "errors": [[j, kind, msg], ...],
+     "seconds": s}
     {"t": "error", "task": k, "fn": i, "kind": s, "msg": s}   the call failed as a whole
+    {"t": "cancelled", "task": k, "fn": i}        a call cancelled before it answered
 
-A `result` carries one finite number or null per sample of the task; `errors` names the
-samples whose returned value was unusable (their value is null). A worker answers a task
-with one reply per function, in the task's order; `"retire": true` on the last one says
-the worker exits after it (a call was stopped mid-import).
+A `result` carries one finite number or null per sample of the call; `errors` names the
+samples whose returned value was unusable (their value is null); `seconds` is how long the
+call took in its box (its function's speed: the pool sizes chunks by it). Each call of a
+task is answered once, in the order the calls end.
 """
 
 from __future__ import annotations
@@ -26,6 +34,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from leangrpo.sandbox.frames import ProtocolError, one_line
+
+GRACE_FRACTION = 0.125  # past timeout_s, how long a box may take to stop before it is killed
+
+
+def box_limit_s(timeout_s: float) -> float:
+    """How long a call's box lives before the supervisor kills it (its function was
+    interrupted at timeout_s and did not stop): the call then fails as timed out."""
+    return timeout_s * (1 + GRACE_FRACTION) + 0.5
+
 
 # ---- replies (worker -> trainer) ---------------------------------------------------------
 
@@ -46,13 +63,16 @@ class InitError:
     msg: str
 
 
+WRONG_LENGTH = "wrong length"  # a failed call's kind: its values do not fit its samples
+
+
 @dataclass(frozen=True)
 class Result:
-    task: int
+    task: int  # the call
     fn: int
     values: list[float | None]
-    errors: list[tuple[int, str, str]]  # (position in the task, kind, message)
-    retire: bool = False
+    errors: list[tuple[int, str, str]]  # (position in the call's chunk, kind, message)
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -61,10 +81,15 @@ class CallError:
     fn: int
     kind: str
     msg: str
-    retire: bool = False
 
 
-Reply = Loading | Ready | InitError | Result | CallError
+@dataclass(frozen=True)
+class Cancelled:
+    task: int
+    fn: int
+
+
+Reply = Loading | Ready | InitError | Result | CallError | Cancelled
 
 
 def _no_constants(name: str) -> Any:
@@ -111,7 +136,13 @@ def _result(m: dict) -> Result:
         if _int(j) >= len(values) or values[j] is not None:
             raise ProtocolError("invalid message from the worker: error for a scored sample")
         errors.append((j, _text(kind), _text(msg)))
-    return Result(_int(m["task"]), _int(m["fn"]), values, errors, m.get("retire") is True)
+    return Result(_int(m["task"]), _int(m["fn"]), values, errors, _seconds(m.get("seconds", 0.0)))
+
+
+def _seconds(value: Any) -> float:
+    if type(value) not in (float, int) or not 0 <= value < math.inf:
+        raise ProtocolError(f"invalid message from the worker: {value!r} is not a duration")
+    return float(value)
 
 
 _REPLIES = {
@@ -119,7 +150,6 @@ _REPLIES = {
     "ready": lambda m: Ready(),
     "init_error": lambda m: InitError(_int(m["fn"]), _text(m["msg"])),
     "result": _result,
-    "error": lambda m: CallError(
-        _int(m["task"]), _int(m["fn"]), _text(m["kind"]), _text(m["msg"]), m.get("retire") is True
-    ),
+    "error": lambda m: CallError(_int(m["task"]), _int(m["fn"]), _text(m["kind"]), _text(m["msg"])),
+    "cancelled": lambda m: Cancelled(_int(m["task"]), _int(m["fn"])),
 }

@@ -23,13 +23,27 @@ Supervisor side (what an entry's `supervise(channel, init, boxes)` uses):
     box = boxes.command(argv, env={...}, forward="/run/endpoint.sock")  # (b) any command:
     box.stdin / box.stdout                      # its pipes (stderr goes to the log)
 
+and, for calls side by side (rewards/worker.py): `reserve(n)` (n spares asked for at
+once), `ready_spare()` (a spare already forked, or None), `send(box, request)`,
+`wait_any({box: deadline}, channel)` (the boxes that replied, failed or ran out of time),
+`refill()`.
+
 `start` takes a box forked ahead of time when one is ready (`spares`), so a call does not
-wait for the fork; each call that still had to wait (a burst: one scoring's calls, many
-trajectories reset at once) keeps one more spare, up to MAX_SPARES, forked while the
-trainer generates and trains. `forward` (optional, a unix socket path the trainer listens on) is the
-one address a box without network reaches: a forwarder process inside the box listens on
-its own loopback and relays each connection there; the box's code finds the address in
-`LEANGRPO_ENDPOINT` (http://127.0.0.1:PORT) or `conn.endpoint`.
+wait for the fork: a spare is set up whole (confined, its limits armed) and waits for its
+request. Each call that still had to wait (a burst: one scoring's calls, many
+trajectories reset at once) keeps one more spare, up to MAX_SPARES; `reserve` keeps as
+many as a burst asked for. Spares are asked for in one message once fewer than half are
+left (`refill`: the zygote forks them in one batch, zygote.py), while the trainer
+generates and trains. `forward` (optional, a unix socket path the trainer listens on) is
+the one address a box without network reaches: a forwarder process inside the box
+listens on its own loopback and relays each connection there; the box's code finds the
+address in `LEANGRPO_ENDPOINT` (http://127.0.0.1:PORT) or `conn.endpoint`.
+
+What a box prints reaches the trainer's log through the supervisor, in whole lines (boxes
+print side by side), at most FORWARD_BYTES per request. A box runs under an output meter
+(output.py: a thread counting what each of its calls prints, a trajectory's tool calls)
+unless `spare_metered` is false (a reward call's box, one call: its fd 1 and 2 are the
+pipe to the supervisor, which counts every byte and fails the request past `max_output`).
 
 A reply is accepted only from the box's own socket, only from its main process (the
 kernel's SCM_CREDENTIALS: a forked child writing a well-formed frame is told apart), only
@@ -51,12 +65,13 @@ import select
 import signal
 import socket
 import struct
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from leangrpo.sandbox.calls import LimitedCall
+from leangrpo.sandbox.calls import OUTPUT, LimitedCall
 from leangrpo.sandbox.frames import (
     MAX_REPLY_BYTES,
     FrameReader,
@@ -77,6 +92,7 @@ FORGED, DIED, TIMEOUT, MEMORY, GARBLED = (
 )
 EXIT_NOTICE_S = 1.0  # how long the zygote may take to report a dead box's end
 RELAY_READS = 16  # reads of a box's output per wake-up (64 KiB each)
+LINE_HELD = 4096  # the longest start of a line held back until its end arrives
 MAX_SPARES = 16  # boxes forked ahead at most (a worker's calls of one scoring, at most)
 _CRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 
@@ -99,7 +115,7 @@ class WorkerBroken(Exception):
     """The zygote is gone: the worker cannot make boxes any more (it exits)."""
 
 
-@dataclass
+@dataclass(eq=False)  # told apart by identity: a key of the calls waited on
 class Box:
     """The supervisor's handle on one box."""
 
@@ -109,8 +125,12 @@ class Box:
     out: int  # read end of what the box prints
     stdin: int | None = None  # a command's
     stdout: int | None = None
+    metered: bool = True  # False: the supervisor counts what it prints (`max_output`)
     reader: FrameReader = field(default_factory=FrameReader)
     relayed: int = 0  # bytes of output passed on for the current request
+    printed: int = 0  # bytes it printed since the current request (an unmetered box's)
+    partial: bytes = b""  # the start of a line it has not finished printing
+    out_open: bool = True  # until the output pipe's EOF (then not waited on)
     exit: dict | None = None  # the zygote's notice: {"code", "oom"}
     ended: bool = False
 
@@ -118,20 +138,22 @@ class Box:
 class Boxes:
     """The supervisor's side of the zygote (one per worker; single-threaded)."""
 
-    def __init__(
-        self, control: socket.socket, channel_fd: int, spares: int = 1, network: bool = False
-    ):
+    def __init__(self, control: socket.socket, channel_fd: int, spares: int = 1,
+                 network: bool = False, max_output: int = 1 << 20):  # fmt: skip
         self.control = control
         self.channel_fd = channel_fd  # watched for the trainer's hang-up while waiting
         self.reader = FrameReader(max_bytes=MAX_REPLY_BYTES)
         self.spare_count = spares
         self.spare_network = network
+        self.spare_metered = True  # False: spares run without an output meter (one call each)
+        self.max_output = max_output  # what an unmetered box may print per request
         self._spares: deque[int] = deque()  # requested ids, oldest first
         self._delivered: dict[int, Box] = {}
         self._live: dict[int, Box] = {}
         self._exits: dict[int, dict] = {}
         self._ids = 0
         self._pending: deque[dict] = deque()  # set-up messages read while waiting for boxes
+        self._short = False  # `ready_spare` found none ready, and none has been taken since
 
     # -- set-up -----------------------------------------------------------------------------
     def setup_messages(self) -> Any:
@@ -153,19 +175,58 @@ class Boxes:
 
     # -- making boxes ---------------------------------------------------------------------------
     def start(self, network: bool | None = None, forward: str | None = None) -> Box:
-        """A box running the entry's prepared callable (a spare one when ready)."""
+        """A box running the entry's prepared callable (a spare one when ready); the spares
+        are then refilled."""
+        box = self.take(network, forward)
+        self.refill()
+        return box
+
+    def take(self, network: bool | None = None, forward: str | None = None) -> Box:
+        """As `start`, the spares left as they are (`refill` later: a burst's calls take
+        theirs first, and the next burst's are forked after it)."""
         network = self.spare_network if network is None else network
         if forward is None and network == self.spare_network and self.spare_count:
             if not self._spares:
-                self._spares.append(self._request({"network": network}))
+                self._request_spares(1)
             self._drain_control()
             if self._spares[0] not in self._delivered:  # a call waits for a fork: keep more
                 self.spare_count = min(MAX_SPARES, self.spare_count + 1)
-            box = self._take(self._spares.popleft())
-            while len(self._spares) < self.spare_count:
-                self._spares.append(self._request({"network": network}))
-            return box
-        return self._take(self._request({"network": network, "forward": forward}))
+            return self._take(self._spares.popleft())
+        request = {"network": network, "forward": forward, "meter": True}
+        return self._take(self._request([request])[0])
+
+    def ready_spare(self) -> Box | None:
+        """A spare box already forked, without waiting (None: ask with `reserve`). Calls
+        that find none ready (while spares are on their way) keep one more spare from
+        then on, once per such wait, up to MAX_SPARES, as `start` does."""
+        self._drain_control()
+        if self._spares and self._spares[0] in self._delivered:
+            self._short = False
+            return self._take(self._spares.popleft())
+        if not self._short:
+            self._short = True
+            self.spare_count = min(MAX_SPARES, self.spare_count + 1)
+        return None
+
+    def reserve(self, count: int) -> None:
+        """`count` spare boxes asked for at once (a burst of calls about to start), and as
+        many kept from now on, up to MAX_SPARES both (each holds descriptors, the
+        supervisor's and the zygote's: a burst of hundreds of calls would run out of them;
+        the rest are asked for as these are taken): the zygote forks those missing in one
+        batch."""
+        count = min(count, MAX_SPARES)
+        self.spare_count = max(self.spare_count, count)
+        self._request_spares(count - len(self._spares))
+
+    def refill(self) -> None:
+        """Ask for spares up to `spare_count` once fewer than half of them are left: in one
+        message, so that the zygote forks them in one batch (zygote.py)."""
+        if len(self._spares) * 2 < self.spare_count:
+            self._request_spares(self.spare_count - len(self._spares))
+
+    def _request_spares(self, count: int) -> None:
+        kind = {"network": self.spare_network, "forward": None, "meter": self.spare_metered}
+        self._spares.extend(self._request([dict(kind) for _ in range(count)]))
 
     def _drain_control(self) -> None:
         """Read what the zygote has sent so far (boxes delivered, exits), without waiting."""
@@ -176,18 +237,23 @@ class Boxes:
                 env: dict[str, str] | None = None) -> Box:  # fmt: skip
         """A box running `argv` (exec'd once confined) with pipes for its stdin and stdout."""
         request = {"network": network, "forward": forward, "argv": list(argv), "env": env or {}}
-        return self._take(self._request(request))
+        return self._take(self._request([request])[0])
 
-    def _request(self, request: dict) -> int:
-        self._ids += 1
-        self._send_control({"t": "box", "id": self._ids, **request})
-        return self._ids
-
-    def _send_control(self, message: dict) -> None:
-        try:
-            self.control.sendall(pickle_frame(message))
-        except OSError as e:
-            raise WorkerBroken(f"the zygote is gone ({type(e).__name__})") from None
+    def _request(self, requests: list[dict]) -> list[int]:
+        """Ask the zygote for boxes, in one write (it forks what arrives together in one
+        batch); their ids."""
+        ids = []
+        frames = []
+        for request in requests:
+            self._ids += 1
+            ids.append(self._ids)
+            frames.append(pickle_frame({"t": "box", "id": self._ids, **request}))
+        if frames:
+            try:
+                self.control.sendall(b"".join(frames))
+            except OSError as e:
+                raise WorkerBroken(f"the zygote is gone ({type(e).__name__})") from None
+        return ids
 
     def _take(self, box_id: int) -> Box:
         while box_id not in self._delivered:
@@ -196,18 +262,24 @@ class Boxes:
         self._live[box.id] = box
         return box
 
-    # -- talking to a box -------------------------------------------------------------------
+    # -- talking to boxes -------------------------------------------------------------------
     def ask(self, box: Box, request: Any, deadline: float) -> Outcome:
         """Send `request`, then wait for the box's one reply until `deadline` (monotonic)."""
+        failed = self.send(box, request)
+        return failed if failed is not None else self.wait(box, deadline)
+
+    def send(self, box: Box, request: Any) -> Failed | None:
+        """Send `request` to the box (its reply: `wait`, `wait_any`); a failure instead when
+        the box broke the protocol or died."""
         stale = self._unasked(box)
         if stale is not None:
             return stale
-        box.relayed = 0
+        box.relayed = box.printed = 0
         try:
             box.sock.sendall(pickle_frame(request))
         except OSError:
             return self._death(box)
-        return self.wait(box, deadline)
+        return None
 
     def _unasked(self, box: Box) -> Failed | None:
         """A box that wrote to its socket between requests broke the protocol."""
@@ -224,24 +296,46 @@ class Boxes:
     def wait(self, box: Box, deadline: float) -> Outcome:
         """The box's one reply, or why there is none; relays its output meanwhile. Raises
         EOFError when the trainer hangs up (the worker ends)."""
-        handles = [box.sock, box.out, self.control, self.channel_fd]
+        watch = True  # the trainer's end of the channel: its hang-up
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return Failed(TIMEOUT, "")
-            ready = self._poll(handles, left)
+            done, channel = self.wait_any({box: deadline}, watch)
+            if done:
+                return done[0][1]
+            if channel:
+                self._check_trainer()
+                watch = False  # a message ahead of its time waits in the socket
+
+    def wait_any(self, deadlines: dict[Box, float], channel: bool) -> tuple[list, bool]:
+        """Wait until a box asked (`send`) replies, fails or reaches its deadline, the
+        zygote reports (a box delivered: then nothing may be done yet), or, `channel`, the
+        trainer's end of the channel is readable: ([(box, outcome), ...], whether the
+        channel is). Relays what the boxes print meanwhile; a box that replied is read
+        before its deadline is checked."""
+        handles: list = [self.control]
+        if channel:
+            handles.append(self.channel_fd)
+        for box in deadlines:
+            handles += [box.sock, box.out] if box.out_open else [box.sock]
+        soonest = min(deadlines.values(), default=math.inf)
+        ready = self._poll(handles, max(0.0, soonest - time.monotonic()))
+        if self.control.fileno() in ready:
+            self._read_control(block=False)
+        done = []
+        for box in deadlines:
             if box.out in ready:
                 self.relay(box)
-            if self.control.fileno() in ready:
-                self._read_control(block=False)
-            if self.channel_fd in ready:
-                self._check_trainer()
-                handles = handles[:3]  # a message ahead of its time waits in the socket
-            if box.sock.fileno() in ready:
-                outcome = self._receive(box)
-                if outcome is not None:
-                    self.relay(box)  # what it printed before replying reaches the log first
-                    return outcome
+            outcome = self._receive(box) if box.sock.fileno() in ready else None
+            if outcome is not None:
+                self.relay(box)  # what it printed before replying reaches the log first
+            elif not box.metered and box.printed > self.max_output:
+                outcome = Failed(OUTPUT, f"printed more than {self.max_output} bytes")
+            if outcome is not None:
+                done.append((box, outcome))
+        now = time.monotonic()
+        answered = {box for box, _ in done}
+        done += [(box, Failed(TIMEOUT, "")) for box, deadline in deadlines.items()
+                 if box not in answered and now >= deadline]  # fmt: skip
+        return done, channel and self.channel_fd in ready
 
     def _receive(self, box: Box) -> Outcome | None:
         try:
@@ -289,25 +383,38 @@ class Boxes:
         return Failed(DIED, f"the call's process died (exit code {code})")
 
     def relay(self, box: Box) -> None:
-        """Pass on what the box printed, at most FORWARD_BYTES per request; at most
-        RELAY_READS reads per wake-up, so that a box writing without pause (its processes
-        may hold the pipe) cannot keep the supervisor from the call's deadline."""
+        """Pass on what the box printed, at most FORWARD_BYTES per request, in whole lines
+        (boxes print side by side into one log); at most RELAY_READS reads per wake-up, so
+        that a box writing without pause (its processes may hold the pipe) cannot keep the
+        supervisor from the call's deadline. An unmetered box's bytes are counted."""
         for _ in range(RELAY_READS):
             try:
                 data = os.read(box.out, 1 << 16)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
-                return
+                data = b""
             if not data:
+                box.out_open = False  # every writer closed it
                 return
+            box.printed += len(data)
             room = FORWARD_BYTES - box.relayed
             if room > 0:
                 box.relayed += min(room, len(data))
-                _write_all(1, data[:room])
+                self._forward(box, data[:room])
+
+    @staticmethod
+    def _forward(box: Box, data: bytes) -> None:
+        text = box.partial + data
+        cut = text.rfind(b"\n") + 1
+        if len(text) - cut > LINE_HELD:  # a line without end: passed on as it is
+            cut = len(text)
+        _write_all(1, text[:cut])
+        box.partial = text[cut:]
 
     def end(self, box: Box) -> None:
-        """Kill the box with its whole tree and close its descriptors (idempotent)."""
+        """Kill the box with its whole tree and close its descriptors (idempotent). The
+        zygote reaps it (its SIGCHLD) and sweeps what it left."""
         if box.ended:
             return
         box.ended = True
@@ -315,7 +422,8 @@ class Boxes:
             os.killpg(box.pid, signal.SIGKILL)  # a session leader; PID 1 of its namespace
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(box.pid, signal.SIGKILL)
-        self._send_control({"t": "ended", "id": box.id})  # the zygote sweeps what is left
+        if box.partial:
+            _write_all(1, box.partial + b"\n")
         for fd in (box.out, box.stdin, box.stdout):
             if fd is not None:
                 with contextlib.suppress(OSError):
@@ -378,7 +486,8 @@ def _box(message: dict, fds: list[int]) -> Box:
     os.set_blocking(fds[1], False)
     stdin = fds[2] if len(fds) > 2 else None
     stdout = fds[3] if len(fds) > 3 else None
-    return Box(message["id"], message["pid"], sock, fds[1], stdin, stdout)
+    return Box(message["id"], message["pid"], sock, fds[1], stdin, stdout,
+               metered=message.get("meter", True) is not False)  # fmt: skip
 
 
 def _sender(ancillary: list) -> int | None:
@@ -451,9 +560,17 @@ class BoxConn:
             raise ValueError(
                 f"a reply of {len(payload)} bytes, over the {MAX_REPLY_BYTES} the trainer accepts"
             )
-        if self.meter is not None:
-            self.meter.settle()  # what was printed reaches the supervisor first
+        self.settle()  # what was printed reaches the supervisor first
         self.sock.sendall(frame(payload))
+
+    def settle(self) -> None:
+        """What the box printed so far is in the output pipe (through the meter, if any)."""
+        if self.meter is not None:
+            self.meter.settle()
+            return
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # user code may have closed or replaced it
+                stream.flush()
 
     def limited_call(self, timeout_s: float, cpu_time_limit_s: float | None) -> LimitedCall:
         return LimitedCall(timeout_s, cpu_time_limit_s, self.spec, self.meter)

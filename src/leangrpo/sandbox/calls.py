@@ -16,8 +16,9 @@ included: user code cannot end the worker by raising them).
   trainer's hard limit (it kills the worker's tree).
 - CPU time (`cpu_time_limit_s`): the soft RLIMIT_CPU is set to the CPU used so far plus
   the limit; SIGXCPU interrupts the call the same way.
-- Output: the worker's output meter (output.py) counts what the call and its processes
-  print; past the limit it interrupts the call like the watchdog.
+- Output: the box's output meter (output.py) counts what the call and its processes
+  print; past the limit it interrupts the call like the watchdog. (A reward call's box
+  has no meter: its supervisor counts, and ends the box past the limit, box.py.)
 - Memory and processes are limits of the whole sandbox (confine.py: RLIMIT_AS, the pids
   limit); a call that hits them fails with MemoryError, or with EAGAIN from fork / "can't
   start new thread", and is reported as that limit.

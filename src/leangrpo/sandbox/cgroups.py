@@ -13,9 +13,10 @@ and pids cgroup (`max_processes`):
   v2 keeps processes out of groups with children). The launched worker joins it first.
 - the worker's zygote makes `box-<k>` in each for every box it forks (`BoxGroups`), through
   directory descriptors it opened while it could (a namespace worker sees /sys read-only:
-  confine.py clones the groups writable before the view is made read-only); the box joins
-  them before anything else runs, and the zygote removes them once it has reaped the box,
-  reading the OOM-kill counter first (a box killed at its limit fails as "memory limit").
+  confine.py clones the groups writable before the view is made read-only), and opens
+  their cgroup.procs files; the box joins them through those before anything else runs,
+  and the zygote removes them once it has reaped the box, reading the OOM-kill counter
+  first (a box killed at its limit fails as "memory limit").
 - A limit of memory, not of RAM: swap is counted (v1 memory.memsw.limit_in_bytes, v2
   memory.swap.max 0); a v1 kernel without swap accounting keeps a box's pages out of swap
   (memory.swappiness 0), or the kernel's swap would hold what the limit refuses.
@@ -223,10 +224,12 @@ class BoxGroups:
                 with contextlib.suppress(OSError):
                     _write_at(fd, f"{name}/memory.swappiness", "0")
 
-    def join(self, name: str) -> None:
-        """Move the calling process (a new box, before anything runs) into box `name`."""
-        for fd in self.fds:
-            _write_at(fd, f"{name}/cgroup.procs", "0")
+    def procs(self, name: str) -> list[int]:
+        """Box `name`'s cgroup.procs files, opened (by the zygote, before the fork) for the
+        box to join with a bare write each (`join_by`): a box pays for every page its own
+        code writes, and this is the whole of its part."""
+        flags = os.O_WRONLY | os.O_CLOEXEC
+        return [os.open(f"{name}/cgroup.procs", flags, dir_fd=fd) for fd in self.fds]
 
     def oom_killed(self, name: str) -> bool:
         """Whether the kernel killed a process of box `name` at its memory limit."""
@@ -252,6 +255,13 @@ class BoxGroups:
             except OSError:
                 done = False
         return done
+
+
+def join_by(procs: list[int]) -> None:
+    """Move the calling process (a new box, before anything runs) into its groups, through
+    the cgroup.procs descriptors `BoxGroups.procs` opened."""
+    for fd in procs:
+        os.write(fd, b"0")
 
 
 def _write_at(fd: int, path: str, text: str) -> None:

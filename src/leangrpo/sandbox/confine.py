@@ -26,7 +26,7 @@ namespace (Linux >= 5.14, unprivileged user namespaces or root):
   calls of another architecture's table (i386, x32), which the filter does not check.
 
 process (anywhere): no namespaces; the scratch is a plain directory, a box's a directory
-in it that only the box's Landlock domain reaches (`own_domain`, `filesystem_grants`);
+in it that only the box's Landlock domain reaches (`domain_ruleset`, `filesystem_grants`);
 no_new_privs, and a root worker drops every capability (so it cannot ptrace, or read the
 memory of, the non-dumpable trainer: levels.py `protect_trainer`).
 
@@ -364,6 +364,18 @@ def drop_privileges() -> None:
         raise SetupError(str(e)) from None
 
 
+def drop_box_privileges() -> None:
+    """A box's last step before its system-call filter: every capability it has (its user
+    namespace's, from the zygote) goes, its ambient ones with them; no_new_privs again
+    (the worker's, inherited). The bounding set is the zygote's, emptied once for all its
+    boxes (`drop_bounding_set`)."""
+    try:
+        _prctl(PR_SET_NO_NEW_PRIVS, 1, "prctl NO_NEW_PRIVS")
+        _check(_libc.capset(ctypes.byref(_NO_CAPS[0]), _NO_CAPS[1]), "capset")
+    except OSError as e:
+        raise SetupError(str(e)) from None
+
+
 class _RulesetAttr(ctypes.Structure):
     _fields_ = [(n, ctypes.c_uint64) for n in ("handled_access_fs", "handled_access_net", "scoped")]
 
@@ -373,24 +385,26 @@ class _PathBeneath(ctypes.Structure):
     _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
 
 
-def own_domain(grants: list[tuple[str, bool]] | None = None) -> bool:
-    """A Landlock domain of the box's own (after no_new_privs): a process outside it (the
-    trainer, the supervisor and zygote, another box) can then not be ptraced, nor its
-    /proc/<pid>/mem, fd or environ opened, and (Landlock ABI >= 6) neither signalled nor
-    reached through an abstract unix socket, whatever its user: what keeps boxes apart at
-    the `process` level, where they share a PID namespace and a user.
+def domain_ruleset(grants: list[tuple[str | int, bool]] | None = None) -> int | None:
+    """The rules of a box's own Landlock domain (`enter_domain`, after no_new_privs), made
+    by the zygote before the fork (a box pays for every page its code writes): a process
+    outside the domain (the trainer, the supervisor and zygote, another box) can then not
+    be ptraced, nor its /proc/<pid>/mem, fd or environ opened, and (Landlock ABI >= 6)
+    neither signalled nor reached through an abstract unix socket, whatever its user: what
+    keeps boxes apart at the `process` level, where they share a PID namespace and a user.
+    Each box that enters gets a domain of its own, whoever else entered the same rules.
 
-    `grants` (the `process` level: `filesystem_grants` and the box's own scratch) restricts
-    the filesystem too: reading and writing only beneath those paths, each read-only or
-    not, so another box's scratch is out of its reach, and /proc and /sys are read-only:
+    `grants` (the `process` level: `filesystem_grants`, their paths `opened_grants`, and the
+    box's own scratch) restricts the filesystem too: reading and writing only beneath
+    those paths, each read-only or not, so another box's scratch is out of its reach, and /proc and /sys are read-only:
     its own cgroup's files (the limits of its memory and processes, cgroup.procs of its
     worker's group) and the sysctls, which a root box without capabilities could
     otherwise write as their owner. None (the `namespace` level, whose mounts do that): the
-    filesystem is not restricted. False where the kernel has no Landlock (the log line
-    says so)."""
+    filesystem is not restricted. The ruleset's descriptor (close-on-exec), or None where
+    the kernel has no Landlock (the log line says so)."""
     abi = landlock_abi()
     if abi < 1:
-        return False
+        return None
     scoped = LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET | LANDLOCK_SCOPE_SIGNAL if abi >= 6 else 0
     handled = _fs_rights(abi) if grants is not None else LANDLOCK_ACCESS_FS_EXECUTE
     if grants is None and abi >= 6:
@@ -405,10 +419,17 @@ def own_domain(grants: list[tuple[str, bool]] | None = None) -> bool:
                 _grant(ruleset, path, handled & (READ_RIGHTS if read_only else ~0))
         elif handled:  # a domain handling one right it then allows everywhere: ptrace is scoped
             _grant(ruleset, "/", LANDLOCK_ACCESS_FS_EXECUTE)
-        _check(_libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ruleset, 0), "landlock_restrict_self")
-    finally:
+    except BaseException:
         os.close(ruleset)
-    return True
+        raise
+    return ruleset
+
+
+def enter_domain(ruleset: int | None) -> None:
+    """Restrict the calling box to a new Landlock domain of `ruleset`'s rules (none: no
+    Landlock here)."""
+    if ruleset is not None:
+        _check(_libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ruleset, 0), "landlock_restrict_self")
 
 
 def _fs_rights(abi: int) -> int:
@@ -421,11 +442,12 @@ def _fs_rights(abi: int) -> int:
     return rights
 
 
-def _grant(ruleset: int, path: str, rights: int) -> None:
-    """Allow `rights` beneath `path` (the file rights alone on a file); a path gone since
-    it was listed is skipped (refused: the safe side)."""
+def _grant(ruleset: int, path: str | int, rights: int) -> None:
+    """Allow `rights` beneath `path` (the file rights alone on a file), a path or a
+    descriptor `opened_grants` opened; a path gone since it was listed is skipped
+    (refused: the safe side)."""
     try:
-        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        fd = path if isinstance(path, int) else os.open(path, os.O_PATH | os.O_CLOEXEC)
     except OSError:
         return
     try:
@@ -436,7 +458,18 @@ def _grant(ruleset: int, path: str, rights: int) -> None:
             args = (ruleset, LANDLOCK_RULE_PATH_BENEATH, ctypes.byref(rule), 0)
             _check(_libc.syscall(SYS_LANDLOCK_ADD_RULE, *args), f"landlock_add_rule {path}")
     finally:
-        os.close(fd)
+        if fd is not path:
+            os.close(fd)
+
+
+def opened_grants(grants: list[tuple[str, bool]]) -> list[tuple[int, bool]]:
+    """`grants` with each path opened once (O_PATH, close-on-exec; those gone skipped): the
+    zygote's, so that each box's ruleset costs a system call per grant, not four."""
+    opened = []
+    for path, read_only in grants:
+        with contextlib.suppress(OSError):
+            opened.append((os.open(path, os.O_PATH | os.O_CLOEXEC), read_only))
+    return opened
 
 
 def filesystem_grants(scratch: str) -> list[tuple[str, bool]]:

@@ -21,6 +21,9 @@ RM_TIMEOUT_S = 120.0  # against a hang only: a tree a box could write in its tim
 def remove_tree(path: str | os.PathLike[str]) -> bool:
     """Remove `path` and everything beneath it, whatever its depth; True when it is gone.
     Never raises (a failure leaves the tree for the next trainer's stale-directory sweep)."""
+    with contextlib.suppress(OSError):  # the common case: a box that left nothing
+        os.rmdir(path)
+        return True
     with contextlib.suppress(Exception):  # RecursionError and MemoryError included
         shutil.rmtree(path, ignore_errors=True)
     if not os.path.lexists(path):

@@ -59,7 +59,7 @@ def main() -> None:
         zygote, control = _fork_zygote(channel, init, spec, group_fds)
         if spec["level"] == "namespace":
             drop_privileges()  # the supervisor makes nothing: the zygote does
-        boxes = Boxes(control, channel.sock.fileno())
+        boxes = Boxes(control, channel.sock.fileno(), max_output=int(spec["max_output_bytes"]))
         importlib.import_module(init["entry"]).supervise(channel, init, boxes)
     except SetupError as e:
         code = SETUP_FAILED
@@ -69,8 +69,11 @@ def main() -> None:
             channel.send({"t": "init_error", "fn": 0, "msg": msg})
     except WorkerBroken:  # the zygote exited: during set-up, user code ended it
         code = _exit_code(zygote)
-    except (EOFError, OSError):  # the pool closed (the trainer's end of the channel)
-        code = 3
+    except (EOFError, BrokenPipeError, ConnectionResetError):  # the pool closed (the
+        code = 3  # trainer's end of the channel)
+    except OSError as e:  # no descriptor, memory, ...: the log says which, in one line
+        print(f"the worker's supervisor failed: {type(e).__name__}: {e}", file=sys.stderr)
+        code = 1
     except Exception:  # a bug of the worker's own code: its traceback reaches the log
         traceback.print_exc()
         code = 1

@@ -84,6 +84,17 @@ class SandboxPlan:
             "nproc_limit": self.process_limit == "rlimit",
         }
 
+    def boxes_share_a_process_count(self) -> bool:
+        """Whether the boxes of one worker count their processes together: RLIMIT_NPROC
+        (a non-root trainer) counts every task of the worker's one uid, where a pids
+        cgroup is per box."""
+        return self.process_limit == "rlimit"
+
+    def boxes_own_network(self) -> bool:
+        """Whether a box can have a network namespace of its own (its own loopback): at
+        namespace level, in a worker without network."""
+        return self.level == "namespace" and not self.network
+
     def uses_cgroups(self) -> bool:
         return self.process_limit == "cgroup" or self.memory_cgroup
 
@@ -143,7 +154,7 @@ class SandboxPlan:
 
 
 def _apart() -> str:
-    """What keeps the boxes of a `process`-level worker apart (confine.py `own_domain`)."""
+    """What keeps the boxes of a `process`-level worker apart (confine.py `domain_ruleset`)."""
     if landlock_abi() >= 1:
         return (
             "each box's scratch and processes out of the others' reach, /proc and /sys "

@@ -1,8 +1,10 @@
-"""What a worker and the processes it starts print (worker side): counted, capped, passed on.
+"""What a box and the processes it starts print (worker side): counted, capped, passed on.
 
-The worker's descriptors 1 and 2 become the write end of a pipe that one thread of the
-worker drains, so everything printed (by user code in the worker, or by any process it
-starts, which inherits 1 and 2) passes through it:
+For a box that serves several calls (a trajectory: its tool calls each have the output
+limit); a reward call's box has none, its supervisor counts what it prints (box.py). The
+box's descriptors 1 and 2 become the write end of a pipe that one thread of the box
+drains, so everything printed (by user code in the box, or by any process it starts,
+which inherits 1 and 2) passes through it:
 
 - bytes printed during a call are counted; past `max_output_bytes` the call is stopped
   (`on_exceeded(OUTPUT)`, calls.py), so a tool that floods its output fails with a message

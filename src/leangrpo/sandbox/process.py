@@ -135,6 +135,7 @@ class WorkerProcess:
         self.ready = False
         self.loading = 0  # the function being imported (names it if start-up fails)
         self.task: Any = None
+        self.calls: dict[int, Any] = {}  # a reward worker's calls out, by id
         self.since = self.started
         self.deadline = math.inf
         with contextlib.suppress(WorkerGone):  # died at once: its EOF is read like any other

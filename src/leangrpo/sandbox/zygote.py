@@ -6,31 +6,42 @@ entry's `prepare(init, announce)` (rewards/worker.py, environments/worker.py: im
 checks, the set-up reports `announce` passes on), which returns what each box runs
 (`box_main(conn)`), then serves the supervisor's requests (box.py `Boxes`):
 
-- `{"t": "box", "id", "network", "forward", "argv", "env"}`: fork a box. Namespace level:
-  the child is born PID 1 of a new PID namespace (the zygote unshares one before the fork
-  and steps back after it), so it sees no other process of the worker; process level: a
-  session of its own and a fresh scratch directory. Before anything else runs, the child
-  joins its cgroups (cgroups.py), takes a fresh interpreter's signals (no wakeup fd, no
-  handler or ignored signal of the zygote's), closes every descriptor but its own, is confined
+- `{"t": "box", "id", "network", "forward", "argv", "env", "meter"}`: fork a box.
+  Namespace level: the child is born PID 1 of a new PID namespace (the zygote unshares
+  one before the fork and steps back after it), so it sees no other process of the
+  worker; process level: a session of its own and a fresh scratch directory. Before
+  anything else runs, the child joins its cgroups (cgroups.py; their cgroup.procs files
+  opened by the zygote), takes a fresh interpreter's signals (no wakeup fd, no handler
+  or ignored signal of the zygote's), closes every descriptor but its own, is confined
   (confine.py `confine_box`: namespaces, fresh /proc, scratch and /dev/shm; the process
   limit), starts its forwarder if asked (forward.py), drops every capability and loads
-  the BOX filter (seccomp.py); then it runs `box_main` under its output meter, or execs
+  the BOX filter (seccomp.py); then it runs `box_main` (under its output meter unless
+  `meter` is false: the supervisor then counts what the box prints itself), or execs
   `argv`. The supervisor gets the box's pid and its descriptors (SCM_RIGHTS).
-  What every box would do alike is done once, in the zygote, before it serves: the
-  filters compiled and made ready to load, the bounding set emptied (namespace level; the
-  process level's worker has no capability left), its signals that differ from a fresh
-  interpreter's listed, and its objects frozen (gc.freeze: a box's collections never walk
-  them, which would copy every page they are on).
-- `{"t": "ended", "id"}`: the supervisor killed the box. When a box ends the zygote reaps
-  it, tells the supervisor `{"t": "exit", "id", "code", "oom"}`, removes its cgroups and
-  (process level) its scratch directory, and kills what it left behind (processes
-  re-parented to the zygote, a subreaper).
+
+Every fork write-protects every page of the zygote, and each page that any code writes
+afterwards, the zygote's or a box's, is copied for it (benchmarks/RESULTS.md "sandbox":
+most of a call's cost). So the zygote forks the boxes of every request that has arrived
+in one batch, with nothing between two forks but the fork (`_fork_all`: the descriptors,
+cgroups and scratch of all of them made before the first, the replies sent after the
+last), and what every box would do alike is done once, before it serves: the filters
+compiled and made ready to load, the bounding set emptied (namespace level; the process
+level's worker has no capability left), its signals that differ from a fresh
+interpreter's listed, its objects frozen (gc.freeze: a box's collections never walk
+them, which would copy every page they are on) and its memory moved into huge pages
+(pages.py: a fork copies far fewer page-table entries).
+
+When a box ends (the supervisor kills it) the zygote reaps it, tells the supervisor
+`{"t": "exit", "id", "code", "oom"}`, removes its cgroups and (process level) its
+scratch directory, and kills what it left behind (processes re-parented to the zygote,
+a subreaper).
 """
 
 from __future__ import annotations
 
 import _signal
 import contextlib
+import fcntl
 import gc
 import importlib
 import os
@@ -45,22 +56,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from leangrpo.sandbox.box import BoxConn, send_fds
-from leangrpo.sandbox.cgroups import BoxGroups
+from leangrpo.sandbox.cgroups import BoxGroups, join_by
 from leangrpo.sandbox.confine import (
     BOX_TASKS,
     SetupError,
     back_to,
     confine_box,
+    domain_ruleset,
     drop_bounding_set,
-    drop_privileges,
+    drop_box_privileges,
+    enter_domain,
     filesystem_grants,
     limit_box_tasks,
     new_pid_namespace,
-    own_domain,
+    opened_grants,
 )
 from leangrpo.sandbox.files import remove_tree
-from leangrpo.sandbox.frames import FrameReader, frame, json_payload
+from leangrpo.sandbox.frames import CHANNEL_FD_MIN, FrameReader, frame, json_payload
 from leangrpo.sandbox.output import OutputMeter
+from leangrpo.sandbox.pages import collapse
 from leangrpo.sandbox.proctree import become_subreaper, children, kill_pids
 from leangrpo.sandbox.seccomp import Program, compile_filter, load
 
@@ -72,6 +86,23 @@ class _Live:
     id: int
     group: str | None
     scratch: str | None
+
+
+@dataclass
+class _Made:
+    """One box of a batch: what the zygote makes for it before the fork."""
+
+    request: dict
+    parent: socket.socket  # the supervisor's end (sent), and the box's
+    child: socket.socket
+    out: tuple[int, int]  # the output pipe (read end sent, write end the box's)
+    stdio: tuple[tuple[int, int], tuple[int, int]] | None  # a command's stdin, stdout pipes
+    group: str | None
+    procs: list[int]  # its cgroups' cgroup.procs, open for the box to join
+    domain: int | None  # the rules of its Landlock domain
+    scratch: str
+    tasks: int
+    pid: int = -1
 
 
 class Zygote:
@@ -86,8 +117,9 @@ class Zygote:
         }
         self.own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
         # process level: what a box may read and write besides its scratch (its mounts
-        # keep a namespace box's files apart)
-        self.grants = None if self.namespace else filesystem_grants(spec["scratch"])
+        # keep a namespace box's files apart: one set of rules, a domain per box)
+        self.grants = None if self.namespace else opened_grants(filesystem_grants(spec["scratch"]))
+        self.domain = domain_ruleset() if self.namespace else None
         self.live: dict[int, _Live] = {}  # pid -> box
         self.unremoved: list[str] = []  # cgroups whose tasks were still being released
         self.box_main: Callable[[BoxConn], Any] | None = None
@@ -102,17 +134,18 @@ class Zygote:
         self.box_main = entry.prepare(init, self.announce)
         if self.box_main is None or init.get("mode", "serve") != "serve":
             return
-        # what the imports made is never collected: a box's garbage collections then skip
-        # it instead of writing to every object (copy-on-write faults: page after page of
-        # the zygote's memory copied into each box)
-        gc.freeze()
         wake_read, wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wake_write)
         signal.signal(signal.SIGCHLD, lambda *a: None)
         self.signals = _changed_signals()
         if self.namespace:
             drop_bounding_set()  # (the process level's worker has no capability left)
-        gc.freeze()  # a box's collections never walk (and so copy) the zygote's objects
+            _scratch_environment(self.spec["scratch"])  # each box's, with a fresh tmpfs over it
+        # what the imports made is never collected: a box's garbage collections then skip
+        # it instead of writing to every object (copy-on-write faults: page after page of
+        # the zygote's memory copied into each box)
+        gc.freeze()
+        collapse()
         reader = FrameReader()
         poller = select.poll()
         poller.register(self.control, select.POLLIN)
@@ -123,84 +156,122 @@ class Zygote:
             if wake_read in ready:
                 with contextlib.suppress(OSError):
                     os.read(wake_read, 4096)
-            self._reap()
+            requests = []
             if self.control.fileno() in ready:
                 data = self.control.recv(1 << 16)
                 if not data:
                     return  # the supervisor is gone
-                for payload in reader.feed(data):
-                    self._handle(_unpickle(payload))
-
-    def _handle(self, request: dict) -> None:
-        if request["t"] == "box":
-            self._fork(request)
-        elif request["t"] == "ended":
+                requests = [_unpickle(payload) for payload in reader.feed(data)]
             self._reap()
+            if requests:
+                self._fork_all(requests)
 
-    # -- forking a box --------------------------------------------------------------------
-    def _fork(self, request: dict) -> None:
+    # -- forking boxes --------------------------------------------------------------------
+    def _fork_all(self, requests: list[dict]) -> None:
+        """Fork a box for each request, in one batch (see the module docstring)."""
+        tasks = _tasks() if self.spec.get("nproc_limit") else 0
+        made = [self._make(r, tasks + n * BOX_TASKS) for n, r in enumerate(requests)]
+        for box in made:
+            box.pid = self._fork(box)
+            if box.pid < 0:
+                break
+        for box in made:
+            self._deliver(box)
+        if any(box.pid < 0 for box in made):
+            raise SetupError("fork: the worker's process limit or memory is exhausted")
+
+    def _make(self, request: dict, tasks: int) -> _Made:
         parent, child = socket.socketpair()
         parent.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        out_read, out_write = os.pipe()
         stdio = (os.pipe(), os.pipe()) if request.get("argv") else None
         group = self.groups.make() if self.groups is not None else None
-        scratch = self.spec["scratch"]
+        procs = self.groups.procs(group) if group is not None else []
+        scratch, domain = self.spec["scratch"], self.domain
         if not self.namespace:
             scratch = tempfile.mkdtemp(prefix="box-", dir=self.spec["scratch"])
-        tasks = _tasks() if self.spec.get("nproc_limit") else 0
+            domain = domain_ruleset([*self.grants, (scratch, False)])
+        return _Made(request, parent, child, os.pipe(), stdio, group, procs, domain, scratch,
+                     tasks)  # fmt: skip
+
+    def _fork(self, box: _Made) -> int:
+        """Fork `box` (its pid; -1 if the fork failed): as little as can be between forks."""
         if self.namespace:
             new_pid_namespace()
         try:
             pid = os.fork()
         except OSError:
             pid = -1
-        if pid != 0 and self.namespace:
-            back_to(self.own_pid_ns)  # in the zygote only: a box cannot leave its namespace
-        if pid < 0:
-            raise SetupError("fork: the worker's process limit or memory is exhausted")
         if pid == 0:
-            keep = {"sock": child.fileno(), "out": out_write}
-            if stdio is not None:
-                keep.update(stdin=stdio[0][0], stdout=stdio[1][1])
-            self._box(request, keep, group, scratch, tasks)  # never returns
-        self.live[pid] = _Live(request["id"], group, None if self.namespace else scratch)
-        child.close()
-        os.close(out_write)
-        fds = [parent.fileno(), out_read]
-        if stdio is not None:
-            os.close(stdio[0][0])
-            os.close(stdio[1][1])
-            fds += [stdio[0][1], stdio[1][0]]
-        send_fds(self.control, {"t": "box", "id": request["id"], "pid": pid}, fds)
-        parent.close()
+            self._box(box)  # never returns
+        if self.namespace:
+            back_to(self.own_pid_ns)  # in the zygote only: a box cannot leave its namespace
+        return pid
+
+    def _deliver(self, box: _Made) -> None:
+        """Send the supervisor a forked box's pid and descriptors; close the zygote's copies
+        (and undo a box that was not forked)."""
+        box.child.close()
+        os.close(box.out[1])
+        for fd in box.procs:
+            os.close(fd)
+        if box.domain is not None and box.domain != self.domain:
+            os.close(box.domain)
+        fds = [box.parent.fileno(), box.out[0]]
+        if box.stdio is not None:
+            os.close(box.stdio[0][0])
+            os.close(box.stdio[1][1])
+            fds += [box.stdio[0][1], box.stdio[1][0]]
+        request = box.request
+        if box.pid > 0:
+            self.live[box.pid] = _Live(request["id"], box.group, None if self.namespace else box.scratch)
+            message = {"t": "box", "id": request["id"], "pid": box.pid,
+                       "meter": request.get("meter", True)}  # fmt: skip
+            send_fds(self.control, message, fds)
+        else:
+            if box.group is not None and not self.groups.remove(box.group):
+                self.unremoved.append(box.group)
+            if not self.namespace:
+                remove_tree(box.scratch)
+        box.parent.close()
         for fd in fds[1:]:
             os.close(fd)
 
-    def _box(self, request: dict, keep: dict[str, int], group: str | None, scratch: str,
-             tasks: int) -> None:  # fmt: skip
+    def _box(self, box: _Made) -> None:
         """In the new box: confine it, then run it (see the module docstring)."""
         code = 0
         # the zygote's wake-up (its pipe is closed below): a child of the box that exits
         # would otherwise print "Exception ignored ... signal wakeup fd" from the box
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        _signal.set_wakeup_fd(-1)
+        _signal.signal(_signal.SIGCHLD, _signal.SIG_DFL)
+        request = box.request
+        keep = {"sock": box.child.fileno(), "out": box.out[1]}
+        if box.domain is not None:
+            keep["domain"] = box.domain
+        if box.stdio is not None:
+            keep.update(stdin=box.stdio[0][0], stdout=box.stdio[1][1])
         try:
-            if group is not None:
-                self.groups.join(group)  # first: everything the box does is counted
+            try:
+                join_by(box.procs)  # first: everything the box does is counted
+            except OSError as e:
+                raise SetupError(f"joining its cgroups: {e.strerror}") from None
             _fresh_signals(self.signals)  # before its wakeup fd is closed: no byte lands on a reused fd
             fds = _settle_descriptors(keep)  # the cgroups' and the zygote's are closed
             os.setsid()
             become_subreaper()  # orphans of its processes stay in its tree (process level)
-            confine_box(self.spec, scratch, own_network=bool(request.get("network")))
-            _scratch_environment(scratch)
+            confine_box(self.spec, box.scratch, own_network=bool(request.get("network")))
+            if not self.namespace:  # (a namespace box's scratch is the zygote's: `serve`)
+                _scratch_environment(box.scratch)
             endpoint = self._forwarder(request.get("forward"))
-            limit_box_tasks(self.spec, tasks)
-            drop_privileges()
-            own_domain(None if self.grants is None else [*self.grants, (scratch, False)])
+            limit_box_tasks(self.spec, box.tasks)
+            drop_box_privileges()
+            domain = fds.pop("domain", None)
+            enter_domain(domain)
+            if domain is not None:
+                os.close(domain)
             load(self.programs[bool(self.spec["network"])])
             if request.get("argv"):
                 _exec(request, fds, endpoint)
-            self._run(fds, endpoint)
+            self._run(fds, endpoint, request.get("meter", True))
         except SetupError as e:
             print(
                 f"the sandbox ({self.spec['level']}) could not set up a box: {e}", file=sys.stderr
@@ -221,14 +292,17 @@ class Zygote:
 
         return start_forwarder(target, self.programs[True])
 
-    def _run(self, fds: dict[str, int], endpoint: str | None) -> None:
-        meter = OutputMeter(int(self.spec["max_output_bytes"]))  # dups 1, the output pipe
-        os.close(fds.pop("out"))
+    def _run(self, fds: dict[str, int], endpoint: str | None, metered: bool) -> None:
+        """Run `box_main`: under an output meter (its thread drains 1 and 2), or, `metered`
+        false (a box of one call: the supervisor counts what it prints), with 1 and 2 the
+        output pipe itself."""
+        meter = OutputMeter(int(self.spec["max_output_bytes"])) if metered else None
+        os.close(fds.pop("out"))  # (the meter dup'ed 1, the output pipe)
         conn = BoxConn(socket.socket(fileno=fds["sock"]), self.spec, meter, endpoint)
         if endpoint:
             os.environ["LEANGRPO_ENDPOINT"] = endpoint
         self.box_main(conn)
-        meter.settle()
+        conn.settle()
         conn.linger()  # the supervisor reads the reply while its sender lives
 
     # -- ended boxes ------------------------------------------------------------------------
@@ -290,9 +364,9 @@ def _fresh_signals(changed: list[tuple[int, Any]]) -> None:
 
 
 def _scratch_environment(scratch: str) -> None:
-    """HOME and TMPDIR the box's scratch: set where they are not (a process box's own
-    directory; a namespace box's is the zygote's path, with a fresh tmpfs over it), as
-    each one set costs the box pages copied from the zygote."""
+    """HOME and TMPDIR `scratch`: a process box's own directory, or (set once, in the
+    zygote, for all its boxes) a namespace worker's, over which each box mounts a fresh
+    tmpfs."""
     for name in ("HOME", "TMPDIR"):
         if os.environ.get(name) != scratch:
             os.environ[name] = scratch
@@ -302,16 +376,17 @@ def _scratch_environment(scratch: str) -> None:
 def _settle_descriptors(keep: dict[str, int]) -> dict[str, int]:
     """Close every descriptor but `keep`, moved to fixed places: 0 /dev/null (a command's
     stdin pipe), 1 and 2 the output pipe (a command's stdout: its pipe), the rest above."""
-    moved = {name: os.dup(fd) for name, fd in keep.items()}  # out of the way of 0-2
+    above = CHANNEL_FD_MIN + len(keep)  # out of the way of 0-2 and of the places below
+    moved = {name: fcntl.fcntl(fd, fcntl.F_DUPFD, above) for name, fd in keep.items()}
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(moved.pop("stdin", null), 0)
     os.dup2(moved.pop("stdout", moved["out"]), 1)
     os.dup2(moved["out"], 2)
     placed = {}
     for n, (name, fd) in enumerate(sorted(moved.items())):
-        placed[name] = os.dup2(fd, 100 + n, inheritable=False)
-    os.closerange(3, 100)
-    os.closerange(100 + len(placed), 1 << 20)
+        placed[name] = os.dup2(fd, CHANNEL_FD_MIN + n, inheritable=False)
+    os.closerange(3, CHANNEL_FD_MIN)
+    os.closerange(CHANNEL_FD_MIN + len(placed), 1 << 20)
     return placed
 
 
