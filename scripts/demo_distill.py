@@ -8,14 +8,21 @@
    too strong to show anything (greedy 0.71, and GRPO passes 0.95 within 4 steps); the
    noised copy starts near 0.3 and knows the task's format but much less arithmetic.
 3. The runs, each `leangrpo train examples/distill_demo.yaml` with --set overrides, the
-   same seed, data, sampling and learning rate: distillation (the config: objective jsd
-   with beta 0, the forward KL; `--runs` also offers the sampled objective and beta 1),
-   GRPO (no teacher, the math reward weighted 1) and both (the reward and the teacher's
-   divergence). Each logs eval/reward/math (greedy, 128 held-out prompts) every 2 steps.
+   same seed, data, learning rate and 128 sampled completions a step (T = 1), each
+   method in the batch layout it learns fastest with (benchmarks/RESULTS.md
+   "demo-distill" has the sweep): distillation (the config: objective jsd with beta 0,
+   the forward KL, on 128 prompts x 1 completion: a teacher's per-token signal needs no
+   group, so every completion can be another problem; `--runs` also offers the sampled
+   objective, beta 1, and the 16 x 8 layout), GRPO (no teacher, the math reward weighted
+   1, 32 prompts x 4: its best of 16 x 8, 32 x 4 and 64 x 2) and both (the reward and the
+   teacher's divergence, GRPO's 32 x 4). Each logs eval/reward/math (greedy, 128 held-out
+   prompts) every 2 steps.
 
-Prints one JSON line per run (the curve, the first step at >= 0.95, wall time) and a
-markdown table of the curves; writes runs/demo_distill/curves.json. Run from the
-repository root: `python scripts/demo_distill.py [--runs distill,grpo,...] [--steps N]`.
+Prints one JSON line per run (the curve, the first step at >= 0.95, wall time), a
+markdown table of the curves and the goal's line (distillation at 0.95 in at most half
+GRPO's steps); writes runs/demo_distill/curves.json. Run from the repository root:
+`python scripts/demo_distill.py [--runs distill,grpo,...] [--steps N] [--set KEY=VALUE]`
+(`--set` goes to every run, after the run's own overrides).
 """
 
 from __future__ import annotations
@@ -37,13 +44,18 @@ NOISE = 0.25
 TEACHER_STEPS = 40
 TEACHER_MIN_EVAL = 0.98
 GOAL = 0.95
-GRPO = ["--set", "distill=null", "--set", "rewards.functions[0].weight=1.0"]
-RUNS = {  # examples/distill_demo.yaml is "distill": jsd with beta 0 (the forward KL)
+REWARD = ["--set", "rewards.functions[0].weight=1.0"]
+GROUPS = ["--set", "rollout.prompts_per_batch=32", "--set", "rollout.num_generations=4"]
+RUNS = {  # examples/distill_demo.yaml is "distill": jsd with beta 0, 128 prompts x 1
     "distill": [],
-    "grpo": GRPO,
-    "both": ["--set", "rewards.functions[0].weight=1.0"],
-    "distill_sampled": ["--set", "distill={teacher: runs/demo_distill/teacher/final, objective: sampled}"],
+    "grpo": ["--set", "distill=null", *REWARD, *GROUPS],
+    "both": [*REWARD, *GROUPS],
+    "distill_sampled": [
+        "--set",
+        "distill={teacher: runs/demo_distill/teacher/final, objective: sampled}",
+    ],
     "distill_reverse": ["--set", "distill.jsd_beta=1.0"],
+    "distill_16x8": ["--set", "rollout.prompts_per_batch=16", "--set", "rollout.num_generations=8"],
 }
 DEFAULT_RUNS = "distill,grpo,both"
 
@@ -98,18 +110,26 @@ def first_at(curve: list[tuple[int, float]], goal: float) -> int | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", default=DEFAULT_RUNS, help="comma-separated, of " + ",".join(RUNS))
+    parser.add_argument(
+        "--runs", default=DEFAULT_RUNS, help="comma-separated, of " + ",".join(RUNS)
+    )
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--noise", type=float, default=NOISE)
     parser.add_argument("--lr", type=float, default=None, help="train.learning_rate for every run")
     parser.add_argument("--eval-every", type=int, default=2, help="eval.every_steps")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every run (after the run's own)")  # fmt: skip
     args = parser.parse_args()
+    unknown = [name for name in args.runs.split(",") if name not in RUNS]
+    if unknown:
+        parser.error(f"--runs: {', '.join(unknown)} is not one of {', '.join(RUNS)}")
     os.chdir(REPO)
     build_teacher()
     build_student(args.noise)
     results = {}
     lr = [] if args.lr is None else ["--set", f"train.learning_rate={args.lr}"]
     lr += ["--set", f"eval.every_steps={args.eval_every}"]
+    lr += [arg for override in args.set for arg in ("--set", override)]
     for name in args.runs.split(","):
         run_dir = OUT / name
         t0 = time.perf_counter()
@@ -121,6 +141,30 @@ def main() -> None:
         print(json.dumps({"bench": "demo_distill", "run": name, **results[name]}), flush=True)
     (OUT / "curves.json").write_text(json.dumps({"noise": args.noise, "runs": results}, indent=1))
     print(table(results))
+    if "distill" in results and "grpo" in results:
+        print(
+            verdict(
+                results["distill"]["first_at_goal"], results["grpo"]["first_at_goal"], args.steps
+            )
+        )
+
+
+def verdict(distill: int | None, grpo: int | None, steps: int) -> str:
+    """The goal's line: distillation at GOAL in at most half GRPO's steps (a GRPO that
+    never got there within `steps` took more than `steps`)."""
+    if distill is None:
+        return f"goal not met: distillation did not reach {GOAL} within {steps} steps"
+    if grpo is None:
+        met = 2 * distill <= steps
+        return (
+            f"goal {'met' if met else 'not shown'}: distillation reached {GOAL} at step "
+            f"{distill}, GRPO not within {steps} steps (ratio < {distill / steps:.2f})"
+        )
+    met = 2 * distill <= grpo
+    return (
+        f"goal {'met' if met else 'not met'}: distillation reached {GOAL} at step {distill}, "
+        f"GRPO at step {grpo} (ratio {distill / grpo:.2f}, goal <= 0.5)"
+    )
 
 
 def table(results: dict) -> str:

@@ -257,7 +257,7 @@ def test_docs_are_up_to_date() -> None:
     gen = load_script("gen_config_docs")
     text = (ROOT / "docs" / "config.md").read_text()
     assert text == gen.render(), "docs/config.md is stale: run python scripts/gen_config_docs.py"
-    assert "`rollout.num_generations` | int | `8` | >= 2 |" in text
+    assert "`rollout.num_generations` | int | `8` | >= 1 |" in text
     assert "## `rollout.vllm`" in text and "## `rewards.functions[]`" in text
 
 

@@ -230,6 +230,21 @@ def test_pure_distillation_needs_no_reward_function(tmp_path):
         config_from_dict(tiny_run(tmp_path, rewards={"functions": []}))
 
 
+def test_pure_distillation_alone_may_sample_one_completion_per_prompt(tmp_path):
+    one = {"rollout": {"num_generations": 1, "prompts_per_batch": 3, "max_new_tokens": 6}}
+    cfg = distill_config(tmp_path, tmp_path, rewards={"functions": []}, **one)
+    assert cfg.rollout.num_generations == 1
+    weighted = {"functions": [{"name": "math", "weight": 0.0}, {"name": "format", "weight": 0.5}]}
+    unweighted = {"functions": [{"name": "math", "weight": 0.0}]}
+    assert distill_config(tmp_path, tmp_path, rewards=unweighted, **one).rewards.functions
+    for refused in (
+        lambda: distill_config(tmp_path, tmp_path, rewards=weighted, **one),  # mixed: GRPO's part
+        lambda: config_from_dict(tiny_run(tmp_path, **one)),  # GRPO alone
+    ):
+        with pytest.raises(ConfigError, match=r"'rollout.num_generations' = 1 .* pure distillation"):
+            refused()
+
+
 @pytest.mark.parametrize(
     ("sections", "expected"),
     [
@@ -441,3 +456,28 @@ def test_a_distillation_run_resumes_bitwise_inside_a_batch(tmp_path, objective):
     resumed.train()
     final, want = trained(resumed), trained(straight)
     assert all(torch.equal(final[n], want[n]) for n in want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("objective", ["sampled", "jsd"])
+def test_pure_distillation_trains_on_groups_of_one(tmp_path, objective):
+    """rollout.num_generations 1: every group is one completion (no GRPO baseline, the
+    reward advantage 0), and the teacher's signal alone moves the weights, on every
+    completion of the batch."""
+    distill = {"objective": objective} if objective == "jsd" else {}
+    cfg = distill_config(
+        tmp_path, demo_teacher(tmp_path), distill=distill, rewards={"functions": []},
+        rollout={"num_generations": 1, "prompts_per_batch": 5, "max_new_tokens": 6},
+        loss={"mu": 1}, checkpoint={"every_steps": 0, "save_final_model": False},
+        run={"output_dir": str(tmp_path / "run"), "seed": 3, "max_steps": 2, "device": "cpu"},
+    )  # fmt: skip
+    trainer = Trainer(cfg)
+    before = trained(trainer)
+    trainer.train()
+    after = trained(trainer)
+    assert max((after[n] - before[n]).abs().max().item() for n in before) > 1e-4
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss/sequences" in r]
+    assert [r["loss/sequences"] for r in steps] == [5.0, 5.0]
+    signal = "loss/distill/jsd" if objective == "jsd" else "loss/distill/reverse_kl"
+    assert all(r[signal] != 0.0 for r in steps)

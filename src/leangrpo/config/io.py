@@ -40,7 +40,7 @@ def rule_error(message: str) -> PydanticCustomError:
 
 
 FIELD_HINTS = {
-    "rollout.num_generations": "GRPO compares completions within a group, so each prompt needs at least 2",
+    "rollout.num_generations": "GRPO compares completions within a group, so each prompt needs at least 2 (1 only in pure distillation)",
 }
 
 

@@ -286,6 +286,21 @@ class Config(Section):
         """Distillation from a teacher on `leangrpo serve` processes (distill.teacher_urls)."""
         return self.distill is not None and self.distill.served
 
+    @model_validator(mode="after")
+    def _check_group_size(self) -> Config:
+        """A group of one completion has no GRPO baseline (its advantage is 0), so
+        rollout.num_generations 1 is only for pure distillation: a distill teacher, a
+        single-turn run (no environment's or agent's reward terms) and no reward function
+        weighted, where every token's signal is the teacher's."""
+        if self.rollout.num_generations >= 2:
+            return self
+        weighted = any(spec.weight != 0 for spec in self.rewards.functions)
+        if self.distill is None or weighted or self.multi_turn() is not None:
+            raise rule_error(
+                "Config key 'rollout.num_generations' = 1 is invalid: GRPO compares completions within a group, so each prompt needs at least 2; only pure distillation (a distill teacher, no environment or agent, no reward function weighted) trains on groups of one."
+            )
+        return self
+
     def model_token_budget(self) -> int:
         """The most tokens one sample trains on: rollout.max_new_tokens, or for multi-turn
         min(max_turns x max_new_tokens, max_total_tokens) (dr_grpo's constant normaliser)."""

@@ -92,7 +92,11 @@ class RolloutConfig(Section):
         "hf",
         description="'hf': transformers generate in-process; 'vllm': vLLM colocated or as servers.",
     )
-    num_generations: int = Field(8, ge=2, description="Completions per prompt (the group size G).")
+    num_generations: int = Field(
+        8,
+        ge=1,
+        description="Completions per prompt (the group size G): at least 2, since GRPO's advantage compares a group's completions; 1 only in pure distillation (a distill teacher and no weighted reward function), whose signal is per token and needs no group.",
+    )
     prompts_per_batch: int = Field(8, ge=1, description="Prompts per generation batch.")
     temperature: float = Field(
         1.0,
